@@ -1,0 +1,217 @@
+"""A checkpoint on disk: config, index, validated shard headers, tensor reads.
+
+``open_checkpoint(SOURCE)`` accepts a local directory or a Hugging Face repo id. For a repo id only
+the config/tokenizer files, the index and the shards the index names are fetched (the local cache
+and ``HF_HUB_OFFLINE=1`` are honoured). Every shard header is validated up front
+(:func:`mxconv.st_format.read_header`), so later reads cannot run off the end of a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxconv.errors import BadInput
+from mxconv.st_format import TensorInfo, read_header, read_tensor
+
+INDEX_NAME = "model.safetensors.index.json"
+MANIFEST_NAME = "mxconv.json"
+CONFIG_NAME = "config.json"
+# Top-level files we never copy into an output (they are rewritten or are weights).
+_NOT_COPIED = {INDEX_NAME, MANIFEST_NAME, CONFIG_NAME}
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Files fetched from the Hub besides the shards.
+HUB_SMALL_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "tokenizer*", "*.tiktoken", "*.py"]
+
+
+@dataclass
+class SourceInfo:
+    """Where a checkpoint came from (recorded in the manifest)."""
+
+    path: str
+    repo_id: str | None = None
+    revision: str | None = None
+    fingerprint: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"revision": self.revision, "fingerprint": self.fingerprint}
+        if self.repo_id:
+            d["repo_id"] = self.repo_id
+        d["path"] = self.path
+        return d
+
+
+@dataclass
+class Checkpoint:
+    """A safetensors checkpoint directory with validated headers."""
+
+    root: Path
+    config: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    shard_files: list[Path]
+    source: SourceInfo
+    manifest: dict[str, Any] | None = None
+    has_index: bool = False
+    extra_files: list[Path] = field(default_factory=list)
+
+    # ---- config helpers -------------------------------------------------------------------
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The language model's config (``text_config`` for multimodal models, else the config)."""
+        tc = self.config.get("text_config")
+        return tc if isinstance(tc, dict) else self.config
+
+    def cfg(self, *keys: str, default: Any = None) -> Any:
+        """First of ``keys`` present in text_config, then in the top-level config."""
+        for src in (self.text_config, self.config):
+            for k in keys:
+                if k in src and src[k] is not None:
+                    return src[k]
+        return default
+
+    # ---- tensors --------------------------------------------------------------------------
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise BadInput(f"{self.root}: tensor {name!r} is missing from the checkpoint") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        """Read tensor ``name`` into a new CPU tensor."""
+        return read_tensor(self.info(name))
+
+    def total_bytes(self, names: list[str] | None = None) -> int:
+        it = self.tensors.values() if names is None else (self.tensors[n] for n in names)
+        return sum(i.nbytes for i in it)
+
+    @property
+    def kind(self) -> str:
+        """'kernel' when an mxconv manifest says so, else 'canonical'."""
+        if self.manifest and self.manifest.get("kind") == "kernel":
+            return "kernel"
+        return "canonical"
+
+
+def _load_json(path: Path, what: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput(f"{path}: {what} is missing") from None
+    except OSError as exc:
+        raise BadInput(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"{path}: malformed {what} (invalid JSON: {exc})") from None
+
+
+def _fingerprint(root: Path, files: list[Path]) -> str:
+    """sha256 over (name, size, mtime_ns) of the files: cheap identity of a local checkpoint."""
+    h = hashlib.sha256()
+    for f in sorted(files):
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def resolve_source(source: str, revision: str | None = None) -> tuple[Path, SourceInfo]:
+    """Local directory or Hugging Face repo id -> (local directory, SourceInfo)."""
+    p = Path(source).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise BadInput(f"{source}: not a directory (expected a checkpoint directory or a repo id)")
+        root = p.resolve()
+        return root, SourceInfo(path=str(root), revision=revision)
+    if not _REPO_ID.match(source):
+        raise BadInput(f"{source}: no such directory, and not a Hugging Face repo id (org/name)")
+    return _fetch_from_hub(source, revision)
+
+
+def _fetch_from_hub(repo_id: str, revision: str | None) -> tuple[Path, SourceInfo]:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    except ImportError as exc:  # pragma: no cover - dependency is declared
+        raise BadInput(f"{repo_id}: huggingface-hub is not installed ({exc})") from None
+    try:
+        small = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_SMALL_FILES))
+        index = small / INDEX_NAME
+        if index.exists():
+            wm = _load_json(index, "index").get("weight_map", {})
+            shards = sorted(set(wm.values())) if isinstance(wm, dict) else []
+        else:
+            shards = ["*.safetensors"]
+        root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_SMALL_FILES + shards))
+    except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BadInput(f"{repo_id}: cannot fetch from the Hugging Face Hub or its local cache ({msg})") from None
+    commit = root.name if root.parent.name == "snapshots" else None
+    info = SourceInfo(path=str(root), repo_id=repo_id, revision=revision or "main")
+    info.fingerprint = f"hf:{repo_id}@{commit}" if commit else ""
+    return root, info
+
+
+def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoint:
+    """Open and validate a checkpoint: config.json, index (or shard scan), every shard header."""
+    root, sinfo = resolve_source(str(source), revision)
+    config = _load_json(root / CONFIG_NAME, "config.json")
+    if not isinstance(config, dict):
+        raise BadInput(f"{root / CONFIG_NAME}: malformed config.json (not a JSON object)")
+    index_path = root / INDEX_NAME
+    tensors: dict[str, TensorInfo] = {}
+    if index_path.exists():
+        index = _load_json(index_path, "index")
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise BadInput(f"{index_path}: malformed index (no 'weight_map' object of tensor -> file)")
+        shard_names = sorted(set(wm.values()))
+        for s in shard_names:
+            if "/" in s or "\\" in s or s.startswith("."):
+                raise BadInput(f"{index_path}: shard name {s!r} is not a plain file name")
+        shard_files = [root / s for s in shard_names]
+        for f in shard_files:
+            if not f.exists():
+                raise BadInput(f"{index_path}: names shard {f.name!r}, which does not exist")
+        headers = {f.name: read_header(f)[0] for f in shard_files}
+        for name, shard in wm.items():
+            info = headers[shard].get(name)
+            if info is None:
+                raise BadInput(f"{index_path}: tensor {name!r} is mapped to {shard!r}, but that shard does not hold it")
+            tensors[name] = info
+    else:
+        shard_files = sorted(root.glob("*.safetensors"))
+        if not shard_files:
+            raise BadInput(f"{root}: no model.safetensors.index.json and no *.safetensors files")
+        for f in shard_files:
+            for name, info in read_header(f)[0].items():
+                if name in tensors:
+                    raise BadInput(f"{root}: tensor {name!r} appears in both {tensors[name].file.name} and {f.name}")
+                tensors[name] = info
+    manifest = None
+    if (root / MANIFEST_NAME).exists():
+        manifest = _load_json(root / MANIFEST_NAME, "mxconv manifest")
+        if not isinstance(manifest, dict):
+            raise BadInput(f"{root / MANIFEST_NAME}: malformed mxconv manifest")
+    extra = [
+        f
+        for f in sorted(root.iterdir())
+        if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(".safetensors") and not f.name.startswith(".")
+    ]
+    if not sinfo.fingerprint:
+        sinfo.fingerprint = _fingerprint(root, shard_files + [root / CONFIG_NAME])
+    return Checkpoint(
+        root=root,
+        config=config,
+        tensors=tensors,
+        shard_files=shard_files,
+        source=sinfo,
+        manifest=manifest,
+        has_index=index_path.exists(),
+        extra_files=extra,
+    )

@@ -1,0 +1,42 @@
+"""Model-family registry. Adding a family = one new module + one line in ``_REGISTRY``."""
+
+from __future__ import annotations
+
+import importlib
+
+from mxconv.checkpoint import Checkpoint
+from mxconv.errors import BadInput
+from mxconv.families.base import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
+
+# family name -> "module:ReaderClass", in detection order (most specific first).
+_REGISTRY: dict[str, str] = {
+    "gpt-oss": "mxconv.families.gpt_oss:GptOssReader",
+    "deepseek-v3": "mxconv.families.deepseek:DeepseekV3Reader",
+    "glm4-moe": "mxconv.families.glm:Glm4MoeReader",
+    "qwen-moe": "mxconv.families.qwen_moe:QwenMoeReader",
+    "mixtral": "mxconv.families.mixtral:MixtralReader",
+}
+
+FAMILIES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def reader_class(name: str) -> type[FamilyReader]:
+    module, attr = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def detect_family(ckpt: Checkpoint) -> FamilyReader:
+    """The reader for ``ckpt``; BadInput listing the supported families when none matches."""
+    for name in _REGISTRY:
+        cls = reader_class(name)
+        if cls.detect(ckpt):
+            return cls(ckpt)
+    model_type = ckpt.cfg("model_type", default="?")
+    archs = ckpt.config.get("architectures") or ["?"]
+    raise BadInput(
+        f"{ckpt.root}: unknown model family (model_type {model_type!r}, architectures {archs}); "
+        f"supported families: {', '.join(reader_class(n).title for n in _REGISTRY)}"
+    )
+
+
+__all__ = ["FAMILIES", "FamilyReader", "ModelInfo", "MoELayer", "MoELayerRef", "MXStack", "detect_family", "reader_class"]

@@ -1,0 +1,150 @@
+"""Model-family readers: map a checkpoint onto canonical MoE layers.
+
+Every family module defines one ``FamilyReader`` subclass. A reader
+
+* detects its family from ``config.json`` and tensor names (:meth:`FamilyReader.detect`);
+* describes the model (:meth:`FamilyReader.model_info`), checked against the shard headers;
+* lists the MoE layers from headers alone (:meth:`FamilyReader.layer_refs`), naming every source
+  tensor the canonical experts consume (everything else is copied byte for byte by the writer);
+* reads one layer at a time into a canonical :class:`MoELayer` (:meth:`FamilyReader.read_layer`);
+* knows the family's published convention for quantized output (``quantize`` command):
+  :meth:`FamilyReader.quantized_specs`, :meth:`FamilyReader.quantized_tensors`,
+  :meth:`FamilyReader.quantization_config`.
+
+Canonical layer (one MoE layer, all experts stacked):
+
+| field     | shape        | dtype | meaning |
+|-----------|--------------|-------|---------|
+| w13       | [E, 2I, H]   | bf16/fp16/fp32 (fp32 for FP8-block sources, dequantized in fp32) | gate+up, rows in `row_order` |
+| w2        | [E, H, I]    | same  | down |
+| w13_mx    | MXStack      | uint8 | instead of w13 for MX sources: data [E, 2I, H/2] (mxfp4) or [E, 2I, H] (mxfp8) + scales [E, 2I, H/32] |
+| w2_mx     | MXStack      | uint8 | data [E, H, I/2] or [E, H, I] + scales [E, H, I/32] |
+| w13_bias  | [E, 2I]      | source dtype (bf16) | only gpt-oss |
+| w2_bias   | [E, H]       | source dtype | only gpt-oss |
+
+`row_order`: "interleaved" (gpt-oss: row 2j = gate j, 2j+1 = up j) or "halves" ([gate; up]).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from mxconv.checkpoint import Checkpoint
+from mxconv.layouts.base import TensorSpec
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the runner, inspect and the manifest need to know about a MoE model."""
+
+    family: str  # registry name, e.g. "gpt-oss"
+    num_layers: int  # num_hidden_layers
+    moe_layers: tuple[int, ...]  # indices of layers with routed experts
+    num_experts: int  # routed experts per MoE layer
+    top_k: int
+    hidden_size: int  # H
+    intermediate_size: int  # I, per expert
+    expert_format: str  # "bf16" | "fp16" | "fp32" | "mxfp4" | "mxfp8" | "fp8_block"
+    row_order: str  # "interleaved" | "halves"
+    has_expert_bias: bool
+    # routing: "topk_softmax" (gpt-oss: top-k logits then softmax over k; Mixtral is equivalent),
+    # "softmax_topk" (softmax over all, top-k, renormalise if norm_topk_prob),
+    # "sigmoid_grouped" (DeepSeek-V3: sigmoid + correction bias, grouped top-k, routed scaling)
+    routing: str
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # activation: "swigluoai" (gpt-oss: clamp + (up + 1) * gate * sigmoid(alpha * gate)) | "silu"
+    activation: str = "silu"
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
+    source_scale_scheme: str | None = None  # e.g. "fp8_block_128x128", "fp8_block_128x128_ue8m0", "e8m0"
+
+    def to_json(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["moe_layers"] = list(self.moe_layers)
+        return d
+
+
+@dataclass(frozen=True)
+class MoELayerRef:
+    """Plan-time description of one MoE layer (from headers only, no data read)."""
+
+    layer: int
+    module_prefix: str  # e.g. "model.layers.3.mlp" (vLLM params: f"{module_prefix}.experts.w13_weight")
+    source_names: tuple[str, ...]  # every tensor the canonical experts are built from
+    router_weight: str  # [E, H]
+    router_bias: str | None = None  # [E] (gpt-oss)
+    correction_bias: str | None = None  # [E] e_score_correction_bias (DeepSeek/GLM)
+
+
+@dataclass
+class MXStack:
+    """An MX-quantized expert stack: E2M1-packed (mxfp4) or E4M3 bytes (mxfp8) + E8M0 scales."""
+
+    fmt: str  # "mxfp4" | "mxfp8"
+    data: torch.Tensor  # uint8 [E, N, K/2] (mxfp4) or [E, N, K] (mxfp8, E4M3 bit patterns)
+    scales: torch.Tensor  # uint8 [E, N, K/32]
+
+
+@dataclass
+class MoELayer:
+    """One canonical MoE layer (see module docstring). Exactly one of w13 / w13_mx is set (same for w2)."""
+
+    ref: MoELayerRef
+    row_order: str
+    w13: torch.Tensor | None = None
+    w2: torch.Tensor | None = None
+    w13_mx: MXStack | None = None
+    w2_mx: MXStack | None = None
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+
+    @property
+    def is_mx(self) -> bool:
+        return self.w13_mx is not None
+
+
+class FamilyReader(ABC):
+    """Base class of every family reader (one module per family, registered in families/__init__)."""
+
+    name: ClassVar[str]  # registry key, e.g. "gpt-oss"
+    title: ClassVar[str]  # human name, e.g. "gpt-oss (MXFP4 / BF16)"
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+
+    @classmethod
+    @abstractmethod
+    def detect(cls, ckpt: Checkpoint) -> bool:
+        """True when ``ckpt`` is of this family (config + tensor names)."""
+
+    @abstractmethod
+    def model_info(self) -> ModelInfo:
+        """Model description, validated against the headers (BadInput naming tensor + reason)."""
+
+    @abstractmethod
+    def layer_refs(self) -> list[MoELayerRef]:
+        """Every MoE layer, in layer order, validated against the headers."""
+
+    @abstractmethod
+    def read_layer(self, ref: MoELayerRef) -> MoELayer:
+        """Read one layer's expert tensors into a canonical CPU MoELayer."""
+
+    # ---- quantized output convention (quantize command) -------------------------------------
+    @abstractmethod
+    def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
+        """Names/shapes/dtypes of the tensors written for this layer's experts in format ``fmt``."""
+
+    @abstractmethod
+    def quantized_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:
+        """The tensors to write for an MX-quantized canonical layer (keys == quantized_specs)."""
+
+    @abstractmethod
+    def quantization_config(self, fmt: str, scale_rounding: str) -> dict[str, Any]:
+        """config.json ``quantization_config`` for the quantized output."""

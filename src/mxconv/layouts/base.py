@@ -1,0 +1,363 @@
+"""Shared pieces of every backend layout: the canonical MXFP4 expert stack, padding and TP slicing.
+
+A backend layout is a pair of pure functions over a whole expert stack:
+
+    to_kernel(canonical, activation, options)   -> KernelTensors   (padding included)
+    from_kernel(kernel, sizes, activation, options) -> CanonicalExperts (padding checked and removed)
+
+Everything is torch tensor arithmetic (index gathers, views, reshapes), so the same code gives the same
+bytes on CPU and on CUDA. No per-expert Python loops in the hot path.
+
+Canonical (unpadded) MXFP4 expert stack, one MoE layer, one TP rank:
+
+| field      | shape            | dtype  | meaning |
+|------------|------------------|--------|---------|
+| w13        | [E, 2I, H/2]     | uint8  | E2M1 pairs, low nibble = even k; rows in `row_order` |
+| w13_scale  | [E, 2I, H/32]    | uint8  | E8M0 exponents |
+| w2         | [E, H, I/2]      | uint8  | |
+| w2_scale   | [E, H, I/32]     | uint8  | |
+| w13_bias   | [E, 2I] or None  | any float (bf16 in checkpoints) | rows in `row_order` |
+| w2_bias    | [E, H] or None   | any float | |
+
+`row_order` is "interleaved" (gpt-oss: row 2j = gate j, row 2j+1 = up j) or "halves"
+(rows [0, I) = gate/w1, rows [I, 2I) = up/w3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from mxconv.errors import LayoutError
+
+ROW_ORDERS = ("interleaved", "halves")
+
+# Names of the kernel tensors every backend produces (vLLM FusedMoE parameter names, without prefix).
+KERNEL_TENSOR_NAMES = (
+    "w13_weight",
+    "w13_weight_scale",
+    "w13_bias",
+    "w2_weight",
+    "w2_weight_scale",
+    "w2_bias",
+)
+
+
+def round_up(x: int, m: int) -> int:
+    """Smallest multiple of ``m`` that is >= ``x``."""
+    return ((x + m - 1) // m) * m
+
+
+@dataclass
+class CanonicalExperts:
+    """One MoE layer's MXFP4 experts in canonical form (see module docstring for shapes)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    row_order: str = "halves"
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w13.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        """H: input width of w13 (= output rows of w2)."""
+        return int(self.w13.shape[2]) * 2
+
+    @property
+    def intermediate_size(self) -> int:
+        """I: per-expert intermediate width (w13 has 2I rows)."""
+        return int(self.w13.shape[1]) // 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    def to(self, device: torch.device | str) -> "CanonicalExperts":
+        """Copy every tensor to ``device`` (non-blocking where possible)."""
+
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return replace(
+            self,
+            w13=mv(self.w13),
+            w13_scale=mv(self.w13_scale),
+            w2=mv(self.w2),
+            w2_scale=mv(self.w2_scale),
+            w13_bias=mv(self.w13_bias),
+            w2_bias=mv(self.w2_bias),
+        )
+
+    def validate(self) -> None:
+        """Raise LayoutError unless shapes/dtypes are a consistent canonical stack."""
+        if self.row_order not in ROW_ORDERS:
+            raise LayoutError(f"unknown w13 row order {self.row_order!r} (expected one of {ROW_ORDERS})")
+        E, n13, hb = self.w13.shape
+        H, I = hb * 2, n13 // 2
+        want = {
+            "w13": (self.w13, (E, 2 * I, H // 2)),
+            "w13_scale": (self.w13_scale, (E, 2 * I, H // 32)),
+            "w2": (self.w2, (E, H, I // 2)),
+            "w2_scale": (self.w2_scale, (E, H, I // 32)),
+        }
+        if n13 % 2:
+            raise LayoutError(f"w13 has an odd number of rows ({n13}); expected 2*I")
+        if H % 32 or I % 32:
+            raise LayoutError(f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 32 for MXFP4")
+        for name, (t, shape) in want.items():
+            if tuple(t.shape) != shape:
+                raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+            if t.dtype != torch.uint8:
+                raise LayoutError(f"{name} has dtype {t.dtype}, expected torch.uint8")
+        if self.w13_bias is not None and tuple(self.w13_bias.shape) != (E, 2 * I):
+            raise LayoutError(f"w13_bias has shape {tuple(self.w13_bias.shape)}, expected {(E, 2 * I)}")
+        if self.w2_bias is not None and tuple(self.w2_bias.shape) != (E, H):
+            raise LayoutError(f"w2_bias has shape {tuple(self.w2_bias.shape)}, expected {(E, H)}")
+
+
+@dataclass(frozen=True)
+class LayoutSizes:
+    """Unpadded and padded sizes of one rank's expert stack."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    padded_hidden_size: int
+    padded_intermediate_size: int
+    row_order: str
+    has_bias: bool
+
+
+# Kernel tensors: name (see KERNEL_TENSOR_NAMES) -> tensor. Biases absent when the model has none.
+KernelTensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Planned shape and dtype of one output tensor (used by --dry-run, inspect and the writer)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class Layout(Protocol):
+    """What every backend module provides (one instance registered per backend)."""
+
+    name: str  # "trtllm" | "marlin" | "aiter"
+    version: int  # bump when the bytes this module writes change
+    activations: tuple[str, ...]  # accepted --activation values; first is the default
+
+    def padded_sizes(
+        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str
+    ) -> tuple[int, int]:
+        """(Hp, Ip) for one rank's (already TP-sliced) sizes. Raise LayoutError if impossible."""
+        ...
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+        """Shapes/dtypes of the kernel tensors this backend writes for ``sizes``."""
+        ...
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
+        """Canonical (unpadded) stack -> kernel tensors (padded, permuted), on ``c``'s device."""
+        ...
+
+    def from_kernel(
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+    ) -> CanonicalExperts:
+        """Kernel tensors -> canonical stack. Raise LayoutError if a padding region holds other
+        than its defined fill (name the tensor and the first offending index)."""
+        ...
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Manifest `layout` fields owned by the backend: `name`, `version`, `engine_compat`,
+        `kernel_params` (filled by the caller for the activation function) and any extras."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding shared by all backends: vLLM allocates zeroed params at padded sizes and copies the
+# checkpoint into the leading corner; for the halves order each half is padded on its own.
+# ---------------------------------------------------------------------------------------------
+
+
+def _pad_rows(t: torch.Tensor, rows: int, row_order: str, fill: int | float) -> torch.Tensor:
+    """Pad dim 1 of a w13-like tensor [E, 2I, ...] to [E, 2*Ip, ...] following ``row_order``."""
+    E, n = t.shape[0], t.shape[1]
+    I, Ip = n // 2, rows // 2
+    if n == rows:
+        return t
+    out = torch.full((E, rows, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
+    if row_order == "halves":
+        out[:, :I] = t[:, :I]
+        out[:, Ip : Ip + I] = t[:, I:]
+    else:
+        out[:, :n] = t
+    return out
+
+
+def _pad_last(t: torch.Tensor, cols: int, fill: int | float) -> torch.Tensor:
+    if t.shape[-1] == cols:
+        return t
+    out = torch.full((*t.shape[:-1], cols), fill, dtype=t.dtype, device=t.device)
+    out[..., : t.shape[-1]] = t
+    return out
+
+
+def _pad_dim1(t: torch.Tensor, rows: int, fill: int | float) -> torch.Tensor:
+    if t.shape[1] == rows:
+        return t
+    out = torch.full((t.shape[0], rows, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
+    out[:, : t.shape[1]] = t
+    return out
+
+
+def pad_canonical(c: CanonicalExperts, Hp: int, Ip: int, scale_fill: int = 0) -> CanonicalExperts:
+    """Pad a canonical stack to (Hp, Ip): zero weights, ``scale_fill`` scales, zero biases.
+
+    w13 rows follow the row order (interleaved: new pairs appended; halves: each half padded),
+    columns (the K axis) are padded at the end; w2 rows padded at the end.
+    """
+    H, I = c.hidden_size, c.intermediate_size
+    if Hp < H or Ip < I:
+        raise LayoutError(f"padded sizes ({Hp}, {Ip}) smaller than ({H}, {I})")
+    w13 = _pad_last(_pad_rows(c.w13, 2 * Ip, c.row_order, 0), Hp // 2, 0)
+    s13 = _pad_last(_pad_rows(c.w13_scale, 2 * Ip, c.row_order, scale_fill), Hp // 32, scale_fill)
+    w2 = _pad_last(_pad_dim1(c.w2, Hp, 0), Ip // 2, 0)
+    s2 = _pad_last(_pad_dim1(c.w2_scale, Hp, scale_fill), Ip // 32, scale_fill)
+    b13 = None if c.w13_bias is None else _pad_rows(c.w13_bias, 2 * Ip, c.row_order, 0)
+    b2 = None if c.w2_bias is None else _pad_dim1(c.w2_bias, Hp, 0)
+    return CanonicalExperts(w13, s13, w2, s2, b13, b2, c.row_order)
+
+
+def _check_fill(name: str, region: torch.Tensor, fill: int | float, offset: tuple[int, ...]) -> None:
+    """Raise LayoutError naming the first element of ``region`` that is not ``fill``."""
+    if region.numel() == 0:
+        return
+    bad = region != fill
+    if bool(bad.any()):
+        idx = [int(i) for i in bad.nonzero()[0].tolist()]
+        where = tuple(o + i for o, i in zip(offset, idx))
+        raise LayoutError(
+            f"padding of {name} at index {list(where)} holds {region[tuple(idx)].item()!r}, expected {fill!r}"
+        )
+
+
+def unpad_canonical(
+    c: CanonicalExperts, H: int, I: int, scale_fill: int | None = 0, check: bool = True
+) -> CanonicalExperts:
+    """Inverse of :func:`pad_canonical`: crop to (H, I), checking every padding region holds its fill.
+
+    ``scale_fill=None`` skips the scale-padding check (bytes the engine leaves undefined).
+    """
+    Hp, Ip = c.hidden_size, c.intermediate_size
+    E = c.num_experts
+    halves = c.row_order == "halves"
+
+    def rows13(t: torch.Tensor) -> torch.Tensor:
+        if halves:
+            return torch.cat([t[:, :I], t[:, Ip : Ip + I]], dim=1)
+        return t[:, : 2 * I]
+
+    if check:
+        pads13 = [(I, Ip), (Ip + I, 2 * Ip)] if halves else [(2 * I, 2 * Ip)]
+        checks: list[tuple[str, torch.Tensor, int | float | None, int]] = [
+            ("w13_weight", c.w13, 0, H // 2),
+            ("w13_weight_scale", c.w13_scale, scale_fill, H // 32),
+        ]
+        for name, t, fill, kcols in checks:
+            if fill is None:
+                continue
+            for lo, hi in pads13:
+                _check_fill(name, t[:, lo:hi], fill, (0, lo, 0))
+            _check_fill(name, t[..., kcols:], fill, (0, 0, kcols))
+        for name, t, fill, kcols in (("w2_weight", c.w2, 0, I // 2), ("w2_weight_scale", c.w2_scale, scale_fill, I // 32)):
+            if fill is None:
+                continue
+            _check_fill(name, t[:, H:], fill, (0, H, 0))
+            _check_fill(name, t[..., kcols:], fill, (0, 0, kcols))
+        if c.w13_bias is not None:
+            for lo, hi in pads13:
+                _check_fill("w13_bias", c.w13_bias[:, lo:hi], 0, (0, lo))
+        if c.w2_bias is not None:
+            _check_fill("w2_bias", c.w2_bias[:, H:], 0, (0, H))
+    del E
+    return CanonicalExperts(
+        w13=rows13(c.w13)[..., : H // 2].contiguous(),
+        w13_scale=rows13(c.w13_scale)[..., : H // 32].contiguous(),
+        w2=c.w2[:, :H, : I // 2].contiguous(),
+        w2_scale=c.w2_scale[:, :H, : I // 32].contiguous(),
+        w13_bias=None if c.w13_bias is None else rows13(c.w13_bias).contiguous(),
+        w2_bias=None if c.w2_bias is None else c.w2_bias[:, :H].contiguous(),
+        row_order=c.row_order,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: the intermediate axis is split in whole 32-element blocks (vLLM's loader).
+# ---------------------------------------------------------------------------------------------
+
+
+def tp_ranges(intermediate_size: int, tp: int) -> list[tuple[int, int]]:
+    """[start, end) of the intermediate axis for each rank: per_rank = ceil((I/32)/tp)*32."""
+    if tp < 1:
+        raise LayoutError(f"--tp must be >= 1, got {tp}")
+    if intermediate_size % 32:
+        raise LayoutError(f"intermediate size {intermediate_size} is not a multiple of 32")
+    per_rank = -(-(intermediate_size // 32) // tp) * 32
+    ranges = []
+    for r in range(tp):
+        start = min(r * per_rank, intermediate_size)
+        end = min((r + 1) * per_rank, intermediate_size)
+        ranges.append((start, end))
+    if any(e <= s for s, e in ranges):
+        raise LayoutError(
+            f"--tp {tp} leaves a rank with no intermediate channels (I = {intermediate_size}, "
+            f"split in blocks of 32): use a smaller --tp"
+        )
+    return ranges
+
+
+def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int) -> CanonicalExperts:
+    """Rank's share of a canonical stack: intermediate channels [start, end).
+
+    w13 rows: interleaved -> [2*start, 2*end); halves -> gate[start:end] ++ up[start:end].
+    w2 columns: bytes [start/2, end/2), scale columns [start/32, end/32).
+    w2 bias: kept on rank 0 only, zero on the others (the engine sums rank outputs).
+    """
+    I = c.intermediate_size
+    if c.row_order == "interleaved":
+        r13 = slice(2 * start, 2 * end)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t[:, r13]
+
+    else:
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t[:, start:end], t[:, I + start : I + end]], dim=1)
+
+    w2_bias = c.w2_bias
+    if w2_bias is not None and rank != 0:
+        w2_bias = torch.zeros_like(w2_bias)
+    return CanonicalExperts(
+        w13=rows(c.w13).contiguous(),
+        w13_scale=rows(c.w13_scale).contiguous(),
+        w2=c.w2[..., start // 2 : end // 2].contiguous(),
+        w2_scale=c.w2_scale[..., start // 32 : end // 32].contiguous(),
+        w13_bias=None if c.w13_bias is None else rows(c.w13_bias).contiguous(),
+        w2_bias=None if w2_bias is None else w2_bias.contiguous(),
+        row_order=c.row_order,
+    )
