@@ -1,0 +1,440 @@
+"""vLLM Marlin MXFP4 MoE layout (spec: docs/layout-marlin.md).
+
+Per expert, a weight matrix with N output rows and K inputs goes
+
+    uint8 [N, K/2] (E2M1 pairs, low nibble = even k)  ->  int32 [K/16, 2N]   (tile stream, §4)
+    uint8 [N, K/32] (E8M0 scales)                      ->  e8m0  [K/32, N]    (chunk permutation, §5)
+    bias  [N]                                          ->  bf16  [N]          (32-chunk permutation, §6)
+
+with w13: N = 2*Ip, K = Hp and w2: N = Hp, K = Ip, after zero padding to Hp = round_up(H, 256),
+Ip = round_up(I, 128) (§3). Everything works on the whole [E, ...] stack at once with views,
+permutes and index_select, so CPU and CUDA give the same bytes.
+
+Activations: "bf16" (16-bit activations, 16x64 weight tiles, the default) and "fp8" (W4A8-FP8,
+32x32 weight tiles, scales +6).
+
+Options read (a plain dict, other keys ignored):
+    marlin_scale_layout: "current" (vLLM >= 0.12, default) | "legacy" (vLLM 0.10.2 - 0.11.2,
+                         bf16 activation only; extra row-pair weave of the scales, §5.3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mxconv.errors import LayoutError
+from mxconv.layouts.base import (
+    KERNEL_TENSOR_NAMES,
+    ROW_ORDERS,
+    CanonicalExperts,
+    KernelTensors,
+    LayoutSizes,
+    TensorSpec,
+    pad_canonical,
+    round_up,
+    unpad_canonical,
+)
+
+HIDDEN_MULTIPLE = 256  # Hp = round_up(H, 256)
+INTERMEDIATE_MULTIPLE = 128  # Ip = round_up(I, 128)
+FP8_SCALE_OFFSET = 6  # E4M3 bias (7) - E2M1 bias (1), added to every scale byte for fp8 activations
+FP8_SCALE_MAX_INPUT = 255 - FP8_SCALE_OFFSET  # 249: larger bytes are rejected by vLLM
+SCALE_LAYOUTS = ("current", "legacy")
+ACTIVATIONS = ("bf16", "fp8")
+
+# Weight tile digit orders (§4.2 / §4.3). The codes Q[N, K] of one expert are viewed with these
+# digit sizes (most significant first) and permuted to the stream order
+# (kt, nt, thc, thr, w, j2, j1, j0): stream position -> word 4*(4*thc+thr)+w of tile (kt, nt),
+# nibble 4*j2 + 2*j1 + j0.
+_STREAM_ORDER = ("kt", "nt", "thc", "thr", "w", "j2", "j1", "j0")
+
+
+def _weight_digits(activation: str, N: int, K: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Digit names and sizes of Q[N, K] (n digits then k digits, most significant first)."""
+    if activation == "bf16":
+        return ("nt", "w", "j1", "thc", "kt", "j0", "thr", "j2"), (N // 64, 4, 2, 8, K // 16, 2, 4, 2)
+    if activation == "fp8":
+        return ("nt", "w", "thc", "kt", "j0", "thr", "j2", "j1"), (N // 32, 4, 8, K // 32, 2, 4, 2, 2)
+    raise LayoutError(f"unknown Marlin activation {activation!r} (expected one of {ACTIVATIONS})")
+
+
+def _check_weight_dims(activation: str, N: int, K: int, name: str) -> None:
+    k_mult = 16 if activation == "bf16" else 32
+    if N % 64 or K % k_mult:
+        raise LayoutError(
+            f"{name}: Marlin repack ({activation} activations) needs N % 64 == 0 and K % {k_mult} == 0, "
+            f"got N = {N}, K = {K}"
+        )
+
+
+def _stream_permutation(activation: str, N: int, K: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(digit sizes of Q, permutation of those digits giving the stream order)."""
+    names, sizes = _weight_digits(activation, N, K)
+    return sizes, tuple(names.index(d) for d in _STREAM_ORDER)
+
+
+# ---------------------------------------------------------------------------------------------
+# Nibbles
+# ---------------------------------------------------------------------------------------------
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., M] -> uint8 [..., 2M] codes 0..15 (low nibble first)."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2M] codes 0..15 -> uint8 [..., M] (even index in the low nibble)."""
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights (§4)
+# ---------------------------------------------------------------------------------------------
+
+
+def marlin_weight_repack(w: torch.Tensor, activation: str = "bf16", name: str = "weight") -> torch.Tensor:
+    """Canonical uint8 [E, N, K/2] -> Marlin int32 [E, K/16, 2N] (tensor recipe of §4.2 / §4.3).
+
+    ``activation`` is "bf16" (16x64 tiles) or "fp8" (32x32 tiles). Needs N % 64 == 0 and
+    K % 16 == 0 (K % 32 == 0 for fp8); ``name`` is used in the error message.
+    """
+    E, N, half_k = (int(d) for d in w.shape)
+    K = 2 * half_k
+    _check_weight_dims(activation, N, K, name)
+    sizes, perm = _stream_permutation(activation, N, K)
+    codes = unpack_nibbles(w).reshape(E, *sizes)
+    stream = codes.permute(0, *(p + 1 for p in perm)).reshape(E, K // 16, 16 * N)
+    return pack_nibbles(stream).contiguous().view(torch.int32)
+
+
+def marlin_weight_unrepack(q: torch.Tensor, activation: str = "bf16", name: str = "weight") -> torch.Tensor:
+    """Inverse of :func:`marlin_weight_repack`: int32 [E, K/16, 2N] -> uint8 [E, N, K/2]."""
+    E, k16, two_n = (int(d) for d in q.shape)
+    N, K = two_n // 2, 16 * k16
+    _check_weight_dims(activation, N, K, name)
+    sizes, perm = _stream_permutation(activation, N, K)
+    stream_sizes = tuple(sizes[p] for p in perm)
+    codes = unpack_nibbles(q.contiguous().view(torch.uint8)).reshape(E, *stream_sizes)
+    inverse = [0] * len(perm)
+    for out_dim, src_dim in enumerate(perm):
+        inverse[src_dim] = out_dim
+    q_nk = codes.permute(0, *(p + 1 for p in inverse)).reshape(E, N, K)
+    return pack_nibbles(q_nk).contiguous()
+
+
+def weight_source_index(
+    K: int, N: int, activation: str = "bf16", device: torch.device | str | None = None
+) -> torch.Tensor:
+    """LongTensor [K/16, 16N]: for each code of one expert's output stream (row, 8*word + nibble),
+    the flat index ``n*K + k`` of the element of Q[N, K] it holds."""
+    _check_weight_dims(activation, N, K, "weight")
+    sizes, perm = _stream_permutation(activation, N, K)
+    flat = torch.arange(N * K, dtype=torch.long, device=device).reshape(sizes)
+    return flat.permute(*perm).reshape(K // 16, 16 * N).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk permutations (scales §5, bias §6). A perm is a LongTensor: output column p of a chunk
+# takes source column perm[p].
+# ---------------------------------------------------------------------------------------------
+
+
+def inverse_perm(perm: torch.Tensor) -> torch.Tensor:
+    """LongTensor inv with inv[perm[p]] = p (same device)."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), dtype=perm.dtype, device=perm.device)
+    return inv
+
+
+def scale_transpose_perm(device: torch.device | str | None = None) -> torch.Tensor:
+    """[64] step (a) of §5.1: 8x8 transpose of a 64-chunk, out[8i + j] = in[i + 8j]."""
+    p = torch.arange(64, dtype=torch.long, device=device)
+    return (p >> 3) + 8 * (p & 7)
+
+
+def scale_regroup_perm(device: torch.device | str | None = None) -> torch.Tensor:
+    """[64] step (b) of §5.1: in every run of 4 swap the middle two (a b c d -> a c b d)."""
+    p = torch.arange(64, dtype=torch.long, device=device)
+    low2 = p & 3
+    swapped = torch.where((low2 == 1) | (low2 == 2), 3 - low2, low2)
+    return (p & ~3) + swapped
+
+
+def scale_perm_bf16(device: torch.device | str | None = None) -> torch.Tensor:
+    """[64] current 16-bit scale chunk map (§5.1): c = 32*p2 + 16*p0 + 8*p1 + (p >> 3)."""
+    p = torch.arange(64, dtype=torch.long, device=device)
+    return 32 * ((p >> 2) & 1) + 16 * (p & 1) + 8 * ((p >> 1) & 1) + (p >> 3)
+
+
+def chunk32_perm(device: torch.device | str | None = None) -> torch.Tensor:
+    """[32] FP8 scale map (§5.2) and bias map (§6): c = 8*((p & 7) >> 1) + 2*(p >> 3) + (p & 1).
+    An involution."""
+    p = torch.arange(32, dtype=torch.long, device=device)
+    return 8 * ((p & 7) >> 1) + 2 * (p >> 3) + (p & 1)
+
+
+def permute_chunks(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Apply ``perm`` (length C) to every C-chunk of the last dim of ``x`` [..., M], M % C == 0."""
+    C, M = perm.numel(), x.shape[-1]
+    if M % C:
+        raise LayoutError(f"last dimension {M} is not a multiple of the permutation chunk {C}")
+    chunks = x.reshape(*x.shape[:-1], M // C, C)
+    return chunks.index_select(-1, perm.to(x.device)).reshape(x.shape)
+
+
+def legacy_weave(a: torch.Tensor, name: str = "scales") -> torch.Tensor:
+    """§5.3 row-pair weave on [..., G, N] (G even, N % 8 == 0): the pair (2r, 2r+1) read as one
+    stream A[2r][0:8], A[2r+1][0:8], A[2r][8:16], ... whose first N bytes become row 2r."""
+    G, N = a.shape[-2], a.shape[-1]
+    if G % 2:
+        raise LayoutError(
+            f"{name}: the legacy Marlin scale layout needs an even number of scale groups (K % 64 == 0), got {G}"
+        )
+    lead = a.shape[:-2]
+    pairs = a.reshape(*lead, G // 2, 2, N // 8, 8)
+    nd = pairs.dim()
+    woven = pairs.permute(*range(nd - 4), nd - 4, nd - 2, nd - 3, nd - 1)
+    return woven.reshape(a.shape)
+
+
+def legacy_unweave(a: torch.Tensor, name: str = "scales") -> torch.Tensor:
+    """Inverse of :func:`legacy_weave` on [..., G, N]."""
+    G, N = a.shape[-2], a.shape[-1]
+    if G % 2:
+        raise LayoutError(
+            f"{name}: the legacy Marlin scale layout needs an even number of scale groups (K % 64 == 0), got {G}"
+        )
+    lead = a.shape[:-2]
+    woven = a.reshape(*lead, G // 2, N // 8, 2, 8)
+    nd = woven.dim()
+    pairs = woven.permute(*range(nd - 4), nd - 4, nd - 2, nd - 3, nd - 1)
+    return pairs.reshape(a.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scales (§5) and bias (§6)
+# ---------------------------------------------------------------------------------------------
+
+
+def marlin_scales(
+    s: torch.Tensor, activation: str = "bf16", scale_layout: str = "current", name: str = "weight_scale"
+) -> torch.Tensor:
+    """Canonical uint8 [E, N, G] E8M0 bytes -> Marlin byte layout uint8 [E, G, N] (view it as
+    float8_e8m0fnu for the kernel tensor). N % 64 == 0 (bf16) or N % 32 == 0 (fp8).
+
+    fp8: bytes above 249 raise LayoutError naming ``name``; every byte gets +6.
+    """
+    _check_scale_mode(activation, scale_layout)
+    g_n = s.transpose(-1, -2)
+    if activation == "fp8":
+        too_big = s > FP8_SCALE_MAX_INPUT
+        if bool(too_big.any()):
+            idx = [int(i) for i in too_big.nonzero()[0].tolist()]
+            raise LayoutError(
+                f"{name} at index {idx} holds E8M0 byte {int(s[tuple(idx)])}: FP8-activation Marlin adds "
+                f"{FP8_SCALE_OFFSET} to every scale byte and needs bytes <= {FP8_SCALE_MAX_INPUT}"
+            )
+        return (permute_chunks(g_n, chunk32_perm(s.device)) + FP8_SCALE_OFFSET).contiguous()
+    if scale_layout == "current":
+        return permute_chunks(g_n, scale_perm_bf16(s.device)).contiguous()
+    stepped = permute_chunks(g_n, scale_transpose_perm(s.device))
+    woven = legacy_weave(stepped, name)
+    return permute_chunks(woven, scale_regroup_perm(s.device)).contiguous()
+
+
+def marlin_unscales(
+    m: torch.Tensor, activation: str = "bf16", scale_layout: str = "current", name: str = "weight_scale"
+) -> torch.Tensor:
+    """Inverse of :func:`marlin_scales`: uint8 [E, G, N] -> canonical uint8 [E, N, G].
+
+    fp8: bytes below 6 cannot come out of the forward map and raise LayoutError naming ``name``.
+    """
+    _check_scale_mode(activation, scale_layout)
+    if activation == "fp8":
+        too_small = m < FP8_SCALE_OFFSET
+        if bool(too_small.any()):
+            idx = [int(i) for i in too_small.nonzero()[0].tolist()]
+            raise LayoutError(
+                f"{name} at index {idx} holds byte {int(m[tuple(idx)])}: FP8-activation Marlin scales are "
+                f"stored +{FP8_SCALE_OFFSET}, so every byte must be >= {FP8_SCALE_OFFSET}"
+            )
+        g_n = permute_chunks(m - FP8_SCALE_OFFSET, chunk32_perm(m.device))
+    elif scale_layout == "current":
+        g_n = permute_chunks(m, inverse_perm(scale_perm_bf16(m.device)))
+    else:
+        regrouped = permute_chunks(m, scale_regroup_perm(m.device))
+        g_n = permute_chunks(legacy_unweave(regrouped, name), scale_transpose_perm(m.device))
+    return g_n.transpose(-1, -2).contiguous()
+
+
+def marlin_bias(b: torch.Tensor) -> torch.Tensor:
+    """Bias [E, N] (any float) -> bf16 [E, N] permuted in chunks of 32 (§6). N % 32 == 0."""
+    return permute_chunks(b.to(torch.bfloat16), chunk32_perm(b.device)).contiguous()
+
+
+def marlin_unbias(b: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`marlin_bias` (the map is an involution): [E, N] -> float32 [E, N]."""
+    return permute_chunks(b, chunk32_perm(b.device)).to(torch.float32).contiguous()
+
+
+def _check_scale_mode(activation: str, scale_layout: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise LayoutError(f"unknown Marlin activation {activation!r} (expected one of {ACTIVATIONS})")
+    if scale_layout not in SCALE_LAYOUTS:
+        raise LayoutError(f"unknown marlin_scale_layout {scale_layout!r} (expected one of {SCALE_LAYOUTS})")
+    if scale_layout == "legacy" and activation != "bf16":
+        raise LayoutError(
+            "the legacy Marlin scale layout (vLLM <= 0.11.2) exists only for 16-bit activations; "
+            f"got activation {activation!r}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The Layout
+# ---------------------------------------------------------------------------------------------
+
+
+class MarlinLayout:
+    """vLLM Marlin MXFP4 MoE backend (see module docstring for options)."""
+
+    name = "marlin"
+    version = 1
+    activations: tuple[str, ...] = ACTIVATIONS
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    def padded_sizes(
+        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str
+    ) -> tuple[int, int]:
+        """(Hp, Ip) = (round_up(H, 256), round_up(I, 128)); H and I must be positive multiples of 32."""
+        self._check_activation(activation)
+        if row_order not in ROW_ORDERS:
+            raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
+        for label, size in (("hidden size", hidden_size), ("intermediate size", intermediate_size)):
+            if size <= 0 or size % 32:
+                raise LayoutError(
+                    f"{label} {size} cannot be laid out for Marlin: MXFP4 needs a positive multiple of 32 "
+                    "(one E8M0 scale per 32 elements)"
+                )
+        return round_up(hidden_size, HIDDEN_MULTIPLE), round_up(intermediate_size, INTERMEDIATE_MULTIPLE)
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+        """w13_weight int32 [E, Hp/16, 4Ip], w13_weight_scale e8m0 [E, Hp/32, 2Ip], w13_bias bf16 [E, 2Ip],
+        w2_weight int32 [E, Ip/16, 2Hp], w2_weight_scale e8m0 [E, Ip/32, Hp], w2_bias bf16 [E, Hp]."""
+        _check_scale_mode(activation, _scale_layout(options))
+        E, Hp, Ip = sizes.num_experts, sizes.padded_hidden_size, sizes.padded_intermediate_size
+        specs = {
+            "w13_weight": TensorSpec((E, Hp // 16, 4 * Ip), torch.int32),
+            "w13_weight_scale": TensorSpec((E, Hp // 32, 2 * Ip), torch.float8_e8m0fnu),
+            "w2_weight": TensorSpec((E, Ip // 16, 2 * Hp), torch.int32),
+            "w2_weight_scale": TensorSpec((E, Ip // 32, Hp), torch.float8_e8m0fnu),
+        }
+        if sizes.has_bias:
+            specs["w13_bias"] = TensorSpec((E, 2 * Ip), torch.bfloat16)
+            specs["w2_bias"] = TensorSpec((E, Hp), torch.bfloat16)
+        return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
+
+    # -- conversion ----------------------------------------------------------------------------
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
+        """Pad (zero weights, zero scale bytes, zero bias) and lay out the whole stack on c's device."""
+        scale_layout = _scale_layout(options)
+        _check_scale_mode(activation, scale_layout)
+        c.validate()
+        if (c.w13_bias is None) != (c.w2_bias is None):
+            raise LayoutError("w13_bias and w2_bias must both be present or both absent")
+        Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
+        p = pad_canonical(c, Hp, Ip, scale_fill=0)
+        out: KernelTensors = {
+            "w13_weight": marlin_weight_repack(p.w13, activation, "w13_weight"),
+            "w13_weight_scale": marlin_scales(p.w13_scale, activation, scale_layout, "w13_weight_scale").view(
+                torch.float8_e8m0fnu
+            ),
+            "w2_weight": marlin_weight_repack(p.w2, activation, "w2_weight"),
+            "w2_weight_scale": marlin_scales(p.w2_scale, activation, scale_layout, "w2_weight_scale").view(
+                torch.float8_e8m0fnu
+            ),
+        }
+        if p.w13_bias is not None and p.w2_bias is not None:
+            out["w13_bias"] = marlin_bias(p.w13_bias)
+            out["w2_bias"] = marlin_bias(p.w2_bias)
+        return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
+
+    def from_kernel(
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+    ) -> CanonicalExperts:
+        """Exact inverse of :meth:`to_kernel`; LayoutError on wrong shapes/dtypes or non-zero padding.
+        Biases come back as float32."""
+        scale_layout = _scale_layout(options)
+        specs = self.kernel_specs(sizes, activation, options)
+        for name in KERNEL_TENSOR_NAMES:
+            if name not in specs:
+                if name in k:
+                    raise LayoutError(f"{name} present but the layer is declared without biases")
+                continue
+            if name not in k:
+                raise LayoutError(f"{name} is missing from the Marlin kernel tensors")
+            t, want = k[name], specs[name]
+            if tuple(t.shape) != want.shape or t.dtype != want.dtype:
+                raise LayoutError(
+                    f"{name} has shape {tuple(t.shape)} dtype {t.dtype}, expected shape {want.shape} dtype {want.dtype}"
+                )
+        padded = CanonicalExperts(
+            w13=marlin_weight_unrepack(k["w13_weight"], activation, "w13_weight"),
+            w13_scale=marlin_unscales(
+                k["w13_weight_scale"].view(torch.uint8), activation, scale_layout, "w13_weight_scale"
+            ),
+            w2=marlin_weight_unrepack(k["w2_weight"], activation, "w2_weight"),
+            w2_scale=marlin_unscales(
+                k["w2_weight_scale"].view(torch.uint8), activation, scale_layout, "w2_weight_scale"
+            ),
+            w13_bias=marlin_unbias(k["w13_bias"]) if sizes.has_bias else None,
+            w2_bias=marlin_unbias(k["w2_bias"]) if sizes.has_bias else None,
+            row_order=sizes.row_order,
+        )
+        return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size, scale_fill=0, check=True)
+
+    # -- manifest ------------------------------------------------------------------------------
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Manifest `layout` fields: name, version, engine_compat, activation, tile and scale layout."""
+        scale_layout = _scale_layout(options)
+        _check_scale_mode(activation, scale_layout)
+        compat = {"vllm": ">=0.12"} if scale_layout == "current" else {"vllm": ">=0.10.2,<=0.11.2"}
+        info: dict[str, Any] = {
+            "name": self.name,
+            "version": self.version,
+            "engine_compat": compat,
+            "activation": activation,
+            "weight_tile": {"k": 16, "n": 64} if activation == "bf16" else {"k": 32, "n": 32},
+            "scale_layout": scale_layout,
+            "scale_chunk": 64 if activation == "bf16" else 32,
+            "scale_offset": FP8_SCALE_OFFSET if activation == "fp8" else 0,
+            "bias_chunk": 32,
+            "padding": {"hidden_multiple": HIDDEN_MULTIPLE, "intermediate_multiple": INTERMEDIATE_MULTIPLE},
+        }
+        if activation == "fp8":
+            info["runtime_env"] = {"VLLM_MARLIN_INPUT_DTYPE": "fp8"}
+        return info
+
+    @staticmethod
+    def _check_activation(activation: str) -> None:
+        if activation not in ACTIVATIONS:
+            raise LayoutError(f"unknown Marlin activation {activation!r} (expected one of {ACTIVATIONS})")
+
+
+def _scale_layout(options: dict[str, Any] | None) -> str:
+    """The `marlin_scale_layout` option ("current" when absent or None)."""
+    value = (options or {}).get("marlin_scale_layout") or "current"
+    if value not in SCALE_LAYOUTS:
+        raise LayoutError(f"unknown marlin_scale_layout {value!r} (expected one of {SCALE_LAYOUTS})")
+    return str(value)
+
+
+LAYOUT = MarlinLayout()
