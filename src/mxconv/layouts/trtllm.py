@@ -1,0 +1,421 @@
+"""TRT-LLM-gen ("trtllm") MXFP4 MoE layout: what vLLM builds at load time for FlashInfer's
+``trtllm_fp4_block_scale_moe`` kernels (spec: docs/layout-trtllm.md).
+
+Only rows move; bytes inside a row are never touched. Per layer and TP rank:
+
+1. pad (H, I) to (Hp, Ip) = (roundup(H, 256), roundup(I, intermediate_align)); weights 0x00,
+   scales 0x00, biases 0.0 (``base.pad_canonical``; halves are padded each on its own);
+2. step A (w13 only): gate/up pair order, kernel row 2i = up_i, row 2i+1 = gate_i;
+3. step B: MMA row shuffle in blocks of 32 rows (epilogue_tile_m = 128), applied to weights,
+   scales (before swizzling) and biases;
+4. step C: 128x4 swizzle of each expert's scale matrix; the flat buffer is reshaped to the
+   matrix shape and *viewed* (never value-cast) as float8_e4m3fn.
+
+Output tensors (E experts, padded sizes):
+
+| name             | shape            | dtype          |
+|------------------|------------------|----------------|
+| w13_weight       | [E, 2Ip, Hp/2]   | uint8          |
+| w13_weight_scale | [E, 2Ip, Hp/32]  | float8_e4m3fn (view of swizzled E8M0 bytes) |
+| w13_bias         | [E, 2Ip]         | float32        |
+| w2_weight        | [E, Hp, Ip/2]    | uint8          |
+| w2_weight_scale  | [E, Hp, Ip/32]   | float8_e4m3fn (view) |
+| w2_bias          | [E, Hp]          | float32        |
+
+Options read (a plain dict; other keys are ignored):
+
+* ``intermediate_align`` (int, default 256): multiple the per-rank intermediate size is
+  padded to. Must be a positive multiple of 128 (vLLM releases use 256; a later snapshot 128).
+
+The weights are identical for both activations ("bf16", "mxfp8"); only the manifest differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mxconv.errors import LayoutError
+from mxconv.layouts.base import (
+    ROW_ORDERS,
+    CanonicalExperts,
+    KernelTensors,
+    LayoutSizes,
+    TensorSpec,
+    pad_canonical,
+    round_up,
+    unpad_canonical,
+)
+
+BACKEND_NAME = "trtllm"
+LAYOUT_VERSION = 1
+ACTIVATIONS: tuple[str, ...] = ("bf16", "mxfp8")
+
+HIDDEN_ALIGN = 256  # also what vLLM pads MXFP8 activations to, so it must stay 256
+DEFAULT_INTERMEDIATE_ALIGN = 256
+INTERMEDIATE_ALIGN_QUANTUM = 128  # 2Ip % 128 and (Ip/32) % 4 must hold
+MX_BLOCK = 32  # elements per E8M0 scale
+
+EPILOGUE_TILE_M = 128
+SHUFFLE_BLOCK_ROWS = 32  # MMA row-shuffle block for epilogue_tile_m = 128
+NUM_ELTS_PER_SF = 16  # what vLLM passes to FlashInfer for MXFP4 (rows do not depend on it)
+SF_TILE_ROWS = 128  # 128x4 scale swizzle tile
+SF_TILE_COLS = 4
+SCALE_FILL = 0x00  # never 0xFF (NaN * 0 = NaN)
+
+KERNEL_SCALE_DTYPE = torch.float8_e4m3fn
+KERNEL_BIAS_DTYPE = torch.float32
+ENGINE_COMPAT = {"vllm": ">=0.10.2", "flashinfer": ">=0.3"}
+VLLM_BACKENDS = {"bf16": "FLASHINFER_TRTLLM_MXFP4_BF16", "mxfp8": "FLASHINFER_TRTLLM_MXFP4_MXFP8"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Row index functions (pure; LongTensors on ``device``). "src" = gather indices: out[j] = in[src[j]];
+# "dst" = the inverse: in[r] = out[dst[r]].
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_rows(num_rows: int, multiple: int, what: str) -> None:
+    if num_rows <= 0 or num_rows % multiple:
+        raise LayoutError(f"{what}: {num_rows} rows is not a positive multiple of {multiple}")
+
+
+def mma_shuffle_src(num_rows: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Step B gather: ``s(j) = 32*(j//32) + 4*(j%8) + (j%32)//8`` for j in [0, num_rows).
+
+    Returns a LongTensor [num_rows]; num_rows must be a multiple of 32.
+    """
+    _check_rows(num_rows, SHUFFLE_BLOCK_ROWS, "MMA row shuffle")
+    j = torch.arange(num_rows, dtype=torch.long, device=device)
+    return (j // 32) * 32 + (j % 8) * 4 + (j % 32) // 8
+
+
+def mma_shuffle_dst(num_rows: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse of :func:`mma_shuffle_src`: ``d(r) = 32*(r//32) + 8*(r%4) + (r%32)//4``. [num_rows] long."""
+    _check_rows(num_rows, SHUFFLE_BLOCK_ROWS, "MMA row shuffle")
+    r = torch.arange(num_rows, dtype=torch.long, device=device)
+    return (r // 32) * 32 + (r % 4) * 8 + (r % 32) // 4
+
+
+def _check_row_order(row_order: str) -> None:
+    if row_order not in ROW_ORDERS:
+        raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
+
+
+def gate_up_pair_src(
+    padded_intermediate: int, row_order: str, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Step A gather P(k), k in [0, 2*Ip): kernel row 2i = up_i, row 2i+1 = gate_i.
+
+    halves (rows [gate; up]): P(k) = Ip + k/2 (k even), (k-1)/2 (k odd).
+    interleaved (row 2i = gate_i, 2i+1 = up_i): P(k) = k XOR 1. Returns a LongTensor [2*Ip].
+    """
+    _check_row_order(row_order)
+    Ip = padded_intermediate
+    k = torch.arange(2 * Ip, dtype=torch.long, device=device)
+    if row_order == "interleaved":
+        return k ^ 1
+    return torch.where(k % 2 == 0, Ip + k // 2, k // 2)
+
+
+def gate_up_pair_dst(
+    padded_intermediate: int, row_order: str, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`gate_up_pair_src`: P^-1(n) = 2n+1 (n < Ip), 2(n-Ip) (n >= Ip) for halves,
+    n XOR 1 for interleaved. Returns a LongTensor [2*Ip]."""
+    _check_row_order(row_order)
+    Ip = padded_intermediate
+    n = torch.arange(2 * Ip, dtype=torch.long, device=device)
+    if row_order == "interleaved":
+        return n ^ 1
+    return torch.where(n < Ip, 2 * n + 1, 2 * (n - Ip))
+
+
+def w13_row_src(padded_intermediate: int, row_order: str, device: torch.device | str | None = None) -> torch.Tensor:
+    """Full w13 gather ``src13(j) = P(s(j))`` into the padded canonical rows. LongTensor [2*Ip]."""
+    pair_src = gate_up_pair_src(padded_intermediate, row_order, device)
+    return pair_src[mma_shuffle_src(2 * padded_intermediate, device)]
+
+
+def w13_row_dst(padded_intermediate: int, row_order: str, device: torch.device | str | None = None) -> torch.Tensor:
+    """Kernel row of each padded canonical w13 row: ``dst13(n) = d(P^-1(n))``. LongTensor [2*Ip]."""
+    pair_dst = gate_up_pair_dst(padded_intermediate, row_order, device)
+    return mma_shuffle_dst(2 * padded_intermediate, device)[pair_dst]
+
+
+def w2_row_src(padded_hidden: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """w2 gather (step B only): ``s(j)``, LongTensor [Hp]."""
+    return mma_shuffle_src(padded_hidden, device)
+
+
+def w2_row_dst(padded_hidden: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Kernel row of each padded canonical w2 row: ``d(r)``, LongTensor [Hp]."""
+    return mma_shuffle_dst(padded_hidden, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Step C: 128x4 scale swizzle (per expert). Element (r, c) of a [R, C] matrix, padded to
+# (Rp, Cp) = (roundup(R, 128), roundup(C, 4)), lands at
+#   off(r, c) = ((r//128)*(Cp/4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4.
+# ---------------------------------------------------------------------------------------------
+
+
+def swizzled_scale_size(rows: int, cols: int) -> int:
+    """Elements in one expert's swizzled buffer: roundup(rows, 128) * roundup(cols, 4)."""
+    return round_up(rows, SF_TILE_ROWS) * round_up(cols, SF_TILE_COLS)
+
+
+def swizzle_offsets(rows: int, cols: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``off(r, c)`` for every element of a [rows, cols] matrix: LongTensor [rows, cols]."""
+    Cp = round_up(cols, SF_TILE_COLS)
+    r = torch.arange(rows, dtype=torch.long, device=device)[:, None]
+    c = torch.arange(cols, dtype=torch.long, device=device)[None, :]
+    tile = (r // SF_TILE_ROWS) * (Cp // SF_TILE_COLS) + c // SF_TILE_COLS
+    return tile * 512 + (r % 32) * 16 + ((r % SF_TILE_ROWS) // 32) * 4 + c % SF_TILE_COLS
+
+
+def swizzle_slot_coords(rows: int, cols: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, c) held by every slot p of one expert's swizzled buffer (spec §10), padding included.
+
+    Returns two LongTensors [Rp*Cp]; entries with r >= rows or c >= cols are padding slots.
+    """
+    Cp = round_up(cols, SF_TILE_COLS)
+    p = torch.arange(swizzled_scale_size(rows, cols), dtype=torch.long, device=device)
+    row_tile, q = p // (SF_TILE_ROWS * Cp), p % (SF_TILE_ROWS * Cp)
+    r = SF_TILE_ROWS * row_tile + 32 * ((q % 16) // 4) + (q % 512) // 16
+    c = SF_TILE_COLS * (q // 512) + q % 4
+    return r, c
+
+
+def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
+    """Swizzle each trailing [R, C] matrix of ``scales`` ([..., R, C], any dtype) into its 128x4 order.
+
+    Pads to (roundup(R, 128), roundup(C, 4)) with the zero bit pattern, then reorders
+    [Rp/128, 4, 32, Cp/4, 4] -> (row tile, col tile, row in group, 32-row group, col in tile).
+    Returns a contiguous tensor [..., Rp*Cp] of the same dtype (one flat buffer per matrix).
+    """
+    *lead, R, C = scales.shape
+    Rp, Cp = round_up(R, SF_TILE_ROWS), round_up(C, SF_TILE_COLS)
+    if (Rp, Cp) != (R, C):
+        padded = torch.zeros((*lead, Rp, Cp), dtype=scales.dtype, device=scales.device)
+        padded[..., :R, :C] = scales
+        scales = padded
+    tiles = scales.reshape(-1, Rp // SF_TILE_ROWS, 4, 32, Cp // SF_TILE_COLS, SF_TILE_COLS)
+    swizzled = tiles.permute(0, 1, 4, 3, 2, 5)
+    return swizzled.reshape(*lead, Rp * Cp).contiguous()
+
+
+def unswizzle_128x4(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`swizzle_128x4`: [..., Rp*Cp] -> [..., rows, cols] (padding slots dropped)."""
+    *lead, n = buffer.shape
+    Rp, Cp = round_up(rows, SF_TILE_ROWS), round_up(cols, SF_TILE_COLS)
+    if n != Rp * Cp:
+        raise LayoutError(f"swizzled scale buffer has {n} elements per matrix, expected {Rp * Cp}")
+    tiles = buffer.reshape(-1, Rp // SF_TILE_ROWS, Cp // SF_TILE_COLS, 32, 4, SF_TILE_COLS)
+    matrix = tiles.permute(0, 1, 4, 3, 2, 5).reshape(*lead, Rp, Cp)
+    return matrix[..., :rows, :cols].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# The Layout
+# ---------------------------------------------------------------------------------------------
+
+
+def intermediate_align_option(options: dict[str, Any] | None) -> int:
+    """``options["intermediate_align"]`` (default 256), checked to be a positive multiple of 128."""
+    align = (options or {}).get("intermediate_align", DEFAULT_INTERMEDIATE_ALIGN)
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align % INTERMEDIATE_ALIGN_QUANTUM:
+        raise LayoutError(
+            f"trtllm option intermediate_align={align!r} must be a positive multiple of "
+            f"{INTERMEDIATE_ALIGN_QUANTUM} (the 128x4 scale swizzle needs Ip % 128 == 0)"
+        )
+    return align
+
+
+class TrtllmLayout:
+    """FlashInfer TRT-LLM-gen MXFP4 MoE layout (see module docstring)."""
+
+    name = BACKEND_NAME
+    version = LAYOUT_VERSION
+    activations = ACTIVATIONS
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    def _check_activation(self, activation: str) -> None:
+        if activation not in self.activations:
+            raise LayoutError(
+                f"trtllm does not support activation {activation!r}; supported: {', '.join(self.activations)}"
+            )
+
+    def padded_sizes(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        row_order: str,
+        activation: str,
+        *,
+        intermediate_align: int = DEFAULT_INTERMEDIATE_ALIGN,
+    ) -> tuple[int, int]:
+        """(Hp, Ip) = (roundup(H, 256), roundup(I, intermediate_align)) for one rank.
+
+        Raises LayoutError unless H and I are positive multiples of 32 (MXFP4 blocks).
+        """
+        _check_row_order(row_order)
+        self._check_activation(activation)
+        align = intermediate_align_option({"intermediate_align": intermediate_align})
+        for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
+            if size <= 0 or size % MX_BLOCK:
+                raise LayoutError(
+                    f"trtllm: {what} size {size} must be a positive multiple of {MX_BLOCK} (MXFP4 block size)"
+                )
+        return round_up(hidden_size, HIDDEN_ALIGN), round_up(intermediate_size, align)
+
+    def _checked_padding(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> tuple[int, int]:
+        """(Hp, Ip) for ``sizes``; LayoutError if sizes' padded values disagree with this layout."""
+        Hp, Ip = self.padded_sizes(
+            sizes.hidden_size,
+            sizes.intermediate_size,
+            sizes.row_order,
+            activation,
+            intermediate_align=intermediate_align_option(options),
+        )
+        got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
+        if got != (Hp, Ip):
+            raise LayoutError(
+                f"trtllm: padded sizes (Hp, Ip) = {got} do not match the layout's {(Hp, Ip)} for "
+                f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} "
+                f"(Hp = roundup(H, {HIDDEN_ALIGN}), Ip = roundup(I, intermediate_align = "
+                f"{intermediate_align_option(options)}))"
+            )
+        return Hp, Ip
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+        """Shapes/dtypes of the kernel tensors (biases only when ``sizes.has_bias``)."""
+        Hp, Ip = self._checked_padding(sizes, activation, options)
+        E = sizes.num_experts
+        specs = {
+            "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), torch.uint8),
+            "w13_weight_scale": TensorSpec((E, 2 * Ip, Hp // MX_BLOCK), KERNEL_SCALE_DTYPE),
+            "w2_weight": TensorSpec((E, Hp, Ip // 2), torch.uint8),
+            "w2_weight_scale": TensorSpec((E, Hp, Ip // MX_BLOCK), KERNEL_SCALE_DTYPE),
+        }
+        if sizes.has_bias:
+            specs["w13_bias"] = TensorSpec((E, 2 * Ip), KERNEL_BIAS_DTYPE)
+            specs["w2_bias"] = TensorSpec((E, Hp), KERNEL_BIAS_DTYPE)
+        return specs
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
+        """Canonical stack -> padded, permuted kernel tensors on ``c``'s device (table in module doc)."""
+        c.validate()
+        if (c.w13_bias is None) != (c.w2_bias is None):
+            raise LayoutError("trtllm needs both w13_bias and w2_bias, or neither")
+        Hp, Ip = self.padded_sizes(
+            c.hidden_size,
+            c.intermediate_size,
+            c.row_order,
+            activation,
+            intermediate_align=intermediate_align_option(options),
+        )
+        padded = pad_canonical(c, Hp, Ip, scale_fill=SCALE_FILL)
+        src13 = w13_row_src(Ip, c.row_order, c.device)
+        src2 = w2_row_src(Hp, c.device)
+        out: KernelTensors = {
+            "w13_weight": padded.w13.index_select(1, src13).contiguous(),
+            "w13_weight_scale": _swizzled_kernel_scales(padded.w13_scale.index_select(1, src13)),
+            "w2_weight": padded.w2.index_select(1, src2).contiguous(),
+            "w2_weight_scale": _swizzled_kernel_scales(padded.w2_scale.index_select(1, src2)),
+        }
+        if padded.w13_bias is not None and padded.w2_bias is not None:
+            out["w13_bias"] = padded.w13_bias.to(KERNEL_BIAS_DTYPE).index_select(1, src13).contiguous()
+            out["w2_bias"] = padded.w2_bias.to(KERNEL_BIAS_DTYPE).index_select(1, src2).contiguous()
+        return out
+
+    # -- inverse -------------------------------------------------------------------------------
+
+    def from_kernel(
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+    ) -> CanonicalExperts:
+        """Kernel tensors -> canonical (unpadded) stack; biases come back as float32.
+
+        Raises LayoutError for a missing/unexpected tensor, a wrong shape or dtype, tensors on
+        different devices, or a padding byte that is not its fill (weights/scales 0, biases 0.0;
+        the index is reported in padded canonical coordinates).
+        """
+        specs = self.kernel_specs(sizes, activation, options)
+        _check_kernel_tensors(k, specs)
+        Hp, Ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
+        device = k["w13_weight"].device
+        dst13 = w13_row_dst(Ip, sizes.row_order, device)
+        dst2 = w2_row_dst(Hp, device)
+        padded = CanonicalExperts(
+            w13=k["w13_weight"].index_select(1, dst13),
+            w13_scale=_unswizzled_kernel_scales(k["w13_weight_scale"]).index_select(1, dst13),
+            w2=k["w2_weight"].index_select(1, dst2),
+            w2_scale=_unswizzled_kernel_scales(k["w2_weight_scale"]).index_select(1, dst2),
+            w13_bias=k["w13_bias"].index_select(1, dst13) if sizes.has_bias else None,
+            w2_bias=k["w2_bias"].index_select(1, dst2) if sizes.has_bias else None,
+            row_order=sizes.row_order,
+        )
+        return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size, scale_fill=SCALE_FILL, check=True)
+
+    # -- manifest ------------------------------------------------------------------------------
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
+        self._checked_padding(sizes, activation, options)
+        return {
+            "name": self.name,
+            "version": self.version,
+            "engine_compat": dict(ENGINE_COMPAT),
+            "activation": activation,
+            "vllm_moe_backend": VLLM_BACKENDS[activation],
+            "epilogue_tile_m": EPILOGUE_TILE_M,
+            "shuffle_block_rows": SHUFFLE_BLOCK_ROWS,
+            "num_elts_per_sf": NUM_ELTS_PER_SF,
+            "scale_swizzle": f"{SF_TILE_ROWS}x{SF_TILE_COLS}",
+            "scale_dtype": "float8_e4m3fn view of E8M0 bytes",
+            "scale_fill": SCALE_FILL,
+            "bias_dtype": "float32",
+            "w13_kernel_row_order": "up_gate_pairs",
+            "hidden_align": HIDDEN_ALIGN,
+            "intermediate_align": intermediate_align_option(options),
+        }
+
+
+def _swizzled_kernel_scales(row_permuted: torch.Tensor) -> torch.Tensor:
+    """[E, R, C] uint8 (rows already permuted) -> [E, R, C] float8_e4m3fn view of the swizzled bytes."""
+    E, R, C = row_permuted.shape
+    if swizzled_scale_size(R, C) != R * C:
+        raise LayoutError(f"trtllm scale matrix [{R}, {C}] needs R % 128 == 0 and C % 4 == 0")
+    return swizzle_128x4(row_permuted).reshape(E, R, C).view(KERNEL_SCALE_DTYPE)
+
+
+def _unswizzled_kernel_scales(kernel_scale: torch.Tensor) -> torch.Tensor:
+    """[E, R, C] float8_e4m3fn kernel scales -> [E, R, C] uint8 matrix (rows still permuted)."""
+    E, R, C = kernel_scale.shape
+    return unswizzle_128x4(kernel_scale.view(torch.uint8).reshape(E, R * C), R, C)
+
+
+def _check_kernel_tensors(k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
+    """LayoutError unless ``k`` holds exactly the tensors of ``specs`` with those shapes/dtypes, on one device."""
+    missing = [name for name in specs if name not in k]
+    if missing:
+        raise LayoutError(f"trtllm kernel tensors missing: {', '.join(missing)}")
+    unexpected = [name for name in k if name not in specs]
+    if unexpected:
+        raise LayoutError(f"unexpected trtllm kernel tensors: {', '.join(unexpected)}")
+    for name, spec in specs.items():
+        t = k[name]
+        if tuple(t.shape) != spec.shape:
+            raise LayoutError(f"trtllm kernel tensor {name} has shape {tuple(t.shape)}, expected {spec.shape}")
+        if t.dtype != spec.dtype:
+            raise LayoutError(f"trtllm kernel tensor {name} has dtype {t.dtype}, expected {spec.dtype}")
+    devices = {str(t.device) for t in k.values()}
+    if len(devices) > 1:
+        raise LayoutError(f"trtllm kernel tensors are on different devices: {sorted(devices)}")
+
+
+LAYOUT = TrtllmLayout()
