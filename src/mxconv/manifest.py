@@ -1,0 +1,108 @@
+"""``mxconv.json``: what the bytes of a converted checkpoint mean (see contract.md).
+
+Written last and atomically; its presence means the output is complete.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import sys
+from pathlib import Path
+from typing import Any
+
+from mxconv import __version__
+from mxconv.checkpoint import MANIFEST_NAME
+from mxconv.errors import BadInput
+from mxconv.writer import IN_PROGRESS, WrittenTensor, atomic_write_json
+
+FORMAT_VERSION = 1
+REQUIRED_KEYS = (
+    "format_version",
+    "tool_version",
+    "command",
+    "created",
+    "source",
+    "family",
+    "kind",
+    "weight_format",
+    "scale_rounding",
+    "backend",
+    "activation",
+    "tp_size",
+    "layout",
+    "tensors",
+)
+
+
+def base_manifest(
+    *,
+    source: dict[str, Any],
+    family: str,
+    kind: str,
+    weight_format: str,
+    scale_rounding: str | None,
+    backend: str | None,
+    activation: str | None,
+    tp_size: int,
+    layout: dict[str, Any],
+    model: dict[str, Any],
+    layers: list[dict[str, Any]],
+    numerics: dict[str, Any],
+    argv: list[str] | None = None,
+) -> dict[str, Any]:
+    """Every manifest key except ``tensors`` (filled in by :func:`finish_manifest`)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "tool_version": __version__,
+        "command": list(argv if argv is not None else sys.argv),
+        "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
+        "source": source,
+        "family": family,
+        "kind": kind,
+        "weight_format": weight_format,
+        "scale_rounding": scale_rounding,
+        "backend": backend,
+        "activation": activation,
+        "tp_size": tp_size,
+        "layout": layout,
+        "numerics": numerics,
+        "model": model,
+        "layers": layers,
+        "tensors": {},
+    }
+
+
+def tensor_table(written: dict[str, WrittenTensor], prefix: str = "") -> dict[str, dict[str, Any]]:
+    """Manifest ``tensors`` entries; ``prefix`` (e.g. 'rank-1/') is prepended to file names."""
+    return {
+        name: {"file": prefix + w.file, "shape": w.shape, "dtype": w.dtype, "sha256": w.sha256, "role": w.role}
+        for name, w in written.items()
+    }
+
+
+def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
+    """Write mxconv.json atomically, then drop the in-progress marker."""
+    atomic_write_json(out_dir / MANIFEST_NAME, manifest)
+    (out_dir / IN_PROGRESS).unlink(missing_ok=True)
+
+
+def load_manifest(root: Path) -> dict[str, Any]:
+    """Read and sanity-check ``root/mxconv.json`` (BadInput when missing or malformed)."""
+    import json
+
+    path = root / MANIFEST_NAME
+    if not path.exists():
+        hint = " (an interrupted mxconv run?)" if (root / IN_PROGRESS).exists() else ""
+        raise BadInput(f"{root}: no {MANIFEST_NAME}; not a complete mxconv output{hint}")
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadInput(f"{path}: malformed manifest ({exc})") from None
+    if not isinstance(m, dict):
+        raise BadInput(f"{path}: malformed manifest (not a JSON object)")
+    missing = [k for k in REQUIRED_KEYS if k not in m]
+    if missing:
+        raise BadInput(f"{path}: manifest lacks required keys {missing}")
+    if m["format_version"] > FORMAT_VERSION:
+        raise BadInput(f"{path}: manifest format_version {m['format_version']} is newer than this mxconv understands")
+    return m

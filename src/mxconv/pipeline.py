@@ -1,0 +1,128 @@
+"""Overlapped read -> compute -> write over an ordered list of work items.
+
+    reader threads (safetensors reads, CPU)  --bounded window-->  main thread (H2D, kernels, D2H)
+        --bounded queue-->  writer thread (shard files, sha256)
+
+Host memory is bounded by ``prefetch`` items being read, one being computed and ``queue_depth``
+waiting to be written; the GPU holds one item at a time. Items keep their order end to end, which
+is what lets every shard header be written before its data.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from mxconv.writer import ShardedWriter
+
+
+@dataclass
+class WorkItem:
+    """One unit of work: a group of tensors copied byte for byte, or one MoE layer."""
+
+    kind: str  # "copy" | "layer"
+    in_bytes: int
+    copy_names: list[str] = field(default_factory=list)  # for "copy": tensor names, in plan order
+    payload: Any = None  # for "layer": whatever load/compute need (e.g. a MoELayerRef)
+    # for "layer": per destination writer, the tensor names this item writes, in plan order
+    out_names: list[list[str]] = field(default_factory=list)
+
+
+LoadFn = Callable[[WorkItem], Any]
+ComputeFn = Callable[[WorkItem, Any], list[dict[str, torch.Tensor]]]
+
+
+def run_pipeline(
+    items: list[WorkItem],
+    writers: list[ShardedWriter],
+    load: LoadFn,
+    compute: ComputeFn,
+    on_progress: Callable[[int], None] | None = None,
+    read_threads: int = 2,
+    prefetch: int = 2,
+    queue_depth: int = 2,
+) -> None:
+    """Run ``items`` through load (threads) -> compute (this thread) -> write (one thread)."""
+    q: queue.Queue = queue.Queue(maxsize=queue_depth)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def writer_loop() -> None:
+        while True:
+            got = q.get()
+            if got is None:
+                return
+            if stop.is_set():  # a failure elsewhere: keep draining so nobody blocks on the queue
+                continue
+            item, results = got
+            try:
+                if item.kind == "copy":
+                    for name in item.copy_names:
+                        for w in writers:
+                            w.copy_tensor(name)
+                else:
+                    for w, names, res in zip(writers, item.out_names, results):
+                        for name in names:
+                            w.write_tensor(name, res[name])
+                if on_progress:
+                    on_progress(item.in_bytes)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                errors.append(exc)
+                stop.set()
+            del got, results
+
+    wt = threading.Thread(target=writer_loop, name="mxconv-writer", daemon=True)
+    wt.start()
+    pending: list[tuple[WorkItem, Future | None]] = []
+    pool = ThreadPoolExecutor(max_workers=max(1, read_threads), thread_name_prefix="mxconv-read")
+
+    def submit(i: int) -> None:
+        item = items[i]
+        pending.append((item, pool.submit(load, item) if item.kind == "layer" else None))
+
+    try:
+        nxt = 0
+        loaded_ahead = 0
+        while nxt < len(items) and loaded_ahead < prefetch:
+            if items[nxt].kind == "layer":
+                loaded_ahead += 1
+            submit(nxt)
+            nxt += 1
+        while pending:
+            if stop.is_set():
+                break
+            item, fut = pending.pop(0)
+            if fut is not None:
+                data = fut.result()
+                results = compute(item, data)
+                del data
+                loaded_ahead -= 1
+            else:
+                results = []
+            while nxt < len(items) and (items[nxt].kind != "layer" or loaded_ahead < prefetch):
+                if items[nxt].kind == "layer":
+                    loaded_ahead += 1
+                submit(nxt)
+                nxt += 1
+            q.put((item, results))
+            del results
+    except BaseException:
+        stop.set()
+        for _item, fut in pending:
+            if fut is not None:
+                fut.cancel()
+        raise
+    finally:
+        q.put(None)
+        wt.join()
+        pool.shutdown(wait=True, cancel_futures=True)
+        if stop.is_set():
+            for w in writers:
+                w.abort()
+        if errors:
+            raise errors[0]

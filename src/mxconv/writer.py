@@ -1,0 +1,290 @@
+"""Streaming, atomic safetensors output.
+
+The whole output is planned before a byte is written (names, dtypes, shapes, hence sizes), so each
+shard's header is known up front. Tensors then stream into their shard in plan order; each shard is
+written under a temporary name and renamed into place once complete; the index follows, and the
+caller writes ``mxconv.json`` last. An interrupted run leaves only temporary files and the
+``.mxconv-in-progress`` marker: nothing that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxconv.checkpoint import INDEX_NAME, MANIFEST_NAME
+from mxconv.errors import BadInput
+from mxconv.layouts.base import TensorSpec
+from mxconv.st_format import TORCH_TO_ST, TensorInfo, expected_nbytes
+
+IN_PROGRESS = ".mxconv-in-progress"
+TMP_SUFFIX = ".mxconv-tmp"
+COPY_CHUNK = 64 * 1024 * 1024
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '2GiB' / '1000000' -> bytes (decimal units as huggingface uses them)."""
+    s = text.strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for u, mult in units.items():
+        if s.endswith(u):
+            num = s[: -len(u)]
+            break
+    else:
+        num, mult = s, 1
+    try:
+        value = float(num)
+    except ValueError:
+        raise BadInput(f"--max-shard-size: cannot parse {text!r} (use e.g. 5GB, 500MB, 2GiB)") from None
+    if value <= 0:
+        raise BadInput(f"--max-shard-size must be positive, got {text!r}")
+    return int(value * mult)
+
+
+@dataclass
+class PlannedTensor:
+    """One output tensor: its name, spec, role and (for byte copies) the source it comes from."""
+
+    name: str
+    spec: TensorSpec
+    role: str  # "expert" | "router" | "copy"
+    source: TensorInfo | None = None  # set for tensors copied byte for byte
+
+    @property
+    def st_dtype(self) -> str:
+        if self.source is not None:
+            return self.source.dtype
+        return TORCH_TO_ST[self.spec.dtype]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape if self.source is not None else self.spec.shape
+
+    @property
+    def nbytes(self) -> int:
+        return expected_nbytes(self.st_dtype, self.shape)
+
+
+@dataclass
+class ShardPlan:
+    file: str
+    tensors: list[PlannedTensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def plan_shards(tensors: list[PlannedTensor], max_shard_size: int) -> list[ShardPlan]:
+    """Greedy split in plan order; a tensor larger than the limit gets a shard of its own."""
+    groups: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    n = len(groups)
+    return [ShardPlan(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def _header_bytes(shard: ShardPlan, metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": metadata}
+    off = 0
+    for t in shard.tensors:
+        header[t.name] = {"dtype": t.st_dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's raw little-endian bytes (contiguous) as a memoryview."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+def prepare_output_dir(out: Path, sources: list[Path], overwrite: bool) -> list[str]:
+    """Check OUTPUT against SOURCE and emptiness rules; clear a previous mxconv output if allowed.
+
+    Returns notes for the user. Rules: OUTPUT must not be (or be inside, or contain) a SOURCE; a
+    non-empty OUTPUT needs ``overwrite`` unless it is an interrupted mxconv run (marker present,
+    no manifest), which is cleaned up automatically.
+    """
+    out = out.expanduser().resolve()
+    for src in sources:
+        src = src.resolve()
+        if out == src or src in out.parents:
+            raise BadInput(f"OUTPUT {out} is the SOURCE or inside it ({src}); choose another directory")
+        if out in src.parents:
+            raise BadInput(f"OUTPUT {out} contains the SOURCE ({src}); choose another directory")
+    notes: list[str] = []
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"OUTPUT {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
+        interrupted = (out / IN_PROGRESS).exists() and not (out / MANIFEST_NAME).exists()
+        if not overwrite and not interrupted:
+            raise BadInput(f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
+        notes.append(
+            f"cleaning up an interrupted mxconv run in {out}" if interrupted else f"overwriting {out}"
+        )
+        # The manifest goes first so that a crash from here on never leaves a 'complete' look.
+        (out / MANIFEST_NAME).unlink(missing_ok=True)
+        for p in out.iterdir():
+            if p.name.endswith(".safetensors") or p.name.endswith(TMP_SUFFIX) or p.name == INDEX_NAME:
+                p.unlink()
+            elif p.is_dir() and p.name.startswith("rank-"):
+                shutil.rmtree(p)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / IN_PROGRESS).write_text("an mxconv run is writing this directory; it is incomplete until mxconv.json exists\n")
+    return notes
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name("." + path.name + TMP_SUFFIX)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+@dataclass
+class WrittenTensor:
+    file: str
+    shape: list[int]
+    dtype: str
+    sha256: str
+    role: str
+
+
+@dataclass
+class ShardedWriter:
+    """Writes a planned set of shards into ``out_dir``, tensor by tensor, in plan order."""
+
+    out_dir: Path
+    shards: list[ShardPlan]
+    metadata: dict[str, str] = field(default_factory=lambda: {"format": "pt"})
+    written: dict[str, WrittenTensor] = field(default_factory=dict)
+    bytes_written: int = 0
+
+    def __post_init__(self) -> None:
+        self._queue = [(si, t) for si, s in enumerate(self.shards) for t in s.tensors]
+        self._pos = 0
+        self._file = None
+        self._shard_idx = -1
+        self._remaining_in_shard = 0
+
+    @property
+    def expected_next(self) -> str | None:
+        return self._queue[self._pos][1].name if self._pos < len(self._queue) else None
+
+    def _tmp(self, shard: ShardPlan) -> Path:
+        return self.out_dir / f".{shard.file}{TMP_SUFFIX}"
+
+    def _open_next(self, si: int) -> None:
+        shard = self.shards[si]
+        self._file = open(self._tmp(shard), "wb")
+        self._file.write(_header_bytes(shard, self.metadata))
+        self._shard_idx = si
+        self._remaining_in_shard = len(shard.tensors)
+
+    def _finish_shard(self) -> None:
+        assert self._file is not None
+        shard = self.shards[self._shard_idx]
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        os.replace(self._tmp(shard), self.out_dir / shard.file)
+
+    def _begin(self, name: str) -> PlannedTensor:
+        if self._pos >= len(self._queue):
+            raise RuntimeError(f"writer: unexpected tensor {name!r} after the plan ended")
+        si, planned = self._queue[self._pos]
+        if planned.name != name:
+            raise RuntimeError(f"writer: got tensor {name!r}, plan expects {planned.name!r}")
+        if self._file is None:
+            self._open_next(si)
+        return planned
+
+    def _end(self, planned: PlannedTensor, digest: str) -> None:
+        self.written[planned.name] = WrittenTensor(
+            self.shards[self._shard_idx].file, list(planned.shape), planned.st_dtype, digest, planned.role
+        )
+        self._pos += 1
+        self._remaining_in_shard -= 1
+        if self._remaining_in_shard == 0:
+            self._finish_shard()
+
+    def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Append ``tensor`` (CPU or CUDA) as the next planned tensor ``name``."""
+        planned = self._begin(name)
+        if tensor.dtype != planned.spec.dtype or tuple(tensor.shape) != tuple(planned.spec.shape):
+            raise RuntimeError(
+                f"writer: {name} is {tensor.dtype}{list(tensor.shape)}, plan says "
+                f"{planned.spec.dtype}{list(planned.spec.shape)}"
+            )
+        data = tensor_bytes(tensor)
+        if len(data) != planned.nbytes:
+            raise RuntimeError(f"writer: {name} has {len(data)} bytes, plan says {planned.nbytes}")
+        assert self._file is not None
+        self._file.write(data)
+        self.bytes_written += len(data)
+        self._end(planned, hashlib.sha256(data).hexdigest())
+
+    def copy_tensor(self, name: str) -> int:
+        """Copy the next planned tensor byte for byte from its source file; returns bytes copied."""
+        planned = self._begin(name)
+        src = planned.source
+        assert src is not None and self._file is not None
+        h = hashlib.sha256()
+        left = src.nbytes
+        with open(src.file, "rb") as f:
+            f.seek(src.begin)
+            while left:
+                chunk = f.read(min(COPY_CHUNK, left))
+                if not chunk:
+                    raise BadInput(f"{src.file}: tensor {name!r} is truncated")
+                self._file.write(chunk)
+                h.update(chunk)
+                left -= len(chunk)
+        self.bytes_written += src.nbytes
+        self._end(planned, h.hexdigest())
+        return src.nbytes
+
+    def finish(self) -> dict[str, WrittenTensor]:
+        """Check every planned tensor was written, then write the index. Returns the tensor table."""
+        if self._pos != len(self._queue):
+            raise RuntimeError(f"writer: {len(self._queue) - self._pos} planned tensors were never written")
+        weight_map = {name: w.file for name, w in self.written.items()}
+        total = sum(s.nbytes for s in self.shards)
+        atomic_write_json(self.out_dir / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        return self.written
+
+    def abort(self) -> None:
+        """Close and delete the temporary file of the shard in progress (best effort)."""
+        if self._file is not None:
+            try:
+                self._file.close()
+            finally:
+                self._tmp(self.shards[self._shard_idx]).unlink(missing_ok=True)
+                self._file = None

@@ -1,0 +1,160 @@
+"""Streaming writer: shard planning, byte-exact output, sha256, atomic renames, output-dir rules."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mxconv.errors import BadInput
+from mxconv.layouts.base import TensorSpec
+from mxconv.pipeline import WorkItem, run_pipeline
+from mxconv.st_format import read_header
+from mxconv.writer import (
+    IN_PROGRESS,
+    TMP_SUFFIX,
+    PlannedTensor,
+    ShardedWriter,
+    parse_size,
+    plan_shards,
+    prepare_output_dir,
+)
+
+
+def _pt(name: str, shape: tuple[int, ...], dtype=torch.uint8) -> PlannedTensor:
+    return PlannedTensor(name, TensorSpec(shape, dtype), "expert")
+
+
+def test_parse_size() -> None:
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("500MB") == 500 * 10**6
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("1000") == 1000
+    with pytest.raises(BadInput, match="cannot parse"):
+        parse_size("lots")
+    with pytest.raises(BadInput, match="must be positive"):
+        parse_size("0MB")
+
+
+def test_plan_shards_greedy_and_oversized() -> None:
+    ts = [_pt("a", (60,)), _pt("b", (50,)), _pt("c", (300,)), _pt("d", (10,))]
+    shards = plan_shards(ts, 100)
+    assert [[t.name for t in s.tensors] for s in shards] == [["a"], ["b"], ["c"], ["d"]]
+    assert [s.file for s in shards] == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    shards = plan_shards(ts, 1000)
+    assert len(shards) == 1 and shards[0].file == "model-00001-of-00001.safetensors"
+
+
+def test_writer_bytes_sha_and_index(tmp_path: Path) -> None:
+    src = tmp_path / "src.safetensors"
+    copied = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
+    save_file({"keep.me": copied}, str(src))
+    info = read_header(src)[0]["keep.me"]
+    a = torch.randint(0, 255, (3, 8), dtype=torch.uint8)
+    b = torch.randn(5, 4).to(torch.float8_e4m3fn)
+    plan = [
+        _pt("x.a", (3, 8)),
+        PlannedTensor("keep.me", TensorSpec(info.shape, info.torch_dtype), "copy", info),
+        _pt("x.b", (5, 4), torch.float8_e4m3fn),
+    ]
+    out = tmp_path / "out"
+    out.mkdir()
+    w = ShardedWriter(out, plan_shards(plan, 60))
+    w.write_tensor("x.a", a)
+    w.copy_tensor("keep.me")
+    w.write_tensor("x.b", b)
+    table = w.finish()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {"x.a", "keep.me", "x.b"}
+    assert index["metadata"]["total_size"] == 24 + 48 + 20
+    for name, want in (("x.a", a), ("keep.me", copied), ("x.b", b)):
+        f = out / index["weight_map"][name]
+        with safe_open(str(f), "pt") as fh:
+            got = fh.get_tensor(name)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert table[name].sha256 == hashlib.sha256(want.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    assert not list(out.glob("*" + TMP_SUFFIX)) and not list(out.glob(".*" + TMP_SUFFIX))
+
+
+def test_writer_refuses_out_of_plan(tmp_path: Path) -> None:
+    w = ShardedWriter(tmp_path, plan_shards([_pt("a", (4,)), _pt("b", (4,))], 100))
+    with pytest.raises(RuntimeError, match="plan expects 'a'"):
+        w.write_tensor("b", torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="plan says"):
+        w.write_tensor("a", torch.zeros(5, dtype=torch.uint8))
+
+
+def test_pipeline_failure_leaves_nothing_complete(tmp_path: Path) -> None:
+    """A compute error mid-run: the finished shard may be renamed, the open one stays temporary."""
+    plan = [_pt(f"t{i}", (16,)) for i in range(6)]
+    w = ShardedWriter(tmp_path, plan_shards(plan, 32))  # 2 tensors per shard
+    items = [WorkItem("layer", 16, payload=i, out_names=[[f"t{i}"]]) for i in range(6)]
+
+    def compute(item: WorkItem, data: int):
+        if data == 3:
+            raise ValueError("boom")
+        return [{f"t{data}": torch.full((16,), data, dtype=torch.uint8)}]
+
+    with pytest.raises(ValueError, match="boom"):
+        run_pipeline(items, [w], load=lambda it: it.payload, compute=compute)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "model.safetensors.index.json" not in names
+    assert not any(n.endswith(TMP_SUFFIX) for n in names)  # the open shard's temp file was removed
+    assert all(n.startswith("model-0000") for n in names)
+
+
+def test_pipeline_writes_in_order(tmp_path: Path) -> None:
+    plan = [_pt(f"t{i}", (8,)) for i in range(9)]
+    w = ShardedWriter(tmp_path, plan_shards(plan, 24))
+    items = [WorkItem("layer", 8, payload=i, out_names=[[f"t{i}"]]) for i in range(9)]
+    seen = []
+    run_pipeline(items, [w], load=lambda it: it.payload,
+                 compute=lambda it, d: [{f"t{d}": torch.full((8,), d, dtype=torch.uint8)}],
+                 on_progress=seen.append, read_threads=3, prefetch=3)
+    w.finish()
+    assert sum(seen) == 72
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    for i in range(9):
+        with safe_open(str(tmp_path / index["weight_map"][f"t{i}"]), "pt") as fh:
+            assert fh.get_tensor(f"t{i}").tolist() == [i] * 8
+
+
+def test_prepare_output_dir_rules(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    with pytest.raises(BadInput, match="is the SOURCE or inside it"):
+        prepare_output_dir(src, [src], overwrite=True)
+    with pytest.raises(BadInput, match="is the SOURCE or inside it"):
+        prepare_output_dir(src / "sub", [src], overwrite=True)
+    with pytest.raises(BadInput, match="contains the SOURCE"):
+        prepare_output_dir(tmp_path, [src], overwrite=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("x")
+    with pytest.raises(BadInput, match="not empty; pass --overwrite"):
+        prepare_output_dir(out, [src], overwrite=False)
+    (out / "model-00001-of-00001.safetensors").write_bytes(b"old")
+    (out / "mxconv.json").write_text("{}")
+    notes = prepare_output_dir(out, [src], overwrite=True)
+    assert notes == [f"overwriting {out.resolve()}"]
+    assert not (out / "mxconv.json").exists() and not (out / "model-00001-of-00001.safetensors").exists()
+    assert (out / IN_PROGRESS).exists()
+    assert (out / "precious.txt").exists()  # files mxconv does not write are left alone
+
+
+def test_interrupted_output_is_cleaned_without_overwrite(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / IN_PROGRESS).write_text("")
+    (out / (".model-00001-of-00002.safetensors" + TMP_SUFFIX)).write_bytes(b"partial")
+    notes = prepare_output_dir(out, [src], overwrite=False)
+    assert "interrupted" in notes[0]
+    assert not list(out.glob("*" + TMP_SUFFIX)) and not list(out.glob(".*" + TMP_SUFFIX))
