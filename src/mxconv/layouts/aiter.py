@@ -1,0 +1,573 @@
+"""AMD AITER MXFP4 MoE layouts: the bytes vLLM (>= 0.33, ROCm, gfx950) hands to AITER's CK kernels.
+
+Spec: docs/layout-aiter.md. Two kernel families, picked by ``--activation``:
+
+* ``"bf16"``  -> a16w4, vLLM backend ``AITER_MXFP4_BF16`` (spec sections 4.2 / 4.3 default path).
+  w13 rows are put in concat order (gpt-oss interleaved sources are de-interleaved first), then
+  weights get ``W16 o GU16`` (w13) / ``W16`` (w2); scales get their K columns padded to a multiple
+  of 8 with 0x7F, then ``GU16`` (w13 only) and ``S32x8``, stored **2-D** ``[E*N, Cp]``.
+* ``"mxfp4"`` -> a4w4, vLLM backend ``AITER_MXFP4_MXFP4`` (section 4.4). Rows keep their source
+  order; weights ``W16``; scales ``e8m0_shuffle`` of the 2-D ``[E*N, K/32]`` view, stored **3-D**
+  ``[E, N, round_up(K/32, 8)]``. The padded scale columns are uninitialised upstream; we write 0x7F.
+
+Padding (section 4.1, vLLM 0.33 ROCm table), all zero-filled (weights, scales, biases):
+
+| activation | row order                  | hidden align | intermediate align |
+|------------|----------------------------|--------------|--------------------|
+| bf16       | interleaved (gpt-oss)      | 256          | 256                |
+| bf16       | halves (silu checkpoints)  | 128          | 128                |
+| mxfp4      | either                     | 256          | 128                |
+
+Every transform is a reshape/permute of whole bytes, so it runs unchanged on CPU and CUDA tensors
+and over the whole ``[E, ...]`` stack at once. The primitives accept any dtype (tests feed them
+integer id tensors to trace where each byte goes).
+
+Options read (``options`` dict, all optional):
+
+* ``"check_undefined_scale_padding"`` (bool, default True): in :meth:`AiterLayout.from_kernel`
+  for ``mxfp4``, require the scale column padding (bytes upstream leaves uninitialised) to hold
+  0x7F. Set False to read scales dumped from a live vLLM process. The a16w4 scale padding is
+  defined upstream (0x7F) and is always checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from mxconv.errors import LayoutError
+from mxconv.layouts.base import (
+    ROW_ORDERS,
+    CanonicalExperts,
+    KernelTensors,
+    LayoutSizes,
+    TensorSpec,
+    pad_canonical,
+    round_up,
+    unpad_canonical,
+)
+
+# Byte written into scale columns that AITER pads (E8M0 0x7F = 2**0; never 0xFF, which is NaN).
+SCALE_PAD_FILL = 0x7F
+# Fill of the padding vLLM allocates before any shuffle (gpt-oss Mxfp4MoEMethod zero-inits).
+VLLM_PAD_FILL = 0
+
+ACTIVATIONS = ("bf16", "mxfp4")
+VLLM_BACKENDS = {"bf16": "AITER_MXFP4_BF16", "mxfp4": "AITER_MXFP4_MXFP4"}
+KERNEL_KINDS = {"bf16": "a16w4", "mxfp4": "a4w4"}
+
+# (hidden align, intermediate align) per (activation, row order): spec section 4.1.
+_ALIGN: dict[tuple[str, str], tuple[int, int]] = {
+    ("bf16", "interleaved"): (256, 256),
+    ("bf16", "halves"): (128, 128),
+    ("mxfp4", "interleaved"): (256, 128),
+    ("mxfp4", "halves"): (256, 128),
+}
+
+# Alternative dtypes with identical bytes that from_kernel accepts (vLLM's own views).
+_BYTE_ALIASES: dict[str, tuple[torch.dtype, ...]] = {
+    "weight": tuple(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None),
+    "scale": tuple(d for d in (getattr(torch, "float8_e8m0fnu", None),) if d is not None),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The three primitives (spec section 2) and the gpt-oss row de-interleave, as reshape/permutes.
+# W16 / S32x8 act on the trailing [N, X] matrix (any leading dims); row maps act on dim 1 of
+# [E, N, *rest].
+# ---------------------------------------------------------------------------------------------
+
+
+def _swap_axes(t: torch.Tensor, lead: int, order: tuple[int, ...]) -> torch.Tensor:
+    """Permute the axes after the first ``lead`` ones by ``order`` (relative indices)."""
+    return t.permute(*range(lead), *(lead + o for o in order))
+
+
+def w16(x: torch.Tensor) -> torch.Tensor:
+    """W16: cut each trailing ``[N, B]`` matrix into 16x16 tiles, tiles row-block-major, bytes
+    row-major inside a tile: ``out_flat[((r//16)*(B/16) + c//16)*256 + (r%16)*16 + c%16] = in[r, c]``.
+
+    x: ``[..., N, B]`` (any dtype), ``N % 16 == 0``, ``B % 16 == 0``. Returns the same shape, contiguous.
+    """
+    *lead, n, b = x.shape
+    _need(n % 16 == 0 and b % 16 == 0, f"W16 needs rows and bytes multiples of 16, got [{n}, {b}]")
+    t = x.reshape(*lead, n // 16, 16, b // 16, 16)
+    return _swap_axes(t, len(lead), (0, 2, 1, 3)).reshape(*lead, n, b)
+
+
+def w16_inverse(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`w16` (same shape contract)."""
+    *lead, n, b = x.shape
+    _need(n % 16 == 0 and b % 16 == 0, f"W16 needs rows and bytes multiples of 16, got [{n}, {b}]")
+    t = x.reshape(*lead, n // 16, b // 16, 16, 16)
+    return _swap_axes(t, len(lead), (0, 2, 1, 3)).reshape(*lead, n, b)
+
+
+def gu16(x: torch.Tensor) -> torch.Tensor:
+    """GU16: rows ``[gate (N/2); up (N/2)]`` -> 16-row blocks alternating gate and up.
+
+    Dest row ``d = 16*j + q`` takes source row ``(j % 2) * N/2 + (j // 2) * 16 + q``.
+    x: ``[E, N, *rest]`` (any dtype), ``N % 32 == 0``. Returns the same shape, contiguous.
+    """
+    e, n, *rest = x.shape
+    _need(n % 32 == 0, f"GU16 needs a row count that is a multiple of 32, got {n}")
+    t = x.reshape(e, 2, n // 32, 16, *rest)
+    return t.transpose(1, 2).reshape(e, n, *rest)
+
+
+def gu16_inverse(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`gu16`: back to ``[gate; up]`` (same shape contract)."""
+    e, n, *rest = x.shape
+    _need(n % 32 == 0, f"GU16 needs a row count that is a multiple of 32, got {n}")
+    t = x.reshape(e, n // 32, 2, 16, *rest)
+    return t.transpose(1, 2).reshape(e, n, *rest)
+
+
+def s32x8(x: torch.Tensor) -> torch.Tensor:
+    """S32x8: 32-row x 8-column scale tiles, tiles row-block-major; inside a tile, with
+    ``r%32 = 16*b + c`` and ``q%8 = 4*f + g``, the byte goes to ``((g*16 + c)*2 + f)*2 + b``.
+
+    x: ``[..., R, C]`` (any dtype), ``R % 32 == 0``, ``C % 8 == 0``. Returns the same shape, contiguous.
+    """
+    *lead, r, c = x.shape
+    _need(r % 32 == 0 and c % 8 == 0, f"S32x8 needs rows % 32 == 0 and columns % 8 == 0, got [{r}, {c}]")
+    # axes: (row tile, b, c, col tile, f, g) -> (row tile, col tile, g, c, f, b)
+    t = x.reshape(*lead, r // 32, 2, 16, c // 8, 2, 4)
+    return _swap_axes(t, len(lead), (0, 3, 5, 2, 4, 1)).reshape(*lead, r, c)
+
+
+def s32x8_inverse(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`s32x8` (same shape contract)."""
+    *lead, r, c = x.shape
+    _need(r % 32 == 0 and c % 8 == 0, f"S32x8 needs rows % 32 == 0 and columns % 8 == 0, got [{r}, {c}]")
+    # axes: (row tile, col tile, g, c, f, b) -> (row tile, b, c, col tile, f, g)
+    t = x.reshape(*lead, r // 32, c // 8, 4, 16, 2, 2)
+    return _swap_axes(t, len(lead), (0, 5, 3, 1, 4, 2)).reshape(*lead, r, c)
+
+
+def deinterleave_rows(x: torch.Tensor) -> torch.Tensor:
+    """gpt-oss rows ``g0, u0, g1, u1, ...`` -> ``[g0..g(I-1); u0..u(I-1)]``.
+
+    x: ``[E, 2I, *rest]`` (any dtype). Dest row ``d < I`` <- ``2d``; dest ``I + j`` <- ``2j + 1``.
+    """
+    e, n, *rest = x.shape
+    _need(n % 2 == 0, f"de-interleave needs an even row count, got {n}")
+    return x.reshape(e, n // 2, 2, *rest).transpose(1, 2).reshape(e, n, *rest)
+
+
+def interleave_rows(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`deinterleave_rows`: dest ``2m`` <- ``m``, dest ``2m+1`` <- ``I + m``."""
+    e, n, *rest = x.shape
+    _need(n % 2 == 0, f"re-interleave needs an even row count, got {n}")
+    return x.reshape(e, 2, n // 2, *rest).transpose(1, 2).reshape(e, n, *rest)
+
+
+def pad_columns(x: torch.Tensor, cols: int, fill: int) -> torch.Tensor:
+    """Pad the last axis of ``x`` to ``cols`` with ``fill`` (returns ``x`` when already that wide)."""
+    if x.shape[-1] == cols:
+        return x
+    out = torch.full((*x.shape[:-1], cols), fill, dtype=x.dtype, device=x.device)
+    out[..., : x.shape[-1]] = x
+    return out
+
+
+def shuffle_scale_a16w4(s: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """AITER ``shuffle_scale_a16w4(s.view(E*N, C), E, gate_up)``.
+
+    s: ``[E, N, C]`` uint8 E8M0, ``N % 32 == 0``. Pads C to ``Cp = round_up(C, 8)`` with 0x7F,
+    applies GU16 when ``gate_up``, then S32x8 per expert. Returns 2-D ``[E*N, Cp]``, s's dtype.
+    """
+    e, n, c = s.shape
+    t = pad_columns(s, round_up(c, 8), SCALE_PAD_FILL)
+    if gate_up:
+        t = gu16(t)
+    return s32x8(t).reshape(e * n, -1)
+
+
+def unshuffle_scale_a16w4(s2d: torch.Tensor, num_experts: int, gate_up: bool) -> torch.Tensor:
+    """Inverse of :func:`shuffle_scale_a16w4` without cropping: 2-D ``[E*N, Cp]`` -> ``[E, N, Cp]``
+    (columns ``>= C`` still hold the padding)."""
+    t = s32x8_inverse(s2d.reshape(num_experts, -1, s2d.shape[-1]))
+    return gu16_inverse(t) if gate_up else t
+
+
+def e8m0_shuffle(s2d: torch.Tensor, fill: int = SCALE_PAD_FILL) -> torch.Tensor:
+    """AITER ``e8m0_shuffle`` with a deterministic fill for the bytes upstream leaves uninitialised.
+
+    s2d: ``[M, C]``. Pads to ``[round_up(M, 256), round_up(C, 8)]`` with ``fill``, then S32x8 over
+    the 2-D matrix. Returns the padded 2-D result.
+    """
+    m, c = s2d.shape
+    padded = torch.full((round_up(m, 256), round_up(c, 8)), fill, dtype=s2d.dtype, device=s2d.device)
+    padded[:m, :c] = s2d
+    return s32x8(padded)
+
+
+def e8m0_unshuffle(s2d: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`e8m0_shuffle` without cropping: padded ``[Mp, Cp]`` -> padded ``[Mp, Cp]``."""
+    return s32x8_inverse(s2d)
+
+
+def shuffle_scale_a4w4(s: torch.Tensor) -> torch.Tensor:
+    """vLLM's a4w4 scale step ``e8m0_shuffle(s.view(E*N, C)).view(E, N, -1)``.
+
+    s: ``[E, N, C]``. Raises LayoutError when ``E*N % 256 != 0`` (the padded 2-D result would not
+    view back to ``[E, N, -1]`` cleanly upstream). Returns ``[E, N, round_up(C, 8)]``.
+    """
+    e, n, c = s.shape
+    _check_a4w4_rows("scale", e, n)
+    return e8m0_shuffle(s.reshape(e * n, c)).reshape(e, n, -1)
+
+
+def unshuffle_scale_a4w4(s: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`shuffle_scale_a4w4` without cropping: ``[E, N, Cp]`` -> ``[E, N, Cp]``."""
+    e, n, cp = s.shape
+    _check_a4w4_rows("scale", e, n)
+    return e8m0_unshuffle(s.reshape(e * n, cp)).reshape(e, n, cp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Index functions: the spec formulas evaluated directly (for tests, verify and error messages).
+# Each returns an int64 tensor on ``device``.
+# ---------------------------------------------------------------------------------------------
+
+
+def w16_dest_offsets(n: int, b: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[N, B]``: flat destination offset (within one expert) of source byte ``(r, c)`` under W16."""
+    r = torch.arange(n, device=device).unsqueeze(1)
+    c = torch.arange(b, device=device).unsqueeze(0)
+    return ((r // 16) * (b // 16) + c // 16) * 256 + (r % 16) * 16 + c % 16
+
+
+def gu16_source_rows(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[N]``: concat-order source row of each GU16 destination row."""
+    d = torch.arange(n, device=device)
+    j, q = d // 16, d % 16
+    return (j % 2) * (n // 2) + (j // 2) * 16 + q
+
+
+def s32x8_dest_offsets(r: int, c: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[R, C]``: flat destination offset of source scale ``(row, col)`` under S32x8."""
+    row = torch.arange(r, device=device).unsqueeze(1)
+    col = torch.arange(c, device=device).unsqueeze(0)
+    b, cc = (row % 32) // 16, row % 16
+    f, g = (col % 8) // 4, col % 4
+    return ((row // 32) * (c // 8) + col // 8) * 256 + ((g * 16 + cc) * 2 + f) * 2 + b
+
+
+def deinterleave_source_rows(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[N]``: interleaved source row of each concat-order row (``d < N/2 <- 2d``, ``N/2 + j <- 2j+1``)."""
+    d = torch.arange(n, device=device)
+    half = n // 2
+    return torch.where(d < half, 2 * d, 2 * (d - half) + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-stack permutations of an already padded stack (what runs after vLLM's padding).
+# ---------------------------------------------------------------------------------------------
+
+
+def permute_padded(c: CanonicalExperts, activation: str) -> KernelTensors:
+    """Apply AITER's shuffles to an already padded stack (no padding is added here).
+
+    c: padded canonical stack (w13 ``[E, 2I, H/2]``, scales ``[E, 2I, H/32]``, ...; any dtype for
+    weights/scales so id tensors can be traced). Returns kernel tensors: a16w4 scales 2-D
+    ``[E*N, round_up(K/32, 8)]``, a4w4 scales 3-D ``[E, N, round_up(K/32, 8)]``, biases float32.
+    """
+    _check_activation(activation)
+    out: KernelTensors = {}
+    if activation == "bf16":
+        w13, s13, b13 = c.w13, c.w13_scale, c.w13_bias
+        if c.row_order == "interleaved":
+            w13, s13 = deinterleave_rows(w13), deinterleave_rows(s13)
+            b13 = None if b13 is None else deinterleave_rows(b13)
+        out["w13_weight"] = w16(gu16(w13))
+        out["w13_weight_scale"] = shuffle_scale_a16w4(s13, gate_up=True)
+        out["w2_weight"] = w16(c.w2)
+        out["w2_weight_scale"] = shuffle_scale_a16w4(c.w2_scale, gate_up=False)
+    else:
+        b13 = c.w13_bias
+        out["w13_weight"] = w16(c.w13)
+        out["w13_weight_scale"] = shuffle_scale_a4w4(c.w13_scale)
+        out["w2_weight"] = w16(c.w2)
+        out["w2_weight_scale"] = shuffle_scale_a4w4(c.w2_scale)
+    if b13 is not None:
+        out["w13_bias"] = b13.to(torch.float32).contiguous()
+    if c.w2_bias is not None:
+        out["w2_bias"] = c.w2_bias.to(torch.float32).contiguous()
+    return {name: out[name] for name in _ORDER if name in out}
+
+
+_ORDER = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Layout
+# ---------------------------------------------------------------------------------------------
+
+
+class AiterLayout:
+    """AITER MXFP4 MoE layout (vLLM ROCm ``AITER_MXFP4_BF16`` / ``AITER_MXFP4_MXFP4``)."""
+
+    name = "aiter"
+    version = 1
+    activations: tuple[str, ...] = ACTIVATIONS
+
+    def padded_sizes(
+        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str
+    ) -> tuple[int, int]:
+        """(Hp, Ip) per vLLM 0.33's ROCm table (module docstring). LayoutError if impossible."""
+        _check_activation(activation)
+        _check_row_order(row_order)
+        for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
+            if size <= 0 or size % 32:
+                raise LayoutError(
+                    f"aiter: {what} size {size} must be a positive multiple of 32 (MXFP4 block size)"
+                )
+        h_align, i_align = _ALIGN[(activation, row_order)]
+        return round_up(hidden_size, h_align), round_up(intermediate_size, i_align)
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+        """Output shapes/dtypes. a16w4: scales 2-D ``[E*N, round_up(K/32, 8)]``; a4w4: 3-D
+        ``[E, N, round_up(K/32, 8)]``; weights ``[E, N, K/2]`` uint8; biases float32."""
+        _check_sizes(sizes, activation)
+        e, hp, ip = sizes.num_experts, sizes.padded_hidden_size, sizes.padded_intermediate_size
+        u8 = torch.uint8
+        c13, c2 = round_up(hp // 32, 8), round_up(ip // 32, 8)
+        if activation == "bf16":
+            s13, s2 = (e * 2 * ip, c13), (e * hp, c2)
+        else:
+            s13, s2 = (e, 2 * ip, c13), (e, hp, c2)
+        specs = {
+            "w13_weight": TensorSpec((e, 2 * ip, hp // 2), u8),
+            "w13_weight_scale": TensorSpec(s13, u8),
+            "w2_weight": TensorSpec((e, hp, ip // 2), u8),
+            "w2_weight_scale": TensorSpec(s2, u8),
+        }
+        if sizes.has_bias:
+            specs["w13_bias"] = TensorSpec((e, 2 * ip), torch.float32)
+            specs["w2_bias"] = TensorSpec((e, hp), torch.float32)
+        return {name: specs[name] for name in _ORDER if name in specs}
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
+        """Canonical (unpadded) stack -> AITER kernel tensors on ``c``'s device (padding included)."""
+        c.validate()
+        if (c.w13_bias is None) != (c.w2_bias is None):
+            raise LayoutError("aiter: w13_bias and w2_bias must both be present or both absent")
+        hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
+        sizes = _sizes_of(c, hp, ip)
+        _check_sizes(sizes, activation)
+        padded = pad_canonical(c, hp, ip, scale_fill=VLLM_PAD_FILL)
+        return permute_padded(padded, activation)
+
+    def from_kernel(
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+    ) -> CanonicalExperts:
+        """Exact inverse of :meth:`to_kernel`. Checks shapes/dtypes, the 0x7F scale column padding
+        and vLLM's zero padding (LayoutError naming the tensor and the first offending index).
+        Biases come back as float32."""
+        options = options or {}
+        specs = self.kernel_specs(sizes, activation, options)
+        t = _validated_inputs(k, specs)
+        e, h, i = sizes.num_experts, sizes.hidden_size, sizes.intermediate_size
+        hp, ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
+        interleaved = sizes.row_order == "interleaved"
+        b13, b2 = t.get("w13_bias"), t.get("w2_bias")
+
+        if activation == "bf16":
+            w13 = gu16_inverse(w16_inverse(t["w13_weight"]))
+            s13 = unshuffle_scale_a16w4(t["w13_weight_scale"], e, gate_up=True)
+            w2 = w16_inverse(t["w2_weight"])
+            s2 = unshuffle_scale_a16w4(t["w2_weight_scale"], e, gate_up=False)
+            check_pad = True
+            fwd13 = _a16w4_scale_forward(gate_up=True, interleaved=interleaved)
+            fwd2 = _a16w4_scale_forward(gate_up=False, interleaved=False)
+            if interleaved:
+                w13, s13 = interleave_rows(w13), interleave_rows(s13)
+                b13 = None if b13 is None else interleave_rows(b13)
+        else:
+            w13 = w16_inverse(t["w13_weight"])
+            s13 = unshuffle_scale_a4w4(t["w13_weight_scale"])
+            w2 = w16_inverse(t["w2_weight"])
+            s2 = unshuffle_scale_a4w4(t["w2_weight_scale"])
+            check_pad = bool(options.get("check_undefined_scale_padding", True))
+            fwd13 = fwd2 = shuffle_scale_a4w4
+
+        if check_pad:
+            _check_scale_column_padding("w13_weight_scale", s13, hp // 32, fwd13)
+            _check_scale_column_padding("w2_weight_scale", s2, ip // 32, fwd2)
+        padded = CanonicalExperts(
+            w13=w13,
+            w13_scale=s13[..., : hp // 32],
+            w2=w2,
+            w2_scale=s2[..., : ip // 32],
+            w13_bias=b13,
+            w2_bias=b2,
+            row_order=sizes.row_order,
+        )
+        try:
+            return unpad_canonical(padded, h, i, scale_fill=VLLM_PAD_FILL, check=True)
+        except LayoutError as err:
+            raise LayoutError(
+                f"aiter ({KERNEL_KINDS[activation]}): {err} (index in the unshuffled, padded "
+                f"[E, N, K] view with {sizes.row_order} w13 rows)"
+            ) from err
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
+        _check_sizes(sizes, activation)
+        hp, ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
+        a16w4 = activation == "bf16"
+        scale_cols_padded = (hp // 32) % 8 != 0 or (ip // 32) % 8 != 0
+        # shuffle_scale_a16w4 learnt to pad K/32 to 8 columns in AITER c2b69b9b87; before that the
+        # same bytes came out of c4be416761 whenever no column padding is needed.
+        aiter_min = "c2b69b9b87" if (a16w4 and scale_cols_padded) else "c4be416761"
+        h_align, i_align = _ALIGN[(activation, sizes.row_order)]
+        weight_view = "float4_e2m1fn_x2"
+        return {
+            "name": self.name,
+            "version": self.version,
+            "engine_compat": {"vllm": ">=0.33", "aiter": f">={aiter_min}", "gfx": "gfx950"},
+            "activation": activation,
+            "vllm_backend": VLLM_BACKENDS[activation],
+            "kernel": KERNEL_KINDS[activation],
+            "is_shuffled": True,
+            "padding": {"hidden_align": h_align, "intermediate_align": i_align, "fill": VLLM_PAD_FILL},
+            "weight_shuffle": "W16 o GU16 (w13), W16 (w2)" if a16w4 else "W16 (w13, w2)",
+            "weight_tile": [16, 16],
+            "w13_kernel_row_order": "gate_up_16row_blocks" if a16w4 else sizes.row_order,
+            "scale_shuffle": "shuffle_scale_a16w4" if a16w4 else "e8m0_shuffle",
+            "scale_tile": [32, 8],
+            "scale_layout": "2d [E*N, round_up(K/32,8)]" if a16w4 else "3d [E, N, round_up(K/32,8)]",
+            "scale_pad_fill": SCALE_PAD_FILL,
+            "scale_pad_defined_upstream": a16w4 or not scale_cols_padded,
+            "w13_bias_row_order": "halves" if a16w4 else sizes.row_order,
+            "torch_dtype": {
+                "w13_weight": weight_view,
+                "w2_weight": weight_view,
+                "w13_weight_scale": "uint8",
+                "w2_weight_scale": "uint8",
+                "w13_bias": "float32",
+                "w2_bias": "float32",
+            },
+            "stored_dtype": {"weights": "uint8", "scales": "uint8", "biases": "float32"},
+        }
+
+
+LAYOUT = AiterLayout()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise LayoutError(f"aiter: {msg}")
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise LayoutError(f"aiter: unknown activation {activation!r} (expected one of {ACTIVATIONS})")
+
+
+def _check_row_order(row_order: str) -> None:
+    if row_order not in ROW_ORDERS:
+        raise LayoutError(f"aiter: unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
+
+
+def _check_a4w4_rows(what: str, num_experts: int, rows: int) -> None:
+    if (num_experts * rows) % 256:
+        raise LayoutError(
+            f"aiter a4w4: {what} needs E*N % 256 == 0 for e8m0_shuffle to view back to [E, N, -1], "
+            f"got E={num_experts}, N={rows} (E*N={num_experts * rows})"
+        )
+
+
+def _check_sizes(sizes: LayoutSizes, activation: str) -> None:
+    """Raise LayoutError unless the padded sizes satisfy the shuffle rules of ``activation``."""
+    _check_activation(activation)
+    _check_row_order(sizes.row_order)
+    e, h, i = sizes.num_experts, sizes.hidden_size, sizes.intermediate_size
+    hp, ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
+    _need(e >= 1, f"need at least one expert, got {e}")
+    _need(h % 32 == 0 and i % 32 == 0, f"hidden ({h}) and intermediate ({i}) sizes must be multiples of 32")
+    _need(hp >= h and ip >= i, f"padded sizes ({hp}, {ip}) smaller than ({h}, {i})")
+    _need(hp % 32 == 0 and ip % 32 == 0, f"padded sizes ({hp}, {ip}) must be multiples of 32")
+    if activation == "bf16":
+        # shuffle_weight_a16w4 reshapes K into 64-byte groups: K % 128 for both GEMMs.
+        _need(hp % 128 == 0, f"a16w4 needs the padded hidden size % 128 == 0 (w13 K), got {hp}")
+        _need(ip % 128 == 0, f"a16w4 needs the padded intermediate size % 128 == 0 (w2 K), got {ip}")
+    else:
+        # shuffle_weight (16, 16) asserts bytes % 32, i.e. K % 64.
+        _need(hp % 64 == 0, f"a4w4 needs the padded hidden size % 64 == 0 (w13 K), got {hp}")
+        _need(ip % 64 == 0, f"a4w4 needs the padded intermediate size % 64 == 0 (w2 K), got {ip}")
+        _check_a4w4_rows("w13_weight_scale", e, 2 * ip)
+        _check_a4w4_rows("w2_weight_scale", e, hp)
+
+
+def _sizes_of(c: CanonicalExperts, hp: int, ip: int) -> LayoutSizes:
+    return LayoutSizes(
+        num_experts=c.num_experts,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        padded_hidden_size=hp,
+        padded_intermediate_size=ip,
+        row_order=c.row_order,
+        has_bias=c.w13_bias is not None or c.w2_bias is not None,
+    )
+
+
+def _validated_inputs(k: KernelTensors, specs: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:
+    """Check every expected kernel tensor is present with the planned shape/dtype; return uint8 views."""
+    extra = sorted(set(k) & set(_ORDER) - set(specs))
+    if extra:
+        raise LayoutError(f"aiter: unexpected kernel tensor(s) {extra} for a layout without biases")
+    out: dict[str, torch.Tensor] = {}
+    for name, spec in specs.items():
+        if name not in k:
+            raise LayoutError(f"aiter: kernel tensor {name} is missing")
+        t = k[name]
+        if tuple(t.shape) != spec.shape:
+            raise LayoutError(f"aiter: {name} has shape {tuple(t.shape)}, expected {spec.shape}")
+        aliases = _BYTE_ALIASES["scale" if name.endswith("_scale") else "weight"]
+        if spec.dtype == torch.uint8 and t.dtype in aliases:
+            t = t.view(torch.uint8)
+        if t.dtype != spec.dtype:
+            raise LayoutError(f"aiter: {name} has dtype {t.dtype}, expected {spec.dtype}")
+        out[name] = t
+    return out
+
+
+def _a16w4_scale_forward(gate_up: bool, interleaved: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Map from the unshuffled ``[E, N, Cp]`` scale view (source row order) to the stored 2-D tensor."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return shuffle_scale_a16w4(deinterleave_rows(x) if interleaved else x, gate_up)
+
+    return forward
+
+
+def _check_scale_column_padding(
+    name: str, logical: torch.Tensor, cols: int, forward: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """Raise LayoutError if columns ``>= cols`` of the unshuffled ``[E, N, Cp]`` scales are not 0x7F.
+
+    ``forward`` maps the unshuffled view to the stored tensor; it locates the offending byte there.
+    """
+    pad = logical[..., cols:]
+    if pad.numel() == 0:
+        return
+    bad = pad != SCALE_PAD_FILL
+    if not bool(bad.any()):
+        return
+    e, n, q = (int(v) for v in bad.nonzero()[0].tolist())
+    marker = torch.zeros(logical.shape, dtype=torch.uint8, device=logical.device)
+    marker[e, n, cols + q] = 1
+    stored = [int(v) for v in forward(marker).nonzero()[0].tolist()]
+    raise LayoutError(
+        f"aiter: scale column padding of {name} at stored index {stored} (expert {e}, row {n}, "
+        f"scale column {cols + q}) holds {int(pad[e, n, q])}, expected {SCALE_PAD_FILL} (0x7F)"
+    )
