@@ -1,0 +1,94 @@
+"""``mxconv demo``: tiny checkpoints through quantize -> repack (every backend) -> verify."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from mxconv.checkpoint import open_checkpoint
+from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.families import detect_family
+from mxconv.layouts import BACKENDS, get_layout
+from mxconv.verify import verify
+
+# (label, generator kind): one gpt-oss-style source with expert biases (interleaved gate/up,
+# SwiGLU-OAI) and one Qwen-style source (halves, SiLU, no biases). Sizes need backend padding.
+DEMO_SOURCES = (("gpt-oss (bf16, biases)", "gpt-oss-bf16"), ("qwen3-moe (bf16)", "qwen3-moe"))
+
+
+def _convert(src: Path, out: Path, command: str, q: QuantOptions, r: RepackOptions | None, device: torch.device) -> dict[str, Any]:
+    ckpt = open_checkpoint(src)
+    plan = build_plan(ckpt, detect_family(ckpt), command, q, r)
+    return execute(plan, out, device=device, max_shard_size=2_000_000, overwrite=True,
+                   argv=["mxconv", command, str(src), str(out)])
+
+
+def run_demo(workdir: Path | None, device: torch.device, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """Run the whole flow; returns {"passed": bool, "steps": [...]} (one row per step)."""
+    from mxconv.testing import make_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix="mxconv-demo-")) if workdir is None else Path(workdir)
+    tmp.mkdir(parents=True, exist_ok=True)
+    steps: list[dict[str, Any]] = []
+
+    def record(source: str, step: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        progress(f"{source}: {step}")
+        try:
+            res = fn()
+        except Exception as exc:  # noqa: BLE001 - the demo reports every failure in its table
+            steps.append({"source": source, "step": step, "ok": False, "detail": f"{type(exc).__name__}: {exc}"})
+            return None
+        steps.append({"source": source, "step": step, **res})
+        return res
+
+    try:
+        for label, kind in DEMO_SOURCES:
+            src = tmp / kind
+            record(label, "generate", lambda: (make_checkpoint(src, kind), {"ok": True, "detail": str(src)})[1])
+            for fmt in ("mxfp4", "mxfp8"):
+                qdir = tmp / f"{kind}-{fmt}"
+                res = record(label, f"quantize {fmt}", lambda: _quant_step(src, qdir, fmt, device))
+                if res is None:
+                    continue
+                record(label, f"verify {fmt} vs bf16", lambda: _verify_step(qdir, src))
+            canon = tmp / f"{kind}-mxfp4"
+            for backend in BACKENDS:
+                for act in get_layout(backend).activations:
+                    kdir = tmp / f"{kind}-{backend}-{act}"
+                    step = f"repack {backend} ({act})"
+                    res = record(label, step, lambda: _repack_step(canon, kdir, backend, act, device))
+                    if res is None:
+                        continue
+                    record(label, f"verify {backend} ({act}) vs mxfp4", lambda: _verify_step(kdir, canon))
+            tpdir = tmp / f"{kind}-trtllm-tp2"
+            if record(label, "repack trtllm --tp 2", lambda: _repack_step(canon, tpdir, "trtllm", "bf16", device, tp=2)):
+                record(label, "verify trtllm tp2 vs bf16", lambda: _verify_step(tpdir, src))
+    finally:
+        if workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"passed": all(s["ok"] for s in steps), "device": str(device), "steps": steps}
+
+
+def _quant_step(src: Path, out: Path, fmt: str, device: torch.device) -> dict[str, Any]:
+    s = _convert(src, out, "quantize", QuantOptions(fmt=fmt), None, device)
+    return {"ok": True, "rel_rms": s["relative_rms_error"], "detail": f"{s['tensors_out']} tensors, weight rel RMS"}
+
+
+def _repack_step(src: Path, out: Path, backend: str, act: str, device: torch.device, tp: int = 1) -> dict[str, Any]:
+    s = _convert(src, out, "repack", QuantOptions(fmt="mxfp4"), RepackOptions(backend, act, tp), device)
+    sizes = s.get("sizes", {})
+    return {"ok": True, "detail": f"H {sizes.get('hidden_size')}->{sizes.get('padded_hidden_size')}, "
+            f"I {sizes.get('intermediate_size_per_rank')}->{sizes.get('padded_intermediate_size')}"}
+
+
+def _verify_step(path: Path, reference: Path) -> dict[str, Any]:
+    rep = verify(path, reference=str(reference), tokens=32, seed=0)
+    worst = max((r.comparison.rel_rms for r in rep.layers if r.comparison), default=None)
+    problems = rep.problems + [p for r in rep.layers for p in r.problems]
+    kinds = sorted({r.threshold for r in rep.layers if r.threshold})
+    detail = "; ".join(problems[:2]) if problems else f"output rel RMS (threshold {'/'.join(kinds)})"
+    return {"ok": rep.passed, "rel_rms": worst, "detail": detail}

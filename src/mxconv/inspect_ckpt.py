@@ -1,0 +1,92 @@
+"""``mxconv inspect``: what a checkpoint is, from headers and the manifest alone (no weights read)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from mxconv.checkpoint import Checkpoint
+from mxconv.families import detect_family
+from mxconv.layouts import BACKENDS, LayoutSizes, get_layout
+from mxconv.errors import LayoutError
+
+
+def mxfp4_expert_bytes(E: int, H: int, I: int, has_bias: bool) -> int:
+    """Canonical (unpadded) MXFP4 bytes of one layer's experts, bf16 biases included."""
+    w13 = 2 * I * (H // 2 + H // 32)
+    w2 = H * (I // 2 + I // 32)
+    bias = 2 * (2 * I + H) if has_bias else 0
+    return E * (w13 + w2) + E * bias
+
+
+def backend_table(E: int, H: int, I: int, row_order: str, has_bias: bool, layers: int) -> list[dict[str, Any]]:
+    """Per backend/activation: padded sizes, kernel bytes and padding overhead vs canonical MXFP4."""
+    rows = []
+    base = mxfp4_expert_bytes(E, H, I, has_bias) * layers
+    for name in BACKENDS:
+        layout = get_layout(name)
+        for act in layout.activations:
+            try:
+                Hp, Ip = layout.padded_sizes(H, I, row_order, act)
+                sizes = LayoutSizes(E, H, I, Hp, Ip, row_order, has_bias)
+                nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, {}).values()) * layers
+                rows.append(
+                    {
+                        "backend": name,
+                        "activation": act,
+                        "padded_hidden_size": Hp,
+                        "padded_intermediate_size": Ip,
+                        "expert_bytes": nbytes,
+                        "padding_overhead": nbytes / base - 1 if base else 0.0,
+                    }
+                )
+            except LayoutError as exc:
+                rows.append({"backend": name, "activation": act, "error": str(exc)})
+    return rows
+
+
+def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
+    """A JSON-able description of ``ckpt`` (see the CLI's inspect command)."""
+    dtypes = Counter(i.dtype for i in ckpt.tensors.values())
+    out: dict[str, Any] = {
+        "path": str(ckpt.root),
+        "source": ckpt.source.to_json(),
+        "kind": ckpt.kind,
+        "tensors": len(ckpt.tensors),
+        "shards": len(ckpt.shard_files),
+        "dtypes": dict(sorted(dtypes.items())),
+        "total_bytes": ckpt.total_bytes(),
+    }
+    m = ckpt.manifest
+    if m is not None:
+        out["manifest"] = {k: m.get(k) for k in ("tool_version", "created", "family", "kind", "weight_format", "scale_rounding", "backend", "activation", "tp_size")}
+        out["manifest"]["layout"] = m.get("layout")
+    if ckpt.kind == "kernel":
+        model = m.get("model", {}) if m else {}
+        expert = sum(i.nbytes for n, i in ckpt.tensors.items() if ".experts." in n)
+        out.update(
+            {
+                "family": m.get("family") if m else None,
+                "model": model,
+                "bytes": {"experts": expert, "rest": ckpt.total_bytes() - expert},
+            }
+        )
+        return out
+    reader = detect_family(ckpt)
+    info = reader.model_info()
+    refs = reader.layer_refs()
+    expert_names = {n for r in refs for n in r.source_names}
+    expert_bytes = ckpt.total_bytes(sorted(expert_names))
+    out.update(
+        {
+            "family": info.family,
+            "family_title": reader.title,
+            "model": info.to_json(),
+            "moe_layers": len(refs),
+            "bytes": {"experts": expert_bytes, "rest": ckpt.total_bytes() - expert_bytes},
+            "backends": backend_table(
+                info.num_experts, info.hidden_size, info.intermediate_size, info.row_order, info.has_expert_bias, len(refs)
+            ),
+        }
+    )
+    return out

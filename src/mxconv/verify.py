@@ -1,0 +1,502 @@
+"""``mxconv verify``: integrity, layout and numerics of a converted checkpoint.
+
+1. Integrity — every tensor the manifest lists exists with its shape, dtype and sha256; no unlisted
+   tensors; every shard the index names exists (header validation included).
+2. Layout — kernel-layout tensors are inverted with the backend's inverse (padding must hold its
+   fill), re-laid-out and compared byte for byte with what is stored; with an MXFP4 reference the
+   recovered canonical bytes must equal the reference bytes exactly.
+3. Numerics — seeded hidden states through router + experts of the converted weights vs the
+   reference (a source checkpoint or outputs saved earlier), with per-format thresholds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxconv.checkpoint import Checkpoint, open_checkpoint
+from mxconv.errors import BadInput, LayoutError
+from mxconv.families import FamilyReader, ModelInfo, MoELayer, MXStack, detect_family
+from mxconv.layouts import LayoutSizes, get_layout
+from mxconv.layouts.base import CanonicalExperts
+from mxconv.manifest import load_manifest
+from mxconv.runner import Comparison, ExpertFn, compare, hidden_states, moe_forward, route
+from mxconv.st_format import read_tensor
+
+# Pass/fail thresholds of the numerics check, by (converted weight format, reference kind).
+# MX error figures from mx-numerics.md §6: a weight's relative RMS error is ≈ 0.115 (MXFP4) and
+# ≈ 0.027 (MXFP8 E4M3); through gate/up, the activation and down it compounds to ≈ 0.16 / 0.04
+# on layer outputs (0.19-0.21 measured on the demo's Gaussian experts). The limits leave headroom
+# for heavy-tailed weights (Student-t MXFP4 weight error ≈ 0.15) and are far below what a layout
+# bug gives (≈ 1.0 or more: wrong rows or experts decorrelate the output).
+THRESHOLDS: dict[str, dict[str, float]] = {
+    "exact": {"rel_rms": 1e-6, "cosine": 0.999999, "topk_agreement": 1.0},
+    "mxfp4": {"rel_rms": 0.30, "cosine": 0.95, "topk_agreement": 1.0},
+    "mxfp8": {"rel_rms": 0.06, "cosine": 0.998, "topk_agreement": 1.0},
+}
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    integrity: str = "ok"
+    layout: str = "n/a"
+    numerics: str = "skipped"
+    comparison: Comparison | None = None
+    threshold: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "integrity": self.integrity,
+            "layout": self.layout,
+            "numerics": self.numerics,
+            "threshold": self.threshold,
+            "comparison": self.comparison.to_json() if self.comparison else None,
+            "problems": self.problems,
+            "passed": self.passed,
+        }
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    kind: str
+    backend: str | None
+    layers: list[LayerReport]
+    problems: list[str]  # not tied to one layer
+    notes: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems and all(r.passed for r in self.layers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "backend": self.backend,
+            "passed": self.passed,
+            "problems": self.problems,
+            "notes": self.notes,
+            "layers": [r.to_json() for r in self.layers],
+            "thresholds": THRESHOLDS,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _sha256_of(ckpt: Checkpoint, name: str) -> str:
+    info = ckpt.tensors[name]
+    h = hashlib.sha256()
+    left = info.nbytes
+    with open(info.file, "rb") as f:
+        f.seek(info.begin)
+        while left:
+            chunk = f.read(min(left, 64 << 20))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def _layer_key(name: str) -> int | None:
+    import re
+
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint]) -> dict[int | None, list[str]]:
+    """Problems by layer (None = not in a layer)."""
+    problems: dict[int | None, list[str]] = {}
+    tp = len(ckpts)
+    seen: set[str] = set()
+    for key, entry in manifest["tensors"].items():
+        rank, name = 0, key
+        if tp > 1:
+            prefix, _, name = key.partition("/")
+            rank = int(prefix.split("-")[1])
+        ckpt = ckpts[rank]
+        seen.add(key)
+        where = problems.setdefault(_layer_key(name), [])
+        info = ckpt.tensors.get(name)
+        if info is None:
+            where.append(f"{key}: listed in the manifest but missing from the checkpoint")
+            continue
+        rel = info.file.relative_to(root).as_posix()
+        if rel != entry["file"]:
+            where.append(f"{key}: stored in {rel}, manifest says {entry['file']}")
+        if list(info.shape) != list(entry["shape"]) or info.dtype != entry["dtype"]:
+            where.append(f"{key}: {info.dtype}{list(info.shape)} on disk, manifest says {entry['dtype']}{entry['shape']}")
+            continue
+        if _sha256_of(ckpt, name) != entry["sha256"]:
+            where.append(f"{key}: sha256 mismatch (corrupted or modified bytes)")
+    for r, ckpt in enumerate(ckpts):
+        for name in ckpt.tensors:
+            key = name if tp == 1 else f"rank-{r}/{name}"
+            if key not in seen:
+                problems.setdefault(_layer_key(name), []).append(f"{key}: present in the checkpoint but not in the manifest")
+    return problems
+
+
+def _sizes(manifest: dict[str, Any]) -> LayoutSizes:
+    lay, model = manifest["layout"], manifest["model"]
+    return LayoutSizes(
+        num_experts=int(model["num_experts"]),
+        hidden_size=int(lay["hidden_size"]),
+        intermediate_size=int(lay["intermediate_size"]),
+        padded_hidden_size=int(lay["padded_hidden_size"]),
+        padded_intermediate_size=int(lay["padded_intermediate_size"]),
+        row_order=lay["w13_row_order"],
+        has_bias=bool(model["has_expert_bias"]),
+    )
+
+
+def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: int) -> CanonicalExperts:
+    """Inverse of slicing a canonical stack by rank (see layouts.base.slice_tp)."""
+    order = parts[0].row_order
+
+    def cat13(ts: list[torch.Tensor]) -> torch.Tensor:
+        if order == "interleaved":
+            return torch.cat(ts, dim=1)
+        gates = [t[:, : (e - s)] for t, (s, e) in zip(ts, ranges)]
+        ups = [t[:, (e - s) :] for t, (s, e) in zip(ts, ranges)]
+        return torch.cat(gates + ups, dim=1)
+
+    b13 = None if parts[0].w13_bias is None else cat13([p.w13_bias for p in parts])
+    return CanonicalExperts(
+        w13=cat13([p.w13 for p in parts]),
+        w13_scale=cat13([p.w13_scale for p in parts]),
+        w2=torch.cat([p.w2 for p in parts], dim=2),
+        w2_scale=torch.cat([p.w2_scale for p in parts], dim=2),
+        w13_bias=b13,
+        w2_bias=parts[0].w2_bias,
+        row_order=order,
+    )
+
+
+def kernel_layer_canonical(
+    manifest: dict[str, Any], ckpts: list[Checkpoint], prefix: str, problems: list[str]
+) -> CanonicalExperts | None:
+    """Invert one layer's kernel tensors (all ranks), check the round trip; None on failure."""
+    backend = manifest["backend"]
+    try:
+        layout = get_layout(backend)
+    except BadInput as exc:
+        problems.append(f"manifest backend: {exc}")
+        return None
+    activation = manifest["activation"]
+    options = dict(manifest["layout"].get("options") or {})
+    sizes = _sizes(manifest)
+    ranges = [tuple(r) for r in manifest["layout"].get("tp_ranges") or [[0, sizes.intermediate_size]]]
+    parts: list[CanonicalExperts] = []
+    for rank, ckpt in enumerate(ckpts):
+        names = {k: f"{prefix}.experts.{k}" for k in ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")}
+        tensors = {k: read_tensor(ckpt.tensors[n]) for k, n in names.items() if n in ckpt.tensors}
+        s, e = ranges[rank]
+        rank_sizes = LayoutSizes(sizes.num_experts, sizes.hidden_size, e - s, sizes.padded_hidden_size,
+                                 sizes.padded_intermediate_size, sizes.row_order, sizes.has_bias)
+        tag = f"{prefix}.experts" + (f" (rank {rank})" if len(ckpts) > 1 else "")
+        try:
+            canon = layout.from_kernel(tensors, rank_sizes, activation, options)
+        except LayoutError as exc:
+            problems.append(f"{tag}: not a valid {backend} layout: {exc}")
+            return None
+        again = layout.to_kernel(canon, activation, options)
+        for k, t in again.items():
+            stored = tensors.get(k)
+            if stored is None or stored.shape != t.shape or not torch.equal(stored.view(torch.uint8), t.contiguous().view(torch.uint8)):
+                problems.append(f"{tag}.{k}: bytes are not what the {backend} layout of their own inverse gives")
+                return None
+        if canon.w2_bias is not None and rank > 0 and bool(canon.w2_bias.any()):
+            problems.append(f"{tag}.w2_bias: must be zero on ranks other than 0")
+            return None
+        parts.append(canon)
+    if len(parts) == 1:
+        return parts[0]
+    return merge_tp(parts, ranges, sizes.intermediate_size)
+
+
+def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
+    for name in ("w13", "w13_scale", "w2", "w2_scale"):
+        x, y = getattr(a, name), getattr(b, name)
+        if x.shape != y.shape:
+            return f"{name}: shape {tuple(x.shape)} vs reference {tuple(y.shape)}"
+        diff = x != y
+        if bool(diff.any()):
+            e, r = diff.nonzero()[0][:2].tolist()
+            return f"{name}: first difference at expert {e}, row {r}"
+    for name in ("w13_bias", "w2_bias"):
+        x, y = getattr(a, name), getattr(b, name)
+        if (x is None) != (y is None):
+            return f"{name}: present on one side only"
+        if x is not None and not torch.equal(x.float(), y.float()):
+            e, r = (x.float() != y.float()).nonzero()[0][:2].tolist()
+            return f"{name}: first difference at expert {e}, row {r}"
+    return None
+
+
+def _canonical_from_layer(layer: MoELayer) -> CanonicalExperts | None:
+    if layer.w13_mx is None or layer.w13_mx.fmt != "mxfp4":
+        return None
+    return CanonicalExperts(layer.w13_mx.data, layer.w13_mx.scales, layer.w2_mx.data, layer.w2_mx.scales,
+                            layer.w13_bias, layer.w2_bias, layer.row_order)
+
+
+def expert_fn(w13: MXStack | torch.Tensor, w2: MXStack | torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None) -> ExpertFn:
+    """Per-expert fp32 weights, dequantized on demand."""
+    from mxconv.numerics import dequantize_mx
+
+    def get(t: MXStack | torch.Tensor, e: int) -> torch.Tensor:
+        if isinstance(t, MXStack):
+            return dequantize_mx(t.data[e], t.scales[e], t.fmt)
+        return t[e].float()
+
+    def fn(e: int):
+        return (get(w13, e), get(w2, e), None if b13 is None else b13[e].float(), None if b2 is None else b2[e].float())
+
+    return fn
+
+
+def _router(ckpt: Checkpoint, lay: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def opt(name: str | None) -> torch.Tensor | None:
+        return None if not name else ckpt.read(name).float()
+
+    return ckpt.read(lay["router_weight"]).float(), opt(lay.get("router_bias")), opt(lay.get("correction_bias"))
+
+
+def _model_info(d: dict[str, Any]) -> ModelInfo:
+    d = dict(d)
+    d["moe_layers"] = tuple(d["moe_layers"])
+    return ModelInfo(**d)
+
+
+def run_layer(info: ModelInfo, row_order: str, experts: ExpertFn, router: tuple, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rw, rb, cb = router
+    r = route(x, rw, info, rb, cb)
+    return moe_forward(x, r, experts, info.num_experts, info, row_order), r.ids
+
+
+def parse_layers(spec: str | None, available: list[int]) -> list[int]:
+    if not spec:
+        return available
+    try:
+        want = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise BadInput(f"--layers {spec!r}: expected comma-separated layer numbers, e.g. 0,3") from None
+    missing = [w for w in want if w not in available]
+    if missing:
+        raise BadInput(f"--layers: {missing} are not converted MoE layers (available: {available})")
+    return want
+
+
+def verify(
+    path: str | Path,
+    *,
+    reference: str | None = None,
+    reference_outputs: str | None = None,
+    save_reference: str | None = None,
+    layers: str | None = None,
+    tokens: int = 64,
+    seed: int = 0,
+    revision: str | None = None,
+    kernel: bool = False,
+) -> VerifyReport:
+    """Run the three checks on ``path``; see the module docstring."""
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise BadInput(f"{path}: no such directory")
+    manifest = load_manifest(root)
+    tp = int(manifest.get("tp_size") or 1)
+    dirs = [root] if tp == 1 else [root / f"rank-{r}" for r in range(tp)]
+    for d in dirs:
+        if not d.is_dir():
+            raise BadInput(f"{d}: missing (manifest says tp_size {tp})")
+    ckpts = [open_checkpoint(d) for d in dirs]
+    if tokens < 1:
+        raise BadInput("--tokens must be >= 1")
+    if reference and reference_outputs:
+        raise BadInput("give either --reference or --reference-outputs, not both")
+    if save_reference and not reference:
+        raise BadInput("--save-reference needs --reference (the outputs saved are the reference's)")
+    info = _model_info(manifest["model"])
+    lay_table = {int(l["layer"]): l for l in manifest["layers"]}
+    chosen = parse_layers(layers, sorted(lay_table))
+    kind = manifest["kind"]
+    notes: list[str] = []
+    general: list[str] = []
+
+    integ = check_integrity(root, manifest, ckpts)
+    general.extend(integ.get(None, []))
+
+    ref_ckpt: Checkpoint | None = None
+    ref_reader: FamilyReader | None = None
+    saved: dict[str, torch.Tensor] | None = None
+    if reference:
+        ref_ckpt = open_checkpoint(reference, revision)
+        ref_reader = detect_family(ref_ckpt)
+    if reference_outputs:
+        saved = load_reference_outputs(Path(reference_outputs), seed, tokens)
+    to_save: dict[str, torch.Tensor] = {}
+
+    own_reader = detect_family(ckpts[0]) if kind == "canonical" else None
+    own_refs = {r.layer: r for r in own_reader.layer_refs()} if own_reader else {}
+    reports: list[LayerReport] = []
+    for L in sorted(lay_table):
+        rep = LayerReport(L)
+        probs = integ.get(L, [])
+        if probs:
+            rep.integrity = "FAIL"
+            rep.problems.extend(probs)
+        if L not in chosen:
+            if probs:
+                reports.append(rep)
+            continue
+        lay = lay_table[L]
+        prefix = lay["module_prefix"]
+        # ---- layout: recover the canonical experts of the converted checkpoint
+        canon: CanonicalExperts | None = None
+        conv_layer: MoELayer | None = None
+        if kind == "kernel":
+            lprobs: list[str] = []
+            try:
+                canon = kernel_layer_canonical(manifest, ckpts, prefix, lprobs)
+            except KeyError as exc:
+                lprobs.append(f"{prefix}.experts: kernel tensor {exc} missing")
+            rep.layout = "FAIL" if lprobs else "ok"
+            rep.problems.extend(lprobs)
+        else:
+            ref = own_refs.get(L)
+            if ref is None:
+                rep.layout = "FAIL"
+                rep.problems.append(f"{prefix}: the manifest lists this MoE layer but the checkpoint has no experts for it")
+            else:
+                conv_layer = own_reader.read_layer(ref)
+                canon = _canonical_from_layer(conv_layer)
+                rep.layout = "ok"
+        # ---- reference layer (for bit-exact layout and numerics)
+        ref_layer: MoELayer | None = None
+        if ref_reader is not None:
+            rrefs = {r.layer: r for r in ref_reader.layer_refs()}
+            if L not in rrefs:
+                raise BadInput(f"--reference {reference}: has no MoE layer {L}")
+            ref_layer = ref_reader.read_layer(rrefs[L])
+            rcanon = _canonical_from_layer(ref_layer)
+            if rcanon is not None and canon is not None and manifest["weight_format"] == "mxfp4":
+                diff = _first_difference(canon, rcanon)
+                if diff:
+                    rep.layout = "FAIL"
+                    rep.problems.append(f"{prefix}.experts: recovered canonical bytes differ from the reference: {diff}")
+                else:
+                    rep.layout = "bit-exact"
+        # ---- numerics
+        if (ref_layer is None and saved is None) or (canon is None and conv_layer is None):
+            rep.numerics = "skipped" if rep.layout != "FAIL" else "not run"
+            reports.append(rep)
+            continue
+        x = hidden_states(tokens, info.hidden_size, seed, L)
+        try:
+            router = _router(ckpts[0], lay)
+        except BadInput as exc:
+            rep.problems.append(str(exc))
+            reports.append(rep)
+            continue
+        if canon is not None:
+            conv_fn = expert_fn(MXStack("mxfp4", canon.w13, canon.w13_scale), MXStack("mxfp4", canon.w2, canon.w2_scale),
+                                canon.w13_bias, canon.w2_bias)
+            row_order = canon.row_order
+        else:
+            assert conv_layer is not None
+            conv_fn = expert_fn(conv_layer.w13_mx or conv_layer.w13, conv_layer.w2_mx or conv_layer.w2,
+                                conv_layer.w13_bias, conv_layer.w2_bias)
+            row_order = conv_layer.row_order
+        out, ids = run_layer(info, row_order, conv_fn, router, x)
+        if saved is not None:
+            try:
+                ref_out, ref_ids = saved[f"layer.{L}.output"], saved[f"layer.{L}.topk_ids"]
+            except KeyError:
+                raise BadInput(f"--reference-outputs {reference_outputs}: no outputs for layer {L}") from None
+            ref_exact = saved.get(f"layer.{L}.exact") is not None and bool(saved[f"layer.{L}.exact"].item())
+            ref_fmt = "exact" if ref_exact and manifest["weight_format"] == "mxfp4" else manifest["weight_format"]
+        else:
+            assert ref_layer is not None and ref_ckpt is not None
+            rfn = expert_fn(ref_layer.w13_mx or ref_layer.w13, ref_layer.w2_mx or ref_layer.w2, ref_layer.w13_bias, ref_layer.w2_bias)
+            ref_out, ref_ids = run_layer(info, ref_layer.row_order, rfn, _router(ref_ckpt, lay), x)
+            ref_is_mx = ref_layer.w13_mx is not None
+            same_fmt = ref_is_mx and (ref_layer.w13_mx.fmt == manifest["weight_format"] or (ref_layer.w13_mx.fmt == "mxfp4"))
+            ref_fmt = "exact" if same_fmt else manifest["weight_format"]
+            if save_reference:
+                to_save[f"layer.{L}.output"] = ref_out.contiguous()
+                to_save[f"layer.{L}.topk_ids"] = ref_ids.contiguous()
+                to_save[f"layer.{L}.exact"] = torch.tensor([1 if ref_is_mx else 0], dtype=torch.uint8)
+        cmp = compare(out, ref_out, ids, ref_ids)
+        th = THRESHOLDS[ref_fmt]
+        rep.comparison, rep.threshold = cmp, ref_fmt
+        bad = []
+        if not cmp.rel_rms <= th["rel_rms"]:
+            bad.append(f"relative RMS error {cmp.rel_rms:.4g} > {th['rel_rms']}")
+        if not cmp.cosine >= th["cosine"]:
+            bad.append(f"cosine {cmp.cosine:.6f} < {th['cosine']}")
+        if not cmp.topk_agreement >= th["topk_agreement"]:
+            bad.append(f"top-k agreement {cmp.topk_agreement:.3f} < {th['topk_agreement']}")
+        rep.numerics = "FAIL" if bad else "ok"
+        rep.problems.extend(f"layer {L} numerics: {b}" for b in bad)
+        reports.append(rep)
+    if save_reference:
+        save_reference_outputs(Path(save_reference), to_save, seed, tokens)
+        notes.append(f"reference outputs saved to {save_reference}")
+    if kernel:
+        notes.append(kernel_availability(manifest))
+    if ref_reader is None and saved is None:
+        notes.append("numerics skipped: no --reference or --reference-outputs given (integrity and layout checked)")
+    return VerifyReport(str(root), kind, manifest.get("backend"), reports, general, notes)
+
+
+def kernel_availability(manifest: dict[str, Any]) -> str:
+    """Why the real backend kernel check ran or did not (mxconv cannot run them on this machine)."""
+    backend = manifest.get("backend")
+    if backend == "trtllm":
+        try:
+            import flashinfer  # noqa: F401
+        except Exception:
+            return "--kernel skipped: flashinfer is not installed (pip install 'mxconv[flashinfer]')"
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
+            return "--kernel skipped: FlashInfer TRT-LLM-gen MXFP4 MoE kernels need an SM100 (Blackwell) GPU"
+        return "--kernel skipped: running the TRT-LLM-gen kernel is not wired up in this version"
+    if backend == "aiter":
+        return "--kernel skipped: AITER kernels need a ROCm gfx950 GPU and the aiter package"
+    if backend == "marlin":
+        return "--kernel skipped: Marlin kernels ship inside vLLM; run the converted checkpoint with vLLM to test them"
+    return "--kernel skipped: canonical checkpoints have no backend kernel"
+
+
+def save_reference_outputs(path: Path, tensors: dict[str, torch.Tensor], seed: int, tokens: int) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"mxconv": "reference-outputs", "seed": str(seed), "tokens": str(tokens)})
+
+
+def load_reference_outputs(path: Path, seed: int, tokens: int) -> dict[str, torch.Tensor]:
+    from mxconv.st_format import read_header
+
+    infos, meta = read_header(path)
+    if meta.get("mxconv") != "reference-outputs":
+        raise BadInput(f"{path}: not an mxconv reference-outputs file")
+    if meta.get("seed") != str(seed) or meta.get("tokens") != str(tokens):
+        raise BadInput(
+            f"{path}: saved with --seed {meta.get('seed')} --tokens {meta.get('tokens')}; "
+            f"run verify with the same values (got --seed {seed} --tokens {tokens})"
+        )
+    return {n: read_tensor(i) for n, i in infos.items()}
