@@ -1,0 +1,345 @@
+"""End-to-end through the CLI: exit codes, outputs, bad inputs, and verify catching real corruption."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mxconv.cli import app
+from mxconv.st_format import read_header, read_tensor
+from mxconv.testing import make_checkpoint
+
+runner = CliRunner()
+
+
+def mx(*args: str) -> tuple[int, str, str]:
+    r = runner.invoke(app, [str(a) for a in args])
+    return r.exit_code, r.stdout, r.stderr
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    """gpt-oss bf16 + qwen3 sources, their MXFP4 quantizations and a trtllm repack of each."""
+    root = tmp_path_factory.mktemp("cli")
+    make_checkpoint(root / "gpt", "gpt-oss-bf16")
+    make_checkpoint(root / "qwen", "qwen3-moe")
+    for name in ("gpt", "qwen"):
+        code, _, err = mx("quantize", root / name, root / f"{name}-q4", "--quiet", "--device", "cpu")
+        assert code == 0, err
+        code, _, err = mx("repack", root / f"{name}-q4", root / f"{name}-trt", "--backend", "trtllm", "--quiet", "--device", "cpu")
+        assert code == 0, err
+    return root
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _patch_tensor(ckpt_dir: Path, name: str, fn, fix_manifest: bool) -> None:
+    """Rewrite tensor ``name``'s bytes in place with fn(tensor) (same shape/dtype)."""
+    index = json.loads((ckpt_dir / "model.safetensors.index.json").read_text())
+    f = ckpt_dir / index["weight_map"][name]
+    info = read_header(f)[0][name]
+    t = fn(read_tensor(info).clone())
+    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+    assert len(raw) == info.nbytes
+    with open(f, "r+b") as fh:
+        fh.seek(info.begin)
+        fh.write(raw)
+    if fix_manifest:
+        import hashlib
+
+        m = json.loads((ckpt_dir / "mxconv.json").read_text())
+        m["tensors"][name]["sha256"] = hashlib.sha256(raw).hexdigest()
+        (ckpt_dir / "mxconv.json").write_text(json.dumps(m))
+
+
+# ---- happy paths --------------------------------------------------------------------------------
+
+
+def test_help_teaches() -> None:
+    code, out, _ = mx("--help")
+    assert code == 0
+    for cmd in ("quantize", "repack", "verify", "inspect", "demo"):
+        assert cmd in out
+    code, out, _ = mx("repack", "--help")
+    assert code == 0 and "--backend" in out and "--tp" in out and "Example" in out
+
+
+def test_inspect_json(ws: Path) -> None:
+    code, out, _ = mx("inspect", ws / "gpt", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["family"] == "gpt-oss" and doc["kind"] == "canonical"
+    assert doc["model"]["row_order"] == "interleaved" and doc["model"]["expert_format"] == "bf16"
+    trt = [b for b in doc["backends"] if b["backend"] == "trtllm"][0]
+    assert (trt["padded_hidden_size"], trt["padded_intermediate_size"]) == (256, 256)
+    code, out, _ = mx("inspect", ws / "gpt-trt", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["kind"] == "kernel" and doc["manifest"]["backend"] == "trtllm"
+
+
+def test_quantize_output_contract(ws: Path) -> None:
+    q = ws / "gpt-q4"
+    m = json.loads((q / "mxconv.json").read_text())
+    for key in ("format_version", "tool_version", "command", "created", "source", "family", "kind", "weight_format",
+                "scale_rounding", "backend", "activation", "tp_size", "layout", "tensors"):
+        assert key in m
+    assert m["kind"] == "canonical" and m["weight_format"] == "mxfp4" and m["scale_rounding"] == "rceil"
+    assert m["layout"]["w13_row_order"] == "interleaved"
+    assert m["layout"]["kernel_params"] == {"gemm1_alpha": 1.702, "gemm1_beta": 1.0, "gemm1_clamp_limit": 7.0}
+    cfg = json.loads((q / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+    assert (q / "tokenizer.json").read_bytes() == (ws / "gpt" / "tokenizer.json").read_bytes()
+    names = json.loads((q / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in names
+    assert set(names) == set(m["tensors"])
+    # non-expert tensors copied byte for byte
+    src_index = json.loads((ws / "gpt" / "model.safetensors.index.json").read_text())["weight_map"]
+    for n in ("model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.router.weight"):
+        a = read_tensor(read_header(ws / "gpt" / src_index[n])[0][n])
+        b = read_tensor(read_header(q / names[n])[0][n])
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert not (q / ".mxconv-in-progress").exists()
+
+
+def test_repack_output_contract(ws: Path) -> None:
+    k = ws / "qwen-trt"
+    m = json.loads((k / "mxconv.json").read_text())
+    assert m["kind"] == "kernel" and m["backend"] == "trtllm" and m["activation"] == "bf16"
+    assert m["scale_rounding"] is None  # MXFP4 source: bytes moved, not re-quantized
+    assert m["layout"]["padded_hidden_size"] == 256 and m["layout"]["hidden_size"] == 160
+    assert m["layout"]["kernel_params"] is None
+    t = m["tensors"]["model.layers.0.mlp.experts.w13_weight"]
+    assert t["dtype"] == "U8" and t["shape"] == [4, 512, 128] and t["role"] == "expert"
+    assert m["tensors"]["model.layers.0.mlp.experts.w13_weight_scale"]["dtype"] == "F8_E4M3"
+    assert "model.layers.0.mlp.experts.w13_bias" not in m["tensors"]
+
+
+@pytest.mark.parametrize("backend, act", [("trtllm", "mxfp8"), ("marlin", "bf16"), ("marlin", "fp8"), ("aiter", "bf16"), ("aiter", "mxfp4")])
+@pytest.mark.parametrize("src", ["gpt", "qwen"])
+def test_every_backend_verifies_bit_exact(ws: Path, tmp_path: Path, src: str, backend: str, act: str) -> None:
+    out = tmp_path / "k"
+    code, _, err = mx("repack", ws / f"{src}-q4", out, "--backend", backend, "--activation", act, "--quiet")
+    assert code == 0, err
+    code, out_json, err = mx("verify", out, "--reference", ws / f"{src}-q4", "--json", "--tokens", "16")
+    rep = json.loads(out_json)
+    assert code == 0, rep
+    assert all(layer["layout"] == "bit-exact" for layer in rep["layers"])
+    assert all(layer["comparison"]["rel_rms"] == 0 for layer in rep["layers"])
+
+
+def test_repack_from_bf16_tp2_and_verify_against_bf16(ws: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tp2"
+    code, _, err = mx("repack", ws / "gpt", out, "--backend", "marlin", "--tp", "2", "--quiet")
+    assert code == 0, err
+    assert (out / "rank-0" / "model.safetensors.index.json").exists() and (out / "rank-1" / "config.json").exists()
+    m = json.loads((out / "mxconv.json").read_text())
+    assert m["tp_size"] == 2 and m["scale_rounding"] == "rceil"
+    assert any(k.startswith("rank-1/") for k in m["tensors"])
+    code, out_json, _ = mx("verify", out, "--reference", ws / "gpt", "--json", "--tokens", "16")
+    rep = json.loads(out_json)
+    assert code == 0, rep
+    assert all(layer["threshold"] == "mxfp4" for layer in rep["layers"])
+
+
+def test_save_and_reuse_reference_outputs(ws: Path, tmp_path: Path) -> None:
+    ref = tmp_path / "ref.safetensors"
+    code, _, err = mx("verify", ws / "qwen-q4", "--reference", ws / "qwen", "--save-reference", ref, "--quiet")
+    assert code == 0, err
+    assert ref.exists()
+    code, out, _ = mx("verify", ws / "qwen-q4", "--reference-outputs", ref, "--json")
+    rep = json.loads(out)
+    assert code == 0 and all(layer["numerics"] == "ok" for layer in rep["layers"])
+    code, _, err = mx("verify", ws / "qwen-q4", "--reference-outputs", ref, "--seed", "5")
+    assert code == 2 and "--seed 0" in err
+
+
+def test_dry_run_writes_nothing(ws: Path, tmp_path: Path) -> None:
+    out = tmp_path / "dry"
+    code, stdout, _ = mx("repack", ws / "gpt", out, "--backend", "aiter", "--dry-run", "--json")
+    assert code == 0 and not out.exists()
+    doc = json.loads(stdout)
+    assert doc["dry_run"] and doc["sizes"]["padded_hidden_size"] == 256
+    assert any(t["name"] == "model.layers.1.mlp.experts.w2_weight" for t in doc["tensors"])
+
+
+def test_mxfp4_to_mxfp8_is_lossless(ws: Path, tmp_path: Path) -> None:
+    out = tmp_path / "q8"
+    code, stdout, err = mx("quantize", ws / "gpt-q4", out, "--format", "mxfp8", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["quantized_tensors"] == 0  # nothing re-quantized
+    code, stdout, _ = mx("verify", out, "--reference", ws / "gpt-q4", "--json", "--tokens", "16")
+    rep = json.loads(stdout)
+    assert code == 0 and all(layer["threshold"] == "exact" and layer["comparison"]["rel_rms"] == 0 for layer in rep["layers"])
+
+
+# ---- verify catches corruption ------------------------------------------------------------------
+
+W13 = "model.layers.0.mlp.experts.w13_weight"
+
+
+def test_verify_fails_on_flipped_byte(ws: Path, tmp_path: Path) -> None:
+    k = _copy(ws / "qwen-trt", tmp_path / "k")
+    _patch_tensor(k, W13, lambda t: t.flatten().index_put_((torch.tensor([5]),), t.flatten()[5] ^ 0x10).view_as(t), fix_manifest=False)
+    code, _, err = mx("verify", k)
+    assert code == 1 and "sha256 mismatch" in err
+
+
+def test_verify_fails_on_swapped_experts(ws: Path, tmp_path: Path) -> None:
+    k = _copy(ws / "gpt-trt", tmp_path / "k")
+    _patch_tensor(k, W13, lambda t: t[[1, 0, 2, 3]], fix_manifest=True)
+    code, out, _ = mx("verify", k, "--reference", ws / "gpt-q4", "--json")
+    rep = json.loads(out)
+    assert code == 1
+    layer0 = rep["layers"][0]
+    assert layer0["layout"] == "FAIL" and "first difference at expert 0" in " ".join(layer0["problems"])
+    assert layer0["numerics"] == "FAIL"
+
+
+def test_verify_fails_on_swapped_gate_up(ws: Path, tmp_path: Path) -> None:
+    # kernel row 32b + 16h + 8t + c holds up (t=0) / gate (t=1): swap the two 8-row groups everywhere
+    def swap(t: torch.Tensor) -> torch.Tensor:
+        v = t.view(t.shape[0], -1, 2, 2, 8, t.shape[-1])
+        return v.flip(3).reshape(t.shape).contiguous()
+
+    k = _copy(ws / "qwen-trt", tmp_path / "k")
+    _patch_tensor(k, W13, swap, fix_manifest=True)
+    code, out, _ = mx("verify", k, "--reference", ws / "qwen", "--json")
+    rep = json.loads(out)
+    assert code == 1 and rep["layers"][0]["numerics"] == "FAIL"
+    assert rep["layers"][0]["comparison"]["rel_rms"] > 0.5
+
+
+def test_verify_fails_on_nonzero_padding(ws: Path, tmp_path: Path) -> None:
+    k = _copy(ws / "qwen-trt", tmp_path / "k")  # H = 160 -> 256: w2 kernel rows 192..255 are padding
+
+    def poke(t: torch.Tensor) -> torch.Tensor:
+        t[0, 200, 3] = 0x11
+        return t
+
+    _patch_tensor(k, "model.layers.0.mlp.experts.w2_weight", poke, fix_manifest=True)
+    code, out, _ = mx("verify", k, "--json")
+    rep = json.loads(out)
+    assert code == 1 and rep["layers"][0]["layout"] == "FAIL"
+    assert "padding of w2_weight" in " ".join(rep["layers"][0]["problems"])
+
+
+def test_verify_fails_when_manifest_lies_about_backend(ws: Path, tmp_path: Path) -> None:
+    k = _copy(ws / "qwen-trt", tmp_path / "k")
+    m = json.loads((k / "mxconv.json").read_text())
+    m["backend"] = "marlin"
+    (k / "mxconv.json").write_text(json.dumps(m))
+    code, _, err = mx("verify", k)
+    assert code == 1 and "not a valid marlin layout" in err
+
+
+# ---- bad input: exit 2 with a clear message -----------------------------------------------------
+
+
+def test_bad_inputs(ws: Path, tmp_path: Path) -> None:
+    code, _, err = mx("quantize", ws / "gpt", ws / "gpt" / "out")
+    assert code == 2 and "is the SOURCE or inside it" in err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    code, _, err = mx("quantize", ws / "gpt", busy)
+    assert code == 2 and "--overwrite" in err
+    code, _, err = mx("repack", ws / "gpt-q4", tmp_path / "o", "--backend", "tpu")
+    assert code == 2 and "unknown backend 'tpu'; supported backends: trtllm, marlin, aiter" in err
+    code, _, err = mx("repack", ws / "gpt-trt", tmp_path / "o2", "--backend", "marlin")
+    assert code == 2 and "already a kernel-layout checkpoint" in err
+    code, _, err = mx("repack", ws / "gpt-q4", tmp_path / "o3", "--backend", "trtllm", "--activation", "fp8")
+    assert code == 2 and "choose one of bf16, mxfp8" in err
+    code, _, err = mx("inspect", tmp_path / "nothing-here")
+    assert code == 2 and "no such directory" in err
+    code, _, err = mx("verify", ws / "gpt")
+    assert code == 2 and "no mxconv.json" in err
+    assert "Traceback" not in err
+
+
+def test_unknown_family_lists_supported(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "m", "mixtral").path
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"], cfg["architectures"] = "llama", ["LlamaForCausalLM"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    code, _, err = mx("inspect", src)
+    assert code == 2 and "unknown model family" in err and "gpt-oss" in err and "Mixtral" in err
+
+
+def test_nonfinite_refused_then_allowed(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "s", "qwen3-moe").path
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        t[3, 7] = float("nan")
+        return t
+
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    f = src / index[name]
+    info = read_header(f)[0][name]
+    t = nan(read_tensor(info).clone())
+    with open(f, "r+b") as fh:
+        fh.seek(info.begin)
+        fh.write(t.view(torch.uint8).numpy().tobytes())
+    code, _, err = mx("quantize", src, tmp_path / "o")
+    assert code == 2 and "non-finite value nan" in err and "model.layers.1.mlp.experts" in err and "[2, 99, 7]" in err
+    assert not (tmp_path / "o" / "mxconv.json").exists()
+    code, _, err = mx("quantize", src, tmp_path / "o", "--allow-nonfinite", "--quiet")
+    assert code == 0, err
+
+
+def test_kill_mid_write_then_rerun(ws: Path, tmp_path: Path) -> None:
+    """SIGKILL while a shard is being written: no manifest, temp names only; a rerun completes."""
+    out = tmp_path / "killed"
+    script = f"""
+import os, signal, sys
+import mxconv.writer as w
+orig = w.ShardedWriter.write_tensor
+count = [0]
+def killer(self, name, tensor):
+    count[0] += 1
+    if count[0] == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return orig(self, name, tensor)
+w.ShardedWriter.write_tensor = killer
+from mxconv.cli import app
+sys.argv = ["mxconv", "quantize", {str(ws / 'qwen')!r}, {str(out)!r}, "--max-shard-size", "20kB", "--quiet"]
+app()
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL
+    names = {p.name for p in out.iterdir()}
+    assert "mxconv.json" not in names and "model.safetensors.index.json" not in names
+    assert ".mxconv-in-progress" in names
+    assert any(n.endswith(".mxconv-tmp") for n in names)
+    code, _, err = mx("quantize", ws / "qwen", out, "--max-shard-size", "20kB", "--quiet")
+    assert code == 0, err
+    assert not any(p.name.endswith(".mxconv-tmp") for p in out.iterdir())
+    code, _, err = mx("verify", out, "--reference", ws / "qwen")
+    assert code == 0, err
+
+
+def test_hub_repo_id_from_local_cache(ws: Path, tmp_path: Path, monkeypatch) -> None:
+    from mxconv.testing import make_hub_cache
+
+    cache = tmp_path / "hub"
+    make_hub_cache(cache, "acme/tiny-moe", ws / "qwen")
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "mxconv.cli", "inspect", "acme/tiny-moe", "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["family"] == "qwen-moe" and doc["source"]["repo_id"] == "acme/tiny-moe"
+    r = subprocess.run([sys.executable, "-m", "mxconv.cli", "inspect", "acme/not-cached"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "acme/not-cached: cannot fetch" in r.stderr
