@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Benchmark the backend layouts on a gpt-oss-120b-sized MXFP4 expert stack (one MoE layer).
+
+For each backend (default activation) it times, on the same tensors in the same run:
+  * mxconv's batched transform (``Layout.to_kernel`` over the whole [E, ...] stack),
+  * the device's own copy bandwidth (a clone of the same bytes) -> fraction of copy speed,
+  * the load-time way engines do it: one expert at a time in a Python loop, each expert going
+    through the same per-expert transform (what vLLM's per-expert index/shuffle calls amount to)
+    -> speed-up of batching.
+Also checks that batched and per-expert bytes are identical, and (on CUDA) that CUDA == CPU bytes
+on a slice of the stack.
+
+    PYTHONPATH=src python scripts/bench_repack.py            # E=128, H=I=2880 (gpt-oss-120b)
+    PYTHONPATH=src python scripts/bench_repack.py --small    # quick CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from mxconv.layouts import BACKENDS, get_layout
+from mxconv.layouts.base import CanonicalExperts
+
+
+def make_stack(E: int, H: int, I: int, device: torch.device, bias: bool = True) -> CanonicalExperts:
+    g = torch.Generator(device=device).manual_seed(0)
+    u8 = dict(dtype=torch.uint8, device=device, generator=g)
+    return CanonicalExperts(
+        w13=torch.randint(0, 256, (E, 2 * I, H // 2), **u8),
+        w13_scale=torch.randint(110, 130, (E, 2 * I, H // 32), **u8),
+        w2=torch.randint(0, 256, (E, H, I // 2), **u8),
+        w2_scale=torch.randint(110, 130, (E, H, I // 32), **u8),
+        w13_bias=torch.randn(E, 2 * I, device=device, generator=g).to(torch.bfloat16) if bias else None,
+        w2_bias=torch.randn(E, H, device=device, generator=g).to(torch.bfloat16) if bias else None,
+        row_order="interleaved",
+    )
+
+
+def nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def timeit(fn, device: torch.device, reps: int) -> float:
+    """Median seconds of ``fn`` (CUDA events on GPU, perf_counter on CPU), after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def expert(c: CanonicalExperts, e: int) -> CanonicalExperts:
+    s = slice(e, e + 1)
+    return CanonicalExperts(c.w13[s], c.w13_scale[s], c.w2[s], c.w2_scale[s],
+                            None if c.w13_bias is None else c.w13_bias[s],
+                            None if c.w2_bias is None else c.w2_bias[s], c.row_order)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2880)
+    ap.add_argument("--intermediate", type=int, default=2880)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--small", action="store_true", help="E=4, H=I=256: a CPU smoke test")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.small:
+        args.experts, args.hidden, args.intermediate, args.reps = 4, 256, 256, 2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    c = make_stack(args.experts, args.hidden, args.intermediate, device)
+    in_bytes = nbytes([c.w13, c.w13_scale, c.w2, c.w2_scale, c.w13_bias, c.w2_bias])
+    blob = torch.empty(in_bytes, dtype=torch.uint8, device=device)
+    copy_s = timeit(lambda: blob.clone(), device, args.reps)
+    copy_gbs = 2 * in_bytes / copy_s / 1e9
+    rows = []
+    for backend in BACKENDS:
+        layout = get_layout(backend)
+        act = layout.activations[0]
+        out = layout.to_kernel(c, act, {})
+        out_bytes = nbytes(out.values())
+        t_batched = timeit(lambda: layout.to_kernel(c, act, {}), device, args.reps)
+
+        def loop() -> list[dict[str, torch.Tensor]]:
+            return [layout.to_kernel(expert(c, e), act, {}) for e in range(c.num_experts)]
+
+        t_loop = timeit(loop, device, max(1, args.reps // 2))
+        per = loop()
+        same = True
+        for k, v in out.items():
+            cat = torch.cat([p[k] for p in per], dim=0)  # dim 0 is experts (or E*N rows for 2-D scales)
+            same &= bool(torch.equal(cat.view(torch.uint8), v.view(torch.uint8)))
+        cpu_same = None
+        if device.type == "cuda":
+            sub = expert(c, 0)
+            k_gpu = layout.to_kernel(sub, act, {})
+            k_cpu = layout.to_kernel(sub.to("cpu"), act, {})
+            cpu_same = all(torch.equal(k_gpu[k].cpu().view(torch.uint8), k_cpu[k].view(torch.uint8)) for k in k_cpu)
+        gbs = (in_bytes + out_bytes) / t_batched / 1e9
+        rows.append(
+            {
+                "backend": backend,
+                "activation": act,
+                "in_bytes": in_bytes,
+                "out_bytes": out_bytes,
+                "batched_s": t_batched,
+                "batched_gb_s": gbs,
+                "fraction_of_copy_bw": gbs / copy_gbs,
+                "per_expert_loop_s": t_loop,
+                "speedup_vs_per_expert_loop": t_loop / t_batched,
+                "per_expert_bytes_identical": same,
+                "cuda_equals_cpu": cpu_same,
+            }
+        )
+        del out, per
+    doc = {
+        "device": name,
+        "shape": {"E": args.experts, "H": args.hidden, "I": args.intermediate},
+        "copy_gb_s": copy_gbs,
+        "backends": rows,
+    }
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return
+    print(f"device: {name}; stack E={args.experts} H={args.hidden} I={args.intermediate}; "
+          f"input {in_bytes / 1e9:.3f} GB; copy bandwidth {copy_gbs:.0f} GB/s (read+write)")
+    print(f"{'backend':8} {'act':6} {'ms':>9} {'GB/s':>8} {'of copy':>8} {'loop ms':>9} {'speed-up':>9} {'same':>5} {'cuda==cpu':>9}")
+    for r in rows:
+        print(f"{r['backend']:8} {r['activation']:6} {1e3 * r['batched_s']:9.2f} {r['batched_gb_s']:8.1f} "
+              f"{100 * r['fraction_of_copy_bw']:7.1f}% {1e3 * r['per_expert_loop_s']:9.1f} {r['speedup_vs_per_expert_loop']:8.1f}x "
+              f"{str(r['per_expert_bytes_identical']):>5} {str(r['cuda_equals_cpu']):>9}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""gpt-oss (``GptOssForCausalLM``, model_type ``gpt_oss``): openai/gpt-oss-20b and -120b.
+
+Source formats (Hugging Face layout, per layer ``L``, prefix ``model.layers.L.mlp``):
+
+| format | expert tensors | config |
+|---|---|---|
+| MXFP4 (published) | ``experts.gate_up_proj_blocks`` U8 ``[E, 2I, H/32, 16]`` + ``_scales`` U8 ``[E, 2I, H/32]``, ``experts.down_proj_blocks`` U8 ``[E, H, I/32, 16]`` + ``_scales`` U8 ``[E, H, I/32]`` | ``{"quant_method": "mxfp4", ...}`` |
+| MXFP8 (mxconv) | ``experts.gate_up_proj_blocks`` F8_E4M3 ``[E, 2I, H/32, 32]`` + U8 ``_scales`` ``[E, 2I, H/32]``, same for ``down_proj`` | ``{"quant_method": "mxfp8", ...}`` |
+| BF16 | ``experts.gate_up_proj`` ``[E, H, 2I]`` and ``experts.down_proj`` ``[E, I, H]`` (**in x out**) | none |
+
+plus ``experts.gate_up_proj_bias`` ``[E, 2I]`` and ``experts.down_proj_bias`` ``[E, H]`` (BF16) in every
+format, router ``mlp.router.weight`` ``[E, H]`` / ``.bias`` ``[E]``. Every layer is MoE.
+Canonical form: MX sources keep their bytes (blocks reshaped to ``[E, N, K/2]`` or ``[E, N, K]``,
+no data movement); BF16 is transposed to ``[E, 2I, H]`` / ``[E, H, I]``. Rows stay **interleaved**
+(row 2j = gate j, 2j+1 = up j; the biases likewise). Routing "topk_softmax" (softmax over the top-k
+logits), activation "swigluoai" with alpha = ``swiglu_alpha`` (default 1.702) and limit =
+``swiglu_limit`` (default 7.0).
+
+Quantized output (``quantize``): the published gpt-oss MXFP4 convention above (biases copied as they
+are), config ``{"quant_method": "mxfp4", "modules_to_not_convert": [...]}``. For MXFP8 mxconv uses
+the same names with ``gate_up_proj_blocks`` / ``down_proj_blocks`` as F8_E4M3 ``[E, N, K/32, 32]``
+(the E4M3 elements of each 32-block) plus the same U8 E8M0 ``_scales``, and ``"quant_method":
+"mxfp8"``. That MXFP8 variant is mxconv's own: no engine reads it yet (mxconv reads it back, e.g. as
+a ``repack`` source). The scale rounding is left to mxconv.json (the published config has no such key).
+
+OpenAI's original layout (``original/``: ``block.N.mlp.mlp1_weight.blocks`` ...) carries the same
+expert bytes; it is detected and refused with a pointer to the Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from mxconv.checkpoint import Checkpoint
+from mxconv.errors import BadInput
+from mxconv.families.base import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
+from mxconv.families.per_expert import FLOAT_DTYPES, MX_FORMATS, quantization_dict, unsupported_quantization
+from mxconv.layouts.base import TensorSpec
+from mxconv.st_format import ST_DTYPES, TensorInfo
+
+MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+_ORIGINAL = re.compile(r"^block\.\d+\.mlp\.mlp1_weight\.blocks$")
+_EXPERT = re.compile(
+    r"^(?P<root>(?:.*\.)?)layers\.(?P<layer>\d+)\.mlp\.experts\.(?:gate_up_proj|down_proj)(?P<suffix>_blocks|_scales|_bias)?$"
+)
+# Bytes per 32-element block in the blocks tensors.
+_BLOCK_BYTES = {"mxfp4": 16, "mxfp8": 32}
+_BLOCK_DTYPE = {"mxfp4": "U8", "mxfp8": "F8_E4M3"}
+
+
+class GptOssReader(FamilyReader):
+    """gpt-oss MXFP4 / MXFP8 / BF16 checkpoints (Hugging Face layout)."""
+
+    name = "gpt-oss"
+    title = "gpt-oss (MXFP4 / BF16)"
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        super().__init__(ckpt)
+        self._plan_cache: dict[str, Any] | None = None
+
+    @classmethod
+    def detect(cls, ckpt: Checkpoint) -> bool:
+        archs = set(ckpt.config.get("architectures") or [])
+        if ckpt.cfg("model_type") == "gpt_oss" or "GptOssForCausalLM" in archs:
+            return True
+        return any(_ORIGINAL.match(n) for n in ckpt.tensors)
+
+    # ---- plan ---------------------------------------------------------------------------------
+    def _cfg_int(self, *keys: str, default: int | None = None) -> int:
+        v = self.ckpt.cfg(*keys, default=default)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            what = "missing" if v is None else f"must be a positive integer, got {v!r}:"
+            raise BadInput(f"{self.ckpt.root / 'config.json'}: {what} {' / '.join(repr(k) for k in keys)}")
+        return v
+
+    def _cfg_float(self, key: str, default: float) -> float:
+        v = self.ckpt.cfg(key, default=default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise BadInput(f"{self.ckpt.root / 'config.json'}: {key!r} must be a number, got {v!r}")
+        return float(v)
+
+    def _expect(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...], why: str) -> TensorInfo:
+        info = self.ckpt.tensors.get(name)
+        if info is None:
+            raise BadInput(f"{self.ckpt.root}: tensor {name!r} is missing ({why})")
+        if info.dtype not in dtypes:
+            raise BadInput(f"{self.ckpt.root}: tensor {name!r} has dtype {info.dtype}, expected {' or '.join(dtypes)}")
+        if tuple(info.shape) != shape:
+            raise BadInput(f"{self.ckpt.root}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)} ({why})")
+        return info
+
+    def _plan(self) -> dict[str, Any]:
+        if self._plan_cache is not None:
+            return self._plan_cache
+        ck = self.ckpt
+        if any(_ORIGINAL.match(n) for n in ck.tensors):
+            raise BadInput(
+                f"{ck.root}: this is OpenAI's original gpt-oss layout (block.N.mlp.mlp1_weight.*), which mxconv does "
+                f"not read; use the Hugging Face layout at the repository root (same expert bytes)"
+            )
+        qc = quantization_dict(ck)
+        method = None if qc is None else qc.get("quant_method")
+        if qc is not None and method not in MX_FORMATS:
+            raise unsupported_quantization(ck, qc, self.title)
+        num_layers = self._cfg_int("num_hidden_layers")
+        E = self._cfg_int("num_local_experts", "num_experts")
+        top_k = self._cfg_int("num_experts_per_tok", "experts_per_token")
+        H = self._cfg_int("hidden_size")
+        I = self._cfg_int("moe_intermediate_size", "intermediate_size")
+        if top_k > E:
+            raise BadInput(f"{ck.root / 'config.json'}: num_experts_per_tok={top_k} with {E} experts")
+        roots: set[str] = set()
+        found: dict[int, set[str]] = defaultdict(set)
+        for n in ck.tensors:
+            m = _EXPERT.match(n)
+            if m:
+                roots.add(m["root"])
+                found[int(m["layer"])].add(m["suffix"] or "")
+        if not roots:
+            raise BadInput(
+                f"{ck.root}: no gpt-oss expert tensors found (expected 'model.layers.N.mlp.experts.gate_up_proj_blocks' "
+                f"or 'model.layers.N.mlp.experts.gate_up_proj')"
+            )
+        if len(roots) > 1:
+            raise BadInput(f"{ck.root}: expert tensors under several prefixes {sorted(roots)}")
+        root = roots.pop()
+        for L in range(num_layers):
+            if L not in found:
+                raise BadInput(
+                    f"{ck.root}: tensor '{root}layers.{L}.mlp.experts.gate_up_proj{'_blocks' if method else ''}' is "
+                    f"missing (every one of the num_hidden_layers={num_layers} gpt-oss layers is MoE)"
+                )
+        for L in found:
+            if L >= num_layers:
+                raise BadInput(
+                    f"{ck.root}: layer {L} has expert tensors, but config.json has num_hidden_layers={num_layers}"
+                )
+        suffixes = set().union(*found.values())
+        if "_blocks" in suffixes:
+            sample = next(n for n in sorted(ck.tensors) if n.endswith("gate_up_proj_blocks") and _EXPERT.match(n))
+            fmt = "mxfp8" if ck.tensors[sample].dtype == "F8_E4M3" else "mxfp4"
+            if method is None:
+                raise BadInput(
+                    f"{ck.root}: tensor {sample!r} holds MX blocks, but config.json has no quantization_config "
+                    f"(expected quant_method 'mxfp4')"
+                )
+        else:
+            fmt = "bf16"
+            sample = f"{root}layers.0.mlp.experts.gate_up_proj"
+        if method is not None and fmt != method:
+            raise BadInput(
+                f"{ck.root}: config.json says quant_method {method!r}, but tensor {sample!r} is "
+                f"{ck.tensors[sample].dtype if sample in ck.tensors else 'missing'} ({fmt})"
+            )
+        if fmt in MX_FORMATS and (H % 32 or I % 32):
+            raise BadInput(f"{ck.root / 'config.json'}: hidden_size {H} / intermediate_size {I} not multiples of 32")
+        float_dtype = None
+        if fmt == "bf16":
+            info = ck.info(sample)
+            float_dtype = info.dtype
+            if float_dtype not in FLOAT_DTYPES:
+                raise BadInput(f"{ck.root}: tensor {sample!r} has dtype {float_dtype}, expected BF16, F16 or F32")
+        plan = {
+            "root": root,
+            "fmt": fmt,
+            "float_dtype": float_dtype,
+            "num_layers": num_layers,
+            "E": E,
+            "top_k": top_k,
+            "H": H,
+            "I": I,
+        }
+        for L in range(num_layers):
+            self._check_layer(plan, L)
+        self._plan_cache = plan
+        return plan
+
+    def _prefix(self, plan: dict[str, Any], layer: int) -> str:
+        return f"{plan['root']}layers.{layer}.mlp"
+
+    def _check_layer(self, plan: dict[str, Any], layer: int) -> None:
+        E, H, I, fmt = plan["E"], plan["H"], plan["I"], plan["fmt"]
+        p = self._prefix(plan, layer) + ".experts"
+        cfg = f"num_local_experts={E}, hidden_size={H}, intermediate_size={I} from config.json"
+        for proj, n, k in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
+            if fmt in MX_FORMATS:
+                blocks, scales = f"{p}.{proj}_blocks", f"{p}.{proj}_scales"
+                nb = _BLOCK_BYTES[fmt]
+                info = self._expect_present(blocks, cfg)
+                if info.dtype != _BLOCK_DTYPE[fmt]:
+                    raise BadInput(
+                        f"{self.ckpt.root}: tensor {blocks!r} has dtype {info.dtype}, expected {_BLOCK_DTYPE[fmt]} ({fmt} blocks)"
+                    )
+                if len(info.shape) != 4 or info.shape[-1] != nb:
+                    raise BadInput(
+                        f"{self.ckpt.root}: tensor {blocks!r} has shape {list(info.shape)}, expected last dim {nb} "
+                        f"({fmt}: {nb} bytes per block of 32), i.e. {[E, n, k // 32, nb]}"
+                    )
+                self._expect(blocks, (_BLOCK_DTYPE[fmt],), (E, n, k // 32, nb), cfg)
+                sinfo = self._expect_present(scales, cfg)
+                if tuple(sinfo.shape) != tuple(info.shape[:-1]):
+                    raise BadInput(
+                        f"{self.ckpt.root}: tensor {scales!r} has shape {list(sinfo.shape)}, expected "
+                        f"{list(info.shape[:-1])} (the shape of {blocks!r} without its last dim)"
+                    )
+                self._expect(scales, ("U8", "F8_E8M0"), (E, n, k // 32), cfg)
+            else:
+                shape = (E, k, n)  # stored in x out
+                self._expect(f"{p}.{proj}", (plan["float_dtype"],), shape, cfg + ", stored [in, out]")
+            self._expect(f"{p}.{proj}_bias", tuple(FLOAT_DTYPES), (E, n), cfg)
+        r = self._prefix(plan, layer) + ".router"
+        self._expect(f"{r}.weight", tuple(FLOAT_DTYPES), (E, H), cfg)
+        self._expect(f"{r}.bias", tuple(FLOAT_DTYPES), (E,), cfg)
+
+    def _expect_present(self, name: str, why: str) -> TensorInfo:
+        info = self.ckpt.tensors.get(name)
+        if info is None:
+            raise BadInput(f"{self.ckpt.root}: tensor {name!r} is missing ({why})")
+        return info
+
+    # ---- FamilyReader -------------------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        p = self._plan()
+        fmt = p["fmt"]
+        return ModelInfo(
+            family=self.name,
+            num_layers=p["num_layers"],
+            moe_layers=tuple(range(p["num_layers"])),
+            num_experts=p["E"],
+            top_k=p["top_k"],
+            hidden_size=p["H"],
+            intermediate_size=p["I"],
+            expert_format=fmt if fmt in MX_FORMATS else FLOAT_DTYPES[p["float_dtype"]],
+            row_order="interleaved",
+            has_expert_bias=True,
+            routing="topk_softmax",
+            norm_topk_prob=True,
+            activation="swigluoai",
+            swiglu_alpha=self._cfg_float("swiglu_alpha", 1.702),
+            swiglu_limit=self._cfg_float("swiglu_limit", 7.0),
+            source_scale_scheme="e8m0" if fmt in MX_FORMATS else None,
+        )
+
+    def _source_names(self, plan: dict[str, Any], layer: int) -> tuple[str, ...]:
+        p = self._prefix(plan, layer) + ".experts"
+        out = []
+        for proj in ("gate_up_proj", "down_proj"):
+            if plan["fmt"] in MX_FORMATS:
+                out += [f"{p}.{proj}_blocks", f"{p}.{proj}_scales"]
+            else:
+                out.append(f"{p}.{proj}")
+            out.append(f"{p}.{proj}_bias")
+        return tuple(out)
+
+    def layer_refs(self) -> list[MoELayerRef]:
+        plan = self._plan()
+        refs = []
+        for L in range(plan["num_layers"]):
+            prefix = self._prefix(plan, L)
+            refs.append(
+                MoELayerRef(
+                    layer=L,
+                    module_prefix=prefix,
+                    source_names=self._source_names(plan, L),
+                    router_weight=f"{prefix}.router.weight",
+                    router_bias=f"{prefix}.router.bias",
+                )
+            )
+        return refs
+
+    def read_layer(self, ref: MoELayerRef) -> MoELayer:
+        plan = self._plan()
+        E, H, I, fmt = plan["E"], plan["H"], plan["I"], plan["fmt"]
+        p = ref.module_prefix + ".experts"
+        read = self.ckpt.read
+        layer = MoELayer(
+            ref=ref,
+            row_order="interleaved",
+            w13_bias=read(f"{p}.gate_up_proj_bias"),
+            w2_bias=read(f"{p}.down_proj_bias"),
+        )
+        if fmt in MX_FORMATS:
+            for key, proj, n, k in (("w13_mx", "gate_up_proj", 2 * I, H), ("w2_mx", "down_proj", H, I)):
+                data = read(f"{p}.{proj}_blocks").view(torch.uint8)
+                data = data.reshape(E, n, k // 2 if fmt == "mxfp4" else k)
+                scales = read(f"{p}.{proj}_scales").view(torch.uint8)
+                setattr(layer, key, MXStack(fmt, data, scales))
+        else:
+            layer.w13 = read(f"{p}.gate_up_proj").transpose(1, 2).contiguous()
+            layer.w2 = read(f"{p}.down_proj").transpose(1, 2).contiguous()
+        return layer
+
+    # ---- quantized output ---------------------------------------------------------------------
+    def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
+        if fmt not in MX_FORMATS:
+            raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
+        plan = self._plan()
+        E, H, I = plan["E"], plan["H"], plan["I"]
+        p = ref.module_prefix + ".experts"
+        data_dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
+        nb = _BLOCK_BYTES[fmt]
+        specs: dict[str, TensorSpec] = {}
+        for proj, n, k in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
+            specs[f"{p}.{proj}_blocks"] = TensorSpec((E, n, k // 32, nb), data_dtype)
+            specs[f"{p}.{proj}_scales"] = TensorSpec((E, n, k // 32), torch.uint8)
+            bias = self.ckpt.info(f"{p}.{proj}_bias")
+            specs[f"{p}.{proj}_bias"] = TensorSpec(tuple(bias.shape), ST_DTYPES[bias.dtype][0])
+        return specs
+
+    def quantized_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:
+        """MX canonical layer (interleaved rows, source biases) -> published gpt-oss tensors.
+
+        ``*_blocks``: the packed data viewed as ``[E, N, K/32, 16]`` (mxfp4, uint8) or
+        ``[E, N, K/32, 32]`` (mxfp8, float8_e4m3fn); ``*_scales`` unchanged; biases unchanged.
+        """
+        if layer.w13_mx is None or layer.w2_mx is None:
+            raise ValueError("quantized_tensors needs an MX-quantized layer (w13_mx and w2_mx)")
+        if layer.row_order != "interleaved":
+            raise ValueError(f"gpt-oss keeps interleaved gate/up rows, got row order {layer.row_order!r}")
+        if layer.w13_bias is None or layer.w2_bias is None:
+            raise ValueError("gpt-oss layers carry expert biases; the MoELayer has none")
+        p = layer.ref.module_prefix + ".experts"
+        out: dict[str, torch.Tensor] = {}
+        for proj, stack, bias in (("gate_up_proj", layer.w13_mx, layer.w13_bias), ("down_proj", layer.w2_mx, layer.w2_bias)):
+            if stack.fmt not in MX_FORMATS:
+                raise ValueError(f"unknown MX format {stack.fmt!r}")
+            E, n, kb = stack.data.shape
+            nb = _BLOCK_BYTES[stack.fmt]
+            data = stack.data.contiguous().reshape(E, n, kb // nb, nb)
+            if stack.fmt == "mxfp8":
+                data = data.view(torch.float8_e4m3fn)
+            out[f"{p}.{proj}_blocks"] = data
+            out[f"{p}.{proj}_scales"] = stack.scales.contiguous()
+            out[f"{p}.{proj}_bias"] = bias.contiguous()
+        return out
+
+    def quantization_config(self, fmt: str, scale_rounding: str) -> dict[str, Any]:
+        if fmt not in MX_FORMATS:
+            raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
+        return {"quant_method": fmt, "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}

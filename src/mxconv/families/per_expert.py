@@ -1,0 +1,659 @@
+"""Shared reader for MoE families that store one Linear per routed expert.
+
+Qwen2/Qwen3-MoE, Mixtral, DeepSeek-V3/R1/V3.1/Kimi-K2 and GLM-4.5 keep every routed expert as three
+``nn.Linear`` weights ``[out, in]`` under ``{root}layers.{L}.{moe}.experts.{e}.{gate|up|down}``
+(Mixtral: ``w1`` gate, ``w3`` up, ``w2`` down). A family module only supplies the names, the config
+keys that pick the MoE layers and the routing fields; this module does the rest:
+
+Source expert formats (decided from config ``quantization_config`` + tensor names + header dtypes):
+
+| format      | tensors per projection (N = out, K = in)                                   | config |
+|-------------|-----------------------------------------------------------------------------|--------|
+| bf16/fp16/fp32 | ``weight`` BF16/F16/F32 ``[N, K]``                                       | no quantization_config |
+| fp8_block   | ``weight`` F8_E4M3 ``[N, K]`` + ``weight_scale_inv`` F32 ``[ceil(N/bn), ceil(K/bk)]`` | ``quant_method: fp8``, ``weight_block_size: [bn, bk]`` (``scale_fmt: ue8m0`` = powers of two) |
+| mxfp4       | ``weight_packed`` U8 ``[N, K/2]`` + ``weight_scale`` U8 ``[N, K/32]``       | compressed-tensors ``mxfp4-pack-quantized`` (mxconv's own output) |
+| mxfp8       | ``weight`` F8_E4M3 ``[N, K]`` + ``weight_scale`` U8 ``[N, K/32]``           | compressed-tensors ``mxfp8-quantized`` (mxconv's own output) |
+
+Canonical layer (see :mod:`mxconv.families.base`): ``w13[e] = cat(gate, up)`` ``[E, 2I, H]``,
+``w2[e] = down`` ``[E, H, I]``, row order "halves", no biases. Float sources keep their dtype;
+block-FP8 is dequantized **in fp32** (``W = fp32(W_fp8) * scale_inv[i // bn, j // bk]``, one
+rounding-free product per element, never through bf16); MX sources become :class:`MXStack` (mxfp8 data
+as uint8 E4M3 bit patterns).
+
+Quantized output (``quantize`` command): compressed-tensors per-expert Linear tensors under the
+source names (``...experts.{e}.gate_proj.weight_packed`` / ``.weight_scale`` for mxfp4,
+``.weight`` F8_E4M3 / ``.weight_scale`` for mxfp8) and a ``quantization_config`` with one config
+group matching the MXFP4A16 / MXFP8A16 presets of compressed-tensors (float, 4/8 bits, group 32,
+symmetric, ``scale_dtype: torch.uint8``). Its targets are a regex on the per-expert Linear names
+(compressed-tensors, model-free decompression) plus a regex on the fused-MoE module name
+``...{moe}.experts`` (what vLLM's ``FusedMoE`` layer is called). The ``ignore`` list covers every other
+Linear of the checkpoint with a few regexes (older vLLM raises on a Linear that matches no target).
+``mxconv_scale_rounding`` is recorded as an extra top-level key: compressed-tensors'
+``QuantizationConfig`` (pydantic, extra keys ignored), transformers and vLLM all tolerate it.
+
+Known limitation: for block-FP8 sources (DeepSeek/Kimi/GLM-FP8) the non-expert FP8 tensors
+(attention, shared experts, dense MLPs, each with ``weight_scale_inv``) are copied unchanged, but the
+new ``quantization_config`` describes only the routed experts. compressed-tensors names a block-FP8
+scale ``weight_scale`` (same semantics), so describing them would need a rename of the copied
+tensors, which the output contract (every other tensor under its own name) forbids. Such an output
+therefore loads in the compressed-tensors decompressor (experts) but not in vLLM as is; quantize a
+bf16 copy of the model (DeepSeek's ``fp8_cast_bf16``) when a loadable checkpoint is needed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable
+
+import torch
+
+from mxconv.checkpoint import Checkpoint
+from mxconv.errors import BadInput
+from mxconv.families.base import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
+from mxconv.layouts.base import TensorSpec
+from mxconv.st_format import ST_DTYPES, TensorInfo
+
+FLOAT_DTYPES: dict[str, str] = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+MX_FORMATS = ("mxfp4", "mxfp8")
+CT_FORMATS = {"mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}
+# Tensor parameters of one projection, per source format.
+FORMAT_PARAMS: dict[str, tuple[str, ...]] = {
+    "float": ("weight",),
+    "fp8_block": ("weight", "weight_scale_inv"),
+    "mxfp4": ("weight_packed", "weight_scale"),
+    "mxfp8": ("weight", "weight_scale"),
+}
+_EXPERT_PARAMS = ("weight", "weight_packed", "weight_scale", "weight_scale_inv")
+SUPPORTED_HINT = (
+    "mxconv reads unquantized (bf16/fp16/fp32), block-FP8 (quant_method 'fp8' with weight_block_size) "
+    "and MXFP4/MXFP8 experts; dequantize the checkpoint first"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization_config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """What ``quantization_config`` says about the expert weights.
+
+    ``method``: None (no config), "fp8" (block-FP8), "ct-mx" (compressed-tensors MX, ``mx_fmt`` set),
+    "mxfp4" / "mxfp8" (gpt-oss convention).
+    """
+
+    method: str | None
+    mx_fmt: str | None = None
+    block: tuple[int, int] | None = None
+    ue8m0: bool = False
+
+
+def quantization_dict(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """The checkpoint's ``quantization_config`` (top level, else text_config), or None."""
+    for src in (ckpt.config, ckpt.text_config):
+        for key in ("quantization_config", "compression_config"):
+            qc = src.get(key)
+            if qc is not None:
+                if not isinstance(qc, dict):
+                    raise BadInput(f"{ckpt.root / 'config.json'}: malformed {key} (not a JSON object)")
+                return qc
+    return None
+
+
+def unsupported_quantization(ckpt: Checkpoint, qc: dict[str, Any], family: str) -> BadInput:
+    """The BadInput for a quantization_config mxconv cannot read."""
+    what = f"quant_method {qc.get('quant_method')!r}"
+    fmt = qc.get("format")
+    if fmt:
+        what += f", format {fmt!r}"
+    return BadInput(f"{ckpt.root / 'config.json'}: unsupported quantization ({what}) for {family}: {SUPPORTED_HINT}")
+
+
+def ct_mx_format(qc: dict[str, Any]) -> str | None:
+    """"mxfp4" / "mxfp8" when a compressed-tensors config quantizes weights as MX only, else None.
+
+    Every config group must be float weights, 4 or 8 bits, symmetric, group strategy, group size 32,
+    stored as ``mxfp4-pack-quantized`` / ``mxfp8-quantized`` (group ``format`` or the top-level one).
+    """
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        return None
+    found: set[str] = set()
+    for group in groups.values():
+        if not isinstance(group, dict):
+            return None
+        w = group.get("weights")
+        if not isinstance(w, dict):
+            return None
+        bits = w.get("num_bits")
+        fmt = group.get("format") or qc.get("format")
+        ok = (
+            w.get("type") == "float"
+            and w.get("group_size") == 32
+            and w.get("strategy", "group") == "group"
+            and w.get("symmetric", True) is True
+            and bits in (4, 8)
+        )
+        name = "mxfp4" if bits == 4 else "mxfp8"
+        if not ok or fmt != CT_FORMATS[name]:
+            return None
+        found.add(name)
+    return found.pop() if len(found) == 1 else None
+
+
+def read_quant_scheme(ckpt: Checkpoint, family: str) -> QuantScheme:
+    """Parse ``quantization_config`` for a per-expert family; BadInput for anything unsupported."""
+    qc = quantization_dict(ckpt)
+    if qc is None:
+        return QuantScheme(None)
+    method = qc.get("quant_method")
+    where = ckpt.root / "config.json"
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise BadInput(
+                f"{where}: unsupported quantization (quant_method 'fp8' without a [rows, cols] weight_block_size, "
+                f"i.e. not block-FP8) for {family}: {SUPPORTED_HINT}"
+            )
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise BadInput(f"{where}: unsupported quantization (fp8 fmt {qc.get('fmt')!r}; only e4m3) for {family}")
+        return QuantScheme("fp8", block=(block[0], block[1]), ue8m0=qc.get("scale_fmt") == "ue8m0")
+    if method == "compressed-tensors":
+        fmt = ct_mx_format(qc)
+        if fmt is not None:
+            return QuantScheme("ct-mx", mx_fmt=fmt)
+    raise unsupported_quantization(ckpt, qc, family)
+
+
+# ---------------------------------------------------------------------------------------------
+# numerics helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Block-FP8 -> fp32: ``W[..., i, j] = fp32(weight[..., i, j]) * scale_inv[..., i // bn, j // bk]``.
+
+    weight: float8_e4m3fn ``[..., N, K]``; scale_inv: any float ``[..., ceil(N/bn), ceil(K/bk)]``
+    (edge tiles partial). Returns a new fp32 ``[..., N, K]`` tensor. The product is computed in fp32
+    (exact for power-of-two scales; one correctly rounded multiply otherwise).
+    """
+    bn, bk = block
+    n, k = weight.shape[-2], weight.shape[-1]
+    s = scale_inv.to(torch.float32)
+    s = s.repeat_interleave(bn, dim=-2)[..., :n, :]
+    s = s.repeat_interleave(bk, dim=-1)[..., :k]
+    out = weight.to(torch.float32)
+    out.mul_(s)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# plan: what the headers say
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    root: str  # tensor-name prefix before "layers.", e.g. "model."
+    layers: tuple[int, ...]
+    fmt: str  # "float" | "fp8_block" | "mxfp4" | "mxfp8"
+    expert_format: str  # ModelInfo.expert_format
+    float_dtype: str | None  # safetensors dtype of float sources
+    block: tuple[int, int] | None
+    scale_scheme: str | None
+    num_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+
+
+class PerExpertReader(FamilyReader):
+    """Family reader for per-expert Linear checkpoints; subclasses set names and config rules."""
+
+    moe_module: ClassVar[str] = "mlp"  # "{root}layers.{L}.{moe_module}" is the FusedMoE parent
+    proj_names: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    router_module: ClassVar[str] = "gate"
+    model_types: ClassVar[frozenset[str]] = frozenset()
+    architectures: ClassVar[frozenset[str]] = frozenset()
+    # Linear modules that are not routed experts (for the compressed-tensors ignore list).
+    ignore_patterns: ClassVar[tuple[str, ...]] = (
+        "lm_head",
+        r"re:.*embed_tokens$",
+        r"re:.*self_attn\..*",
+        r"re:.*\.mlp\.gate$",
+        r"re:.*\.shared_experts?\..*",
+        r"re:.*\.shared_expert_gate$",
+        r"re:.*\.mlp\.(gate_proj|up_proj|down_proj)$",
+        r"re:.*\.eh_proj$",
+        r"re:.*\.shared_head\..*",
+    )
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        super().__init__(ckpt)
+        self._plan_cache: _Plan | None = None
+        self._refs_cache: list[MoELayerRef] | None = None
+
+    # ---- family hooks -----------------------------------------------------------------------
+    @classmethod
+    def detect(cls, ckpt: Checkpoint) -> bool:
+        model_type = ckpt.cfg("model_type")
+        archs = set(ckpt.config.get("architectures") or []) | set(ckpt.text_config.get("architectures") or [])
+        return model_type in cls.model_types or bool(archs & cls.architectures)
+
+    def config_moe_layers(self, num_layers: int) -> tuple[dict[int, str], dict[int, str]]:
+        """({layer: why it is MoE}, {optional MoE layer (MTP): why}) from config.json alone."""
+        return {L: "every layer is MoE" for L in range(num_layers)}, {}
+
+    def routing_fields(self) -> dict[str, Any]:
+        """ModelInfo routing fields (routing, norm_topk_prob, n_group, topk_group, routed_scaling_factor)."""
+        raise NotImplementedError
+
+    # ---- config helpers ---------------------------------------------------------------------
+    def cfg_int(self, *keys: str, default: int | None = None) -> int:
+        v = self.ckpt.cfg(*keys, default=default)
+        if v is None:
+            raise BadInput(f"{self.ckpt.root / 'config.json'}: missing {' / '.join(repr(k) for k in keys)}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise BadInput(f"{self.ckpt.root / 'config.json'}: {keys[0]!r} must be a non-negative integer, got {v!r}")
+        return v
+
+    def _where(self) -> str:
+        return str(self.ckpt.root)
+
+    # ---- names --------------------------------------------------------------------------------
+    def layer_prefix(self, root: str, layer: int) -> str:
+        return f"{root}layers.{layer}.{self.moe_module}"
+
+    def expert_name(self, prefix: str, e: int, proj: int, param: str) -> str:
+        """``{prefix}.experts.{e}.{gate|up|down}.{param}`` (proj 0 = gate, 1 = up, 2 = down)."""
+        return f"{prefix}.experts.{e}.{self.proj_names[proj]}.{param}"
+
+    # ---- plan ---------------------------------------------------------------------------------
+    def _scan(self) -> tuple[str, dict[int, set[int]], dict[str, str]]:
+        """(root, {layer: expert indices seen}, {param seen: first tensor name}) from the tensor names."""
+        pat = re.compile(
+            rf"^(?P<root>(?:.*\.)?)layers\.(?P<layer>\d+)\.{re.escape(self.moe_module)}\.experts\.(?P<e>\d+)\."
+            rf"(?:{'|'.join(map(re.escape, self.proj_names))})\.(?P<param>{'|'.join(_EXPERT_PARAMS)})$"
+        )
+        roots: set[str] = set()
+        layers: dict[int, set[int]] = defaultdict(set)
+        params: dict[str, str] = {}
+        for name in sorted(self.ckpt.tensors):
+            m = pat.match(name)
+            if m:
+                roots.add(m["root"])
+                layers[int(m["layer"])].add(int(m["e"]))
+                params.setdefault(m["param"], name)
+        if not roots:
+            fused = sorted(n for n in self.ckpt.tensors if n.endswith(".experts.gate_up_proj"))
+            hint = (
+                f" (found fused expert tensors such as {fused[0]!r}, the transformers>=5 layout, "
+                f"which mxconv does not read yet)"
+                if fused
+                else ""
+            )
+            example = f"model.layers.N.{self.moe_module}.experts.E.{self.proj_names[0]}.weight"
+            raise BadInput(f"{self._where()}: no routed-expert tensors found (expected names like {example!r}){hint}")
+        if len(roots) > 1:
+            raise BadInput(f"{self._where()}: routed-expert tensors under several prefixes {sorted(roots)}")
+        return roots.pop(), layers, params
+
+    def _format(self, scheme: QuantScheme, params: set[str], sample: TensorInfo) -> str:
+        """Source format from the parameters present, checked against quantization_config."""
+        params = set(params)
+        if params == {"weight"}:
+            fmt = "float"
+        elif params == {"weight", "weight_scale_inv"}:
+            fmt = "fp8_block"
+        elif params == {"weight_packed", "weight_scale"}:
+            fmt = "mxfp4"
+        elif params == {"weight", "weight_scale"}:
+            fmt = "mxfp8"
+        else:
+            raise BadInput(
+                f"{self._where()}: unrecognised routed-expert tensor set (parameters {sorted(params)}); "
+                f"expected weight, weight+weight_scale_inv (block-FP8), weight_packed+weight_scale (MXFP4) "
+                f"or weight+weight_scale (MXFP8)"
+            )
+        want = {None: "float", "fp8": "fp8_block"}.get(scheme.method, scheme.mx_fmt)
+        if fmt != want:
+            qc = "no quantization_config" if scheme.method is None else f"quantization_config says {want}"
+            raise BadInput(
+                f"{self._where()}: routed-expert tensors such as {sample.name!r} ({sample.dtype}) are {fmt}, "
+                f"but config.json has {qc}"
+            )
+        return fmt
+
+    def _plan(self) -> _Plan:
+        if self._plan_cache is not None:
+            return self._plan_cache
+        ck = self.ckpt
+        scheme = read_quant_scheme(ck, self.title)
+        num_layers = self.cfg_int("num_hidden_layers")
+        E = self.cfg_int("num_local_experts", "num_experts", "n_routed_experts")
+        top_k = self.cfg_int("num_experts_per_tok", "experts_per_token")
+        H = self.cfg_int("hidden_size")
+        I = self.cfg_int("moe_intermediate_size", "intermediate_size")
+        if E == 0 or top_k == 0 or top_k > E:
+            raise BadInput(f"{ck.root / 'config.json'}: num_experts_per_tok={top_k} with {E} routed experts")
+        root, found, params = self._scan()
+        moe, optional = self.config_moe_layers(num_layers)
+        for L in sorted(moe):
+            if L not in found:
+                name = self.expert_name(self.layer_prefix(root, L), 0, 0, "weight")
+                raise BadInput(
+                    f"{self._where()}: config.json makes layer {L} a MoE layer ({moe[L]}), but the checkpoint has "
+                    f"no routed-expert tensors for it (e.g. {name!r} is missing)"
+                )
+        for L in sorted(found):
+            if L not in moe and L not in optional:
+                name = self.expert_name(self.layer_prefix(root, L), min(found[L]), 0, "")
+                raise BadInput(
+                    f"{self._where()}: layer {L} has routed-expert tensors ({name.rstrip('.')}...), but config.json "
+                    f"makes it a dense layer (num_hidden_layers={num_layers}; {self.dense_reason(L)})"
+                )
+        for L in sorted(optional):
+            lp = f"{root}layers.{L}."
+            if L not in found and any(n.startswith(lp) for n in ck.tensors):
+                raise BadInput(
+                    f"{self._where()}: layer {L} ({optional[L]}) is in the checkpoint but has no routed-expert tensors"
+                )
+        layers = tuple(sorted(found))
+        first = params.get("weight_packed") or params.get("weight") or next(iter(params.values()))
+        fmt = self._format(scheme, set(params), ck.info(first))
+        float_dtype = None
+        if fmt == "float":
+            float_dtype = ck.info(first).dtype
+            if float_dtype not in FLOAT_DTYPES:
+                raise BadInput(
+                    f"{self._where()}: tensor {first!r} has dtype {float_dtype}, expected BF16, F16 or F32 "
+                    f"(config.json has no quantization_config)"
+                )
+        if fmt in MX_FORMATS and (H % 32 or I % 32):
+            raise BadInput(f"{ck.root / 'config.json'}: hidden_size {H} / intermediate size {I} not multiples of 32")
+        scale_scheme = None
+        if fmt == "fp8_block":
+            assert scheme.block is not None
+            scale_scheme = f"fp8_block_{scheme.block[0]}x{scheme.block[1]}" + ("_ue8m0" if scheme.ue8m0 else "")
+        elif fmt in MX_FORMATS:
+            scale_scheme = "e8m0"
+        plan = _Plan(
+            root=root,
+            layers=layers,
+            fmt=fmt,
+            expert_format={"float": FLOAT_DTYPES.get(float_dtype or "", ""), "fp8_block": "fp8_block"}.get(fmt, fmt),
+            float_dtype=float_dtype,
+            block=scheme.block,
+            scale_scheme=scale_scheme,
+            num_layers=num_layers,
+            num_experts=E,
+            top_k=top_k,
+            hidden_size=H,
+            intermediate_size=I,
+        )
+        for L in layers:
+            self._check_layer(plan, L, found[L])
+        self._plan_cache = plan
+        return plan
+
+    def dense_reason(self, layer: int) -> str:
+        """Why config.json makes ``layer`` dense (for error messages)."""
+        return "the family's MoE-layer rule excludes it"
+
+    # ---- header validation ------------------------------------------------------------------
+    def _expect(
+        self, name: str, dtypes: Iterable[str], shape: tuple[int, ...], why: str, missing_why: str | None = None
+    ) -> TensorInfo:
+        info = self.ckpt.tensors.get(name)
+        if info is None:
+            raise BadInput(f"{self._where()}: tensor {name!r} is missing ({missing_why or why})")
+        dtypes = tuple(dtypes)
+        if info.dtype not in dtypes:
+            raise BadInput(f"{self._where()}: tensor {name!r} has dtype {info.dtype}, expected {' or '.join(dtypes)}")
+        if tuple(info.shape) != tuple(shape):
+            raise BadInput(f"{self._where()}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)} ({why})")
+        return info
+
+    def _proj_specs(self, plan: _Plan, proj: int) -> list[tuple[str, tuple[str, ...], tuple[int, ...], str]]:
+        """(param, allowed dtypes, shape, why) of one projection's source tensors."""
+        H, I = plan.hidden_size, plan.intermediate_size
+        n, k = (I, H) if proj < 2 else (H, I)
+        dims = "[intermediate, hidden]" if proj < 2 else "[hidden, intermediate]"
+        why = f"{dims} = [{n}, {k}] from config.json"
+        if plan.fmt == "float":
+            assert plan.float_dtype is not None
+            return [("weight", (plan.float_dtype,), (n, k), why)]
+        if plan.fmt == "fp8_block":
+            assert plan.block is not None
+            bn, bk = plan.block
+            sshape = (math.ceil(n / bn), math.ceil(k / bk))
+            swhy = f"one scale per {bn}x{bk} tile of [{n}, {k}]"
+            return [("weight", ("F8_E4M3",), (n, k), why), ("weight_scale_inv", ("F32", "BF16", "F16"), sshape, swhy)]
+        swhy = f"one E8M0 scale per 32 inputs of [{n}, {k}]"
+        if plan.fmt == "mxfp4":
+            return [("weight_packed", ("U8",), (n, k // 2), why + ", two E2M1 codes per byte"), ("weight_scale", ("U8", "F8_E8M0"), (n, k // 32), swhy)]
+        return [("weight", ("F8_E4M3",), (n, k), why), ("weight_scale", ("U8", "F8_E8M0"), (n, k // 32), swhy)]
+
+    def _check_layer(self, plan: _Plan, layer: int, experts: set[int]) -> None:
+        E = plan.num_experts
+        prefix = self.layer_prefix(plan.root, layer)
+        extra = sorted(e for e in experts if e >= E)
+        if extra:
+            name = self.expert_name(prefix, extra[0], 0, "weight")
+            raise BadInput(
+                f"{self._where()}: tensor {name!r} has expert index {extra[0]}, but config.json has {E} routed experts"
+            )
+        missing = f"layer {layer} is a MoE layer and config.json has {E} routed experts, each with three projections"
+        for e in range(E):
+            for proj in range(3):
+                for param, dtypes, shape, why in self._proj_specs(plan, proj):
+                    self._expect(self.expert_name(prefix, e, proj, param), dtypes, shape, why, missing)
+        router = f"{prefix}.{self.router_module}.weight"
+        self._expect(router, tuple(FLOAT_DTYPES), (E, plan.hidden_size), "router [num_experts, hidden] from config.json")
+        bias = f"{prefix}.{self.router_module}.e_score_correction_bias"
+        if bias in self.ckpt.tensors:
+            self._expect(bias, tuple(FLOAT_DTYPES), (E,), "[num_experts] from config.json")
+
+    # ---- FamilyReader -------------------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        p = self._plan()
+        return ModelInfo(
+            family=self.name,
+            num_layers=p.num_layers,
+            moe_layers=p.layers,
+            num_experts=p.num_experts,
+            top_k=p.top_k,
+            hidden_size=p.hidden_size,
+            intermediate_size=p.intermediate_size,
+            expert_format=p.expert_format,
+            row_order="halves",
+            has_expert_bias=False,
+            activation="silu",
+            source_scale_scheme=p.scale_scheme,
+            **self.routing_fields(),
+        )
+
+    def layer_refs(self) -> list[MoELayerRef]:
+        if self._refs_cache is not None:
+            return list(self._refs_cache)
+        p = self._plan()
+        refs = []
+        for L in p.layers:
+            prefix = self.layer_prefix(p.root, L)
+            names = [
+                self.expert_name(prefix, e, proj, spec[0])
+                for e in range(p.num_experts)
+                for proj in range(3)
+                for spec in self._proj_specs(p, proj)
+            ]
+            cb = f"{prefix}.{self.router_module}.e_score_correction_bias"
+            refs.append(
+                MoELayerRef(
+                    layer=L,
+                    module_prefix=prefix,
+                    source_names=tuple(names),
+                    router_weight=f"{prefix}.{self.router_module}.weight",
+                    router_bias=None,
+                    correction_bias=cb if cb in self.ckpt.tensors else None,
+                )
+            )
+        self._refs_cache = refs
+        return list(refs)
+
+    def _read_stack(self, prefix: str, projs: tuple[int, ...], param: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """Read ``param`` of the given projections of every expert into one ``[E, rows, cols]`` tensor.
+
+        The projections are stacked along dim 1 (gate then up for w13). One read per tensor, copied
+        straight into its slice of the preallocated output.
+        """
+        E = self._plan().num_experts
+        out = torch.empty((E, rows, cols), dtype=dtype)
+        step = rows // len(projs)
+        for e in range(E):
+            for j, proj in enumerate(projs):
+                t = self.ckpt.read(self.expert_name(prefix, e, proj, param))
+                if t.dtype != dtype:  # E4M3 data / F8_E8M0 scales kept as uint8 bit patterns
+                    t = t.view(dtype)
+                out[e, j * step : (j + 1) * step] = t
+        return out
+
+    def read_layer(self, ref: MoELayerRef) -> MoELayer:
+        p = self._plan()
+        E, H, I = p.num_experts, p.hidden_size, p.intermediate_size
+        prefix = ref.module_prefix
+        shapes = {(0, 1): (2 * I, H), (2,): (H, I)}
+        layer = MoELayer(ref=ref, row_order="halves")
+        for key, (projs, (n, k)) in zip(("w13", "w2"), shapes.items()):
+            if p.fmt == "float":
+                assert p.float_dtype is not None
+                w = self._read_stack(prefix, projs, "weight", n, k, ST_DTYPES[p.float_dtype][0])
+                setattr(layer, key, w)
+            elif p.fmt == "fp8_block":
+                # One expert projection at a time, straight into the fp32 output: the expanded
+                # scales never exist for more than one [N, K] matrix (a DeepSeek-V3 layer is 30 GB
+                # in fp32 already).
+                assert p.block is not None
+                w = torch.empty((E, n, k), dtype=torch.float32)
+                step = n // len(projs)
+                for e in range(E):
+                    for j, proj in enumerate(projs):
+                        w8 = self.ckpt.read(self.expert_name(prefix, e, proj, "weight"))
+                        s = self.ckpt.read(self.expert_name(prefix, e, proj, "weight_scale_inv"))
+                        w[e, j * step : (j + 1) * step] = dequantize_fp8_block(w8, s, p.block)
+                setattr(layer, key, w)
+            else:
+                packed = p.fmt == "mxfp4"
+                data = self._read_stack(prefix, projs, "weight_packed" if packed else "weight", n, k // 2 if packed else k, torch.uint8)
+                scales = self._read_stack(prefix, projs, "weight_scale", n, k // 32, torch.uint8)
+                setattr(layer, key + "_mx", MXStack(p.fmt, data, scales))
+        return layer
+
+    # ---- quantized output (compressed-tensors) --------------------------------------------------
+    def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
+        if fmt not in MX_FORMATS:
+            raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
+        p = self._plan()
+        H, I = p.hidden_size, p.intermediate_size
+        specs: dict[str, TensorSpec] = {}
+        for e in range(p.num_experts):
+            for proj in range(3):
+                n, k = (I, H) if proj < 2 else (H, I)
+                if fmt == "mxfp4":
+                    specs[self.expert_name(ref.module_prefix, e, proj, "weight_packed")] = TensorSpec((n, k // 2), torch.uint8)
+                else:
+                    specs[self.expert_name(ref.module_prefix, e, proj, "weight")] = TensorSpec((n, k), torch.float8_e4m3fn)
+                specs[self.expert_name(ref.module_prefix, e, proj, "weight_scale")] = TensorSpec((n, k // 32), torch.uint8)
+        return specs
+
+    def quantized_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:
+        """Split an MX canonical layer into per-expert compressed-tensors Linear tensors.
+
+        Needs ``w13_mx``/``w2_mx`` (same format) in "halves" order. Each output tensor is a fresh
+        contiguous copy (safetensors refuses tensors that share storage).
+        """
+        if layer.w13_mx is None or layer.w2_mx is None:
+            raise ValueError("quantized_tensors needs an MX-quantized layer (w13_mx and w2_mx)")
+        if layer.row_order != "halves":
+            raise ValueError(f"{self.name} writes gate/up halves, got row order {layer.row_order!r}")
+        fmt = layer.w13_mx.fmt
+        if fmt not in MX_FORMATS or layer.w2_mx.fmt != fmt:
+            raise ValueError(f"inconsistent MX formats {layer.w13_mx.fmt!r} / {layer.w2_mx.fmt!r}")
+        prefix = layer.ref.module_prefix
+        E, two_i = layer.w13_mx.data.shape[:2]
+        I = two_i // 2
+        out: dict[str, torch.Tensor] = {}
+        data_param = "weight_packed" if fmt == "mxfp4" else "weight"
+        for e in range(E):
+            pieces = (
+                (0, layer.w13_mx, slice(0, I)),
+                (1, layer.w13_mx, slice(I, 2 * I)),
+                (2, layer.w2_mx, slice(None)),
+            )
+            for proj, stack, rows in pieces:
+                data = stack.data[e, rows].clone()
+                if fmt == "mxfp8":
+                    data = data.view(torch.float8_e4m3fn)
+                out[self.expert_name(prefix, e, proj, data_param)] = data
+                out[self.expert_name(prefix, e, proj, "weight_scale")] = stack.scales[e, rows].clone()
+        return out
+
+    def ct_targets(self) -> list[str]:
+        """compressed-tensors targets: the per-expert Linear names and vLLM's fused-MoE module."""
+        moe = re.escape(self.moe_module)
+        projs = "|".join(map(re.escape, self.proj_names))
+        return [rf"re:.*{moe}\.experts\.\d+\.({projs})$", rf"re:.*{moe}\.experts$"]
+
+    def ct_ignore(self) -> list[str]:
+        """Compact ignore list: the family regexes that match some non-expert Linear of this
+        checkpoint, plus the name of any other 2-D ``.weight`` module none of them covers."""
+        targets = [re.compile(t[3:]) for t in self.ct_targets()]
+
+        def matches(pattern: str, module: str) -> bool:
+            return re.match(pattern[3:], module) is not None if pattern.startswith("re:") else pattern == module
+
+        modules = sorted(
+            {
+                n[: -len(".weight")]
+                for n, info in self.ckpt.tensors.items()
+                if n.endswith(".weight") and len(info.shape) == 2
+            }
+        )
+        others = [m for m in modules if not any(t.match(m) for t in targets)]
+        used = [p for p in self.ignore_patterns if p == "lm_head" or any(matches(p, m) for m in others)]
+        extra = [m for m in others if not any(matches(p, m) for p in used)]
+        return used + extra
+
+    def quantization_config(self, fmt: str, scale_rounding: str) -> dict[str, Any]:
+        if fmt not in MX_FORMATS:
+            raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
+        weights = {
+            "num_bits": 4 if fmt == "mxfp4" else 8,
+            "type": "float",
+            "symmetric": True,
+            "group_size": 32,
+            "strategy": "group",
+            "dynamic": False,
+            "scale_dtype": "torch.uint8",
+        }
+        return {
+            "quant_method": "compressed-tensors",
+            "format": CT_FORMATS[fmt],
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": self.ct_targets(),
+                    "weights": weights,
+                    "input_activations": None,
+                    "output_activations": None,
+                    "format": CT_FORMATS[fmt],
+                }
+            },
+            "ignore": self.ct_ignore(),
+            "kv_cache_scheme": None,
+            "mxconv_scale_rounding": scale_rounding,
+        }
