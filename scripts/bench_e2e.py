@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""End-to-end benchmark: a synthetic gpt-oss-20b-sized checkpoint on local disk through
+`mxconv quantize` (bf16 source) or `mxconv repack --backend trtllm` (MXFP4 source), against the
+I/O floor measured in the same run on the same files: reading every source byte and writing as
+many bytes as mxconv writes (fsync'd), with nothing else.
+
+Before each timed phase the source files are evicted from the page cache (posix_fadvise
+DONTNEED, no root needed), so both phases read from the disk the same way.
+
+    PYTHONPATH=src python scripts/bench_e2e.py --mode repack   --dir /tmp/bench   # 24 layers, MXFP4
+    PYTHONPATH=src python scripts/bench_e2e.py --mode quantize --dir /tmp/bench --layers 8
+    PYTHONPATH=src python scripts/bench_e2e.py --mode repack --small              # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+GPT_OSS_20B = dict(E=32, H=2880, I=2880, V=201088, layers=24)
+
+
+def _evict(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def generate(root: Path, mode: str, E: int, H: int, I: int, V: int, layers: int, device: torch.device) -> None:
+    """gpt-oss HF layout: bf16 experts transposed [E, H, 2I] / [E, I, H] (quantize) or MXFP4 blocks."""
+    root.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator(device=device).manual_seed(0)
+    cfg = {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_hidden_layers": layers,
+        "num_local_experts": E, "num_experts_per_tok": 4, "experts_per_token": 4, "hidden_size": H,
+        "intermediate_size": I, "swiglu_limit": 7.0, "head_dim": 64, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "vocab_size": V, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
+    }
+    if mode == "repack":
+        cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (root / "config.json").write_text(json.dumps(cfg, indent=2))
+    weight_map: dict[str, str] = {}
+    total = 0
+    nshards = layers + 1
+
+    def bf16(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, device=device, generator=g) * std).to(torch.bfloat16).cpu()
+
+    def save(idx: int, tensors: dict[str, torch.Tensor]) -> None:
+        nonlocal total
+        name = f"model-{idx:05d}-of-{nshards:05d}.safetensors"
+        save_file(tensors, str(root / name), metadata={"format": "pt"})
+        for k, t in tensors.items():
+            weight_map[k] = name
+            total += t.numel() * t.element_size()
+
+    save(1, {"model.embed_tokens.weight": bf16(V, H), "lm_head.weight": bf16(V, H), "model.norm.weight": bf16(H, std=1.0)})
+    for L in range(layers):
+        p = f"model.layers.{L}"
+        t = {
+            f"{p}.input_layernorm.weight": bf16(H, std=1.0),
+            f"{p}.post_attention_layernorm.weight": bf16(H, std=1.0),
+            f"{p}.self_attn.q_proj.weight": bf16(4096, H), f"{p}.self_attn.q_proj.bias": bf16(4096),
+            f"{p}.self_attn.k_proj.weight": bf16(512, H), f"{p}.self_attn.k_proj.bias": bf16(512),
+            f"{p}.self_attn.v_proj.weight": bf16(512, H), f"{p}.self_attn.v_proj.bias": bf16(512),
+            f"{p}.self_attn.o_proj.weight": bf16(H, 4096), f"{p}.self_attn.o_proj.bias": bf16(H),
+            f"{p}.self_attn.sinks": bf16(64, std=1.0),
+            f"{p}.mlp.router.weight": bf16(E, H), f"{p}.mlp.router.bias": bf16(E),
+            f"{p}.mlp.experts.gate_up_proj_bias": bf16(E, 2 * I), f"{p}.mlp.experts.down_proj_bias": bf16(E, H),
+        }
+        if mode == "repack":
+            u8 = dict(dtype=torch.uint8, device=device, generator=g)
+            t[f"{p}.mlp.experts.gate_up_proj_blocks"] = torch.randint(0, 256, (E, 2 * I, H // 32, 16), **u8).cpu()
+            t[f"{p}.mlp.experts.gate_up_proj_scales"] = torch.randint(117, 125, (E, 2 * I, H // 32), **u8).cpu()
+            t[f"{p}.mlp.experts.down_proj_blocks"] = torch.randint(0, 256, (E, H, I // 32, 16), **u8).cpu()
+            t[f"{p}.mlp.experts.down_proj_scales"] = torch.randint(117, 125, (E, H, I // 32), **u8).cpu()
+        else:
+            t[f"{p}.mlp.experts.gate_up_proj"] = bf16(E, H, 2 * I)
+            t[f"{p}.mlp.experts.down_proj"] = bf16(E, I, H)
+        save(L + 2, t)
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (root / "tokenizer.json").write_text("{}")
+
+
+def io_floor(src: Path, out_bytes: int, scratch: Path) -> float:
+    """Seconds to read every source shard and write ``out_bytes`` (fsync'd) with nothing else:
+    one reader thread, the main thread writing in step with what has been read (64 MiB chunks)."""
+    import queue
+    import threading
+
+    shards = sorted(src.glob("*.safetensors"))
+    total_in = sum(f.stat().st_size for f in shards)
+    _evict(shards)
+    q: queue.Queue = queue.Queue(maxsize=4)
+
+    def reader() -> None:
+        for f in shards:
+            with open(f, "rb", buffering=0) as fh:
+                while b := fh.read(64 << 20):
+                    q.put(len(b))
+        q.put(None)
+
+    chunk = memoryview(bytes(64 << 20))
+    t0 = time.perf_counter()
+    th = threading.Thread(target=reader)
+    th.start()
+    read = written = 0
+    with open(scratch, "wb", buffering=0) as out:
+        while (n := q.get()) is not None:
+            read += n
+            due = out_bytes * read // total_in
+            while written < due:
+                k = min(len(chunk), due - written)
+                out.write(chunk[:k])
+                written += k
+        os.fsync(out.fileno())
+    th.join()
+    dt = time.perf_counter() - t0
+    scratch.unlink()
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("quantize", "repack"), default="repack")
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/mxconv-bench"))
+    ap.add_argument("--layers", type=int, default=None, help="MoE layers (default: 24 for repack, 8 for quantize)")
+    ap.add_argument("--small", action="store_true", help="tiny sizes: a CPU smoke test")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = dict(GPT_OSS_20B)
+    if args.small:
+        shape.update(E=4, H=256, I=256, V=512, layers=2)
+    if args.layers:
+        shape["layers"] = args.layers
+    elif args.mode == "quantize" and not args.small:
+        shape["layers"] = 8
+    src, out = args.dir / f"src-{args.mode}", args.dir / f"out-{args.mode}"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    generate(src, args.mode, shape["E"], shape["H"], shape["I"], shape["V"], shape["layers"], dev)
+    gen_s = time.perf_counter() - t0
+    src_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+
+    cmd = [sys.executable, "-m", "mxconv.cli", args.mode, str(src), str(out), "--json", "--quiet", "--overwrite"]
+    cmd += ["--backend", "trtllm"] if args.mode == "repack" else ["--format", "mxfp4"]
+    # dry run first to learn the output size for the floor
+    plan = json.loads(subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, check=True).stdout)
+    floor_s = io_floor(src, plan["bytes_out"], args.dir / "floor.scratch")
+    _evict(sorted(src.glob("*.safetensors")))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        sys.exit(f"mxconv failed ({r.returncode}): {r.stderr}")
+    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    summary = json.loads(r.stdout)
+    doc = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "mode": args.mode,
+        "shape": shape,
+        "source_bytes": src_bytes,
+        "output_bytes": summary["bytes_out"],
+        "generate_s": gen_s,
+        "io_floor_s": floor_s,
+        "mxconv_wall_s": wall,
+        "mxconv_internal_s": summary["seconds"],
+        "ratio_to_floor": wall / floor_s,  # includes interpreter + torch start-up (~2-5 s)
+        "ratio_internal_to_floor": summary["seconds"] / floor_s,  # open -> manifest written
+        "peak_host_rss_bytes": peak_rss if peak_rss > before * 1024 else None,
+        "peak_gpu_bytes": summary.get("peak_gpu_bytes"),
+        "compute_s": summary.get("compute_seconds"),
+        "relative_rms_error": summary.get("relative_rms_error"),
+    }
+    if not args.keep:
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        for k, v in doc.items():
+            print(f"{k:22} {v}")
+
+
+if __name__ == "__main__":
+    main()
