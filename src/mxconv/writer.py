@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,9 @@ class ShardedWriter:
     bytes_written: int = 0
 
     def __post_init__(self) -> None:
+        # sha256 runs on its own thread while the same bytes are being written (hashlib and file
+        # writes both release the GIL), so hashing does not add to the write time.
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-sha256")
         self._queue = [(si, t) for si, s in enumerate(self.shards) for t in s.tensors]
         self._pos = 0
         self._file = None
@@ -247,9 +251,10 @@ class ShardedWriter:
         if len(data) != planned.nbytes:
             raise RuntimeError(f"writer: {name} has {len(data)} bytes, plan says {planned.nbytes}")
         assert self._file is not None
+        digest = self._hasher.submit(lambda: hashlib.sha256(data).hexdigest())
         self._file.write(data)
         self.bytes_written += len(data)
-        self._end(planned, hashlib.sha256(data).hexdigest())
+        self._end(planned, digest.result())
 
     def copy_tensor(self, name: str) -> int:
         """Copy the next planned tensor byte for byte from its source file; returns bytes copied."""
@@ -258,21 +263,27 @@ class ShardedWriter:
         assert src is not None and self._file is not None
         h = hashlib.sha256()
         left = src.nbytes
+        pending = None
         with open(src.file, "rb") as f:
             f.seek(src.begin)
             while left:
                 chunk = f.read(min(COPY_CHUNK, left))
                 if not chunk:
                     raise BadInput(f"{src.file}: tensor {name!r} is truncated")
+                if pending is not None:
+                    pending.result()
+                pending = self._hasher.submit(h.update, chunk)
                 self._file.write(chunk)
-                h.update(chunk)
                 left -= len(chunk)
+        if pending is not None:
+            pending.result()
         self.bytes_written += src.nbytes
         self._end(planned, h.hexdigest())
         return src.nbytes
 
     def finish(self) -> dict[str, WrittenTensor]:
         """Check every planned tensor was written, then write the index. Returns the tensor table."""
+        self._hasher.shutdown(wait=True)
         if self._pos != len(self._queue):
             raise RuntimeError(f"writer: {len(self._queue) - self._pos} planned tensors were never written")
         weight_map = {name: w.file for name, w in self.written.items()}
@@ -282,6 +293,7 @@ class ShardedWriter:
 
     def abort(self) -> None:
         """Close and delete the temporary file of the shard in progress (best effort)."""
+        self._hasher.shutdown(wait=False, cancel_futures=True)
         if self._file is not None:
             try:
                 self._file.close()
