@@ -1,0 +1,58 @@
+"""GPU == CPU bytes for whole conversions (quantize both formats, every backend layout).
+
+Marked ``gpu``: skipped without CUDA; run on the device with ``python -m pytest -q -m gpu``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxconv.checkpoint import open_checkpoint
+from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.families import detect_family
+from mxconv.layouts import BACKENDS, get_layout
+from mxconv.testing import make_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _run(src: Path, out: Path, device: str, q: QuantOptions, r: RepackOptions | None) -> dict:
+    ckpt = open_checkpoint(src)
+    plan = build_plan(ckpt, detect_family(ckpt), "repack" if r else "quantize", q, r)
+    execute(plan, out, device=torch.device(device), max_shard_size=10**9, overwrite=True, argv=["test"])
+    return json.loads((out / "mxconv.json").read_text())["tensors"]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpu")
+    return {
+        "gpt": make_checkpoint(root / "gpt", "gpt-oss-bf16", hidden_size=288, intermediate_size=320).path,
+        "qwen": make_checkpoint(root / "qwen", "qwen3-moe", num_experts=8).path,
+        "ds": make_checkpoint(root / "ds", "deepseek-v3-fp8").path,
+    }
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+@pytest.mark.parametrize("rounding", ["rceil", "floor", "even"])
+@pytest.mark.parametrize("src", ["gpt", "qwen", "ds"])
+def test_quantize_cuda_equals_cpu(sources, tmp_path: Path, src: str, fmt: str, rounding: str) -> None:
+    q = QuantOptions(fmt=fmt, scale_rounding=rounding)
+    a = _run(sources[src], tmp_path / "cpu", "cpu", q, None)
+    b = _run(sources[src], tmp_path / "cuda", "cuda", q, None)
+    assert {k: v["sha256"] for k, v in a.items()} == {k: v["sha256"] for k, v in b.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("src", ["gpt", "qwen"])
+def test_repack_cuda_equals_cpu(sources, tmp_path: Path, src: str, backend: str) -> None:
+    for act in get_layout(backend).activations:
+        for tp in (1, 2):
+            r = RepackOptions(backend, act, tp)
+            a = _run(sources[src], tmp_path / f"cpu-{act}-{tp}", "cpu", QuantOptions(), r)
+            b = _run(sources[src], tmp_path / f"cuda-{act}-{tp}", "cuda", QuantOptions(), r)
+            assert {k: v["sha256"] for k, v in a.items()} == {k: v["sha256"] for k, v in b.items()}, (act, tp)
