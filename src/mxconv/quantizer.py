@@ -1,0 +1,51 @@
+"""The one entry point the rest of mxconv uses to quantize a tensor to MXFP4/MXFP8.
+
+``impl="auto"`` runs the Triton kernel for CUDA tensors when Triton works, otherwise the exact torch
+path; both give the same bytes (tests/test_triton_kernels.py checks it bit for bit on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxconv.errors import BadInput
+from mxconv.numerics import check_args, quantize_mx_torch
+
+IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
+
+
+def select_impl(x: torch.Tensor, impl: str = "auto") -> str:
+    """Which implementation ``quantize_mx`` runs for ``x``: "torch" or "triton"."""
+    if impl not in IMPLS:
+        raise BadInput(f"unknown quantizer implementation {impl!r}; supported: {', '.join(IMPLS)}")
+    if impl != "auto":
+        return impl
+    if x.is_cuda:
+        from mxconv.kernels import triton_available
+
+        if triton_available():
+            return "triton"
+    return "torch"
+
+
+def quantize_mx(
+    x: torch.Tensor, fmt: str, scale_rounding: str = "rceil", impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` [..., K] (bf16/fp16/fp32) to MX blocks of 32 along K.
+
+    Returns ``(data, scales)`` on x's device: mxfp4 data uint8 [..., K/2] (element 2i in the low
+    nibble), mxfp8 data uint8 [..., K] (E4M3 bits), scales uint8 [..., K/32] (E8M0).
+    ``impl``: "auto" (Triton for CUDA tensors when available, else torch), "torch" or "triton".
+    Raises BadInput for an unknown format/mode/impl, a non-float dtype or K % 32 != 0.
+    Does not check for NaN/Inf (use ``mxconv.numerics.first_nonfinite`` first).
+    """
+    check_args(x, fmt, scale_rounding)
+    chosen = select_impl(x, impl)
+    if chosen == "triton":
+        from mxconv.kernels import quantize_mx_triton
+
+        return quantize_mx_triton(x, fmt, scale_rounding)
+    return quantize_mx_torch(x, fmt, scale_rounding)
+
+
+__all__ = ["IMPLS", "quantize_mx", "select_impl"]
