@@ -190,6 +190,7 @@ def main() -> None:
         "peak_host_rss_bytes": peak_rss if peak_rss > before * 1024 else None,
         "peak_gpu_bytes": summary.get("peak_gpu_bytes"),
         "compute_s": summary.get("compute_seconds"),
+        "stage_seconds": summary.get("stage_seconds"),
         "relative_rms_error": summary.get("relative_rms_error"),
     }
     if not args.keep:

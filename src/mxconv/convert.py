@@ -454,7 +454,8 @@ def execute(
     reader = plan.reader
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    run_pipeline(plan.items, writers, load=lambda item: reader.read_layer(item.payload), compute=compute, on_progress=on_progress)
+    times = run_pipeline(plan.items, writers, load=lambda item: reader.read_layer(item.payload), compute=compute,
+                         on_progress=on_progress)
 
     cfg = output_config(plan)
     tensors: dict[str, Any] = {}
@@ -508,6 +509,7 @@ def execute(
             "quantized_tensors": stats.errors.tensors,
             "relative_rms_error": stats.errors.rel_rms,
             "device": str(device),
+            "stage_seconds": times.to_json(),
             "notes": notes,
         }
     )

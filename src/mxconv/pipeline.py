@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -37,6 +38,20 @@ LoadFn = Callable[[WorkItem], Any]
 ComputeFn = Callable[[WorkItem, Any], list[dict[str, torch.Tensor]]]
 
 
+@dataclass
+class StageTimes:
+    """Seconds spent per stage (load summed over reader threads) and waiting between stages."""
+
+    load_s: float = 0.0
+    compute_s: float = 0.0
+    write_s: float = 0.0
+    wait_for_load_s: float = 0.0  # main thread idle, waiting for a reader
+    wait_for_writer_s: float = 0.0  # main thread blocked on a full write queue
+
+    def to_json(self) -> dict[str, float]:
+        return {k: round(v, 4) for k, v in self.__dict__.items()}
+
+
 def run_pipeline(
     items: list[WorkItem],
     writers: list[ShardedWriter],
@@ -46,8 +61,10 @@ def run_pipeline(
     read_threads: int = 2,
     prefetch: int = 2,
     queue_depth: int = 2,
-) -> None:
+    times: StageTimes | None = None,
+) -> StageTimes:
     """Run ``items`` through load (threads) -> compute (this thread) -> write (one thread)."""
+    times = times if times is not None else StageTimes()
     q: queue.Queue = queue.Queue(maxsize=queue_depth)
     errors: list[BaseException] = []
     stop = threading.Event()
@@ -60,6 +77,7 @@ def run_pipeline(
             if stop.is_set():  # a failure elsewhere: keep draining so nobody blocks on the queue
                 continue
             item, results = got
+            t0 = time.perf_counter()
             try:
                 if item.kind == "copy":
                     for name in item.copy_names:
@@ -69,6 +87,7 @@ def run_pipeline(
                     for w, names, res in zip(writers, item.out_names, results):
                         for name in names:
                             w.write_tensor(name, res[name])
+                times.write_s += time.perf_counter() - t0
                 if on_progress:
                     on_progress(item.in_bytes)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
@@ -81,9 +100,16 @@ def run_pipeline(
     pending: list[tuple[WorkItem, Future | None]] = []
     pool = ThreadPoolExecutor(max_workers=max(1, read_threads), thread_name_prefix="mxconv-read")
 
+    def timed_load(item: WorkItem) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return load(item)
+        finally:
+            times.load_s += time.perf_counter() - t0
+
     def submit(i: int) -> None:
         item = items[i]
-        pending.append((item, pool.submit(load, item) if item.kind == "layer" else None))
+        pending.append((item, pool.submit(timed_load, item) if item.kind == "layer" else None))
 
     try:
         nxt = 0
@@ -98,8 +124,12 @@ def run_pipeline(
                 break
             item, fut = pending.pop(0)
             if fut is not None:
+                t0 = time.perf_counter()
                 data = fut.result()
+                t1 = time.perf_counter()
                 results = compute(item, data)
+                times.wait_for_load_s += t1 - t0
+                times.compute_s += time.perf_counter() - t1
                 del data
                 loaded_ahead -= 1
             else:
@@ -109,7 +139,9 @@ def run_pipeline(
                     loaded_ahead += 1
                 submit(nxt)
                 nxt += 1
+            t0 = time.perf_counter()
             q.put((item, results))
+            times.wait_for_writer_s += time.perf_counter() - t0
             del results
     except BaseException:
         stop.set()
@@ -126,3 +158,4 @@ def run_pipeline(
                 w.abort()
         if errors:
             raise errors[0]
+    return times

@@ -23,6 +23,8 @@ Canonical layer (one MoE layer, all experts stacked):
 | w2_bias   | [E, H]       | source dtype | only gpt-oss |
 
 `row_order`: "interleaved" (gpt-oss: row 2j = gate j, 2j+1 = up j) or "halves" ([gate; up]).
+Float stacks may be non-contiguous views (gpt-oss BF16 is stored transposed); consumers make them
+contiguous where they compute.
 """
 
 from __future__ import annotations

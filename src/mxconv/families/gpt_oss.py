@@ -290,8 +290,11 @@ class GptOssReader(FamilyReader):
                 scales = read(f"{p}.{proj}_scales").view(torch.uint8)
                 setattr(layer, key, MXStack(fmt, data, scales))
         else:
-            layer.w13 = read(f"{p}.gate_up_proj").transpose(1, 2).contiguous()
-            layer.w2 = read(f"{p}.down_proj").transpose(1, 2).contiguous()
+            # Transposed *views* ([E, 2I, H] / [E, H, I] with K not contiguous): the consumer makes
+            # them contiguous where it computes (on the GPU, that is nearly free; on the CPU the
+            # quantizer walks them in row chunks), instead of a full CPU copy in the reader.
+            layer.w13 = read(f"{p}.gate_up_proj").transpose(1, 2)
+            layer.w2 = read(f"{p}.down_proj").transpose(1, 2)
         return layer
 
     # ---- quantized output ---------------------------------------------------------------------
