@@ -152,6 +152,10 @@ def test_repack_from_bf16_tp2_and_verify_against_bf16(ws: Path, tmp_path: Path) 
     rep = json.loads(out_json)
     assert code == 0, rep
     assert all(layer["threshold"] == "mxfp4" for layer in rep["layers"])
+    code, stdout, err = mx("inspect", out, "--json")
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert doc["kind"] == "kernel" and doc["model"]["expert_format"] == "mxfp4" and doc["model"]["padded_hidden_size"] == 256
 
 
 def test_save_and_reuse_reference_outputs(ws: Path, tmp_path: Path) -> None:
@@ -266,6 +270,14 @@ def test_bad_inputs(ws: Path, tmp_path: Path) -> None:
     assert code == 2 and "no such directory" in err
     code, _, err = mx("verify", ws / "gpt")
     assert code == 2 and "no mxconv.json" in err
+    code, _, err = mx("verify", ws / "gpt-trt", "--layers", ",")
+    assert code == 2 and "names no layer" in err
+    code, _, err = mx("verify", ws / "gpt-trt", "--reference", ws / "qwen")
+    assert code == 2 and "a different model" in err
+    code, _, err = mx("quantize", ws / "gpt", ws / "gpt" / "inside", "--dry-run")
+    assert code == 2 and "is the SOURCE or inside it" in err
+    code, _, err = mx("quantize", ws / "gpt", tmp_path / "o4", "--max-shard-size", "nan")
+    assert code == 2 and "at least one byte" in err
     assert "Traceback" not in err
 
 

@@ -37,8 +37,9 @@ def test_parse_size() -> None:
     assert parse_size("1000") == 1000
     with pytest.raises(BadInput, match="cannot parse"):
         parse_size("lots")
-    with pytest.raises(BadInput, match="must be positive"):
-        parse_size("0MB")
+    for bad in ("0MB", "nan", "inf", "0.1"):
+        with pytest.raises(BadInput, match="at least one byte"):
+            parse_size(bad)
 
 
 def test_plan_shards_greedy_and_oversized() -> None:
@@ -146,6 +147,22 @@ def test_prepare_output_dir_rules(tmp_path: Path) -> None:
     assert not (out / "mxconv.json").exists() and not (out / "model-00001-of-00001.safetensors").exists()
     assert (out / IN_PROGRESS).exists()
     assert (out / "precious.txt").exists()  # files mxconv does not write are left alone
+
+
+def test_overwrite_removes_only_what_mxconv_wrote(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    out = tmp_path / "out"
+    (out / "rank-0").mkdir(parents=True)
+    (out / "rank-0" / "model.safetensors.index.json").write_text("{}")
+    (out / "rank-data").mkdir()
+    (out / "my-lora.safetensors").write_bytes(b"user")
+    (out / "chat_template.jinja").write_text("old")
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
+    (out / "mxconv.json").write_text(json.dumps({"tensors": {"a": {"file": "rank-0/x"}}, "output_files": ["chat_template.jinja"]}))
+    prepare_output_dir(out, [src], overwrite=True)
+    left = sorted(p.name for p in out.iterdir())
+    assert left == [IN_PROGRESS, "my-lora.safetensors", "rank-data"]
 
 
 def test_interrupted_output_is_cleaned_without_overwrite(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ and ``HF_HUB_OFFLINE=1`` are honoured). Every shard header is validated up front
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import re
@@ -96,6 +97,16 @@ class Checkpoint:
         if self.manifest and self.manifest.get("kind") == "kernel":
             return "kernel"
         return "canonical"
+
+
+def _copied_along(name: str) -> bool:
+    """Small top-level files an output carries over (tokenizer, generation config, chat template,
+    remote code, README/LICENSE); never weights (*.bin, *.pt, other formats' indexes) or our own."""
+    if name in _NOT_COPIED or name.startswith(".") or name.endswith(".index.json"):
+        return False
+    if name.upper().startswith(("README", "LICENSE", "NOTICE", "USE_POLICY")):
+        return True
+    return any(fnmatch.fnmatch(name, pat) for pat in HUB_SMALL_FILES)
 
 
 def _load_json(path: Path, what: str) -> Any:
@@ -198,11 +209,7 @@ def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoi
         manifest = _load_json(root / MANIFEST_NAME, "mxconv manifest")
         if not isinstance(manifest, dict):
             raise BadInput(f"{root / MANIFEST_NAME}: malformed mxconv manifest")
-    extra = [
-        f
-        for f in sorted(root.iterdir())
-        if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(".safetensors") and not f.name.startswith(".")
-    ]
+    extra = [f for f in sorted(root.iterdir()) if f.is_file() and _copied_along(f.name)]
     if not sinfo.fingerprint:
         sinfo.fingerprint = _fingerprint(root, shard_files + [root / CONFIG_NAME])
     return Checkpoint(

@@ -88,6 +88,16 @@ def _errors(debug: bool) -> Iterator[None]:
     except KeyboardInterrupt:
         err.print("[bold red]interrupted[/] (partial output left under temporary names; rerun to clean up)")
         raise typer.Exit(130) from None
+    except Exception as exc:  # noqa: BLE001 - never let a crash look like "verification failed" (1)
+        if debug:
+            raise
+        err.print(
+            f"[bold red]internal error:[/] {type(exc).__name__}: {exc} (rerun with --debug for the traceback; "
+            "please report it)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(3) from None
 
 
 def _device(spec: str):
@@ -171,13 +181,14 @@ def _run_convert(
     from mxconv.checkpoint import open_checkpoint
     from mxconv.convert import build_plan, execute
     from mxconv.families import detect_family
-    from mxconv.writer import parse_size
+    from mxconv.writer import check_output_dir, parse_size
 
     shard_bytes = parse_size(max_shard_size)
     dev = _device(device)
     ckpt = open_checkpoint(source, revision)
     reader = detect_family(ckpt)
     plan = build_plan(ckpt, reader, command, quant, repack)
+    check_output_dir(output, [ckpt.root], overwrite)
     if dry_run:
         doc = plan.summary()
         doc["dry_run"] = True
@@ -368,9 +379,11 @@ def inspect(
 
     with _errors(debug):
         root = Path(path)
-        if root.is_dir() and not (root / "config.json").exists() and (root / "mxconv.json").exists():
-            ckpt = open_checkpoint(root / "rank-0", revision)
-            ckpt.manifest = json.loads((root / "mxconv.json").read_text())
+        if root.is_dir() and (root / "rank-0").is_dir() and (root / "mxconv.json").exists():
+            from mxconv.manifest import load_manifest
+
+            ckpt = open_checkpoint(root / "rank-0", revision)  # a TP output: ranks share one manifest
+            ckpt.manifest = load_manifest(root)
         else:
             ckpt = open_checkpoint(path, revision)
         doc = inspect_checkpoint(ckpt)
@@ -383,7 +396,8 @@ def inspect(
         model = doc.get("model") or {}
         t.add_row("family", str(doc.get("family_title") or doc.get("family")))
         t.add_row("kind", doc["kind"] + (f" ({doc['manifest']['backend']}, {doc['manifest']['activation']})" if doc["kind"] == "kernel" else ""))
-        for k in ("num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size", "expert_format", "row_order", "routing", "activation"):
+        for k in ("num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size", "padded_hidden_size",
+                  "padded_intermediate_size", "expert_format", "source_expert_format", "row_order", "routing", "activation"):
             if k in model:
                 t.add_row(k, str(model[k]))
         if "moe_layers" in doc:

@@ -175,6 +175,12 @@ def build_plan(
             f"{ckpt.manifest.get('backend') if ckpt.manifest else '?'}); convert from its canonical source instead"
         )
     info = reader.model_info()
+    for what, size in (("hidden_size", info.hidden_size), ("intermediate_size", info.intermediate_size)):
+        if size % 32:
+            raise BadInput(
+                f"{ckpt.root}: {what} {size} is not a multiple of 32; MX formats need the reduction "
+                "dimension of every expert weight to split into 32-element blocks"
+            )
     all_refs = reader.layer_refs()
     refs = [r for r in all_refs if quant.selects(r)]
     if not refs:
@@ -299,6 +305,19 @@ def quantize_stack(
     return MXStack(fmt, data, scales)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move ``t`` to ``device``; a dense permuted view (gpt-oss BF16's transposed experts) travels in
+    its storage order and is re-permuted there, so no CPU transpose copy is made."""
+    if t.device == device or t.is_contiguous():
+        return t.to(device, non_blocking=True)
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    base = t.permute(order)
+    if not base.is_contiguous():
+        return t.contiguous().to(device, non_blocking=True)
+    inverse = [order.index(d) for d in range(t.dim())]
+    return base.to(device, non_blocking=True).permute(inverse)
+
+
 def to_format(stack: MXStack | None, float_w: torch.Tensor | None, fmt: str, q: QuantOptions, where: str,
               stats: ErrorStats | None, device: torch.device) -> MXStack:
     """One expert stack (MX or float) -> MXStack in ``fmt`` on ``device``; MX bytes move untouched when
@@ -307,7 +326,7 @@ def to_format(stack: MXStack | None, float_w: torch.Tensor | None, fmt: str, q: 
 
     if stack is None:
         assert float_w is not None
-        return quantize_stack(float_w.to(device, non_blocking=True), fmt, q, where, stats)
+        return quantize_stack(to_device(float_w, device), fmt, q, where, stats)
     data = stack.data.to(device, non_blocking=True)
     scales = stack.scales.to(device, non_blocking=True)
     if stack.fmt == fmt:
@@ -468,7 +487,8 @@ def execute(
         for name, entry in tensor_table(written, prefix).items():
             tensors[prefix + name if prefix else name] = entry
     q = plan.quant
-    from_mx_untouched = plan.info.expert_format == plan.weight_format
+    lossless = plan.info.expert_format == "mxfp4" and plan.weight_format == "mxfp8"
+    from_mx_untouched = plan.info.expert_format == plan.weight_format or lossless
     manifest = base_manifest(
         source=plan.ckpt.source.to_json(),
         family=plan.info.family,
@@ -491,10 +511,15 @@ def execute(
             "source_format": plan.info.expert_format,
             "source_scale_scheme": plan.info.source_scale_scheme,
             "requantized": not from_mx_untouched and plan.info.expert_format in ("mxfp4", "mxfp8"),
+            "lossless_conversion": "mxfp4 -> mxfp8 (same block scales, E2M1 values are E4M3 values)" if lossless else None,
         },
         argv=argv,
     )
     manifest["tensors"] = tensors
+    manifest["output_files"] = sorted(
+        {CONFIG_NAME, "model.safetensors.index.json", *(f.name for f in plan.ckpt.extra_files)}
+        | ({d.name for d in rank_dirs} if len(rank_dirs) > 1 else set())
+    )
     if len(rank_dirs) > 1:
         atomic_write_json(out_dir / CONFIG_NAME, cfg)
     write_manifest(out_dir, manifest)

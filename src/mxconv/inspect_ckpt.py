@@ -62,7 +62,13 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
         out["manifest"] = {k: m.get(k) for k in ("tool_version", "created", "family", "kind", "weight_format", "scale_rounding", "backend", "activation", "tp_size")}
         out["manifest"]["layout"] = m.get("layout")
     if ckpt.kind == "kernel":
-        model = m.get("model", {}) if m else {}
+        model = dict(m.get("model", {})) if m else {}
+        lay = (m or {}).get("layout") or {}
+        model["source_expert_format"] = model.get("expert_format")
+        model["expert_format"] = (m or {}).get("weight_format")
+        for k in ("padded_hidden_size", "padded_intermediate_size"):
+            if k in lay:
+                model[k] = lay[k]
         expert = sum(i.nbytes for n, i in ckpt.tensors.items() if ".experts." in n)
         out.update(
             {

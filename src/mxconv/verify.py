@@ -127,7 +127,13 @@ def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint
         rank, name = 0, key
         if tp > 1:
             prefix, _, name = key.partition("/")
-            rank = int(prefix.split("-")[1])
+            try:
+                rank = int(prefix.removeprefix("rank-"))
+                if not 0 <= rank < tp:
+                    raise ValueError
+            except ValueError:
+                problems.setdefault(None, []).append(f"{key}: manifest names no valid rank directory (rank-0 .. rank-{tp - 1})")
+                continue
         ckpt = ckpts[rank]
         seen.add(key)
         where = problems.setdefault(_layer_key(name), [])
@@ -229,6 +235,15 @@ def kernel_layer_canonical(
     return merge_tp(parts, ranges, sizes.intermediate_size)
 
 
+_FORMAT_CODES = ("float", "mxfp4", "mxfp8")
+
+
+def _same_mx_bytes(reference_format: str, converted_format: str) -> bool:
+    """True when the converted weights hold exactly the reference's values: same MX format, or an
+    MXFP4 reference converted to MXFP8 (lossless). Then the outputs must match exactly."""
+    return reference_format == converted_format or (reference_format == "mxfp4" and converted_format == "mxfp8")
+
+
 def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
     for name in ("w13", "w13_scale", "w2", "w2_scale"):
         x, y = getattr(a, name), getattr(b, name)
@@ -296,6 +311,8 @@ def parse_layers(spec: str | None, available: list[int]) -> list[int]:
         want = [int(s) for s in spec.split(",") if s.strip()]
     except ValueError:
         raise BadInput(f"--layers {spec!r}: expected comma-separated layer numbers, e.g. 0,3") from None
+    if not want:
+        raise BadInput(f"--layers {spec!r}: names no layer (available: {available})")
     missing = [w for w in want if w not in available]
     if missing:
         raise BadInput(f"--layers: {missing} are not converted MoE layers (available: {available})")
@@ -347,8 +364,22 @@ def verify(
     if reference:
         ref_ckpt = open_checkpoint(reference, revision)
         ref_reader = detect_family(ref_ckpt)
+        rinfo = ref_reader.model_info()
+        for field_name in ("num_experts", "hidden_size", "intermediate_size", "top_k", "row_order"):
+            a, b = getattr(rinfo, field_name), getattr(info, field_name)
+            if a != b:
+                raise BadInput(
+                    f"--reference {reference}: a different model ({field_name} {a} vs {b} in {root}); "
+                    "pass the checkpoint this one was converted from"
+                )
     if reference_outputs:
         saved = load_reference_outputs(Path(reference_outputs), seed, tokens)
+        for name, t in saved.items():
+            if name.endswith(".output") and tuple(t.shape) != (tokens, info.hidden_size):
+                raise BadInput(
+                    f"--reference-outputs {reference_outputs}: {name} has shape {list(t.shape)}, expected "
+                    f"[{tokens}, {info.hidden_size}] (outputs of a different model?)"
+                )
     to_save: dict[str, torch.Tensor] = {}
 
     own_reader = detect_family(ckpts[0]) if kind == "canonical" else None
@@ -428,19 +459,18 @@ def verify(
                 ref_out, ref_ids = saved[f"layer.{L}.output"], saved[f"layer.{L}.topk_ids"]
             except KeyError:
                 raise BadInput(f"--reference-outputs {reference_outputs}: no outputs for layer {L}") from None
-            ref_exact = saved.get(f"layer.{L}.exact") is not None and bool(saved[f"layer.{L}.exact"].item())
-            ref_fmt = "exact" if ref_exact and manifest["weight_format"] == "mxfp4" else manifest["weight_format"]
+            code = int(saved[f"layer.{L}.format"].item()) if f"layer.{L}.format" in saved else 0
+            ref_fmt = "exact" if _same_mx_bytes(_FORMAT_CODES[code], manifest["weight_format"]) else manifest["weight_format"]
         else:
             assert ref_layer is not None and ref_ckpt is not None
             rfn = expert_fn(ref_layer.w13_mx or ref_layer.w13, ref_layer.w2_mx or ref_layer.w2, ref_layer.w13_bias, ref_layer.w2_bias)
             ref_out, ref_ids = run_layer(info, ref_layer.row_order, rfn, _router(ref_ckpt, lay), x)
-            ref_is_mx = ref_layer.w13_mx is not None
-            same_fmt = ref_is_mx and (ref_layer.w13_mx.fmt == manifest["weight_format"] or (ref_layer.w13_mx.fmt == "mxfp4"))
-            ref_fmt = "exact" if same_fmt else manifest["weight_format"]
+            ref_src_fmt = ref_layer.w13_mx.fmt if ref_layer.w13_mx is not None else "float"
+            ref_fmt = "exact" if _same_mx_bytes(ref_src_fmt, manifest["weight_format"]) else manifest["weight_format"]
             if save_reference:
                 to_save[f"layer.{L}.output"] = ref_out.contiguous()
                 to_save[f"layer.{L}.topk_ids"] = ref_ids.contiguous()
-                to_save[f"layer.{L}.exact"] = torch.tensor([1 if ref_is_mx else 0], dtype=torch.uint8)
+                to_save[f"layer.{L}.format"] = torch.tensor([_FORMAT_CODES.index(ref_src_fmt)], dtype=torch.uint8)
         cmp = compare(out, ref_out, ids, ref_ids)
         th = THRESHOLDS[ref_fmt]
         rep.comparison, rep.threshold = cmp, ref_fmt

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,8 +46,8 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         raise BadInput(f"--max-shard-size: cannot parse {text!r} (use e.g. 5GB, 500MB, 2GiB)") from None
-    if value <= 0:
-        raise BadInput(f"--max-shard-size must be positive, got {text!r}")
+    if not math.isfinite(value) or value * mult < 1:
+        raise BadInput(f"--max-shard-size must be at least one byte, got {text!r}")
     return int(value * mult)
 
 
@@ -119,12 +121,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
 
 
-def prepare_output_dir(out: Path, sources: list[Path], overwrite: bool) -> list[str]:
-    """Check OUTPUT against SOURCE and emptiness rules; clear a previous mxconv output if allowed.
+_OUR_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_OUR_RANK_DIR = re.compile(r"^rank-\d+$")
 
-    Returns notes for the user. Rules: OUTPUT must not be (or be inside, or contain) a SOURCE; a
-    non-empty OUTPUT needs ``overwrite`` unless it is an interrupted mxconv run (marker present,
-    no manifest), which is cleaned up automatically.
+
+def check_output_dir(out: Path, sources: list[Path], overwrite: bool) -> bool:
+    """Validate OUTPUT without touching it; returns True when it holds an interrupted mxconv run.
+
+    OUTPUT must not be (or be inside, or contain) a SOURCE, must not be a file, and must be empty
+    unless ``overwrite`` or it is an interrupted mxconv run (marker present, no manifest).
     """
     out = out.expanduser().resolve()
     for src in sources:
@@ -133,25 +138,47 @@ def prepare_output_dir(out: Path, sources: list[Path], overwrite: bool) -> list[
             raise BadInput(f"OUTPUT {out} is the SOURCE or inside it ({src}); choose another directory")
         if out in src.parents:
             raise BadInput(f"OUTPUT {out} contains the SOURCE ({src}); choose another directory")
-    notes: list[str] = []
     if out.exists() and not out.is_dir():
         raise BadInput(f"OUTPUT {out} exists and is not a directory")
+    if not out.exists() or not any(out.iterdir()):
+        return False
+    interrupted = (out / IN_PROGRESS).exists() and not (out / MANIFEST_NAME).exists()
+    if not overwrite and not interrupted:
+        raise BadInput(f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
+    return interrupted
+
+
+def _previous_outputs(out: Path) -> set[str]:
+    """Top-level names a previous mxconv run wrote into ``out`` (from its manifest, if any)."""
+    try:
+        m = json.loads((out / MANIFEST_NAME).read_text())
+        files = {str(t["file"]).split("/")[0] for t in m.get("tensors", {}).values()}
+        return files | set(m.get("output_files", []))
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return set()
+
+
+def prepare_output_dir(out: Path, sources: list[Path], overwrite: bool) -> list[str]:
+    """Check OUTPUT (see :func:`check_output_dir`), clear what an earlier mxconv run wrote there,
+    and drop the in-progress marker. Files mxconv did not write are never deleted."""
+    interrupted = check_output_dir(out, sources, overwrite)
+    out = out.expanduser().resolve()
+    notes: list[str] = []
     if out.exists() and any(out.iterdir()):
-        interrupted = (out / IN_PROGRESS).exists() and not (out / MANIFEST_NAME).exists()
-        if not overwrite and not interrupted:
-            raise BadInput(f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
-        notes.append(
-            f"cleaning up an interrupted mxconv run in {out}" if interrupted else f"overwriting {out}"
-        )
+        notes.append(f"cleaning up an interrupted mxconv run in {out}" if interrupted else f"overwriting {out}")
+        previous = _previous_outputs(out)
         # The manifest goes first so that a crash from here on never leaves a 'complete' look.
         (out / MANIFEST_NAME).unlink(missing_ok=True)
         for p in out.iterdir():
-            if p.name.endswith(".safetensors") or p.name.endswith(TMP_SUFFIX) or p.name == INDEX_NAME:
+            ours = p.name in previous or p.name.endswith(TMP_SUFFIX) or p.name == INDEX_NAME
+            if p.is_file() and (ours or _OUR_SHARD.match(p.name)):
                 p.unlink()
-            elif p.is_dir() and p.name.startswith("rank-"):
+            elif p.is_dir() and _OUR_RANK_DIR.match(p.name) and (ours or (p / INDEX_NAME).exists() or (p / IN_PROGRESS).exists()):
                 shutil.rmtree(p)
     out.mkdir(parents=True, exist_ok=True)
-    (out / IN_PROGRESS).write_text("an mxconv run is writing this directory; it is incomplete until mxconv.json exists\n")
+    (out / IN_PROGRESS).write_text(
+        f"an mxconv run (pid {os.getpid()}) is writing this directory; it is incomplete until mxconv.json exists\n"
+    )
     return notes
 
 
