@@ -122,7 +122,13 @@ def _device(spec: str):
 
 
 def _gb(n: float | int | None) -> str:
-    return "-" if n is None else f"{n / 1e9:.3f} GB"
+    """Bytes in the largest decimal unit that keeps a leading digit (what huggingface-cli shows)."""
+    if n is None:
+        return "-"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def _print_json(doc: Any) -> None:
@@ -149,17 +155,28 @@ def _progress(total: int, label: str, quiet: bool) -> Iterator[Any]:
 
 
 def _plan_table(plan_summary: dict[str, Any], title: str) -> Table:
+    """Two-column summary: bytes human-readable, seconds rounded, nested values compact."""
     t = Table(title=title, show_header=False)
     t.add_column("key", style="bold")
     t.add_column("value")
     for k, v in plan_summary.items():
-        if isinstance(v, int) and k.endswith("bytes") or k.startswith("bytes") or k.endswith("_bytes_out"):
+        if v is None:
+            continue
+        if isinstance(v, (int, float)) and ("bytes" in k) and not isinstance(v, bool):
             v = _gb(v)
+        elif k == "gb_per_s":
+            v = f"{v:.2f} GB/s"
+        elif k.endswith("seconds") and isinstance(v, float):
+            v = f"{v:.2f} s"
+        elif k == "stage_seconds" and isinstance(v, dict):
+            v = " · ".join(f"{name.removesuffix('_s').replace('_', ' ')} {sec:.2f} s" for name, sec in v.items())
         elif isinstance(v, float):
             v = f"{v:.4g}"
-        elif isinstance(v, (dict, list)):
-            v = json.dumps(v)
-        t.add_row(k, str(v))
+        elif isinstance(v, dict):
+            v = ", ".join(f"{a}={b}" for a, b in v.items())
+        elif isinstance(v, list):
+            v = ", ".join(map(str, v))
+        t.add_row(k.replace("_", " "), str(v))
     return t
 
 
@@ -232,7 +249,7 @@ def quantize(
     format: Fmt = typer.Option(Fmt.mxfp4, "--format", help="Expert weight format."),
     scale_rounding: Rounding = typer.Option(Rounding.rceil, "--scale-rounding", help="E8M0 scale rule (mx-numerics: rceil never saturates; floor is OCP; even is AMD's)."),
     include: Optional[str] = typer.Option(None, "--include", help="Regex over '<module>.experts' names: quantize only matching MoE layers."),
-    ignore: Optional[str] = typer.Option(None, "--ignore", help="Regex over '<module>.experts' names: leave matching MoE layers as they are."),
+    ignore: Optional[str] = typer.Option(None, "--ignore", help="Regex over '<module>.experts' names: leave matching MoE layers as they are (config.json lists them as not converted)."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Write NaN scales (0xFF) for blocks holding NaN/Inf instead of refusing."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto = CUDA when present)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of a repo-id SOURCE."),
@@ -268,8 +285,6 @@ def repack(
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size: writes OUTPUT/rank-{r}/ per rank."),
     marlin_scale_layout: str = typer.Option("current", "--marlin-scale-layout", help="Marlin scales: current (vLLM >= 0.12) | legacy (<= 0.11.2)."),
     scale_rounding: Rounding = typer.Option(Rounding.rceil, "--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way."),
-    include: Optional[str] = typer.Option(None, "--include", help="Regex over '<module>.experts': convert only matching MoE layers."),
-    ignore: Optional[str] = typer.Option(None, "--ignore", help="Regex over '<module>.experts': leave matching MoE layers as they are."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Quantize blocks holding NaN/Inf to NaN scales instead of refusing."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of a repo-id SOURCE."),
@@ -284,7 +299,7 @@ def repack(
 
     Writes exactly what vLLM's fused-MoE layer holds after its load-time processing
     (model.layers.L.mlp.experts.w13_weight, ...), padding included, so the engine can skip it.
-    Example:
+    Every MoE layer is converted (--include/--ignore are quantize options). Example:
 
         mxconv repack openai/gpt-oss-20b ./gpt-oss-20b-trtllm --backend trtllm
     """
@@ -298,7 +313,7 @@ def repack(
         if marlin_scale_layout not in ("current", "legacy"):
             raise BadInput(f"--marlin-scale-layout {marlin_scale_layout!r}: choose current or legacy")
         opts = {"marlin_scale_layout": marlin_scale_layout} if backend == "marlin" else {}
-        q = QuantOptions("mxfp4", scale_rounding.value, allow_nonfinite, include, ignore)
+        q = QuantOptions("mxfp4", scale_rounding.value, allow_nonfinite)
         r = RepackOptions(backend, act, tp, opts)
         _run_convert("repack", source, output, quant=q, repack=r, device=device, revision=revision,
                      max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, as_json=as_json, quiet=quiet)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +170,10 @@ def build_plan(
 ) -> Plan:
     """Plan a quantize (repack=None) or repack run from headers only."""
     _check_quant_options(quant)
+    if (command == "repack" or repack is not None) and (quant.include or quant.ignore):
+        # A kernel-layout output holds kernel tensors for every MoE layer (the output contract);
+        # a partial repack would mix them with per-expert source tensors.
+        raise BadInput("repack converts every MoE layer; --include/--ignore apply to quantize only")
     if ckpt.kind == "kernel":
         raise BadInput(
             f"{ckpt.root}: already a kernel-layout checkpoint (mxconv.json kind=kernel, backend "
@@ -185,6 +190,14 @@ def build_plan(
     refs = [r for r in all_refs if quant.selects(r)]
     if not refs:
         raise BadInput("no MoE layer selected (check --include / --ignore)")
+    selected = {r.layer for r in refs}
+    for r in all_refs:
+        kept = reader.layer_format(r)
+        if r.layer not in selected and kept in ("mxfp4", "mxfp8") and kept != quant.fmt:
+            raise BadInput(
+                f"{r.module_prefix}.experts: --include/--ignore leave this {kept} layer as it is, next to {quant.fmt} "
+                f"layers; a checkpoint holds one MX format (select every MoE layer, or use --format {kept})"
+            )
     consumed = {n for r in refs for n in r.source_names}
     ndest = repack.tp if repack else 1
     dests: list[list[PlannedTensor]] = [[] for _ in range(ndest)]
@@ -391,10 +404,16 @@ def output_config(plan: Plan) -> dict[str, Any]:
     """config.json of the output: the source config with the quantization_config for the experts."""
     cfg = dict(plan.ckpt.config)
     src_q = cfg.get("quantization_config")
-    if plan.info.expert_format in ("mxfp4", "mxfp8") and plan.weight_format == plan.info.expert_format and src_q:
+    reader = plan.reader
+    selected = {r.layer for r in plan.refs}
+    formats = {r.layer: (r, reader.layer_format(r)) for r in reader.layer_refs()}
+    # Layers --include/--ignore left in a format other than the output's (float, block-FP8): the
+    # config lists them as not converted, so that loaders do not take them for MX weights.
+    skipped = [r for L, (r, f) in formats.items() if L not in selected and f != plan.weight_format]
+    if src_q and all(f == plan.weight_format for _, f in formats.values()):
         pass  # MX source kept as is: its quantization_config already describes the experts
     else:
-        cfg["quantization_config"] = plan.reader.quantization_config(plan.weight_format, plan.quant.scale_rounding)
+        cfg["quantization_config"] = reader.quantization_config(plan.weight_format, plan.quant.scale_rounding, skipped)
     if plan.repack is not None:
         cfg["mxconv_layout"] = {
             "backend": plan.repack.backend,
@@ -449,6 +468,30 @@ def manifest_layout(plan: Plan) -> dict[str, Any]:
     return lay
 
 
+def _start_warmup(plan: Plan, device: torch.device) -> threading.Thread:
+    """Initialise CUDA and compile the quantize kernels for this plan's shapes on a side thread,
+    so the one-off start-up (seconds) overlaps reading the first layers instead of delaying them."""
+
+    def work() -> None:
+        try:
+            with torch.cuda.device(device):
+                if any(plan.reader.layer_format(r) not in ("mxfp4", "mxfp8") for r in plan.refs):
+                    from mxconv.quantizer import quantize_mx
+
+                    for k in {plan.info.hidden_size, plan.info.intermediate_size}:
+                        quantize_mx(torch.zeros(1, 32, k, dtype=torch.bfloat16, device=device), plan.weight_format,
+                                    plan.quant.scale_rounding)
+                else:
+                    torch.zeros(1, device=device)
+                torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001 - a failed warm-up only costs the time it would have saved
+            pass
+
+    t = threading.Thread(target=work, name="mxconv-warmup", daemon=True)
+    t.start()
+    return t
+
+
 def execute(
     plan: Plan,
     out_dir: Path,
@@ -473,6 +516,7 @@ def execute(
     reader = plan.reader
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        _start_warmup(plan, device)  # CUDA context + kernel compile overlap the first reads
     times = run_pipeline(plan.items, writers, load=lambda item: reader.read_layer(item.payload), compute=compute,
                          on_progress=on_progress)
 
@@ -487,8 +531,10 @@ def execute(
         for name, entry in tensor_table(written, prefix).items():
             tensors[prefix + name if prefix else name] = entry
     q = plan.quant
-    lossless = plan.info.expert_format == "mxfp4" and plan.weight_format == "mxfp8"
-    from_mx_untouched = plan.info.expert_format == plan.weight_format or lossless
+    # From the converted layers' own formats (a mixed source holds MX and float layers).
+    src_formats = {plan.reader.layer_format(r) for r in plan.refs}
+    lossless = src_formats == {"mxfp4"} and plan.weight_format == "mxfp8"
+    from_mx_untouched = src_formats == {plan.weight_format} or lossless
     manifest = base_manifest(
         source=plan.ckpt.source.to_json(),
         family=plan.info.family,
@@ -510,7 +556,7 @@ def execute(
             "packing": "low_nibble_first" if plan.weight_format == "mxfp4" else None,
             "source_format": plan.info.expert_format,
             "source_scale_scheme": plan.info.source_scale_scheme,
-            "requantized": not from_mx_untouched and plan.info.expert_format in ("mxfp4", "mxfp8"),
+            "requantized": any(f in ("mxfp4", "mxfp8") and f != plan.weight_format for f in src_formats) and not lossless,
             "lossless_conversion": "mxfp4 -> mxfp8 (same block scales, E2M1 values are E4M3 values)" if lossless else None,
         },
         argv=argv,

@@ -25,13 +25,20 @@ Canonical layer (one MoE layer, all experts stacked):
 `row_order`: "interleaved" (gpt-oss: row 2j = gate j, 2j+1 = up j) or "halves" ([gate; up]).
 Float stacks may be non-contiguous views (gpt-oss BF16 is stored transposed); consumers make them
 contiguous where they compute.
+
+Mixed checkpoints: ``quantize --include/--ignore`` converts some MoE layers and leaves the others in
+their source format, so a reader decides the expert format **per layer** from that layer's tensor
+names and dtypes (:meth:`FamilyReader.layer_format`); one layer holding two formats is refused. Such
+a checkpoint holds at most one MX format (the one its ``quantization_config`` names) next to
+unconverted layers that the config lists as not converted (``quantization_config(...,
+skipped=...)``). ``ModelInfo.expert_format`` then reports that MX format (the converted layers').
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 
@@ -50,7 +57,10 @@ class ModelInfo:
     top_k: int
     hidden_size: int  # H
     intermediate_size: int  # I, per expert
-    expert_format: str  # "bf16" | "fp16" | "fp32" | "mxfp4" | "mxfp8" | "fp8_block"
+    # "bf16" | "fp16" | "fp32" | "mxfp4" | "mxfp8" | "fp8_block"; for a mixed checkpoint (some MoE layers
+    # left unconverted by quantize --include/--ignore) the MX format of its converted layers, see
+    # FamilyReader.layer_format for each layer's own
+    expert_format: str
     row_order: str  # "interleaved" | "halves"
     has_expert_bias: bool
     # routing: "topk_softmax" (gpt-oss: top-k logits then softmax over k; Mixtral is equivalent),
@@ -148,5 +158,19 @@ class FamilyReader(ABC):
         """The tensors to write for an MX-quantized canonical layer (keys == quantized_specs)."""
 
     @abstractmethod
-    def quantization_config(self, fmt: str, scale_rounding: str) -> dict[str, Any]:
-        """config.json ``quantization_config`` for the quantized output."""
+    def quantization_config(self, fmt: str, scale_rounding: str, skipped: Sequence[MoELayerRef] = ()) -> dict[str, Any]:
+        """config.json ``quantization_config`` for the quantized output.
+
+        ``skipped``: MoE layers of this checkpoint that the output keeps in a format other than
+        ``fmt`` (left unconverted by ``--include``/``--ignore``); the config lists their experts as
+        not converted, in the family's convention, so loaders (and mxconv's readers) do not take them
+        for ``fmt`` weights.
+        """
+
+    def layer_format(self, ref: MoELayerRef) -> str:
+        """Expert format of one MoE layer, in ``ModelInfo.expert_format``'s vocabulary.
+
+        Readers of families that can hold mixed checkpoints override this; the default is the
+        model-wide format.
+        """
+        return self.model_info().expert_format

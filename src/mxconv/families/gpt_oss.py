@@ -23,6 +23,13 @@ the same names with ``gate_up_proj_blocks`` / ``down_proj_blocks`` as F8_E4M3 ``
 "mxfp8"``. That MXFP8 variant is mxconv's own: no engine reads it yet (mxconv reads it back, e.g. as
 a ``repack`` source). The scale rounding is left to mxconv.json (the published config has no such key).
 
+Mixed output (``quantize --include/--ignore``): the layers left unconverted keep their BF16
+``gate_up_proj`` / ``down_proj`` and ``{prefix}.experts`` (e.g. ``model.layers.1.mlp.experts``) is
+appended to ``modules_to_not_convert``, so transformers keeps those experts unquantized. The reader
+decides the format per layer from its tensors; a BF16 layer next to an MX ``quantization_config``
+must be listed there (transformers' test: equal, or ``re.match``), and one layer holding both MX
+blocks and BF16 weights is refused.
+
 OpenAI's original layout (``original/``: ``block.N.mlp.mlp1_weight.blocks`` ...) carries the same
 expert bytes; it is detected and refused with a pointer to the Hugging Face layout.
 """
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -139,35 +146,23 @@ class GptOssReader(FamilyReader):
                 raise BadInput(
                     f"{ck.root}: layer {L} has expert tensors, but config.json has num_hidden_layers={num_layers}"
                 )
-        suffixes = set().union(*found.values())
-        if "_blocks" in suffixes:
-            sample = next(n for n in sorted(ck.tensors) if n.endswith("gate_up_proj_blocks") and _EXPERT.match(n))
-            fmt = "mxfp8" if ck.tensors[sample].dtype == "F8_E4M3" else "mxfp4"
-            if method is None:
-                raise BadInput(
-                    f"{ck.root}: tensor {sample!r} holds MX blocks, but config.json has no quantization_config "
-                    f"(expected quant_method 'mxfp4')"
-                )
-        else:
-            fmt = "bf16"
-            sample = f"{root}layers.0.mlp.experts.gate_up_proj"
-        if method is not None and fmt != method:
-            raise BadInput(
-                f"{ck.root}: config.json says quant_method {method!r}, but tensor {sample!r} is "
-                f"{ck.tensors[sample].dtype if sample in ck.tensors else 'missing'} ({fmt})"
-            )
-        if fmt in MX_FORMATS and (H % 32 or I % 32):
+        # The format is decided per layer: a partial quantize (--include/--ignore) leaves some layers BF16
+        # next to MX ones, and lists those in modules_to_not_convert.
+        not_convert = (qc or {}).get("modules_to_not_convert") or []
+        if not isinstance(not_convert, list) or not all(isinstance(m, str) for m in not_convert):
+            raise BadInput(f"{ck.root / 'config.json'}: quantization_config 'modules_to_not_convert' must be a list of names")
+        formats: dict[int, tuple[str, str | None]] = {}
+        for L in range(num_layers):
+            formats[L] = self._layer_format(root, L, found[L], method, not_convert)
+        mx = [f for f, _ in formats.values() if f in MX_FORMATS]
+        fmt, float_dtype = (mx[0], None) if mx else formats[0]
+        if mx and (H % 32 or I % 32):
             raise BadInput(f"{ck.root / 'config.json'}: hidden_size {H} / intermediate_size {I} not multiples of 32")
-        float_dtype = None
-        if fmt == "bf16":
-            info = ck.info(sample)
-            float_dtype = info.dtype
-            if float_dtype not in FLOAT_DTYPES:
-                raise BadInput(f"{ck.root}: tensor {sample!r} has dtype {float_dtype}, expected BF16, F16 or F32")
         plan = {
             "root": root,
-            "fmt": fmt,
+            "fmt": fmt,  # model-wide: the MX format of the converted layers of a mixed checkpoint
             "float_dtype": float_dtype,
+            "formats": formats,  # per layer: (fmt, safetensors dtype of a BF16/F16/F32 layer)
             "num_layers": num_layers,
             "E": E,
             "top_k": top_k,
@@ -179,11 +174,55 @@ class GptOssReader(FamilyReader):
         self._plan_cache = plan
         return plan
 
+    def _layer_format(
+        self, root: str, layer: int, suffixes: set[str], method: str | None, not_convert: list[str]
+    ) -> tuple[str, str | None]:
+        """(format, float dtype) of one layer from its tensors, checked against quantization_config."""
+        ck = self.ckpt
+        p = f"{root}layers.{layer}.mlp.experts"
+        has_mx = bool(suffixes & {"_blocks", "_scales"})
+        if has_mx and "" in suffixes:
+            raise BadInput(
+                f"{ck.root}: layer {layer} holds both MX blocks and float expert weights "
+                f"({p}.*_blocks and {p}.gate_up_proj/down_proj); one format per layer"
+            )
+        if has_mx:
+            blocks = [f"{p}.{proj}_blocks" for proj in ("gate_up_proj", "down_proj") if f"{p}.{proj}_blocks" in ck.tensors]
+            sample = blocks[0] if blocks else f"{p}.gate_up_proj_blocks"
+            if blocks:
+                fmt = "mxfp8" if ck.tensors[sample].dtype == "F8_E4M3" else "mxfp4"
+            else:  # scales only: _check_layer names the missing blocks
+                fmt = method or "mxfp4"
+            if method is None:
+                raise BadInput(
+                    f"{ck.root}: tensor {sample!r} holds MX blocks, but config.json has no quantization_config "
+                    f"(expected quant_method 'mxfp4')"
+                )
+            if fmt != method:
+                raise BadInput(
+                    f"{ck.root}: config.json says quant_method {method!r}, but tensor {sample!r} is "
+                    f"{ck.tensors[sample].dtype if sample in ck.tensors else 'missing'} ({fmt})"
+                )
+            return fmt, None
+        sample = f"{p}.gate_up_proj" if f"{p}.gate_up_proj" in ck.tensors else f"{p}.down_proj"
+        info = ck.tensors.get(sample)
+        if info is None:  # only biases: _check_layer names the missing weight
+            return (method, None) if method else ("bf16", "BF16")
+        if method is not None and not _listed(p, not_convert):
+            raise BadInput(
+                f"{ck.root}: config.json says quant_method {method!r}, but tensor {sample!r} is {info.dtype} "
+                f"(unquantized) and {p!r} is not in quantization_config's modules_to_not_convert"
+            )
+        if info.dtype not in FLOAT_DTYPES:
+            raise BadInput(f"{ck.root}: tensor {sample!r} has dtype {info.dtype}, expected BF16, F16 or F32")
+        return "bf16", info.dtype
+
     def _prefix(self, plan: dict[str, Any], layer: int) -> str:
         return f"{plan['root']}layers.{layer}.mlp"
 
     def _check_layer(self, plan: dict[str, Any], layer: int) -> None:
-        E, H, I, fmt = plan["E"], plan["H"], plan["I"], plan["fmt"]
+        E, H, I = plan["E"], plan["H"], plan["I"]
+        fmt, float_dtype = plan["formats"][layer]
         p = self._prefix(plan, layer) + ".experts"
         cfg = f"num_local_experts={E}, hidden_size={H}, intermediate_size={I} from config.json"
         for proj, n, k in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
@@ -210,7 +249,7 @@ class GptOssReader(FamilyReader):
                 self._expect(scales, ("U8", "F8_E8M0"), (E, n, k // 32), cfg)
             else:
                 shape = (E, k, n)  # stored in x out
-                self._expect(f"{p}.{proj}", (plan["float_dtype"],), shape, cfg + ", stored [in, out]")
+                self._expect(f"{p}.{proj}", (float_dtype,), shape, cfg + ", stored [in, out]")
             self._expect(f"{p}.{proj}_bias", tuple(FLOAT_DTYPES), (E, n), cfg)
         r = self._prefix(plan, layer) + ".router"
         self._expect(f"{r}.weight", tuple(FLOAT_DTYPES), (E, H), cfg)
@@ -249,7 +288,7 @@ class GptOssReader(FamilyReader):
         p = self._prefix(plan, layer) + ".experts"
         out = []
         for proj in ("gate_up_proj", "down_proj"):
-            if plan["fmt"] in MX_FORMATS:
+            if plan["formats"][layer][0] in MX_FORMATS:
                 out += [f"{p}.{proj}_blocks", f"{p}.{proj}_scales"]
             else:
                 out.append(f"{p}.{proj}")
@@ -274,7 +313,8 @@ class GptOssReader(FamilyReader):
 
     def read_layer(self, ref: MoELayerRef) -> MoELayer:
         plan = self._plan()
-        E, H, I, fmt = plan["E"], plan["H"], plan["I"], plan["fmt"]
+        E, H, I = plan["E"], plan["H"], plan["I"]
+        fmt = plan["formats"][ref.layer][0]
         p = ref.module_prefix + ".experts"
         read = self.ckpt.read
         layer = MoELayer(
@@ -296,6 +336,13 @@ class GptOssReader(FamilyReader):
             layer.w13 = read(f"{p}.gate_up_proj").transpose(1, 2)
             layer.w2 = read(f"{p}.down_proj").transpose(1, 2)
         return layer
+
+    def layer_format(self, ref: MoELayerRef) -> str:
+        plan = self._plan()
+        if ref.layer not in plan["formats"]:
+            raise ValueError(f"{ref.module_prefix}: not a MoE layer of this checkpoint")
+        fmt, float_dtype = plan["formats"][ref.layer]
+        return fmt if fmt in MX_FORMATS else FLOAT_DTYPES[float_dtype]
 
     # ---- quantized output ---------------------------------------------------------------------
     def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
@@ -341,7 +388,30 @@ class GptOssReader(FamilyReader):
             out[f"{p}.{proj}_bias"] = bias.contiguous()
         return out
 
-    def quantization_config(self, fmt: str, scale_rounding: str) -> dict[str, Any]:
+    def quantization_config(self, fmt: str, scale_rounding: str, skipped: Sequence[MoELayerRef] = ()) -> dict[str, Any]:
+        """The published config; each ``skipped`` layer (left BF16) adds ``{module_prefix}.experts``
+        to ``modules_to_not_convert`` (transformers then keeps that layer's experts unquantized)."""
         if fmt not in MX_FORMATS:
             raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
-        return {"quant_method": fmt, "modules_to_not_convert": list(MODULES_TO_NOT_CONVERT)}
+        modules = list(MODULES_TO_NOT_CONVERT)
+        for ref in sorted(skipped, key=lambda r: r.layer):
+            kind = self.layer_format(ref)
+            if kind in MX_FORMATS:
+                raise ValueError(
+                    f"{ref.module_prefix}.experts: {kind} layers cannot be listed as not converted next to {fmt} ones"
+                )
+            modules.append(f"{ref.module_prefix}.experts")
+        return {"quant_method": fmt, "modules_to_not_convert": modules}
+
+
+def _listed(module: str, patterns: list[str]) -> bool:
+    """transformers' modules_to_not_convert test: a pattern equal to, or matching (re.match) the module."""
+    for p in patterns:
+        if p == module:
+            return True
+        try:
+            if re.match(p, module):
+                return True
+        except re.error:
+            continue
+    return False

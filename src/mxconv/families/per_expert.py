@@ -38,6 +38,18 @@ scale ``weight_scale`` (same semantics), so describing them would need a rename 
 tensors, which the output contract (every other tensor under its own name) forbids. Such an output
 therefore loads in the compressed-tensors decompressor (experts) but not in vLLM as is; quantize a
 bf16 copy of the model (DeepSeek's ``fp8_cast_bf16``) when a loadable checkpoint is needed.
+
+Mixed output (``quantize --include/--ignore``): the format is decided per MoE layer from its tensors.
+The layers left unconverted keep their source tensors (float, or block-FP8) and the config's
+``ignore`` gets one ``re:`` pattern per such layer (:meth:`PerExpertReader.ct_layer_pattern`),
+matching the layer's per-expert Linear modules and its fused-MoE module ``...layers.L.mlp.experts``:
+compressed-tensors and vLLM check ``ignore`` before ``targets``, so they load those experts as
+unquantized. Block-FP8 layers additionally need their tile size, which compressed-tensors cannot
+express under the DeepSeek tensor names (see above): mxconv records the source's block-FP8
+``quantization_config`` under the extra key ``mxconv_unconverted_quantization_config`` and reads the
+layers back with it. Reading such a checkpoint, a float or block-FP8 layer next to a compressed-tensors
+config must be matched by ``ignore`` (else the config would describe it wrongly), and all MX layers
+must be in the config's one MX format.
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 
@@ -67,6 +79,9 @@ FORMAT_PARAMS: dict[str, tuple[str, ...]] = {
     "mxfp8": ("weight", "weight_scale"),
 }
 _EXPERT_PARAMS = ("weight", "weight_packed", "weight_scale", "weight_scale_inv")
+# Extra key of a compressed-tensors config: the block-FP8 quantization_config (transformers' "fp8"
+# convention) of the expert layers that a partial quantize left block-FP8 (listed in ``ignore``).
+UNCONVERTED_KEY = "mxconv_unconverted_quantization_config"
 SUPPORTED_HINT = (
     "mxconv reads unquantized (bf16/fp16/fp32), block-FP8 (quant_method 'fp8' with weight_block_size) "
     "and MXFP4/MXFP8 experts; dequantize the checkpoint first"
@@ -88,8 +103,9 @@ class QuantScheme:
 
     method: str | None
     mx_fmt: str | None = None
-    block: tuple[int, int] | None = None
+    block: tuple[int, int] | None = None  # block-FP8 tile (fp8, or ct-mx with unconverted block-FP8 layers)
     ue8m0: bool = False
+    ignore: tuple[str, ...] = ()  # ct-mx: the config's ignore list
 
 
 def quantization_dict(ckpt: Checkpoint) -> dict[str, Any] | None:
@@ -145,6 +161,19 @@ def ct_mx_format(qc: dict[str, Any]) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
+def _block_fp8(qc: dict[str, Any], where: str, family: str) -> QuantScheme:
+    """The QuantScheme of a transformers/DeepSeek ``quant_method: fp8`` config (block-FP8 only)."""
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise BadInput(
+            f"{where}: unsupported quantization (quant_method 'fp8' without a [rows, cols] weight_block_size, "
+            f"i.e. not block-FP8) for {family}: {SUPPORTED_HINT}"
+        )
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise BadInput(f"{where}: unsupported quantization (fp8 fmt {qc.get('fmt')!r}; only e4m3) for {family}")
+    return QuantScheme("fp8", block=(block[0], block[1]), ue8m0=qc.get("scale_fmt") == "ue8m0")
+
+
 def read_quant_scheme(ckpt: Checkpoint, family: str) -> QuantScheme:
     """Parse ``quantization_config`` for a per-expert family; BadInput for anything unsupported."""
     qc = quantization_dict(ckpt)
@@ -153,20 +182,36 @@ def read_quant_scheme(ckpt: Checkpoint, family: str) -> QuantScheme:
     method = qc.get("quant_method")
     where = ckpt.root / "config.json"
     if method == "fp8":
-        block = qc.get("weight_block_size")
-        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise BadInput(
-                f"{where}: unsupported quantization (quant_method 'fp8' without a [rows, cols] weight_block_size, "
-                f"i.e. not block-FP8) for {family}: {SUPPORTED_HINT}"
-            )
-        if qc.get("fmt", "e4m3") != "e4m3":
-            raise BadInput(f"{where}: unsupported quantization (fp8 fmt {qc.get('fmt')!r}; only e4m3) for {family}")
-        return QuantScheme("fp8", block=(block[0], block[1]), ue8m0=qc.get("scale_fmt") == "ue8m0")
+        return _block_fp8(qc, str(where), family)
     if method == "compressed-tensors":
         fmt = ct_mx_format(qc)
         if fmt is not None:
-            return QuantScheme("ct-mx", mx_fmt=fmt)
+            ignore = qc.get("ignore") or []
+            if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+                raise BadInput(f"{where}: quantization_config 'ignore' must be a list of module names / 're:' patterns")
+            unconverted = qc.get(UNCONVERTED_KEY)
+            block, ue8m0 = None, False
+            if unconverted is not None:
+                if not isinstance(unconverted, dict) or unconverted.get("quant_method") != "fp8":
+                    raise BadInput(f"{where}: {UNCONVERTED_KEY} must be a block-FP8 quantization_config (quant_method 'fp8')")
+                fp8 = _block_fp8(unconverted, f"{where} ({UNCONVERTED_KEY})", family)
+                block, ue8m0 = fp8.block, fp8.ue8m0
+            return QuantScheme("ct-mx", mx_fmt=fmt, block=block, ue8m0=ue8m0, ignore=tuple(ignore))
     raise unsupported_quantization(ckpt, qc, family)
+
+
+def ct_matches(module: str, patterns: Iterable[str]) -> bool:
+    """compressed-tensors' (and vLLM's) target/ignore matching: ``re:`` = re.match, else equality."""
+    for p in patterns:
+        if p.startswith("re:"):
+            try:
+                if re.match(p[3:], module):
+                    return True
+            except re.error:
+                continue
+        elif p == module:
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,9 +245,10 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
 class _Plan:
     root: str  # tensor-name prefix before "layers.", e.g. "model."
     layers: tuple[int, ...]
-    fmt: str  # "float" | "fp8_block" | "mxfp4" | "mxfp8"
+    fmt: str  # "float" | "fp8_block" | "mxfp4" | "mxfp8": the MX format of a mixed checkpoint
     expert_format: str  # ModelInfo.expert_format
     float_dtype: str | None  # safetensors dtype of float sources
+    layer_fmt: dict[int, tuple[str, str | None]]  # per MoE layer: (fmt, safetensors dtype of a float layer)
     block: tuple[int, int] | None
     scale_scheme: str | None
     num_layers: int
@@ -274,21 +320,21 @@ class PerExpertReader(FamilyReader):
         return f"{prefix}.experts.{e}.{self.proj_names[proj]}.{param}"
 
     # ---- plan ---------------------------------------------------------------------------------
-    def _scan(self) -> tuple[str, dict[int, set[int]], dict[str, str]]:
-        """(root, {layer: expert indices seen}, {param seen: first tensor name}) from the tensor names."""
+    def _scan(self) -> tuple[str, dict[int, set[int]], dict[int, dict[str, str]]]:
+        """(root, {layer: expert indices seen}, {layer: {param seen: first tensor name}}) from the names."""
         pat = re.compile(
             rf"^(?P<root>(?:.*\.)?)layers\.(?P<layer>\d+)\.{re.escape(self.moe_module)}\.experts\.(?P<e>\d+)\."
             rf"(?:{'|'.join(map(re.escape, self.proj_names))})\.(?P<param>{'|'.join(_EXPERT_PARAMS)})$"
         )
         roots: set[str] = set()
         layers: dict[int, set[int]] = defaultdict(set)
-        params: dict[str, str] = {}
+        params: dict[int, dict[str, str]] = defaultdict(dict)
         for name in sorted(self.ckpt.tensors):
             m = pat.match(name)
             if m:
                 roots.add(m["root"])
                 layers[int(m["layer"])].add(int(m["e"]))
-                params.setdefault(m["param"], name)
+                params[int(m["layer"])].setdefault(m["param"], name)
         if not roots:
             fused = sorted(n for n in self.ckpt.tensors if n.endswith(".experts.gate_up_proj"))
             hint = (
@@ -303,31 +349,56 @@ class PerExpertReader(FamilyReader):
             raise BadInput(f"{self._where()}: routed-expert tensors under several prefixes {sorted(roots)}")
         return roots.pop(), layers, params
 
-    def _format(self, scheme: QuantScheme, params: set[str], sample: TensorInfo) -> str:
-        """Source format from the parameters present, checked against quantization_config."""
-        params = set(params)
-        if params == {"weight"}:
+    def _layer_format(self, scheme: QuantScheme, root: str, layer: int, params: dict[str, str]) -> tuple[str, str | None]:
+        """(format, float dtype) of one MoE layer from its parameters and dtypes, checked against
+        quantization_config. ``params``: {param present in the layer: first tensor name}."""
+        names = set(params)
+        if names == {"weight"}:
             fmt = "float"
-        elif params == {"weight", "weight_scale_inv"}:
+        elif names == {"weight", "weight_scale_inv"}:
             fmt = "fp8_block"
-        elif params == {"weight_packed", "weight_scale"}:
+        elif names == {"weight_packed", "weight_scale"}:
             fmt = "mxfp4"
-        elif params == {"weight", "weight_scale"}:
+        elif names == {"weight", "weight_scale"}:
             fmt = "mxfp8"
         else:
             raise BadInput(
-                f"{self._where()}: unrecognised routed-expert tensor set (parameters {sorted(params)}); "
-                f"expected weight, weight+weight_scale_inv (block-FP8), weight_packed+weight_scale (MXFP4) "
-                f"or weight+weight_scale (MXFP8)"
+                f"{self._where()}: unrecognised routed-expert tensor set in layer {layer} (parameters "
+                f"{sorted(names)}); expected weight, weight+weight_scale_inv (block-FP8), weight_packed+weight_scale "
+                f"(MXFP4) or weight+weight_scale (MXFP8), one of them for every expert of a layer"
             )
+        first = params.get("weight_packed") or params["weight"]
+        sample = self.ckpt.info(first)
         want = {None: "float", "fp8": "fp8_block"}.get(scheme.method, scheme.mx_fmt)
         if fmt != want:
-            qc = "no quantization_config" if scheme.method is None else f"quantization_config says {want}"
-            raise BadInput(
-                f"{self._where()}: routed-expert tensors such as {sample.name!r} ({sample.dtype}) are {fmt}, "
-                f"but config.json has {qc}"
-            )
-        return fmt
+            if scheme.method != "ct-mx" or fmt in MX_FORMATS:
+                qc = "no quantization_config" if scheme.method is None else f"quantization_config says {want}"
+                raise BadInput(
+                    f"{self._where()}: routed-expert tensors such as {sample.name!r} ({sample.dtype}) are {fmt}, "
+                    f"but config.json has {qc}"
+                )
+            # A layer a partial quantize left unconverted: the config must say so.
+            module = self.expert_name(self.layer_prefix(root, layer), 0, 0, "").rstrip(".")
+            if not ct_matches(module, scheme.ignore):
+                raise BadInput(
+                    f"{self._where()}: routed-expert tensors such as {sample.name!r} ({sample.dtype}) are {fmt}, but "
+                    f"config.json's compressed-tensors quantization_config (MX {want}) does not list layer {layer}'s "
+                    f"experts (e.g. {module!r}) in 'ignore'"
+                )
+            if fmt == "fp8_block" and scheme.block is None:
+                raise BadInput(
+                    f"{self._where()}: layer {layer}'s routed experts are block-FP8 (e.g. {sample.name!r}), but "
+                    f"config.json has no {UNCONVERTED_KEY} giving their weight_block_size"
+                )
+        float_dtype = None
+        if fmt == "float":
+            float_dtype = sample.dtype
+            if float_dtype not in FLOAT_DTYPES:
+                why = "config.json has no quantization_config" if scheme.method is None else "an unconverted layer"
+                raise BadInput(
+                    f"{self._where()}: tensor {first!r} has dtype {float_dtype}, expected BF16, F16 or F32 ({why})"
+                )
+        return fmt, float_dtype
 
     def _plan(self) -> _Plan:
         if self._plan_cache is not None:
@@ -364,17 +435,12 @@ class PerExpertReader(FamilyReader):
                     f"{self._where()}: layer {L} ({optional[L]}) is in the checkpoint but has no routed-expert tensors"
                 )
         layers = tuple(sorted(found))
-        first = params.get("weight_packed") or params.get("weight") or next(iter(params.values()))
-        fmt = self._format(scheme, set(params), ck.info(first))
-        float_dtype = None
-        if fmt == "float":
-            float_dtype = ck.info(first).dtype
-            if float_dtype not in FLOAT_DTYPES:
-                raise BadInput(
-                    f"{self._where()}: tensor {first!r} has dtype {float_dtype}, expected BF16, F16 or F32 "
-                    f"(config.json has no quantization_config)"
-                )
-        if fmt in MX_FORMATS and (H % 32 or I % 32):
+        layer_fmt = {L: self._layer_format(scheme, root, L, params[L]) for L in layers}
+        # Model-wide format: the MX format of a mixed checkpoint's converted layers, else the
+        # (uniform) source format of the first layer.
+        mx = [f for f, _ in layer_fmt.values() if f in MX_FORMATS]
+        fmt, float_dtype = (mx[0], None) if mx else layer_fmt[layers[0]]
+        if mx and (H % 32 or I % 32):
             raise BadInput(f"{ck.root / 'config.json'}: hidden_size {H} / intermediate size {I} not multiples of 32")
         scale_scheme = None
         if fmt == "fp8_block":
@@ -388,6 +454,7 @@ class PerExpertReader(FamilyReader):
             fmt=fmt,
             expert_format={"float": FLOAT_DTYPES.get(float_dtype or "", ""), "fp8_block": "fp8_block"}.get(fmt, fmt),
             float_dtype=float_dtype,
+            layer_fmt=layer_fmt,
             block=scheme.block,
             scale_scheme=scale_scheme,
             num_layers=num_layers,
@@ -419,23 +486,24 @@ class PerExpertReader(FamilyReader):
             raise BadInput(f"{self._where()}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)} ({why})")
         return info
 
-    def _proj_specs(self, plan: _Plan, proj: int) -> list[tuple[str, tuple[str, ...], tuple[int, ...], str]]:
-        """(param, allowed dtypes, shape, why) of one projection's source tensors."""
+    def _proj_specs(self, plan: _Plan, layer: int, proj: int) -> list[tuple[str, tuple[str, ...], tuple[int, ...], str]]:
+        """(param, allowed dtypes, shape, why) of one projection's source tensors in ``layer``."""
         H, I = plan.hidden_size, plan.intermediate_size
         n, k = (I, H) if proj < 2 else (H, I)
         dims = "[intermediate, hidden]" if proj < 2 else "[hidden, intermediate]"
         why = f"{dims} = [{n}, {k}] from config.json"
-        if plan.fmt == "float":
-            assert plan.float_dtype is not None
-            return [("weight", (plan.float_dtype,), (n, k), why)]
-        if plan.fmt == "fp8_block":
+        fmt, float_dtype = plan.layer_fmt[layer]
+        if fmt == "float":
+            assert float_dtype is not None
+            return [("weight", (float_dtype,), (n, k), why)]
+        if fmt == "fp8_block":
             assert plan.block is not None
             bn, bk = plan.block
             sshape = (math.ceil(n / bn), math.ceil(k / bk))
             swhy = f"one scale per {bn}x{bk} tile of [{n}, {k}]"
             return [("weight", ("F8_E4M3",), (n, k), why), ("weight_scale_inv", ("F32", "BF16", "F16"), sshape, swhy)]
         swhy = f"one E8M0 scale per 32 inputs of [{n}, {k}]"
-        if plan.fmt == "mxfp4":
+        if fmt == "mxfp4":
             return [("weight_packed", ("U8",), (n, k // 2), why + ", two E2M1 codes per byte"), ("weight_scale", ("U8", "F8_E8M0"), (n, k // 32), swhy)]
         return [("weight", ("F8_E4M3",), (n, k), why), ("weight_scale", ("U8", "F8_E8M0"), (n, k // 32), swhy)]
 
@@ -451,7 +519,7 @@ class PerExpertReader(FamilyReader):
         missing = f"layer {layer} is a MoE layer and config.json has {E} routed experts, each with three projections"
         for e in range(E):
             for proj in range(3):
-                for param, dtypes, shape, why in self._proj_specs(plan, proj):
+                for param, dtypes, shape, why in self._proj_specs(plan, layer, proj):
                     self._expect(self.expert_name(prefix, e, proj, param), dtypes, shape, why, missing)
         router = f"{prefix}.{self.router_module}.weight"
         self._expect(router, tuple(FLOAT_DTYPES), (E, plan.hidden_size), "router [num_experts, hidden] from config.json")
@@ -489,7 +557,7 @@ class PerExpertReader(FamilyReader):
                 self.expert_name(prefix, e, proj, spec[0])
                 for e in range(p.num_experts)
                 for proj in range(3)
-                for spec in self._proj_specs(p, proj)
+                for spec in self._proj_specs(p, L, proj)
             ]
             cb = f"{prefix}.{self.router_module}.e_score_correction_bias"
             refs.append(
@@ -528,12 +596,13 @@ class PerExpertReader(FamilyReader):
         prefix = ref.module_prefix
         shapes = {(0, 1): (2 * I, H), (2,): (H, I)}
         layer = MoELayer(ref=ref, row_order="halves")
+        fmt, float_dtype = p.layer_fmt[ref.layer]
         for key, (projs, (n, k)) in zip(("w13", "w2"), shapes.items()):
-            if p.fmt == "float":
-                assert p.float_dtype is not None
-                w = self._read_stack(prefix, projs, "weight", n, k, ST_DTYPES[p.float_dtype][0])
+            if fmt == "float":
+                assert float_dtype is not None
+                w = self._read_stack(prefix, projs, "weight", n, k, ST_DTYPES[float_dtype][0])
                 setattr(layer, key, w)
-            elif p.fmt == "fp8_block":
+            elif fmt == "fp8_block":
                 # One expert projection at a time, straight into the fp32 output: the expanded
                 # scales never exist for more than one [N, K] matrix (a DeepSeek-V3 layer is 30 GB
                 # in fp32 already).
@@ -547,11 +616,21 @@ class PerExpertReader(FamilyReader):
                         w[e, j * step : (j + 1) * step] = dequantize_fp8_block(w8, s, p.block)
                 setattr(layer, key, w)
             else:
-                packed = p.fmt == "mxfp4"
+                packed = fmt == "mxfp4"
                 data = self._read_stack(prefix, projs, "weight_packed" if packed else "weight", n, k // 2 if packed else k, torch.uint8)
                 scales = self._read_stack(prefix, projs, "weight_scale", n, k // 32, torch.uint8)
-                setattr(layer, key + "_mx", MXStack(p.fmt, data, scales))
+                setattr(layer, key + "_mx", MXStack(fmt, data, scales))
         return layer
+
+    def layer_format(self, ref: MoELayerRef) -> str:
+        p = self._plan()
+        if ref.layer not in p.layer_fmt:
+            raise ValueError(f"{ref.module_prefix}: not a MoE layer of this checkpoint")
+        fmt, float_dtype = p.layer_fmt[ref.layer]
+        if fmt == "float":
+            assert float_dtype is not None
+            return FLOAT_DTYPES[float_dtype]
+        return fmt
 
     # ---- quantized output (compressed-tensors) --------------------------------------------------
     def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
@@ -628,9 +707,33 @@ class PerExpertReader(FamilyReader):
         extra = [m for m in others if not any(matches(p, m) for p in used)]
         return used + extra
 
-    def quantization_config(self, fmt: str, scale_rounding: str) -> dict[str, Any]:
+    def ct_layer_pattern(self, layer: int) -> str:
+        """``ignore`` entry for one MoE layer left unconverted: its per-expert Linear modules and its
+        fused-MoE module (``...layers.L.{moe}.experts``), under any parent-module prefix."""
+        rel = re.escape(self.layer_prefix("", layer))
+        projs = "|".join(map(re.escape, self.proj_names))
+        return rf"re:(?:.*\.)?{rel}\.experts(?:\.\d+\.(?:{projs}))?$"
+
+    def quantization_config(self, fmt: str, scale_rounding: str, skipped: Sequence[MoELayerRef] = ()) -> dict[str, Any]:
+        """compressed-tensors config (see the module docstring); ``skipped`` layers (float or
+        block-FP8, left unconverted) are added to ``ignore``, one pattern per layer, and block-FP8
+        ones get the source's block-FP8 config under ``mxconv_unconverted_quantization_config``."""
         if fmt not in MX_FORMATS:
             raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
+        ignore = self.ct_ignore()
+        unconverted: dict[str, Any] | None = None
+        for ref in sorted(skipped, key=lambda r: r.layer):
+            kind = self.layer_format(ref)
+            if kind in MX_FORMATS:
+                raise ValueError(
+                    f"{ref.module_prefix}.experts: {kind} layers cannot be listed as not converted next to {fmt} ones"
+                )
+            ignore.append(self.ct_layer_pattern(ref.layer))
+            if kind == "fp8_block" and unconverted is None:
+                qc = quantization_dict(self.ckpt) or {}
+                unconverted = dict(qc if qc.get("quant_method") == "fp8" else qc.get(UNCONVERTED_KEY) or {})
+                if unconverted.get("quant_method") != "fp8":
+                    raise ValueError(f"{ref.module_prefix}.experts: block-FP8 layer without a block-FP8 config")
         weights = {
             "num_bits": 4 if fmt == "mxfp4" else 8,
             "type": "float",
@@ -653,7 +756,8 @@ class PerExpertReader(FamilyReader):
                     "format": CT_FORMATS[fmt],
                 }
             },
-            "ignore": self.ct_ignore(),
+            "ignore": ignore,
             "kv_cache_scheme": None,
             "mxconv_scale_rounding": scale_rounding,
+            **({UNCONVERTED_KEY: unconverted} if unconverted is not None else {}),
         }
