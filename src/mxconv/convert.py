@@ -569,6 +569,12 @@ def execute(
     if len(rank_dirs) > 1:
         atomic_write_json(out_dir / CONFIG_NAME, cfg)
     write_manifest(out_dir, manifest)
+    if plan.repack is None and any(n.endswith("weight_scale_inv") for d in plan.dests for n in (t.name for t in d)):
+        notes.append(
+            "note: block-FP8 tensors outside the routed experts (attention, dense and shared MLPs) were copied "
+            "unchanged with their weight_scale_inv scales; the written quantization_config describes the MX "
+            "experts only, so engines that load this checkpoint must be told about those FP8 modules separately"
+        )
     wall = time.perf_counter() - t0
     summary = plan.summary()
     summary.update(
