@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """Benchmark the backend layouts on a gpt-oss-120b-sized MXFP4 expert stack (one MoE layer).
 
-For each backend (default activation) it times, on the same tensors in the same run:
-  * mxconv's batched transform (``Layout.to_kernel`` over the whole [E, ...] stack),
+For each backend (default activation, or all with --all-activations) it times, on the same
+tensors in the same run:
+  * mxconv's batched transform (``Layout.to_kernel`` over the whole [E, ...] stack; on CUDA the
+    Triton layout kernels),
   * the device's own copy bandwidth (a clone of the same bytes) -> fraction of copy speed,
   * the load-time way engines do it: one expert at a time in a Python loop, each expert going
-    through the same per-expert transform (what vLLM's per-expert index/shuffle calls amount to)
-    -> speed-up of batching.
+    through the torch transform (what vLLM's per-expert index/shuffle calls amount to)
+    -> speed-up of batching,
+  * on CUDA also: the batched torch path (``MXCONV_LAYOUT_TRITON=0``: "torch ms") and the
+    per-expert loop through the kernels ("loop-k ms").
 Also checks that batched and per-expert bytes are identical, and (on CUDA) that CUDA == CPU bytes
-on a slice of the stack.
+on the first and last expert of the stack.
 
     PYTHONPATH=src python scripts/bench_repack.py            # E=128, H=I=2880 (gpt-oss-120b)
     PYTHONPATH=src python scripts/bench_repack.py --small    # quick CPU smoke test
@@ -17,7 +21,9 @@ on a slice of the stack.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 
@@ -71,6 +77,72 @@ def expert(c: CanonicalExperts, e: int) -> CanonicalExperts:
                             None if c.w2_bias is None else c.w2_bias[s], c.row_order)
 
 
+@contextlib.contextmanager
+def torch_path(on: bool = True):
+    """Force the torch layout path (no Triton kernels) inside the block when ``on``."""
+    old = os.environ.get("MXCONV_LAYOUT_TRITON")
+    if on:
+        os.environ["MXCONV_LAYOUT_TRITON"] = "0"
+    try:
+        yield
+    finally:
+        if on:
+            if old is None:
+                os.environ.pop("MXCONV_LAYOUT_TRITON", None)
+            else:
+                os.environ["MXCONV_LAYOUT_TRITON"] = old
+
+
+def bench_one(layout, backend: str, act: str, c: CanonicalExperts, in_bytes: int, copy_gbs: float,
+              device: torch.device, reps: int, cuda: bool) -> dict:
+    out = layout.to_kernel(c, act, {})
+    out_bytes = nbytes(out.values())
+    t_batched = timeit(lambda: layout.to_kernel(c, act, {}), device, reps)
+    t_torch = None
+    if cuda:
+        with torch_path():
+            t_torch = timeit(lambda: layout.to_kernel(c, act, {}), device, reps)
+
+    def loop() -> list[dict[str, torch.Tensor]]:
+        return [layout.to_kernel(expert(c, e), act, {}) for e in range(c.num_experts)]
+
+    with torch_path():  # the engines' way: per-expert torch ops
+        t_loop = timeit(loop, device, max(1, reps // 2))
+        per = loop()
+    t_loop_k = timeit(loop, device, max(1, reps // 2)) if cuda else None
+    same = True
+    for k, v in out.items():
+        cat = torch.cat([p[k] for p in per], dim=0)  # dim 0 is experts (or E*N rows for 2-D scales)
+        same &= bool(torch.equal(cat.view(torch.uint8), v.view(torch.uint8)))
+    del per
+    cpu_same = None
+    if cuda:
+        cpu_same = True
+        for e in sorted({0, c.num_experts - 1}):
+            sub = expert(c, e)
+            k_gpu = layout.to_kernel(sub, act, {})
+            sub_cpu = sub.to("cpu")  # non-blocking device->host copy: wait for it before reading
+            torch.cuda.synchronize()
+            k_cpu = layout.to_kernel(sub_cpu, act, {})
+            cpu_same &= all(torch.equal(k_gpu[k].cpu().view(torch.uint8), k_cpu[k].view(torch.uint8)) for k in k_cpu)
+    gbs = (in_bytes + out_bytes) / t_batched / 1e9
+    return {
+        "backend": backend,
+        "activation": act,
+        "in_bytes": in_bytes,
+        "out_bytes": out_bytes,
+        "batched_s": t_batched,
+        "batched_gb_s": gbs,
+        "fraction_of_copy_bw": gbs / copy_gbs,
+        "per_expert_loop_s": t_loop,
+        "speedup_vs_per_expert_loop": t_loop / t_batched,
+        "per_expert_bytes_identical": same,
+        "cuda_equals_cpu": cpu_same,
+        "batched_torch_path_s": t_torch,
+        "per_expert_loop_kernels_s": t_loop_k,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=128)
@@ -78,6 +150,7 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=2880)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="E=4, H=I=256: a CPU smoke test")
+    ap.add_argument("--all-activations", action="store_true", help="every activation, not only the default")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.small:
@@ -90,45 +163,11 @@ def main() -> None:
     copy_s = timeit(lambda: blob.clone(), device, args.reps)
     copy_gbs = 2 * in_bytes / copy_s / 1e9
     rows = []
+    cuda = device.type == "cuda"
     for backend in BACKENDS:
         layout = get_layout(backend)
-        act = layout.activations[0]
-        out = layout.to_kernel(c, act, {})
-        out_bytes = nbytes(out.values())
-        t_batched = timeit(lambda: layout.to_kernel(c, act, {}), device, args.reps)
-
-        def loop() -> list[dict[str, torch.Tensor]]:
-            return [layout.to_kernel(expert(c, e), act, {}) for e in range(c.num_experts)]
-
-        t_loop = timeit(loop, device, max(1, args.reps // 2))
-        per = loop()
-        same = True
-        for k, v in out.items():
-            cat = torch.cat([p[k] for p in per], dim=0)  # dim 0 is experts (or E*N rows for 2-D scales)
-            same &= bool(torch.equal(cat.view(torch.uint8), v.view(torch.uint8)))
-        cpu_same = None
-        if device.type == "cuda":
-            sub = expert(c, 0)
-            k_gpu = layout.to_kernel(sub, act, {})
-            k_cpu = layout.to_kernel(sub.to("cpu"), act, {})
-            cpu_same = all(torch.equal(k_gpu[k].cpu().view(torch.uint8), k_cpu[k].view(torch.uint8)) for k in k_cpu)
-        gbs = (in_bytes + out_bytes) / t_batched / 1e9
-        rows.append(
-            {
-                "backend": backend,
-                "activation": act,
-                "in_bytes": in_bytes,
-                "out_bytes": out_bytes,
-                "batched_s": t_batched,
-                "batched_gb_s": gbs,
-                "fraction_of_copy_bw": gbs / copy_gbs,
-                "per_expert_loop_s": t_loop,
-                "speedup_vs_per_expert_loop": t_loop / t_batched,
-                "per_expert_bytes_identical": same,
-                "cuda_equals_cpu": cpu_same,
-            }
-        )
-        del out, per
+        for act in layout.activations if args.all_activations else layout.activations[:1]:
+            rows.append(bench_one(layout, backend, act, c, in_bytes, copy_gbs, device, args.reps, cuda))
     doc = {
         "device": name,
         "shape": {"E": args.experts, "H": args.hidden, "I": args.intermediate},
@@ -140,11 +179,17 @@ def main() -> None:
         return
     print(f"device: {name}; stack E={args.experts} H={args.hidden} I={args.intermediate}; "
           f"input {in_bytes / 1e9:.3f} GB; copy bandwidth {copy_gbs:.0f} GB/s (read+write)")
-    print(f"{'backend':8} {'act':6} {'ms':>9} {'GB/s':>8} {'of copy':>8} {'loop ms':>9} {'speed-up':>9} {'same':>5} {'cuda==cpu':>9}")
+    print(f"{'backend':8} {'act':6} {'ms':>9} {'GB/s':>8} {'of copy':>8} {'loop ms':>9} {'speed-up':>9} {'same':>5} {'cuda==cpu':>9}"
+          f" {'torch ms':>9} {'loop-k ms':>9}")
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{1e3 * v:.2f}"
+
     for r in rows:
         print(f"{r['backend']:8} {r['activation']:6} {1e3 * r['batched_s']:9.2f} {r['batched_gb_s']:8.1f} "
               f"{100 * r['fraction_of_copy_bw']:7.1f}% {1e3 * r['per_expert_loop_s']:9.1f} {r['speedup_vs_per_expert_loop']:8.1f}x "
-              f"{str(r['per_expert_bytes_identical']):>5} {str(r['cuda_equals_cpu']):>9}")
+              f"{str(r['per_expert_bytes_identical']):>5} {str(r['cuda_equals_cpu']):>9}"
+              f" {ms(r['batched_torch_path_s']):>9} {ms(r['per_expert_loop_kernels_s']):>9}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ Padding (section 4.1, vLLM 0.33 ROCm table), all zero-filled (weights, scales, b
 
 Every transform is a reshape/permute of whole bytes, so it runs unchanged on CPU and CUDA tensors
 and over the whole ``[E, ...]`` stack at once. The primitives accept any dtype (tests feed them
-integer id tensors to trace where each byte goes).
+integer id tensors to trace where each byte goes). ``to_kernel`` folds padding, de-interleave and
+GU16 into one row table per tensor; on CUDA the Triton kernels of ``mxconv.kernels.layout_triton``
+apply it together with W16 / S32x8 in one pass.
 
 Options read (``options`` dict, all optional):
 
@@ -43,7 +45,10 @@ from mxconv.layouts.base import (
     KernelTensors,
     LayoutSizes,
     TensorSpec,
-    pad_canonical,
+    cached_index,
+    gather_padded_rows,
+    layout_kernels,
+    pad_row_source,
     round_up,
     unpad_canonical,
 )
@@ -299,6 +304,69 @@ def permute_padded(c: CanonicalExperts, activation: str) -> KernelTensors:
     return {name: out[name] for name in _ORDER if name in out}
 
 
+def _row_table(
+    rows: int, padded_rows: int, row_order: str | None, deinterleave: bool, gate_up: bool, device: torch.device
+) -> torch.Tensor:
+    """Unpadded source row behind each row of the shuffled tensor (-1 = vLLM zero padding), cached
+    on ``device``: padding (``row_order`` as in :func:`pad_row_source`), then the a16w4 de-interleave
+    of gpt-oss rows, then GU16 - every row map of :func:`permute_padded` in one table."""
+
+    def build() -> torch.Tensor:
+        tab = pad_row_source(rows, padded_rows, row_order)
+        if deinterleave:
+            tab = tab[deinterleave_source_rows(padded_rows)]
+        if gate_up:
+            tab = tab[gu16_source_rows(padded_rows)]
+        return tab
+
+    return cached_index(("aiter", rows, padded_rows, row_order, deinterleave, gate_up), device, build)
+
+
+def _w16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """:func:`w16` of a contiguous uint8 ``[E, N, B]``, moving 8-byte words (same bytes)."""
+    e, n, b = x.shape
+    _need(n % 16 == 0 and b % 16 == 0, f"W16 needs rows and bytes multiples of 16, got [{n}, {b}]")
+    words = x.view(torch.int64).reshape(e, n // 16, 16, b // 16, 2)
+    return words.permute(0, 1, 3, 2, 4).reshape(e, n, b // 8).view(torch.uint8)
+
+
+def _to_kernel_gathered(c: CanonicalExperts, hp: int, ip: int, activation: str) -> KernelTensors:
+    """:func:`permute_padded` of ``pad_canonical(c, hp, ip)``, with padding and row maps fused into
+    one row gather per tensor (Triton kernels on CUDA, torch elsewhere)."""
+    e, h, i = c.num_experts, c.hidden_size, c.intermediate_size
+    a16w4 = activation == "bf16"
+    deint = a16w4 and c.row_order == "interleaved"
+    t13 = _row_table(2 * i, 2 * ip, c.row_order, deint, a16w4, c.device)
+    t2 = _row_table(h, hp, None, False, False, c.device)
+    c13, c2 = round_up(hp // 32, 8), round_up(ip // 32, 8)
+    lt = layout_kernels(c.w13)
+    out: KernelTensors = {}
+    if lt is not None:
+        out["w13_weight"] = lt.w16_tiles(c.w13, t13, hp // 2)
+        s13 = lt.s32x8_tiles(c.w13_scale, t13, hp // 32, c13, SCALE_PAD_FILL)
+        out["w2_weight"] = lt.w16_tiles(c.w2, t2, ip // 2)
+        s2 = lt.s32x8_tiles(c.w2_scale, t2, ip // 32, c2, SCALE_PAD_FILL)
+    else:
+        out["w13_weight"] = _w16_bytes(gather_padded_rows(c.w13, t13, hp // 2, VLLM_PAD_FILL))
+        out["w2_weight"] = _w16_bytes(gather_padded_rows(c.w2, t2, ip // 2, VLLM_PAD_FILL))
+        g13 = gather_padded_rows(c.w13_scale, t13, hp // 32, VLLM_PAD_FILL)
+        g2 = gather_padded_rows(c.w2_scale, t2, ip // 32, VLLM_PAD_FILL)
+        if a16w4:  # GU16 is already in the row table
+            s13, s2 = shuffle_scale_a16w4(g13, gate_up=False), shuffle_scale_a16w4(g2, gate_up=False)
+        else:
+            s13, s2 = shuffle_scale_a4w4(g13), shuffle_scale_a4w4(g2)
+    if a16w4:
+        out["w13_weight_scale"], out["w2_weight_scale"] = s13.reshape(e * 2 * ip, c13), s2.reshape(e * hp, c2)
+    else:
+        out["w13_weight_scale"], out["w2_weight_scale"] = s13.reshape(e, 2 * ip, c13), s2.reshape(e, hp, c2)
+    if c.w13_bias is not None:
+        b13 = _row_table(2 * i, 2 * ip, c.row_order, deint, False, c.device)
+        out["w13_bias"] = gather_padded_rows(c.w13_bias.to(torch.float32), b13)
+    if c.w2_bias is not None:
+        out["w2_bias"] = gather_padded_rows(c.w2_bias.to(torch.float32), t2)
+    return {name: out[name] for name in _ORDER if name in out}
+
+
 _ORDER = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
 
 
@@ -358,8 +426,7 @@ class AiterLayout:
         hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
         sizes = _sizes_of(c, hp, ip)
         _check_sizes(sizes, activation)
-        padded = pad_canonical(c, hp, ip, scale_fill=VLLM_PAD_FILL)
-        return permute_padded(padded, activation)
+        return _to_kernel_gathered(c, hp, ip, activation)
 
     def from_kernel(
         self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -84,8 +84,11 @@ class CanonicalExperts:
     def to(self, device: torch.device | str) -> "CanonicalExperts":
         """Copy every tensor to ``device`` (non-blocking where possible)."""
 
+        # non_blocking only host -> device: a device -> host copy must be complete before use.
+        non_blocking = torch.device(device).type != "cpu"
+
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+            return None if t is None else t.to(device, non_blocking=non_blocking)
 
         return replace(
             self,
@@ -240,6 +243,91 @@ def pad_canonical(c: CanonicalExperts, Hp: int, Ip: int, scale_fill: int = 0) ->
     b13 = None if c.w13_bias is None else _pad_rows(c.w13_bias, 2 * Ip, c.row_order, 0)
     b2 = None if c.w2_bias is None else _pad_dim1(c.w2_bias, Hp, 0)
     return CanonicalExperts(w13, s13, w2, s2, b13, b2, c.row_order)
+
+
+def pad_row_source(rows: int, padded_rows: int, row_order: str | None = None) -> torch.Tensor:
+    """Row of the unpadded tensor that each row of its padded version holds (pad_canonical's rule),
+    -1 for padding rows. CPU LongTensor [padded_rows].
+
+    ``row_order="halves"`` (w13 and its scales/bias: rows = 2I, padded_rows = 2Ip): each half padded
+    on its own; otherwise rows are appended at the end (interleaved w13, w2).
+    """
+    if padded_rows < rows:
+        raise LayoutError(f"padded row count {padded_rows} smaller than {rows}")
+    p = torch.arange(padded_rows, dtype=torch.long)
+    if row_order == "halves" and padded_rows != rows:
+        if rows % 2 or padded_rows % 2:
+            raise LayoutError(f"halves row order needs even row counts, got {rows} -> {padded_rows}")
+        half, padded_half = rows // 2, padded_rows // 2
+        upper = p >= padded_half
+        local = torch.where(upper, p - padded_half, p)
+        src = local + torch.where(upper, half, 0)
+        return torch.where(local < half, src, -1)
+    return torch.where(p < rows, p, -1)
+
+
+def layout_kernels(t: torch.Tensor) -> Any:
+    """The Triton layout-kernel module (``mxconv.kernels.layout_triton``) when ``t`` is a CUDA tensor
+    and the kernels are enabled there, else None (use the torch path). Imports triton lazily."""
+    if not t.is_cuda:
+        return None
+    from mxconv.kernels import layout_triton
+
+    return layout_triton if layout_triton.layout_kernels_enabled(t) else None
+
+
+_INDEX_CACHE: dict[tuple[Any, ...], torch.Tensor] = {}
+_INDEX_CACHE_MAX = 256
+
+
+def cached_index(key: tuple[Any, ...], device: torch.device | str | None, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``build()`` (an index tensor, any device) as int32 on ``device``, computed once per (key, device).
+
+    int32 is what the Triton kernels read and what ``index_select`` accepts. The returned tensor is
+    shared between callers: never modify it in place.
+    """
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    full_key = (*key, str(dev))
+    hit = _INDEX_CACHE.get(full_key)
+    if hit is None:
+        if len(_INDEX_CACHE) >= _INDEX_CACHE_MAX:
+            _INDEX_CACHE.clear()
+        hit = build().to(device=dev, dtype=torch.int32).contiguous()
+        _INDEX_CACHE[full_key] = hit
+    return hit
+
+
+def _word_dtype(nbytes: int) -> torch.dtype:
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if nbytes % size == 0:
+            return dtype
+    return torch.uint8
+
+
+def gather_padded_rows(t: torch.Tensor, tab: torch.Tensor, cols: int | None = None, fill: int | float = 0) -> torch.Tensor:
+    """Rows of ``t`` [E, R, *rest] picked by ``tab`` (int32/int64 [R_out] on t's device, -1 =
+    a row of ``fill``), last dim padded to ``cols`` with ``fill``: the padding of
+    :func:`pad_canonical` and any row permutation in one gather. Returns [E, R_out, *rest'].
+    """
+    E, R = t.shape[0], t.shape[1]
+    rest = tuple(t.shape[2:])
+    out_rest = rest if cols is None or not rest else (*rest[:-1], cols)
+    ext = torch.empty((E, R + 1, *out_rest), dtype=t.dtype, device=t.device)
+    if rest and out_rest[-1] != rest[-1]:
+        ext[:, :R, ..., : rest[-1]] = t
+        ext[:, :R, ..., rest[-1] :] = fill
+    else:
+        ext[:, :R] = t
+    ext[:, R] = fill
+    idx = torch.where(tab < 0, R, tab)
+    row_bytes = math.prod(out_rest) * t.element_size()
+    if rest and t.dtype == torch.uint8 and ext.is_contiguous():
+        word = _word_dtype(row_bytes)
+        wide = ext.view(E, R + 1, row_bytes).view(word)
+        return wide.index_select(1, idx).view(torch.uint8).view(E, int(idx.numel()), *out_rest)
+    return ext.index_select(1, idx)
 
 
 def _check_fill(name: str, region: torch.Tensor, fill: int | float, offset: tuple[int, ...]) -> None:

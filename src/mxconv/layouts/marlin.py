@@ -8,7 +8,10 @@ Per expert, a weight matrix with N output rows and K inputs goes
 
 with w13: N = 2*Ip, K = Hp and w2: N = Hp, K = Ip, after zero padding to Hp = round_up(H, 256),
 Ip = round_up(I, 128) (§3). Everything works on the whole [E, ...] stack at once with views,
-permutes and index_select, so CPU and CUDA give the same bytes.
+permutes and index_select, so CPU and CUDA give the same bytes. ``to_kernel`` fuses the padding
+into one row gather per tensor and builds the weight stream from 32-bit words
+(:func:`marlin_weight_repack_words`); on CUDA the Triton kernels of ``mxconv.kernels.layout_triton``
+do each tensor in one pass (the legacy scale weave stays in torch).
 
 Activations: "bf16" (16-bit activations, 16x64 weight tiles, the default) and "fp8" (W4A8-FP8,
 32x32 weight tiles, scales +6).
@@ -32,7 +35,10 @@ from mxconv.layouts.base import (
     KernelTensors,
     LayoutSizes,
     TensorSpec,
-    pad_canonical,
+    cached_index,
+    gather_padded_rows,
+    layout_kernels,
+    pad_row_source,
     round_up,
     unpad_canonical,
 )
@@ -126,6 +132,63 @@ def marlin_weight_unrepack(q: torch.Tensor, activation: str = "bf16", name: str 
         inverse[src_dim] = out_dim
     q_nk = codes.permute(0, *(p + 1 for p in inverse)).reshape(E, N, K)
     return pack_nibbles(q_nk).contiguous()
+
+
+# 32-bit masks as signed int32 values (0xF0F0F0F0, 0xFF00FF00, 0xFFFF0000 wrap to negatives).
+_LO_NIBBLES, _HI_NIBBLES = 0x0F0F0F0F, -0x0F0F0F10
+_EVEN_BYTES, _ODD_BYTES = 0x00FF00FF, -0x00FF0100
+_LOW_HALF, _HIGH_HALF = 0x0000FFFF, -0x00010000
+
+
+def _nibble_merge(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per byte of int32 words: (x.lo | y.lo << 4, x.hi | y.hi << 4)."""
+    lo = (x & _LO_NIBBLES) | ((y << 4) & _HI_NIBBLES)
+    hi = ((x >> 4) & _LO_NIBBLES) | (y & _HI_NIBBLES)
+    return lo, hi
+
+
+def _byte_interleave(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes of int32 words (x0 x1 x2 x3), (y0 y1 y2 y3) -> (x0 y0 x2 y2), (x1 y1 x3 y3)."""
+    return (x & _EVEN_BYTES) | ((y << 8) & _ODD_BYTES), ((x >> 8) & _EVEN_BYTES) | (y & _ODD_BYTES)
+
+
+def _half_interleave(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """16-bit halves of int32 words (x0 x1), (y0 y1) -> (x0 y0), (x1 y1)."""
+    return (x & _LOW_HALF) | (y << 16), ((x >> 16) & _LOW_HALF) | (y & _HIGH_HALF)
+
+
+def marlin_weight_repack_words(w: torch.Tensor, activation: str = "bf16", name: str = "weight") -> torch.Tensor:
+    """Same result as :func:`marlin_weight_repack`, computed on 32-bit words of the packed bytes
+    (nibble masks and byte shuffles, no unpacking to one code per byte): the CPU path of
+    ``to_kernel`` and the algorithm of the Triton kernel.
+
+    bf16 word (kt, nt, thc, thr, w) has bytes (A.lo|B.lo<<4, C.lo|D.lo<<4, A.hi|B.hi<<4, C.hi|D.hi<<4)
+    where A, B are bytes 8kt+thr and 8kt+4+thr of row n = 64nt+16w+thc and C, D the same bytes of
+    row n+8. fp8 word has bytes (A.lo|B.lo<<4, A.hi|B.hi<<4, C.lo|D.lo<<4, C.hi|D.hi<<4) with A, C
+    bytes 16kt+2thr, +1 and B, D bytes 16kt+8+2thr, +1 of row 32nt+8w+thc.
+    """
+    E, N, half_k = (int(d) for d in w.shape)
+    K = 2 * half_k
+    _check_weight_dims(activation, N, K, name)
+    x = w.contiguous().view(torch.int32)  # [E, N, K/8]
+    if activation == "bf16":
+        x = x.reshape(E, N // 64, 4, 2, 8, K // 16, 2)  # [E, nt, w, j1, thc, kt, j0]
+        p, r = _nibble_merge(x[:, :, :, 0, :, :, 0], x[:, :, :, 0, :, :, 1])
+        q, s = _nibble_merge(x[:, :, :, 1, :, :, 0], x[:, :, :, 1, :, :, 1])
+        t0, t1 = _byte_interleave(p, q)  # p0 q0 p2 q2 / p1 q1 p3 q3
+        t2, t3 = _byte_interleave(r, s)
+        o0, o2 = _half_interleave(t0, t2)
+        o1, o3 = _half_interleave(t1, t3)
+    else:
+        x = x.reshape(E, N // 32, 4, 8, K // 32, 4)  # [E, nt, w, thc, kt, word of the 16-byte chunk]
+        l01, h01 = _nibble_merge(x[..., 0], x[..., 2])
+        l23, h23 = _nibble_merge(x[..., 1], x[..., 3])
+        e0, f0 = _byte_interleave(l01, h01)
+        e1, f1 = _byte_interleave(l23, h23)
+        o0, o1 = _half_interleave(e0, f0)
+        o2, o3 = _half_interleave(e1, f1)
+    words = torch.stack((o0, o1, o2, o3), dim=-1)  # [E, nt, w, thc, kt, thr]
+    return words.permute(0, 4, 1, 3, 5, 2).reshape(E, K // 16, 2 * N)
 
 
 def weight_source_index(
@@ -350,20 +413,38 @@ class MarlinLayout:
         if (c.w13_bias is None) != (c.w2_bias is None):
             raise LayoutError("w13_bias and w2_bias must both be present or both absent")
         Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
-        p = pad_canonical(c, Hp, Ip, scale_fill=0)
-        out: KernelTensors = {
-            "w13_weight": marlin_weight_repack(p.w13, activation, "w13_weight"),
-            "w13_weight_scale": marlin_scales(p.w13_scale, activation, scale_layout, "w13_weight_scale").view(
-                torch.float8_e8m0fnu
-            ),
-            "w2_weight": marlin_weight_repack(p.w2, activation, "w2_weight"),
-            "w2_weight_scale": marlin_scales(p.w2_scale, activation, scale_layout, "w2_weight_scale").view(
-                torch.float8_e8m0fnu
-            ),
-        }
-        if p.w13_bias is not None and p.w2_bias is not None:
-            out["w13_bias"] = marlin_bias(p.w13_bias)
-            out["w2_bias"] = marlin_bias(p.w2_bias)
+        H, I = c.hidden_size, c.intermediate_size
+        # Padding is a row map (padded row <- source row, -1 = zero row) plus zero K columns.
+        tab13 = _row_table(2 * I, 2 * Ip, c.row_order, None, c.device)
+        tab2 = _row_table(H, Hp, None, None, c.device)
+        lt = layout_kernels(c.w13)
+        out: KernelTensors = {}
+        if lt is not None:
+            out["w13_weight"] = lt.marlin_weights(c.w13, tab13, Hp, activation)
+            out["w2_weight"] = lt.marlin_weights(c.w2, tab2, Ip, activation)
+        else:
+            out["w13_weight"] = marlin_weight_repack_words(gather_padded_rows(c.w13, tab13, Hp // 2), activation, "w13_weight")
+            out["w2_weight"] = marlin_weight_repack_words(gather_padded_rows(c.w2, tab2, Ip // 2), activation, "w2_weight")
+        scale_jobs = (
+            ("w13_weight_scale", c.w13_scale, 2 * I, 2 * Ip, Hp // 32, c.row_order),
+            ("w2_weight_scale", c.w2_scale, H, Hp, Ip // 32, None),
+        )
+        scale_kernels = lt if scale_layout == "current" else None  # the legacy weave stays in torch
+        too_big = None
+        if scale_kernels is not None and activation == "fp8":
+            # fp8 range check as a device flag: one sync at the end instead of one per tensor
+            too_big = (c.w13_scale > FP8_SCALE_MAX_INPUT).any() | (c.w2_scale > FP8_SCALE_MAX_INPUT).any()
+        for name, s, rows, padded_rows, cols, order in scale_jobs:
+            out[name] = _kernel_scales(scale_kernels, s, rows, padded_rows, cols, order, activation, scale_layout, name)
+        if c.w13_bias is not None and c.w2_bias is not None:
+            # bias: the 32-chunk permutation folded into the row map
+            b13 = _row_table(2 * I, 2 * Ip, c.row_order, 32, c.device)
+            b2 = _row_table(H, Hp, None, 32, c.device)
+            out["w13_bias"] = gather_padded_rows(c.w13_bias.to(torch.bfloat16), b13)
+            out["w2_bias"] = gather_padded_rows(c.w2_bias.to(torch.bfloat16), b2)
+        if too_big is not None and bool(too_big):
+            for name, s, rows, padded_rows, cols, order in scale_jobs:  # the torch path names the byte
+                _kernel_scales(None, s, rows, padded_rows, cols, order, activation, scale_layout, name)
         return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
 
     def from_kernel(
@@ -427,6 +508,51 @@ class MarlinLayout:
     def _check_activation(activation: str) -> None:
         if activation not in ACTIVATIONS:
             raise LayoutError(f"unknown Marlin activation {activation!r} (expected one of {ACTIVATIONS})")
+
+
+def _chunk_perm_cpu(chunk: int) -> torch.Tensor:
+    return scale_perm_bf16() if chunk == 64 else chunk32_perm()
+
+
+def _row_table(
+    rows: int, padded_rows: int, row_order: str | None, chunk: int | None, device: torch.device
+) -> torch.Tensor:
+    """Source row (unpadded) behind each padded row, -1 = padding (cached, on ``device``). With
+    ``chunk`` (64: bf16 scale map, 32: fp8 scale / bias map) the padded rows are first permuted in
+    chunks: entry p holds the source of padded row ``chunk*(p//chunk) + perm[p % chunk]``."""
+
+    def build() -> torch.Tensor:
+        pad = pad_row_source(rows, padded_rows, row_order)
+        if chunk is None:
+            return pad
+        return permute_chunks(pad[None], _chunk_perm_cpu(chunk))[0]
+
+    return cached_index(("marlin", rows, padded_rows, row_order, chunk), device, build)
+
+
+def _kernel_scales(
+    lt: Any,
+    s: torch.Tensor,
+    rows: int,
+    padded_rows: int,
+    cols: int,
+    row_order: str | None,
+    activation: str,
+    scale_layout: str,
+    name: str,
+) -> torch.Tensor:
+    """Unpadded canonical scales [E, rows, G] -> kernel tensor float8_e8m0fnu [E, cols, padded_rows].
+
+    ``lt`` (the Triton kernel module, current/fp8 maps only; it does not range-check fp8 bytes) or
+    None: the torch path, which raises LayoutError for fp8 bytes above 249."""
+    fp8 = activation == "fp8"
+    if lt is not None:
+        tab = _row_table(rows, padded_rows, row_order, 32 if fp8 else 64, s.device)
+        out = lt.transpose_rows(s, tab, cols, FP8_SCALE_OFFSET if fp8 else 0)
+    else:
+        tab = _row_table(rows, padded_rows, row_order, None, s.device)
+        out = marlin_scales(gather_padded_rows(s, tab, cols, 0), activation, scale_layout, name)
+    return out.view(torch.float8_e8m0fnu)
 
 
 def _scale_layout(options: dict[str, Any] | None) -> str:

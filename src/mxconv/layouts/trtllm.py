@@ -4,12 +4,16 @@
 Only rows move; bytes inside a row are never touched. Per layer and TP rank:
 
 1. pad (H, I) to (Hp, Ip) = (roundup(H, 256), roundup(I, intermediate_align)); weights 0x00,
-   scales 0x00, biases 0.0 (``base.pad_canonical``; halves are padded each on its own);
+   scales 0x00, biases 0.0 (``base.pad_canonical``'s rule; halves are padded each on its own);
 2. step A (w13 only): gate/up pair order, kernel row 2i = up_i, row 2i+1 = gate_i;
 3. step B: MMA row shuffle in blocks of 32 rows (epilogue_tile_m = 128), applied to weights,
    scales (before swizzling) and biases;
 4. step C: 128x4 swizzle of each expert's scale matrix; the flat buffer is reshaped to the
    matrix shape and *viewed* (never value-cast) as float8_e4m3fn.
+
+Steps 1-3 are one row map (:func:`w13_row_table` / :func:`w2_row_table`: kernel row -> source row
+or -1), applied in a single gather with the column padding; on CUDA the Triton kernels of
+``mxconv.kernels.layout_triton`` do the gather (and step C) in one pass per tensor.
 
 Output tensors (E experts, padded sizes):
 
@@ -43,7 +47,10 @@ from mxconv.layouts.base import (
     KernelTensors,
     LayoutSizes,
     TensorSpec,
-    pad_canonical,
+    cached_index,
+    gather_padded_rows,
+    layout_kernels,
+    pad_row_source,
     round_up,
     unpad_canonical,
 )
@@ -152,6 +159,28 @@ def w2_row_src(padded_hidden: int, device: torch.device | str | None = None) -> 
 def w2_row_dst(padded_hidden: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Kernel row of each padded canonical w2 row: ``d(r)``, LongTensor [Hp]."""
     return mma_shuffle_dst(padded_hidden, device)
+
+
+def w13_row_table(
+    intermediate: int, padded_intermediate: int, row_order: str, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Source row of the *unpadded* w13 stack behind each kernel row (padding, step A and step B
+    in one map), -1 for padding rows: ``pad_row_source(2I, 2Ip)[src13]``. Cached int32 tensor [2*Ip]."""
+
+    def build() -> torch.Tensor:
+        pad = pad_row_source(2 * intermediate, 2 * padded_intermediate, row_order)
+        return pad[w13_row_src(padded_intermediate, row_order)]
+
+    return cached_index(("trtllm-w13", intermediate, padded_intermediate, row_order), device, build)
+
+
+def w2_row_table(hidden: int, padded_hidden: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Source row of the unpadded w2 stack behind each kernel row (-1 = padding). Cached int32 tensor [Hp]."""
+
+    def build() -> torch.Tensor:
+        return pad_row_source(hidden, padded_hidden)[w2_row_src(padded_hidden)]
+
+    return cached_index(("trtllm-w2", hidden, padded_hidden), device, build)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,18 +348,36 @@ class TrtllmLayout:
             activation,
             intermediate_align=intermediate_align_option(options),
         )
-        padded = pad_canonical(c, Hp, Ip, scale_fill=SCALE_FILL)
-        src13 = w13_row_src(Ip, c.row_order, c.device)
-        src2 = w2_row_src(Hp, c.device)
-        out: KernelTensors = {
-            "w13_weight": padded.w13.index_select(1, src13).contiguous(),
-            "w13_weight_scale": _swizzled_kernel_scales(padded.w13_scale.index_select(1, src13)),
-            "w2_weight": padded.w2.index_select(1, src2).contiguous(),
-            "w2_weight_scale": _swizzled_kernel_scales(padded.w2_scale.index_select(1, src2)),
-        }
-        if padded.w13_bias is not None and padded.w2_bias is not None:
-            out["w13_bias"] = padded.w13_bias.to(KERNEL_BIAS_DTYPE).index_select(1, src13).contiguous()
-            out["w2_bias"] = padded.w2_bias.to(KERNEL_BIAS_DTYPE).index_select(1, src2).contiguous()
+        E, H, I = c.num_experts, c.hidden_size, c.intermediate_size
+        # Padding and steps A/B are one row gather: kernel row j <- source row tab[j] (-1 = padding).
+        tab13 = w13_row_table(I, Ip, c.row_order, c.device)
+        tab2 = w2_row_table(H, Hp, c.device)
+        lt = layout_kernels(c.w13)
+        if lt is not None:
+            out: KernelTensors = {
+                "w13_weight": lt.gather_rows(c.w13, tab13, Hp // 2),
+                "w13_weight_scale": lt.swizzle_128x4(c.w13_scale, tab13, Hp // MX_BLOCK, SCALE_FILL)
+                .view(E, 2 * Ip, Hp // MX_BLOCK)
+                .view(KERNEL_SCALE_DTYPE),
+                "w2_weight": lt.gather_rows(c.w2, tab2, Ip // 2),
+                "w2_weight_scale": lt.swizzle_128x4(c.w2_scale, tab2, Ip // MX_BLOCK, SCALE_FILL)
+                .view(E, Hp, Ip // MX_BLOCK)
+                .view(KERNEL_SCALE_DTYPE),
+            }
+        else:
+            out = {
+                "w13_weight": gather_padded_rows(c.w13, tab13, Hp // 2, 0),
+                "w13_weight_scale": _swizzled_kernel_scales(
+                    gather_padded_rows(c.w13_scale, tab13, Hp // MX_BLOCK, SCALE_FILL)
+                ),
+                "w2_weight": gather_padded_rows(c.w2, tab2, Ip // 2, 0),
+                "w2_weight_scale": _swizzled_kernel_scales(
+                    gather_padded_rows(c.w2_scale, tab2, Ip // MX_BLOCK, SCALE_FILL)
+                ),
+            }
+        if c.w13_bias is not None and c.w2_bias is not None:
+            out["w13_bias"] = gather_padded_rows(c.w13_bias.to(KERNEL_BIAS_DTYPE), tab13)
+            out["w2_bias"] = gather_padded_rows(c.w2_bias.to(KERNEL_BIAS_DTYPE), tab2)
         return out
 
     # -- inverse -------------------------------------------------------------------------------

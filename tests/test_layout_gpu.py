@@ -1,0 +1,274 @@
+"""Backend layouts on CUDA (Triton kernels) == the torch path on CPU, byte for byte.
+
+(a) CPU: the layout kernels under the Triton interpreter (a subprocess with TRITON_INTERPRET=1),
+    each kernel against the torch functions it replaces, and whole ``to_kernel`` calls with the
+    kernels forced on for CPU tensors against the torch path.
+(b) GPU (``-m gpu``, skipped without CUDA): every backend, activation and row order, padded and
+    aligned sizes including gpt-oss-20b (E=32, H=I=2880): CUDA ``to_kernel`` bytes == CPU bytes,
+    and ``from_kernel`` round-trips on CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxconv.errors import LayoutError
+from mxconv.layouts import BACKENDS, get_layout
+from mxconv.layouts.base import CanonicalExperts, LayoutSizes, layout_kernels
+
+HERE = Path(__file__).resolve().parent
+HAS_CUDA = torch.cuda.is_available()
+
+
+def make_stack(E: int, H: int, I: int, row_order: str, bias: bool = True, seed: int = 0) -> CanonicalExperts:
+    """Random canonical stack (CPU). Scale bytes in [1, 249] so Marlin's fp8 variant accepts them."""
+    g = torch.Generator().manual_seed(seed)
+
+    def u8(*shape: int, lo: int = 0, hi: int = 256) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+
+    return CanonicalExperts(
+        w13=u8(E, 2 * I, H // 2),
+        w13_scale=u8(E, 2 * I, H // 32, lo=1, hi=250),
+        w2=u8(E, H, I // 2),
+        w2_scale=u8(E, H, I // 32, lo=1, hi=250),
+        w13_bias=torch.randn(E, 2 * I, generator=g).to(torch.bfloat16) if bias else None,
+        w2_bias=torch.randn(E, H, generator=g).to(torch.bfloat16) if bias else None,
+        row_order=row_order,
+    )
+
+
+def sizes_for(backend: str, c: CanonicalExperts, activation: str, options: dict) -> LayoutSizes:
+    layout = get_layout(backend)
+    kwargs = {}
+    if backend == "trtllm" and "intermediate_align" in options:
+        kwargs["intermediate_align"] = options["intermediate_align"]
+    Hp, Ip = layout.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, **kwargs)
+    return LayoutSizes(
+        num_experts=c.num_experts,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        padded_hidden_size=Hp,
+        padded_intermediate_size=Ip,
+        row_order=c.row_order,
+        has_bias=c.w13_bias is not None,
+    )
+
+
+def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names of tensors whose keys/shape/dtype/bytes differ (empty list = identical)."""
+    if a.keys() != b.keys():
+        return [f"keys {sorted(a)} != {sorted(b)}"]
+    bad = []
+    for name in a:
+        x, y = a[name], b[name]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            bad.append(f"{name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
+        elif not torch.equal(x.cpu().contiguous().view(torch.uint8), y.cpu().contiguous().view(torch.uint8)):
+            bad.append(name)
+    return bad
+
+
+# (backend, activation, options) for every activation plus the options that change bytes
+CASES = [
+    ("trtllm", "bf16", {}),
+    ("trtllm", "mxfp8", {}),
+    ("trtllm", "bf16", {"intermediate_align": 128}),
+    ("marlin", "bf16", {}),
+    ("marlin", "fp8", {}),
+    ("marlin", "bf16", {"marlin_scale_layout": "legacy"}),
+    ("aiter", "bf16", {}),
+    ("aiter", "mxfp4", {}),
+]
+# (E, H, I): padded in every backend, aligned (no padding anywhere), gpt-oss-20b
+SHAPES = [(4, 288, 320), (4, 512, 512), (32, 2880, 2880)]
+
+
+def _case_id(case: tuple[str, str, dict]) -> str:
+    backend, act, opts = case
+    return "-".join([backend, act, *(f"{k}={v}" for k, v in opts.items())])
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) Triton interpreter on CPU
+# ---------------------------------------------------------------------------------------------
+
+
+def _interpreter_main() -> None:
+    """Runs in the subprocess (TRITON_INTERPRET=1): print a JSON report of every comparison."""
+    from mxconv.kernels import layout_triton as lt
+    from mxconv.layouts import aiter, marlin, trtllm
+    from mxconv.layouts.base import gather_padded_rows
+
+    g = torch.Generator().manual_seed(0)
+
+    def u8(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 256, shape, dtype=torch.int32, generator=g).to(torch.uint8)
+
+    def table(rows_in: int, rows_out: int) -> torch.Tensor:
+        """Random row map with -1 (padding) entries: every kernel takes arbitrary tables."""
+        t = torch.full((rows_out,), -1, dtype=torch.long)
+        t[torch.randperm(rows_out, generator=g)[:rows_in]] = torch.randperm(rows_in, generator=g)
+        return t
+
+    report: dict[str, bool] = {}
+    E = 2
+    src, tab = u8(E, 40, 48), table(40, 48)
+    report["gather_rows"] = torch.equal(lt.gather_rows(src, tab, 64), gather_padded_rows(src, tab, 64))
+    src, tab = u8(E, 200, 9), table(200, 256)
+    for cols, fill in ((12, 0), (40, 5)):
+        ref = trtllm.swizzle_128x4(gather_padded_rows(src, tab, cols, fill))
+        report[f"swizzle_128x4-{cols}-{fill}"] = torch.equal(lt.swizzle_128x4(src, tab, cols, fill), ref)
+    for act, n_in, n, k_in, k in (("bf16", 100, 128, 32, 96), ("bf16", 64, 64, 512, 512), ("fp8", 50, 64, 64, 128), ("fp8", 96, 128, 96, 96)):
+        src, tab = u8(E, n_in, k_in // 2), table(n_in, n)
+        ref = marlin.marlin_weight_repack(gather_padded_rows(src, tab, k // 2), act)
+        report[f"marlin_weights-{act}-{n}x{k}"] = torch.equal(lt.marlin_weights(src, tab, k, act), ref)
+    src, tab = u8(E, 70, 5), table(70, 192)
+    for rows, off in ((7, 6), (40, 0)):
+        ref = (gather_padded_rows(src, tab, rows, 0).transpose(1, 2) + off).contiguous()
+        report[f"transpose_rows-{rows}-{off}"] = torch.equal(lt.transpose_rows(src, tab, rows, off), ref)
+    src, tab = u8(E, 50, 48), table(50, 64)
+    report["w16_tiles"] = torch.equal(lt.w16_tiles(src, tab, 80), aiter.w16(gather_padded_rows(src, tab, 80)))
+    for r_in, r_out, c_in, zero, cols in ((60, 96, 5, 6, 16), (64, 64, 90, 96, 96)):
+        src, tab = u8(E, r_in, c_in), table(r_in, r_out)
+        ref = aiter.s32x8(aiter.pad_columns(gather_padded_rows(src, tab, zero, 0), cols, 0x7F))
+        report[f"s32x8_tiles-{c_in}-{cols}"] = torch.equal(lt.s32x8_tiles(src, tab, zero, cols, 0x7F), ref)
+
+    # whole to_kernel calls with the kernels forced on for CPU tensors vs the torch path
+    modules = {"trtllm": trtllm, "marlin": marlin, "aiter": aiter}
+    for backend, act, opts in CASES:
+        mod, layout = modules[backend], get_layout(backend)
+        for row_order in ("interleaved", "halves"):
+            c = make_stack(2, 96, 160, row_order, seed=len(report))
+            mod.layout_kernels = lambda t: None
+            ref = layout.to_kernel(c, act, opts)
+            mod.layout_kernels = lambda t: lt
+            got = layout.to_kernel(c, act, opts)
+            report[f"to_kernel-{_case_id((backend, act, opts))}-{row_order}"] = not same_bytes(got, ref)
+    print("REPORT" + json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def interpreter_report() -> dict[str, bool]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_layout_gpu as t; t._interpreter_main()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1]
+    return json.loads(line[len("REPORT") :])
+
+
+def test_interpreter_kernels_equal_torch(interpreter_report: dict[str, bool]) -> None:
+    kernels = {k: v for k, v in interpreter_report.items() if not k.startswith("to_kernel")}
+    assert len(kernels) == 12
+    assert all(kernels.values()), [k for k, v in kernels.items() if not v]
+
+
+def test_interpreter_to_kernel_equal_torch_path(interpreter_report: dict[str, bool]) -> None:
+    whole = {k: v for k, v in interpreter_report.items() if k.startswith("to_kernel")}
+    assert len(whole) == 2 * len(CASES)
+    assert all(whole.values()), [k for k, v in whole.items() if not v]
+
+
+def test_cpu_tensors_take_the_torch_path() -> None:
+    assert layout_kernels(torch.zeros(1, dtype=torch.uint8)) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) CUDA
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stacks() -> dict[tuple[int, int, int, str], CanonicalExperts]:
+    return {
+        (E, H, I, order): make_stack(E, H, I, order, seed=E + H + I + len(order))
+        for E, H, I in SHAPES
+        for order in ("interleaved", "halves")
+    }
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("row_order", ["interleaved", "halves"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_equals_cpu_and_round_trips(stacks, case, row_order: str, shape: tuple[int, int, int]) -> None:
+    backend, act, opts = case
+    layout = get_layout(backend)
+    c = stacks[(*shape, row_order)]
+    cuda = c.to("cuda")
+    assert layout_kernels(cuda.w13) is not None  # the CUDA run goes through the Triton kernels
+    k_gpu = layout.to_kernel(cuda, act, opts)
+    assert all(t.is_cuda for t in k_gpu.values())
+    k_cpu = layout.to_kernel(c, act, opts)
+    assert not same_bytes(k_gpu, k_cpu), same_bytes(k_gpu, k_cpu)
+    back = layout.from_kernel(k_gpu, sizes_for(backend, c, act, opts), act, opts)
+    for name in ("w13", "w13_scale", "w2", "w2_scale"):
+        assert torch.equal(getattr(back, name).cpu(), getattr(c, name)), name
+    assert torch.equal(back.w13_bias.cpu(), c.w13_bias.float())
+    assert torch.equal(back.w2_bias.cpu(), c.w2_bias.float())
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_without_bias_and_torch_path_on_cuda(case, monkeypatch) -> None:
+    backend, act, opts = case
+    layout = get_layout(backend)
+    c = make_stack(4, 288, 320, "halves", bias=False, seed=5)
+    k_cpu = layout.to_kernel(c, act, opts)
+    assert "w13_bias" not in k_cpu
+    assert not same_bytes(layout.to_kernel(c.to("cuda"), act, opts), k_cpu)
+    monkeypatch.setenv("MXCONV_LAYOUT_TRITON", "0")
+    assert layout_kernels(torch.zeros(1, device="cuda")) is None
+    assert not same_bytes(layout.to_kernel(c.to("cuda"), act, opts), k_cpu)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_misaligned_and_strided_inputs(backend: str) -> None:
+    """Inputs at odd storage offsets (no 8-byte word view) and with padded row strides."""
+    layout = get_layout(backend)
+    c = make_stack(4, 288, 320, "interleaved", seed=9)
+
+    def odd_offset(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(t.numel() + 3, dtype=t.dtype, device="cuda")
+        view = buf[3:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    def wide_rows(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.zeros(*t.shape[:-1], t.shape[-1] + 16, dtype=t.dtype, device="cuda")
+        buf[..., : t.shape[-1]] = t
+        return buf[..., : t.shape[-1]]
+
+    act = layout.activations[0]
+    k_cpu = layout.to_kernel(c, act, {})
+    for f in (odd_offset, wide_rows):
+        g = CanonicalExperts(
+            f(c.w13), f(c.w13_scale), f(c.w2), f(c.w2_scale), c.w13_bias.cuda(), c.w2_bias.cuda(), c.row_order
+        )
+        assert not same_bytes(layout.to_kernel(g, act, {}), k_cpu), f.__name__
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_cuda_marlin_fp8_scale_range_error_matches_cpu() -> None:
+    layout = get_layout("marlin")
+    c = make_stack(2, 256, 128, "halves", bias=False, seed=19)
+    c.w2_scale[1, 7, 2] = 250
+    msg = r"w2_weight_scale at index \[1, 7, 2\] holds E8M0 byte 250"
+    with pytest.raises(LayoutError, match=msg):
+        layout.to_kernel(c, "fp8", {})
+    with pytest.raises(LayoutError, match=msg):
+        layout.to_kernel(c.to("cuda"), "fp8", {})
