@@ -368,6 +368,8 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
         w2 = to_format(layer.w2_mx, layer.w2, fmt, plan.quant, f"{where} (w2 = down)", stats.errors, device)
         if layout is None:
             out_layer = MoELayer(ref, layer.row_order, w13_mx=_cpu(w13), w2_mx=_cpu(w2), w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the host copies must land before the reader repackages them
             results = [plan.reader.quantized_tensors(out_layer)]
         else:
             assert plan.repack is not None
@@ -382,7 +384,7 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
             for rank, (s, e) in enumerate(plan.rank_ranges):
                 part = canon if plan.repack.tp == 1 else slice_tp(canon, s, e, rank)
                 kt = layout.to_kernel(part, plan.repack.activation, plan.repack.layout_options)
-                results.append({f"{ref.module_prefix}.experts.{k}": v.cpu() for k, v in kt.items()})
+                results.append({f"{ref.module_prefix}.experts.{k}": to_host(v) for k, v in kt.items()})
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         stats.compute_seconds += time.perf_counter() - t0
@@ -391,8 +393,18 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
     return compute
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """Device -> host into pinned memory without waiting (the caller synchronizes once per layer).
+    Pinned blocks come from torch's caching host allocator, so layer after layer reuses them."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
 def _cpu(s: MXStack) -> MXStack:
-    return MXStack(s.fmt, s.data.cpu(), s.scales.cpu())
+    return MXStack(s.fmt, to_host(s.data), to_host(s.scales))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,7 +481,7 @@ def manifest_layout(plan: Plan) -> dict[str, Any]:
 
 
 def _start_warmup(plan: Plan, device: torch.device) -> threading.Thread:
-    """Initialise CUDA and compile the quantize kernels for this plan's shapes on a side thread,
+    """Initialise CUDA and compile the quantize and layout kernels for this plan's shapes on a side thread,
     so the one-off start-up (seconds) overlaps reading the first layers instead of delaying them."""
 
     def work() -> None:
@@ -483,6 +495,18 @@ def _start_warmup(plan: Plan, device: torch.device) -> threading.Thread:
                                     plan.quant.scale_rounding)
                 else:
                     torch.zeros(1, device=device)
+                if plan.repack is not None and plan.sizes is not None:
+                    # one expert at the real per-rank sizes: compiles the layout kernels' variants
+                    layout = get_layout(plan.repack.backend)
+                    H, I = plan.sizes.hidden_size, plan.sizes.intermediate_size
+                    z = lambda *shape: torch.zeros(*shape, dtype=torch.uint8, device=device)  # noqa: E731
+                    b = plan.sizes.has_bias
+                    one = CanonicalExperts(
+                        z(1, 2 * I, H // 2), z(1, 2 * I, H // 32), z(1, H, I // 2), z(1, H, I // 32),
+                        torch.zeros(1, 2 * I, device=device) if b else None, torch.zeros(1, H, device=device) if b else None,
+                        plan.sizes.row_order,
+                    )
+                    layout.to_kernel(one, plan.repack.activation, plan.repack.layout_options)
                 torch.cuda.synchronize(device)
         except Exception:  # noqa: BLE001 - a failed warm-up only costs the time it would have saved
             pass

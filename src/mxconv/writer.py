@@ -218,6 +218,10 @@ class ShardedWriter:
         # sha256 runs on its own thread while the same bytes are being written (hashlib and file
         # writes both release the GIL), so hashing does not add to the write time.
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-sha256")
+        # A finished shard is fsync'd and renamed into place on its own thread, so the writer goes
+        # straight on with the next shard instead of waiting for the disk to flush this one.
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-fsync")
+        self._synced: list = []
         self._queue = [(si, t) for si, s in enumerate(self.shards) for t in s.tensors]
         self._pos = 0
         self._file = None
@@ -241,11 +245,17 @@ class ShardedWriter:
     def _finish_shard(self) -> None:
         assert self._file is not None
         shard = self.shards[self._shard_idx]
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._file = None
-        os.replace(self._tmp(shard), self.out_dir / shard.file)
+        f, self._file = self._file, None
+        f.flush()
+
+        def sync_and_rename() -> None:
+            try:
+                os.fsync(f.fileno())
+            finally:
+                f.close()
+            os.replace(self._tmp(shard), self.out_dir / shard.file)  # only once complete and durable
+
+        self._synced.append(self._syncer.submit(sync_and_rename))
 
     def _begin(self, name: str) -> PlannedTensor:
         if self._pos >= len(self._queue):
@@ -311,6 +321,9 @@ class ShardedWriter:
     def finish(self) -> dict[str, WrittenTensor]:
         """Check every planned tensor was written, then write the index. Returns the tensor table."""
         self._hasher.shutdown(wait=True)
+        self._syncer.shutdown(wait=True)
+        for fut in self._synced:
+            fut.result()  # re-raise a failed fsync/rename (e.g. disk full) before the index is written
         if self._pos != len(self._queue):
             raise RuntimeError(f"writer: {len(self._queue) - self._pos} planned tensors were never written")
         weight_map = {name: w.file for name, w in self.written.items()}
@@ -321,6 +334,7 @@ class ShardedWriter:
     def abort(self) -> None:
         """Close and delete the temporary file of the shard in progress (best effort)."""
         self._hasher.shutdown(wait=False, cancel_futures=True)
+        self._syncer.shutdown(wait=True)
         if self._file is not None:
             try:
                 self._file.close()
