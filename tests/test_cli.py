@@ -306,10 +306,25 @@ def test_nonfinite_refused_then_allowed(tmp_path: Path) -> None:
         fh.seek(info.begin)
         fh.write(t.view(torch.uint8).numpy().tobytes())
     code, _, err = mx("quantize", src, tmp_path / "o")
-    assert code == 2 and "non-finite value nan" in err and "model.layers.1.mlp.experts" in err and "[2, 99, 7]" in err
+    assert code == 2 and "non-finite value nan in model.layers.1.mlp.experts.2.up_proj.weight [3, 7]" in err
     assert not (tmp_path / "o" / "mxconv.json").exists()
     code, _, err = mx("quantize", src, tmp_path / "o", "--allow-nonfinite", "--quiet")
     assert code == 0, err
+
+
+def test_nonfinite_named_in_gpt_oss_source_coordinates(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "s", "gpt-oss-bf16").path
+    name = "model.layers.0.mlp.experts.down_proj"  # stored [E, I, H] (in x out)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    f = src / index[name]
+    info = read_header(f)[0][name]
+    t = read_tensor(info).clone()
+    t[1, 5, 9] = float("inf")
+    with open(f, "r+b") as fh:
+        fh.seek(info.begin)
+        fh.write(t.view(torch.uint8).numpy().tobytes())
+    code, _, err = mx("quantize", src, tmp_path / "o")
+    assert code == 2 and "non-finite value inf in model.layers.0.mlp.experts.down_proj [1, 5, 9]" in err, err
 
 
 def test_kill_mid_write_then_rerun(ws: Path, tmp_path: Path) -> None:

@@ -287,7 +287,7 @@ def quantize_stack(
     x: torch.Tensor,
     fmt: str,
     q: QuantOptions,
-    where: str,
+    where: str | Callable[[tuple[int, ...]], str],
     stats: ErrorStats | None,
 ) -> MXStack:
     """Float stack [E, N, K] (on the compute device) -> MXStack; NaN/Inf refused unless allowed."""
@@ -299,8 +299,9 @@ def quantize_stack(
     if idx is not None:
         if not q.allow_nonfinite:
             val = x[idx].item()
+            loc = where(idx) if callable(where) else f"{where} at index {list(idx)} (expert, row, column)"
             raise BadInput(
-                f"{where}: non-finite value {val} at index {list(idx)} (expert, row, column); "
+                f"non-finite value {val} in {loc}; "
                 "pass --allow-nonfinite to write NaN scales (0xFF) for such blocks"
             )
         x, bad_blocks = _nan_policy(x)
@@ -331,8 +332,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return base.to(device, non_blocking=True).permute(inverse)
 
 
-def to_format(stack: MXStack | None, float_w: torch.Tensor | None, fmt: str, q: QuantOptions, where: str,
-              stats: ErrorStats | None, device: torch.device) -> MXStack:
+def to_format(stack: MXStack | None, float_w: torch.Tensor | None, fmt: str, q: QuantOptions,
+              where: str | Callable[[tuple[int, ...]], str], stats: ErrorStats | None, device: torch.device) -> MXStack:
     """One expert stack (MX or float) -> MXStack in ``fmt`` on ``device``; MX bytes move untouched when
     the format already matches, MXFP4 -> MXFP8 is lossless, anything else re-quantizes."""
     from mxconv.numerics import dequantize_mx
@@ -363,9 +364,11 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
         t0 = time.perf_counter()
         ref = layer.ref
         fmt = plan.weight_format
-        where = f"{ref.module_prefix}.experts"
-        w13 = to_format(layer.w13_mx, layer.w13, fmt, plan.quant, f"{where} (w13 = gate/up)", stats.errors, device)
-        w2 = to_format(layer.w2_mx, layer.w2, fmt, plan.quant, f"{where} (w2 = down)", stats.errors, device)
+        def where(which: str) -> Callable[[tuple[int, ...]], str]:
+            return lambda idx: plan.reader.source_location(ref, which, tuple(int(i) for i in idx))
+
+        w13 = to_format(layer.w13_mx, layer.w13, fmt, plan.quant, where("w13"), stats.errors, device)
+        w2 = to_format(layer.w2_mx, layer.w2, fmt, plan.quant, where("w2"), stats.errors, device)
         if layout is None:
             out_layer = MoELayer(ref, layer.row_order, w13_mx=_cpu(w13), w2_mx=_cpu(w2), w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
             if device.type == "cuda":

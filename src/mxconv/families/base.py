@@ -174,3 +174,11 @@ class FamilyReader(ABC):
         model-wide format.
         """
         return self.model_info().expert_format
+
+    def source_location(self, ref: MoELayerRef, which: str, index: tuple[int, ...]) -> str:
+        """Where element ``index`` = (expert, row, column) of canonical ``which`` ("w13" | "w2")
+        lives in the source checkpoint, as ``"tensor name [i, j, ...]"`` (used in error messages).
+
+        The default names the layer's expert module; readers override it with exact tensor names.
+        """
+        return f"{ref.module_prefix}.experts ({which}) [{', '.join(map(str, index))}]"

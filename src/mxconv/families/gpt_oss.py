@@ -337,6 +337,12 @@ class GptOssReader(FamilyReader):
             layer.w2 = read(f"{p}.down_proj").transpose(1, 2)
         return layer
 
+    def source_location(self, ref: MoELayerRef, which: str, index: tuple[int, ...]) -> str:
+        """Canonical (expert, row, column) -> the fused source tensor; BF16 stores it transposed."""
+        e, row, col = index
+        name = f"{ref.module_prefix}.experts.{'gate_up_proj' if which == 'w13' else 'down_proj'}"
+        return f"{name} [{e}, {col}, {row}]"
+
     def layer_format(self, ref: MoELayerRef) -> str:
         plan = self._plan()
         if ref.layer not in plan["formats"]:

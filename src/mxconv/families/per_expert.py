@@ -622,6 +622,16 @@ class PerExpertReader(FamilyReader):
                 setattr(layer, key + "_mx", MXStack(fmt, data, scales))
         return layer
 
+    def source_location(self, ref: MoELayerRef, which: str, index: tuple[int, ...]) -> str:
+        """Canonical (expert, row, column) -> the per-expert source tensor and its [row, column]."""
+        e, row, col = index
+        if which == "w13":
+            I = self._plan().intermediate_size
+            proj, row = (0, row) if row < I else (1, row - I)
+        else:
+            proj = 2
+        return f"{self.expert_name(ref.module_prefix, e, proj, 'weight')} [{row}, {col}]"
+
     def layer_format(self, ref: MoELayerRef) -> str:
         p = self._plan()
         if ref.layer not in p.layer_fmt:
