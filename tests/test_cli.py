@@ -278,7 +278,17 @@ def test_bad_inputs(ws: Path, tmp_path: Path) -> None:
     assert code == 2 and "is the SOURCE or inside it" in err
     code, _, err = mx("quantize", ws / "gpt", tmp_path / "o4", "--max-shard-size", "nan")
     assert code == 2 and "at least one byte" in err
+    code, _, err = mx("repack", ws / "gpt-q4", tmp_path / "o5", "--backend", "trtllm", "--marlin-scale-layout", "legacy")
+    assert code == 2 and "applies to --backend marlin only" in err
     assert "Traceback" not in err
+
+
+def test_repack_refuses_a_rank_dir_of_a_kernel_output(ws: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tp"
+    code, _, err = mx("repack", ws / "qwen-q4", out, "--backend", "aiter", "--tp", "2", "--quiet")
+    assert code == 0, err
+    code, _, err = mx("repack", out / "rank-0", tmp_path / "again", "--backend", "trtllm")
+    assert code == 2 and "already a kernel-layout checkpoint (backend aiter)" in err
 
 
 def test_unknown_family_lists_supported(tmp_path: Path) -> None:

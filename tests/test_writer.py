@@ -175,3 +175,25 @@ def test_interrupted_output_is_cleaned_without_overwrite(tmp_path: Path) -> None
     notes = prepare_output_dir(out, [src], overwrite=False)
     assert "interrupted" in notes[0]
     assert not list(out.glob("*" + TMP_SUFFIX)) and not list(out.glob(".*" + TMP_SUFFIX))
+
+
+def test_refuses_output_another_live_run_is_writing(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    import os
+    import subprocess
+    import sys
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (out / IN_PROGRESS).write_text(f"an mxconv run (pid {other.pid}) is writing this directory\n")
+        with pytest.raises(BadInput, match=f"being written by another mxconv run \\(pid {other.pid}\\)"):
+            prepare_output_dir(out, [src], overwrite=True)
+    finally:
+        other.kill()
+        other.wait()
+    notes = prepare_output_dir(out, [src], overwrite=False)  # that run is gone: cleaned up as interrupted
+    assert "interrupted" in notes[0]
+    assert str(os.getpid()) in (out / IN_PROGRESS).read_text()

@@ -96,6 +96,8 @@ class Checkpoint:
         """'kernel' when an mxconv manifest says so, else 'canonical'."""
         if self.manifest and self.manifest.get("kind") == "kernel":
             return "kernel"
+        if isinstance(self.config.get("mxconv_layout"), dict):  # e.g. one rank-N/ of a TP output
+            return "kernel"
         return "canonical"
 
 

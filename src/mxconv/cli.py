@@ -283,7 +283,7 @@ def repack(
     backend: str = typer.Option(..., "--backend", help="Kernel layout: trtllm | marlin | aiter."),
     activation: Optional[str] = typer.Option(None, "--activation", help="trtllm: bf16|mxfp8; marlin: bf16|fp8; aiter: bf16 (a16w4)|mxfp4 (a4w4). Default: bf16."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size: writes OUTPUT/rank-{r}/ per rank."),
-    marlin_scale_layout: str = typer.Option("current", "--marlin-scale-layout", help="Marlin scales: current (vLLM >= 0.12) | legacy (<= 0.11.2)."),
+    marlin_scale_layout: Optional[str] = typer.Option(None, "--marlin-scale-layout", help="Marlin scales: current (vLLM >= 0.12, the default) | legacy (<= 0.11.2)."),
     scale_rounding: Rounding = typer.Option(Rounding.rceil, "--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Quantize blocks holding NaN/Inf to NaN scales instead of refusing."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
@@ -310,9 +310,12 @@ def repack(
     with _errors(debug):
         layout = get_layout(backend)
         act = activation or layout.activations[0]
-        if marlin_scale_layout not in ("current", "legacy"):
-            raise BadInput(f"--marlin-scale-layout {marlin_scale_layout!r}: choose current or legacy")
-        opts = {"marlin_scale_layout": marlin_scale_layout} if backend == "marlin" else {}
+        if marlin_scale_layout is not None and backend != "marlin":
+            raise BadInput(f"--marlin-scale-layout applies to --backend marlin only (got --backend {backend})")
+        scale_layout = marlin_scale_layout or "current"
+        if scale_layout not in ("current", "legacy"):
+            raise BadInput(f"--marlin-scale-layout {scale_layout!r}: choose current or legacy")
+        opts = {"marlin_scale_layout": scale_layout} if backend == "marlin" else {}
         q = QuantOptions("mxfp4", scale_rounding.value, allow_nonfinite)
         r = RepackOptions(backend, act, tp, opts)
         _run_convert("repack", source, output, quant=q, repack=r, device=device, revision=revision,

@@ -176,8 +176,9 @@ def build_plan(
         raise BadInput("repack converts every MoE layer; --include/--ignore apply to quantize only")
     if ckpt.kind == "kernel":
         raise BadInput(
-            f"{ckpt.root}: already a kernel-layout checkpoint (mxconv.json kind=kernel, backend "
-            f"{ckpt.manifest.get('backend') if ckpt.manifest else '?'}); convert from its canonical source instead"
+            f"{ckpt.root}: already a kernel-layout checkpoint (backend "
+            f"{(ckpt.manifest or {}).get('backend') or ckpt.config.get('mxconv_layout', {}).get('backend', '?')}); "
+            "convert from its canonical source instead"
         )
     info = reader.model_info()
     for what, size in (("hidden_size", info.hidden_size), ("intermediate_size", info.intermediate_size)):

@@ -458,7 +458,11 @@ def verify(
             try:
                 ref_out, ref_ids = saved[f"layer.{L}.output"], saved[f"layer.{L}.topk_ids"]
             except KeyError:
-                raise BadInput(f"--reference-outputs {reference_outputs}: no outputs for layer {L}") from None
+                saved_layers = sorted({int(n.split(".")[1]) for n in saved if n.endswith(".output")})
+                raise BadInput(
+                    f"--reference-outputs {reference_outputs}: no outputs for layer {L} (the file holds layers "
+                    f"{saved_layers}; pass --layers {','.join(map(str, saved_layers))})"
+                ) from None
             code = int(saved[f"layer.{L}.format"].item()) if f"layer.{L}.format" in saved else 0
             ref_fmt = "exact" if _same_mx_bytes(_FORMAT_CODES[code], manifest["weight_format"]) else manifest["weight_format"]
         else:

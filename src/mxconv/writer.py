@@ -143,9 +143,28 @@ def check_output_dir(out: Path, sources: list[Path], overwrite: bool) -> bool:
     if not out.exists() or not any(out.iterdir()):
         return False
     interrupted = (out / IN_PROGRESS).exists() and not (out / MANIFEST_NAME).exists()
+    if interrupted:
+        pid = _writer_pid(out / IN_PROGRESS)
+        if pid is not None and pid != os.getpid() and _alive(pid):
+            raise BadInput(f"OUTPUT {out} is being written by another mxconv run (pid {pid}); wait for it or choose another directory")
     if not overwrite and not interrupted:
         raise BadInput(f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
     return interrupted
+
+
+def _writer_pid(marker: Path) -> int | None:
+    m = re.search(r"\(pid (\d+)\)", marker.read_text(errors="replace"))
+    return int(m.group(1)) if m else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _previous_outputs(out: Path) -> set[str]:
