@@ -26,9 +26,16 @@ MANIFEST_NAME = "mxconv.json"
 CONFIG_NAME = "config.json"
 # Top-level files we never copy into an output (they are rewritten or are weights).
 _NOT_COPIED = {INDEX_NAME, MANIFEST_NAME, CONFIG_NAME}
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Files fetched from the Hub besides the shards.
 HUB_SMALL_FILES = ["*.json", "*.txt", "*.model", "*.jinja", "tokenizer*", "*.tiktoken", "*.py"]
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a tensor belongs to (``...layers.{L}...``), None for global tensors."""
+    m = _LAYER_INDEX.search(name)
+    return int(m.group(1)) if m else None
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from mxconv.checkpoint import CONFIG_NAME, Checkpoint
+from mxconv.checkpoint import CONFIG_NAME, Checkpoint, layer_index
 from mxconv.errors import BadInput
 from mxconv.families import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
 from mxconv.layouts import Layout, LayoutSizes, TensorSpec, get_layout
@@ -27,7 +27,6 @@ from mxconv.manifest import base_manifest, tensor_table, write_manifest
 from mxconv.pipeline import WorkItem, run_pipeline
 from mxconv.writer import PlannedTensor, ShardedWriter, atomic_write_json, plan_shards, prepare_output_dir
 
-_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -131,8 +130,9 @@ class Plan:
 
 
 def _layer_of(name: str) -> int:
-    m = _LAYER_RE.search(name)
-    return int(m.group(1)) if m else 1 << 30
+    """Sort key: the tensor's layer, global tensors (embeddings, final norm, head) last."""
+    L = layer_index(name)
+    return 1 << 30 if L is None else L
 
 
 def kernel_params(info: ModelInfo) -> dict[str, float] | None:

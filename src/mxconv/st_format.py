@@ -163,3 +163,16 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
         shape = (*info.shape[:-1], info.shape[-1] // 2) if info.shape else info.shape
         return buf.view(dtype).reshape(shape)
     return buf.view(dtype).reshape(info.shape)
+
+
+def iter_tensor_chunks(info: TensorInfo, chunk: int = 64 << 20):
+    """Yield a tensor's raw bytes from its file in chunks of at most ``chunk`` bytes."""
+    left = info.nbytes
+    with open(info.file, "rb") as f:
+        f.seek(info.begin)
+        while left:
+            data = f.read(min(chunk, left))
+            if not data:
+                raise BadInput(f"{info.file}: tensor {info.name!r} is truncated")
+            left -= len(data)
+            yield data

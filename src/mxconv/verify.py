@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from mxconv.checkpoint import Checkpoint, open_checkpoint
+from mxconv.checkpoint import Checkpoint, layer_index, open_checkpoint
 from mxconv.errors import BadInput, LayoutError
 from mxconv.families import FamilyReader, ModelInfo, MoELayer, MXStack, detect_family
 from mxconv.layouts import LayoutSizes, get_layout
 from mxconv.layouts.base import CanonicalExperts
 from mxconv.manifest import load_manifest
 from mxconv.runner import Comparison, ExpertFn, compare, hidden_states, moe_forward, route
-from mxconv.st_format import read_tensor
+from mxconv.st_format import iter_tensor_chunks, read_tensor
 
 # Pass/fail thresholds of the numerics check, by (converted weight format, reference kind).
 # MX error figures from mx-numerics.md §6: a weight's relative RMS error is ≈ 0.115 (MXFP4) and
@@ -97,25 +97,10 @@ class VerifyReport:
 
 
 def _sha256_of(ckpt: Checkpoint, name: str) -> str:
-    info = ckpt.tensors[name]
     h = hashlib.sha256()
-    left = info.nbytes
-    with open(info.file, "rb") as f:
-        f.seek(info.begin)
-        while left:
-            chunk = f.read(min(left, 64 << 20))
-            if not chunk:
-                break
-            h.update(chunk)
-            left -= len(chunk)
+    for chunk in iter_tensor_chunks(ckpt.tensors[name]):
+        h.update(chunk)
     return h.hexdigest()
-
-
-def _layer_key(name: str) -> int | None:
-    import re
-
-    m = re.search(r"\.layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
 
 
 def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint]) -> dict[int | None, list[str]]:
@@ -136,7 +121,7 @@ def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint
                 continue
         ckpt = ckpts[rank]
         seen.add(key)
-        where = problems.setdefault(_layer_key(name), [])
+        where = problems.setdefault(layer_index(name), [])
         info = ckpt.tensors.get(name)
         if info is None:
             where.append(f"{key}: listed in the manifest but missing from the checkpoint")
@@ -153,7 +138,7 @@ def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint
         for name in ckpt.tensors:
             key = name if tp == 1 else f"rank-{r}/{name}"
             if key not in seen:
-                problems.setdefault(_layer_key(name), []).append(f"{key}: present in the checkpoint but not in the manifest")
+                problems.setdefault(layer_index(name), []).append(f"{key}: present in the checkpoint but not in the manifest")
     return problems
 
 

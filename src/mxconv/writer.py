@@ -25,7 +25,7 @@ import torch
 from mxconv.checkpoint import INDEX_NAME, MANIFEST_NAME
 from mxconv.errors import BadInput
 from mxconv.layouts.base import TensorSpec
-from mxconv.st_format import TORCH_TO_ST, TensorInfo, expected_nbytes
+from mxconv.st_format import TORCH_TO_ST, TensorInfo, expected_nbytes, iter_tensor_chunks
 
 IN_PROGRESS = ".mxconv-in-progress"
 TMP_SUFFIX = ".mxconv-tmp"
@@ -318,19 +318,12 @@ class ShardedWriter:
         src = planned.source
         assert src is not None and self._file is not None
         h = hashlib.sha256()
-        left = src.nbytes
         pending = None
-        with open(src.file, "rb") as f:
-            f.seek(src.begin)
-            while left:
-                chunk = f.read(min(COPY_CHUNK, left))
-                if not chunk:
-                    raise BadInput(f"{src.file}: tensor {name!r} is truncated")
-                if pending is not None:
-                    pending.result()
-                pending = self._hasher.submit(h.update, chunk)
-                self._file.write(chunk)
-                left -= len(chunk)
+        for chunk in iter_tensor_chunks(src, COPY_CHUNK):
+            if pending is not None:
+                pending.result()
+            pending = self._hasher.submit(h.update, chunk)
+            self._file.write(chunk)
         if pending is not None:
             pending.result()
         self.bytes_written += src.nbytes

@@ -350,8 +350,7 @@ def unpad_canonical(
 
     ``scale_fill=None`` skips the scale-padding check (bytes the engine leaves undefined).
     """
-    Hp, Ip = c.hidden_size, c.intermediate_size
-    E = c.num_experts
+    Ip = c.intermediate_size
     halves = c.row_order == "halves"
 
     def rows13(t: torch.Tensor) -> torch.Tensor:
@@ -381,7 +380,6 @@ def unpad_canonical(
                 _check_fill("w13_bias", c.w13_bias[:, lo:hi], 0, (0, lo))
         if c.w2_bias is not None:
             _check_fill("w2_bias", c.w2_bias[:, H:], 0, (0, H))
-    del E
     return CanonicalExperts(
         w13=rows13(c.w13)[..., : H // 2].contiguous(),
         w13_scale=rows13(c.w13_scale)[..., : H // 32].contiguous(),
