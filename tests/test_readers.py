@@ -235,12 +235,16 @@ def test_read_layer_equals_ground_truth(built: Callable[[str], GroundTruth], kin
             assert torch.equal(layer.w2_mx.scales, truth.w2_mx[1])
         else:
             assert layer.w13_mx is None and layer.w2_mx is None
-            assert layer.w13.dtype == truth.w13.dtype and layer.w2.dtype == truth.w2.dtype
-            assert torch.equal(layer.w13, truth.w13)
-            assert torch.equal(layer.w2, truth.w2)
+            if gt.kind in FP8_KINDS:  # kept as stored; dequantized (fp32) where it is computed
+                assert layer.w13 is None and layer.w13_fp8 is not None and layer.w2_fp8 is not None
+                assert layer.w13_fp8.parts[0][0].dtype == torch.float8_e4m3fn
+            w13, w2 = layer.float_weights()
+            assert w13.dtype == truth.w13.dtype and w2.dtype == truth.w2.dtype
+            assert torch.equal(w13, truth.w13)
+            assert torch.equal(w2, truth.w2)
             # gpt-oss BF16 comes back as transposed views (made contiguous where computed);
             # the canonical orientation is what matters: K (the input dim) last.
-            assert layer.w13.shape[-1] == truth.w13.shape[-1] and layer.w2.shape[-1] == truth.w2.shape[-1]
+            assert w13.shape[-1] == truth.w13.shape[-1] and w2.shape[-1] == truth.w2.shape[-1]
         if truth.w13_bias is None:
             assert layer.w13_bias is None and layer.w2_bias is None
         else:
@@ -310,12 +314,13 @@ def test_block_fp8_dequantized_in_fp32(built: Callable[[str], GroundTruth], kind
     H, I = gt.hidden_size, gt.intermediate_size
     ref = r.layer_refs()[-1]
     layer = r.read_layer(ref)
-    assert layer.w13.dtype == torch.float32 and layer.w2.dtype == torch.float32
+    w13, w2 = layer.float_weights()
+    assert w13.dtype == torch.float32 and w2.dtype == torch.float32
     for e in range(4):
         for proj, n, k, got in (
-            ("gate_proj", I, H, layer.w13[e, :I]),
-            ("up_proj", I, H, layer.w13[e, I:]),
-            ("down_proj", H, I, layer.w2[e]),
+            ("gate_proj", I, H, w13[e, :I]),
+            ("up_proj", I, H, w13[e, I:]),
+            ("down_proj", H, I, w2[e]),
         ):
             name = f"{ref.module_prefix}.experts.{e}.{proj}"
             w8, s = raw(gt.path, f"{name}.weight"), raw(gt.path, f"{name}.weight_scale_inv")
@@ -333,7 +338,7 @@ def test_block_fp8_dequantized_in_fp32(built: Callable[[str], GroundTruth], kind
                 assert torch.equal(got.to(torch.float64), exact)  # ... so the fp32 product is exact
     # fp32, not rounded through bf16: arbitrary scales give values bf16 cannot hold
     if kind != "deepseek-v3.1-fp8-ue8m0":
-        assert bool((layer.w13 != layer.w13.to(torch.bfloat16).to(torch.float32)).any())
+        assert bool((w13 != w13.to(torch.bfloat16).to(torch.float32)).any())
 
 
 def test_mtp_layer_is_a_moe_layer(built: Callable[[str], GroundTruth]) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from mxconv.checkpoint import CONFIG_NAME, Checkpoint, layer_index
 from mxconv.errors import BadInput
-from mxconv.families import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
+from mxconv.families import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MoELayerRef, MXStack
 from mxconv.layouts import Layout, LayoutSizes, TensorSpec, get_layout
 from mxconv.layouts.base import CanonicalExperts, slice_tp, tp_ranges
 from mxconv.manifest import base_manifest, tensor_table, write_manifest
@@ -65,9 +65,10 @@ class ErrorStats:
     tensors: int = 0
 
     def add(self, ref: torch.Tensor, approx: torch.Tensor) -> None:
+        """Accumulate ||approx - ref||² and ||ref||²; ``approx`` (a fresh fp32 tensor) is consumed."""
         r = ref.float()
-        self.sq_err += float((approx.float() - r).pow(2).sum())
-        self.sq_ref += float(r.pow(2).sum())
+        self.sq_ref += float(r.square().sum())
+        self.sq_err += float(approx.float().sub_(r).square_().sum())
         self.tensors += 1
 
     @property
@@ -284,39 +285,58 @@ def _nan_policy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(bad, torch.zeros((), dtype=x.dtype, device=x.device), x), blocks
 
 
+# Largest expert chunk quantized at once (elements): bounds the fp32 temporaries on the device
+# (input, dequantized copy for the error statistic) to a few GB whatever the layer size; a
+# gpt-oss-20b w13 stack (530M elements) is still one launch.
+CHUNK_ELEMENTS = 1 << 29
+
+
 def quantize_stack(
-    x: torch.Tensor,
+    shape: tuple[int, int, int],
+    chunk: Callable[[int, int], torch.Tensor],
     fmt: str,
     q: QuantOptions,
     where: str | Callable[[tuple[int, ...]], str],
     stats: ErrorStats | None,
+    device: torch.device,
 ) -> MXStack:
-    """Float stack [E, N, K] (on the compute device) -> MXStack; NaN/Inf refused unless allowed."""
+    """Float stack [E, N, K] -> MXStack on ``device``, in expert chunks: ``chunk(e0, e1)`` returns
+    experts [e0, e1) as a float tensor on ``device``. NaN/Inf are refused unless allowed."""
     from mxconv.numerics import dequantize_mx, first_nonfinite
     from mxconv.quantizer import quantize_mx
 
-    bad_blocks = None
-    idx = first_nonfinite(x)
-    if idx is not None:
-        if not q.allow_nonfinite:
-            val = x[idx].item()
-            loc = where(idx) if callable(where) else f"{where} at index {list(idx)} (expert, row, column)"
-            raise BadInput(
-                f"non-finite value {val} in {loc}; "
-                "pass --allow-nonfinite to write NaN scales (0xFF) for such blocks"
-            )
-        x, bad_blocks = _nan_policy(x)
-    data, scales = quantize_mx(x, fmt, q.scale_rounding)
-    if bad_blocks is not None:
-        scales = scales.masked_fill(bad_blocks, 0xFF)
-    if stats is not None:
-        deq = dequantize_mx(data, scales, fmt)
+    E, N, K = shape
+    data = torch.empty((E, N, K // 2 if fmt == "mxfp4" else K), dtype=torch.uint8, device=device)
+    scales = torch.empty((E, N, K // 32), dtype=torch.uint8, device=device)
+    step = max(1, CHUNK_ELEMENTS // max(1, N * K))
+    for e0 in range(0, E, step):
+        e1 = min(E, e0 + step)
+        x = chunk(e0, e1).contiguous()
+        bad_blocks = None
+        idx = first_nonfinite(x)
+        if idx is not None:
+            idx = (idx[0] + e0, *idx[1:])
+            if not q.allow_nonfinite:
+                val = x[(idx[0] - e0, *idx[1:])].item()
+                loc = where(idx) if callable(where) else f"{where} at index {list(idx)} (expert, row, column)"
+                raise BadInput(
+                    f"non-finite value {val} in {loc}; "
+                    "pass --allow-nonfinite to write NaN scales (0xFF) for such blocks"
+                )
+            x, bad_blocks = _nan_policy(x)
+        d, s = quantize_mx(x, fmt, q.scale_rounding)
         if bad_blocks is not None:
-            keep = ~bad_blocks.repeat_interleave(32, dim=-1)
-            stats.add(x[keep], deq[keep])
-        else:
-            stats.add(x, deq)
-        del deq
+            s = s.masked_fill(bad_blocks, 0xFF)
+        data[e0:e1], scales[e0:e1] = d, s
+        if stats is not None:
+            deq = dequantize_mx(d, s, fmt)
+            if bad_blocks is not None:
+                keep = ~bad_blocks.repeat_interleave(32, dim=-1)
+                stats.add(x[keep], deq[keep])
+            else:
+                stats.add(x, deq)
+            del deq
+        del x, d, s
     return MXStack(fmt, data, scales)
 
 
@@ -333,22 +353,29 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return base.to(device, non_blocking=True).permute(inverse)
 
 
-def to_format(stack: MXStack | None, float_w: torch.Tensor | None, fmt: str, q: QuantOptions,
+def to_format(stack: MXStack | None, float_w: torch.Tensor | FP8BlockStack | None, fmt: str, q: QuantOptions,
               where: str | Callable[[tuple[int, ...]], str], stats: ErrorStats | None, device: torch.device) -> MXStack:
     """One expert stack (MX or float) -> MXStack in ``fmt`` on ``device``; MX bytes move untouched when
     the format already matches, MXFP4 -> MXFP8 is lossless, anything else re-quantizes."""
     from mxconv.numerics import dequantize_mx
 
     if stack is None:
+        if isinstance(float_w, FP8BlockStack):
+            src = float_w
+            return quantize_stack(src.shape, lambda e0, e1: src.dequantize(e0, e1, device), fmt, q, where, stats, device)
         assert float_w is not None
-        return quantize_stack(to_device(float_w, device), fmt, q, where, stats)
+        w = float_w
+        return quantize_stack(tuple(w.shape), lambda e0, e1: to_device(w[e0:e1], device), fmt, q, where, stats, device)
     data = stack.data.to(device, non_blocking=True)
     scales = stack.scales.to(device, non_blocking=True)
     if stack.fmt == fmt:
         return MXStack(fmt, data, scales)
     if stack.fmt == "mxfp4" and fmt == "mxfp8":
         return MXStack(fmt, _mxfp4_to_mxfp8(data, scales), scales)
-    return quantize_stack(dequantize_mx(data, scales, stack.fmt), fmt, q, where, stats)
+    E, N = data.shape[:2]
+    K = scales.shape[-1] * 32
+    return quantize_stack((E, N, K), lambda e0, e1: dequantize_mx(data[e0:e1], scales[e0:e1], stack.fmt), fmt, q,
+                          where, stats, device)
 
 
 @dataclass
@@ -368,8 +395,10 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
         def where(which: str) -> Callable[[tuple[int, ...]], str]:
             return lambda idx: plan.reader.source_location(ref, which, tuple(int(i) for i in idx))
 
-        w13 = to_format(layer.w13_mx, layer.w13, fmt, plan.quant, where("w13"), stats.errors, device)
-        w2 = to_format(layer.w2_mx, layer.w2, fmt, plan.quant, where("w2"), stats.errors, device)
+        w13 = to_format(layer.w13_mx, layer.w13 if layer.w13_fp8 is None else layer.w13_fp8, fmt, plan.quant,
+                        where("w13"), stats.errors, device)
+        w2 = to_format(layer.w2_mx, layer.w2 if layer.w2_fp8 is None else layer.w2_fp8, fmt, plan.quant,
+                       where("w2"), stats.errors, device)
         if layout is None:
             out_layer = MoELayer(ref, layer.row_order, w13_mx=_cpu(w13), w2_mx=_cpu(w2), w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
             if device.type == "cuda":

@@ -20,7 +20,7 @@ import torch
 
 from mxconv.checkpoint import Checkpoint, layer_index, open_checkpoint
 from mxconv.errors import BadInput, LayoutError
-from mxconv.families import FamilyReader, ModelInfo, MoELayer, MXStack, detect_family
+from mxconv.families import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MXStack, detect_family
 from mxconv.layouts import LayoutSizes, get_layout
 from mxconv.layouts.base import CanonicalExperts
 from mxconv.manifest import load_manifest
@@ -255,13 +255,24 @@ def _canonical_from_layer(layer: MoELayer) -> CanonicalExperts | None:
                             layer.w13_bias, layer.w2_bias, layer.row_order)
 
 
-def expert_fn(w13: MXStack | torch.Tensor, w2: MXStack | torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None) -> ExpertFn:
+def _weights(layer: MoELayer, which: str) -> MXStack | FP8BlockStack | torch.Tensor:
+    """A layer's stack in whatever form the reader gave it (MX, block-FP8 or float)."""
+    for form in (f"{which}_mx", f"{which}_fp8", which):
+        t = getattr(layer, form)
+        if t is not None:
+            return t
+    raise BadInput(f"{layer.ref.module_prefix}.experts: no {which} weights")
+
+
+def expert_fn(w13: MXStack | FP8BlockStack | torch.Tensor, w2: MXStack | FP8BlockStack | torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None) -> ExpertFn:
     """Per-expert fp32 weights, dequantized on demand."""
     from mxconv.numerics import dequantize_mx
 
-    def get(t: MXStack | torch.Tensor, e: int) -> torch.Tensor:
+    def get(t: MXStack | FP8BlockStack | torch.Tensor, e: int) -> torch.Tensor:
         if isinstance(t, MXStack):
             return dequantize_mx(t.data[e], t.scales[e], t.fmt)
+        if isinstance(t, FP8BlockStack):
+            return t.dequantize(e, e + 1)[0]
         return t[e].float()
 
     def fn(e: int):
@@ -435,8 +446,7 @@ def verify(
             row_order = canon.row_order
         else:
             assert conv_layer is not None
-            conv_fn = expert_fn(conv_layer.w13_mx or conv_layer.w13, conv_layer.w2_mx or conv_layer.w2,
-                                conv_layer.w13_bias, conv_layer.w2_bias)
+            conv_fn = expert_fn(_weights(conv_layer, "w13"), _weights(conv_layer, "w2"), conv_layer.w13_bias, conv_layer.w2_bias)
             row_order = conv_layer.row_order
         out, ids = run_layer(info, row_order, conv_fn, router, x)
         if saved is not None:
@@ -452,7 +462,7 @@ def verify(
             ref_fmt = "exact" if _same_mx_bytes(_FORMAT_CODES[code], manifest["weight_format"]) else manifest["weight_format"]
         else:
             assert ref_layer is not None and ref_ckpt is not None
-            rfn = expert_fn(ref_layer.w13_mx or ref_layer.w13, ref_layer.w2_mx or ref_layer.w2, ref_layer.w13_bias, ref_layer.w2_bias)
+            rfn = expert_fn(_weights(ref_layer, "w13"), _weights(ref_layer, "w2"), ref_layer.w13_bias, ref_layer.w2_bias)
             ref_out, ref_ids = run_layer(info, ref_layer.row_order, rfn, _router(ref_ckpt, lay), x)
             ref_src_fmt = ref_layer.w13_mx.fmt if ref_layer.w13_mx is not None else "float"
             ref_fmt = "exact" if _same_mx_bytes(ref_src_fmt, manifest["weight_format"]) else manifest["weight_format"]

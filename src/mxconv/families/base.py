@@ -15,10 +15,11 @@ Canonical layer (one MoE layer, all experts stacked):
 
 | field     | shape        | dtype | meaning |
 |-----------|--------------|-------|---------|
-| w13       | [E, 2I, H]   | bf16/fp16/fp32 (fp32 for FP8-block sources, dequantized in fp32) | gate+up, rows in `row_order` |
+| w13       | [E, 2I, H]   | bf16/fp16/fp32 | gate+up, rows in `row_order` |
 | w2        | [E, H, I]    | same  | down |
 | w13_mx    | MXStack      | uint8 | instead of w13 for MX sources: data [E, 2I, H/2] (mxfp4) or [E, 2I, H] (mxfp8) + scales [E, 2I, H/32] |
 | w2_mx     | MXStack      | uint8 | data [E, H, I/2] or [E, H, I] + scales [E, H, I/32] |
+| w13_fp8   | FP8BlockStack | float8_e4m3fn + fp32 scale_inv | instead of w13 for block-FP8 sources |
 | w13_bias  | [E, 2I]      | source dtype (bf16) | only gpt-oss |
 | w2_bias   | [E, H]       | source dtype | only gpt-oss |
 
@@ -105,6 +106,36 @@ class MXStack:
 
 
 @dataclass
+class FP8BlockStack:
+    """A block-FP8 expert stack kept as stored (DeepSeek ``weight`` + ``weight_scale_inv``), so it
+    travels to the compute device at 1 byte per weight and is dequantized there, in fp32.
+
+    ``parts`` are stacked along the rows (gate then up for w13): each is (data float8_e4m3fn
+    [E, n_j, K], scale_inv fp32 [E, ceil(n_j/bn), ceil(K/bk)]) with its own tile grid, because a
+    projection whose rows are not a multiple of the block has partial edge tiles of its own.
+    """
+
+    parts: list[tuple[torch.Tensor, torch.Tensor]]
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        E, _, K = self.parts[0][0].shape
+        return (int(E), sum(int(d.shape[1]) for d, _ in self.parts), int(K))
+
+    def dequantize(self, e0: int = 0, e1: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+        """fp32 [e1 - e0, N, K] on ``device``: W = fp32(W_fp8) * scale_inv of its 128x128 tile."""
+        from mxconv.families.per_expert import dequantize_fp8_block
+
+        e1 = self.shape[0] if e1 is None else e1
+        out = [
+            dequantize_fp8_block(d[e0:e1].to(device, non_blocking=True), sc[e0:e1].to(device, non_blocking=True), self.block)
+            for d, sc in self.parts
+        ]
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
+@dataclass
 class MoELayer:
     """One canonical MoE layer (see module docstring). Exactly one of w13 / w13_mx is set (same for w2)."""
 
@@ -116,10 +147,20 @@ class MoELayer:
     w2_mx: MXStack | None = None
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
+    w13_fp8: FP8BlockStack | None = None  # block-FP8 sources: instead of w13 (dequantized on the device)
+    w2_fp8: FP8BlockStack | None = None
 
     @property
     def is_mx(self) -> bool:
         return self.w13_mx is not None
+
+    def float_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as float tensors on the CPU (block-FP8 dequantized in fp32). For tests and
+        small layers: the conversion path dequantizes on the compute device, in expert chunks."""
+        if self.w13_fp8 is not None and self.w2_fp8 is not None:
+            return self.w13_fp8.dequantize(), self.w2_fp8.dequantize()
+        assert self.w13 is not None and self.w2 is not None
+        return self.w13, self.w2
 
 
 class FamilyReader(ABC):

@@ -64,7 +64,7 @@ import torch
 
 from mxconv.checkpoint import Checkpoint
 from mxconv.errors import BadInput
-from mxconv.families.base import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
+from mxconv.families.base import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MoELayerRef, MXStack
 from mxconv.layouts.base import TensorSpec
 from mxconv.st_format import ST_DTYPES, TensorInfo
 
@@ -585,8 +585,11 @@ class PerExpertReader(FamilyReader):
         for e in range(E):
             for j, proj in enumerate(projs):
                 t = self.ckpt.read(self.expert_name(prefix, e, proj, param))
-                if t.dtype != dtype:  # E4M3 data / F8_E8M0 scales kept as uint8 bit patterns
-                    t = t.view(dtype)
+                if t.dtype != dtype:
+                    if t.is_floating_point() and out.is_floating_point():
+                        t = t.to(dtype)  # bf16/fp16 weight_scale_inv -> fp32 (exact)
+                    else:
+                        t = t.view(dtype)  # E4M3 data / F8_E8M0 scales kept as uint8 bit patterns
                 out[e, j * step : (j + 1) * step] = t
         return out
 
@@ -603,18 +606,18 @@ class PerExpertReader(FamilyReader):
                 w = self._read_stack(prefix, projs, "weight", n, k, ST_DTYPES[float_dtype][0])
                 setattr(layer, key, w)
             elif fmt == "fp8_block":
-                # One expert projection at a time, straight into the fp32 output: the expanded
-                # scales never exist for more than one [N, K] matrix (a DeepSeek-V3 layer is 30 GB
-                # in fp32 already).
+                # Kept as stored (1 byte per weight + a small scale grid per projection): the
+                # compute device dequantizes in fp32, expert chunk by chunk (a DeepSeek-V3 layer
+                # would be 45 GB of fp32 on the host).
                 assert p.block is not None
-                w = torch.empty((E, n, k), dtype=torch.float32)
+                bn, bk = p.block
                 step = n // len(projs)
-                for e in range(E):
-                    for j, proj in enumerate(projs):
-                        w8 = self.ckpt.read(self.expert_name(prefix, e, proj, "weight"))
-                        s = self.ckpt.read(self.expert_name(prefix, e, proj, "weight_scale_inv"))
-                        w[e, j * step : (j + 1) * step] = dequantize_fp8_block(w8, s, p.block)
-                setattr(layer, key, w)
+                parts = []
+                for proj in projs:
+                    data = self._read_stack(prefix, (proj,), "weight", step, k, torch.float8_e4m3fn)
+                    sinv = self._read_stack(prefix, (proj,), "weight_scale_inv", -(-step // bn), -(-k // bk), torch.float32)
+                    parts.append((data, sinv))
+                setattr(layer, key + "_fp8", FP8BlockStack(parts, p.block))
             else:
                 packed = fmt == "mxfp4"
                 data = self._read_stack(prefix, projs, "weight_packed" if packed else "weight", n, k // 2 if packed else k, torch.uint8)
