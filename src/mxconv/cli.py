@@ -83,10 +83,10 @@ def _errors(debug: bool) -> Iterator[None]:
         if debug:
             raise
         what = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
-        err.print(f"[bold red]error:[/] {what}: {exc.filename or ''} (partial output left under temporary names; nothing renamed into place)", highlight=False)
+        err.print(f"[bold red]error:[/] {what}: {exc.filename or ''} (the output is incomplete: it has no mxconv.json; rerun to clean it up)", highlight=False)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        err.print("[bold red]interrupted[/] (partial output left under temporary names; rerun to clean up)")
+        err.print("[bold red]interrupted[/] (the output is incomplete: it has no mxconv.json; rerun to clean it up)")
         raise typer.Exit(130) from None
     except Exception as exc:  # noqa: BLE001 - never let a crash look like "verification failed" (1)
         if debug:

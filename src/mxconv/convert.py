@@ -235,12 +235,13 @@ def build_plan(
         if name not in consumed:
             by_layer.setdefault(_layer_of(name), []).append(name)
     ref_by_layer = {r.layer: r for r in refs}
+    routers = {n for r in all_refs for n in (r.router_weight, r.router_bias, r.correction_bias) if n}
     for layer in sorted(set(by_layer) | set(ref_by_layer)):
         names = sorted(by_layer.get(layer, []))
         if names:
             for d in dests:
                 for n in names:
-                    role = "router" if any(n in (r.router_weight, r.router_bias, r.correction_bias) for r in refs) else "copy"
+                    role = "router" if n in routers else "copy"
                     d.append(PlannedTensor(n, TensorSpec(ckpt.tensors[n].shape, ckpt.tensors[n].torch_dtype), role, ckpt.tensors[n]))
             items.append(WorkItem("copy", ckpt.total_bytes(names), copy_names=names))
         ref = ref_by_layer.get(layer)
@@ -573,8 +574,16 @@ def execute(
     reader = plan.reader
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        _start_warmup(plan, device)  # CUDA context + kernel compile overlap the first reads
-    times = run_pipeline(plan.items, writers, load=lambda item: reader.read_layer(item.payload), compute=compute,
+        warm = _start_warmup(plan, device)  # CUDA context + kernel compiles overlap the first reads
+
+        def compute_after_warmup(item: WorkItem, layer: MoELayer) -> list[dict[str, torch.Tensor]]:
+            warm.join()  # the first layer waits for the warm-up instead of racing it
+            return compute(item, layer)
+
+        run_compute = compute_after_warmup
+    else:
+        run_compute = compute
+    times = run_pipeline(plan.items, writers, load=lambda item: reader.read_layer(item.payload), compute=run_compute,
                          on_progress=on_progress)
 
     cfg = output_config(plan)
@@ -619,10 +628,11 @@ def execute(
         argv=argv,
     )
     manifest["tensors"] = tensors
-    manifest["output_files"] = sorted(
-        {CONFIG_NAME, "model.safetensors.index.json", *(f.name for f in plan.ckpt.extra_files)}
-        | ({d.name for d in rank_dirs} if len(rank_dirs) > 1 else set())
-    )
+    # Top-level names this run wrote (a later --overwrite removes exactly these, and nothing else).
+    if len(rank_dirs) > 1:
+        manifest["output_files"] = sorted({CONFIG_NAME, *(d.name for d in rank_dirs)})
+    else:
+        manifest["output_files"] = sorted({CONFIG_NAME, "model.safetensors.index.json", *(f.name for f in plan.ckpt.extra_files)})
     if len(rank_dirs) > 1:
         atomic_write_json(out_dir / CONFIG_NAME, cfg)
     write_manifest(out_dir, manifest)

@@ -100,12 +100,15 @@ def run_pipeline(
     pending: list[tuple[WorkItem, Future | None]] = []
     pool = ThreadPoolExecutor(max_workers=max(1, read_threads), thread_name_prefix="mxconv-read")
 
+    load_lock = threading.Lock()
+
     def timed_load(item: WorkItem) -> Any:
         t0 = time.perf_counter()
         try:
             return load(item)
         finally:
-            times.load_s += time.perf_counter() - t0
+            with load_lock:  # several reader threads add to the same total
+                times.load_s += time.perf_counter() - t0
 
     def submit(i: int) -> None:
         item = items[i]

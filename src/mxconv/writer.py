@@ -2,9 +2,10 @@
 
 The whole output is planned before a byte is written (names, dtypes, shapes, hence sizes), so each
 shard's header is known up front. Tensors then stream into their shard in plan order; each shard is
-written under a temporary name and renamed into place once complete; the index follows, and the
-caller writes ``mxconv.json`` last. An interrupted run leaves only temporary files and the
-``.mxconv-in-progress`` marker: nothing that looks complete.
+written under a temporary name and renamed into place once complete and fsync'd; the index follows,
+and the caller writes ``mxconv.json`` last. An interrupted run leaves the shards finished so far,
+at most one temporary file and the ``.mxconv-in-progress`` marker, but never ``mxconv.json``: it
+never looks complete, and the next run into the same directory cleans it up.
 """
 
 from __future__ import annotations
