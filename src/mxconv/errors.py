@@ -1,4 +1,7 @@
-"""Error types that map onto the CLI's exit codes (see ../shared/docs/contract.md)."""
+"""Error types that map onto the CLI's exit codes (see ../shared/docs/contract.md).
+
+A failed verification is not an exception: ``verify`` returns a report and the CLI exits 1.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +21,3 @@ class BadInput(MxconvError):
 class LayoutError(BadInput):
     """A tensor cannot be put into (or taken out of) a backend layout: wrong shape, size rule, padding."""
 
-
-class VerificationFailed(MxconvError):
-    """A converted checkpoint does not match what it claims (exit 1)."""
-
-    exit_code = 1

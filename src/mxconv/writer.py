@@ -248,10 +248,6 @@ class ShardedWriter:
         self._shard_idx = -1
         self._remaining_in_shard = 0
 
-    @property
-    def expected_next(self) -> str | None:
-        return self._queue[self._pos][1].name if self._pos < len(self._queue) else None
-
     def _tmp(self, shard: ShardPlan) -> Path:
         return self.out_dir / f".{shard.file}{TMP_SUFFIX}"
 

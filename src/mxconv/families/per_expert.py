@@ -71,13 +71,6 @@ from mxconv.st_format import ST_DTYPES, TensorInfo
 FLOAT_DTYPES: dict[str, str] = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 MX_FORMATS = ("mxfp4", "mxfp8")
 CT_FORMATS = {"mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}
-# Tensor parameters of one projection, per source format.
-FORMAT_PARAMS: dict[str, tuple[str, ...]] = {
-    "float": ("weight",),
-    "fp8_block": ("weight", "weight_scale_inv"),
-    "mxfp4": ("weight_packed", "weight_scale"),
-    "mxfp8": ("weight", "weight_scale"),
-}
 _EXPERT_PARAMS = ("weight", "weight_packed", "weight_scale", "weight_scale_inv")
 # Extra key of a compressed-tensors config: the block-FP8 quantization_config (transformers' "fp8"
 # convention) of the expert layers that a partial quantize left block-FP8 (listed in ``ignore``).
@@ -595,7 +588,7 @@ class PerExpertReader(FamilyReader):
 
     def read_layer(self, ref: MoELayerRef) -> MoELayer:
         p = self._plan()
-        E, H, I = p.num_experts, p.hidden_size, p.intermediate_size
+        H, I = p.hidden_size, p.intermediate_size
         prefix = ref.module_prefix
         shapes = {(0, 1): (2 * I, H), (2,): (H, I)}
         layer = MoELayer(ref=ref, row_order="halves")
@@ -704,10 +697,6 @@ class PerExpertReader(FamilyReader):
         """Compact ignore list: the family regexes that match some non-expert Linear of this
         checkpoint, plus the name of any other 2-D ``.weight`` module none of them covers."""
         targets = [re.compile(t[3:]) for t in self.ct_targets()]
-
-        def matches(pattern: str, module: str) -> bool:
-            return re.match(pattern[3:], module) is not None if pattern.startswith("re:") else pattern == module
-
         modules = sorted(
             {
                 n[: -len(".weight")]
@@ -716,8 +705,8 @@ class PerExpertReader(FamilyReader):
             }
         )
         others = [m for m in modules if not any(t.match(m) for t in targets)]
-        used = [p for p in self.ignore_patterns if p == "lm_head" or any(matches(p, m) for m in others)]
-        extra = [m for m in others if not any(matches(p, m) for p in used)]
+        used = [p for p in self.ignore_patterns if p == "lm_head" or any(ct_matches(m, [p]) for m in others)]
+        extra = [m for m in others if not ct_matches(m, used)]
         return used + extra
 
     def ct_layer_pattern(self, layer: int) -> str:
