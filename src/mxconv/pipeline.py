@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from mxconv.writer import ShardedWriter
+from mxconv.writer import ShardedWriter, copy_tensor_to
 
 
 @dataclass
@@ -81,8 +81,7 @@ def run_pipeline(
             try:
                 if item.kind == "copy":
                     for name in item.copy_names:
-                        for w in writers:
-                            w.copy_tensor(name)
+                        copy_tensor_to(writers, name)  # read and hashed once for all ranks
                 else:
                     for w, names, res in zip(writers, item.out_names, results):
                         for name in names:

@@ -311,21 +311,7 @@ class ShardedWriter:
 
     def copy_tensor(self, name: str) -> int:
         """Copy the next planned tensor byte for byte from its source file; returns bytes copied."""
-        planned = self._begin(name)
-        src = planned.source
-        assert src is not None and self._file is not None
-        h = hashlib.sha256()
-        pending = None
-        for chunk in iter_tensor_chunks(src, COPY_CHUNK):
-            if pending is not None:
-                pending.result()
-            pending = self._hasher.submit(h.update, chunk)
-            self._file.write(chunk)
-        if pending is not None:
-            pending.result()
-        self.bytes_written += src.nbytes
-        self._end(planned, h.hexdigest())
-        return src.nbytes
+        return copy_tensor_to([self], name)
 
     def finish(self) -> dict[str, WrittenTensor]:
         """Check every planned tensor was written, then write the index. Returns the tensor table."""
@@ -350,3 +336,27 @@ class ShardedWriter:
             finally:
                 self._tmp(self.shards[self._shard_idx]).unlink(missing_ok=True)
                 self._file = None
+
+
+def copy_tensor_to(writers: list[ShardedWriter], name: str) -> int:
+    """Copy planned tensor ``name`` byte for byte into every writer (one per TP rank), reading and
+    hashing its source once; returns the bytes read."""
+    planned = [w._begin(name) for w in writers]
+    src = planned[0].source
+    assert src is not None and all(w._file is not None for w in writers)
+    h = hashlib.sha256()
+    hasher = writers[0]._hasher
+    pending = None
+    for chunk in iter_tensor_chunks(src, COPY_CHUNK):
+        if pending is not None:
+            pending.result()
+        pending = hasher.submit(h.update, chunk)
+        for w in writers:
+            w._file.write(chunk)
+    if pending is not None:
+        pending.result()
+    digest = h.hexdigest()
+    for w, p in zip(writers, planned):
+        w.bytes_written += src.nbytes
+        w._end(p, digest)
+    return src.nbytes
