@@ -222,9 +222,10 @@ def build_plan(
         plan.rank_ranges = tp_ranges(info.intermediate_size, repack.tp)
         widths = {e - s for s, e in plan.rank_ranges}
         I_rank = max(widths)
-        Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation)
+        opts = repack.layout_options
+        Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation, opts)
         for w in widths:  # every rank pads to the same Ip; make sure the smaller ones fit the rule too
-            layout.padded_sizes(info.hidden_size, w, info.row_order, repack.activation)
+            layout.padded_sizes(info.hidden_size, w, info.row_order, repack.activation, opts)
         plan.sizes = LayoutSizes(info.num_experts, info.hidden_size, I_rank, Hp, Ip, info.row_order, info.has_expert_bias)
         specs = layout.kernel_specs(plan.sizes, repack.activation, repack.layout_options)
         plan.layout_desc = layout.describe(plan.sizes, repack.activation, repack.layout_options)

@@ -383,7 +383,8 @@ class AiterLayout:
     activations: tuple[str, ...] = ACTIVATIONS
 
     def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str
+        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+        options: dict[str, Any] | None = None,
     ) -> tuple[int, int]:
         """(Hp, Ip) per vLLM 0.33's ROCm table (module docstring). LayoutError if impossible."""
         _check_activation(activation)

@@ -164,9 +164,11 @@ class Layout(Protocol):
     activations: tuple[str, ...]  # accepted --activation values; first is the default
 
     def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str
+        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+        options: dict[str, Any] | None = None,
     ) -> tuple[int, int]:
-        """(Hp, Ip) for one rank's (already TP-sliced) sizes. Raise LayoutError if impossible."""
+        """(Hp, Ip) for one rank's (already TP-sliced) sizes under ``options`` (the same dict
+        kernel_specs/to_kernel get; e.g. trtllm's ``intermediate_align``). LayoutError if impossible."""
         ...
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:

@@ -373,7 +373,8 @@ class MarlinLayout:
     # -- sizes ---------------------------------------------------------------------------------
 
     def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str
+        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+        options: dict[str, Any] | None = None,
     ) -> tuple[int, int]:
         """(Hp, Ip) = (round_up(H, 256), round_up(I, 128)); H and I must be positive multiples of 32."""
         self._check_activation(activation)

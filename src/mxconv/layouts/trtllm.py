@@ -283,16 +283,21 @@ class TrtllmLayout:
         intermediate_size: int,
         row_order: str,
         activation: str,
+        options: dict[str, Any] | None = None,
         *,
-        intermediate_align: int = DEFAULT_INTERMEDIATE_ALIGN,
+        intermediate_align: int | None = None,
     ) -> tuple[int, int]:
         """(Hp, Ip) = (roundup(H, 256), roundup(I, intermediate_align)) for one rank.
 
+        ``intermediate_align`` comes from the keyword, else from ``options`` (default 256).
         Raises LayoutError unless H and I are positive multiples of 32 (MXFP4 blocks).
         """
         _check_row_order(row_order)
         self._check_activation(activation)
-        align = intermediate_align_option({"intermediate_align": intermediate_align})
+        if intermediate_align is None:
+            align = intermediate_align_option(options)
+        else:
+            align = intermediate_align_option({"intermediate_align": intermediate_align})
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
             if size <= 0 or size % MX_BLOCK:
                 raise LayoutError(
