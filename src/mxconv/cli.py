@@ -244,8 +244,8 @@ _SOURCE_HELP = "Checkpoint directory or Hugging Face repo id (org/name)."
 
 @app.command()
 def quantize(
-    source: str = typer.Argument(..., help=_SOURCE_HELP),
-    output: Path = typer.Argument(..., help="Output directory (must be empty unless --overwrite)."),
+    source: str = typer.Argument(..., metavar="SOURCE", help=_SOURCE_HELP),
+    output: Path = typer.Argument(..., metavar="OUTPUT", help="Output directory (must be empty unless --overwrite)."),
     format: Fmt = typer.Option(Fmt.mxfp4, "--format", help="Expert weight format."),
     scale_rounding: Rounding = typer.Option(Rounding.rceil, "--scale-rounding", help="E8M0 scale rule (mx-numerics: rceil never saturates; floor is OCP; even is AMD's)."),
     include: Optional[str] = typer.Option(None, "--include", help="Regex over '<module>.experts' names: quantize only matching MoE layers."),
@@ -278,8 +278,8 @@ def quantize(
 
 @app.command()
 def repack(
-    source: str = typer.Argument(..., help=_SOURCE_HELP + " MXFP4 (moved, never re-quantized) or bf16 (quantized on the way)."),
-    output: Path = typer.Argument(..., help="Output directory (must be empty unless --overwrite)."),
+    source: str = typer.Argument(..., metavar="SOURCE", help=_SOURCE_HELP + " MXFP4 (moved, never re-quantized) or bf16 (quantized on the way)."),
+    output: Path = typer.Argument(..., metavar="OUTPUT", help="Output directory (must be empty unless --overwrite)."),
     backend: str = typer.Option(..., "--backend", help="Kernel layout: trtllm | marlin | aiter."),
     activation: Optional[str] = typer.Option(None, "--activation", help="trtllm: bf16|mxfp8; marlin: bf16|fp8; aiter: bf16 (a16w4)|mxfp4 (a4w4). Default: bf16."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size: writes OUTPUT/rank-{r}/ per rank."),
@@ -324,7 +324,7 @@ def repack(
 
 @app.command()
 def verify(
-    path: Path = typer.Argument(..., help="A checkpoint written by mxconv quantize or repack."),
+    path: Path = typer.Argument(..., metavar="PATH", help="A checkpoint written by mxconv quantize or repack."),
     reference: Optional[str] = typer.Option(None, "--reference", help="The checkpoint the conversion came from (bf16 or MXFP4)."),
     reference_outputs: Optional[Path] = typer.Option(None, "--reference-outputs", help="Compare with outputs saved earlier by --save-reference."),
     save_reference: Optional[Path] = typer.Option(None, "--save-reference", help="Save the reference's outputs (safetensors) for later runs without the source."),
@@ -381,7 +381,7 @@ def verify(
 
 @app.command()
 def inspect(
-    path: str = typer.Argument(..., help=_SOURCE_HELP),
+    path: str = typer.Argument(..., metavar="PATH", help=_SOURCE_HELP),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of a repo-id PATH."),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks."),
