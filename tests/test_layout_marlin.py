@@ -11,6 +11,7 @@ import torch
 from mxconv.errors import LayoutError
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts, LayoutSizes, pad_canonical
+from mxconv.numerics import pack_fp4, unpack_fp4
 from mxconv.layouts.marlin import (
     LAYOUT,
     chunk32_perm,
@@ -22,11 +23,9 @@ from mxconv.layouts.marlin import (
     marlin_unscales,
     marlin_weight_repack,
     marlin_weight_unrepack,
-    pack_nibbles,
     scale_perm_bf16,
     scale_regroup_perm,
     scale_transpose_perm,
-    unpack_nibbles,
     weight_source_index,
 )
 
@@ -88,7 +87,7 @@ def test_example_a_code_equals_k() -> None:
 
 def test_example_b_code_equals_n_mod_16() -> None:
     codes = (torch.arange(64) % 16).to(torch.uint8)[:, None].expand(64, 16)
-    out = marlin_weight_repack(pack_nibbles(codes)[None], "bf16")
+    out = marlin_weight_repack(pack_fp4(codes)[None], "bf16")
     words = [0x88008800, 0x99119911, 0xAA22AA22, 0xBB33BB33]
     for thc, word in enumerate(words):
         assert u32(out[0, 0, 16 * thc]) == word
@@ -111,7 +110,7 @@ def test_first_word_source_map() -> None:
     for j, (k, n) in enumerate(first):
         q = torch.zeros(N, K, dtype=torch.uint8)
         q[n, k] = 0xA
-        out = marlin_weight_repack(pack_nibbles(q)[None], "bf16")
+        out = marlin_weight_repack(pack_fp4(q)[None], "bf16")
         assert u32(out[0, 0, 0]) == 0xA << (4 * j)
         assert int((out != 0).sum()) == 1
 
@@ -150,7 +149,7 @@ def _formula_kn(activation: str, kt: int, nt: int, t: int, j: int) -> tuple[int,
 def test_weight_nibble_formula_on_random_data(activation: str) -> None:
     E, N, K = 2, 128, 64
     q = torch.randint(0, 16, (E, N, K), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
-    out = marlin_weight_repack(pack_nibbles(q.to(torch.uint8)), activation)
+    out = marlin_weight_repack(pack_fp4(q.to(torch.uint8)), activation)
     assert out.shape == (E, K // 16, 2 * N) and out.dtype == torch.int32
     tile_k, tile_n = (16, 64) if activation == "bf16" else (32, 32)
     flat = out.reshape(E, -1).tolist()
@@ -170,7 +169,7 @@ def test_inverse_scalar_form_section_8() -> None:
     """§8 16-bit scalar form: the code of (k, n) sits in out[kt][128*nt + 4*(4*thc + thr) + w], nibble 4*j2+2*j1+j0."""
     N, K = 128, 48
     q = torch.randint(0, 16, (1, N, K), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
-    out = marlin_weight_repack(pack_nibbles(q.to(torch.uint8)), "bf16").tolist()[0]
+    out = marlin_weight_repack(pack_fp4(q.to(torch.uint8)), "bf16").tolist()[0]
     for k in range(0, K, 5):
         for n in range(0, N, 7):
             kt, j0, thr, j2 = k // 16, (k % 16) // 8, (k % 8) // 2, k % 2
@@ -257,9 +256,9 @@ def test_bias_permutation_scalar() -> None:
 
 def test_nibbles_and_inverse_perm() -> None:
     x = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
-    codes = unpack_nibbles(x)
+    codes = unpack_fp4(x)
     assert codes[0, :4].tolist() == [0, 0, 1, 0] and codes[1, 2:4].tolist() == [1, 4]  # 0x41 -> 1, 4
-    assert torch.equal(pack_nibbles(codes), x)
+    assert torch.equal(pack_fp4(codes), x)
     perm = scale_perm_bf16()
     assert torch.equal(perm[inverse_perm(perm)], torch.arange(64))
 
@@ -383,10 +382,10 @@ def test_to_kernel_matches_padded_helpers_and_per_expert() -> None:
         assert torch.equal(k["w13_bias"][e : e + 1], marlin_bias(p.w13_bias[e : e + 1]))
     # padded rows of w13 (gate units I..Ip-1) are all-zero codes in the kernel stream
     src = weight_source_index(512, 512, "bf16")  # w13: K = Hp = 512, N = 2*Ip = 512
-    codes = unpack_nibbles(k["w13_weight"][0].contiguous().view(torch.uint8)).reshape(-1)
+    codes = unpack_fp4(k["w13_weight"][0].contiguous().view(torch.uint8)).reshape(-1)
     n_of = src.reshape(-1) // 512
     assert int(codes[(n_of >= 160) & (n_of < 256)].max()) == 0
-    assert torch.equal(unpack_nibbles(p.w13[0]).reshape(-1)[src.reshape(-1)], codes)
+    assert torch.equal(unpack_fp4(p.w13[0]).reshape(-1)[src.reshape(-1)], codes)
 
 
 def test_medium_interleaved_fp8() -> None:

@@ -40,6 +40,7 @@ import torch
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import (
+    KERNEL_TENSOR_NAMES,
     ROW_ORDERS,
     CanonicalExperts,
     KernelTensors,
@@ -48,6 +49,7 @@ from mxconv.layouts.base import (
     cached_index,
     gather_padded_rows,
     layout_kernels,
+    pad_last,
     pad_row_source,
     round_up,
     unpad_canonical,
@@ -168,15 +170,6 @@ def interleave_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(e, 2, n // 2, *rest).transpose(1, 2).reshape(e, n, *rest)
 
 
-def pad_columns(x: torch.Tensor, cols: int, fill: int) -> torch.Tensor:
-    """Pad the last axis of ``x`` to ``cols`` with ``fill`` (returns ``x`` when already that wide)."""
-    if x.shape[-1] == cols:
-        return x
-    out = torch.full((*x.shape[:-1], cols), fill, dtype=x.dtype, device=x.device)
-    out[..., : x.shape[-1]] = x
-    return out
-
-
 def shuffle_scale_a16w4(s: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """AITER ``shuffle_scale_a16w4(s.view(E*N, C), E, gate_up)``.
 
@@ -184,7 +177,7 @@ def shuffle_scale_a16w4(s: torch.Tensor, gate_up: bool) -> torch.Tensor:
     applies GU16 when ``gate_up``, then S32x8 per expert. Returns 2-D ``[E*N, Cp]``, s's dtype.
     """
     e, n, c = s.shape
-    t = pad_columns(s, round_up(c, 8), SCALE_PAD_FILL)
+    t = pad_last(s, round_up(c, 8), SCALE_PAD_FILL)
     if gate_up:
         t = gu16(t)
     return s32x8(t).reshape(e * n, -1)
@@ -301,7 +294,7 @@ def permute_padded(c: CanonicalExperts, activation: str) -> KernelTensors:
         out["w13_bias"] = b13.to(torch.float32).contiguous()
     if c.w2_bias is not None:
         out["w2_bias"] = c.w2_bias.to(torch.float32).contiguous()
-    return {name: out[name] for name in _ORDER if name in out}
+    return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
 
 
 def _row_table(
@@ -364,10 +357,9 @@ def _to_kernel_gathered(c: CanonicalExperts, hp: int, ip: int, activation: str) 
         out["w13_bias"] = gather_padded_rows(c.w13_bias.to(torch.float32), b13)
     if c.w2_bias is not None:
         out["w2_bias"] = gather_padded_rows(c.w2_bias.to(torch.float32), t2)
-    return {name: out[name] for name in _ORDER if name in out}
+    return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
 
 
-_ORDER = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,13 +409,11 @@ class AiterLayout:
         if sizes.has_bias:
             specs["w13_bias"] = TensorSpec((e, 2 * ip), torch.float32)
             specs["w2_bias"] = TensorSpec((e, hp), torch.float32)
-        return {name: specs[name] for name in _ORDER if name in specs}
+        return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
         """Canonical (unpadded) stack -> AITER kernel tensors on ``c``'s device (padding included)."""
-        c.validate()
-        if (c.w13_bias is None) != (c.w2_bias is None):
-            raise LayoutError("aiter: w13_bias and w2_bias must both be present or both absent")
+        c.validate()  # includes: both biases or neither
         hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
         sizes = _sizes_of(c, hp, ip)
         _check_sizes(sizes, activation)
@@ -590,7 +580,7 @@ def _sizes_of(c: CanonicalExperts, hp: int, ip: int) -> LayoutSizes:
 
 def _validated_inputs(k: KernelTensors, specs: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:
     """Check every expected kernel tensor is present with the planned shape/dtype; return uint8 views."""
-    extra = sorted(set(k) & set(_ORDER) - set(specs))
+    extra = sorted(set(k) & set(KERNEL_TENSOR_NAMES) - set(specs))
     if extra:
         raise LayoutError(f"aiter: unexpected kernel tensor(s) {extra} for a layout without biases")
     out: dict[str, torch.Tensor] = {}

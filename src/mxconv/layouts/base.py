@@ -121,6 +121,8 @@ class CanonicalExperts:
                 raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
             if t.dtype != torch.uint8:
                 raise LayoutError(f"{name} has dtype {t.dtype}, expected torch.uint8")
+        if (self.w13_bias is None) != (self.w2_bias is None):
+            raise LayoutError("w13_bias and w2_bias must both be present or both absent (give both w13_bias and w2_bias, or neither)")
         if self.w13_bias is not None and tuple(self.w13_bias.shape) != (E, 2 * I):
             raise LayoutError(f"w13_bias has shape {tuple(self.w13_bias.shape)}, expected {(E, 2 * I)}")
         if self.w2_bias is not None and tuple(self.w2_bias.shape) != (E, H):
@@ -213,7 +215,8 @@ def _pad_rows(t: torch.Tensor, rows: int, row_order: str, fill: int | float) -> 
     return out
 
 
-def _pad_last(t: torch.Tensor, cols: int, fill: int | float) -> torch.Tensor:
+def pad_last(t: torch.Tensor, cols: int, fill: int | float) -> torch.Tensor:
+    """Pad the last axis of ``t`` to ``cols`` with ``fill`` (``t`` itself when already that wide)."""
     if t.shape[-1] == cols:
         return t
     out = torch.full((*t.shape[:-1], cols), fill, dtype=t.dtype, device=t.device)
@@ -238,10 +241,10 @@ def pad_canonical(c: CanonicalExperts, Hp: int, Ip: int, scale_fill: int = 0) ->
     H, I = c.hidden_size, c.intermediate_size
     if Hp < H or Ip < I:
         raise LayoutError(f"padded sizes ({Hp}, {Ip}) smaller than ({H}, {I})")
-    w13 = _pad_last(_pad_rows(c.w13, 2 * Ip, c.row_order, 0), Hp // 2, 0)
-    s13 = _pad_last(_pad_rows(c.w13_scale, 2 * Ip, c.row_order, scale_fill), Hp // 32, scale_fill)
-    w2 = _pad_last(_pad_dim1(c.w2, Hp, 0), Ip // 2, 0)
-    s2 = _pad_last(_pad_dim1(c.w2_scale, Hp, scale_fill), Ip // 32, scale_fill)
+    w13 = pad_last(_pad_rows(c.w13, 2 * Ip, c.row_order, 0), Hp // 2, 0)
+    s13 = pad_last(_pad_rows(c.w13_scale, 2 * Ip, c.row_order, scale_fill), Hp // 32, scale_fill)
+    w2 = pad_last(_pad_dim1(c.w2, Hp, 0), Ip // 2, 0)
+    s2 = pad_last(_pad_dim1(c.w2_scale, Hp, scale_fill), Ip // 32, scale_fill)
     b13 = None if c.w13_bias is None else _pad_rows(c.w13_bias, 2 * Ip, c.row_order, 0)
     b2 = None if c.w2_bias is None else _pad_dim1(c.w2_bias, Hp, 0)
     return CanonicalExperts(w13, s13, w2, s2, b13, b2, c.row_order)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from mxconv.errors import LayoutError
+from mxconv.numerics import pack_fp4, unpack_fp4
 from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES,
     ROW_ORDERS,
@@ -86,19 +87,6 @@ def _stream_permutation(activation: str, N: int, K: int) -> tuple[tuple[int, ...
 # ---------------------------------------------------------------------------------------------
 
 
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., M] -> uint8 [..., 2M] codes 0..15 (low nibble first)."""
-    low = packed & 0x0F
-    high = packed >> 4
-    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., 2M] codes 0..15 -> uint8 [..., M] (even index in the low nibble)."""
-    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
-
-
 # ---------------------------------------------------------------------------------------------
 # Weights (§4)
 # ---------------------------------------------------------------------------------------------
@@ -114,9 +102,9 @@ def marlin_weight_repack(w: torch.Tensor, activation: str = "bf16", name: str = 
     K = 2 * half_k
     _check_weight_dims(activation, N, K, name)
     sizes, perm = _stream_permutation(activation, N, K)
-    codes = unpack_nibbles(w).reshape(E, *sizes)
+    codes = unpack_fp4(w).reshape(E, *sizes)
     stream = codes.permute(0, *(p + 1 for p in perm)).reshape(E, K // 16, 16 * N)
-    return pack_nibbles(stream).contiguous().view(torch.int32)
+    return pack_fp4(stream).contiguous().view(torch.int32)
 
 
 def marlin_weight_unrepack(q: torch.Tensor, activation: str = "bf16", name: str = "weight") -> torch.Tensor:
@@ -126,12 +114,12 @@ def marlin_weight_unrepack(q: torch.Tensor, activation: str = "bf16", name: str 
     _check_weight_dims(activation, N, K, name)
     sizes, perm = _stream_permutation(activation, N, K)
     stream_sizes = tuple(sizes[p] for p in perm)
-    codes = unpack_nibbles(q.contiguous().view(torch.uint8)).reshape(E, *stream_sizes)
+    codes = unpack_fp4(q.contiguous().view(torch.uint8)).reshape(E, *stream_sizes)
     inverse = [0] * len(perm)
     for out_dim, src_dim in enumerate(perm):
         inverse[src_dim] = out_dim
     q_nk = codes.permute(0, *(p + 1 for p in inverse)).reshape(E, N, K)
-    return pack_nibbles(q_nk).contiguous()
+    return pack_fp4(q_nk).contiguous()
 
 
 # 32-bit masks as signed int32 values (0xF0F0F0F0, 0xFF00FF00, 0xFFFF0000 wrap to negatives).
@@ -410,9 +398,7 @@ class MarlinLayout:
         """Pad (zero weights, zero scale bytes, zero bias) and lay out the whole stack on c's device."""
         scale_layout = _scale_layout(options)
         _check_scale_mode(activation, scale_layout)
-        c.validate()
-        if (c.w13_bias is None) != (c.w2_bias is None):
-            raise LayoutError("w13_bias and w2_bias must both be present or both absent")
+        c.validate()  # includes: both biases or neither
         Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
         H, I = c.hidden_size, c.intermediate_size
         # Padding is a row map (padded row <- source row, -1 = zero row) plus zero K columns.
