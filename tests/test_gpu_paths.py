@@ -14,7 +14,7 @@ import torch
 from mxconv.checkpoint import open_checkpoint
 from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.families import detect_family
-from mxconv.layouts import BACKENDS, get_layout
+from mxconv.layouts import backend_names, get_layout
 from mxconv.testing import make_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -47,7 +47,7 @@ def test_quantize_cuda_equals_cpu(sources, tmp_path: Path, src: str, fmt: str, r
     assert {k: v["sha256"] for k, v in a.items()} == {k: v["sha256"] for k, v in b.items()}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_names())
 @pytest.mark.parametrize("src", ["gpt", "qwen"])
 def test_repack_cuda_equals_cpu(sources, tmp_path: Path, src: str, backend: str) -> None:
     for act in get_layout(backend).activations:

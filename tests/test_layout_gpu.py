@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mxconv.errors import LayoutError
-from mxconv.layouts import BACKENDS, get_layout
+from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import CanonicalExperts, LayoutSizes, layout_kernels
 
 HERE = Path(__file__).resolve().parent
@@ -233,7 +233,7 @@ def test_cuda_without_bias_and_torch_path_on_cuda(case, monkeypatch) -> None:
     assert not same_bytes(layout.to_kernel(c.to("cuda"), act, opts), k_cpu)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_names())
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cuda_misaligned_and_strided_inputs(backend: str) -> None:

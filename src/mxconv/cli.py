@@ -14,13 +14,16 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import click
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from mxconv import __version__
 from mxconv.errors import MxconvError
+from mxconv.layouts import backend_names
 
 app = typer.Typer(
     name="mxconv",
@@ -41,6 +44,9 @@ out = Console()
 class Fmt(str, Enum):
     mxfp4 = "mxfp4"
     mxfp8 = "mxfp8"
+
+
+Backend = Enum("Backend", {name: name for name in backend_names()}, type=str)  # type: ignore[misc]
 
 
 class Rounding(str, Enum):
@@ -276,14 +282,47 @@ def quantize(
                      max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, as_json=as_json, quiet=quiet)
 
 
-@app.command()
+def _layout_options(pairs: list[str]) -> dict[str, str]:
+    """``--layout-option NAME=VALUE`` pairs -> {NAME: VALUE} (typed and checked by the layout)."""
+    from mxconv.errors import BadInput
+
+    given: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise BadInput(f"--layout-option {pair!r}: expected NAME=VALUE")
+        if name.strip() in given:
+            raise BadInput(f"--layout-option {name.strip()} given twice")
+        given[name.strip()] = value.strip()
+    return given
+
+
+class _RepackCommand(TyperCommand):
+    """The repack command, whose --help ends with every backend's options (read from the layouts
+    only when help is shown, so plain --help never imports torch)."""
+
+    @property
+    def epilog(self) -> str:
+        from mxconv.layouts import options_help
+
+        lines = options_help().splitlines()
+        return "Backend options (--layout-option NAME=VALUE):\n\n" + "\n\n".join(lines)
+
+    @epilog.setter
+    def epilog(self, value: str | None) -> None:  # click assigns it in __init__; ours is computed
+        pass
+
+
+@app.command(cls=_RepackCommand)
 def repack(
     source: str = typer.Argument(..., metavar="SOURCE", help=_SOURCE_HELP + " MXFP4 (moved, never re-quantized) or bf16 (quantized on the way)."),
     output: Path = typer.Argument(..., metavar="OUTPUT", help="Output directory (must be empty unless --overwrite)."),
-    backend: str = typer.Option(..., "--backend", help="Kernel layout: trtllm | marlin | aiter."),
+    backend: Backend = typer.Option(..., "--backend", help="Engine backend whose kernel layout to write."),
     activation: Optional[str] = typer.Option(None, "--activation", help="trtllm: bf16|mxfp8; marlin: bf16|fp8; aiter: bf16 (a16w4)|mxfp4 (a4w4). Default: bf16."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size: writes OUTPUT/rank-{r}/ per rank."),
-    marlin_scale_layout: Optional[str] = typer.Option(None, "--marlin-scale-layout", help="Marlin scales: current (vLLM >= 0.12, the default) | legacy (<= 0.11.2)."),
+    layout_option: Optional[list[str]] = typer.Option(None, "--layout-option", metavar="NAME=VALUE", help="A backend option (repeatable); each backend's options are listed below."),
+    marlin_scale_layout: Optional[str] = typer.Option(None, "--marlin-scale-layout", help="Same as --layout-option marlin_scale_layout=VALUE: current (vLLM >= 0.12, the default) | legacy (<= 0.11.2)."),
+    triton_layout: Optional[str] = typer.Option(None, "--triton-layout", help="Same as --layout-option triton_layout=VALUE: 3.5 (triton_kernels vendored by vLLM 0.12-0.33, the default) | 3.6 (vLLM 0.20, triton main)."),
     scale_rounding: Rounding = typer.Option(Rounding.rceil, "--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Quantize blocks holding NaN/Inf to NaN scales instead of refusing."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
@@ -304,18 +343,26 @@ def repack(
         mxconv repack openai/gpt-oss-20b ./gpt-oss-20b-trtllm --backend trtllm
     """
     from mxconv.convert import QuantOptions, RepackOptions
-    from mxconv.errors import BadInput
+    from mxconv.errors import BadInput, LayoutError
     from mxconv.layouts import get_layout
 
     with _errors(debug):
+        backend = backend.value
         layout = get_layout(backend)
         act = activation or layout.activations[0]
-        if marlin_scale_layout is not None and backend != "marlin":
-            raise BadInput(f"--marlin-scale-layout applies to --backend marlin only (got --backend {backend})")
-        scale_layout = marlin_scale_layout or "current"
-        if scale_layout not in ("current", "legacy"):
-            raise BadInput(f"--marlin-scale-layout {scale_layout!r}: choose current or legacy")
-        opts = {"marlin_scale_layout": scale_layout} if backend == "marlin" else {}
+        given = _layout_options(layout_option or [])
+        for flag, key, value in (("--marlin-scale-layout", "marlin_scale_layout", marlin_scale_layout),
+                                 ("--triton-layout", "triton_layout", triton_layout)):
+            if value is None:
+                continue
+            if key not in {o.name for o in layout.options}:
+                owners = [b for b in backend_names() if key in {o.name for o in get_layout(b).options}]
+                raise BadInput(f"{flag} applies to --backend {' / '.join(owners)} only (got --backend {backend})")
+            given[key] = value
+        try:
+            opts = layout.resolve_options(given)
+        except LayoutError as exc:
+            raise BadInput(f"--backend {backend}: {exc}") from None
         q = QuantOptions("mxfp4", scale_rounding.value, allow_nonfinite)
         r = RepackOptions(backend, act, tp, opts)
         _run_convert("repack", source, output, quant=q, repack=r, device=device, revision=revision,

@@ -12,7 +12,7 @@ import re
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -222,7 +222,8 @@ def build_plan(
         plan.rank_ranges = tp_ranges(info.intermediate_size, repack.tp)
         widths = {e - s for s, e in plan.rank_ranges}
         I_rank = max(widths)
-        opts = repack.layout_options
+        opts = layout.resolve_options(repack.layout_options)
+        repack = plan.repack = replace(repack, layout_options=opts)
         Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation, opts)
         for w in widths:  # every rank pads to the same Ip; make sure the smaller ones fit the rule too
             layout.padded_sizes(info.hidden_size, w, info.row_order, repack.activation, opts)
@@ -508,7 +509,7 @@ def manifest_layout(plan: Plan) -> dict[str, Any]:
                 "tp_ranges": [list(r) for r in plan.rank_ranges],
             }
         )
-        if plan.repack and plan.repack.layout_options:
+        if plan.repack:
             lay["options"] = dict(plan.repack.layout_options)
     lay["w13_row_order"] = info.row_order
     lay["kernel_params"] = kernel_params(info)

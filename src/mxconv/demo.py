@@ -12,7 +12,7 @@ import torch
 from mxconv.checkpoint import open_checkpoint
 from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.families import detect_family
-from mxconv.layouts import BACKENDS, get_layout
+from mxconv.layouts import backend_names, get_layout
 from mxconv.verify import verify
 
 # (label, generator kind): one gpt-oss-style source with expert biases (interleaved gate/up,
@@ -56,7 +56,7 @@ def run_demo(workdir: Path | None, device: torch.device, progress: Callable[[str
                     continue
                 record(label, f"verify {fmt} vs bf16", lambda: _verify_step(qdir, src))
             canon = tmp / f"{kind}-mxfp4"
-            for backend in BACKENDS:
+            for backend in backend_names():
                 for act in get_layout(backend).activations:
                     kdir = tmp / f"{kind}-{backend}-{act}"
                     step = f"repack {backend} ({act})"

@@ -7,7 +7,7 @@ from typing import Any
 
 from mxconv.checkpoint import Checkpoint
 from mxconv.families import detect_family
-from mxconv.layouts import BACKENDS, LayoutSizes, get_layout
+from mxconv.layouts import LayoutSizes, backend_names, get_layout
 from mxconv.errors import LayoutError
 
 
@@ -23,13 +23,13 @@ def backend_table(E: int, H: int, I: int, row_order: str, has_bias: bool, layers
     """Per backend/activation: padded sizes, kernel bytes and padding overhead vs canonical MXFP4."""
     rows = []
     base = mxfp4_expert_bytes(E, H, I, has_bias) * layers
-    for name in BACKENDS:
+    for name in backend_names():
         layout = get_layout(name)
         for act in layout.activations:
             try:
-                Hp, Ip = layout.padded_sizes(H, I, row_order, act)
+                Hp, Ip = layout.padded_sizes(H, I, row_order, act, layout.resolve_options())
                 sizes = LayoutSizes(E, H, I, Hp, Ip, row_order, has_bias)
-                nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, {}).values()) * layers
+                nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, layout.resolve_options()).values()) * layers
                 rows.append(
                     {
                         "backend": name,

@@ -1,28 +1,78 @@
-"""Backend layout registry. Adding a backend = one new module + one line in ``_REGISTRY``."""
+"""Backend layout registry. Adding a backend = one new module + one line in ``_REGISTRY``.
+
+Each entry names a :class:`~mxconv.layouts.base.LayoutBase` instance, imported on first use, so
+``--help`` and ``inspect`` never import a backend they do not touch. Code outside this package asks
+:func:`backend_names` and :func:`get_layout`; nothing else lists backends by name.
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from mxconv.errors import BadInput
-from mxconv.layouts.base import CanonicalExperts, Layout, LayoutSizes, TensorSpec
 
-# backend name -> "module:attribute" of its Layout instance (imported lazily).
-_REGISTRY: dict[str, str] = {
+# The registry itself imports no torch (``mxconv --help`` lists the backends without it); the
+# shared types of ``base`` are re-exported lazily.
+_BASE_NAMES = ("CanonicalExperts", "Layout", "LayoutBase", "LayoutOption", "LayoutSizes", "TensorSpec")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BASE_NAMES:
+        from mxconv.layouts import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+# backend name -> "module:attribute" of its Layout instance (imported lazily), or the instance.
+_REGISTRY: dict[str, Any] = {
     "trtllm": "mxconv.layouts.trtllm:LAYOUT",
     "marlin": "mxconv.layouts.marlin:LAYOUT",
     "aiter": "mxconv.layouts.aiter:LAYOUT",
 }
 
-BACKENDS: tuple[str, ...] = tuple(_REGISTRY)
+
+def backend_names() -> tuple[str, ...]:
+    """Every registered backend name, in registration order."""
+    return tuple(_REGISTRY)
 
 
-def get_layout(name: str) -> Layout:
+def register_layout(name: str, layout: Any) -> None:
+    """Register ``layout`` (an instance, or a ``"module:attribute"`` string) under ``name``.
+
+    The built-in backends are the lines of ``_REGISTRY``; this is for plug-ins and tests.
+    """
+    if name in _REGISTRY:
+        raise ValueError(f"backend {name!r} is registered already")
+    _REGISTRY[name] = layout
+
+
+def unregister_layout(name: str) -> None:
+    """Remove a backend added with :func:`register_layout` (tests clean up with it)."""
+    _REGISTRY.pop(name, None)
+
+
+def get_layout(name: str) -> "Layout":
     """The registered Layout for backend ``name``; BadInput listing the known ones otherwise."""
     if name not in _REGISTRY:
-        raise BadInput(f"unknown backend {name!r}; supported backends: {', '.join(BACKENDS)}")
-    module, attr = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module), attr)
+        raise BadInput(f"unknown backend {name!r}; supported backends: {', '.join(backend_names())}")
+    entry = _REGISTRY[name]
+    if isinstance(entry, str):
+        module, attr = entry.split(":")
+        entry = getattr(importlib.import_module(module), attr)
+    return entry
 
 
-__all__ = ["BACKENDS", "CanonicalExperts", "Layout", "LayoutSizes", "TensorSpec", "get_layout"]
+def options_help() -> str:
+    """Every backend's options, one line each, for ``mxconv repack --help``."""
+    lines = []
+    for name in backend_names():
+        opts = get_layout(name).options
+        lines.append(f"{name}: " + ("; ".join(o.describe() for o in opts) if opts else "no options"))
+    return "\n".join(lines)
+
+
+__all__ = [
+    "CanonicalExperts", "Layout", "LayoutBase", "LayoutOption", "LayoutSizes", "TensorSpec",
+    "backend_names", "get_layout", "options_help", "register_layout", "unregister_layout",
+]

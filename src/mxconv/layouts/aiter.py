@@ -44,6 +44,8 @@ from mxconv.layouts.base import (
     ROW_ORDERS,
     CanonicalExperts,
     KernelTensors,
+    LayoutBase,
+    LayoutOption,
     LayoutSizes,
     TensorSpec,
     cached_index,
@@ -367,12 +369,22 @@ def _to_kernel_gathered(c: CanonicalExperts, hp: int, ip: int, activation: str) 
 # ---------------------------------------------------------------------------------------------
 
 
-class AiterLayout:
+class AiterLayout(LayoutBase):
     """AITER MXFP4 MoE layout (vLLM ROCm ``AITER_MXFP4_BF16`` / ``AITER_MXFP4_MXFP4``)."""
 
     name = "aiter"
     version = 1
     activations: tuple[str, ...] = ACTIVATIONS
+    options = (
+        LayoutOption(
+            "check_undefined_scale_padding", bool, True,
+            "verify: require 0x7F in the a4w4 scale padding (false for scales dumped from a live vLLM)",
+        ),
+    )
+
+    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+        """AITER's CK MoE kernels run on ROCm only."""
+        return "AITER kernels need a ROCm gfx950 GPU and the aiter package"
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,

@@ -158,12 +158,120 @@ class TensorSpec:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
+@dataclass(frozen=True)
+class LayoutOption:
+    """One typed, validated backend option (``mxconv repack --layout-option NAME=VALUE``).
+
+    ``kind`` is ``int``, ``str`` or ``bool``; ``choices`` (optional) lists the accepted values;
+    ``check`` (optional) returns an error text for a value of the right kind that is still wrong.
+    """
+
+    name: str
+    kind: type
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None = None
+    check: Callable[[Any], str | None] | None = None
+
+    def parse(self, text: str) -> Any:
+        """The value of ``text`` (as typed on the command line); LayoutError if it is not one."""
+        value: Any = text
+        if self.kind is bool:
+            low = text.strip().lower()
+            if low not in ("true", "false", "1", "0", "yes", "no"):
+                raise LayoutError(f"layout option {self.name}={text!r}: expected true or false")
+            value = low in ("true", "1", "yes")
+        elif self.kind is int:
+            try:
+                value = int(text, 10)
+            except ValueError:
+                raise LayoutError(f"layout option {self.name}={text!r}: expected a whole number") from None
+        return self.validate(value)
+
+    def validate(self, value: Any) -> Any:
+        """``value`` if it is of this option's kind, among its choices and passes its check."""
+        if self.kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise LayoutError(f"layout option {self.name}={value!r}: expected a whole number")
+        if self.kind is not int and not isinstance(value, self.kind):
+            raise LayoutError(f"layout option {self.name}={value!r}: expected {self.kind.__name__}")
+        if self.choices is not None and value not in self.choices:
+            raise LayoutError(
+                f"layout option {self.name}={value!r}: choose one of {', '.join(map(str, self.choices))}"
+            )
+        problem = self.check(value) if self.check else None
+        if problem:
+            raise LayoutError(f"layout option {self.name}={value!r}: {problem}")
+        return value
+
+    def describe(self) -> str:
+        """One line for ``--help``: ``name=<choices|kind> (default X): help``."""
+        values = "|".join(map(str, self.choices)) if self.choices else self.kind.__name__
+        return f"{self.name}={values} (default {self.default}): {self.help}"
+
+
+class LayoutBase:
+    """Shared behaviour of every backend layout (subclass it and declare the class attributes).
+
+    ``options`` declares the backend's typed options; :meth:`resolve_options` turns what a user or a
+    manifest gave into a complete, validated dict (defaults filled), which every other method takes.
+    """
+
+    name: str = ""
+    version: int = 1
+    activations: tuple[str, ...] = ()
+    options: tuple[LayoutOption, ...] = ()
+
+    def resolve_options(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``given`` (values, or strings to parse) validated, unknown names refused, defaults filled."""
+        known = {o.name: o for o in self.options}
+        given = dict(given or {})
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            listed = ", ".join(known) if known else "none"
+            raise LayoutError(f"backend {self.name} has no option {', '.join(unknown)} (its options: {listed})")
+        out: dict[str, Any] = {}
+        for name, opt in known.items():
+            if name not in given:
+                out[name] = opt.default
+            elif isinstance(given[name], str) and opt.kind is not str:
+                out[name] = opt.parse(given[name])
+            else:
+                out[name] = opt.validate(given[name])
+        return out
+
+    def check_activation(self, activation: str) -> None:
+        """LayoutError unless ``activation`` is one this backend serves."""
+        if activation not in self.activations:
+            raise LayoutError(
+                f"{self.name} does not support activation {activation!r}; supported: {', '.join(self.activations)}"
+            )
+
+    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+        """None when ``verify --kernel`` can run the engine's kernel on this machine for an output
+        described by ``manifest``; otherwise the reason, naming what is missing."""
+        return f"no engine kernel runner exists in mxconv for backend {self.name}"
+
+    def run_kernel(self, root: Any, manifest: dict[str, Any], layer: int, hidden: torch.Tensor, routing: Any) -> torch.Tensor:
+        """The engine kernel's MoE output [T, H] fp32 for ``hidden`` [T, H] (only when
+        :meth:`kernel_unavailable` returned None)."""
+        raise LayoutError(self.kernel_unavailable(manifest) or f"backend {self.name} cannot run a kernel")
+
+
 class Layout(Protocol):
     """What every backend module provides (one instance registered per backend)."""
 
-    name: str  # "trtllm" | "marlin" | "aiter"
+    name: str  # registry name, e.g. "trtllm"
     version: int  # bump when the bytes this module writes change
     activations: tuple[str, ...]  # accepted --activation values; first is the default
+    options: tuple[LayoutOption, ...]  # typed options (--layout-option NAME=VALUE)
+
+    def resolve_options(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Validated options with defaults filled (LayoutBase provides it)."""
+        ...
+
+    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+        """None when the engine kernel can run here, else why not (LayoutBase provides a default)."""
+        ...
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,

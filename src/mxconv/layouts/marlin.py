@@ -34,6 +34,8 @@ from mxconv.layouts.base import (
     ROW_ORDERS,
     CanonicalExperts,
     KernelTensors,
+    LayoutBase,
+    LayoutOption,
     LayoutSizes,
     TensorSpec,
     cached_index,
@@ -351,12 +353,19 @@ def _check_scale_mode(activation: str, scale_layout: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class MarlinLayout:
+class MarlinLayout(LayoutBase):
     """vLLM Marlin MXFP4 MoE backend (see module docstring for options)."""
 
     name = "marlin"
     version = 1
     activations: tuple[str, ...] = ACTIVATIONS
+    options = (
+        LayoutOption(
+            "marlin_scale_layout", str, "current",
+            "current (vLLM >= 0.12) or legacy (vLLM 0.10.2 - 0.11.2, bf16 activations only)",
+            choices=SCALE_LAYOUTS,
+        ),
+    )
 
     # -- sizes ---------------------------------------------------------------------------------
 

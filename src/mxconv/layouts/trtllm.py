@@ -45,6 +45,8 @@ from mxconv.layouts.base import (
     ROW_ORDERS,
     CanonicalExperts,
     KernelTensors,
+    LayoutBase,
+    LayoutOption,
     LayoutSizes,
     TensorSpec,
     cached_index,
@@ -262,12 +264,35 @@ def intermediate_align_option(options: dict[str, Any] | None) -> int:
     return align
 
 
-class TrtllmLayout:
+def _align_problem(align: int) -> str | None:
+    if align <= 0 or align % INTERMEDIATE_ALIGN_QUANTUM:
+        return f"must be a positive multiple of {INTERMEDIATE_ALIGN_QUANTUM} (the 128x4 scale swizzle needs Ip % 128 == 0)"
+    return None
+
+
+class TrtllmLayout(LayoutBase):
     """FlashInfer TRT-LLM-gen MXFP4 MoE layout (see module docstring)."""
 
     name = BACKEND_NAME
     version = LAYOUT_VERSION
     activations = ACTIVATIONS
+    options = (
+        LayoutOption(
+            "intermediate_align", int, DEFAULT_INTERMEDIATE_ALIGN,
+            "per-rank intermediate size padded to this multiple (vLLM releases 256; a later snapshot 128)",
+            check=_align_problem,
+        ),
+    )
+
+    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+        """FlashInfer's TRT-LLM-gen MoE kernels need an SM100 GPU; mxconv does not drive them yet."""
+        try:
+            import flashinfer  # noqa: F401
+        except Exception:
+            return "flashinfer is not installed (pip install 'mxconv[flashinfer]')"
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
+            return "FlashInfer TRT-LLM-gen MXFP4 MoE kernels need an SM100 (Blackwell) GPU"
+        return "running the TRT-LLM-gen kernel is not wired up in this version"
 
     # -- sizes ---------------------------------------------------------------------------------
 
