@@ -9,7 +9,7 @@ from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MoELayerRef, MXStack
 
 # family name -> "module:ReaderClass", in detection order (most specific first).
-_REGISTRY: dict[str, str] = {
+_REGISTRY: dict[str, str | type[FamilyReader]] = {
     "gpt-oss": "mxconv.families.gpt_oss:GptOssReader",
     "deepseek-v3": "mxconv.families.deepseek:DeepseekV3Reader",
     "glm4-moe": "mxconv.families.glm:Glm4MoeReader",
@@ -20,8 +20,26 @@ _REGISTRY: dict[str, str] = {
 FAMILIES: tuple[str, ...] = tuple(_REGISTRY)
 
 
+def register_family(name: str, reader: str | type[FamilyReader]) -> None:
+    """Register a reader class (or ``"module:Class"``) under ``name``, detected after the built-ins.
+
+    The built-in families are the lines of ``_REGISTRY``; this is for plug-ins and tests.
+    """
+    if name in _REGISTRY:
+        raise ValueError(f"family {name!r} is registered already")
+    _REGISTRY[name] = reader
+
+
+def unregister_family(name: str) -> None:
+    """Remove a family added with :func:`register_family`."""
+    _REGISTRY.pop(name, None)
+
+
 def reader_class(name: str) -> type[FamilyReader]:
-    module, attr = _REGISTRY[name].split(":")
+    entry = _REGISTRY[name]
+    if not isinstance(entry, str):
+        return entry
+    module, attr = entry.split(":")
     return getattr(importlib.import_module(module), attr)
 
 
@@ -39,4 +57,4 @@ def detect_family(ckpt: Checkpoint) -> FamilyReader:
     )
 
 
-__all__ = ["FAMILIES", "FamilyReader", "FP8BlockStack", "ModelInfo", "MoELayer", "MoELayerRef", "MXStack", "detect_family", "reader_class"]
+__all__ = ["FAMILIES", "register_family", "unregister_family", "FamilyReader", "FP8BlockStack", "ModelInfo", "MoELayer", "MoELayerRef", "MXStack", "detect_family", "reader_class"]
