@@ -18,7 +18,7 @@ from mxconv.checkpoint import open_checkpoint
 from mxconv.errors import BadInput
 from mxconv.families import FAMILIES, detect_family, reader_class
 from mxconv.families.base import FamilyReader, MoELayer, MXStack
-from mxconv.families.per_expert import SUPPORTED_HINT
+from mxconv.families.quant_config import SUPPORTED_HINT
 from mxconv.testing import KINDS, GroundTruth, make_checkpoint, make_hub_cache, write_shards
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

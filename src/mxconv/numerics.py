@@ -415,3 +415,20 @@ __all__ = [
     "scales_to_float",
     "unpack_fp4",
 ]
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Block-FP8 -> fp32: ``W[..., i, j] = fp32(weight[..., i, j]) * scale_inv[..., i // bn, j // bk]``.
+
+    weight: float8_e4m3fn ``[..., N, K]``; scale_inv: any float ``[..., ceil(N/bn), ceil(K/bk)]``
+    (edge tiles partial). Returns a new fp32 ``[..., N, K]`` tensor. The product is computed in fp32
+    (exact for power-of-two scales; one correctly rounded multiply otherwise).
+    """
+    bn, bk = block
+    n, k = weight.shape[-2], weight.shape[-1]
+    s = scale_inv.to(torch.float32)
+    s = s.repeat_interleave(bn, dim=-2)[..., :n, :]
+    s = s.repeat_interleave(bk, dim=-1)[..., :k]
+    out = weight.to(torch.float32)
+    out.mul_(s)
+    return out

@@ -125,7 +125,7 @@ class FP8BlockStack:
 
     def dequantize(self, e0: int = 0, e1: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """fp32 [e1 - e0, N, K] on ``device``: W = fp32(W_fp8) * scale_inv of its 128x128 tile."""
-        from mxconv.families.per_expert import dequantize_fp8_block
+        from mxconv.numerics import dequantize_fp8_block
 
         e1 = self.shape[0] if e1 is None else e1
         out = [

@@ -45,7 +45,7 @@ import torch
 from mxconv.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
-from mxconv.families.per_expert import FLOAT_DTYPES, MX_FORMATS, quantization_dict, unsupported_quantization
+from mxconv.families.quant_config import FLOAT_DTYPES, MX_FORMATS, quantization_dict, unsupported_quantization
 from mxconv.layouts.base import TensorSpec
 from mxconv.st_format import ST_DTYPES, TensorInfo
 
