@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from mxconv.layouts import BACKENDS, get_layout
+from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import CanonicalExperts
 
 
@@ -164,7 +164,7 @@ def main() -> None:
     copy_gbs = 2 * in_bytes / copy_s / 1e9
     rows = []
     cuda = device.type == "cuda"
-    for backend in BACKENDS:
+    for backend in backend_names():
         layout = get_layout(backend)
         for act in layout.activations if args.all_activations else layout.activations[:1]:
             rows.append(bench_one(layout, backend, act, c, in_bytes, copy_gbs, device, args.reps, cuda))

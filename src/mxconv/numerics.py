@@ -432,3 +432,10 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     out = weight.to(torch.float32)
     out.mul_(s)
     return out
+
+
+def mxfp4_to_mxfp8(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 codes -> E4M3 bytes with the same block scales (every E2M1 value is an E4M3 value)."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=data.device)
+    vals = lut[unpack_fp4(data).long()]
+    return vals.to(torch.float8_e4m3fn).view(torch.uint8)

@@ -1,0 +1,209 @@
+"""The per-layer compute step of a conversion: source experts -> MX stacks -> kernel layout.
+
+Float (or block-FP8) experts are quantized in bounded expert chunks on the compute device; MX
+experts move untouched (MXFP4 -> MXFP8 is lossless); a repack then slices TP ranks and applies the
+backend layout. Results come back as pinned host tensors, one dict per destination.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mxconv.errors import BadInput
+from mxconv.families import FP8BlockStack, MoELayer, MXStack
+from mxconv.layouts import get_layout
+from mxconv.layouts.base import CanonicalExperts, slice_tp
+from mxconv.numerics import mxfp4_to_mxfp8
+from mxconv.pipeline import WorkItem
+from mxconv.plan import Plan, QuantOptions
+
+
+@dataclass
+class ErrorStats:
+    """Running relative-RMS error of quantized experts against their float source."""
+
+    sq_err: float = 0.0
+    sq_ref: float = 0.0
+    tensors: int = 0
+
+    def add(self, ref: torch.Tensor, approx: torch.Tensor) -> None:
+        """Accumulate ||approx - ref||² and ||ref||²; ``approx`` (a fresh fp32 tensor) is consumed."""
+        r = ref.float()
+        self.sq_ref += float(r.square().sum())
+        self.sq_err += float(approx.float().sub_(r).square_().sum())
+        self.tensors += 1
+
+    @property
+    def rel_rms(self) -> float | None:
+        return (self.sq_err / self.sq_ref) ** 0.5 if self.sq_ref > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# per-layer compute
+# ---------------------------------------------------------------------------------------------
+
+
+def _nan_policy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace non-finite values by 0 and return the mask of blocks that held any ([..., K/32])."""
+    bad = ~torch.isfinite(x)
+    blocks = bad.view(*x.shape[:-1], x.shape[-1] // 32, 32).any(dim=-1)
+    return torch.where(bad, torch.zeros((), dtype=x.dtype, device=x.device), x), blocks
+
+
+# Largest expert chunk quantized at once (elements): bounds the fp32 temporaries on the device
+# (input, dequantized copy for the error statistic) to a few GB whatever the layer size; a
+# gpt-oss-20b w13 stack (530M elements) is still one launch.
+CHUNK_ELEMENTS = 1 << 29
+
+
+def quantize_stack(
+    shape: tuple[int, int, int],
+    chunk: Callable[[int, int], torch.Tensor],
+    fmt: str,
+    q: QuantOptions,
+    where: str | Callable[[tuple[int, ...]], str],
+    stats: ErrorStats | None,
+    device: torch.device,
+) -> MXStack:
+    """Float stack [E, N, K] -> MXStack on ``device``, in expert chunks: ``chunk(e0, e1)`` returns
+    experts [e0, e1) as a float tensor on ``device``. NaN/Inf are refused unless allowed."""
+    from mxconv.numerics import dequantize_mx, first_nonfinite
+    from mxconv.quantizer import quantize_mx
+
+    E, N, K = shape
+    data = torch.empty((E, N, K // 2 if fmt == "mxfp4" else K), dtype=torch.uint8, device=device)
+    scales = torch.empty((E, N, K // 32), dtype=torch.uint8, device=device)
+    step = max(1, CHUNK_ELEMENTS // max(1, N * K))
+    for e0 in range(0, E, step):
+        e1 = min(E, e0 + step)
+        x = chunk(e0, e1).contiguous()
+        bad_blocks = None
+        idx = first_nonfinite(x)
+        if idx is not None:
+            idx = (idx[0] + e0, *idx[1:])
+            if not q.allow_nonfinite:
+                val = x[(idx[0] - e0, *idx[1:])].item()
+                loc = where(idx) if callable(where) else f"{where} at index {list(idx)} (expert, row, column)"
+                raise BadInput(
+                    f"non-finite value {val} in {loc}; "
+                    "pass --allow-nonfinite to write NaN scales (0xFF) for such blocks"
+                )
+            x, bad_blocks = _nan_policy(x)
+        d, s = quantize_mx(x, fmt, q.scale_rounding)
+        if bad_blocks is not None:
+            s = s.masked_fill(bad_blocks, 0xFF)
+        data[e0:e1], scales[e0:e1] = d, s
+        if stats is not None:
+            deq = dequantize_mx(d, s, fmt)
+            if bad_blocks is not None:
+                keep = ~bad_blocks.repeat_interleave(32, dim=-1)
+                stats.add(x[keep], deq[keep])
+            else:
+                stats.add(x, deq)
+            del deq
+        del x, d, s
+    return MXStack(fmt, data, scales)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move ``t`` to ``device``; a dense permuted view (gpt-oss BF16's transposed experts) travels in
+    its storage order and is re-permuted there, so no CPU transpose copy is made."""
+    if t.device == device or t.is_contiguous():
+        return t.to(device, non_blocking=True)
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    base = t.permute(order)
+    if not base.is_contiguous():
+        return t.contiguous().to(device, non_blocking=True)
+    inverse = [order.index(d) for d in range(t.dim())]
+    return base.to(device, non_blocking=True).permute(inverse)
+
+
+def to_format(stack: MXStack | None, float_w: torch.Tensor | FP8BlockStack | None, fmt: str, q: QuantOptions,
+              where: str | Callable[[tuple[int, ...]], str], stats: ErrorStats | None, device: torch.device) -> MXStack:
+    """One expert stack (MX or float) -> MXStack in ``fmt`` on ``device``; MX bytes move untouched when
+    the format already matches, MXFP4 -> MXFP8 is lossless, anything else re-quantizes."""
+    from mxconv.numerics import dequantize_mx
+
+    if stack is None:
+        if isinstance(float_w, FP8BlockStack):
+            src = float_w
+            return quantize_stack(src.shape, lambda e0, e1: src.dequantize(e0, e1, device), fmt, q, where, stats, device)
+        assert float_w is not None
+        w = float_w
+        return quantize_stack(tuple(w.shape), lambda e0, e1: to_device(w[e0:e1], device), fmt, q, where, stats, device)
+    data = stack.data.to(device, non_blocking=True)
+    scales = stack.scales.to(device, non_blocking=True)
+    if stack.fmt == fmt:
+        return MXStack(fmt, data, scales)
+    if stack.fmt == "mxfp4" and fmt == "mxfp8":
+        return MXStack(fmt, mxfp4_to_mxfp8(data, scales), scales)
+    E, N = data.shape[:2]
+    K = scales.shape[-1] * 32
+    return quantize_stack((E, N, K), lambda e0, e1: dequantize_mx(data[e0:e1], scales[e0:e1], stack.fmt), fmt, q,
+                          where, stats, device)
+
+
+@dataclass
+class RunStats:
+    errors: ErrorStats = field(default_factory=ErrorStats)
+    compute_seconds: float = 0.0
+
+
+def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[[WorkItem, MoELayer], list[dict[str, torch.Tensor]]]:
+    """The per-layer compute step for ``plan`` on ``device`` (returns CPU tensors per destination)."""
+    layout = get_layout(plan.repack.backend) if plan.repack else None
+
+    def compute(item: WorkItem, layer: MoELayer) -> list[dict[str, torch.Tensor]]:
+        t0 = time.perf_counter()
+        ref = layer.ref
+        fmt = plan.weight_format
+        def where(which: str) -> Callable[[tuple[int, ...]], str]:
+            return lambda idx: plan.reader.source_location(ref, which, tuple(int(i) for i in idx))
+
+        w13 = to_format(layer.w13_mx, layer.w13 if layer.w13_fp8 is None else layer.w13_fp8, fmt, plan.quant,
+                        where("w13"), stats.errors, device)
+        w2 = to_format(layer.w2_mx, layer.w2 if layer.w2_fp8 is None else layer.w2_fp8, fmt, plan.quant,
+                       where("w2"), stats.errors, device)
+        if layout is None:
+            out_layer = MoELayer(ref, layer.row_order, w13_mx=_cpu(w13), w2_mx=_cpu(w2), w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the host copies must land before the reader repackages them
+            results = [plan.reader.quantized_tensors(out_layer)]
+        else:
+            assert plan.repack is not None
+            canon = CanonicalExperts(
+                w13=w13.data, w13_scale=w13.scales, w2=w2.data, w2_scale=w2.scales,
+                w13_bias=None if layer.w13_bias is None else layer.w13_bias.to(device),
+                w2_bias=None if layer.w2_bias is None else layer.w2_bias.to(device),
+                row_order=layer.row_order,
+            )
+            canon.validate()
+            results = []
+            for rank, (s, e) in enumerate(plan.rank_ranges):
+                part = canon if plan.repack.tp == 1 else slice_tp(canon, s, e, rank)
+                kt = layout.to_kernel(part, plan.repack.activation, plan.repack.layout_options)
+                results.append({f"{ref.module_prefix}.experts.{k}": to_host(v) for k, v in kt.items()})
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stats.compute_seconds += time.perf_counter() - t0
+        return results
+
+    return compute
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """Device -> host into pinned memory without waiting (the caller synchronizes once per layer).
+    Pinned blocks come from torch's caching host allocator, so layer after layer reuses them."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def _cpu(s: MXStack) -> MXStack:
+    return MXStack(s.fmt, to_host(s.data), to_host(s.scales))

@@ -1,0 +1,238 @@
+"""Planning a ``quantize`` or ``repack`` run from headers alone (``--dry-run`` reads no data).
+
+A :class:`Plan` holds every output tensor with its shape and dtype, grouped into ordered work items
+(byte copies, and one item per MoE layer), the padded sizes and layout description of a repack,
+and the shard split of every output directory (one per TP rank).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mxconv.checkpoint import Checkpoint, layer_index
+from mxconv.errors import BadInput
+from mxconv.families import FamilyReader, ModelInfo, MoELayerRef
+from mxconv.layouts import Layout, LayoutSizes, TensorSpec, get_layout
+from mxconv.layouts.base import tp_ranges
+from mxconv.pipeline import WorkItem
+from mxconv.writer import PlannedTensor
+
+
+@dataclass
+class QuantOptions:
+    """What `quantize` (and `repack` of a float source) does to expert weights."""
+
+    fmt: str = "mxfp4"
+    scale_rounding: str = "rceil"
+    allow_nonfinite: bool = False
+    include: str | None = None  # regex over "<module_prefix>.experts"; default: every MoE layer
+    ignore: str | None = None
+
+    def selects(self, ref: MoELayerRef) -> bool:
+        target = f"{ref.module_prefix}.experts"
+        if self.include and not re.search(self.include, target):
+            return False
+        if self.ignore and re.search(self.ignore, target):
+            return False
+        return True
+
+
+@dataclass
+class RepackOptions:
+    backend: str
+    activation: str
+    tp: int = 1
+    layout_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """Everything a run needs, computed from headers only."""
+
+    ckpt: Checkpoint
+    reader: FamilyReader
+    info: ModelInfo
+    command: str  # "quantize" | "repack"
+    quant: QuantOptions
+    repack: RepackOptions | None
+    refs: list[MoELayerRef]  # converted MoE layers
+    items: list[WorkItem]
+    dests: list[list[PlannedTensor]]  # per output directory (rank), tensors in write order
+    sizes: LayoutSizes | None = None  # per-rank sizes (repack)
+    rank_ranges: list[tuple[int, int]] = field(default_factory=list)
+    layout_desc: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(i.in_bytes for i in self.items)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(t.nbytes for d in self.dests for t in d)
+
+    def expert_bytes_out(self) -> int:
+        return sum(t.nbytes for d in self.dests for t in d if t.role == "expert")
+
+    def summary(self) -> dict[str, Any]:
+        s: dict[str, Any] = {
+            "command": self.command,
+            "family": self.info.family,
+            "source_format": self.info.expert_format,
+            "weight_format": self.weight_format,
+            "moe_layers_converted": len(self.refs),
+            "tensors_out": sum(len(d) for d in self.dests),
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "expert_bytes_out": self.expert_bytes_out(),
+        }
+        if self.sizes is not None:
+            s["sizes"] = {
+                "hidden_size": self.sizes.hidden_size,
+                "intermediate_size_per_rank": self.sizes.intermediate_size,
+                "padded_hidden_size": self.sizes.padded_hidden_size,
+                "padded_intermediate_size": self.sizes.padded_intermediate_size,
+            }
+        return s
+
+    @property
+    def weight_format(self) -> str:
+        return "mxfp4" if self.command == "repack" else self.quant.fmt
+
+
+def _layer_of(name: str) -> int:
+    """Sort key: the tensor's layer, global tensors (embeddings, final norm, head) last."""
+    L = layer_index(name)
+    return 1 << 30 if L is None else L
+
+
+def kernel_params(info: ModelInfo) -> dict[str, float] | None:
+    """Activation constants the fused kernels take (gemm1_alpha/beta/clamp_limit), None for SiLU."""
+    if info.activation == "swigluoai":
+        return {
+            "gemm1_alpha": 1.702 if info.swiglu_alpha is None else float(info.swiglu_alpha),
+            "gemm1_beta": 1.0,
+            "gemm1_clamp_limit": 7.0 if info.swiglu_limit is None else float(info.swiglu_limit),
+        }
+    return None
+
+
+def _check_quant_options(q: QuantOptions) -> None:
+    from mxconv.numerics import FORMATS, SCALE_MODES
+
+    if q.fmt not in FORMATS:
+        raise BadInput(f"--format {q.fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
+    if q.scale_rounding not in SCALE_MODES:
+        raise BadInput(f"--scale-rounding {q.scale_rounding!r} is not supported; choose one of {', '.join(SCALE_MODES)}")
+    for flag, pat in (("--include", q.include), ("--ignore", q.ignore)):
+        if pat:
+            try:
+                re.compile(pat)
+            except re.error as exc:
+                raise BadInput(f"{flag}: invalid regular expression {pat!r} ({exc})") from None
+
+
+def build_plan(
+    ckpt: Checkpoint,
+    reader: FamilyReader,
+    command: str,
+    quant: QuantOptions,
+    repack: RepackOptions | None = None,
+) -> Plan:
+    """Plan a quantize (repack=None) or repack run from headers only."""
+    _check_quant_options(quant)
+    if (command == "repack" or repack is not None) and (quant.include or quant.ignore):
+        # A kernel-layout output holds kernel tensors for every MoE layer (the output contract);
+        # a partial repack would mix them with per-expert source tensors.
+        raise BadInput("repack converts every MoE layer; --include/--ignore apply to quantize only")
+    if ckpt.kind == "kernel":
+        raise BadInput(
+            f"{ckpt.root}: already a kernel-layout checkpoint (backend "
+            f"{(ckpt.manifest or {}).get('backend') or ckpt.config.get('mxconv_layout', {}).get('backend', '?')}); "
+            "convert from its canonical source instead"
+        )
+    info = reader.model_info()
+    for what, size in (("hidden_size", info.hidden_size), ("intermediate_size", info.intermediate_size)):
+        if size % 32:
+            raise BadInput(
+                f"{ckpt.root}: {what} {size} is not a multiple of 32; MX formats need the reduction "
+                "dimension of every expert weight to split into 32-element blocks"
+            )
+    all_refs = reader.layer_refs()
+    refs = [r for r in all_refs if quant.selects(r)]
+    if not refs:
+        raise BadInput("no MoE layer selected (check --include / --ignore)")
+    selected = {r.layer for r in refs}
+    for r in all_refs:
+        kept = reader.layer_format(r)
+        if r.layer not in selected and kept in ("mxfp4", "mxfp8") and kept != quant.fmt:
+            raise BadInput(
+                f"{r.module_prefix}.experts: --include/--ignore leave this {kept} layer as it is, next to {quant.fmt} "
+                f"layers; a checkpoint holds one MX format (select every MoE layer, or use --format {kept})"
+            )
+    consumed = {n for r in refs for n in r.source_names}
+    ndest = repack.tp if repack else 1
+    dests: list[list[PlannedTensor]] = [[] for _ in range(ndest)]
+    items: list[WorkItem] = []
+    plan = Plan(ckpt, reader, info, command, quant, repack, refs, items, dests)
+
+    layout: Layout | None = None
+    if repack is not None:
+        layout = get_layout(repack.backend)
+        if repack.activation not in layout.activations:
+            raise BadInput(
+                f"--activation {repack.activation!r} is not valid for backend {repack.backend}; "
+                f"choose one of {', '.join(layout.activations)}"
+            )
+        if info.expert_format == "mxfp8":
+            raise BadInput(
+                f"{ckpt.root}: experts are MXFP8; backend layouts take MXFP4 experts "
+                "(repack the bf16 source, or quantize it with --format mxfp4 first)"
+            )
+        plan.rank_ranges = tp_ranges(info.intermediate_size, repack.tp)
+        widths = {e - s for s, e in plan.rank_ranges}
+        I_rank = max(widths)
+        opts = layout.resolve_options(repack.layout_options)
+        repack = plan.repack = replace(repack, layout_options=opts)
+        Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation, opts)
+        for w in widths:  # every rank pads to the same Ip; make sure the smaller ones fit the rule too
+            layout.padded_sizes(info.hidden_size, w, info.row_order, repack.activation, opts)
+        plan.sizes = LayoutSizes(info.num_experts, info.hidden_size, I_rank, Hp, Ip, info.row_order, info.has_expert_bias)
+        specs = layout.kernel_specs(plan.sizes, repack.activation, repack.layout_options)
+        plan.layout_desc = layout.describe(plan.sizes, repack.activation, repack.layout_options)
+
+    # group copy tensors by layer, interleave MoE layer items in layer order
+    by_layer: dict[int, list[str]] = {}
+    for name in ckpt.tensors:
+        if name not in consumed:
+            by_layer.setdefault(_layer_of(name), []).append(name)
+    ref_by_layer = {r.layer: r for r in refs}
+    routers = {n for r in all_refs for n in (r.router_weight, r.router_bias, r.correction_bias) if n}
+    for layer in sorted(set(by_layer) | set(ref_by_layer)):
+        names = sorted(by_layer.get(layer, []))
+        if names:
+            for d in dests:
+                for n in names:
+                    role = "router" if n in routers else "copy"
+                    d.append(PlannedTensor(n, TensorSpec(ckpt.tensors[n].shape, ckpt.tensors[n].torch_dtype), role, ckpt.tensors[n]))
+            items.append(WorkItem("copy", ckpt.total_bytes(names), copy_names=names))
+        ref = ref_by_layer.get(layer)
+        if ref is None:
+            continue
+        item = WorkItem("layer", ckpt.total_bytes(list(ref.source_names)), payload=ref)
+        for d in dests:
+            if layout is None:
+                out = reader.quantized_specs(ref, quant.fmt)
+                names_out = list(out)
+                for n, spec in out.items():
+                    d.append(PlannedTensor(n, spec, "expert"))
+            else:
+                names_out = []
+                for k, spec in specs.items():
+                    n = f"{ref.module_prefix}.experts.{k}"
+                    names_out.append(n)
+                    d.append(PlannedTensor(n, spec, "expert"))
+            item.out_names.append(names_out)
+        items.append(item)
+    return plan
