@@ -98,7 +98,7 @@ def test_quantize_output_contract(ws: Path) -> None:
     for key in ("format_version", "tool_version", "command", "created", "source", "family", "kind", "weight_format",
                 "scale_rounding", "backend", "activation", "tp_size", "layout", "tensors"):
         assert key in m
-    assert m["kind"] == "canonical" and m["weight_format"] == "mxfp4" and m["scale_rounding"] == "rceil"
+    assert m["kind"] == "canonical" and m["weight_format"] == "mxfp4" and m["scale_rounding"] == "even"  # the MXFP4 default (docs/numerics.md)
     assert m["layout"]["w13_row_order"] == "interleaved"
     assert m["layout"]["kernel_params"] == {"gemm1_alpha": 1.702, "gemm1_beta": 1.0, "gemm1_clamp_limit": 7.0}
     cfg = json.loads((q / "config.json").read_text())
@@ -148,7 +148,7 @@ def test_repack_from_bf16_tp2_and_verify_against_bf16(ws: Path, tmp_path: Path) 
     assert code == 0, err
     assert (out / "rank-0" / "model.safetensors.index.json").exists() and (out / "rank-1" / "config.json").exists()
     m = json.loads((out / "mxconv.json").read_text())
-    assert m["tp_size"] == 2 and m["scale_rounding"] == "rceil"
+    assert m["tp_size"] == 2 and m["scale_rounding"] == "even"
     assert any(k.startswith("rank-1/") for k in m["tensors"])
     code, out_json, _ = mx("verify", out, "--reference", ws / "gpt", "--json", "--tokens", "16")
     rep = json.loads(out_json)
@@ -189,6 +189,25 @@ def test_mxfp4_to_mxfp8_is_lossless(ws: Path, tmp_path: Path) -> None:
     code, stdout, _ = mx("verify", out, "--reference", ws / "gpt-q4", "--json", "--tokens", "16")
     rep = json.loads(stdout)
     assert code == 0 and all(layer["threshold"] == "exact" and layer["comparison"]["rel_rms"] == 0 for layer in rep["layers"])
+
+
+@pytest.mark.parametrize("fmt, rule", [("mxfp4", "even"), ("mxfp8", "rceil")])
+def test_default_scale_rule_is_chosen_per_format(ws: Path, tmp_path: Path, fmt: str, rule: str) -> None:
+    """--scale-rounding auto (the default) writes the same bytes as the format's measured-best rule."""
+    outs = {}
+    for name, extra in (("auto", ()), ("explicit", ("--scale-rounding", rule))):
+        outs[name] = tmp_path / name
+        code, _, err = mx("quantize", ws / "qwen", outs[name], "--format", fmt, "--quiet", "--device", "cpu", *extra)
+        assert code == 0, err
+    m = json.loads((outs["auto"] / "mxconv.json").read_text())
+    assert m["scale_rounding"] == rule
+    explicit = json.loads((outs["explicit"] / "mxconv.json").read_text())
+    assert {k: v["sha256"] for k, v in m["tensors"].items()} == {k: v["sha256"] for k, v in explicit["tensors"].items()}
+    other = "rceil" if rule == "even" else "even"
+    code, _, err = mx("quantize", ws / "qwen", tmp_path / "other", "--format", fmt, "--quiet", "--device", "cpu", "--scale-rounding", other)
+    assert code == 0, err
+    differ = json.loads((tmp_path / "other" / "mxconv.json").read_text())
+    assert any(v["sha256"] != m["tensors"][k]["sha256"] for k, v in differ["tensors"].items() if v["role"] == "expert")
 
 
 # ---- verify catches corruption ------------------------------------------------------------------

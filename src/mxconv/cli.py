@@ -50,6 +50,7 @@ Backend = Enum("Backend", {name: name for name in backend_names()}, type=str)  #
 
 
 class Rounding(str, Enum):
+    auto = "auto"
     rceil = "rceil"
     floor = "floor"
     even = "even"
@@ -253,7 +254,7 @@ def quantize(
     source: str = typer.Argument(..., metavar="SOURCE", help=_SOURCE_HELP),
     output: Path = typer.Argument(..., metavar="OUTPUT", help="Output directory (must be empty unless --overwrite)."),
     format: Fmt = typer.Option(Fmt.mxfp4, "--format", help="Expert weight format."),
-    scale_rounding: Rounding = typer.Option(Rounding.rceil, "--scale-rounding", help="E8M0 scale rule (mx-numerics: rceil never saturates; floor is OCP; even is AMD's)."),
+    scale_rounding: Rounding = typer.Option(Rounding.auto, "--scale-rounding", help="E8M0 scale rule. auto: even for mxfp4, rceil for mxfp8 (least error, docs/numerics.md). rceil matches NVIDIA hardware/TRT-LLM/vLLM online MXFP8, ModelOpt and llm-compressor; floor is OCP v1.0 and torchao's default; even matches AMD Quark."),
     include: Optional[str] = typer.Option(None, "--include", help="Regex over '<module>.experts' names: quantize only matching MoE layers."),
     ignore: Optional[str] = typer.Option(None, "--ignore", help="Regex over '<module>.experts' names: leave matching MoE layers as they are (config.json lists them as not converted)."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Write NaN scales (0xFF) for blocks holding NaN/Inf instead of refusing."),
@@ -323,7 +324,7 @@ def repack(
     layout_option: Optional[list[str]] = typer.Option(None, "--layout-option", metavar="NAME=VALUE", help="A backend option (repeatable); each backend's options are listed below."),
     marlin_scale_layout: Optional[str] = typer.Option(None, "--marlin-scale-layout", help="Same as --layout-option marlin_scale_layout=VALUE: current (vLLM >= 0.12, the default) | legacy (<= 0.11.2)."),
     triton_layout: Optional[str] = typer.Option(None, "--triton-layout", help="Same as --layout-option triton_layout=VALUE: 3.5 (triton_kernels vendored by vLLM 0.12-0.33, the default) | 3.6 (vLLM 0.20, triton main)."),
-    scale_rounding: Rounding = typer.Option(Rounding.rceil, "--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way."),
+    scale_rounding: Rounding = typer.Option(Rounding.auto, "--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way (auto = even, the least MXFP4 error; see quantize --help)."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Quantize blocks holding NaN/Inf to NaN scales instead of refusing."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of a repo-id SOURCE."),

@@ -54,6 +54,14 @@ from mxconv.errors import BadInput
 BLOCK_SIZE = 32
 FORMATS: tuple[str, ...] = ("mxfp4", "mxfp8")
 SCALE_MODES: tuple[str, ...] = ("rceil", "floor", "even")
+# The rule "auto" picks per format: the lowest weight and layer-output error measured by
+# scripts/numerics_table.py on Gaussian, Student-t and outlier weights (docs/numerics.md).
+DEFAULT_SCALE_MODES: dict[str, str] = {"mxfp4": "even", "mxfp8": "rceil"}
+
+
+def resolve_scale_mode(fmt: str, mode: str) -> str:
+    """``mode``, or the format's default rule when ``mode`` is "auto"."""
+    return DEFAULT_SCALE_MODES[fmt] if mode == "auto" else mode
 
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF

@@ -17,6 +17,7 @@ from mxconv.families import FamilyReader, ModelInfo, MoELayerRef
 from mxconv.layouts import Layout, LayoutSizes, TensorSpec, get_layout
 from mxconv.layouts.base import tp_ranges
 from mxconv.pipeline import WorkItem
+from mxconv.numerics import resolve_scale_mode
 from mxconv.writer import PlannedTensor
 
 
@@ -25,7 +26,7 @@ class QuantOptions:
     """What `quantize` (and `repack` of a float source) does to expert weights."""
 
     fmt: str = "mxfp4"
-    scale_rounding: str = "rceil"
+    scale_rounding: str = "auto"  # "auto" = numerics.DEFAULT_SCALE_MODES[fmt]
     allow_nonfinite: bool = False
     include: str | None = None  # regex over "<module_prefix>.experts"; default: every MoE layer
     ignore: str | None = None
@@ -123,8 +124,8 @@ def _check_quant_options(q: QuantOptions) -> None:
 
     if q.fmt not in FORMATS:
         raise BadInput(f"--format {q.fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
-    if q.scale_rounding not in SCALE_MODES:
-        raise BadInput(f"--scale-rounding {q.scale_rounding!r} is not supported; choose one of {', '.join(SCALE_MODES)}")
+    if q.scale_rounding not in SCALE_MODES + ("auto",):
+        raise BadInput(f"--scale-rounding {q.scale_rounding!r} is not supported; choose auto or one of {', '.join(SCALE_MODES)}")
     for flag, pat in (("--include", q.include), ("--ignore", q.ignore)):
         if pat:
             try:
@@ -142,6 +143,7 @@ def build_plan(
 ) -> Plan:
     """Plan a quantize (repack=None) or repack run from headers only."""
     _check_quant_options(quant)
+    quant = replace(quant, scale_rounding=resolve_scale_mode(quant.fmt, quant.scale_rounding))
     if (command == "repack" or repack is not None) and (quant.include or quant.ignore):
         # A kernel-layout output holds kernel tensors for every MoE layer (the output contract);
         # a partial repack would mix them with per-expert source tensors.
