@@ -29,6 +29,7 @@ _REGISTRY: dict[str, Any] = {
     "trtllm": "mxconv.layouts.trtllm:LAYOUT",
     "marlin": "mxconv.layouts.marlin:LAYOUT",
     "aiter": "mxconv.layouts.aiter:LAYOUT",
+    "triton": "mxconv.layouts.triton:LAYOUT",
 }
 
 

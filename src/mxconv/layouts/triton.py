@@ -1,0 +1,433 @@
+"""triton_kernels ("triton") MXFP4 MoE layout on Hopper: the bytes vLLM's ``TRITON`` backend builds
+with ``_swizzle_mxfp4`` (``HopperMXValueLayout`` / ``HopperMXScaleLayout``, mx_axis 1) for
+``matmul_ogs`` on SM90 (spec: docs/layout-triton.md).
+
+Per layer and TP rank (E experts, H hidden, I intermediate):
+
+1. sizes: Ip = roundup(I, 64); Hp = H (vLLM pads no hidden) or roundup(H, 64) with ``pad_hidden``;
+2. w13 rows in the order the fused SwiGLU reads, gate/up pairs ``g0, u0, g1, u1, ...`` (spec §5):
+   gpt-oss keeps its rows, "halves" sources are interleaved (kernel row 2m <- m, 2m+1 <- I + m);
+   the padding pairs m in [I, Ip) follow the real ones; the same row map serves weights, scales
+   and biases (:func:`w13_row_table`);
+3. weights: value padding (generation "3.5": rows to 16, bytes to 32; "3.6": both to 64), the
+   value permutation (spec §3) and the bit twiddle of every 32-bit word (:func:`twiddle_words`);
+4. scales: K/32 zero-padded to a multiple of ``scale_k_align`` (vLLM 0.33: 4), then rows to
+   32 * num_warps and columns to 2, and the scale permutation (spec §4).
+
+Stored tensors (the contiguous buffers; an engine wraps ``buf.mT``, spec §8):
+
+| name             | shape                  | dtype   |
+|------------------|------------------------|---------|
+| w13_weight       | [E, Np13/4, 4*Kbp13]   | uint8, Np13/Kbp13 = padded 2Ip / Hp/2 |
+| w13_weight_scale | [E, Ns13/32, 32*Cp13]  | uint8 (E8M0), Ns13 = roundup(2Ip, 32W), Cp13 = roundup(C'13, 2) |
+| w13_bias         | [E, 2Ip]               | float32 (kernel row order) |
+| w2_weight        | [E, Np2/4, 4*Kbp2]     | uint8, Np2/Kbp2 = padded Hp / Ip/2 |
+| w2_weight_scale  | [E, Ns2/32, 32*Cp2]    | uint8 |
+| w2_bias          | [E, Hp]                | float32 |
+
+Every padding byte/value is zero. The torch path is views, permutes, one row gather and integer
+bit operations over the whole stack (identical bytes on CPU and CUDA); on CUDA the Triton kernels
+of ``mxconv.kernels.triton_swizzle`` do gather + permutation + twiddle in one pass per tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mxconv.errors import LayoutError
+from mxconv.layouts.base import (
+    KERNEL_TENSOR_NAMES,
+    ROW_ORDERS,
+    CanonicalExperts,
+    KernelTensors,
+    LayoutBase,
+    LayoutOption,
+    LayoutSizes,
+    TensorSpec,
+    _check_fill,
+    cached_index,
+    gather_padded_rows,
+    layout_kernels,
+    pad_row_source,
+    round_up,
+)
+
+BACKEND_NAME = "triton"
+LAYOUT_VERSION = 1
+MX_BLOCK = 32
+INTERMEDIATE_ALIGN = 64  # vLLM rounds the per-rank intermediate size up to 64 for TRITON
+HIDDEN_ALIGN = 64  # matmul_ogs on SM90 needs K % 64 == 0; only applied with pad_hidden
+# (row multiple, row-byte multiple) of the value layout per triton_kernels generation
+VALUE_PADDING = {"3.5": (16, 32), "3.6": (64, 64)}
+BIAS_DTYPE = torch.float32
+
+# Bit twiddle (spec §3): destination bit of nibble bits (m, e0, e1, s) of byte j of a 32-bit word;
+# low nibbles fill the low 16 bits, high nibbles the same pattern + 16.
+NIBBLE_DEST_BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (13, 10, 11, 14))
+
+_ENGINE_COMPAT = {
+    ("3.5", 4): "0.33 (vendored triton_kernels 3.5.1 API, scale K/32 padded to 4 on SM90)",
+    ("3.5", 1): "0.12-0.14 (vendored triton_kernels 3.5.1 API, no scale K/32 pad)",
+    ("3.6", 1): "0.20 (vendored triton_kernels 3.6 generation, no scale K/32 pad)",
+    ("3.6", 4): "0.33 with a site-packages triton_kernels of the 3.6 generation (not validated)",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit twiddle: a bijection on the 32 bits of each little-endian word, applied as masked shifts.
+# ---------------------------------------------------------------------------------------------
+
+
+def _twiddle_moves() -> list[tuple[int, int]]:
+    """(source bit, destination bit) of the forward twiddle, 32 pairs."""
+    return [(8 * j + 4 * h + b, 16 * h + NIBBLE_DEST_BITS[j][b]) for j in range(4) for h in range(2) for b in range(4)]
+
+
+def _shift_groups(moves: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Moves grouped by shift: ((shift, destination mask as a signed int32 value), ...)."""
+    groups: dict[int, int] = {}
+    for src, dst in moves:
+        groups[dst - src] = groups.get(dst - src, 0) | (1 << dst)
+    return tuple((s, m - (1 << 32) if m >= 1 << 31 else m) for s, m in sorted(groups.items()))
+
+
+TWIDDLE_GROUPS = _shift_groups(_twiddle_moves())
+UNTWIDDLE_GROUPS = _shift_groups([(dst, src) for src, dst in _twiddle_moves()])
+
+
+def twiddle_words(buf: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Spec §3 bit twiddle (or its inverse) of every aligned 4-byte little-endian word of uint8
+    ``buf`` [..., 4n]; a new uint8 tensor of the same shape (``21 43 65 87 -> 5D 2C A6 40``).
+    Masking after each (arithmetic) shift keeps only bits that came from inside the word."""
+    words = buf.contiguous().view(torch.int32)
+    out = torch.zeros_like(words)
+    for shift, mask in UNTWIDDLE_GROUPS if inverse else TWIDDLE_GROUPS:
+        out |= (words << shift if shift >= 0 else words >> -shift) & mask
+    return out.view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Permutations of an already padded stack (pure views/permutes; any dtype).
+# Value: source row n = 16 r0 + 8 w0 + 2 t0 + s0, byte k = 32 r1 + 8 a1 + 4 w1 + t1;
+#        buffer row 4 r0 + t0, column ((((r1*2 + s0)*4 + t1)*4 + a1)*2 + w1)*2 + w0.
+# Scale: source row 32W m0 + 16W i1 + 16 w + 8 i3 + i4, column 2 k0 + k1;
+#        buffer row W m0 + w, column (((k0*2 + i1)*8 + i4)*2 + k1)*2 + i3.
+# ---------------------------------------------------------------------------------------------
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise LayoutError(msg)
+
+
+def permute_values(x: torch.Tensor) -> torch.Tensor:
+    """[E, Np, Kbp] (Np % 16 == 0, Kbp % 32 == 0, any dtype) -> [E, Np/4, 4*Kbp], permutation only."""
+    E, n, kb = x.shape
+    _need(n % 16 == 0 and kb % 32 == 0, f"Hopper value layout needs rows % 16 and bytes % 32 == 0, got [{n}, {kb}]")
+    t = x.reshape(E, n // 16, 2, 4, 2, kb // 32, 4, 2, 4)  # r0 w0 t0 s0 r1 a1 w1 t1
+    return t.permute(0, 1, 3, 5, 4, 8, 6, 7, 2).reshape(E, n // 4, 4 * kb)
+
+
+def unpermute_values(buf: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`permute_values`: [E, Np/4, 4*Kbp] -> [E, Np, Kbp]."""
+    E, rows, cols = buf.shape
+    _need(rows % 4 == 0 and cols % 128 == 0, f"Hopper value buffer [{rows}, {cols}] is not [Np/4, 4*Kbp]")
+    t = buf.reshape(E, rows // 4, 4, cols // 128, 2, 4, 4, 2, 2)  # r0 t0 r1 s0 t1 a1 w1 w0
+    return t.permute(0, 1, 8, 2, 4, 3, 6, 7, 5).reshape(E, 4 * rows, cols // 4)
+
+
+def permute_scales(x: torch.Tensor, num_warps: int) -> torch.Tensor:
+    """[E, Ns, Cp] (Ns % (32 W) == 0, Cp even, any dtype) -> [E, Ns/32, 32*Cp], permutation only."""
+    E, n, c = x.shape
+    W = num_warps
+    _need(n % (32 * W) == 0 and c % 2 == 0, f"Hopper scale layout (num_warps {W}) needs rows % {32 * W} == 0 and even columns, got [{n}, {c}]")
+    t = x.reshape(E, n // (32 * W), 2, W, 2, 8, c // 2, 2)  # m0 i1 w i3 i4 k0 k1
+    return t.permute(0, 1, 3, 6, 2, 5, 7, 4).reshape(E, n // 32, 32 * c)
+
+
+def unpermute_scales(buf: torch.Tensor, num_warps: int) -> torch.Tensor:
+    """Inverse of :func:`permute_scales`: [E, Ns/32, 32*Cp] -> [E, Ns, Cp]."""
+    E, rows, cols = buf.shape
+    W = num_warps
+    _need(rows % W == 0 and cols % 64 == 0, f"Hopper scale buffer [{rows}, {cols}] does not fit num_warps {W}")
+    t = buf.reshape(E, rows // W, W, cols // 64, 2, 8, 2, 2)  # m0 w k0 i1 i4 k1 i3
+    return t.permute(0, 1, 4, 2, 7, 5, 3, 6).reshape(E, 32 * rows, cols // 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and row tables
+# ---------------------------------------------------------------------------------------------
+
+
+def w13_row_table(intermediate: int, row_order: str, rows: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Source row of the unpadded w13 stack behind each kernel row j in [0, rows), -1 = padding.
+
+    Kernel rows are gate/up pairs j = 2m + u (u = 0 gate, 1 up); pairs m < I are real, the rest
+    (vLLM's padding to Ip, then the value/scale layout's) zero. interleaved source: row j; halves
+    source: row u*I + m (spec §5). Cached int32 tensor [rows].
+    """
+    _need(row_order in ROW_ORDERS, f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
+
+    def build() -> torch.Tensor:
+        j = torch.arange(rows, dtype=torch.long)
+        m, u = j // 2, j % 2
+        return torch.where(m < intermediate, j if row_order == "interleaved" else u * intermediate + m, -1)
+
+    return cached_index(("triton-w13", intermediate, row_order, rows), device, build)
+
+
+def w2_row_table(hidden: int, rows: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Source row behind each w2 kernel row (rows appended at the end, -1 = padding). Cached int32 [rows]."""
+    return cached_index(("triton-w2", hidden, rows), device, lambda: pad_row_source(hidden, rows))
+
+
+def _inverse_rows(tab: torch.Tensor, real: int) -> torch.Tensor:
+    """Kernel row of each source row: ``inv[tab[j]] = j`` for the ``real`` leading kernel rows
+    (which hold every source row once; the rest are padding). LongTensor [real] on tab's device."""
+    inv = torch.empty(real, dtype=torch.long, device=tab.device)
+    inv[tab[:real].long()] = torch.arange(real, dtype=torch.long, device=tab.device)
+    return inv
+
+
+# ---------------------------------------------------------------------------------------------
+# The Layout
+# ---------------------------------------------------------------------------------------------
+
+
+class MatrixGeometry:
+    """Kernel geometry of one expert matrix [N, K] (w13: N = 2Ip, K = Hp; w2: N = Hp, K = Ip)
+    under resolved options: the padded sizes and the shapes spec §8 needs to rebuild the
+    triton_kernels tensors. Value buffer rows/bytes (Np, Kbp) pad N and K/2 per generation; the
+    scale's logical width C' = roundup(K/32, scale_k_align), its buffer pads N to 32 W, C' to 2."""
+
+    def __init__(self, experts: int, rows: int, k: int, options: dict[str, Any]) -> None:
+        row_mult, byte_mult = VALUE_PADDING[options["triton_layout"]]
+        self.experts, self.rows, self.k, self.num_warps = experts, rows, k, int(options["num_warps"])
+        self.value_rows, self.value_row_bytes = round_up(rows, row_mult), round_up(k // 2, byte_mult)
+        self.scale_cols = round_up(k // MX_BLOCK, int(options["scale_k_align"]))
+        self.scale_rows, self.scale_padded_cols = round_up(rows, 32 * self.num_warps), round_up(self.scale_cols, 2)
+
+    @property
+    def value_shape(self) -> tuple[int, int, int]:
+        """Stored weight buffer [E, Np/4, 4*Kbp] (uint8)."""
+        return (self.experts, self.value_rows // 4, 4 * self.value_row_bytes)
+
+    @property
+    def scale_shape(self) -> tuple[int, int, int]:
+        """Stored scale buffer [E, Ns/32, 32*Cp] (uint8)."""
+        return (self.experts, self.scale_rows // 32, 32 * self.scale_padded_cols)
+
+    def describe(self) -> dict[str, Any]:
+        """Manifest entry: layout objects, logical shapes, buffers and the ``buf.mT`` views."""
+        E, N, K = self.experts, self.rows, self.k
+
+        def buffer(shape: tuple[int, int, int]) -> dict[str, list[int]]:
+            _, r, c = shape
+            return {"buffer_shape": [E, r, c], "data_shape": [E, c, r], "data_strides": [r * c, 1, c]}
+
+        return {
+            "rows": N,
+            "k": K,
+            "value": {"layout": "HopperMXValueLayout", "mx_axis": 1, "mma_version": 3, "initial_shape": [E, K // 2, N],
+                      "shape": [E, K, N], "dtype": "FP4", **buffer(self.value_shape)},
+            "scale": {"layout": "HopperMXScaleLayout", "mx_axis": 1, "num_warps": self.num_warps,
+                      "initial_shape": [E, self.scale_cols, N], "shape": [E, self.scale_cols, N], "dtype": "uint8",
+                      **buffer(self.scale_shape)},
+            "bias_shape": [E, N],
+        }  # fmt: skip
+
+
+def _kernels(t: torch.Tensor) -> Any:
+    """``mxconv.kernels.triton_swizzle`` when ``t`` is on CUDA and the layout kernels are on, else None."""
+    if layout_kernels(t) is None:
+        return None
+    from mxconv.kernels import triton_swizzle
+
+    return triton_swizzle
+
+
+class TritonLayout(LayoutBase):
+    """triton_kernels Hopper MXFP4 layout (vLLM ``TRITON`` MoE backend on SM90; module docstring)."""
+
+    name = BACKEND_NAME
+    version = LAYOUT_VERSION
+    activations: tuple[str, ...] = ("bf16",)
+    options = (
+        LayoutOption("triton_layout", str, "3.5", "triton_kernels Hopper value-layout generation: 3.5 (vendored by "
+                     "vLLM 0.12-0.33; rows to 16, K/2 to 32) or 3.6 (vLLM 0.20, triton main; both to 64)",
+                     choices=tuple(VALUE_PADDING)),
+        LayoutOption("num_warps", int, 8, "HopperMXScaleLayout num_warps, also matmul_ogs' launch (vLLM 0.20/0.33: "
+                     "8; 0.10-0.14 used 4 with expert parallelism)", choices=(8, 4)),
+        LayoutOption("scale_k_align", int, 4, "scale K/32 axis zero-padded to this multiple before the swizzle "
+                     "(4: vLLM 0.33 on SM90; 1: vLLM 0.12-0.20, no pad)", choices=(4, 1)),
+        LayoutOption("pad_hidden", bool, False, "pad the hidden size to a multiple of 64 with zeros (vLLM does not; "
+                     "for loaders that pad activations)"),
+    )  # fmt: skip
+
+    def padded_sizes(
+        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+        options: dict[str, Any] | None = None,
+    ) -> tuple[int, int]:
+        """(Hp, Ip) = (H, or roundup(H, 64) with pad_hidden; roundup(I, 64)) for one rank.
+        LayoutError unless H and I are positive multiples of 32."""
+        opts = self.resolve_options(options)
+        self.check_activation(activation)
+        _need(row_order in ROW_ORDERS, f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
+        for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
+            _need(size > 0 and size % MX_BLOCK == 0, f"triton: {what} size {size} must be a positive multiple of {MX_BLOCK}")
+        hp = round_up(hidden_size, HIDDEN_ALIGN) if opts["pad_hidden"] else hidden_size
+        return hp, round_up(intermediate_size, INTERMEDIATE_ALIGN)
+
+    def hidden_warning(self, hidden_size: int, options: dict[str, Any] | None = None) -> str | None:
+        """A plain warning when the kernel would reduce over a hidden size that is not a multiple
+        of 64 (Hopper matmul_ogs computes wrong results then); None when it will not."""
+        if hidden_size % HIDDEN_ALIGN == 0 or self.resolve_options(options)["pad_hidden"]:
+            return None
+        return (
+            f"hidden size {hidden_size} is not a multiple of {HIDDEN_ALIGN}: vLLM's TRITON MoE path on Hopper "
+            f"(triton_kernels matmul_ogs) computes wrong results for it (docs/real-kernels.md). The bytes "
+            f"written are what vLLM builds; for a loader that pads activations use --layout-option "
+            f"pad_hidden=true (hidden padded to {round_up(hidden_size, HIDDEN_ALIGN)} with zeros)"
+        )
+
+    def geometry(self, sizes: LayoutSizes, options: dict[str, Any] | None = None) -> dict[str, MatrixGeometry]:
+        """{"w13": ..., "w2": ...} kernel geometry for ``sizes`` (its padded sizes checked against the rule)."""
+        opts = self.resolve_options(options)
+        hp, ip = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, self.activations[0], opts)
+        got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
+        _need(got == (hp, ip), f"triton: padded sizes (Hp, Ip) = {got} do not match the layout's {(hp, ip)} for "
+              f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} (Ip = roundup(I, 64); Hp = H unless pad_hidden)")
+        return _geometry(sizes.num_experts, hp, ip, opts)
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+        """Shapes/dtypes of the stored tensors (biases only when ``sizes.has_bias``)."""
+        self.check_activation(activation)
+        specs: dict[str, TensorSpec] = {}
+        for w, g in self.geometry(sizes, options).items():
+            specs[f"{w}_weight"] = TensorSpec(g.value_shape, torch.uint8)
+            specs[f"{w}_weight_scale"] = TensorSpec(g.scale_shape, torch.uint8)
+            if sizes.has_bias:
+                specs[f"{w}_bias"] = TensorSpec((g.experts, g.rows), BIAS_DTYPE)
+        return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
+        """Canonical stack -> stored kernel buffers on ``c``'s device (table in the module doc)."""
+        c.validate()
+        opts = self.resolve_options(options)
+        hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, opts)
+        kern = _kernels(c.w13)
+        out: KernelTensors = {}
+        for w, g in _geometry(c.num_experts, hp, ip, opts).items():
+            weight, scale, bias = getattr(c, w), getattr(c, f"{w}_scale"), getattr(c, f"{w}_bias")
+            tab_v = _row_table(w, c.intermediate_size, c.hidden_size, c.row_order, g.value_rows, c.device)
+            tab_s = _row_table(w, c.intermediate_size, c.hidden_size, c.row_order, g.scale_rows, c.device)
+            if kern is not None:
+                out[f"{w}_weight"] = kern.hopper_values(weight, tab_v, g.value_row_bytes)
+                out[f"{w}_weight_scale"] = kern.hopper_scales(scale, tab_s, g.scale_padded_cols, g.num_warps)
+            else:
+                out[f"{w}_weight"] = twiddle_words(permute_values(gather_padded_rows(weight, tab_v, g.value_row_bytes)))
+                out[f"{w}_weight_scale"] = permute_scales(gather_padded_rows(scale, tab_s, g.scale_padded_cols), g.num_warps)
+            if bias is not None:
+                out[f"{w}_bias"] = gather_padded_rows(bias.to(BIAS_DTYPE), tab_v[: g.rows])
+        return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
+
+    def from_kernel(
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+    ) -> CanonicalExperts:
+        """Stored buffers -> canonical (unpadded) stack in the source's row order; biases float32.
+
+        LayoutError for a missing/unexpected tensor, a wrong shape or dtype, tensors on different
+        devices, or a non-zero padding byte/value (tensor and index named; the index is in the
+        un-swizzled [E, rows, K/2 bytes or K/32] view with w13 rows as gate/up pairs).
+        """
+        opts = self.resolve_options(options)
+        _check_tensors(k, self.kernel_specs(sizes, activation, opts))
+        H, I, dev = sizes.hidden_size, sizes.intermediate_size, k["w13_weight"].device
+        parts: dict[str, torch.Tensor | None] = {}
+        for w, g in self.geometry(sizes, opts).items():
+            rows, kk = (2 * I, H) if w == "w13" else (H, I)  # the unpadded matrix [N, K]
+            inv = _inverse_rows(_row_table(w, I, H, sizes.row_order, g.rows, dev), rows)
+            values = unpermute_values(twiddle_words(k[f"{w}_weight"], inverse=True))
+            parts[w] = _crop(f"{w}_weight", values, rows, kk // 2, inv)
+            scales = unpermute_scales(k[f"{w}_weight_scale"], g.num_warps)
+            parts[f"{w}_scale"] = _crop(f"{w}_weight_scale", scales, rows, kk // MX_BLOCK, inv)
+            parts[f"{w}_bias"] = _crop(f"{w}_bias", k[f"{w}_bias"], rows, None, inv) if sizes.has_bias else None
+        return CanonicalExperts(row_order=sizes.row_order, **parts)  # type: ignore[arg-type]
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller):
+        options, kernel/source w13 row order, hidden padding and warning, and per matrix (w13, w2)
+        the triton_kernels layout objects' shapes and the stored buffers (spec §8)."""
+        self.check_activation(activation)
+        opts = self.resolve_options(options)
+        geo = self.geometry(sizes, opts)
+        gen, align = opts["triton_layout"], opts["scale_k_align"]
+        return {
+            "name": self.name,
+            "version": self.version,
+            "engine_compat": {"vllm": _ENGINE_COMPAT[(gen, align)], "triton_kernels": f"{gen} generation (matmul_ogs)",
+                              "gpu": "SM90 (Hopper)", "torch": ">=2.8.1 (older: vLLM does not swizzle on SM90)"},
+            "activation": activation,
+            "vllm_moe_backend": "TRITON",
+            "triton_layout": gen,
+            "value_padding": dict(zip(("rows", "row_bytes"), VALUE_PADDING[gen])),
+            "bit_twiddle": True,
+            "num_warps": opts["num_warps"],
+            "scale_k_align": align,
+            "split_k": 1,
+            "pad_hidden": opts["pad_hidden"],
+            "hidden_padded": sizes.padded_hidden_size != sizes.hidden_size,
+            "hidden_warning": self.hidden_warning(sizes.hidden_size, opts),
+            "intermediate_align": INTERMEDIATE_ALIGN,
+            "w13_kernel_row_order": "interleaved",
+            "w13_source_row_order": sizes.row_order,
+            "gate_up_transform": "none" if sizes.row_order == "interleaved" else "row interleave 2m <- m, 2m+1 <- I+m",
+            "padding_fill": 0,
+            "scale_dtype": "uint8 (E8M0)",
+            "bias_dtype": "float32",
+            "storage": "contiguous buffers; triton_kernels Storage.data is buf.mT (keep it a view)",
+            "w13": geo["w13"].describe(),
+            "w2": geo["w2"].describe(),
+        }  # fmt: skip
+
+
+def _geometry(experts: int, hp: int, ip: int, opts: dict[str, Any]) -> dict[str, MatrixGeometry]:
+    return {"w13": MatrixGeometry(experts, 2 * ip, hp, opts), "w2": MatrixGeometry(experts, hp, ip, opts)}
+
+
+def _row_table(w: str, intermediate: int, hidden: int, row_order: str, rows: int, device: torch.device) -> torch.Tensor:
+    """The row table of matrix ``w`` ("w13" or "w2") with ``rows`` kernel rows."""
+    if w == "w13":
+        return w13_row_table(intermediate, row_order, rows, device)
+    return w2_row_table(hidden, rows, device)
+
+
+def _crop(name: str, x: torch.Tensor, rows: int, cols: int | None, inv: torch.Tensor) -> torch.Tensor:
+    """[E, R, (C)] kernel-order tensor -> [E, rows, (cols)] in source row order, after checking that
+    rows >= ``rows`` and columns >= ``cols`` hold zeros (LayoutError naming ``name`` and the index)."""
+    try:
+        _check_fill(name, x[:, rows:], 0, (0, rows, 0))
+        if cols is not None:
+            _check_fill(name, x[:, :rows, cols:], 0, (0, 0, cols))
+    except LayoutError as err:
+        raise LayoutError(f"triton: {err} (index in the un-swizzled [E, rows, K/2 bytes or K/32] view, "
+                          "w13 rows as gate/up pairs)") from err  # fmt: skip
+    return (x[:, :rows] if cols is None else x[:, :rows, :cols]).index_select(1, inv)
+
+
+def _check_tensors(k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
+    """LayoutError unless ``k`` holds exactly ``specs``' tensors (shape, dtype) on one device."""
+    extra = sorted(set(k) - set(specs))
+    _need(not extra, f"triton: unexpected kernel tensors: {', '.join(extra)}")
+    for name, spec in specs.items():
+        t = k.get(name)
+        _need(t is not None, f"triton: kernel tensor {name} is missing")
+        _need(tuple(t.shape) == spec.shape and t.dtype == spec.dtype,
+              f"triton: {name} has shape {tuple(t.shape)} dtype {t.dtype}, expected {spec.shape} {spec.dtype}")
+    devices = sorted({str(t.device) for t in k.values()})
+    _need(len(devices) <= 1, f"triton: kernel tensors are on different devices: {devices}")
+
+
+LAYOUT = TritonLayout()
