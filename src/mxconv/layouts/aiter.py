@@ -375,6 +375,7 @@ class AiterLayout(LayoutBase):
     name = "aiter"
     version = 1
     activations: tuple[str, ...] = ACTIVATIONS
+    vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
     options = (
         LayoutOption(
             "check_undefined_scale_padding", bool, True,

@@ -220,6 +220,9 @@ class LayoutBase:
     version: int = 1
     activations: tuple[str, ...] = ()
     options: tuple[LayoutOption, ...] = ()
+    # vLLM 0.33 ``Mxfp4MoeBackend`` names (fused_moe/oracle/mxfp4.py) that hold this layout's bytes
+    # after loading, per activation; mxconv.engine_config checks sizes and model against each one.
+    vllm_backends: dict[str, tuple[str, ...]] = {}
 
     def resolve_options(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
         """``given`` (values, or strings to parse) validated, unknown names refused, defaults filled."""
@@ -264,6 +267,7 @@ class Layout(Protocol):
     version: int  # bump when the bytes this module writes change
     activations: tuple[str, ...]  # accepted --activation values; first is the default
     options: tuple[LayoutOption, ...]  # typed options (--layout-option NAME=VALUE)
+    vllm_backends: dict[str, tuple[str, ...]]  # activation -> vLLM Mxfp4MoeBackend names served
 
     def resolve_options(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
         """Validated options with defaults filled (LayoutBase provides it)."""

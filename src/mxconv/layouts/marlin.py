@@ -359,6 +359,8 @@ class MarlinLayout(LayoutBase):
     name = "marlin"
     version = 1
     activations: tuple[str, ...] = ACTIVATIONS
+    # fp8 is the same backends with VLLM_MARLIN_INPUT_DTYPE=fp8 (W4A8-FP8)
+    vllm_backends = {"bf16": ("MARLIN", "BATCHED_MARLIN"), "fp8": ("MARLIN", "BATCHED_MARLIN")}
     options = (
         LayoutOption(
             "marlin_scale_layout", str, "current",

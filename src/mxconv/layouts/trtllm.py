@@ -276,6 +276,7 @@ class TrtllmLayout(LayoutBase):
     name = BACKEND_NAME
     version = LAYOUT_VERSION
     activations = ACTIVATIONS
+    vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
     options = (
         LayoutOption(
             "intermediate_align", int, DEFAULT_INTERMEDIATE_ALIGN,
