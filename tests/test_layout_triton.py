@@ -415,7 +415,7 @@ def oracle_buffers(c: CanonicalExperts, opts: dict, device: str = "cpu") -> dict
 
 @pytest.mark.parametrize("opts", OPTION_SETS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 @pytest.mark.parametrize("row_order", ["interleaved", "halves"])
-@pytest.mark.parametrize("shape", [(3, 352, 160), (2, 2880, 1440)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(3, 352, 160), (1, 2880, 1440)], ids=lambda s: "x".join(map(str, s)))
 def test_bytes_equal_triton_kernels_oracle(opts: dict, row_order: str, shape: tuple[int, int, int]) -> None:
     o = LAYOUT.resolve_options(opts)
     c = make_stack(*shape, row_order, bias=False, seed=shape[1] + len(row_order))

@@ -2,17 +2,14 @@
 with ``_swizzle_mxfp4`` (``HopperMXValueLayout`` / ``HopperMXScaleLayout``, mx_axis 1) for
 ``matmul_ogs`` on SM90 (spec: docs/layout-triton.md).
 
-Per layer and TP rank (E experts, H hidden, I intermediate):
-
-1. sizes: Ip = roundup(I, 64); Hp = H (vLLM pads no hidden) or roundup(H, 64) with ``pad_hidden``;
-2. w13 rows in the order the fused SwiGLU reads, gate/up pairs ``g0, u0, g1, u1, ...`` (spec §5):
-   gpt-oss keeps its rows, "halves" sources are interleaved (kernel row 2m <- m, 2m+1 <- I + m);
-   the padding pairs m in [I, Ip) follow the real ones; the same row map serves weights, scales
-   and biases (:func:`w13_row_table`);
-3. weights: value padding (generation "3.5": rows to 16, bytes to 32; "3.6": both to 64), the
-   value permutation (spec §3) and the bit twiddle of every 32-bit word (:func:`twiddle_words`);
-4. scales: K/32 zero-padded to a multiple of ``scale_k_align`` (vLLM 0.33: 4), then rows to
-   32 * num_warps and columns to 2, and the scale permutation (spec §4).
+Per layer and TP rank (E experts, H hidden, I intermediate): (1) Ip = roundup(I, 64), Hp = H (or
+roundup(H, 64) with ``pad_hidden``); (2) w13 rows as the fused SwiGLU reads them, gate/up pairs
+``g0, u0, g1, u1, ...``: gpt-oss keeps its rows, "halves" sources are interleaved (spec §5), padding
+pairs follow the real ones; one row map for weights, scales and biases (:func:`w13_row_table`);
+(3) weights: value padding ("3.5": rows to 16, bytes to 32; "3.6": both to 64), the value
+permutation (§3) and the bit twiddle of every 32-bit word (:func:`twiddle_words`); (4) scales: K/32
+zero-padded to a multiple of ``scale_k_align`` (vLLM 0.33: 4), rows to 32 * num_warps, columns to
+2, and the scale permutation (§4).
 
 Stored tensors (the contiguous buffers; an engine wraps ``buf.mT``, spec §8):
 
@@ -95,17 +92,26 @@ def _shift_groups(moves: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 TWIDDLE_GROUPS = _shift_groups(_twiddle_moves())
 UNTWIDDLE_GROUPS = _shift_groups([(dst, src) for src, dst in _twiddle_moves()])
+_TWIDDLE_CHUNK = 1 << 18  # int32 words per CPU pass (1 MB: the working set stays in cache)
 
 
 def twiddle_words(buf: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Spec §3 bit twiddle (or its inverse) of every aligned 4-byte little-endian word of uint8
     ``buf`` [..., 4n]; a new uint8 tensor of the same shape (``21 43 65 87 -> 5D 2C A6 40``).
-    Masking after each (arithmetic) shift keeps only bits that came from inside the word."""
-    words = buf.contiguous().view(torch.int32)
-    out = torch.zeros_like(words)
-    for shift, mask in UNTWIDDLE_GROUPS if inverse else TWIDDLE_GROUPS:
-        out |= (words << shift if shift >= 0 else words >> -shift) & mask
-    return out.view(torch.uint8)
+    Masking after each (arithmetic) shift keeps only bits that came from inside the word. On CPU
+    it runs in cache-sized chunks (about 10x faster than whole-tensor passes)."""
+    words = buf.contiguous().view(torch.int32).view(-1)
+    out = torch.empty_like(words)
+    step = _TWIDDLE_CHUNK if words.device.type == "cpu" else max(words.numel(), 1)
+    tmp = torch.empty(min(step, words.numel()), dtype=torch.int32, device=words.device)
+    for i in range(0, words.numel(), step):
+        w, acc = words[i : i + step], out[i : i + step]
+        t = tmp[: w.numel()]
+        acc.zero_()
+        for shift, mask in UNTWIDDLE_GROUPS if inverse else TWIDDLE_GROUPS:
+            torch.bitwise_left_shift(w, shift, out=t) if shift >= 0 else torch.bitwise_right_shift(w, -shift, out=t)
+            acc |= t.bitwise_and_(mask)
+    return out.view(torch.uint8).view(buf.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,11 +160,6 @@ def unpermute_scales(buf: torch.Tensor, num_warps: int) -> torch.Tensor:
     _need(rows % W == 0 and cols % 64 == 0, f"Hopper scale buffer [{rows}, {cols}] does not fit num_warps {W}")
     t = buf.reshape(E, rows // W, W, cols // 64, 2, 8, 2, 2)  # m0 w k0 i1 i4 k1 i3
     return t.permute(0, 1, 4, 2, 7, 5, 3, 6).reshape(E, 32 * rows, cols // 32)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sizes and row tables
-# ---------------------------------------------------------------------------------------------
 
 
 def w13_row_table(intermediate: int, row_order: str, rows: int, device: torch.device | str | None = None) -> torch.Tensor:
