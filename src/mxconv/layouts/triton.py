@@ -255,6 +255,9 @@ class TritonLayout(LayoutBase):
     name = BACKEND_NAME
     version = LAYOUT_VERSION
     activations: tuple[str, ...] = ("bf16",)
+    # vLLM 0.33 holds these bytes for gpt-oss (interleaved) sources; for halves sources its TRITON
+    # branch interleaves the K axis instead of the rows (spec §5) and its OAI experts run swigluoai only.
+    vllm_backends = {"bf16": ("TRITON",)}
     options = (
         LayoutOption("triton_layout", str, "3.5", "triton_kernels Hopper value-layout generation: 3.5 (vendored by "
                      "vLLM 0.12-0.33; rows to 16, K/2 to 32) or 3.6 (vLLM 0.20, triton main; both to 64)",
