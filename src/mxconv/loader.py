@@ -1,0 +1,292 @@
+"""Load one MoE layer of a kernel-layout mxconv output straight into the engine's kernel objects.
+
+Public API::
+
+    from mxconv.loader import load_layer
+    layer = load_layer("out/", 3)                      # a TP=1 output, or load_layer("out/rank-1", 3)
+    y = layer.forward(hidden, topk_ids, topk_weights)  # hidden [T, H] bf16 on the GPU -> [T, H] bf16
+    y = layer.forward(hidden, logits=router_logits)    # or route with the engine's own top-k
+
+``load_layer`` reads ``mxconv.json`` (at ``path``, or in the parent of a ``rank-N/`` directory of a
+TP output), reads only that layer's expert tensors with safetensors ``safe_open`` straight to the
+device — no re-layout, no copy beyond the read — and returns an :class:`EngineLayer` holding
+exactly what the engine's kernel takes:
+
+* ``--backend triton``: triton_kernels ``Tensor``s (Hopper MX value/scale layouts wrapping the
+  stored buffers as ``buf.mT`` views), their ``PrecisionConfig``s and fp32 biases
+  (:class:`mxconv.engines.triton_moe.TritonExperts`);
+* ``--backend marlin``: int32 weights, float8_e8m0fnu scales, bf16 biases and the kernel workspace
+  (:class:`mxconv.engines.marlin_moe.MarlinExperts`).
+
+Needs the kernels and an SM90 GPU (see :mod:`mxconv.engines.discover`); reading alone
+(:func:`resolve_layer`, :func:`read_layer_tensors`) works anywhere, CPU included.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxconv.checkpoint import MANIFEST_NAME
+from mxconv.errors import BadInput
+from mxconv.families.base import ModelInfo
+from mxconv.manifest import load_manifest
+
+ENGINE_BACKENDS = ("triton", "marlin")
+EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
+_RANK_DIR = re.compile(r"^rank-(\d+)$")
+
+
+@dataclass(frozen=True)
+class LayerSource:
+    """Where one layer's expert tensors of one rank live. ``files[key]`` / ``names[key]`` for each
+    stored kernel tensor ``key`` in :data:`EXPERT_TENSORS` (biases only when the model has them)."""
+
+    root: Path  # the directory holding mxconv.json
+    manifest: dict[str, Any]
+    layer: int
+    rank: int
+    module_prefix: str
+    files: dict[str, Path]
+    names: dict[str, str]
+    intermediate_size: int  # this rank's share I_r (unpadded)
+
+    @property
+    def backend(self) -> str:
+        return str(self.manifest["backend"])
+
+    @property
+    def tp_size(self) -> int:
+        return int(self.manifest.get("tp_size") or 1)
+
+
+def model_info(manifest: dict[str, Any]) -> ModelInfo:
+    """The manifest's ``model`` object as a :class:`ModelInfo`."""
+    d = dict(manifest["model"])
+    d["moe_layers"] = tuple(d.get("moe_layers", ()))
+    known = set(ModelInfo.__dataclass_fields__)
+    return ModelInfo(**{k: v for k, v in d.items() if k in known})
+
+
+def _find_root(path: Path, rank: int | None) -> tuple[Path, int | None]:
+    """(directory holding mxconv.json, rank) for an output root or one of its rank-N/ directories."""
+    if (path / MANIFEST_NAME).is_file():
+        return path, rank
+    m = _RANK_DIR.match(path.name)
+    if m and (path.parent / MANIFEST_NAME).is_file():
+        dir_rank = int(m.group(1))
+        if rank is not None and rank != dir_rank:
+            raise BadInput(f"{path}: is the directory of rank {dir_rank}, but rank={rank} was asked for")
+        return path.parent, dir_rank
+    raise BadInput(f"{path}: no {MANIFEST_NAME} here or in its parent (not an mxconv kernel-layout output or one of its rank-N/ directories)")
+
+
+def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, manifest: dict[str, Any] | None = None) -> LayerSource:
+    """Find layer ``layer``'s expert tensors (of ``rank`` for a TP output) from the manifest.
+
+    ``path`` is an output root (``mxconv.json`` there) or a ``rank-N/`` directory of a TP output.
+    BadInput for a canonical checkpoint, a backend without an engine runner, a TP output without a
+    rank, a rank or layer that does not exist, or tensors the manifest does not list.
+    """
+    root, rank = _find_root(Path(path).expanduser().resolve(), rank)
+    m = manifest if manifest is not None else load_manifest(root)
+    if m.get("kind") != "kernel":
+        raise BadInput(f"{root}: a {m.get('kind')} checkpoint; load_layer reads kernel-layout outputs (mxconv repack)")
+    backend = m.get("backend")
+    if backend not in ENGINE_BACKENDS:
+        raise BadInput(f"{root}: backend {backend!r} has no engine runner in mxconv (runners: {', '.join(ENGINE_BACKENDS)})")
+    tp = int(m.get("tp_size") or 1)
+    if tp > 1 and rank is None:
+        raise BadInput(f"{root}: a TP output with {tp} ranks; pass rank=0..{tp - 1} or the rank-N/ directory")
+    rank = 0 if rank is None else int(rank)
+    if not 0 <= rank < tp:
+        raise BadInput(f"{root}: rank {rank} does not exist (tp_size {tp}: ranks 0..{tp - 1})")
+    entry = next((l for l in m.get("layers", []) if int(l["layer"]) == int(layer)), None)
+    if entry is None:
+        have = sorted(int(l["layer"]) for l in m.get("layers", []))
+        raise BadInput(f"{root}: no MoE layer {layer} in the manifest (layers: {have})")
+    prefix = str(entry["module_prefix"])
+    key_prefix = f"rank-{rank}/" if tp > 1 else ""
+    table = m.get("tensors", {})
+    files: dict[str, Path] = {}
+    names: dict[str, str] = {}
+    for key in EXPERT_TENSORS:
+        name = f"{prefix}.experts.{key}"
+        info = table.get(key_prefix + name)
+        if info is None:
+            if key.endswith("bias"):
+                continue
+            raise BadInput(f"{root}: the manifest lists no {key_prefix}{name}")
+        files[key], names[key] = root / info["file"], name
+    if ("w13_bias" in files) != ("w2_bias" in files):
+        raise BadInput(f"{root}: layer {layer} has only one of w13_bias / w2_bias")
+    lay = m["layout"]
+    ranges = lay.get("tp_ranges") or [[0, int(lay["intermediate_size"])]]
+    if len(ranges) != tp:
+        raise BadInput(f"{root}: manifest layout.tp_ranges has {len(ranges)} entries for tp_size {tp}")
+    start, end = (int(v) for v in ranges[rank])
+    return LayerSource(root, m, int(layer), rank, prefix, files, names, end - start)
+
+
+def read_layer_tensors(src: LayerSource, device: str | torch.device = "cuda") -> dict[str, torch.Tensor]:
+    """The stored expert tensors of ``src`` (keys of :data:`EXPERT_TENSORS`) read with safetensors
+    ``safe_open`` onto ``device``, dtypes and shapes as written (mxconv's own reader + one copy
+    when the installed safetensors cannot read a dtype, e.g. F8_E8M0 before 0.8)."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for key, f in src.files.items():
+        by_file.setdefault(f, []).append(key)
+    out: dict[str, torch.Tensor] = {}
+    dev = str(torch.device(device))
+    for f, keys in by_file.items():
+        if not f.is_file():
+            raise BadInput(f"{f}: missing (named by {src.root / MANIFEST_NAME})")
+        try:
+            with safe_open(str(f), framework="pt", device=dev) as handle:
+                for key in keys:
+                    out[key] = handle.get_tensor(src.names[key])
+        except Exception as exc:  # safetensors' own error type, or a dtype it cannot read
+            out.update(_read_fallback(f, {k: src.names[k] for k in keys}, dev, exc))
+    return out
+
+
+def _read_fallback(f: Path, names: dict[str, str], device: str, exc: Exception) -> dict[str, torch.Tensor]:
+    from mxconv.st_format import read_header, read_tensor
+
+    infos, _ = read_header(f)
+    missing = [n for n in names.values() if n not in infos]
+    if missing:
+        raise BadInput(f"{f}: does not hold {missing} ({type(exc).__name__}: {exc})")
+    return {key: read_tensor(infos[name]).to(device) for key, name in names.items()}
+
+
+@dataclass
+class EngineLayer:
+    """One rank of one MoE layer, held as the engine's kernel takes it (``experts``), and its forward.
+
+    ``experts`` is a :class:`~mxconv.engines.triton_moe.TritonExperts` or a
+    :class:`~mxconv.engines.marlin_moe.MarlinExperts`; ``tensors`` the stored tensors it wraps.
+    """
+
+    backend: str
+    layer: int
+    rank: int
+    tp_size: int
+    info: ModelInfo
+    experts: Any
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors["w13_weight"].device
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        *,
+        logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This rank's MoE output for ``hidden`` [T, H] (bf16; other floats are cast) on the layer's
+        device -> [T, H] bf16 (a TP rank's partial sum: add the ranks' outputs).
+
+        Routing: ``topk_ids`` [T, k] integer + ``topk_weights`` [T, k] float (any family), or router
+        ``logits`` [T, E] for the softmax routings (top-k of the logits then softmax, or softmax,
+        top-k and renormalisation per the model's ``norm_topk_prob``).
+        """
+        if hidden.dim() != 2 or hidden.shape[1] != self.info.hidden_size:
+            raise BadInput(f"hidden must be [T, {self.info.hidden_size}], got {list(hidden.shape)}")
+        x = hidden.to(self.device, torch.bfloat16)
+        if topk_ids is None and logits is None:
+            raise BadInput("forward: give topk_ids and topk_weights, or logits")
+        if topk_ids is not None and topk_weights is None:
+            raise BadInput("forward: topk_ids given without topk_weights")
+        if topk_ids is not None:
+            topk_ids, topk_weights = topk_ids.to(self.device), topk_weights.to(self.device)  # type: ignore[union-attr]
+        elif logits is not None:
+            logits = logits.to(self.device)
+        renormalize = self.info.routing == "topk_softmax" or bool(self.info.norm_topk_prob)
+        if logits is not None and topk_ids is None and self.info.routing not in ("topk_softmax", "softmax_topk"):
+            raise BadInput(f"forward(logits=...) supports the softmax routings; {self.info.routing!r} needs topk_ids/topk_weights")
+        if self.backend == "triton":
+            route = self.experts.routing(topk_ids, topk_weights, logits, self.info.top_k, renormalize)
+            return self.experts.forward(x, route)
+        if topk_ids is None:
+            topk_ids, topk_weights = _softmax_topk(logits, self.info.top_k, renormalize, self.info.routing)  # type: ignore[arg-type]
+        return self.experts.forward(x, topk_ids, topk_weights)
+
+
+def _softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, routing: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids int32 / weights fp32 from router logits [T, E] (the softmax routings)."""
+    logits = logits.float()
+    if routing == "topk_softmax":
+        vals, ids = torch.topk(logits, k, dim=-1)
+        return ids.to(torch.int32), torch.softmax(vals, dim=-1)
+    w, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), w
+
+
+def check_device(backend: str, device: str | torch.device) -> None:
+    """BadInput unless ``device`` is a GPU the ``backend``'s engine kernel runs on (checked before
+    any byte is read)."""
+    from mxconv.engines import discover
+
+    if backend == "triton":
+        discover.check_gpu(device, exact=discover.HOPPER, what="triton_kernels' Hopper MX matmul")
+    else:
+        discover.check_gpu(device, exact=None, minimum=discover.MARLIN_MIN_CAPABILITY, what="vLLM's Marlin MoE kernel")
+
+
+def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor]) -> EngineLayer:
+    """Wrap ``tensors`` (from :func:`read_layer_tensors`, on a CUDA device) for the engine kernel
+    of ``src.backend``, after finding the kernels and checking the GPU (BadInput otherwise)."""
+    from mxconv.engines import discover
+
+    m, lay = src.manifest, src.manifest["layout"]
+    info = model_info(m)
+    device = tensors["w13_weight"].device
+    H, Hp = int(lay["hidden_size"]), int(lay["padded_hidden_size"])
+    where = f"{src.root} layer {src.layer}" + (f" rank {src.rank}" if src.tp_size > 1 else "")
+    common = dict(num_experts=int(info.num_experts), hidden_size=H, padded_hidden_size=Hp, layout=lay,
+                  activation=info.activation, swiglu_alpha=info.swiglu_alpha, swiglu_limit=info.swiglu_limit, name=where)
+    if src.backend == "triton":
+        check_device(src.backend, device)
+        tk = discover.find_triton_kernels()
+        discover.require_triton_generation(tk, str(lay.get("triton_layout", "3.5")))
+        from mxconv.engines import triton_moe
+
+        align = int(lay.get("intermediate_align", 64))
+        ip = int(lay["padded_intermediate_size"]) if src.tp_size == 1 else -(-src.intermediate_size // align) * align
+        experts: Any = triton_moe.build_experts(tk, tensors, padded_intermediate_size=ip, **common)
+    else:
+        check_device(src.backend, device)
+        discover.find_marlin_ops()
+        from mxconv.engines import marlin_moe
+
+        ip = int(tensors["w2_weight"].shape[1]) * 16  # what vLLM reads it from (Ip = w2.shape[1] * 16)
+        experts = marlin_moe.build_experts(tensors, padded_intermediate_size=ip, row_order=str(lay["w13_row_order"]), **common)
+    return EngineLayer(src.backend, src.layer, src.rank, src.tp_size, info, experts, tensors)
+
+
+def load_layer(path: str | Path, layer: int, *, device: str | torch.device = "cuda", rank: int | None = None) -> EngineLayer:
+    """Read layer ``layer`` of the kernel-layout output at ``path`` (root or ``rank-N/``) onto
+    ``device`` and wrap it for the engine kernel. See the module docstring."""
+    src = resolve_layer(path, layer, rank=rank)
+    check_device(src.backend, device)
+    return build_engine_layer(src, read_layer_tensors(src, device))
+
+
+def load_layer_from_manifest(root: str | Path, manifest: dict[str, Any], layer: int, *, rank: int | None = None,
+                             device: str | torch.device = "cuda") -> EngineLayer:  # fmt: skip
+    """:func:`load_layer` with the manifest already read (``root`` is the directory holding it)."""
+    src = resolve_layer(root, layer, rank=rank, manifest=manifest)
+    check_device(src.backend, device)
+    return build_engine_layer(src, read_layer_tensors(src, device))

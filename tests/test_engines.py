@@ -1,0 +1,288 @@
+"""The engines' own Hopper kernels on the bytes mxconv writes (mxconv.engines, mxconv.loader).
+
+(a) CPU: discovery errors (exit-2 BadInput naming what is missing and how to provide it), GPU
+    check messages, manifest/rank resolution and reads of real repack outputs, the Marlin type id
+    and block sizes, and the triton_kernels objects wrapped from stored buffers == the objects
+    triton_kernels' own ``convert_layout`` builds (what vLLM's ``_swizzle_mxfp4`` does).
+(b) GPU (``-m gpu``): tiny gpt-oss-style and Qwen-style layers, quantized and repacked for marlin
+    and triton, loaded and run through vLLM's Marlin MoE GEMM / triton_kernels' matmul_ogs, against
+    ``mxconv.runner.moe_forward`` on the canonical MXFP4 weights; planted layout bugs (swapped
+    experts, swapped gate/up, permuted scale bytes, one flipped scale byte) must exceed the bound.
+    Kernels come from ``MXCONV_TRITON_KERNELS`` / ``MXCONV_MARLIN_OPS``; absent -> skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mxconv.cli import app
+from mxconv.engines import discover, kernel_unavailable, marlin_moe, triton_moe
+from mxconv.errors import BadInput
+from mxconv.loader import read_layer_tensors, resolve_layer
+from mxconv.testing import make_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+KERN = REPO / ".kern"
+HAS_CUDA = torch.cuda.is_available()
+cli = CliRunner()
+
+
+def mx(*args: object) -> None:
+    r = cli.invoke(app, [str(a) for a in args])
+    assert r.exit_code == 0, r.stdout + r.stderr
+
+
+def _in_fresh_python(code: str, env: dict[str, str | None]) -> dict:
+    """Run ``code`` (which prints one JSON line) in a clean interpreter with ``env`` changes;
+    skip when that interpreter finds an installed triton_kernels / vLLM (found before env vars)."""
+    full = dict(os.environ)
+    for k, v in env.items():
+        if v is None:
+            full.pop(k, None)
+        else:
+            full[k] = v
+    guard = (
+        "import importlib.util, json, sys\n"
+        "if importlib.util.find_spec('triton_kernels') or importlib.util.find_spec('vllm'):\n"
+        "    print(json.dumps({'skip': 'an installed triton_kernels / vLLM is found before the env var'})); sys.exit(0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", guard + code], capture_output=True, text=True, env=full, cwd=str(REPO), timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(got["skip"])
+    return got
+
+
+_CATCH = """
+import json
+from mxconv.errors import BadInput
+from mxconv.engines import discover
+try:
+    {call}
+    print(json.dumps({{"ok": True}}))
+except BadInput as e:
+    print(json.dumps({{"ok": False, "exit": e.exit_code, "msg": str(e)}}))
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) CPU: discovery
+# ---------------------------------------------------------------------------------------------
+
+
+def test_triton_kernels_explicit_path_missing(tmp_path: Path) -> None:
+    with pytest.raises(BadInput) as err:
+        discover.find_triton_kernels(tmp_path / "nowhere")
+    assert err.value.exit_code == 2
+    msg = str(err.value)
+    assert "no triton_kernels/ package" in msg and str(tmp_path / "nowhere") in msg
+    assert discover.TRITON_KERNELS_ENV in msg and "vLLM" in msg
+
+
+@pytest.mark.parametrize("env_value", [None, "/nonexistent/kern"])
+def test_triton_kernels_env(env_value: str | None) -> None:
+    got = _in_fresh_python(_CATCH.format(call="discover.find_triton_kernels()"), {discover.TRITON_KERNELS_ENV: env_value})
+    assert not got["ok"] and got["exit"] == 2
+    assert discover.TRITON_KERNELS_ENV in got["msg"]
+    if env_value is None:
+        assert "not found" in got["msg"] and "unset" in got["msg"]
+    else:
+        assert env_value in got["msg"] and "no triton_kernels/ package" in got["msg"]
+
+
+@pytest.mark.skipif(not (KERN / "triton_kernels").is_dir(), reason=".kern/triton_kernels (vLLM 0.33's vendored copy) not extracted")
+def test_triton_kernels_vendored_copy_imports_on_cpu() -> None:
+    got = _in_fresh_python(
+        "import json; from mxconv.engines import discover\n"
+        "tk = discover.find_triton_kernels()\n"
+        "print(json.dumps({'origin': tk.origin, 'generation': tk.generation, 'location': tk.location}))",
+        {discover.TRITON_KERNELS_ENV: str(KERN)},
+    )
+    assert got["origin"] == "env" and got["generation"] == "3.5" and got["location"].endswith("triton_kernels")
+
+
+@pytest.mark.parametrize("env_value", [None, "/nonexistent/_moe_C.so"])
+def test_marlin_ops_env(env_value: str | None) -> None:
+    got = _in_fresh_python(_CATCH.format(call="discover.find_marlin_ops()"), {discover.MARLIN_OPS_ENV: env_value})
+    assert not got["ok"] and got["exit"] == 2
+    assert discover.MARLIN_OPS_ENV in got["msg"] and "install vLLM" in got["msg"]
+    if env_value:
+        assert env_value in got["msg"] and "no such file" in got["msg"]
+    else:
+        assert "moe_wna16_marlin_gemm" in got["msg"] and "unset" in got["msg"]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")
+@pytest.mark.skipif(not (KERN / "_moe_C_stable_libtorch.abi3.so").is_file(), reason=".kern/_moe_C_stable_libtorch.abi3.so not extracted")
+def test_marlin_ops_library_that_cannot_load() -> None:
+    lib = KERN / "_moe_C_stable_libtorch.abi3.so"
+    got = _in_fresh_python(_CATCH.format(call="discover.find_marlin_ops()"), {discover.MARLIN_OPS_ENV: str(lib)})
+    assert not got["ok"] and got["exit"] == 2
+    assert "cannot load" in got["msg"] and str(lib) in got["msg"] and "CUDA" in got["msg"]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")
+def test_gpu_check_without_cuda() -> None:
+    with pytest.raises(BadInput) as err:
+        discover.check_gpu("cuda", exact=discover.HOPPER, what="X")
+    assert err.value.exit_code == 2
+    assert "capability 9.0" in str(err.value) and "found none" in str(err.value)
+
+
+def test_gpu_check_names_the_device_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "FakeA100")
+    with pytest.raises(BadInput) as err:
+        discover.check_gpu("cuda", exact=discover.HOPPER, what="triton")
+    assert "SM90" in str(err.value) and "FakeA100" in str(err.value) and "8.0" in str(err.value)
+    info = discover.check_gpu("cuda:0", exact=None, minimum=discover.MARLIN_MIN_CAPABILITY)
+    assert info.capability == (8, 0) and info.name == "FakeA100"
+    with pytest.raises(BadInput, match="runs on a CUDA device"):
+        discover.check_gpu("cpu", exact=None)
+
+
+def test_marlin_type_id_and_block_sizes() -> None:
+    # float4_e2m1f: exponent 2 (bits 0-7), mantissa 1 (8-15), signed (16), bias 0 (17-48),
+    # finite values only (49), NaN representation NONE = 0 (50-57)
+    assert marlin_moe.FLOAT4_E2M1F_ID == 2 | (1 << 8) | (1 << 16) | (1 << 49)
+    assert marlin_moe.moe_block_size(1, 4, 128) == 8
+    assert marlin_moe.moe_block_size(64, 2, 8) == 32
+    assert marlin_moe.moe_block_size(100000, 4, 32) == 64
+    assert marlin_moe.align_buffer_sizes(128, 8, 16) == (128 + 8 * 15, -(-(128 + 8 * 15) // 16))
+    assert marlin_moe.align_buffer_sizes(2, 8, 16) == (32, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) CPU: manifest / rank resolution on real repack outputs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_outputs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("engines-cpu")
+    make_checkpoint(root / "src", "gpt-oss-bf16", hidden_size=128, intermediate_size=96)
+    mx("quantize", root / "src", root / "q4", "--quiet", "--device", "cpu")
+    mx("repack", root / "q4", root / "marlin", "--backend", "marlin", "--quiet", "--device", "cpu")
+    mx("repack", root / "q4", root / "marlin-tp2", "--backend", "marlin", "--tp", "2", "--quiet", "--device", "cpu")
+    return root
+
+
+def test_resolve_layer_root_and_rank_dirs(cpu_outputs: Path) -> None:
+    src = resolve_layer(cpu_outputs / "marlin", 1)
+    assert src.rank == 0 and src.tp_size == 1 and src.intermediate_size == 96
+    assert set(src.files) == {"w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias"}
+    assert all(n.startswith("model.layers.1.mlp.experts.") for n in src.names.values())
+    tensors = read_layer_tensors(src, "cpu")
+    assert tensors["w13_weight"].dtype == torch.int32 and tuple(tensors["w13_weight"].shape) == (4, 256 // 16, 4 * 128)
+    assert tensors["w13_weight_scale"].dtype == torch.float8_e8m0fnu and tensors["w2_bias"].dtype == torch.bfloat16
+
+    r1 = resolve_layer(cpu_outputs / "marlin-tp2" / "rank-1", 0)
+    assert r1.rank == 1 and r1.root == (cpu_outputs / "marlin-tp2").resolve() and r1.intermediate_size == 32
+    assert all(f.parent.name == "rank-1" for f in r1.files.values())
+    assert resolve_layer(cpu_outputs / "marlin-tp2", 0, rank=0).intermediate_size == 64
+    t1 = read_layer_tensors(r1, "cpu")
+    assert not bool(t1["w2_bias"].float().any())  # the w2 bias lives on rank 0 only
+
+
+@pytest.mark.parametrize(
+    "where, layer, kwargs, needle",
+    [
+        ("marlin-tp2", 0, {}, "pass rank=0..1"),
+        ("marlin-tp2", 0, {"rank": 2}, "rank 2 does not exist"),
+        ("marlin-tp2/rank-1", 0, {"rank": 0}, "is the directory of rank 1"),
+        ("q4", 0, {}, "canonical checkpoint"),
+        ("marlin", 7, {}, "no MoE layer 7"),
+        ("src", 0, {}, "no mxconv.json"),
+    ],
+)
+def test_resolve_layer_errors(cpu_outputs: Path, where: str, layer: int, kwargs: dict, needle: str) -> None:
+    with pytest.raises(BadInput) as err:
+        resolve_layer(cpu_outputs / where, layer, **kwargs)
+    assert needle in str(err.value) and err.value.exit_code == 2
+
+
+def test_kernel_unavailable_says_why(cpu_outputs: Path) -> None:
+    m = json.loads((cpu_outputs / "marlin" / "mxconv.json").read_text())
+    assert "no engine kernel runner" in kernel_unavailable({**m, "backend": "trtllm"})
+    if not HAS_CUDA:
+        assert "CUDA" in kernel_unavailable(m)
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) CPU: wrapped buffers == triton_kernels' own convert_layout (vLLM's _swizzle_mxfp4)
+# ---------------------------------------------------------------------------------------------
+
+
+def _triton_layout():
+    from mxconv.layouts import get_layout
+
+    try:
+        return get_layout("triton")
+    except (BadInput, ImportError, AttributeError) as exc:
+        pytest.skip(f"mxconv.layouts.triton not available: {exc}")
+
+
+def _vendored_triton_kernels() -> discover.TritonKernels:
+    try:
+        return discover.find_triton_kernels(os.environ.get(discover.TRITON_KERNELS_ENV) or (KERN if (KERN / "triton_kernels").is_dir() else None))
+    except BadInput as exc:
+        pytest.skip(f"triton_kernels not available: {exc}")
+
+
+@pytest.mark.parametrize("row_order", ["interleaved", "halves"])
+def test_wrapped_buffers_equal_convert_layout(row_order: str) -> None:
+    from mxconv.layouts.base import CanonicalExperts, pad_canonical, round_up
+
+    layout, tk = _triton_layout(), _vendored_triton_kernels()
+    tensor_mod = triton_moe._tk(tk, "tensor")
+    lay_mod = triton_moe._tk(tk, "tensor_details.layout")
+    g = torch.Generator().manual_seed(1)
+    E, H, I = 3, 128, 96
+    u8 = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.int32).to(torch.uint8)  # noqa: E731
+    c = CanonicalExperts(u8(E, 2 * I, H // 2), u8(E, 2 * I, H // 32), u8(E, H, I // 2), u8(E, H, I // 32), None, None, row_order)
+    stored = layout.to_kernel(c, "bf16", layout.resolve_options({}))
+    if row_order == "halves":  # kernel rows are gate/up pairs
+        il = lambda t: torch.stack([t[:, :I], t[:, I:]], dim=2).reshape(E, 2 * I, -1)  # noqa: E731
+        c = CanonicalExperts(il(c.w13), il(c.w13_scale), c.w2, c.w2_scale, None, None, "interleaved")
+    Ip = round_up(I, 64)
+    p = pad_canonical(c, H, Ip)
+    for name, w, s, geo in (
+        ("w13", p.w13, p.w13_scale, triton_moe.MatrixGeometry(E, 2 * Ip, H, "3.5", 8, 4)),
+        ("w2", p.w2, p.w2_scale, triton_moe.MatrixGeometry(E, H, Ip, "3.5", 8, 4)),
+    ):
+        s4 = torch.nn.functional.pad(s, (0, round_up(s.shape[-1], 4) - s.shape[-1]))  # vLLM 0.33's K/32 pad
+        want_w = tensor_mod.convert_layout(tensor_mod.wrap_torch_tensor(w.transpose(-2, -1), tensor_mod.FP4), lay_mod.HopperMXValueLayout, mx_axis=1)
+        want_s = tensor_mod.convert_layout(tensor_mod.wrap_torch_tensor(s4.transpose(-2, -1)), lay_mod.HopperMXScaleLayout, mx_axis=1, num_warps=8)
+        got_w, pc = triton_moe.wrap_matrix(tk, stored[f"{name}_weight"], stored[f"{name}_weight_scale"], geo, name)
+        for want, got in ((want_w, got_w), (want_s, pc.weight_scale)):
+            a, b = want.storage.data, got.storage.data
+            assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b), name
+            assert list(want.shape) == list(got.shape) and list(want.shape_max) == list(got.shape_max) and want.dtype == got.dtype
+            la, lb = want.storage.layout, got.storage.layout
+            assert type(la) is type(lb)
+            norm = lambda d: {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in vars(d).items()}  # noqa: E731
+            assert norm(la) == norm(lb)
+            assert b.data_ptr() == stored[f"{name}_weight" if got is got_w else f"{name}_weight_scale"].data_ptr()  # a view
+
+
+def test_wrap_refuses_wrong_buffer_shape() -> None:
+    tk = _vendored_triton_kernels()
+    geo = triton_moe.MatrixGeometry(2, 128, 128, "3.5", 8, 4)
+    w = torch.zeros(geo.value_buffer_shape, dtype=torch.uint8)
+    s = torch.zeros(geo.scale_buffer_shape, dtype=torch.uint8)
+    with pytest.raises(BadInput, match="w13_weight_scale"):
+        triton_moe.wrap_matrix(tk, w, s[:, :-1], geo, "w13")
+    with pytest.raises(BadInput, match="contiguous"):
+        triton_moe.wrap_matrix(tk, w.transpose(1, 2).contiguous().transpose(1, 2), s, geo, "w13")
