@@ -22,7 +22,7 @@ from mxconv.checkpoint import Checkpoint, layer_index, open_checkpoint
 from mxconv.errors import BadInput, LayoutError
 from mxconv.families import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MXStack, detect_family
 from mxconv.layouts import LayoutSizes, get_layout
-from mxconv.layouts.base import CanonicalExperts
+from mxconv.layouts.base import CanonicalExperts, unpad_canonical
 from mxconv.manifest import load_manifest
 from mxconv.runner import Comparison, ExpertFn, compare, hidden_states, moe_forward, route
 from mxconv.st_format import iter_tensor_chunks, read_tensor
@@ -201,7 +201,8 @@ def kernel_layer_canonical(
         names = {k: f"{prefix}.experts.{k}" for k in ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")}
         tensors = {k: read_tensor(ckpt.tensors[n]) for k, n in names.items() if n in ckpt.tensors}
         s, e = ranges[rank]
-        rank_sizes = LayoutSizes(sizes.num_experts, sizes.hidden_size, e - s, sizes.padded_hidden_size,
+        # every rank was laid out at the widest rank's width (slice_tp's pad_to), then padded
+        rank_sizes = LayoutSizes(sizes.num_experts, sizes.hidden_size, sizes.intermediate_size, sizes.padded_hidden_size,
                                  sizes.padded_intermediate_size, sizes.row_order, sizes.has_bias)
         tag = f"{prefix}.experts" + (f" (rank {rank})" if len(ckpts) > 1 else "")
         try:
@@ -214,6 +215,12 @@ def kernel_layer_canonical(
             stored = tensors.get(k)
             if stored is None or stored.shape != t.shape or not torch.equal(stored.view(torch.uint8), t.contiguous().view(torch.uint8)):
                 problems.append(f"{tag}.{k}: bytes are not what the {backend} layout of their own inverse gives")
+                return None
+        if e - s < sizes.intermediate_size:
+            try:
+                canon = unpad_canonical(canon, sizes.hidden_size, e - s)
+            except LayoutError as exc:
+                problems.append(f"{tag}: not a valid {backend} layout: {exc}")
                 return None
         if canon.w2_bias is not None and rank > 0 and bool(canon.w2_bias.any()):
             problems.append(f"{tag}.w2_bias: must be zero on ranks other than 0")

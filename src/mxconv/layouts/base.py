@@ -533,12 +533,14 @@ def tp_ranges(intermediate_size: int, tp: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int) -> CanonicalExperts:
+def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int, pad_to: int | None = None) -> CanonicalExperts:
     """Rank's share of a canonical stack: intermediate channels [start, end).
 
     w13 rows: interleaved -> [2*start, 2*end); halves -> gate[start:end] ++ up[start:end].
     w2 columns: bytes [start/2, end/2), scale columns [start/32, end/32).
     w2 bias: kept on rank 0 only, zero on the others (the engine sums rank outputs).
+    ``pad_to``: zero-pad a narrower last rank to this intermediate width (the widest rank's), so
+    every rank's kernel tensors have one shape; the bytes equal padding straight to the layout's Ip.
     """
     I = c.intermediate_size
     if c.row_order == "interleaved":
@@ -555,7 +557,7 @@ def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int) -> CanonicalE
     w2_bias = c.w2_bias
     if w2_bias is not None and rank != 0:
         w2_bias = torch.zeros_like(w2_bias)
-    return CanonicalExperts(
+    part = CanonicalExperts(
         w13=rows(c.w13).contiguous(),
         w13_scale=rows(c.w13_scale).contiguous(),
         w2=c.w2[..., start // 2 : end // 2].contiguous(),
@@ -564,3 +566,6 @@ def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int) -> CanonicalE
         w2_bias=None if w2_bias is None else w2_bias.contiguous(),
         row_order=c.row_order,
     )
+    if pad_to is not None and pad_to > end - start:
+        part = pad_canonical(part, part.hidden_size, pad_to)
+    return part
