@@ -12,7 +12,7 @@ from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.families.gpt_oss import MODULES_TO_NOT_CONVERT
-from mxconv.layouts import backend_names
+from mxconv.layouts import backend_names, get_layout
 from mxconv.testing import KINDS, make_checkpoint
 from mxconv.verify import verify
 
@@ -36,7 +36,7 @@ def test_family_end_to_end(kind: str, tmp_path: Path) -> None:
         assert 0.08 < s["relative_rms_error"] < 0.16  # MXFP4 weight error (mx-numerics §6)
     for backend in backend_names():
         k = tmp_path / f"k-{backend}"
-        _convert(q4, k, QuantOptions(), RepackOptions(backend, "bf16"))
+        _convert(q4, k, QuantOptions(), RepackOptions(backend, get_layout(backend).activations[0]))  # its default
         rep = verify(k, reference=str(q4), tokens=16)
         assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
         assert all(r.layout == "bit-exact" for r in rep.layers)

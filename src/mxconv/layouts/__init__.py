@@ -30,6 +30,7 @@ _REGISTRY: dict[str, Any] = {
     "marlin": "mxconv.layouts.marlin:LAYOUT",
     "aiter": "mxconv.layouts.aiter:LAYOUT",
     "triton": "mxconv.layouts.triton:LAYOUT",
+    "deepgemm": "mxconv.layouts.deepgemm:LAYOUT",
 }
 
 

@@ -1,0 +1,197 @@
+"""DeepGEMM MXFP4 MoE layout: the expert tensors vLLM 0.33's ``DEEPGEMM_MXFP4`` backend holds after
+loading (spec: docs/layout-deepgemm.md; FP8 activations x MXFP4 weights on SM100/SM120).
+
+Per layer and TP rank (E experts, H hidden, I intermediate), Hp = roundup(H, 128), Ip = roundup(I, 128):
+
+| name             | shape             | dtype | content |
+|------------------|-------------------|-------|---------|
+| w13_weight       | [E, 2Ip, Hp/2]    | uint8 | canonical bytes, zero-padded (halves: each half on its own) |
+| w13_weight_scale | [E, Hp/128, 2Ip]  | int32 | packed UE8M0, MN-major: word [e, j, n] = scale bytes (n, 4j..4j+3), low byte first |
+| w2_weight        | [E, Hp, Ip/2]     | uint8 | canonical bytes, zero-padded |
+| w2_weight_scale  | [E, Ip/128, Hp]   | int32 | as w13 |
+| w13_bias         | [E, 2Ip]          | bfloat16 | only with biases; passed through by vLLM (its kernel never reads them) |
+| w2_bias          | [E, Hp]           | bfloat16 | |
+
+The scale tensors are the storage of the engine's tensor: vLLM holds ``stored.transpose(1, 2)``
+(shape [E, N, K/128], strides (N*K/128, 1, N)), which is what DeepGEMM's
+``get_mn_major_tma_aligned_packed_ue8m0_tensor`` returns. The E8M0 -> fp32 -> UE8M0 round trip on
+the way (``_upcast_e8m0_to_fp32``, then the pack's ``bits >> 23``) gives back every byte, 0 and
+0xFF included. Weights keep the row order they come in (vLLM's DeepGEMM path does not reorder).
+All padding is zero (vLLM allocates the parameters with ``torch.zeros``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mxconv.errors import LayoutError
+from mxconv.layouts.base import (
+    KERNEL_TENSOR_NAMES,
+    ROW_ORDERS,
+    CanonicalExperts,
+    KernelTensors,
+    LayoutBase,
+    LayoutSizes,
+    TensorSpec,
+    pad_canonical,
+    round_up,
+    unpad_canonical,
+)
+
+BACKEND_NAME = "deepgemm"
+LAYOUT_VERSION = 1
+MX_BLOCK = 32
+ALIGN = 128  # mxfp4_round_up_hidden_size_and_intermediate_size: DEEPGEMM_MXFP4 -> H and I to 128
+PACK = 4  # UE8M0 scales per int32 word
+PAD_FILL = 0
+SCALE_DTYPE = torch.int32
+BIAS_DTYPE = torch.bfloat16
+ACTIVATIONS = ("fp8",)  # DeepGemmFP4Experts: FP8 activations, dynamic per token and 128-wide group
+VLLM_BACKEND = "DEEPGEMM_MXFP4"
+
+
+def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes [E, N, C] uint8 (C % 4 == 0) -> packed words [E, C/4, N] int32, MN-major.
+
+    Word [e, j, n] holds scales[e, n, 4j + q] in byte q (q = 0 least significant), i.e. its
+    little-endian bytes are scales[e, n, 4j : 4j + 4].
+    """
+    E, N, C = scales.shape
+    if scales.dtype != torch.uint8:
+        raise LayoutError(f"deepgemm: scales must be uint8 E8M0 bytes, got {scales.dtype}")
+    if C % PACK:
+        raise LayoutError(f"deepgemm: {C} scale columns do not pack into int32 words of {PACK}")
+    words = scales.reshape(E, N, C // PACK, PACK).permute(0, 2, 1, 3).contiguous()
+    return words.view(SCALE_DTYPE).reshape(E, C // PACK, N)
+
+
+def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_ue8m0`: [E, C/4, N] int32 -> [E, N, C] uint8."""
+    E, J, N = packed.shape
+    if packed.dtype != SCALE_DTYPE:
+        raise LayoutError(f"deepgemm: packed scales must be int32, got {packed.dtype}")
+    raw = packed.contiguous().view(torch.uint8).reshape(E, J, N, PACK)
+    return raw.permute(0, 2, 1, 3).reshape(E, N, J * PACK).contiguous()
+
+
+class DeepgemmLayout(LayoutBase):
+    """vLLM 0.33 ``DEEPGEMM_MXFP4`` expert tensors (module docstring; docs/layout-deepgemm.md)."""
+
+    name = BACKEND_NAME
+    version = LAYOUT_VERSION
+    activations: tuple[str, ...] = ACTIVATIONS
+    vllm_backends = {"fp8": (VLLM_BACKEND,)}
+
+    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+        """DeepGEMM's grouped FP8 x FP4 GEMM needs an SM100/SM120 GPU; mxconv does not drive it."""
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (10, 12):
+            return "DeepGEMM's m_grouped_fp8_fp4_gemm_nt_contiguous needs an SM100 or SM120 (Blackwell) GPU"
+        return "running the DeepGEMM MXFP4 kernel is not wired up in this version"
+
+    def padded_sizes(
+        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+        options: dict[str, Any] | None = None,
+    ) -> tuple[int, int]:
+        """(Hp, Ip) = (roundup(H, 128), roundup(I, 128)) for one rank; LayoutError unless H and I
+        are positive multiples of 32 and the row order and activation are known."""
+        self.check_activation(activation)
+        if row_order not in ROW_ORDERS:
+            raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
+        for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
+            if size <= 0 or size % MX_BLOCK:
+                raise LayoutError(f"deepgemm: {what} size {size} must be a positive multiple of {MX_BLOCK}")
+        return round_up(hidden_size, ALIGN), round_up(intermediate_size, ALIGN)
+
+    def _checked(self, sizes: LayoutSizes, activation: str) -> tuple[int, int]:
+        """(Hp, Ip) of ``sizes``; LayoutError if its padded sizes are not this layout's."""
+        want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation)
+        got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
+        if got != want:
+            raise LayoutError(
+                f"deepgemm: padded sizes (Hp, Ip) = {got} do not match the layout's {want} for "
+                f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} (both rounded up to {ALIGN})"
+            )
+        return want
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+        """Shapes/dtypes of the stored tensors (table in the module docstring)."""
+        Hp, Ip = self._checked(sizes, activation)
+        E = sizes.num_experts
+        specs = {
+            "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), torch.uint8),
+            "w13_weight_scale": TensorSpec((E, Hp // (MX_BLOCK * PACK), 2 * Ip), SCALE_DTYPE),
+            "w2_weight": TensorSpec((E, Hp, Ip // 2), torch.uint8),
+            "w2_weight_scale": TensorSpec((E, Ip // (MX_BLOCK * PACK), Hp), SCALE_DTYPE),
+        }
+        if sizes.has_bias:
+            specs["w13_bias"] = TensorSpec((E, 2 * Ip), BIAS_DTYPE)
+            specs["w2_bias"] = TensorSpec((E, Hp), BIAS_DTYPE)
+        return {n: specs[n] for n in KERNEL_TENSOR_NAMES if n in specs}
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
+        """Canonical stack -> stored kernel tensors on ``c``'s device: zero padding to (Hp, Ip),
+        weights as they are, scales packed by :func:`pack_ue8m0`, biases as bfloat16."""
+        c.validate()
+        Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
+        p = pad_canonical(c, Hp, Ip, scale_fill=PAD_FILL)
+        out: KernelTensors = {"w13_weight": p.w13.contiguous(), "w13_weight_scale": pack_ue8m0(p.w13_scale)}
+        if p.w13_bias is not None:
+            out["w13_bias"] = p.w13_bias.to(BIAS_DTYPE).contiguous()
+        out.update({"w2_weight": p.w2.contiguous(), "w2_weight_scale": pack_ue8m0(p.w2_scale)})
+        if p.w2_bias is not None:
+            out["w2_bias"] = p.w2_bias.to(BIAS_DTYPE).contiguous()
+        return out
+
+    def from_kernel(
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+    ) -> CanonicalExperts:
+        """Stored tensors -> canonical (unpadded) stack; biases come back as bfloat16.
+
+        LayoutError for a missing/unexpected tensor, a wrong shape or dtype, tensors on different
+        devices, or padding that is not zero (tensor and first index named, in the unpacked
+        [E, rows, K/2 or K/32] view).
+        """
+        specs = self.kernel_specs(sizes, activation, options)
+        missing = [n for n in specs if n not in k]
+        unexpected = [n for n in k if n not in specs]
+        if missing or unexpected:
+            raise LayoutError(f"deepgemm kernel tensors: missing {missing}, unexpected {unexpected}")
+        for n, spec in specs.items():
+            if tuple(k[n].shape) != spec.shape or k[n].dtype != spec.dtype:
+                raise LayoutError(
+                    f"deepgemm kernel tensor {n} is {tuple(k[n].shape)} {k[n].dtype}, expected {spec.shape} {spec.dtype}"
+                )
+        if len({str(t.device) for t in k.values()}) > 1:
+            raise LayoutError(f"deepgemm kernel tensors are on different devices: {sorted({str(t.device) for t in k.values()})}")
+        padded = CanonicalExperts(
+            w13=k["w13_weight"],
+            w13_scale=unpack_ue8m0(k["w13_weight_scale"]),
+            w2=k["w2_weight"],
+            w2_scale=unpack_ue8m0(k["w2_weight_scale"]),
+            w13_bias=k.get("w13_bias"),
+            w2_bias=k.get("w2_bias"),
+            row_order=sizes.row_order,
+        )
+        return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size, scale_fill=PAD_FILL, check=True)
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
+        self._checked(sizes, activation)
+        return {
+            "name": self.name,
+            "version": self.version,
+            "engine_compat": {"vllm": ">=0.33", "deep_gemm": "vendored by vLLM 0.33", "gpu": "SM100 or SM120"},
+            "activation": activation,
+            "vllm_moe_backend": VLLM_BACKEND,
+            "padding": {"hidden_align": ALIGN, "intermediate_align": ALIGN, "fill": PAD_FILL},
+            "w13_kernel_row_order": sizes.row_order,
+            "scale_format": "ue8m0 packed 4 per int32 (low byte = lowest K block), MN-major",
+            "scale_storage": "[E, K/128, N] int32; the engine tensor is stored.transpose(1, 2) = [E, N, K/128]",
+            "bias_dtype": "bfloat16",
+            "runtime_env": {"VLLM_USE_DEEP_GEMM_E8M0": "1"},
+        }
+
+
+LAYOUT = DeepgemmLayout()
