@@ -473,16 +473,23 @@ def inspect(
         t.add_row("bytes: experts", _gb(doc["bytes"]["experts"]))
         t.add_row("bytes: rest", _gb(doc["bytes"]["rest"]))
         out.print(t)
+        if doc.get("quant_config"):
+            from mxconv.engine_config import EngineQuantConfig
+
+            q = Table(title="engine quant config (fused MoE, per layer L)", show_header=False)
+            for key, value in EngineQuantConfig.from_json(doc["quant_config"]).summary_rows():
+                q.add_row(key, value)
+            out.print(q)
         if doc.get("backends"):
             b = Table(title="per-backend kernel layout (MXFP4 experts)")
-            for col in ("backend", "activation", "padded H", "padded I", "expert bytes", "padding overhead"):
+            for col in ("backend", "activation", "padded H", "padded I", "expert bytes", "padding overhead", "vLLM 0.33 backends"):
                 b.add_column(col)
             for row in doc["backends"]:
                 if "error" in row:
-                    b.add_row(row["backend"], row["activation"], "-", "-", "-", row["error"])
+                    b.add_row(row["backend"], row["activation"], "-", "-", "-", row["error"], "-")
                 else:
                     b.add_row(row["backend"], row["activation"], str(row["padded_hidden_size"]), str(row["padded_intermediate_size"]),
-                              _gb(row["expert_bytes"]), f"{100 * row['padding_overhead']:+.1f}%")
+                              _gb(row["expert_bytes"]), f"{100 * row['padding_overhead']:+.1f}%", ", ".join(row["vllm_backends"]) or "-")
             out.print(b)
 
 

@@ -211,6 +211,9 @@ def execute(
         argv=argv,
     )
     manifest["tensors"] = tensors
+    from mxconv.engine_config import attach  # quant_config + served_vllm_backends (reads the tensors table)
+
+    attach(manifest)
     # Top-level names this run wrote (a later --overwrite removes exactly these, and nothing else).
     if len(rank_dirs) > 1:
         manifest["output_files"] = sorted({CONFIG_NAME, *(d.name for d in rank_dirs)})

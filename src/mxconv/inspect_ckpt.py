@@ -8,7 +8,9 @@ from typing import Any
 from mxconv.checkpoint import Checkpoint
 from mxconv.families import detect_family
 from mxconv.layouts import LayoutSizes, backend_names, get_layout
-from mxconv.errors import LayoutError
+from mxconv.engine_config import quant_config_of
+from mxconv.errors import BadInput, LayoutError
+from mxconv.vllm_mxfp4 import vllm_refusal
 
 
 def mxfp4_expert_bytes(E: int, H: int, I: int, has_bias: bool) -> int:
@@ -19,8 +21,11 @@ def mxfp4_expert_bytes(E: int, H: int, I: int, has_bias: bool) -> int:
     return E * (w13 + w2) + E * bias
 
 
-def backend_table(E: int, H: int, I: int, row_order: str, has_bias: bool, layers: int) -> list[dict[str, Any]]:
-    """Per backend/activation: padded sizes, kernel bytes and padding overhead vs canonical MXFP4."""
+def backend_table(
+    E: int, H: int, I: int, row_order: str, has_bias: bool, layers: int, model_activation: str = "silu"
+) -> list[dict[str, Any]]:
+    """Per backend/activation: padded sizes, kernel bytes, padding overhead vs canonical MXFP4, and
+    the vLLM 0.33 backends that would hold the output as is (``model_activation``: "silu" | "swigluoai")."""
     rows = []
     base = mxfp4_expert_bytes(E, H, I, has_bias) * layers
     for name in backend_names():
@@ -30,6 +35,10 @@ def backend_table(E: int, H: int, I: int, row_order: str, has_bias: bool, layers
                 Hp, Ip = layout.padded_sizes(H, I, row_order, act, layout.resolve_options())
                 sizes = LayoutSizes(E, H, I, Hp, Ip, row_order, has_bias)
                 nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, layout.resolve_options()).values()) * layers
+                compat = layout.describe(sizes, act, layout.resolve_options()).get("engine_compat", {}).get("vllm")
+                model = {"activation": model_activation, "has_expert_bias": has_bias}
+                served = [b for b in getattr(layout, "vllm_backends", {}).get(act, ())
+                          if vllm_refusal(b, (H, I, Hp, Ip), model, compat) is None]
                 rows.append(
                     {
                         "backend": name,
@@ -38,6 +47,7 @@ def backend_table(E: int, H: int, I: int, row_order: str, has_bias: bool, layers
                         "padded_intermediate_size": Ip,
                         "expert_bytes": nbytes,
                         "padding_overhead": nbytes / base - 1 if base else 0.0,
+                        "vllm_backends": served,
                     }
                 )
             except LayoutError as exc:
@@ -61,6 +71,11 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
     if m is not None:
         out["manifest"] = {k: m.get(k) for k in ("tool_version", "created", "family", "kind", "weight_format", "scale_rounding", "backend", "activation", "tp_size")}
         out["manifest"]["layout"] = m.get("layout")
+        try:  # stored in the manifest, or recomputed from it (manifests older than the quant config)
+            qc = quant_config_of(m)
+            out["quant_config"], out["served_vllm_backends"] = qc.to_json(), list(qc.served_vllm_backends)
+        except BadInput as exc:
+            out["quant_config_error"] = str(exc)
     if ckpt.kind == "kernel":
         model = dict(m.get("model", {})) if m else {}
         lay = (m or {}).get("layout") or {}
@@ -91,7 +106,8 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
             "moe_layers": len(refs),
             "bytes": {"experts": expert_bytes, "rest": ckpt.total_bytes() - expert_bytes},
             "backends": backend_table(
-                info.num_experts, info.hidden_size, info.intermediate_size, info.row_order, info.has_expert_bias, len(refs)
+                info.num_experts, info.hidden_size, info.intermediate_size, info.row_order, info.has_expert_bias, len(refs),
+                info.activation,
             ),
         }
     )

@@ -1,0 +1,344 @@
+"""What an engine's fused-MoE quant config holds for an mxconv output, as a plain typed object.
+
+:class:`EngineQuantConfig` is built from a manifest (:func:`from_manifest`), written into
+``mxconv.json`` under ``quant_config`` (JSON schema: docs/quant-config.schema.json) and read back
+with :meth:`EngineQuantConfig.from_json`. It says, for every MoE layer:
+
+* weight dtype (``mxfp4`` / ``mxfp8`` / ``int4``), block shape ``[1, 32]`` and scale format;
+* activation quantization (``none`` for canonical outputs; per backend and ``--activation`` for
+  kernel outputs: dynamic MXFP8 / MXFP4, dynamic FP8 per token or per 1x128 group);
+* the name pattern (``{L}`` = layer, ``{e}`` = expert), safetensors dtype and shape of every weight,
+  scale and bias tensor of gemm1 (gate/up, w13) and gemm2 (down, w2): kernel outputs from the
+  layout's ``kernel_specs`` (shapes per TP rank), canonical outputs from the manifest's tensors;
+* the activation function and its parameters, and the routing method (vLLM ``RoutingMethodType``);
+* the vLLM 0.33 ``Mxfp4MoeBackend`` names that hold exactly these bytes after loading
+  (``served_vllm_backends``), and why the other candidates do not (``not_served``).
+
+vLLM facts below are from vLLM 0.33.0: ``fused_moe/oracle/mxfp4.py``
+(``mxfp4_round_up_hidden_size_and_intermediate_size``, ``_backend_activation_key``),
+``fused_moe/experts/deep_gemm_moe.py`` (``DeepGemmFP4Experts``), ``fused_moe/config.py``
+(``get_routing_method_type``) and ``quantization/utils/marlin_utils.py`` (``get__quant_fp8_method``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from mxconv.errors import BadInput
+from mxconv.vllm_mxfp4 import CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, VLLM_VERSION, vllm_refusal
+
+SCHEMA_VERSION = 1
+BLOCK_SHAPE = (1, 32)
+ACT_SCHEMES = ("none", "dynamic_mxfp8", "dynamic_mxfp4", "dynamic_fp8_per_token",
+               "dynamic_fp8_per_token_group", "static_fp8_per_tensor", "unknown")
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor of every MoE layer: ``name`` with ``{L}`` (layer) and ``{e}`` (expert, per-expert
+    checkpoints), safetensors ``dtype`` (U8, I32, BF16, F32, F8_E4M3, ...) and ``shape``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GemmTensors:
+    """What one grouped GEMM reads: gemm1 = gate/up (w13), gemm2 = down (w2)."""
+
+    weights: tuple[TensorRef, ...]
+    scales: tuple[TensorRef, ...]
+    biases: tuple[TensorRef, ...]
+
+
+@dataclass(frozen=True)
+class ActivationQuant:
+    """How the engine quantizes MoE inputs: ``scheme`` (ACT_SCHEMES), element ``dtype``,
+    ``group_shape`` ([1, 32] MX, [1, 128] per token group, [1, -1] per token, [-1, -1] per tensor)."""
+
+    scheme: str
+    dtype: str | None = None
+    group_shape: tuple[int, int] | None = None
+    scale_format: str | None = None  # "e8m0" | "ue8m0" | "float32"
+
+
+@dataclass(frozen=True)
+class Activation:
+    """Gated activation over gemm1's output (``w13_row_order``: which rows are gate and up)."""
+
+    name: str  # vLLM MoEActivation value: "swigluoai" | "silu"
+    w13_row_order: str  # "interleaved" (gate 2j, up 2j+1) | "halves" ([gate; up])
+    formula: str
+    alpha: float | None = None
+    beta: float | None = None  # added to up ("up + 1")
+    limit: float | None = None
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Router: mxconv ``method`` and vLLM ``RoutingMethodType`` name, with their parameters."""
+
+    method: str  # "topk_softmax" | "softmax_topk" | "sigmoid_grouped"
+    vllm_routing_method: str
+    scoring_func: str  # "softmax" | "sigmoid"
+    top_k: int
+    num_experts: int
+    renormalize: bool
+    routed_scaling_factor: float = 1.0
+    n_group: int | None = None
+    topk_group: int | None = None
+    router_bias: bool = False
+    correction_bias: bool = False  # e_score_correction_bias added before the grouped top-k
+
+
+@dataclass(frozen=True)
+class EngineQuantConfig:
+    """One output's fused-MoE quant config (module docstring; docs/quant-config.schema.json)."""
+
+    kind: str  # "canonical" | "kernel"
+    backend: str | None  # mxconv backend of a kernel output
+    layout_activation: str | None  # its --activation
+    weight_dtype: str  # "mxfp4" | "mxfp8" | "int4"
+    block_shape: tuple[int, int]
+    scale_format: str  # "e8m0" | "bf16"
+    activation_quant: ActivationQuant
+    gemm1: GemmTensors
+    gemm2: GemmTensors
+    tensors_per: str  # "tp_rank" (shapes of one rank's tensors) | "checkpoint"
+    tp_size: int
+    activation: Activation
+    routing: Routing
+    served_vllm_backends: tuple[str, ...]
+    not_served: tuple[tuple[str, str], ...] = ()  # (vLLM backend, reason)
+    engine: str = "vllm"
+    engine_version: str = ".".join(map(str, VLLM_VERSION))
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict (tuples as lists, ``not_served`` as an object)."""
+        d = _plain(self)
+        d["not_served"] = {name: why for name, why in self.not_served}
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> "EngineQuantConfig":
+        """Inverse of :meth:`to_json`; BadInput naming the field when ``d`` is not one."""
+        if not isinstance(d, dict) or not isinstance(d.get("not_served", {}), dict):
+            raise BadInput("quant_config: not a JSON object with a not_served object")
+        d = dict(d, not_served=[[k, v] for k, v in d.get("not_served", {}).items()])
+        return typing.cast(EngineQuantConfig, _build(cls, d, "quant_config"))
+
+    def summary_rows(self) -> list[tuple[str, str]]:
+        """(key, value) lines for a compact table (``mxconv inspect``)."""
+        aq, act, r = self.activation_quant, self.activation, self.routing
+        params = ", ".join(f"{k} {v}" for k, v in (("alpha", act.alpha), ("beta", act.beta), ("limit", act.limit)) if v is not None)
+        route = f"{r.vllm_routing_method} ({r.scoring_func}, top-{r.top_k} of {r.num_experts}"
+        if r.n_group is not None:
+            route += f", {r.topk_group} of {r.n_group} groups, scale {r.routed_scaling_factor}"
+        rows = [
+            ("weights", f"{self.weight_dtype}, block {list(self.block_shape)}, {self.scale_format} scales"),
+            ("activation quant", aq.scheme + (f" ({aq.dtype}, group {list(aq.group_shape or ())}, {aq.scale_format} scales)" if aq.dtype else "")),
+            ("activation", act.name + (f" ({params})" if params else "") + f", w13 {act.w13_row_order}"),
+            ("routing", route + (", correction bias" if r.correction_bias else "") + (", router bias" if r.router_bias else "") + ")"),
+        ]
+        for gemm, g in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
+            for kind, refs in (("weight", g.weights), ("scale", g.scales), ("bias", g.biases)):
+                rows += [(f"{gemm} {kind}", f"{t.name} {t.dtype} {list(t.shape)}") for t in refs]
+        rows.append(("vLLM backends", ", ".join(self.served_vllm_backends) or "none"))
+        rows += [(f"not {name}", why) for name, why in self.not_served]
+        return rows
+
+
+def _plain(x: Any) -> Any:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, (tuple, list)):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _build(tp: Any, v: Any, where: str) -> Any:
+    """``v`` (parsed JSON) as type ``tp`` (dataclass, tuple, optional, scalar); BadInput otherwise."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(v, dict):
+            raise BadInput(f"{where}: expected an object")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        if set(v) - names:
+            raise BadInput(f"{where}: unknown field(s) {sorted(set(v) - names)}")
+        try:
+            return tp(**{n: _build(hints[n], v[n], f"{where}.{n}") for n in names if n in v})
+        except TypeError as exc:  # a required field missing
+            raise BadInput(f"{where}: {exc}") from None
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        return _build(next(a for a in args if a is not type(None)), v, where)
+    if origin is tuple:
+        item_types = [args[0]] * len(v) if isinstance(v, list) and args[-1] is Ellipsis else list(args)
+        if not isinstance(v, list) or len(v) != len(item_types):
+            raise BadInput(f"{where}: expected a list of {len(item_types)}" if args[-1] is not Ellipsis else f"{where}: expected a list")
+        return tuple(_build(t, x, f"{where}[{i}]") for i, (t, x) in enumerate(zip(item_types, v)))
+    if tp is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if not isinstance(v, tp) or (tp is int and isinstance(v, bool)):
+        raise BadInput(f"{where}: expected {tp.__name__}, got {v!r}")
+    return v
+
+
+def activation_quant(layout_activation: str | None, vllm_backends: tuple[str, ...] = ()) -> ActivationQuant:
+    """Activation quantization of an mxconv ``--activation`` (None: canonical, weight-only)."""
+    if layout_activation in (None, "bf16"):
+        return ActivationQuant("none")
+    if "DEEPGEMM_MXFP4" in vllm_backends:  # kFp8Dynamic128Sym; UE8M0 scales packed 4 per int32 on SM100/SM120
+        return ActivationQuant("dynamic_fp8_per_token_group", "float8_e4m3fn", (1, 128), "ue8m0")
+    return {
+        "mxfp8": ActivationQuant("dynamic_mxfp8", "float8_e4m3fn", BLOCK_SHAPE, "e8m0"),
+        "mxfp4": ActivationQuant("dynamic_mxfp4", "float4_e2m1fn", BLOCK_SHAPE, "e8m0"),
+        # Marlin W4A8-FP8: QuantFP8(static=False, GroupShape.PER_TOKEN)
+        "fp8": ActivationQuant("dynamic_fp8_per_token", "float8_e4m3fn", (1, -1), "float32"),
+    }.get(layout_activation, ActivationQuant("unknown"))
+
+
+# ---------------------------------------------------------------------------------------------
+# from a manifest
+# ---------------------------------------------------------------------------------------------
+
+
+def _layer_pattern(prefix: str, layer: int) -> str:
+    return re.sub(rf"\.{layer}(?=\.|$)", ".{L}", prefix, count=1)
+
+
+def _gemm_tensors(named: list[TensorRef], prefix: str) -> tuple[GemmTensors, GemmTensors]:
+    """Sort per-layer tensors (names after ``prefix``) into gemm1/gemm2 weights, scales, biases."""
+    groups: dict[tuple[int, str], list[TensorRef]] = {}
+    for t in named:
+        tokens = re.split(r"[._]", t.name[len(prefix):])
+        gemm = 2 if ("w2" in tokens or "down" in tokens) else 1
+        kind = "biases" if tokens[-1] == "bias" else "scales" if {"scale", "scales"} & set(tokens) else "weights"
+        groups.setdefault((gemm, kind), []).append(t)
+    g = [GemmTensors(*(tuple(groups.get((i, k), ())) for k in ("weights", "scales", "biases"))) for i in (1, 2)]
+    return g[0], g[1]
+
+
+def _kernel_refs(m: dict[str, Any], pattern: str) -> list[TensorRef] | None:
+    """A kernel output's tensors from its layout's kernel_specs; None if the layout cannot say."""
+    from mxconv.layouts import LayoutSizes, get_layout
+    from mxconv.st_format import TORCH_TO_ST
+
+    lay, model = m["layout"], m["model"]
+    try:
+        layout = get_layout(m["backend"])
+        sizes = LayoutSizes(int(model["num_experts"]), int(lay["hidden_size"]), int(lay["intermediate_size"]),
+                            int(lay["padded_hidden_size"]), int(lay["padded_intermediate_size"]),
+                            str(lay["w13_row_order"]), bool(model["has_expert_bias"]))
+        specs = layout.kernel_specs(sizes, m["activation"], layout.resolve_options(lay.get("options") or {}))
+    except Exception:  # noqa: BLE001 - an unknown or changed layout: fall back to the tensors table
+        return None
+    return [TensorRef(f"{pattern}.experts.{k}", TORCH_TO_ST[s.dtype], tuple(s.shape)) for k, s in specs.items()]
+
+
+def _table_refs(m: dict[str, Any], layer: int, prefix: str, pattern: str) -> list[TensorRef]:
+    """The expert tensors of ``layer`` in the manifest's tensors table (rank 0), as patterns."""
+    seen: dict[str, TensorRef] = {}
+    for key, entry in m.get("tensors", {}).items():
+        name = re.sub(r"^rank-0/", "", key)
+        if name.startswith("rank-") or entry.get("role") != "expert" or not name.startswith(prefix + "."):
+            continue
+        pat = re.sub(r"\.experts\.\d+\.", ".experts.{e}.", pattern + name[len(prefix):])
+        seen.setdefault(pat, TensorRef(pat, str(entry["dtype"]), tuple(int(x) for x in entry["shape"])))
+    return list(seen.values())
+
+
+def _activation(model: dict[str, Any], layout: dict[str, Any]) -> Activation:
+    order = str(layout.get("w13_row_order") or model.get("row_order") or "halves")
+    if model.get("activation") == "swigluoai":
+        kp = layout.get("kernel_params") or {}
+        alpha = float(kp.get("gemm1_alpha", model.get("swiglu_alpha") or 1.702))
+        limit = float(kp.get("gemm1_clamp_limit", model.get("swiglu_limit") or 7.0))
+        beta = float(kp.get("gemm1_beta", 1.0))
+        formula = "g = min(gate, limit); u = clamp(up, -limit, limit); out = (u + beta) * g * sigmoid(alpha * g)"
+        return Activation("swigluoai", order, formula, alpha, beta, limit)
+    return Activation(str(model.get("activation") or "silu"), order, "out = silu(gate) * up")
+
+
+def _routing(model: dict[str, Any], first_layer: dict[str, Any]) -> Routing:
+    method = str(model.get("routing", "softmax_topk"))
+    sigmoid = method == "sigmoid_grouped"
+    renorm = True if method == "topk_softmax" else bool(model.get("norm_topk_prob", True))
+    bias = first_layer.get("correction_bias") is not None
+    groups = int(model.get("n_group") or 0) if sigmoid else 0
+    if not sigmoid:  # vLLM get_routing_method_type
+        vllm = "RenormalizeNaive" if renorm else "Default"
+    elif bias:
+        vllm = ("DeepSeekV3" if groups > 0 else "MiniMax2") if renorm else "Unspecified"
+    else:
+        vllm = "SigmoidRenorm" if renorm else "Sigmoid"
+    return Routing(
+        method=method, vllm_routing_method=vllm, scoring_func="sigmoid" if sigmoid else "softmax",
+        top_k=int(model["top_k"]), num_experts=int(model["num_experts"]), renormalize=renorm,
+        routed_scaling_factor=float(model.get("routed_scaling_factor") or 1.0), n_group=groups or None,
+        topk_group=int(model.get("topk_group") or 1) if groups else None,
+        router_bias=first_layer.get("router_bias") is not None, correction_bias=bias,
+    )
+
+
+def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
+    """The quant config of the output ``manifest`` (an ``mxconv.json`` dict) describes.
+
+    Needs ``kind``, ``weight_format``, ``layout``, ``model`` and ``layers``; canonical outputs also
+    the ``tensors`` table. BadInput when the manifest lacks them.
+    """
+    try:
+        kind, lay, model, first = manifest["kind"], manifest["layout"], manifest["model"], manifest["layers"][0]
+        backend, act, fmt = manifest.get("backend"), manifest.get("activation"), str(manifest["weight_format"])
+        layer, prefix = int(first["layer"]), str(first["module_prefix"])
+        H, I, Hp, Ip = (int(lay[k]) for k in ("hidden_size", "intermediate_size", "padded_hidden_size", "padded_intermediate_size"))
+        routing = _routing(model, first)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise BadInput(f"manifest lacks what the quant config needs ({type(exc).__name__}: {exc})") from None
+    pattern = _layer_pattern(prefix, layer)
+    refs = (_kernel_refs(manifest, pattern) if kind == "kernel" else None) or _table_refs(manifest, layer, prefix, pattern)
+    if kind == "kernel":
+        from mxconv.layouts import get_layout
+
+        try:
+            candidates = tuple(getattr(get_layout(str(backend)), "vllm_backends", {}).get(act, ()))
+        except BadInput:
+            candidates = ()
+    else:
+        candidates = CANONICAL_VLLM_BACKENDS.get(str(lay.get("name")), ()) if fmt == "mxfp4" else ()
+    compat = (lay.get("engine_compat") or {}).get("vllm")
+    padded_by_engine = str(lay.get("name")) not in UNPADDED_LAYOUTS
+    refusals = [(b, vllm_refusal(b, (H, I, Hp, Ip), model, compat, padded_by_engine)) for b in candidates]
+    gemm1, gemm2 = _gemm_tensors(refs, pattern)
+    return EngineQuantConfig(
+        kind=str(kind), backend=backend, layout_activation=act, weight_dtype=fmt, block_shape=BLOCK_SHAPE,
+        scale_format="bf16" if fmt == "int4" else "e8m0", activation_quant=activation_quant(act, candidates),
+        gemm1=gemm1, gemm2=gemm2, tensors_per="tp_rank" if kind == "kernel" else "checkpoint",
+        tp_size=int(manifest.get("tp_size") or 1), activation=_activation(model, lay), routing=routing,
+        served_vllm_backends=tuple(b for b, why in refusals if why is None),
+        not_served=tuple((b, why) for b, why in refusals if why is not None),
+    )
+
+
+def quant_config_of(manifest: dict[str, Any]) -> EngineQuantConfig:
+    """The manifest's stored ``quant_config`` when it has one of this schema version, else recomputed."""
+    stored = manifest.get("quant_config")
+    if isinstance(stored, dict) and stored.get("schema_version") == SCHEMA_VERSION:
+        return EngineQuantConfig.from_json(stored)
+    return from_manifest(manifest)
+
+
+def attach(manifest: dict[str, Any]) -> None:
+    """Write ``quant_config`` and ``served_vllm_backends`` into ``manifest`` (``convert.execute``)."""
+    qc = from_manifest(manifest)
+    manifest["quant_config"] = qc.to_json()
+    manifest["served_vllm_backends"] = list(qc.served_vllm_backends)

@@ -1,0 +1,257 @@
+"""Engine quant config (mxconv.engine_config) and served vLLM backends: exact values per output,
+every generated config valid against docs/quant-config.schema.json, stored == recomputed, inspect."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mxconv.checkpoint import open_checkpoint
+from mxconv.cli import app
+from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.engine_config import EngineQuantConfig, activation_quant, from_manifest, quant_config_of
+from mxconv.errors import BadInput
+from mxconv.families import detect_family
+from mxconv.layouts import backend_names, get_layout
+from mxconv.testing import make_checkpoint
+from mxconv.vllm_mxfp4 import admits_vllm, vllm_padded_sizes
+
+SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "docs" / "quant-config.schema.json").read_text())
+KINDS = ("gpt-oss-bf16", "qwen3-moe", "deepseek-v3-fp8")
+
+
+def validate(value: Any, schema: dict[str, Any], root: dict[str, Any] = SCHEMA, at: str = "$") -> list[str]:
+    """The errors of ``value`` against the JSON-schema subset the schema file uses (empty = valid)."""
+    if "$ref" in schema:
+        return validate(value, root["$defs"][schema["$ref"].split("/")[-1]], root, at)
+    if "oneOf" in schema:
+        ok = [s for s in schema["oneOf"] if not validate(value, s, root, at)]
+        return [] if len(ok) == 1 else [f"{at}: matches {len(ok)} of oneOf"]
+    errs: list[str] = []
+    types = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+    if "type" in schema:
+        allowed = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+
+        def is_type(t: str) -> bool:
+            if t in ("integer", "number"):
+                return isinstance(value, int if t == "integer" else (int, float)) and not isinstance(value, bool)
+            return isinstance(value, types[t])
+
+        if not any(is_type(t) for t in allowed):
+            return [f"{at}: {value!r} is not {allowed}"]
+    if "const" in schema and value != schema["const"]:
+        errs.append(f"{at}: {value!r} != {schema['const']!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        errs.append(f"{at}: {value!r} not in {schema['enum']}")
+    if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
+        errs.append(f"{at}: {value!r} does not match {schema['pattern']}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < schema.get("minimum", value):
+        errs.append(f"{at}: {value} < {schema['minimum']}")
+    if isinstance(value, list):
+        if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)):
+            errs.append(f"{at}: {len(value)} items")
+        for i, v in enumerate(value):
+            errs += validate(v, schema.get("items", {}), root, f"{at}[{i}]")
+    if isinstance(value, dict):
+        errs += [f"{at}: missing {k}" for k in schema.get("required", []) if k not in value]
+        props = schema.get("properties", {})
+        for k, v in value.items():
+            if k in props:
+                errs += validate(v, props[k], root, f"{at}.{k}")
+            elif schema.get("additionalProperties") is False:
+                errs.append(f"{at}: unexpected {k}")
+            elif isinstance(schema.get("additionalProperties"), dict):
+                errs += validate(v, schema["additionalProperties"], root, f"{at}.{k}")
+    return errs
+
+
+def _convert(src: Path, out: Path, q: QuantOptions, r: RepackOptions | None = None) -> dict[str, Any]:
+    ckpt = open_checkpoint(src)
+    plan = build_plan(ckpt, detect_family(ckpt), "repack" if r else "quantize", q, r)
+    execute(plan, out, device=torch.device("cpu"), max_shard_size=10**9, overwrite=True, argv=["test"])
+    return json.loads((out / "mxconv.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """Manifests: per family canonical mxfp4/mxfp8, every backend x activation, and a few options/TP."""
+    root = tmp_path_factory.mktemp("qc")
+    out: dict[str, dict[str, Any]] = {}
+    for kind in KINDS:
+        src = make_checkpoint(root / kind, kind).path
+        for fmt in ("mxfp4", "mxfp8"):
+            out[f"{kind}/{fmt}"] = _convert(src, root / f"{kind}-{fmt}", QuantOptions(fmt))
+        q4 = root / f"{kind}-mxfp4"
+        for backend in backend_names():
+            for act in get_layout(backend).activations:
+                out[f"{kind}/{backend}/{act}"] = _convert(q4, root / f"{kind}-{backend}-{act}", QuantOptions(), RepackOptions(backend, act))
+    gpt_q4 = root / "gpt-oss-bf16-mxfp4"
+    out["gpt/trtllm-128"] = _convert(gpt_q4, root / "t128", QuantOptions(), RepackOptions("trtllm", "bf16", 1, {"intermediate_align": 128}))
+    out["gpt/marlin-legacy"] = _convert(gpt_q4, root / "ml", QuantOptions(), RepackOptions("marlin", "bf16", 1, {"marlin_scale_layout": "legacy"}))
+    out["qwen/deepgemm-tp2"] = _convert(root / "qwen3-moe-mxfp4", root / "dg2", QuantOptions(), RepackOptions("deepgemm", "fp8", 2))
+    return out
+
+
+def test_every_generated_config_is_valid_and_stored(outputs: dict[str, dict[str, Any]]) -> None:
+    for key, m in outputs.items():
+        assert validate(m["quant_config"], SCHEMA) == [], key
+        qc = EngineQuantConfig.from_json(m["quant_config"])
+        assert qc == from_manifest(m) == quant_config_of({k: v for k, v in m.items() if k != "quant_config"}), key
+        assert qc.to_json() == m["quant_config"] and m["served_vllm_backends"] == list(qc.served_vllm_backends), key
+
+
+def test_schema_agrees_with_jsonschema(outputs: dict[str, dict[str, Any]]) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.Draft202012Validator.check_schema(SCHEMA)
+    for m in outputs.values():
+        jsonschema.validate(m["quant_config"], SCHEMA)
+    bad = dict(outputs["qwen3-moe/mxfp4"]["quant_config"], weight_dtype="nvfp4")
+    assert validate(bad, SCHEMA) == ["$.weight_dtype: 'nvfp4' not in ['mxfp4', 'mxfp8', 'int4']"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, SCHEMA)
+
+
+def test_gpt_oss_canonical(outputs: dict[str, dict[str, Any]]) -> None:
+    qc = outputs["gpt-oss-bf16/mxfp4"]["quant_config"]  # E=4, H=96, I=64
+    assert (qc["kind"], qc["weight_dtype"], qc["block_shape"], qc["scale_format"]) == ("canonical", "mxfp4", [1, 32], "e8m0")
+    assert qc["activation_quant"] == {"scheme": "none", "dtype": None, "group_shape": None, "scale_format": None}
+    p = "model.layers.{L}.mlp.experts."
+    assert qc["gemm1"] == {
+        "weights": [{"name": p + "gate_up_proj_blocks", "dtype": "U8", "shape": [4, 128, 3, 16]}],
+        "scales": [{"name": p + "gate_up_proj_scales", "dtype": "U8", "shape": [4, 128, 3]}],
+        "biases": [{"name": p + "gate_up_proj_bias", "dtype": "BF16", "shape": [4, 128]}],
+    }
+    assert qc["gemm2"]["scales"] == [{"name": p + "down_proj_scales", "dtype": "U8", "shape": [4, 96, 2]}]
+    assert qc["activation"] == {
+        "name": "swigluoai", "w13_row_order": "interleaved", "alpha": 1.702, "beta": 1.0, "limit": 7.0,
+        "formula": "g = min(gate, limit); u = clamp(up, -limit, limit); out = (u + beta) * g * sigmoid(alpha * g)",
+    }
+    assert qc["routing"] == {
+        "method": "topk_softmax", "vllm_routing_method": "RenormalizeNaive", "scoring_func": "softmax", "top_k": 2,
+        "num_experts": 4, "renormalize": True, "routed_scaling_factor": 1.0, "n_group": None, "topk_group": None,
+        "router_bias": True, "correction_bias": False,
+    }
+    assert (qc["served_vllm_backends"], qc["not_served"], qc["tensors_per"]) == (["EMULATION", "XPU"], {}, "checkpoint")
+    q8 = outputs["gpt-oss-bf16/mxfp8"]["quant_config"]
+    assert q8["weight_dtype"] == "mxfp8" and q8["served_vllm_backends"] == []
+    assert q8["gemm1"]["weights"] == [{"name": p + "gate_up_proj_blocks", "dtype": "F8_E4M3", "shape": [4, 128, 3, 32]}]
+
+
+def test_per_expert_and_grouped_routing(outputs: dict[str, dict[str, Any]]) -> None:
+    qc = outputs["qwen3-moe/mxfp4"]["quant_config"]  # E=4, H=160, I=96
+    p = "model.layers.{L}.mlp.experts.{e}."
+    assert [t["name"] for t in qc["gemm1"]["weights"]] == [p + "gate_proj.weight_packed", p + "up_proj.weight_packed"]
+    assert qc["gemm1"]["scales"][1] == {"name": p + "up_proj.weight_scale", "dtype": "U8", "shape": [96, 5]}
+    assert qc["gemm2"] == {"weights": [{"name": p + "down_proj.weight_packed", "dtype": "U8", "shape": [160, 48]}],
+                           "scales": [{"name": p + "down_proj.weight_scale", "dtype": "U8", "shape": [160, 3]}], "biases": []}
+    assert qc["activation"]["name"] == "silu" and qc["activation"]["w13_row_order"] == "halves"
+    assert qc["served_vllm_backends"] == ["XPU"]  # compressed-tensors: EMULATION is not reachable
+    ds = outputs["deepseek-v3-fp8/mxfp4"]["quant_config"]["routing"]
+    assert ds == {
+        "method": "sigmoid_grouped", "vllm_routing_method": "DeepSeekV3", "scoring_func": "sigmoid", "top_k": 2,
+        "num_experts": 4, "renormalize": True, "routed_scaling_factor": 2.5, "n_group": 2, "topk_group": 1,
+        "router_bias": False, "correction_bias": True,
+    }
+
+
+def test_activation_quant_per_backend(outputs: dict[str, dict[str, Any]]) -> None:
+    def aq(key: str) -> dict[str, Any]:
+        return outputs[key]["quant_config"]["activation_quant"]
+
+    none = {"scheme": "none", "dtype": None, "group_shape": None, "scale_format": None}
+    assert aq("qwen3-moe/trtllm/bf16") == aq("qwen3-moe/marlin/bf16") == aq("qwen3-moe/aiter/bf16") == none
+    assert aq("qwen3-moe/trtllm/mxfp8") == {"scheme": "dynamic_mxfp8", "dtype": "float8_e4m3fn", "group_shape": [1, 32], "scale_format": "e8m0"}
+    assert aq("qwen3-moe/aiter/mxfp4") == {"scheme": "dynamic_mxfp4", "dtype": "float4_e2m1fn", "group_shape": [1, 32], "scale_format": "e8m0"}
+    assert aq("qwen3-moe/marlin/fp8") == {"scheme": "dynamic_fp8_per_token", "dtype": "float8_e4m3fn", "group_shape": [1, -1], "scale_format": "float32"}
+    assert aq("qwen3-moe/deepgemm/fp8") == {"scheme": "dynamic_fp8_per_token_group", "dtype": "float8_e4m3fn", "group_shape": [1, 128], "scale_format": "ue8m0"}
+    assert activation_quant("int8").scheme == "unknown"
+
+
+def test_kernel_tensors_and_served(outputs: dict[str, dict[str, Any]]) -> None:
+    p = "model.layers.{L}.mlp.experts."
+    dg = outputs["qwen3-moe/deepgemm/fp8"]["quant_config"]  # Hp = 256, Ip = 128
+    assert dg["gemm1"] == {"weights": [{"name": p + "w13_weight", "dtype": "U8", "shape": [4, 256, 128]}],
+                           "scales": [{"name": p + "w13_weight_scale", "dtype": "I32", "shape": [4, 2, 256]}], "biases": []}
+    assert dg["gemm2"]["scales"] == [{"name": p + "w2_weight_scale", "dtype": "I32", "shape": [4, 1, 256]}]
+    assert (dg["served_vllm_backends"], dg["not_served"], dg["tensors_per"]) == (["DEEPGEMM_MXFP4"], {}, "tp_rank")
+    tp2 = outputs["qwen/deepgemm-tp2"]["quant_config"]  # I = 48 per rank -> Ip = 128
+    assert tp2["tp_size"] == 2 and tp2["gemm1"]["weights"][0]["shape"] == [4, 256, 128] and tp2["served_vllm_backends"] == ["DEEPGEMM_MXFP4"]
+    gdg = outputs["gpt-oss-bf16/deepgemm/fp8"]["quant_config"]
+    assert gdg["served_vllm_backends"] == [] and gdg["not_served"] == {
+        "DEEPGEMM_MXFP4": "DEEPGEMM_MXFP4 runs silu, swiglustep, situ only; the model uses swigluoai"}
+    assert gdg["gemm1"]["biases"] == [{"name": p + "w13_bias", "dtype": "BF16", "shape": [4, 256]}]
+    trt = outputs["gpt-oss-bf16/trtllm/mxfp8"]["quant_config"]  # default intermediate_align 256: I 64 -> 256, vLLM 128
+    assert trt["served_vllm_backends"] == [] and trt["not_served"] == {"FLASHINFER_TRTLLM_MXFP4_MXFP8": (
+        "vLLM pads (H, I) = (96, 64) to (256, 128) for FLASHINFER_TRTLLM_MXFP4_MXFP8; these tensors are padded to (256, 256)")}
+    assert trt["gemm1"]["scales"] == [{"name": p + "w13_weight_scale", "dtype": "F8_E4M3", "shape": [4, 512, 8]}]
+    assert trt["gemm1"]["biases"] == [{"name": p + "w13_bias", "dtype": "F32", "shape": [4, 512]}]
+    assert outputs["gpt/trtllm-128"]["served_vllm_backends"] == ["FLASHINFER_TRTLLM_MXFP4_BF16"]
+    assert outputs["gpt-oss-bf16/marlin/fp8"]["served_vllm_backends"] == ["MARLIN", "BATCHED_MARLIN"]
+    legacy = outputs["gpt/marlin-legacy"]["quant_config"]
+    assert legacy["served_vllm_backends"] == [] and legacy["not_served"]["MARLIN"] == "the layout targets vLLM >=0.10.2,<=0.11.2"
+    assert outputs["gpt-oss-bf16/aiter/bf16"]["served_vllm_backends"] == ["AITER_MXFP4_BF16"]  # 256/256 for swigluoai
+    assert outputs["qwen3-moe/aiter/mxfp4"]["served_vllm_backends"] == ["AITER_MXFP4_MXFP4"]
+    assert outputs["gpt-oss-bf16/triton/bf16"]["served_vllm_backends"] == ["TRITON"]
+    assert outputs["qwen3-moe/triton/bf16"]["quant_config"]["not_served"] == {"TRITON": "TRITON runs swigluoai only; the model uses silu"}
+
+
+def test_vllm_padding_table_and_compat() -> None:
+    """mxfp4_round_up_hidden_size_and_intermediate_size at gpt-oss-20b sizes (H = I = 2880)."""
+    want = {
+        "FLASHINFER_TRTLLM_MXFP4_BF16": (3072, 2944), "MARLIN": (3072, 2944), "DEEPGEMM_MXFP4": (2944, 2944),
+        "EMULATION": (2880, 2880), "TRITON": (2880, 2880), "XPU": (2880, 2880), "AITER_MXFP4_MXFP4": (3072, 2944),
+        "B12X_MXFP4_BF16": (2880, 2880), "CPU": (2880, 2880), "FLASHINFER_CUTLASS_MXFP4_MXFP8": (2944, 2944),
+    }
+    assert {b: vllm_padded_sizes(b, 2880, 2880, "swigluoai") for b in want} == want
+    assert vllm_padded_sizes("AITER_MXFP4_BF16", 2880, 2880, "swigluoai") == (3072, 3072)
+    assert vllm_padded_sizes("AITER_MXFP4_BF16", 2880, 2880, "silu") == (2944, 2944)
+    assert vllm_padded_sizes("TRITON", 2880, 1440, "swigluoai") == (2880, 1472) and vllm_padded_sizes("NEW_ONE", 32, 32, "silu") is None
+    cases = {">=0.12": True, ">=0.10.2,<=0.11.2": False, ">=0.33": True, "0.33 (vendored triton_kernels)": True,
+             "0.12-0.14 (vendored)": False, "0.20": False, "==0.33": True, "<0.33": False, "any recent": None}
+    assert {spec: admits_vllm(spec) for spec in cases} == cases
+
+
+def test_from_json_refuses_malformed(outputs: dict[str, dict[str, Any]]) -> None:
+    good = outputs["qwen3-moe/deepgemm/fp8"]["quant_config"]
+    for bad, msg in (
+        (dict(good, tp_size="2"), "quant_config.tp_size: expected int"),
+        (dict(good, block_shape=[1, 32, 1]), "quant_config.block_shape: expected a list of 2"),
+        (dict(good, extra=1), "unknown field(s) ['extra']"),
+        ({k: v for k, v in good.items() if k != "routing"}, "missing 1 required"),
+        ([good], "not a JSON object"),
+    ):
+        with pytest.raises(BadInput, match=re.escape(msg)):
+            EngineQuantConfig.from_json(bad)
+    with pytest.raises(BadInput, match="manifest lacks"):
+        from_manifest({"kind": "kernel"})
+
+
+def test_inspect_prints_quant_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mxconv import cli
+
+    monkeypatch.setattr(cli.out, "width", 200)  # rows unwrapped
+    runner = CliRunner()
+    src = make_checkpoint(tmp_path / "src", "qwen3-moe").path
+    k = tmp_path / "k"
+    m = _convert(src, k, QuantOptions(), RepackOptions("deepgemm", "fp8"))
+    r = runner.invoke(app, ["inspect", str(k), "--json"])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["quant_config"] == m["quant_config"] and doc["served_vllm_backends"] == ["DEEPGEMM_MXFP4"]
+    del m["quant_config"], m["served_vllm_backends"]  # a manifest written before the quant config existed
+    (k / "mxconv.json").write_text(json.dumps(m))
+    r = runner.invoke(app, ["inspect", str(k), "--json"])
+    assert json.loads(r.stdout)["quant_config"] == doc["quant_config"]
+    r = runner.invoke(app, ["inspect", str(k)])
+    assert r.exit_code == 0 and "engine quant config" in r.stdout
+    assert "dynamic_fp8_per_token_group (float8_e4m3fn, group [1, 128], ue8m0 scales)" in r.stdout
+    assert "model.layers.{L}.mlp.experts.w13_weight_scale I32 [4, 2, 256]" in r.stdout
+    r = runner.invoke(app, ["inspect", str(src), "--json"])
+    rows = {(b["backend"], b["activation"]): b.get("vllm_backends") for b in json.loads(r.stdout)["backends"]}
+    assert rows[("deepgemm", "fp8")] == ["DEEPGEMM_MXFP4"] and rows[("marlin", "bf16")] == ["MARLIN", "BATCHED_MARLIN"]
+    assert rows[("trtllm", "bf16")] == []  # I = 96 -> 256 by default; vLLM 0.33 pads to 128
