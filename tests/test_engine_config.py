@@ -232,6 +232,12 @@ def test_from_json_refuses_malformed(outputs: dict[str, dict[str, Any]]) -> None
         from_manifest({"kind": "kernel"})
 
 
+def test_only_mxfp4_outputs_serve_mxfp4_backends(outputs: dict[str, dict[str, Any]]) -> None:
+    m = dict(outputs["gpt/trtllm-128"], weight_format="int4")  # e.g. a future MxInt4 trtllm output
+    qc = from_manifest(m)
+    assert (qc.served_vllm_backends, qc.not_served, qc.scale_format, qc.weight_dtype) == ((), (), "bf16", "int4")
+
+
 def test_inspect_prints_quant_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mxconv import cli
 

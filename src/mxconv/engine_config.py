@@ -306,15 +306,16 @@ def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
         raise BadInput(f"manifest lacks what the quant config needs ({type(exc).__name__}: {exc})") from None
     pattern = _layer_pattern(prefix, layer)
     refs = (_kernel_refs(manifest, pattern) if kind == "kernel" else None) or _table_refs(manifest, layer, prefix, pattern)
-    if kind == "kernel":
+    candidates: tuple[str, ...] = ()  # MXFP4 backends only: an MXFP8 or INT4 output serves none of them
+    if kind == "kernel" and fmt == "mxfp4":
         from mxconv.layouts import get_layout
 
         try:
             candidates = tuple(getattr(get_layout(str(backend)), "vllm_backends", {}).get(act, ()))
         except BadInput:
-            candidates = ()
-    else:
-        candidates = CANONICAL_VLLM_BACKENDS.get(str(lay.get("name")), ()) if fmt == "mxfp4" else ()
+            pass
+    elif fmt == "mxfp4":
+        candidates = CANONICAL_VLLM_BACKENDS.get(str(lay.get("name")), ())
     compat = (lay.get("engine_compat") or {}).get("vllm")
     padded_by_engine = str(lay.get("name")) not in UNPADDED_LAYOUTS
     refusals = [(b, vllm_refusal(b, (H, I, Hp, Ip), model, compat, padded_by_engine)) for b in candidates]
