@@ -213,6 +213,9 @@ def _run_convert(
     reader = detect_family(ckpt)
     plan = build_plan(ckpt, reader, command, quant, repack)
     check_output_dir(output, [ckpt.root], overwrite)
+    if not as_json:
+        for warning in plan.warnings:  # shown even with --quiet: the output would compute wrongly
+            err.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     if dry_run:
         doc = plan.summary()
         doc["dry_run"] = True
@@ -380,7 +383,7 @@ def verify(
     tokens: int = typer.Option(64, "--tokens", help="Synthetic tokens per layer."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic hidden states."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision of a repo-id --reference."),
-    kernel: bool = typer.Option(False, "--kernel", help="Also run the real backend kernel when available (else say why not)."),
+    kernel: bool = typer.Option(False, "--kernel", help="Also run the engine's own kernel on the files (triton: triton_kernels matmul_ogs; marlin: vLLM's Marlin MoE op; SM90 GPU) and compare it with the reference runner. Exit 2 naming what is missing where it cannot run. Kernels are found in an installed vLLM or triton_kernels, or via MXCONV_TRITON_KERNELS / MXCONV_MARLIN_OPS."),
     as_json: bool = typer.Option(False, "--json", help="JSON report on stdout."),
     quiet: bool = typer.Option(False, "--quiet", help="Only the exit code and errors."),
     debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks."),
@@ -409,14 +412,24 @@ def verify(
             _print_json(rep.to_json())
         elif not quiet:
             t = Table(title=f"mxconv verify {rep.path} ({rep.kind}{', ' + rep.backend if rep.backend else ''})")
+            with_kernel = any(r.kernel is not None for r in rep.layers)
             for col in ("layer", "integrity", "layout", "numerics", "rel RMS", "cosine", "max abs", "top-k agree"):
                 t.add_column(col)
+            if with_kernel:
+                for col in ("kernel", "kernel rel RMS (vs bytes / vs ref)"):
+                    t.add_column(col)
             for r in rep.layers:
                 c = r.comparison
-                t.add_row(
+                row = [
                     str(r.layer), r.integrity, r.layout, r.numerics,
                     *(("-",) * 4 if c is None else (f"{c.rel_rms:.3g}", f"{c.cosine:.6f}", f"{c.max_abs:.3g}", f"{c.topk_agreement:.3f}")),
-                )
+                ]
+                if with_kernel:
+                    k = r.kernel
+                    figs = "-" if k is None or k.vs_converted is None else f"{k.vs_converted.rel_rms:.3g}" + (
+                        "" if k.vs_reference is None else f" / {k.vs_reference.rel_rms:.3g}")
+                    row += ["-" if k is None else k.status, figs]
+                t.add_row(*row)
             err.print(t)
             for p in rep.problems + [p for r in rep.layers for p in r.problems]:
                 err.print(f"[red]FAIL[/] {p}", highlight=False)

@@ -64,6 +64,7 @@ class Plan:
     sizes: LayoutSizes | None = None  # per-rank sizes (repack)
     rank_ranges: list[tuple[int, int]] = field(default_factory=list)
     layout_desc: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # sizes the engine takes but computes wrongly
 
     @property
     def bytes_in(self) -> int:
@@ -88,6 +89,8 @@ class Plan:
             "bytes_out": self.bytes_out,
             "expert_bytes_out": self.expert_bytes_out(),
         }
+        if self.warnings:
+            s["warnings"] = list(self.warnings)
         if self.sizes is not None:
             s["sizes"] = {
                 "hidden_size": self.sizes.hidden_size,
@@ -203,6 +206,7 @@ def build_plan(
         plan.sizes = LayoutSizes(info.num_experts, info.hidden_size, I_rank, Hp, Ip, info.row_order, info.has_expert_bias)
         specs = layout.kernel_specs(plan.sizes, repack.activation, repack.layout_options)
         plan.layout_desc = layout.describe(plan.sizes, repack.activation, repack.layout_options)
+        plan.warnings = layout.size_warnings(info.hidden_size, I_rank, opts)
 
     # group copy tensors by layer, interleave MoE layer items in layer order
     by_layer: dict[int, list[str]] = {}

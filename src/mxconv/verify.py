@@ -24,7 +24,9 @@ from mxconv.families import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MX
 from mxconv.layouts import LayoutSizes, get_layout
 from mxconv.layouts.base import CanonicalExperts, unpad_canonical
 from mxconv.manifest import load_manifest
-from mxconv.runner import Comparison, ExpertFn, compare, hidden_states, moe_forward, route
+from mxconv.engines import KERNEL_THRESHOLDS
+from mxconv.runner import Comparison, ExpertFn, Routing, compare, hidden_states, moe_forward, route
+from mxconv.verify_kernel import KernelResult, check_kernel_layer, kernel_preflight
 from mxconv.st_format import iter_tensor_chunks, read_tensor
 
 # Pass/fail thresholds of the numerics check, by (converted weight format, reference kind).
@@ -49,6 +51,7 @@ class LayerReport:
     comparison: Comparison | None = None
     threshold: str | None = None
     problems: list[str] = field(default_factory=list)
+    kernel: KernelResult | None = None  # verify --kernel
 
     @property
     def passed(self) -> bool:
@@ -62,6 +65,7 @@ class LayerReport:
             "numerics": self.numerics,
             "threshold": self.threshold,
             "comparison": self.comparison.to_json() if self.comparison else None,
+            "kernel": self.kernel.to_json() if self.kernel else None,
             "problems": self.problems,
             "passed": self.passed,
         }
@@ -305,10 +309,11 @@ def _model_info(d: dict[str, Any]) -> ModelInfo:
     return ModelInfo(**d)
 
 
-def run_layer(info: ModelInfo, row_order: str, experts: ExpertFn, router: tuple, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def run_layer(info: ModelInfo, row_order: str, experts: ExpertFn, router: tuple, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+    """The reference MoE output [T, H] fp32 of one layer and its routing (top-k ids and weights)."""
     rw, rb, cb = router
     r = route(x, rw, info, rb, cb)
-    return moe_forward(x, r, experts, info.num_experts, info, row_order), r.ids
+    return moe_forward(x, r, experts, info.num_experts, info, row_order), r
 
 
 def parse_layers(spec: str | None, available: list[int]) -> list[int]:
@@ -363,6 +368,7 @@ def verify(
     general: list[str] = []
 
     integ = check_integrity(root, manifest, ckpts)
+    klayout, kernel_size_problems = kernel_preflight(manifest) if kernel else (None, [])
     general.extend(integ.get(None, []))
 
     ref_ckpt: Checkpoint | None = None
@@ -440,7 +446,7 @@ def verify(
                 else:
                     rep.layout = "bit-exact"
         # ---- numerics
-        if (ref_layer is None and saved is None) or (canon is None and conv_layer is None):
+        if (ref_layer is None and saved is None and klayout is None) or (canon is None and conv_layer is None):
             rep.numerics = "skipped" if rep.layout != "FAIL" else "not run"
             reports.append(rep)
             continue
@@ -459,7 +465,9 @@ def verify(
             assert conv_layer is not None
             conv_fn = expert_fn(_weights(conv_layer, "w13"), _weights(conv_layer, "w2"), conv_layer.w13_bias, conv_layer.w2_bias)
             row_order = conv_layer.row_order
-        out, ids = run_layer(info, row_order, conv_fn, router, x)
+        out, routing = run_layer(info, row_order, conv_fn, router, x)
+        ids = routing.ids
+        ref_fmt: str | None = None
         if saved is not None:
             try:
                 ref_out, ref_ids = saved[f"layer.{L}.output"], saved[f"layer.{L}.topk_ids"]
@@ -471,49 +479,48 @@ def verify(
                 ) from None
             code = int(saved[f"layer.{L}.format"].item()) if f"layer.{L}.format" in saved else 0
             ref_fmt = "exact" if _same_mx_bytes(_FORMAT_CODES[code], manifest["weight_format"]) else manifest["weight_format"]
-        else:
-            assert ref_layer is not None and ref_ckpt is not None
+        elif ref_layer is not None:
+            assert ref_ckpt is not None
             rfn = expert_fn(_weights(ref_layer, "w13"), _weights(ref_layer, "w2"), ref_layer.w13_bias, ref_layer.w2_bias)
-            ref_out, ref_ids = run_layer(info, ref_layer.row_order, rfn, _router(ref_ckpt, lay), x)
+            ref_out, ref_routing = run_layer(info, ref_layer.row_order, rfn, _router(ref_ckpt, lay), x)
+            ref_ids = ref_routing.ids
             ref_src_fmt = ref_layer.w13_mx.fmt if ref_layer.w13_mx is not None else "float"
             ref_fmt = "exact" if _same_mx_bytes(ref_src_fmt, manifest["weight_format"]) else manifest["weight_format"]
             if save_reference:
                 to_save[f"layer.{L}.output"] = ref_out.contiguous()
                 to_save[f"layer.{L}.topk_ids"] = ref_ids.contiguous()
                 to_save[f"layer.{L}.format"] = torch.tensor([_FORMAT_CODES.index(ref_src_fmt)], dtype=torch.uint8)
-        cmp = compare(out, ref_out, ids, ref_ids)
-        th = THRESHOLDS[ref_fmt]
-        rep.comparison, rep.threshold = cmp, ref_fmt
-        bad = []
-        if not cmp.rel_rms <= th["rel_rms"]:
-            bad.append(f"relative RMS error {cmp.rel_rms:.4g} > {th['rel_rms']}")
-        if not cmp.cosine >= th["cosine"]:
-            bad.append(f"cosine {cmp.cosine:.6f} < {th['cosine']}")
-        if not cmp.topk_agreement >= th["topk_agreement"]:
-            bad.append(f"top-k agreement {cmp.topk_agreement:.3f} < {th['topk_agreement']}")
-        rep.numerics = "FAIL" if bad else "ok"
-        rep.problems.extend(f"layer {L} numerics: {b}" for b in bad)
+        if ref_fmt is not None:
+            cmp = compare(out, ref_out, ids, ref_ids)
+            th = THRESHOLDS[ref_fmt]
+            rep.comparison, rep.threshold = cmp, ref_fmt
+            bad = []
+            if not cmp.rel_rms <= th["rel_rms"]:
+                bad.append(f"relative RMS error {cmp.rel_rms:.4g} > {th['rel_rms']}")
+            if not cmp.cosine >= th["cosine"]:
+                bad.append(f"cosine {cmp.cosine:.6f} < {th['cosine']}")
+            if not cmp.topk_agreement >= th["topk_agreement"]:
+                bad.append(f"top-k agreement {cmp.topk_agreement:.3f} < {th['topk_agreement']}")
+            rep.numerics = "FAIL" if bad else "ok"
+            rep.problems.extend(f"layer {L} numerics: {b}" for b in bad)
+        # ---- the engine's own kernel on the files (verify --kernel)
+        if klayout is not None:
+            if kernel_size_problems:
+                rep.kernel = KernelResult("FAIL", problems=[f"layer {L} kernel: {p}" for p in kernel_size_problems])
+            else:
+                ref_pair = None if ref_fmt is None else (ref_out, ref_ids, THRESHOLDS[ref_fmt])
+                rep.kernel = check_kernel_layer(klayout, root, manifest, L, x, routing, out, ref_pair)
+            rep.problems.extend(rep.kernel.problems)
         reports.append(rep)
     if save_reference:
         save_reference_outputs(Path(save_reference), to_save, seed, tokens)
         notes.append(f"reference outputs saved to {save_reference}")
-    if kernel:
-        notes.append(kernel_availability(manifest))
+    if klayout is not None and not kernel_size_problems:
+        notes.append(f"--kernel: the {manifest['backend']} engine kernel ran on every checked layer "
+                     f"(bound vs the converted bytes: relative RMS <= {KERNEL_THRESHOLDS['rel_rms']}, cosine >= {KERNEL_THRESHOLDS['cosine']})")
     if ref_reader is None and saved is None:
         notes.append("numerics skipped: no --reference or --reference-outputs given (integrity and layout checked)")
     return VerifyReport(str(root), kind, manifest.get("backend"), reports, general, notes)
-
-
-def kernel_availability(manifest: dict[str, Any]) -> str:
-    """Why the engine's kernel check did not run (the backend layout names what is missing)."""
-    backend = manifest.get("backend")
-    if not backend:
-        return "--kernel skipped: canonical checkpoints have no backend kernel"
-    try:
-        reason = get_layout(backend).kernel_unavailable(manifest)
-    except BadInput as exc:
-        reason = str(exc)
-    return f"--kernel skipped: {reason or 'the kernel check is not wired into verify yet'}"
 
 
 def save_reference_outputs(path: Path, tensors: dict[str, torch.Tensor], seed: int, tokens: int) -> None:

@@ -25,6 +25,7 @@ Canonical (unpadded) MXFP4 expert stack, one MoE layer, one TP rank:
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
@@ -249,15 +250,28 @@ class LayoutBase:
                 f"{self.name} does not support activation {activation!r}; supported: {', '.join(self.activations)}"
             )
 
+    # module whose kernel_unavailable(manifest) / run_kernel_layer(...) drive the engine's own
+    # kernel for this layout (``verify --kernel``, the loader); None: no runner in mxconv
+    kernel_runner: str | None = None
+
+    def size_warnings(self, hidden_size: int, intermediate_size: int, options: dict[str, Any] | None = None) -> list[str]:
+        """Plain warnings about sizes the engine accepts but computes wrongly (repack prints them,
+        inspect shows them, ``verify --kernel`` fails on them). None by default."""
+        return []
+
     def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
         """None when ``verify --kernel`` can run the engine's kernel on this machine for an output
         described by ``manifest``; otherwise the reason, naming what is missing."""
-        return f"no engine kernel runner exists in mxconv for backend {self.name}"
+        if self.kernel_runner is None:
+            return f"no engine kernel runner exists in mxconv for backend {self.name}"
+        return importlib.import_module(self.kernel_runner).kernel_unavailable(manifest)
 
     def run_kernel(self, root: Any, manifest: dict[str, Any], layer: int, hidden: torch.Tensor, routing: Any) -> torch.Tensor:
-        """The engine kernel's MoE output [T, H] fp32 for ``hidden`` [T, H] (only when
-        :meth:`kernel_unavailable` returned None)."""
-        raise LayoutError(self.kernel_unavailable(manifest) or f"backend {self.name} cannot run a kernel")
+        """The engine kernel's MoE output [T, H] fp32 for ``hidden`` [T, H] fp32 and ``routing``
+        (top-k ``ids``/``weights``), summed over TP ranks (only when :meth:`kernel_unavailable` is None)."""
+        if self.kernel_runner is None:
+            raise LayoutError(self.kernel_unavailable(manifest) or f"backend {self.name} cannot run a kernel")
+        return importlib.import_module(self.kernel_runner).run_kernel_layer(root, manifest, layer, hidden, routing)
 
 
 class Layout(Protocol):

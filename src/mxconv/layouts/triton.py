@@ -258,6 +258,7 @@ class TritonLayout(LayoutBase):
     # vLLM 0.33 holds these bytes for gpt-oss (interleaved) sources; for halves sources its TRITON
     # branch interleaves the K axis instead of the rows (spec §5) and its OAI experts run swigluoai only.
     vllm_backends = {"bf16": ("TRITON",)}
+    kernel_runner = "mxconv.engines"  # vLLM's own kernel runs on these bytes (verify --kernel)
     options = (
         LayoutOption("triton_layout", str, "3.5", "triton_kernels Hopper value-layout generation: 3.5 (vendored by "
                      "vLLM 0.12-0.33; rows to 16, K/2 to 32) or 3.6 (vLLM 0.20, triton main; both to 64)",
@@ -283,6 +284,11 @@ class TritonLayout(LayoutBase):
             _need(size > 0 and size % MX_BLOCK == 0, f"triton: {what} size {size} must be a positive multiple of {MX_BLOCK}")
         hp = round_up(hidden_size, HIDDEN_ALIGN) if opts["pad_hidden"] else hidden_size
         return hp, round_up(intermediate_size, INTERMEDIATE_ALIGN)
+
+    def size_warnings(self, hidden_size: int, intermediate_size: int, options: dict[str, Any] | None = None) -> list[str]:
+        """The hidden-size warning (:meth:`hidden_warning`) when it applies."""
+        warning = self.hidden_warning(hidden_size, options)
+        return [warning] if warning else []
 
     def hidden_warning(self, hidden_size: int, options: dict[str, Any] | None = None) -> str | None:
         """A plain warning when the kernel would reduce over a hidden size that is not a multiple

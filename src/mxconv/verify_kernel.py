@@ -1,0 +1,113 @@
+"""``mxconv verify --kernel``: the engine's own kernel, fed the files on disk, against the reference.
+
+For every checked layer of a kernel-layout output the backend's engine kernel (triton_kernels
+``matmul_ogs`` for ``triton``, vLLM's ``moe_wna16_marlin_gemm`` for ``marlin``; see
+:mod:`mxconv.engines`) runs the full MoE forward on the same seeded hidden states and routing as the
+reference runner. Its output [T, H] is compared
+
+* with the reference runner on the converted checkpoint's own (inverted) MXFP4 bytes: does the kernel
+  read the bytes the way the layout spec says? Bound: :data:`KERNEL_THRESHOLDS` (bf16 activations,
+  bf16 GEMM outputs: measured 3.9e-3 - 5.7e-3 relative RMS on an H100);
+* with the reference (``--reference`` / ``--reference-outputs``) when one is given: does the engine,
+  fed these files, compute what the source computes? Bound: the numerics threshold of the pair
+  widened by the kernel's own rounding.
+
+A kernel that cannot run here (no SM90 GPU, kernels not found, an output variant the kernel does not
+read) is bad usage (exit 2) naming what is missing; sizes the kernel accepts but computes wrongly
+(the layout's ``size_warnings``) are a verification failure (exit 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxconv.engines import KERNEL_THRESHOLDS
+from mxconv.errors import BadInput
+from mxconv.layouts import Layout, get_layout
+from mxconv.runner import Comparison, Routing, compare
+
+@dataclass
+class KernelResult:
+    """One layer's kernel check: status "ok" | "FAIL", the two comparisons, and what failed."""
+
+    status: str = "ok"
+    vs_converted: Comparison | None = None
+    vs_reference: Comparison | None = None
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "vs_converted": self.vs_converted.to_json() if self.vs_converted else None,
+            "vs_reference": self.vs_reference.to_json() if self.vs_reference else None,
+        }
+
+
+def kernel_preflight(manifest: dict[str, Any]) -> tuple[Layout, list[str]]:
+    """The output's layout and the size problems that make its kernel compute wrongly (FAIL).
+    BadInput (exit 2) when the kernel cannot run on this machine, naming what is missing."""
+    backend = manifest.get("backend")
+    if not backend:
+        raise BadInput("--kernel: a canonical checkpoint has no backend kernel (repack it with --backend triton or marlin)")
+    layout = get_layout(backend)
+    lay = manifest.get("layout") or {}
+    options = layout.resolve_options(lay.get("options") or {})
+    problems = layout.size_warnings(int(lay.get("hidden_size", 0)), int(lay.get("intermediate_size", 0)), options)
+    if problems:
+        return layout, problems
+    reason = layout.kernel_unavailable(manifest)
+    if reason:
+        raise BadInput(f"--kernel: cannot run the {backend} engine kernel here: {reason}")
+    return layout, []
+
+
+def _bound(threshold: dict[str, float]) -> dict[str, float]:
+    """A numerics threshold widened by the kernel's own bf16 rounding."""
+    return {
+        "rel_rms": threshold["rel_rms"] + KERNEL_THRESHOLDS["rel_rms"],
+        "cosine": threshold["cosine"] - (1.0 - KERNEL_THRESHOLDS["cosine"]),
+        "topk_agreement": threshold["topk_agreement"],
+    }
+
+
+def _judge(what: str, cmp: Comparison, bound: dict[str, float]) -> list[str]:
+    bad = []
+    if not cmp.rel_rms <= bound["rel_rms"]:  # NaN fails
+        bad.append(f"{what}: relative RMS error {cmp.rel_rms:.4g} > {bound['rel_rms']:.4g}")
+    if not cmp.cosine >= bound["cosine"]:
+        bad.append(f"{what}: cosine {cmp.cosine:.6f} < {bound['cosine']:.6f}")
+    return bad
+
+
+def check_kernel_layer(
+    layout: Layout,
+    root: Path,
+    manifest: dict[str, Any],
+    layer: int,
+    x: torch.Tensor,
+    routing: Routing,
+    converted_out: torch.Tensor,
+    reference: tuple[torch.Tensor, torch.Tensor, dict[str, float]] | None,
+) -> KernelResult:
+    """Run the engine kernel on layer ``layer`` and judge it.
+
+    x [T, H] fp32 hidden states; ``routing`` the converted router's top-k; ``converted_out`` [T, H]
+    the reference runner on the converted bytes; ``reference`` (output [T, H], top-k ids [T, k],
+    the numerics threshold of the pair) when a reference was given.
+    """
+    res = KernelResult()
+    out = layout.run_kernel(root, manifest, layer, x, routing).float().cpu()
+    if not bool(torch.isfinite(out).all()):
+        res.problems.append(f"layer {layer} kernel: the engine kernel's output holds NaN/Inf")
+    res.vs_converted = compare(out, converted_out, routing.ids, routing.ids)
+    res.problems += _judge(f"layer {layer} kernel vs the converted bytes", res.vs_converted, KERNEL_THRESHOLDS)
+    if reference is not None:
+        ref_out, ref_ids, threshold = reference
+        res.vs_reference = compare(out, ref_out, routing.ids, ref_ids)
+        res.problems += _judge(f"layer {layer} kernel vs the reference", res.vs_reference, _bound(threshold))
+    res.status = "FAIL" if res.problems else "ok"
+    return res
