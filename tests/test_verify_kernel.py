@@ -1,0 +1,210 @@
+"""``mxconv verify --kernel``: the engines' own kernels fed the files on disk (GPU tests run on an
+SM90 device with the kernels found through MXCONV_TRITON_KERNELS / MXCONV_MARLIN_OPS), and the CPU
+behaviour: exit 2 naming what is missing, FAIL for sizes the kernel computes wrongly.
+
+Planted layout bugs are written into a correct output as a broken converter would write them: the
+canonical experts are recovered, mutated, laid out again and stored (the manifest's sha256 is
+updated too, so only the numbers can tell).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from mxconv.checkpoint import open_checkpoint
+from mxconv.cli import app
+from mxconv.layouts import get_layout
+from mxconv.layouts.base import CanonicalExperts
+from mxconv.manifest import load_manifest
+from mxconv.testing import make_checkpoint
+from mxconv.verify import kernel_layer_canonical, verify
+
+cli = CliRunner()
+
+
+def mx(*args: object) -> tuple[int, str]:
+    r = cli.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+    return r.exit_code, r.stdout + r.stderr
+
+
+# ---- CPU: what --kernel says where it cannot run -------------------------------------------------
+
+
+def test_kernel_without_a_gpu_exits_2_naming_what_is_missing(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    src = make_checkpoint(tmp_path / "src", "qwen3-moe", hidden_size=256).path
+    for backend, needle in (("marlin", "capability >= 8.0"), ("triton", "capability 9.0"), ("trtllm", "SM100"), ("aiter", "ROCm")):
+        out = tmp_path / backend
+        code, text = mx("repack", src, out, "--backend", backend, "--quiet", "--device", "cpu")
+        assert code == 0, text
+        code, text = mx("verify", out, "--kernel")
+        assert code == 2 and "--kernel" in text and needle in text and "Traceback" not in text, (backend, text)
+
+
+def test_kernel_on_a_canonical_checkpoint_is_bad_usage(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "src", "qwen3-moe").path
+    code, text = mx("quantize", src, tmp_path / "q", "--quiet", "--device", "cpu")
+    assert code == 0, text
+    code, text = mx("verify", tmp_path / "q", "--kernel")
+    assert code == 2 and "canonical checkpoint has no backend kernel" in text
+
+
+def test_triton_hidden_not_multiple_of_64_warns_and_fails_the_kernel_check(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=96).path
+    code, text = mx("repack", src, tmp_path / "k", "--backend", "triton", "--quiet", "--device", "cpu")
+    assert code == 0 and "warning: hidden size 96 is not a multiple of 64" in text and "pad_hidden=true" in text
+    code, text = mx("verify", tmp_path / "k", "--kernel")
+    assert code == 1 and "kernel" in text and "computes wrong results" in text
+    code, text = mx("repack", src, tmp_path / "p", "--backend", "triton", "--quiet", "--device", "cpu",
+                    "--layout-option", "pad_hidden=true")
+    assert code == 0 and "warning" not in text
+    assert json.loads((tmp_path / "p" / "mxconv.json").read_text())["layout"]["padded_hidden_size"] == 128
+
+
+# ---- GPU: the real kernels ----------------------------------------------------------------------
+
+TOKENS = 64
+
+
+def _kernels_or_skip(backend: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from mxconv.engines import kernel_unavailable
+
+    reason = kernel_unavailable({"backend": backend, "layout": {"padded_hidden_size": 256, "padded_intermediate_size": 256}})
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vk")
+    out = {}
+    for name, kind in (("gpt", "gpt-oss-bf16"), ("qwen", "qwen3-moe")):
+        src = make_checkpoint(root / name, kind, hidden_size=256, intermediate_size=192, num_experts=8).path
+        code, text = mx("quantize", src, root / f"{name}-q4", "--quiet")
+        assert code == 0, text
+        out[name], out[f"{name}-q4"] = src, root / f"{name}-q4"
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "marlin"])
+@pytest.mark.parametrize("name", ["gpt", "qwen"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_verify_kernel_passes_on_converted_files(sources, tmp_path: Path, backend: str, name: str, tp: int) -> None:
+    _kernels_or_skip(backend)
+    out = tmp_path / "k"
+    code, text = mx("repack", sources[f"{name}-q4"], out, "--backend", backend, "--tp", tp, "--quiet")
+    assert code == 0, text
+    rep = verify(out, reference=str(sources[f"{name}-q4"]), tokens=TOKENS, kernel=True)
+    assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
+    for r in rep.layers:
+        assert r.kernel is not None and r.kernel.status == "ok"
+        print("VERIFY-KERNEL", json.dumps({"backend": backend, "source": name, "tp": tp, "layer": r.layer,
+                                            "vs_bytes": r.kernel.vs_converted.to_json(), "vs_ref": r.kernel.vs_reference.to_json()}))
+    # against the bf16 source too (MXFP4 threshold widened by the kernel's rounding), through the CLI
+    code, text = mx("verify", out, "--reference", sources[name], "--kernel", "--tokens", TOKENS)
+    assert code == 0 and "PASS" in text, text
+
+
+def _swap_experts(c: CanonicalExperts) -> None:
+    for t in (c.w13, c.w13_scale, c.w2, c.w2_scale):
+        t[[0, 1]] = t[[1, 0]]
+
+
+def _swap_gate_up(c: CanonicalExperts) -> None:
+    for t in (c.w13, c.w13_scale):
+        if c.row_order == "interleaved":
+            t[:, 0::2], t[:, 1::2] = t[:, 1::2].clone(), t[:, 0::2].clone()
+        else:
+            half = t.shape[1] // 2
+            t[:, :half], t[:, half:] = t[:, half:].clone(), t[:, :half].clone()
+
+
+def _permute_w2_scales(c: CanonicalExperts) -> None:
+    c.w2_scale.copy_(c.w2_scale.roll(1, dims=1))
+
+
+def _bump_one_scale(c: CanonicalExperts) -> None:
+    c.w2_scale[:, :, 0] = (c.w2_scale[:, :, 0].int() + 4).clamp(max=254).to(torch.uint8)  # x16 on one block column
+
+
+BUGS: dict[str, Callable[[CanonicalExperts], None]] = {
+    "swapped experts": _swap_experts, "swapped gate/up": _swap_gate_up,
+    "permuted w2 scales": _permute_w2_scales, "scale bytes x16": _bump_one_scale,
+}
+
+
+def _plant(out: Path, mutate: Callable[[CanonicalExperts], None]) -> None:
+    """Rewrite every layer of the TP-1 kernel output at ``out`` with mutated canonical experts."""
+    import hashlib
+
+    manifest = load_manifest(out)
+    layout = get_layout(manifest["backend"])
+    options = layout.resolve_options(manifest["layout"].get("options") or {})
+    ckpt = open_checkpoint(out)
+    new: dict[str, torch.Tensor] = {}
+    for lay in manifest["layers"]:
+        prefix = lay["module_prefix"]
+        problems: list[str] = []
+        canon = kernel_layer_canonical(manifest, [ckpt], prefix, problems)
+        assert canon is not None, problems
+        mutate(canon)
+        for k, v in layout.to_kernel(canon, manifest["activation"], options).items():
+            new[f"{prefix}.experts.{k}"] = v.contiguous()
+    for shard in sorted({ckpt.tensors[n].path for n in new}):
+        tensors = load_file(shard)
+        tensors.update({n: t for n, t in new.items() if n in tensors})
+        save_file(tensors, shard, metadata={"format": "pt"})
+    for n, t in new.items():  # a broken converter records the hashes of what it wrote
+        manifest["tensors"][n]["sha256"] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+    (out / "mxconv.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "marlin"])
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_verify_kernel_fails_on_planted_layout_bugs(sources, tmp_path: Path, backend: str, bug: str) -> None:
+    _kernels_or_skip(backend)
+    out = tmp_path / "k"
+    code, text = mx("repack", sources["gpt-q4"], out, "--backend", backend, "--quiet")
+    assert code == 0, text
+    _plant(out, BUGS[bug])
+    rep = verify(out, reference=str(sources["gpt-q4"]), tokens=TOKENS, kernel=True)
+    assert not rep.passed
+    for r in rep.layers:
+        assert r.kernel is not None and r.kernel.status == "FAIL", (bug, r.problems)
+        assert r.kernel.vs_reference.rel_rms > 0.05
+        print("PLANTED", json.dumps({"backend": backend, "bug": bug, "layer": r.layer,
+                                     "kernel_vs_ref_rel_rms": r.kernel.vs_reference.rel_rms,
+                                     "kernel_vs_bytes_rel_rms": r.kernel.vs_converted.rel_rms}))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MXCONV_BIG_GPU_TESTS") != "1", reason="set MXCONV_BIG_GPU_TESTS=1 (one gpt-oss-120b-sized layer)")
+@pytest.mark.parametrize("backend", ["triton", "marlin"])
+def test_verify_kernel_on_a_gpt_oss_120b_sized_layer(tmp_path_factory, backend: str) -> None:
+    _kernels_or_skip(backend)
+    root = tmp_path_factory.mktemp("big")
+    src = root / "src"
+    if not (src / "config.json").exists():
+        make_checkpoint(src, "gpt-oss-mxfp4", num_layers=1, num_experts=128, hidden_size=2880, intermediate_size=2880, top_k=4)
+    out = root / backend
+    code, text = mx("repack", src, out, "--backend", backend, "--quiet")
+    assert code == 0, text
+    rep = verify(out, reference=str(src), tokens=32, kernel=True)
+    assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
+    r = rep.layers[0]
+    print("VERIFY-KERNEL-120B", json.dumps({"backend": backend, "vs_bytes": r.kernel.vs_converted.to_json(),
+                                            "vs_ref": r.kernel.vs_reference.to_json()}))
