@@ -1,7 +1,9 @@
 """The ``mxconv`` command line (Typer + rich).
 
-Exit codes: 0 success / verification passed, 1 verification failed, 2 bad usage or bad input.
-Progress and tables go to stderr, ``--json`` documents to stdout.
+Exit codes: 0 success / verification passed, 1 verification failed, 2 bad usage or bad input
+(an interruption by SIGINT/SIGTERM included, see docs/reliability.md), 3 internal error.
+Streams: result tables and ``--json`` documents on stdout; progress, notes, warnings and errors on
+stderr. ``--quiet`` hides progress and tables, never the reason for a failure.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rich.table import Table
 
 from mxconv import __version__
 from mxconv.errors import MxconvError
+from mxconv.interrupt import Interrupted, stop_signals
 from mxconv.layouts import backend_names
 
 app = typer.Typer(
@@ -76,9 +79,11 @@ def _main(
 
 @contextmanager
 def _errors(debug: bool) -> Iterator[None]:
-    """Turn expected failures into a one-line message and the contract's exit code."""
+    """Turn expected failures into a one-line message and the contract's exit code; SIGINT and
+    SIGTERM stop the command cleanly (exit 2, see :mod:`mxconv.interrupt`)."""
     try:
-        yield
+        with stop_signals():
+            yield
     except typer.Exit:
         raise
     except MxconvError as exc:
@@ -92,9 +97,11 @@ def _errors(debug: bool) -> Iterator[None]:
         what = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
         err.print(f"[bold red]error:[/] {what}: {exc.filename or ''} (the output is incomplete: it has no mxconv.json; rerun to clean it up)", highlight=False)
         raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        err.print("[bold red]interrupted[/] (the output is incomplete: it has no mxconv.json; rerun to clean it up)")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        why = f"interrupted by {exc.signame}" if isinstance(exc, Interrupted) else "interrupted"
+        note = exc.note if isinstance(exc, Interrupted) and exc.note else "stopped before writing anything"
+        err.print(f"[bold red]error:[/] {why}; {note}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
     except Exception as exc:  # noqa: BLE001 - never let a crash look like "verification failed" (1)
         if debug:
             raise
@@ -228,11 +235,11 @@ def _run_convert(
         if as_json:
             _print_json(doc)
         elif not quiet:
-            err.print(_plan_table(plan.summary(), f"mxconv {command} --dry-run (nothing written)"))
+            out.print(_plan_table(plan.summary(), f"mxconv {command} --dry-run (nothing written)"))
             for t in doc["tensors"][:12]:
-                err.print(f"  {t['name']}  {t['dtype']}{t['shape']}")
+                out.print(f"  {t['name']}  {t['dtype']}{t['shape']}", highlight=False)
             if len(doc["tensors"]) > 12:
-                err.print(f"  ... {len(doc['tensors']) - 12} more expert tensors")
+                out.print(f"  ... {len(doc['tensors']) - 12} more expert tensors")
         return
     with _progress(plan.bytes_in, f"{command} {reader.title}", quiet or as_json) as advance:
         summary = execute(plan, output, device=dev, max_shard_size=shard_bytes, overwrite=overwrite,
@@ -241,8 +248,8 @@ def _run_convert(
         _print_json(summary)
     elif not quiet:
         for n in summary.get("notes", []):
-            err.print(f"[dim]{n}[/]")
-        err.print(_plan_table({k: v for k, v in summary.items() if k != "notes"}, f"mxconv {command}: done"))
+            err.print(f"[dim]{n}[/]", highlight=False, soft_wrap=True)
+        out.print(_plan_table({k: v for k, v in summary.items() if k != "notes"}, f"mxconv {command}: done"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,6 +415,7 @@ def verify(
             revision=revision,
             kernel=kernel,
         )
+        problems = rep.problems + [p for r in rep.layers for p in r.problems]
         if as_json:
             _print_json(rep.to_json())
         elif not quiet:
@@ -430,12 +438,12 @@ def verify(
                         "" if k.vs_reference is None else f" / {k.vs_reference.rel_rms:.3g}")
                     row += ["-" if k is None else k.status, figs]
                 t.add_row(*row)
-            err.print(t)
-            for p in rep.problems + [p for r in rep.layers for p in r.problems]:
-                err.print(f"[red]FAIL[/] {p}", highlight=False)
+            out.print(t)
             for n in rep.notes:
                 err.print(f"[dim]{n}[/]", highlight=False)
-            err.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]")
+            out.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]")
+        for p in problems:  # the reasons for a failure: shown with --quiet and --json too
+            err.print(f"[red]FAIL[/] {p}", highlight=False, soft_wrap=True)
         if not rep.passed:
             raise typer.Exit(1)
 
@@ -511,6 +519,7 @@ def demo(
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where to build the demo checkpoints (default: a temporary directory, removed afterwards)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="JSON results on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress or table; failed steps are still named."),
     debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks."),
 ) -> None:
     """Build tiny gpt-oss-style and Qwen-style checkpoints, run quantize -> repack (every backend)
@@ -518,18 +527,21 @@ def demo(
     from mxconv.demo import run_demo
 
     with _errors(debug):
-        results = run_demo(workdir, _device(device), progress=lambda msg: (None if as_json else err.print(f"[dim]{msg}[/]", highlight=False)))
+        results = run_demo(workdir, _device(device), progress=lambda msg: (None if as_json or quiet else err.print(f"[dim]{msg}[/]", highlight=False)))
         if as_json:
             _print_json(results)
-        else:
+        elif not quiet:
             t = Table(title="mxconv demo")
             for col in ("source", "step", "result", "rel RMS", "detail"):
                 t.add_column(col)
             for r in results["steps"]:
                 t.add_row(r["source"], r["step"], "[green]ok[/]" if r["ok"] else "[red]FAIL[/]",
                           "-" if r.get("rel_rms") is None else f"{r['rel_rms']:.4f}", r.get("detail", ""))
-            err.print(t)
-            err.print("[bold green]demo passed[/]" if results["passed"] else "[bold red]demo failed[/]")
+            out.print(t)
+            out.print("[bold green]demo passed[/]" if results["passed"] else "[bold red]demo failed[/]")
+        for r in results["steps"]:
+            if not r["ok"]:
+                err.print(f"[red]FAIL[/] {r['source']} {r['step']}: {r.get('detail', '')}", highlight=False, soft_wrap=True)
         if not results["passed"]:
             raise typer.Exit(1)
 
