@@ -162,13 +162,25 @@ def _plant(out: Path, mutate: Callable[[CanonicalExperts], None]) -> None:
         mutate(canon)
         for k, v in layout.to_kernel(canon, manifest["activation"], options).items():
             new[f"{prefix}.experts.{k}"] = v.contiguous()
-    for shard in sorted({ckpt.tensors[n].path for n in new}):
+    for shard in sorted({ckpt.tensors[n].file for n in new}):
         tensors = load_file(shard)
         tensors.update({n: t for n, t in new.items() if n in tensors})
         save_file(tensors, shard, metadata={"format": "pt"})
     for n, t in new.items():  # a broken converter records the hashes of what it wrote
         manifest["tensors"][n]["sha256"] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
     (out / "mxconv.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_planted_bugs_fail_verify_without_a_kernel_too(tmp_path: Path, bug: str) -> None:
+    """On CPU the same planted files fail the layout check against the reference (bit-exact)."""
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=256, intermediate_size=192, num_experts=4).path
+    out = tmp_path / "k"
+    code, text = mx("repack", src, out, "--backend", "marlin", "--quiet", "--device", "cpu")
+    assert code == 0, text
+    _plant(out, BUGS[bug])
+    rep = verify(out, reference=str(src), tokens=16)
+    assert not rep.passed and all(r.integrity == "ok" and r.layout == "FAIL" for r in rep.layers), bug
 
 
 @pytest.mark.gpu
