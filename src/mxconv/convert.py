@@ -166,8 +166,9 @@ def execute(
         run_compute = compute_after_warmup
     else:
         run_compute = compute
-    times = run_pipeline(plan.items, writers, load=lambda item: reader.read_layer(item.payload), compute=run_compute,
-                         on_progress=on_progress)
+    # reader threads refuse NaN/Inf biases and routers and 0xFF scales (weights: where quantized)
+    load = lambda item: reader.read_checked_layer(item.payload, plan.quant.allow_nonfinite)  # noqa: E731
+    times = run_pipeline(plan.items, writers, load=load, compute=run_compute, on_progress=on_progress)
 
     cfg = output_config(plan)
     tensors: dict[str, Any] = {}

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import struct
 from fractions import Fraction
+from typing import Callable
 
 import torch
 
@@ -379,25 +380,63 @@ def dequantize_mx(
 # ---------------------------------------------------------------------------------------------------
 
 
-def first_nonfinite(x: torch.Tensor) -> tuple[int, ...] | None:
-    """Index (row-major) of the first NaN/Inf in ``x``, or None when every element is finite.
+_SCAN_CHUNK = 1 << 26  # elements per pass of a scan: bounds the temporaries of a huge stack
 
-    Cheap on the common path: one ``isfinite().all()`` per chunk of the flattened tensor.
+
+def _first_where(x: torch.Tensor, bad: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, ...] | None:
+    """Index (row-major) of the first element of ``x`` where ``bad(chunk)`` is True, or None.
+
+    Cheap on the common path: one mask and one ``any()`` per chunk of the flattened tensor.
     """
-    if not (x.is_floating_point() or x.is_complex()) or x.numel() == 0:
+    if x.numel() == 0:
         return None
     flat = x.reshape(-1)
-    chunk = 1 << 26
-    for start in range(0, flat.numel(), chunk):
-        part = flat[start : start + chunk]
-        finite = torch.isfinite(part)
-        if not bool(finite.all()):
-            pos = start + int((~finite).nonzero()[0, 0])
+    for start in range(0, flat.numel(), _SCAN_CHUNK):
+        hit = bad(flat[start : start + _SCAN_CHUNK])
+        if bool(hit.any()):
+            pos = start + int(hit.nonzero()[0, 0])
             idx = []
             for size in reversed(x.shape):
                 idx.append(pos % size)
                 pos //= size
             return tuple(reversed(idx))
+    return None
+
+
+def first_nonfinite(x: torch.Tensor) -> tuple[int, ...] | None:
+    """Index (row-major) of the first NaN/Inf in ``x``, or None when every element is finite
+    (integer tensors always are)."""
+    if not (x.is_floating_point() or x.is_complex()):
+        return None
+    return _first_where(x, lambda part: ~torch.isfinite(part))
+
+
+def first_nan_scale(scales: torch.Tensor) -> tuple[int, ...] | None:
+    """Index of the first E8M0 NaN byte (0xFF) in MX scales (uint8 or float8_e8m0fnu), or None.
+
+    0xFF is the only E8M0 code that is not a power of two: a block with that scale decodes to NaN
+    whatever its elements, so it is never a number to carry over or compare.
+    """
+    return _first_where(scales.view(torch.uint8), lambda part: part == E8M0_NAN)
+
+
+def first_nonnumber(tensors: dict[str, torch.Tensor | None]) -> tuple[str, tuple[int, ...], str] | None:
+    """The first of ``{key: tensor}`` holding a value that is not a number, as (key, index, what).
+
+    Keys ending in ``_scale`` hold E8M0 scale bytes (what = "E8M0 NaN scale byte 0xFF"); the others
+    are float tensors (what = "non-finite value nan" / "inf" / "-inf"). None entries are skipped.
+    """
+    for key, t in tensors.items():
+        if t is None:
+            continue
+        if key.endswith("_scale"):
+            idx = first_nan_scale(t)
+            if idx is not None:
+                return key, idx, f"E8M0 NaN scale byte 0x{E8M0_NAN:02X}"
+        else:
+            idx = first_nonfinite(t)
+            if idx is not None:
+                return key, idx, f"non-finite value {t[idx].item()}"
     return None
 
 
@@ -416,7 +455,9 @@ __all__ = [
     "SCALE_MODES",
     "SUBNORMAL_FIX_MAX_BYTE",
     "dequantize_mx",
+    "first_nan_scale",
     "first_nonfinite",
+    "first_nonnumber",
     "pack_fp4",
     "quantize_mx_torch",
     "scale_bytes_from_amax_bits",

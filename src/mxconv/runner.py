@@ -7,6 +7,7 @@ layer never has to sit in memory as float32; tokens are processed in chunks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -134,17 +135,26 @@ class Comparison:
     max_abs: float
     topk_agreement: float
 
-    def to_json(self) -> dict[str, float]:
-        return dict(self.__dict__)
+    def to_json(self) -> dict[str, float | None]:
+        """The figures, NaN written as null (JSON has no NaN)."""
+        return {k: (v if math.isfinite(v) else None) for k, v in self.__dict__.items()}
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor, ref_ids: torch.Tensor) -> Comparison:
-    """Error of ``out`` against ``ref`` ([T, H]) and the fraction of top-k choices in common."""
+    """Error of ``out`` against ``ref`` ([T, H]) and the fraction of top-k choices in common.
+
+    A NaN/Inf on either side makes the error figures NaN (never 0 and cosine 1, which a zero or
+    NaN norm would otherwise give), so no threshold test ``x <= limit`` can pass.
+    """
     out, ref = out.double(), ref.double()
+    k = ids.shape[1]
+    same = (ids.unsqueeze(2) == ref_ids.unsqueeze(1)).any(dim=2).sum().item()
+    agree = same / (ids.shape[0] * k)
+    if not (bool(torch.isfinite(out).all()) and bool(torch.isfinite(ref).all())):
+        nan = float("nan")
+        return Comparison(nan, nan, nan, agree)
     diff = out - ref
     denom = ref.norm().item()
     rel = diff.norm().item() / denom if denom > 0 else float(diff.norm().item() > 0)
     cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item() if denom > 0 else 1.0
-    k = ids.shape[1]
-    same = (ids.unsqueeze(2) == ref_ids.unsqueeze(1)).any(dim=2).sum().item()
-    return Comparison(rel, cos, diff.abs().max().item() if diff.numel() else 0.0, same / (ids.shape[0] * k))
+    return Comparison(rel, cos, diff.abs().max().item() if diff.numel() else 0.0, agree)

@@ -6,11 +6,14 @@
    fill), re-laid-out and compared byte for byte with what is stored; with an MXFP4 reference the
    recovered canonical bytes must equal the reference bytes exactly.
 3. Numerics — seeded hidden states through router + experts of the converted weights vs the
-   reference (a source checkpoint or outputs saved earlier), with per-format thresholds.
+   reference (a source checkpoint or outputs saved earlier), with per-format thresholds. A value
+   that is not a number fails, never passes: an E8M0 scale byte 0xFF, a NaN/Inf bias or router
+   (converted or reference, named by tensor and index), or a non-finite layer output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +24,7 @@ import torch
 from mxconv.checkpoint import Checkpoint, layer_index, open_checkpoint
 from mxconv.errors import BadInput, LayoutError
 from mxconv.families import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MXStack, detect_family
+from mxconv.families.base import nonfinite_tensors
 from mxconv.layouts import LayoutSizes, get_layout
 from mxconv.layouts.base import CanonicalExperts, unpad_canonical
 from mxconv.manifest import load_manifest
@@ -304,9 +308,36 @@ def _router(ckpt: Checkpoint, lay: dict[str, Any]) -> tuple[torch.Tensor, torch.
 
 
 def _model_info(d: dict[str, Any]) -> ModelInfo:
-    d = dict(d)
+    """The manifest's ``model`` table (validated by load_manifest) -> ModelInfo; keys a newer mxconv
+    may add are ignored."""
+    known = {f.name for f in dataclasses.fields(ModelInfo)}
+    d = {k: v for k, v in d.items() if k in known}
     d["moe_layers"] = tuple(d["moe_layers"])
     return ModelInfo(**d)
+
+
+def _kernel_nonfinite(canon: CanonicalExperts, prefix: str) -> str | None:
+    """The first NaN scale byte / non-finite bias of experts recovered from a kernel layout, named
+    by the manifest tensor and the canonical (expert, row, block) index."""
+    from mxconv.numerics import first_nonnumber
+
+    hit = first_nonnumber({"w13_weight_scale": canon.w13_scale, "w2_weight_scale": canon.w2_scale,
+                           "w13_bias": canon.w13_bias, "w2_bias": canon.w2_bias})
+    if hit is None:
+        return None
+    name, idx, what = hit
+    coords = "expert, row, block" if name.endswith("_scale") else "expert, row"
+    return f"{what} in {prefix}.experts.{name} at canonical [{', '.join(map(str, idx))}] ({coords})"
+
+
+def _output_nonfinite(out: torch.Tensor, what: str) -> str | None:
+    """Describe the first NaN/Inf of a runner output [tokens, hidden]; None when it is finite."""
+    from mxconv.numerics import first_nonfinite
+
+    idx = first_nonfinite(out)
+    if idx is None:
+        return None
+    return f"the {what} holds {out[idx].item()} (token {idx[0]}, channel {idx[1]}): a non-finite output never passes"
 
 
 def run_layer(info: ModelInfo, row_order: str, experts: ExpertFn, router: tuple, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
@@ -395,8 +426,16 @@ def verify(
                 )
     to_save: dict[str, torch.Tensor] = {}
 
-    own_reader = detect_family(ckpts[0]) if kind == "canonical" else None
-    own_refs = {r.layer: r for r in own_reader.layer_refs()} if own_reader else {}
+    own_reader: FamilyReader | None = None
+    own_refs: dict[int, Any] = {}
+    own_error: str | None = None
+    if kind == "canonical":
+        try:  # a damaged output (a tensor missing, a config edited) fails verification, naming why
+            own_reader = detect_family(ckpts[0])
+            own_refs = {r.layer: r for r in own_reader.layer_refs()}
+        except BadInput as exc:
+            own_error = str(exc)
+            general.append(f"{root}: does not read back as a {manifest['family']} checkpoint: {exc}")
     reports: list[LayerReport] = []
     for L in sorted(lay_table):
         rep = LayerReport(L)
@@ -421,15 +460,30 @@ def verify(
                 lprobs.append(f"{prefix}.experts: kernel tensor {exc} missing")
             rep.layout = "FAIL" if lprobs else "ok"
             rep.problems.extend(lprobs)
+        elif own_error is not None:
+            rep.layout = "not run"
         else:
             ref = own_refs.get(L)
             if ref is None:
                 rep.layout = "FAIL"
                 rep.problems.append(f"{prefix}: the manifest lists this MoE layer but the checkpoint has no experts for it")
             else:
+                assert own_reader is not None
                 conv_layer = own_reader.read_layer(ref)
                 canon = _canonical_from_layer(conv_layer)
                 rep.layout = "ok"
+        # ---- values that are not numbers (NaN scale bytes, NaN/Inf biases and routers) fail
+        if conv_layer is not None and own_reader is not None:
+            bad_value = own_reader.nonfinite_problem(conv_layer)
+        else:
+            bad_value = None if canon is None else _kernel_nonfinite(canon, prefix)
+            if bad_value is None and canon is not None:
+                try:
+                    bad_value = nonfinite_tensors(ckpts[0], (lay["router_weight"], lay.get("router_bias"), lay.get("correction_bias")))
+                except BadInput:
+                    pass  # a router the checkpoint lacks: the integrity check names it
+        if bad_value:
+            rep.problems.append(f"layer {L}: {bad_value}")
         # ---- reference layer (for bit-exact layout and numerics)
         ref_layer: MoELayer | None = None
         if ref_reader is not None:
@@ -437,6 +491,10 @@ def verify(
             if L not in rrefs:
                 raise BadInput(f"--reference {reference}: has no MoE layer {L}")
             ref_layer = ref_reader.read_layer(rrefs[L])
+            ref_bad = ref_reader.nonfinite_problem(ref_layer)
+            if ref_bad:
+                bad_value = bad_value or ref_bad
+                rep.problems.append(f"layer {L}: the reference {reference} holds a value that is not a number: {ref_bad}")
             rcanon = _canonical_from_layer(ref_layer)
             if rcanon is not None and canon is not None and manifest["weight_format"] == "mxfp4":
                 diff = _first_difference(canon, rcanon)
@@ -446,6 +504,10 @@ def verify(
                 else:
                     rep.layout = "bit-exact"
         # ---- numerics
+        if bad_value:
+            rep.numerics = "FAIL"
+            reports.append(rep)
+            continue
         if (ref_layer is None and saved is None and klayout is None) or (canon is None and conv_layer is None):
             rep.numerics = "skipped" if rep.layout != "FAIL" else "not run"
             reports.append(rep)
@@ -494,7 +556,7 @@ def verify(
             cmp = compare(out, ref_out, ids, ref_ids)
             th = THRESHOLDS[ref_fmt]
             rep.comparison, rep.threshold = cmp, ref_fmt
-            bad = []
+            bad = [b for b in (_output_nonfinite(out, "converted output"), _output_nonfinite(ref_out, "reference output")) if b]
             if not cmp.rel_rms <= th["rel_rms"]:
                 bad.append(f"relative RMS error {cmp.rel_rms:.4g} > {th['rel_rms']}")
             if not cmp.cosine >= th["cosine"]:

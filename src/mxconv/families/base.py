@@ -44,6 +44,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from mxconv.checkpoint import Checkpoint
+from mxconv.errors import BadInput
 from mxconv.layouts.base import TensorSpec
 
 
@@ -217,9 +218,65 @@ class FamilyReader(ABC):
         return self.model_info().expert_format
 
     def source_location(self, ref: MoELayerRef, which: str, index: tuple[int, ...]) -> str:
-        """Where element ``index`` = (expert, row, column) of canonical ``which`` ("w13" | "w2")
-        lives in the source checkpoint, as ``"tensor name [i, j, ...]"`` (used in error messages).
+        """Where element ``index`` of canonical ``which`` lives in the source checkpoint, as
+        ``"tensor name [i, j, ...]"`` (used in error messages). ``which``: "w13" | "w2" (index
+        (expert, row, column)), "w13_scale" | "w2_scale" (expert, row, block of 32), "w13_bias" |
+        "w2_bias" (expert, row), "w13_scale_inv" | "w2_scale_inv" (expert, part of the
+        :class:`FP8BlockStack`, tile row, tile column).
 
         The default names the layer's expert module; readers override it with exact tensor names.
         """
         return f"{ref.module_prefix}.experts ({which}) [{', '.join(map(str, index))}]"
+
+    def nonfinite_problem(self, layer: MoELayer) -> str | None:
+        """The first value of ``layer`` and its router tensors that is not a number, as "what in
+        tensor [index]" (source names and coordinates); None when there is none.
+
+        Checked here: the E8M0 scale bytes of MX experts (0xFF is NaN), the scales of block-FP8
+        experts, expert biases, the router weight, bias and correction bias, which a conversion would
+        otherwise carry over as they are (or turn into NaN weights named by their element only).
+        Float and block-FP8 expert weights are checked where they are quantized (compute).
+        """
+        from mxconv.numerics import first_nonnumber
+
+        hit = first_nonnumber(
+            {
+                "w13_scale": None if layer.w13_mx is None else layer.w13_mx.scales,
+                "w2_scale": None if layer.w2_mx is None else layer.w2_mx.scales,
+                "w13_bias": layer.w13_bias,
+                "w2_bias": layer.w2_bias,
+            }
+        )
+        if hit is not None:
+            which, idx, what = hit
+            return f"{what} in {self.source_location(layer.ref, which, idx)}"
+        for which, fp8 in (("w13", layer.w13_fp8), ("w2", layer.w2_fp8)):
+            for j, (_, scale_inv) in enumerate(fp8.parts if fp8 is not None else ()):
+                hit = first_nonnumber({"scale_inv": scale_inv})
+                if hit is not None:
+                    e, r, c = hit[1]
+                    return f"{hit[2]} in {self.source_location(layer.ref, which + '_scale_inv', (e, j, r, c))}"
+        return nonfinite_tensors(self.ckpt, (layer.ref.router_weight, layer.ref.router_bias, layer.ref.correction_bias))
+
+    def read_checked_layer(self, ref: MoELayerRef, allow_nonfinite: bool = False) -> MoELayer:
+        """:meth:`read_layer`, refusing (BadInput) what :meth:`nonfinite_problem` finds unless
+        ``allow_nonfinite`` (then NaN/Inf biases and routers and 0xFF scales are carried over as they are)."""
+        layer = self.read_layer(ref)
+        if not allow_nonfinite:
+            problem = self.nonfinite_problem(layer)
+            if problem:
+                raise BadInput(f"{self.ckpt.root}: {problem}; pass --allow-nonfinite to carry such values over")
+        return layer
+
+
+def nonfinite_tensors(ckpt: Checkpoint, names: Sequence[str | None]) -> str | None:
+    """Read the named float tensors of ``ckpt`` (None entries skipped) and describe the first
+    NaN/Inf, as "non-finite value nan in tensor [index]"; None when all are finite."""
+    from mxconv.numerics import first_nonnumber
+
+    for name in names:
+        if name:
+            hit = first_nonnumber({name: ckpt.read(name)})
+            if hit is not None:
+                return f"{hit[2]} in {name} [{', '.join(map(str, hit[1]))}]"
+    return None

@@ -338,9 +338,17 @@ class GptOssReader(FamilyReader):
         return layer
 
     def source_location(self, ref: MoELayerRef, which: str, index: tuple[int, ...]) -> str:
-        """Canonical (expert, row, column) -> the fused source tensor; BF16 stores it transposed."""
+        """Canonical index -> the fused source tensor: BF16 weights are stored transposed, MX blocks
+        as ``[E, N, K/32, bytes per block]``; scales and biases keep the canonical index."""
+        proj, _, part = which.partition("_")
+        name = f"{ref.module_prefix}.experts.{'gate_up_proj' if proj == 'w13' else 'down_proj'}"
+        if part:  # "scale" | "bias"
+            return f"{name}_{'scales' if part == 'scale' else 'bias'} [{', '.join(map(str, index))}]"
         e, row, col = index
-        name = f"{ref.module_prefix}.experts.{'gate_up_proj' if which == 'w13' else 'down_proj'}"
+        fmt = self._plan()["formats"][ref.layer][0]
+        if fmt in MX_FORMATS:
+            per_byte = 2 if fmt == "mxfp4" else 1
+            return f"{name}_blocks [{e}, {row}, {col // 32}, {col % 32 // per_byte}]"
         return f"{name} [{e}, {col}, {row}]"
 
     def layer_format(self, ref: MoELayerRef) -> str:

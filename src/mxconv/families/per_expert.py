@@ -462,14 +462,27 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
         return layer
 
     def source_location(self, ref: MoELayerRef, which: str, index: tuple[int, ...]) -> str:
-        """Canonical (expert, row, column) -> the per-expert source tensor and its [row, column]."""
+        """Canonical (expert, row, column or scale block) -> the per-expert source tensor and its
+        [row, column] (``weight_packed`` holds two MXFP4 columns per byte; ``weight_scale`` one
+        E8M0 byte per block of 32; ``weight_scale_inv`` one per tile). There are no expert biases."""
+        proj_key, _, part = which.partition("_")
+        if part == "scale_inv":  # (expert, part, tile row, tile column): parts are gate, up | down
+            e, j, r, c = index
+            return f"{self.expert_name(ref.module_prefix, e, j if proj_key == 'w13' else 2, 'weight_scale_inv')} [{r}, {c}]"
+        if part not in ("", "scale"):
+            return super().source_location(ref, which, index)
         e, row, col = index
-        if which == "w13":
+        if proj_key == "w13":
             I = self._plan().intermediate_size
             proj, row = (0, row) if row < I else (1, row - I)
         else:
             proj = 2
-        return f"{self.expert_name(ref.module_prefix, e, proj, 'weight')} [{row}, {col}]"
+        param = "weight"
+        if part == "scale":
+            param = "weight_scale"
+        elif self._plan().layer_fmt[ref.layer][0] == "mxfp4":
+            param, col = "weight_packed", col // 2
+        return f"{self.expert_name(ref.module_prefix, e, proj, param)} [{row}, {col}]"
 
     def layer_format(self, ref: MoELayerRef) -> str:
         p = self._plan()
