@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mxconv.errors import BadInput
-from mxconv.st_format import TensorInfo, read_header, read_tensor
+from mxconv.st_format import TensorInfo, loads_unique, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "mxconv.json"
@@ -118,13 +118,17 @@ def _copied_along(name: str) -> bool:
     return any(fnmatch.fnmatch(name, pat) for pat in HUB_SMALL_FILES)
 
 
-def _load_json(path: Path, what: str) -> Any:
+def _load_json(path: Path, what: str, *, unique_keys: bool = False) -> Any:
+    """Parse ``path`` (BadInput naming it when missing or malformed); ``unique_keys`` also refuses a
+    key repeated within one object (index and manifest: a repeated tensor name is ambiguous)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise BadInput(f"{path}: {what} is missing") from None
-    except OSError as exc:
-        raise BadInput(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"{path}: cannot read {what} ({getattr(exc, 'strerror', None) or exc})") from None
+    if unique_keys:
+        return loads_unique(text, str(path), f"malformed {what}")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -177,6 +181,39 @@ def _fetch_from_hub(repo_id: str, revision: str | None) -> tuple[Path, SourceInf
     return root, info
 
 
+def _indexed_tensors(index_path: Path) -> tuple[dict[str, TensorInfo], list[Path]]:
+    """The tensors of an indexed checkpoint, every shard header validated, and the index's
+    ``weight_map`` checked against the shards both ways: each mapped tensor is in its shard, and
+    each tensor of a shard is mapped to that shard (a tensor the map does not name would be dropped
+    silently by every loader; one mapped elsewhere is a duplicate)."""
+    root = index_path.parent
+    index = _load_json(index_path, "index", unique_keys=True)
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise BadInput(f"{index_path}: malformed index (no 'weight_map' object of tensor -> file)")
+    shard_names = sorted(set(wm.values()))
+    for s in shard_names:
+        if not s or "/" in s or "\\" in s or s.startswith("."):
+            raise BadInput(f"{index_path}: shard name {s!r} is not a plain file name")
+    shard_files = [root / s for s in shard_names]
+    for f in shard_files:
+        if not f.is_file():
+            raise BadInput(f"{index_path}: names shard {f.name!r}, which does not exist")
+    headers = {f.name: read_header(f)[0] for f in shard_files}
+    tensors: dict[str, TensorInfo] = {}
+    for name, shard in wm.items():
+        info = headers[shard].get(name)
+        if info is None:
+            raise BadInput(f"{index_path}: tensor {name!r} is mapped to {shard!r}, but that shard does not hold it")
+        tensors[name] = info
+    for shard, infos in headers.items():
+        for name in infos:
+            if wm.get(name) != shard:
+                where = "the weight_map does not name it" if name not in wm else f"the weight_map maps it to {wm[name]!r}"
+                raise BadInput(f"{root / shard}: tensor {name!r} is in this shard, but {where} ({index_path.name})")
+    return tensors, shard_files
+
+
 def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoint:
     """Open and validate a checkpoint: config.json, index (or shard scan), every shard header."""
     root, sinfo = resolve_source(str(source), revision)
@@ -186,24 +223,7 @@ def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoi
     index_path = root / INDEX_NAME
     tensors: dict[str, TensorInfo] = {}
     if index_path.exists():
-        index = _load_json(index_path, "index")
-        wm = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise BadInput(f"{index_path}: malformed index (no 'weight_map' object of tensor -> file)")
-        shard_names = sorted(set(wm.values()))
-        for s in shard_names:
-            if "/" in s or "\\" in s or s.startswith("."):
-                raise BadInput(f"{index_path}: shard name {s!r} is not a plain file name")
-        shard_files = [root / s for s in shard_names]
-        for f in shard_files:
-            if not f.exists():
-                raise BadInput(f"{index_path}: names shard {f.name!r}, which does not exist")
-        headers = {f.name: read_header(f)[0] for f in shard_files}
-        for name, shard in wm.items():
-            info = headers[shard].get(name)
-            if info is None:
-                raise BadInput(f"{index_path}: tensor {name!r} is mapped to {shard!r}, but that shard does not hold it")
-            tensors[name] = info
+        tensors, shard_files = _indexed_tensors(index_path)
     else:
         shard_files = sorted(root.glob("*.safetensors"))
         if not shard_files:
@@ -215,9 +235,9 @@ def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoi
                 tensors[name] = info
     manifest = None
     if (root / MANIFEST_NAME).exists():
-        manifest = _load_json(root / MANIFEST_NAME, "mxconv manifest")
-        if not isinstance(manifest, dict):
-            raise BadInput(f"{root / MANIFEST_NAME}: malformed mxconv manifest")
+        from mxconv.manifest import load_manifest  # imports this module
+
+        manifest = load_manifest(root)
     extra = [f for f in sorted(root.iterdir()) if f.is_file() and _copied_along(f.name)]
     if not sinfo.fingerprint:
         sinfo.fingerprint = _fingerprint(root, shard_files + [root / CONFIG_NAME])

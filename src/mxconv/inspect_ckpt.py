@@ -77,6 +77,10 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
         except BadInput as exc:
             out["quant_config_error"] = str(exc)
     if ckpt.kind == "kernel":
+        if m is None:  # a rank-N directory, or an output that lost its manifest
+            from mxconv.manifest import missing_manifest_message
+
+            raise BadInput(missing_manifest_message(ckpt.root))
         model = dict(m.get("model", {})) if m else {}
         lay = (m or {}).get("layout") or {}
         model["source_expert_format"] = model.get("expert_format")

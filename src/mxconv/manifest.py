@@ -1,21 +1,28 @@
 """``mxconv.json``: what the bytes of a converted checkpoint mean (see contract.md).
 
-Written last and atomically; its presence means the output is complete.
+Written last and atomically; its presence means the output is complete. Every reader goes through
+:func:`load_manifest`, which validates it against :data:`SCHEMA` (the contract's required keys plus
+the ``model`` and ``layers`` tables verify runs on: types, enums, and the rules between fields), so
+a tampered or truncated manifest is refused with exit 2 naming the field, never a crash later.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
+import math
+import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mxconv import __version__
-from mxconv.checkpoint import MANIFEST_NAME
+from mxconv.checkpoint import CONFIG_NAME, MANIFEST_NAME
 from mxconv.errors import BadInput
 from mxconv.writer import IN_PROGRESS, WrittenTensor, atomic_write_json
 
 FORMAT_VERSION = 1
+_RANK_DIR = re.compile(r"rank-\d+")
 REQUIRED_KEYS = (
     "format_version",
     "tool_version",
@@ -86,23 +93,245 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
     (out_dir / IN_PROGRESS).unlink(missing_ok=True)
 
 
-def load_manifest(root: Path) -> dict[str, Any]:
-    """Read and sanity-check ``root/mxconv.json`` (BadInput when missing or malformed)."""
-    import json
+# ---------------------------------------------------------------------------------------------
+# schema: what every reader of a manifest (verify, inspect, the loader) relies on
+# ---------------------------------------------------------------------------------------------
 
-    path = root / MANIFEST_NAME
-    if not path.exists():
-        hint = " (an interrupted mxconv run?)" if (root / IN_PROGRESS).exists() else ""
-        raise BadInput(f"{root}: no {MANIFEST_NAME}; not a complete mxconv output{hint}")
-    try:
-        m = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BadInput(f"{path}: malformed manifest ({exc})") from None
+Check = Callable[[Any, str], None]
+
+
+class _Invalid(Exception):
+    """One field of a manifest breaks the schema: ``field`` is its dotted path, ``why`` the rule."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field, self.why = field, why
+
+
+def _show(v: Any) -> str:
+    text = json.dumps(v) if isinstance(v, (dict, list, str, int, float, bool, type(None))) else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _kind(name: str, test: Callable[[Any], bool]) -> Check:
+    def check(v: Any, at: str) -> None:
+        if not test(v):
+            raise _Invalid(at, f"must be {name}, got {_show(v)}")
+
+    return check
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+INT = _kind("an integer", _is_int)
+NONNEG = _kind("a non-negative integer", lambda v: _is_int(v) and v >= 0)
+POSITIVE = _kind("a positive integer", lambda v: _is_int(v) and v > 0)
+STR = _kind("a string", lambda v: isinstance(v, str))
+BOOL = _kind("true or false", lambda v: isinstance(v, bool))
+NUMBER = _kind("a finite number", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v))
+ANY: Check = lambda v, at: None  # noqa: E731
+
+
+def _enum(*values: Any) -> Check:
+    return _kind(" or ".join(_show(v) for v in values), lambda v: any(v == x and type(v) is type(x) for x in values))
+
+
+def _nullable(check: Check) -> Check:
+    def nullable(v: Any, at: str) -> None:
+        if v is not None:
+            check(v, at)
+
+    return nullable
+
+
+def _list(item: Check, length: int | None = None) -> Check:
+    def check(v: Any, at: str) -> None:
+        if not isinstance(v, list):
+            raise _Invalid(at, f"must be a list, got {_show(v)}")
+        if length is not None and len(v) != length:
+            raise _Invalid(at, f"must hold {length} items, got {len(v)}")
+        for i, x in enumerate(v):
+            item(x, f"{at}[{i}]")
+
+    return check
+
+
+def _obj(required: dict[str, Check], optional: dict[str, Check] | None = None) -> Check:
+    """A JSON object with these keys (others are allowed and not checked)."""
+
+    def check(v: Any, at: str) -> None:
+        if not isinstance(v, dict):
+            raise _Invalid(at, f"must be an object, got {_show(v)}")
+        for key, sub in required.items():
+            where = f"{at}.{key}" if at else key
+            if key not in v:
+                raise _Invalid(where, "is missing (a required key)")
+            sub(v[key], where)
+        for key, sub in (optional or {}).items():
+            if key in v:
+                sub(v[key], f"{at}.{key}" if at else key)
+
+    return check
+
+
+def _map(value: Check) -> Check:
+    """A JSON object of any keys, each value checked by ``value``."""
+
+    def check(v: Any, at: str) -> None:
+        if not isinstance(v, dict):
+            raise _Invalid(at, f"must be an object, got {_show(v)}")
+        for key, x in v.items():
+            value(x, f"{at}.{key}")
+
+    return check
+
+
+_TENSOR = _obj({"file": STR, "shape": _list(NONNEG), "dtype": STR, "sha256": STR, "role": STR})
+_LAYOUT = _obj(
+    {
+        "name": STR,
+        "version": INT,
+        "engine_compat": _map(STR),
+        "hidden_size": POSITIVE,
+        "intermediate_size": POSITIVE,
+        "padded_hidden_size": POSITIVE,
+        "padded_intermediate_size": POSITIVE,
+        "w13_row_order": _enum("interleaved", "halves"),
+        "kernel_params": _nullable(_map(NUMBER)),
+    },
+    {"options": _map(ANY), "tp_ranges": _list(_list(NONNEG, 2)), "intermediate_size_total": POSITIVE},
+)
+# The ModelInfo fields (families.base) the reference runner needs.
+_MODEL = _obj(
+    {
+        "family": STR,
+        "num_layers": NONNEG,
+        "moe_layers": _list(NONNEG),
+        "num_experts": POSITIVE,
+        "top_k": POSITIVE,
+        "hidden_size": POSITIVE,
+        "intermediate_size": POSITIVE,
+        "expert_format": STR,
+        "row_order": _enum("interleaved", "halves"),
+        "has_expert_bias": BOOL,
+        "routing": _enum("topk_softmax", "softmax_topk", "sigmoid_grouped"),
+    },
+    {
+        "norm_topk_prob": BOOL,
+        "n_group": POSITIVE,
+        "topk_group": POSITIVE,
+        "routed_scaling_factor": NUMBER,
+        "activation": _enum("swigluoai", "silu"),
+        "swiglu_alpha": _nullable(NUMBER),
+        "swiglu_limit": _nullable(NUMBER),
+        "source_scale_scheme": _nullable(STR),
+    },
+)
+_LAYER = _obj(
+    {"layer": NONNEG, "module_prefix": STR, "router_weight": STR},
+    {"router_bias": _nullable(STR), "correction_bias": _nullable(STR)},
+)
+SCHEMA: Check = _obj(
+    {
+        "format_version": POSITIVE,
+        "tool_version": STR,
+        "command": _list(STR),
+        "created": STR,
+        "source": _obj({"revision": _nullable(STR), "fingerprint": STR}, {"path": STR, "repo_id": STR}),
+        "family": STR,
+        "kind": _enum("canonical", "kernel"),
+        "weight_format": _enum("mxfp4", "mxfp8"),
+        "scale_rounding": _nullable(STR),
+        "backend": _nullable(STR),
+        "activation": _nullable(STR),
+        "tp_size": POSITIVE,
+        "layout": _LAYOUT,
+        "model": _MODEL,
+        "layers": _list(_LAYER),
+        "tensors": _map(_TENSOR),
+    },
+    {"numerics": _map(ANY), "output_files": _list(STR)},
+)
+
+
+def _consistency(m: dict[str, Any]) -> None:
+    """Rules between fields (after the types are right)."""
+    if "path" not in m["source"] and "repo_id" not in m["source"]:
+        raise _Invalid("source", "needs 'path' or 'repo_id'")
+    if m["kind"] == "kernel" and m["backend"] is None:
+        raise _Invalid("backend", "a kernel-layout output must name its backend, got null")
+    if m["kind"] == "canonical" and m["backend"] is not None:
+        raise _Invalid("backend", f"must be null for a canonical output, got {_show(m['backend'])}")
+    ranges = m["layout"].get("tp_ranges")
+    if m["kind"] == "kernel" and m["tp_size"] > 1 and ranges is None:
+        raise _Invalid("layout.tp_ranges", f"is missing (required with tp_size {m['tp_size']})")
+    if ranges is not None:
+        if len(ranges) != m["tp_size"]:
+            raise _Invalid("layout.tp_ranges", f"must hold tp_size={m['tp_size']} ranges, got {len(ranges)}")
+        for i, (s, e) in enumerate(ranges):
+            if not s < e:
+                raise _Invalid(f"layout.tp_ranges[{i}]", f"must be [start, end) with start < end, got {[s, e]}")
+    seen: set[int] = set()
+    for i, layer in enumerate(m["layers"]):
+        if layer["layer"] in seen:
+            raise _Invalid(f"layers[{i}].layer", f"layer {layer['layer']} is listed twice")
+        seen.add(layer["layer"])
+    model = m["model"]
+    if model["top_k"] > model["num_experts"]:
+        raise _Invalid("model.top_k", f"{model['top_k']} is more than num_experts={model['num_experts']}")
+
+
+def validate_manifest(m: Any, path: Path | str) -> dict[str, Any]:
+    """Check a parsed ``mxconv.json`` against :data:`SCHEMA` (types, required keys, enums) and the
+    rules between fields; BadInput ``"{path}: malformed manifest: field 'a.b' ..."`` naming the
+    first field that breaks one."""
     if not isinstance(m, dict):
         raise BadInput(f"{path}: malformed manifest (not a JSON object)")
     missing = [k for k in REQUIRED_KEYS if k not in m]
     if missing:
         raise BadInput(f"{path}: manifest lacks required keys {missing}")
-    if m["format_version"] > FORMAT_VERSION:
+    if _is_int(m["format_version"]) and m["format_version"] > FORMAT_VERSION:
         raise BadInput(f"{path}: manifest format_version {m['format_version']} is newer than this mxconv understands")
+    try:
+        SCHEMA(m, "")
+        _consistency(m)
+    except _Invalid as exc:
+        raise BadInput(f"{path}: malformed manifest: field {exc.field!r} {exc.why}") from None
     return m
+
+
+def missing_manifest_message(root: Path) -> str:
+    """Why ``root`` has no usable mxconv.json, and what to run instead (for BadInput)."""
+    if (root / IN_PROGRESS).exists():
+        return f"{root}: no {MANIFEST_NAME}; not a complete mxconv output (an interrupted mxconv run? rerun it)"
+    if _RANK_DIR.fullmatch(root.name) and (root.parent / MANIFEST_NAME).exists():
+        return (
+            f"{root}: no {MANIFEST_NAME}; this is one rank of a tensor-parallel mxconv output: "
+            f"pass the output directory {root.parent} (its {MANIFEST_NAME} describes every rank)"
+        )
+    try:
+        cfg = json.loads((root / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cfg = None
+    if isinstance(cfg, dict) and isinstance(cfg.get("mxconv_layout"), dict):
+        return (
+            f"{root}: no {MANIFEST_NAME}; config.json says this is an mxconv kernel-layout output, but without its "
+            f"manifest it is incomplete or damaged (rerun the repack)"
+        )
+    return f"{root}: no {MANIFEST_NAME}; not a complete mxconv output"
+
+
+def load_manifest(root: Path) -> dict[str, Any]:
+    """Read and validate ``root/mxconv.json`` (BadInput when missing, malformed or off-schema)."""
+    from mxconv.st_format import loads_unique
+
+    path = root / MANIFEST_NAME
+    if not path.exists():
+        raise BadInput(missing_manifest_message(root))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"{path}: malformed manifest ({exc})") from None
+    return validate_manifest(loads_unique(text, str(path), "malformed manifest"), path)

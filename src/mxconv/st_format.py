@@ -1,10 +1,25 @@
-"""safetensors file format: header parsing with full validation, dtype tables.
+"""safetensors file format: strict header parsing and validation, dtype tables, streaming reads.
 
 A ``.safetensors`` file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`` and then the
-data section; offsets are relative to the data section. We validate every header before a byte of
-data is used, so a truncated or corrupt file is refused with a message that names the file and
-tensor instead of a crash deep inside a loader.
+data section; offsets are relative to the data section. Every header is validated before a byte of
+data is used (:func:`read_header`), rule by rule, so a truncated, shifted or edited file is refused
+with a message that names the file, the tensor and the rule instead of converting garbage:
+
+* the header length fits the file (and the 100 MB cap of the format);
+* the header is a JSON object without duplicate keys: tensor entries, plus ``__metadata__``
+  (an object of strings, or absent);
+* every entry has a known dtype, a shape that is a list of non-negative integers (``true``, ``1.0``
+  and ``-1`` are refused) and ``data_offsets``, a pair of integers ``begin <= end`` whose span is
+  exactly dtype x shape bytes;
+* the entries, sorted by offset, tile the data section exactly: from byte 0 to the end of the
+  file, without a gap, an overlap or trailing bytes.
+
+Why a hand-written parser: reads stream (``readinto`` straight into a preallocated tensor, hashing
+in chunks), which needs each tensor's absolute byte range, and the safetensors library does not
+expose offsets; and its errors do not say which rule a header broke. The library's own parser is
+still run on every file as a second opinion (:func:`library_check`: it is what the loaders of the
+output use), and the tests check that the two agree on damaged headers.
 """
 
 from __future__ import annotations
@@ -15,6 +30,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,13 +87,101 @@ def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return (bits + 7) // 8
 
 
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate the header of ``path``.
+class _DuplicateKey(ValueError):
+    """A JSON object holds the same key twice (raised from :func:`loads_unique`'s hook)."""
 
-    Returns ({tensor name: TensorInfo}, metadata). Raises BadInput naming the file (and tensor)
-    for: a file shorter than its header, bad JSON, unknown dtype, malformed shape/offsets, a byte
-    count that disagrees with dtype x shape, data past the end of the file (truncation), and
-    overlapping tensors.
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def loads_unique(text: str | bytes, where: str, problem: str) -> Any:
+    """``json.loads`` that refuses duplicate keys (which plain ``json`` silently resolves to the last
+    one): BadInput ``"{where}: {problem} (...)"`` for invalid JSON or a repeated key."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except _DuplicateKey as exc:
+        raise BadInput(f"{where}: {problem} (key {exc.key!r} appears twice in one object)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"{where}: {problem} (invalid JSON: {exc})") from None
+
+
+def _is_int(v: Any) -> bool:
+    """A JSON integer (``True``/``False`` are Python ints, but not safetensors sizes)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry(path: Path, name: str, entry: Any, data_start: int) -> TensorInfo:
+    """One validated header entry -> TensorInfo (offsets made absolute)."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise BadInput(f"{where}: corrupt header entry (not an object with dtype, shape, data_offsets)")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in entry:
+            raise BadInput(f"{where}: corrupt header entry (no {key!r})")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in ST_DTYPES:
+        raise BadInput(f"{where}: unknown dtype {dtype!r} (known: {', '.join(sorted(ST_DTYPES))})")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise BadInput(f"{where}: malformed shape {shape!r} (must be a list of non-negative integers)")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) and o >= 0 for o in offsets)
+        or offsets[1] < offsets[0]
+    ):
+        raise BadInput(f"{where}: malformed data_offsets {offsets!r} (must be [begin, end], integers, begin <= end)")
+    if dtype == "F4" and shape and shape[-1] % 2:
+        raise BadInput(f"{where}: F4 shape {shape} has an odd last dimension (two 4-bit values per byte)")
+    want = expected_nbytes(dtype, tuple(shape))
+    if offsets[1] - offsets[0] != want:
+        raise BadInput(
+            f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes but {dtype}{shape} needs {want}"
+        )
+    return TensorInfo(name, path, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _check_tiling(path: Path, infos: dict[str, TensorInfo], data_start: int, size: int) -> None:
+    """The tensors, sorted by offset, must cover the data section exactly: no gap, no overlap, no
+    trailing bytes, nothing past the end of the file (a truncated file)."""
+    at, prev = data_start, None
+    for info in sorted(infos.values(), key=lambda i: (i.begin, i.end)):
+        rel = (info.begin - data_start, info.end - data_start)
+        if info.begin > at:
+            after = f"after tensor {prev!r}" if prev else "at the start of the data section"
+            raise BadInput(
+                f"{path}: tensor {info.name!r}: data_offsets {list(rel)} leave a gap of {info.begin - at} bytes {after} "
+                f"(tensors must tile the data section)"
+            )
+        if info.begin < at:
+            raise BadInput(f"{path}: corrupt safetensors header (tensors {prev!r} and {info.name!r} overlap)")
+        if info.end > size:
+            raise BadInput(
+                f"{path}: tensor {info.name!r}: data ends at byte {info.end} but the file has only {size} bytes "
+                f"(truncated file?)"
+            )
+        at, prev = info.end, info.name
+    if at < size:
+        last = f"after the last tensor {prev!r}" if prev else "but the header lists no tensor"
+        raise BadInput(
+            f"{path}: {size - at} trailing bytes {last} (the data section must end where the last tensor ends)"
+        )
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate the header of ``path`` (every rule of the module docstring).
+
+    Returns ({tensor name: TensorInfo}, metadata). Raises BadInput naming the file, the tensor and
+    the rule it breaks; then the safetensors library reads the header too (:func:`library_check`).
     """
     path = Path(path)
     try:
@@ -87,57 +191,38 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             if len(head) < 8:
                 raise BadInput(f"{path}: not a safetensors file (only {len(head)} bytes; truncated?)")
             (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
+            if n == 0 or n > MAX_HEADER_BYTES or 8 + n > size:
                 raise BadInput(
                     f"{path}: corrupt safetensors header (header length {n} but the file has {size} bytes)"
                 )
             raw = f.read(n)
     except OSError as exc:
         raise BadInput(f"{path}: cannot read ({exc.strerror or exc})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInput(f"{path}: corrupt safetensors header (invalid JSON: {exc})") from None
+    header = loads_unique(raw, str(path), "corrupt safetensors header")
     if not isinstance(header, dict):
         raise BadInput(f"{path}: corrupt safetensors header (not a JSON object)")
     data_start = 8 + n
-    data_len = size - data_start
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise BadInput(f"{path}: corrupt safetensors header (__metadata__ is not an object)")
-    infos: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        where = f"{path}: tensor {name!r}"
-        if not isinstance(entry, dict):
-            raise BadInput(f"{where}: corrupt header entry")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in ST_DTYPES:
-            raise BadInput(f"{where}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise BadInput(f"{where}: malformed shape {shape!r}")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and o >= 0 for o in offsets)
-            or offsets[1] < offsets[0]
-        ):
-            raise BadInput(f"{where}: malformed data_offsets {offsets!r}")
-        want = expected_nbytes(dtype, tuple(shape))
-        if offsets[1] - offsets[0] != want:
-            raise BadInput(
-                f"{where}: data_offsets span {offsets[1] - offsets[0]} bytes but {dtype}{shape} needs {want}"
-            )
-        if offsets[1] > data_len:
-            raise BadInput(
-                f"{where}: data ends at byte {data_start + offsets[1]} but the file has only {size} bytes "
-                f"(truncated file?)"
-            )
-        infos[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
-    spans = sorted((i.begin, i.end, i.name) for i in infos.values() if i.end > i.begin)
-    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise BadInput(f"{path}: corrupt safetensors header (tensors {n0!r} and {n1!r} overlap)")
-    return infos, {str(k): str(v) for k, v in meta.items()}
+    meta = header.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise BadInput(f"{path}: corrupt safetensors header (__metadata__ must be an object of strings)")
+    infos = {name: _entry(path, name, entry, data_start) for name, entry in header.items()}
+    _check_tiling(path, infos, data_start, size)
+    library_check(path)
+    return infos, dict(meta)
+
+
+def library_check(path: Path) -> None:
+    """Open ``path`` with the safetensors library (header only): a second parser of the same bytes,
+    the one the loaders of an output use. BadInput when it refuses the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except SafetensorError as exc:
+        raise BadInput(f"{path}: the safetensors library refuses the file ({exc})") from None
 
 
 def read_tensor(info: TensorInfo) -> torch.Tensor:
