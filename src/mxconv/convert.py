@@ -1,11 +1,14 @@
 """The conversion jobs behind ``quantize`` and ``repack``: plan (:mod:`mxconv.plan`), compute
 (:mod:`mxconv.compute`), then output: ``execute`` runs the plan through the overlapped pipeline,
-writes the shards, the config and index files, and the manifest last.
+writes the shards, the config and index files, and the manifest last, through an
+:class:`~mxconv.writer.OutputTarget`: a failed or interrupted run removes what it wrote, and an
+``--overwrite`` replaces the old output only once the new one is complete (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -16,12 +19,22 @@ import torch
 from mxconv.checkpoint import CONFIG_NAME
 from mxconv.compute import RunStats, make_compute
 from mxconv.families import MoELayer, MoELayerRef
+from mxconv.interrupt import Interrupted, deferred_signals
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts
 from mxconv.manifest import base_manifest, tensor_table, write_manifest
 from mxconv.pipeline import WorkItem, run_pipeline
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
-from mxconv.writer import ShardedWriter, atomic_write_json, plan_shards, prepare_output_dir
+from mxconv.writer import (
+    OutputTarget,
+    OutputWriteError,
+    ShardPlan,
+    ShardedWriter,
+    atomic_write_json,
+    plan_shards,
+    shards_size,
+    writing,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,6 +146,14 @@ def _start_warmup(plan: Plan, device: torch.device) -> threading.Thread:
     return t
 
 
+def output_bytes(plan: Plan, shard_plans: list[list[ShardPlan]]) -> int:
+    """About what the output takes on disk: the shards with their headers, the copied files per
+    rank, and a margin for config, index and manifest (under 1 kB per tensor)."""
+    extra = sum(f.stat().st_size for f in plan.ckpt.extra_files)
+    tensors = sum(len(d) for d in plan.dests)
+    return sum(shards_size(s) for s in shard_plans) + len(shard_plans) * extra + 1024 * tensors + (1 << 20)
+
+
 def execute(
     plan: Plan,
     out_dir: Path,
@@ -143,15 +164,54 @@ def execute(
     argv: list[str] | None = None,
     on_progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``plan`` into ``out_dir``; returns the summary (with timing and error statistics)."""
+    """Run ``plan`` into ``out_dir``; returns the summary (with timing and error statistics).
+
+    On any failure or interruption everything this run wrote is removed (an ``--overwrite``'s old
+    output stays whole) before the exception leaves; an :class:`Interrupted` carries what OUTPUT
+    holds now in ``note``, an :class:`OutputWriteError` says it in its message."""
+    target = OutputTarget(out_dir, [plan.ckpt.root], overwrite)
+    writers: list[ShardedWriter] = []
+    try:
+        return _execute(plan, target, writers, device=device, max_shard_size=max_shard_size, argv=argv,
+                        on_progress=on_progress)
+    except BaseException as exc:
+        with deferred_signals(raise_held=False):  # a second Ctrl-C must not cut the clean-up short
+            for w in writers:
+                w.abort()
+            left = target.abort()
+        if isinstance(exc, KeyboardInterrupt):
+            stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+            stop.note = left if target.committed else f"{left}; rerun the same command to convert again"
+            if stop is exc:
+                raise
+            raise stop from None
+        if isinstance(exc, OutputWriteError):
+            todo = "free space (or choose an OUTPUT on another disk)" if exc.disk_full else "fix that"
+            raise OutputWriteError(f"{exc}; {left}; {todo} and rerun the same command") from exc
+        raise
+
+
+def _execute(
+    plan: Plan,
+    target: OutputTarget,
+    writers: list[ShardedWriter],
+    *,
+    device: torch.device,
+    max_shard_size: int,
+    argv: list[str] | None,
+    on_progress: Callable[[int], None] | None,
+) -> dict[str, Any]:
+    """:func:`execute` without the clean-up: fills ``writers`` as it creates them."""
     t0 = time.perf_counter()
-    notes = prepare_output_dir(out_dir, [plan.ckpt.root], overwrite)
-    out_dir = out_dir.expanduser().resolve()
-    rank_dirs = [out_dir] if len(plan.dests) == 1 else [out_dir / f"rank-{r}" for r in range(len(plan.dests))]
-    writers = []
-    for d, tensors in zip(rank_dirs, plan.dests):
-        d.mkdir(parents=True, exist_ok=True)
-        writers.append(ShardedWriter(d, plan_shards(tensors, max_shard_size)))
+    shard_plans = [plan_shards(tensors, max_shard_size) for tensors in plan.dests]
+    write_dir = target.prepare(output_bytes(plan, shard_plans))
+    notes = target.notes
+    out_dir = target.out
+    rank_dirs = [write_dir] if len(plan.dests) == 1 else [write_dir / f"rank-{r}" for r in range(len(plan.dests))]
+    for d, shards in zip(rank_dirs, shard_plans):
+        with writing(out_dir, write_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        writers.append(ShardedWriter(d, shards, display_dir=out_dir / d.relative_to(write_dir)))
     stats = RunStats()
     compute = make_compute(plan, device, stats)
     reader = plan.reader
@@ -174,9 +234,10 @@ def execute(
     tensors: dict[str, Any] = {}
     for r, (d, w) in enumerate(zip(rank_dirs, writers)):
         written = w.finish()
-        atomic_write_json(d / CONFIG_NAME, cfg)
-        for f in plan.ckpt.extra_files:
-            shutil.copyfile(f, d / f.name)
+        with writing(out_dir, write_dir):
+            atomic_write_json(d / CONFIG_NAME, cfg)
+            for f in plan.ckpt.extra_files:
+                shutil.copyfile(f, d / f.name)
         prefix = "" if len(writers) == 1 else f"rank-{r}/"
         for name, entry in tensor_table(written, prefix).items():
             tensors[prefix + name if prefix else name] = entry
@@ -220,9 +281,11 @@ def execute(
         manifest["output_files"] = sorted({CONFIG_NAME, *(d.name for d in rank_dirs)})
     else:
         manifest["output_files"] = sorted({CONFIG_NAME, "model.safetensors.index.json", *(f.name for f in plan.ckpt.extra_files)})
-    if len(rank_dirs) > 1:
-        atomic_write_json(out_dir / CONFIG_NAME, cfg)
-    write_manifest(out_dir, manifest)
+    with writing(out_dir, write_dir):
+        if len(rank_dirs) > 1:
+            atomic_write_json(write_dir / CONFIG_NAME, cfg)
+        write_manifest(write_dir, manifest)
+    target.commit()  # a staged --overwrite replaces the old output now
     if plan.repack is None and any(n.endswith("weight_scale_inv") for d in plan.dests for n in (t.name for t in d)):
         notes.append(
             "note: block-FP8 tensors outside the routed experts (attention, dense and shared MLPs) were copied "

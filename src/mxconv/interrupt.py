@@ -71,9 +71,10 @@ def stop_signals() -> Iterator[None]:
 
 
 @contextmanager
-def deferred_signals() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM while the block runs; raise :class:`Interrupted` for a held one when the
-    block ends normally. Without :func:`stop_signals` installed this changes nothing."""
+def deferred_signals(raise_held: bool = True) -> Iterator[None]:
+    """Hold SIGINT/SIGTERM while the block runs; when it ends normally, raise :class:`Interrupted`
+    for a held one (or, with ``raise_held=False``, when the caller is already failing, drop it and
+    ignore later ones too). Without :func:`stop_signals` installed this changes nothing."""
     _State.deferring += 1
     try:
         yield
@@ -82,4 +83,5 @@ def deferred_signals() -> Iterator[None]:
     if not _State.deferring and _State.pending is not None and not _State.fired:
         signum, _State.pending = _State.pending, None
         _State.fired = True
-        raise Interrupted(signum)
+        if raise_held:
+            raise Interrupted(signum)

@@ -6,6 +6,11 @@
 Host memory is bounded by ``prefetch`` items being read, one being computed and ``queue_depth``
 waiting to be written; the GPU holds one item at a time. Items keep their order end to end, which
 is what lets every shard header be written before its data.
+
+On any failure (an error in a stage, or SIGINT/SIGTERM raised in the main thread as
+:class:`mxconv.interrupt.Interrupted`) the writers are cancelled between chunks, pending reads are
+dropped, every thread is joined and the writers' temporary files are deleted before the exception
+leaves :func:`run_pipeline`; the caller's :class:`mxconv.writer.OutputTarget` removes the rest.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from mxconv.writer import ShardedWriter, copy_tensor_to
+from mxconv.interrupt import deferred_signals
+from mxconv.writer import ShardedWriter, WriteCancelled, copy_tensor_to
 
 
 @dataclass
@@ -63,7 +69,9 @@ def run_pipeline(
     queue_depth: int = 2,
     times: StageTimes | None = None,
 ) -> StageTimes:
-    """Run ``items`` through load (threads) -> compute (this thread) -> write (one thread)."""
+    """Run ``items`` through load (threads) -> compute (this thread) -> write (one thread).
+
+    Raises the first failure (of this thread, else of the writer) after every thread has stopped."""
     times = times if times is not None else StageTimes()
     q: queue.Queue = queue.Queue(maxsize=queue_depth)
     errors: list[BaseException] = []
@@ -90,7 +98,8 @@ def run_pipeline(
                 if on_progress:
                     on_progress(item.in_bytes)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
-                errors.append(exc)
+                if not isinstance(exc, WriteCancelled):
+                    errors.append(exc)
                 stop.set()
             del got, results
 
@@ -146,18 +155,26 @@ def run_pipeline(
             times.wait_for_writer_s += time.perf_counter() - t0
             del results
     except BaseException:
+        failed = True
         stop.set()
+        for w in writers:
+            w.cancel()  # the writer thread stops within one chunk instead of finishing its item
         for _item, fut in pending:
             if fut is not None:
                 fut.cancel()
         raise
+    else:
+        failed = False
     finally:
-        q.put(None)
-        wt.join()
-        pool.shutdown(wait=True, cancel_futures=True)
-        if stop.is_set():
-            for w in writers:
-                w.abort()
-        if errors:
+        # A signal is held until the threads are joined, so a Ctrl-C here cannot leave a thread
+        # writing; on a failure it is dropped, as the run is stopping already.
+        with deferred_signals(raise_held=not failed):
+            q.put(None)
+            wt.join()
+            pool.shutdown(wait=True, cancel_futures=True)
+            if stop.is_set():
+                for w in writers:
+                    w.abort()
+        if errors and not failed:
             raise errors[0]
     return times
