@@ -1,0 +1,283 @@
+"""Interruptions and disk trouble (docs/reliability.md): SIGINT/SIGTERM mid-write, --overwrite that
+keeps the old output whole until the new one is complete, the free-space check, a full disk.
+
+The signal tests run the CLI in a subprocess with ``MXCONV_TEST_WRITE_DELAY`` (the writer pauses
+after every tensor) and signal it once its first temporary shard exists, so the run is always
+mid-write when the signal lands, however slow the machine.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import mxconv.writer as writer_mod
+from mxconv.cli import app
+from mxconv.testing import make_checkpoint
+from mxconv.writer import IN_PROGRESS, STAGING, TMP_SUFFIX
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
+runner = CliRunner()
+
+
+def mx(*args: object) -> tuple[int, str, str]:
+    r = runner.invoke(app, [str(a) for a in args])
+    return r.exit_code, r.stdout, r.stderr
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("intr") / "qwen", "qwen3-moe").path
+
+
+def snapshot(d: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file below ``d`` (hidden ones included)."""
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def leftovers(root: Path) -> list[str]:
+    """Temporary shards, staging/set-aside directories and markers anywhere below ``root``."""
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*")
+        if p.name.endswith(TMP_SUFFIX) or ".mxconv-staging-" in p.name or ".mxconv-old-" in p.name or p.name == IN_PROGRESS
+    )
+
+
+def start_slow(args: list[str], delay: float = 1.0) -> subprocess.Popen:
+    env = dict(os.environ, MXCONV_TEST_WRITE_DELAY=str(delay))
+    return subprocess.Popen([sys.executable, "-m", "mxconv.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(pattern_root: Path, pattern: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    """Wait until a file matching ``pattern`` exists below ``pattern_root`` (the run is mid-write)."""
+    deadline = time.monotonic() + timeout
+    while not list(pattern_root.glob(pattern)):
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before writing (exit {proc.returncode}): {proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {pattern} below {pattern_root} after {timeout} s")
+        time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen, sig: int) -> tuple[int, str, str]:
+    proc.send_signal(sig)
+    try:
+        out, err = proc.communicate(timeout=120)  # a hanging thread would show up here
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, out, err
+
+
+def test_sigterm_mid_write_removes_the_partial_output_and_the_documented_rerun_works(src: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["quantize", str(src), str(out), "--max-shard-size", "20kB", "--device", "cpu", "--quiet"]
+    proc = start_slow(args)
+    wait_for(out, ".*" + TMP_SUFFIX, proc)
+    code, stdout, stderr = stop(proc, signal.SIGTERM)
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted by SIGTERM"), stderr
+    assert "Traceback" not in stderr and stdout == ""
+    assert not out.exists()  # this run created OUTPUT: nothing of it is left
+    assert leftovers(tmp_path) == []
+    # docs/reliability.md: after an interruption, rerun the same command
+    assert "rerun the same command" in DOC.read_text() and "rerun the same command" in lines[0]
+    code, _, err = mx(*args)
+    assert code == 0, err
+    code, _, err = mx("verify", out, "--reference", src, "--quiet")
+    assert code == 0, err
+
+
+def test_sigint_during_overwrite_keeps_the_old_output_whole(src: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, _, err = mx("quantize", src, out, "--quiet", "--device", "cpu")
+    assert code == 0, err
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    args = ["quantize", str(src), str(out), "--format", "mxfp8", "--overwrite", "--max-shard-size", "20kB",
+            "--device", "cpu", "--quiet"]
+    proc = start_slow(args)
+    wait_for(tmp_path, f"out.{STAGING}-*/.*{TMP_SUFFIX}", proc)  # the new output is staged beside OUTPUT
+    code, stdout, stderr = stop(proc, signal.SIGINT)
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted by SIGINT"), stderr
+    assert "still holds the earlier output, unchanged" in lines[0]
+    assert snapshot(out) == before
+    assert leftovers(tmp_path) == []
+    code, _, err = mx(*args)  # the documented next step: the same command
+    assert code == 0, err
+    m = json.loads((out / "mxconv.json").read_text())
+    assert m["weight_format"] == "mxfp8" and (out / "notes.txt").read_text() == "mine"
+
+
+def test_in_process_sigterm_joins_every_thread(src: Path, tmp_path: Path, monkeypatch) -> None:
+    """SIGTERM while the writer is busy: exit 2, every mxconv thread has ended, nothing is left."""
+    out = tmp_path / "out"
+    real_end = writer_mod.ShardedWriter._end
+    count = [0]
+
+    def end_then_signal(self, planned, digest) -> None:
+        real_end(self, planned, digest)
+        count[0] += 1
+        if count[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread, mid-run
+            time.sleep(0.5)
+
+    monkeypatch.setattr(writer_mod.ShardedWriter, "_end", end_then_signal)
+    previous = signal.getsignal(signal.SIGTERM)
+    code, _, err = mx("quantize", src, out, "--max-shard-size", "20kB", "--device", "cpu", "--quiet")
+    assert code == 2 and "interrupted by SIGTERM" in err, err
+    assert signal.getsignal(signal.SIGTERM) == previous  # the CLI put the old handler back
+    assert not out.exists() and leftovers(tmp_path) == []
+    deadline = time.monotonic() + 30
+    while [t for t in threading.enumerate() if t.name.startswith("mxconv-")] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("mxconv-")] == []
+
+
+def test_overwrite_leaves_no_stale_files(src: Path, tmp_path: Path) -> None:
+    """A TP output overwritten by a single-rank one: rank dirs, a stray model.safetensors and the old
+    shards go; files mxconv never writes stay."""
+    q4 = tmp_path / "q4"
+    code, _, err = mx("quantize", src, q4, "--quiet", "--device", "cpu")
+    assert code == 0, err
+    out = tmp_path / "out"
+    code, _, err = mx("repack", q4, out, "--backend", "trtllm", "--tp", "2", "--quiet", "--device", "cpu")
+    assert code == 0, err
+    (out / "model.safetensors").write_bytes(b"a loader would read this before the index")
+    (out / "README.md").write_text("mine")
+    (out / "rank-data").mkdir()
+    code, _, err = mx("quantize", src, out, "--overwrite", "--quiet", "--device", "cpu", "--max-shard-size", "200kB")
+    assert code == 0, err
+    names = sorted(p.name for p in out.iterdir())
+    m = json.loads((out / "mxconv.json").read_text())
+    shards = sorted({t["file"] for t in m["tensors"].values()})
+    assert names == sorted(["README.md", "rank-data", "config.json", "generation_config.json", "mxconv.json",
+                            "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", *shards])
+    assert leftovers(tmp_path) == []
+    code, _, err = mx("verify", out, "--reference", src, "--quiet")
+    assert code == 0, err
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_killed_overwrite_is_cleaned_up_by_the_rerun(src: Path, tmp_path: Path) -> None:
+    """What SIGKILL leaves during an --overwrite (a staging dir beside OUTPUT, a set-aside dir) is
+    removed by the next run; a live run's staging dir makes OUTPUT busy."""
+    out = tmp_path / "out"
+    code, _, err = mx("quantize", src, out, "--quiet", "--device", "cpu")
+    assert code == 0, err
+    pid = dead_pid()
+    stale = tmp_path / f"out.{STAGING}-{pid}"
+    stale.mkdir()
+    (stale / ("." + "model-00001-of-00002.safetensors" + TMP_SUFFIX)).write_bytes(b"partial")
+    (out / f".mxconv-old-{pid}").mkdir()
+    code, _, err = mx("quantize", src, out, "--overwrite", "--quiet", "--device", "cpu")
+    assert code == 0, err
+    assert leftovers(tmp_path) == []
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / f"out.{STAGING}-{other.pid}").mkdir()
+        code, _, err = mx("quantize", src, out, "--overwrite", "--quiet", "--device", "cpu")
+        assert code == 2 and f"being written by another mxconv run (pid {other.pid}" in err, err
+    finally:
+        other.kill()
+        other.wait()
+        shutil.rmtree(tmp_path / f"out.{STAGING}-{other.pid}")
+
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def test_free_space_is_checked_before_writing(src: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 1234, 1234))
+    out = tmp_path / "new" / "out"
+    code, _, err = mx("quantize", src, out, "--quiet", "--device", "cpu")
+    assert code == 2 and "not enough free space for the output" in err, err
+    assert "(1234 bytes) are free on the filesystem of " + str(tmp_path) in err
+    needed = int(err.split(" bytes), ")[0].rsplit("(", 1)[1])
+    assert needed > 400_000  # the shards alone are about half a megabyte
+    assert not (tmp_path / "new").exists()
+    # with --overwrite the old output stays until the new one is complete: both must fit
+    old = tmp_path / "old"
+    monkeypatch.undo()
+    code, _, err = mx("quantize", src, old, "--quiet", "--device", "cpu")
+    assert code == 0, err
+    before = snapshot(old)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - needed + 1, needed - 1))
+    code, _, err = mx("quantize", src, old, "--overwrite", "--quiet", "--device", "cpu")
+    assert code == 2 and "--overwrite keeps the old output" in err, err
+    assert snapshot(old) == before and leftovers(tmp_path) == []
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 0, 10**9))
+    code, _, err = mx("quantize", src, old, "--overwrite", "--quiet", "--device", "cpu")
+    assert code == 0, err
+
+
+class _FullDisk:
+    """A binary file that takes ``room`` bytes, then fails every write with ENOSPC."""
+
+    room = 150_000
+    used = 0
+
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def write(self, data) -> int:
+        n = len(memoryview(data).cast("B"))
+        if _FullDisk.used + n > _FullDisk.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        _FullDisk.used += n
+        return self._f.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_disk_full_names_the_output_file_and_leaves_nothing(src: Path, tmp_path: Path, monkeypatch, overwrite: bool) -> None:
+    out = tmp_path / "out"
+    before = {}
+    if overwrite:
+        code, _, err = mx("quantize", src, out, "--quiet", "--device", "cpu")
+        assert code == 0, err
+        before = snapshot(out)
+    _FullDisk.used = 0
+    def full_open(path, mode="r", *a, **k):
+        f = open(path, mode, *a, **k)
+        return _FullDisk(f) if "b" in mode else f
+
+    monkeypatch.setattr(writer_mod, "open", full_open, raising=False)  # the shard files the writer opens
+    args = ["quantize", src, out, "--max-shard-size", "100kB", "--device", "cpu", "--quiet"]
+    code, _, err = mx(*args, *(["--overwrite"] if overwrite else []))
+    assert code == 2, err
+    line = err.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in err
+    assert f"disk full ({os.strerror(errno.ENOSPC)}) while writing {out.resolve()}/model-00002-of-" in line, line
+    assert str(src) not in line
+    assert "free space (or choose an OUTPUT on another disk) and rerun the same command" in line
+    if overwrite:
+        assert "still holds the earlier output, unchanged" in line and snapshot(out) == before
+    else:
+        assert not out.exists()
+    assert leftovers(tmp_path) == []
