@@ -281,3 +281,21 @@ def test_disk_full_names_the_output_file_and_leaves_nothing(src: Path, tmp_path:
     else:
         assert not out.exists()
     assert leftovers(tmp_path) == []
+
+
+def test_raw_enospc_from_anywhere_in_the_writer_names_the_output(src: Path, tmp_path: Path, monkeypatch) -> None:
+    """An OSError(ENOSPC) without a file name (as a buffered write raises it) still names OUTPUT."""
+    real = writer_mod.ShardedWriter.write_tensor
+    calls = [0]
+
+    def write_then_fill(self, name, tensor) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(self, name, tensor)
+
+    monkeypatch.setattr(writer_mod.ShardedWriter, "write_tensor", write_then_fill)
+    out = tmp_path / "out"
+    code, _, err = mx("quantize", src, out, "--max-shard-size", "100kB", "--device", "cpu", "--quiet")
+    assert code == 2 and f"while writing {out.resolve()}" in err and str(src) not in err, err
+    assert not out.exists() and leftovers(tmp_path) == []

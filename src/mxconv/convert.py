@@ -26,6 +26,7 @@ from mxconv.manifest import base_manifest, tensor_table, write_manifest
 from mxconv.pipeline import WorkItem, run_pipeline
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
 from mxconv.writer import (
+    DISK_FULL,
     OutputTarget,
     OutputWriteError,
     ShardPlan,
@@ -175,6 +176,10 @@ def execute(
         return _execute(plan, target, writers, device=device, max_shard_size=max_shard_size, argv=argv,
                         on_progress=on_progress)
     except BaseException as exc:
+        if isinstance(exc, OSError) and not isinstance(exc, OutputWriteError) and exc.errno in DISK_FULL:
+            # mxconv writes nowhere but OUTPUT: a full disk is the output's, whoever raised it
+            shown = next((f for f in (w.current_file() for w in writers) if f is not None), target.out)
+            exc = OutputWriteError.from_os_error(exc, shown)
         with deferred_signals(raise_held=False):  # a second Ctrl-C must not cut the clean-up short
             for w in writers:
                 w.abort()

@@ -47,6 +47,7 @@ COPY_CHUNK = 64 * 1024 * 1024
 STAGING = "mxconv-staging"  # OUT.mxconv-staging-<pid>: an --overwrite's new output, until the swap
 ASIDE = "mxconv-old"  # OUT.mxconv-old-<pid>: the old output during the swap, deleted right after
 WRITE_DELAY_ENV = "MXCONV_TEST_WRITE_DELAY"
+DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # the errnos of a full disk or quota
 
 
 class OutputWriteError(BadInput):
@@ -56,7 +57,7 @@ class OutputWriteError(BadInput):
 
     @classmethod
     def from_os_error(cls, exc: OSError, path: Path) -> "OutputWriteError":
-        if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        if exc.errno in DISK_FULL:
             err = cls(f"disk full ({exc.strerror or 'no space left on device'}) while writing {path}")
             err.disk_full = True
             return err
@@ -511,6 +512,7 @@ class ShardedWriter:
         self._shard_idx = -1
         self._remaining_in_shard = 0
         self._cancelled = threading.Event()
+        self._open_at_abort: Path | None = None
         self._delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)  # test hook (module doc)
 
     def _tmp(self, shard: ShardPlan) -> Path:
@@ -518,6 +520,10 @@ class ShardedWriter:
 
     def _shown(self, shard: ShardPlan) -> Path:
         return (self.display_dir or self.out_dir) / shard.file
+
+    def current_file(self) -> Path | None:
+        """The output file (final name) of the shard being written (or that was, when aborted)."""
+        return self._shown(self.shards[self._shard_idx]) if self._file is not None else self._open_at_abort
 
     def cancel(self) -> None:
         """Make the write in progress (and any later one) raise :class:`WriteCancelled`."""
@@ -627,6 +633,7 @@ class ShardedWriter:
         self._hasher.shutdown(wait=True, cancel_futures=True)  # at most one chunk being hashed
         self._syncer.shutdown(wait=True)
         if self._file is not None:
+            self._open_at_abort = self.current_file()
             try:
                 self._file.close()
             except OSError:
