@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from mxconv.checkpoint import Checkpoint
+from mxconv.checkpoint import Checkpoint, open_checkpoint
 from mxconv.families import detect_family
 from mxconv.layouts import LayoutSizes, backend_names, get_layout
 from mxconv.engine_config import quant_config_of
@@ -68,6 +68,10 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
         "total_bytes": ckpt.total_bytes(),
     }
     m = ckpt.manifest
+    tp = int((m or {}).get("tp_size") or 1)
+    if tp > 1 and ckpt.root.name == "rank-0":  # a TP output: the other ranks' headers are checked too
+        for r in range(1, tp):
+            open_checkpoint(ckpt.root.parent / f"rank-{r}")
     if m is not None:
         out["manifest"] = {k: m.get(k) for k in ("tool_version", "created", "family", "kind", "weight_format", "scale_rounding", "backend", "activation", "tp_size")}
         out["manifest"]["layout"] = m.get("layout")

@@ -129,6 +129,7 @@ INT = _kind("an integer", _is_int)
 NONNEG = _kind("a non-negative integer", lambda v: _is_int(v) and v >= 0)
 POSITIVE = _kind("a positive integer", lambda v: _is_int(v) and v > 0)
 STR = _kind("a string", lambda v: isinstance(v, str))
+NONEMPTY = _kind("a non-empty string", lambda v: isinstance(v, str) and bool(v))
 BOOL = _kind("true or false", lambda v: isinstance(v, bool))
 NUMBER = _kind("a finite number", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v))
 ANY: Check = lambda v, at: None  # noqa: E731
@@ -188,7 +189,7 @@ def _map(value: Check) -> Check:
     return check
 
 
-_TENSOR = _obj({"file": STR, "shape": _list(NONNEG), "dtype": STR, "sha256": STR, "role": STR})
+_TENSOR = _obj({"file": NONEMPTY, "shape": _list(NONNEG), "dtype": NONEMPTY, "sha256": NONEMPTY, "role": STR})
 _LAYOUT = _obj(
     {
         "name": STR,
@@ -230,8 +231,8 @@ _MODEL = _obj(
     },
 )
 _LAYER = _obj(
-    {"layer": NONNEG, "module_prefix": STR, "router_weight": STR},
-    {"router_bias": _nullable(STR), "correction_bias": _nullable(STR)},
+    {"layer": NONNEG, "module_prefix": NONEMPTY, "router_weight": NONEMPTY},
+    {"router_bias": _nullable(NONEMPTY), "correction_bias": _nullable(NONEMPTY)},
 )
 SCHEMA: Check = _obj(
     {
@@ -273,14 +274,18 @@ def _consistency(m: dict[str, Any]) -> None:
         for i, (s, e) in enumerate(ranges):
             if not s < e:
                 raise _Invalid(f"layout.tp_ranges[{i}]", f"must be [start, end) with start < end, got {[s, e]}")
+    model = m["model"]
+    if model["family"] != m["family"]:
+        raise _Invalid("model.family", f"is {_show(model['family'])}, but 'family' is {_show(m['family'])}")
+    if model["top_k"] > model["num_experts"]:
+        raise _Invalid("model.top_k", f"{model['top_k']} is more than num_experts={model['num_experts']}")
     seen: set[int] = set()
     for i, layer in enumerate(m["layers"]):
         if layer["layer"] in seen:
             raise _Invalid(f"layers[{i}].layer", f"layer {layer['layer']} is listed twice")
+        if layer["layer"] not in model["moe_layers"]:
+            raise _Invalid(f"layers[{i}].layer", f"layer {layer['layer']} is not one of model.moe_layers {model['moe_layers']}")
         seen.add(layer["layer"])
-    model = m["model"]
-    if model["top_k"] > model["num_experts"]:
-        raise _Invalid("model.top_k", f"{model['top_k']} is more than num_experts={model['num_experts']}")
 
 
 def validate_manifest(m: Any, path: Path | str) -> dict[str, Any]:

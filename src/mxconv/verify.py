@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,64 @@ def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint
             key = name if tp == 1 else f"rank-{r}/{name}"
             if key not in seen:
                 problems.setdefault(layer_index(name), []).append(f"{key}: present in the checkpoint but not in the manifest")
+    return problems
+
+
+# Manifest layout keys that convert sets itself (the others come from the backend's describe()).
+_LAYOUT_KEYS_SET_BY_CONVERT = frozenset({"hidden_size", "intermediate_size", "intermediate_size_total", "padded_hidden_size",
+                                         "padded_intermediate_size", "tp_ranges", "options", "w13_row_order", "kernel_params"})
+# ModelInfo fields a canonical output's own config and tensors must repeat (not the formats: those
+# of the output differ from the source's, which the manifest's model table describes).
+_MODEL_FIELDS = ("family", "num_layers", "moe_layers", "num_experts", "top_k", "hidden_size", "intermediate_size",
+                 "row_order", "has_expert_bias", "routing", "norm_topk_prob", "n_group", "topk_group",
+                 "routed_scaling_factor", "activation", "swiglu_alpha", "swiglu_limit")
+
+
+def check_manifest_claims(manifest: dict[str, Any], info: ModelInfo, ckpts: list[Checkpoint],
+                          own_reader: FamilyReader | None) -> list[str]:
+    """What the manifest says that the files can contradict (the schema checked its types):
+
+    * ``layout.kernel_params`` are the model's activation constants;
+    * kernel outputs: the backend's own description of the layout (``describe``) matches the
+      manifest's ``layout`` table, and the router tensors ``layers`` names are in the checkpoint;
+    * canonical outputs: the output reads back as the model ``model`` describes, and ``layers``
+      names the layers' modules and routers as the output's own reader finds them.
+    """
+    from mxconv.plan import kernel_params
+
+    problems: list[str] = []
+    lay = manifest["layout"]
+    want = kernel_params(info)
+    if lay.get("kernel_params") != want:
+        problems.append(f"manifest layout.kernel_params is {lay.get('kernel_params')}, but the model's activation gives {want}")
+    if manifest["kind"] == "kernel":
+        try:
+            layout = get_layout(manifest["backend"])
+            desc = layout.describe(_sizes(manifest), manifest["activation"], layout.resolve_options(lay.get("options") or {}))
+        except BadInput:  # unknown backend or options: the layout check of every layer says so
+            desc = {}
+        for key, value in json.loads(json.dumps(desc)).items():
+            if key not in _LAYOUT_KEYS_SET_BY_CONVERT and lay.get(key) != value:
+                problems.append(f"manifest layout.{key} is {lay.get(key)!r}, but the {manifest['backend']} layout of these "
+                                f"sizes and options has {value!r}")
+        for row in manifest["layers"]:
+            for key in ("router_weight", "router_bias", "correction_bias"):
+                name = row.get(key)
+                if name and name not in ckpts[0].tensors:
+                    problems.append(f"manifest layers: layer {row['layer']} {key} {name!r} is not in the checkpoint")
+    elif own_reader is not None:
+        own = own_reader.model_info()
+        for f in _MODEL_FIELDS:
+            if getattr(own, f) != getattr(info, f):
+                problems.append(f"manifest model.{f} is {getattr(info, f)!r}, but the checkpoint's config and tensors give "
+                                f"{getattr(own, f)!r}")
+        refs = {r.layer: r for r in own_reader.layer_refs()}
+        for row in manifest["layers"]:
+            ref = refs.get(row["layer"])
+            for key in ("module_prefix", "router_weight", "router_bias", "correction_bias"):
+                if ref is not None and row.get(key) != getattr(ref, key):
+                    problems.append(f"manifest layers: layer {row['layer']} {key} is {row.get(key)!r}, but the checkpoint "
+                                    f"has {getattr(ref, key)!r}")
     return problems
 
 
@@ -436,6 +495,8 @@ def verify(
         except BadInput as exc:
             own_error = str(exc)
             general.append(f"{root}: does not read back as a {manifest['family']} checkpoint: {exc}")
+    if own_error is None:
+        general.extend(check_manifest_claims(manifest, info, ckpts, own_reader))
     reports: list[LayerReport] = []
     for L in sorted(lay_table):
         rep = LayerReport(L)
