@@ -12,6 +12,12 @@ Kinds: "gpt-oss-mxfp4", "gpt-oss-bf16", "qwen3-moe", "qwen2-moe", "mixtral", "de
 MXFP4 bytes random with scale bytes in 115..125, block-FP8 tiles scaled to amax/448 (or the next
 power of two for ue8m0).
 
+:data:`INT4_KINDS` (not in :data:`KINDS`: they go through ``repack --backend trtllm`` only):
+"kimi-k2-int4", a Kimi-K2-Thinking-style DeepSeek-V3 checkpoint whose routed experts are
+compressed-tensors INT4 ``pack-quantized`` (``weight_packed`` I32 [N, K/8], ``weight_scale`` BF16
+[N, K/32], ``weight_shape`` I64 [2]; symmetric, group 32, scale = amax/7 in bf16) and everything else
+bf16. Default sizes H = I = 256 (MxInt4 needs multiples of 256).
+
 :func:`make_hub_cache` lays a generated checkpoint out as a Hugging Face hub cache entry so repo-id
 sources can be tested offline (``HF_HUB_OFFLINE=1`` and ``HF_HUB_CACHE`` pointing at it).
 """
@@ -40,6 +46,7 @@ KINDS = (
     "kimi-k2",
     "glm4-moe",
 )
+INT4_KINDS = ("kimi-k2-int4",)
 FAMILY_OF_KIND = {
     "gpt-oss-mxfp4": "gpt-oss",
     "gpt-oss-bf16": "gpt-oss",
@@ -50,6 +57,7 @@ FAMILY_OF_KIND = {
     "deepseek-v3.1-fp8-ue8m0": "deepseek-v3",
     "kimi-k2": "deepseek-v3",
     "glm4-moe": "glm4-moe",
+    "kimi-k2-int4": "deepseek-v3",
 }
 # (hidden, intermediate) defaults: multiples of 32, not of 128. DeepSeek-style FP8 kinds use sizes
 # with several (partial) 128x128 tiles.
@@ -60,7 +68,9 @@ _DEFAULT_SIZES = {
     "deepseek-v3": (288, 160),
     "glm4-moe": (160, 96),
 }
+_KIND_SIZES = {"kimi-k2-int4": (256, 256)}  # MxInt4: multiples of 256
 FP8_MAX = 448.0
+INT4_GROUP = 32
 
 
 @dataclass
@@ -78,6 +88,10 @@ class LayerTruth:
     w2: torch.Tensor | None = None  # [E, H, I]
     w13_mx: tuple[torch.Tensor, torch.Tensor] | None = None  # (data uint8 [E, 2I, H/2], scales uint8 [E, 2I, H/32])
     w2_mx: tuple[torch.Tensor, torch.Tensor] | None = None  # (data uint8 [E, H, I/2], scales uint8 [E, H, I/32])
+    # INT4 kinds: (offset-binary bytes uint8 [E, 2I, H/2] = the int32 words' bytes, scales bf16 [E, 2I, H/32]);
+    # w13 / w2 then hold the exact fp32 dequantization q * scale
+    w13_int4: tuple[torch.Tensor, torch.Tensor] | None = None
+    w2_int4: tuple[torch.Tensor, torch.Tensor] | None = None
     w13_bias: torch.Tensor | None = None  # [E, 2I] (gpt-oss)
     w2_bias: torch.Tensor | None = None  # [E, H]
     gate: torch.Tensor | None = None  # [E, I, H] float: the gate projection alone (float kinds)
@@ -150,11 +164,56 @@ class _Builder:
         q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q, scale.to(torch.float32), q.to(torch.float32) * full
 
+    def int4_linear(self, name: str, out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A compressed-tensors INT4 pack-quantized Linear (symmetric, group 32): adds ``weight_packed``
+        int32 [out, inp/8], ``weight_scale`` bf16 [out, inp/32], ``weight_shape`` int64 [2]; returns
+        (the words' little-endian bytes uint8 [out, inp/2], scales, fp32 dequantization q * scale)."""
+        w = self.randn((out, inp), inp**-0.5).view(out, inp // INT4_GROUP, INT4_GROUP)
+        scale = (w.abs().amax(dim=-1) / 7.0).clamp(min=2.0**-60).to(torch.bfloat16)
+        q = torch.round(w / scale.float().unsqueeze(-1)).clamp(-8, 7).to(torch.int64).view(out, inp)
+        words = pack_int4_words_reference(q)
+        self.add(f"{name}.weight_packed", words)
+        self.add(f"{name}.weight_scale", scale)
+        self.add(f"{name}.weight_shape", torch.tensor([out, inp], dtype=torch.int64))
+        deq = (q.view(out, inp // INT4_GROUP, INT4_GROUP).float() * scale.float().unsqueeze(-1)).view(out, inp)
+        return words.view(torch.uint8), scale, deq
+
     def fp8_linear(self, name: str, out: int, inp: int, ue8m0: bool) -> torch.Tensor:
         q, s, deq = self.fp8_weight((out, inp), inp**-0.5, ue8m0)
         self.add(f"{name}.weight", q)
         self.add(f"{name}.weight_scale_inv", s)
         return deq
+
+
+def pack_int4_words_reference(q: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors ``pack-quantized`` int4 words by integer arithmetic (independent of
+    mxconv.int4's byte views): values q [N, K] in [-8, 7] -> int32 [N, K/8], value j stored as
+    q + 8 in bits 4*(j%8) of word j//8 (two's-complement wrap of the unsigned 32-bit word)."""
+    n, k = q.shape
+    nib = (q.to(torch.int64) + 8).view(n, k // 8, 8)
+    word = (nib << (4 * torch.arange(8, dtype=torch.int64))).sum(dim=-1)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+INT4_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+                "dynamic": False, "actorder": None, "observer": "minmax", "block_structure": None,
+            },
+            "input_activations": None,
+            "output_activations": None,
+            "format": "pack-quantized",
+        }
+    },
+    "ignore": ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,16 +329,26 @@ def _per_expert_layer(
     dtype: torch.dtype,
     fp8: bool,
     ue8m0: bool,
+    int4: bool = False,
 ) -> LayerTruth:
     """Routed experts of one layer under ``{prefix}.experts.{e}.{proj}``; returns the truth."""
     t = LayerTruth(layer=-1, module_prefix=prefix, row_order="halves", expert_names=[], router_weight="")
-    out_dtype = torch.float32 if fp8 else dtype
+    out_dtype = torch.float32 if fp8 or int4 else dtype
     w13 = torch.empty((E, 2 * I, H), dtype=out_dtype)
     w2 = torch.empty((E, H, I), dtype=out_dtype)
+    if int4:
+        t.w13_int4 = (torch.empty((E, 2 * I, H // 2), dtype=torch.uint8), torch.empty((E, 2 * I, H // INT4_GROUP), dtype=torch.bfloat16))
+        t.w2_int4 = (torch.empty((E, H, I // 2), dtype=torch.uint8), torch.empty((E, H, I // INT4_GROUP), dtype=torch.bfloat16))
     for e in range(E):
         for j, (proj, n, k) in enumerate(((projs[0], I, H), (projs[1], I, H), (projs[2], H, I))):
             name = f"{prefix}.experts.{e}.{proj}"
-            if fp8:
+            if int4:
+                data, scale, w = b.int4_linear(name, n, k)
+                t.expert_names += [f"{name}.weight_packed", f"{name}.weight_scale", f"{name}.weight_shape"]
+                stack, rows = (t.w13_int4, slice(j * I, (j + 1) * I)) if j < 2 else (t.w2_int4, slice(None))
+                assert stack is not None
+                stack[0][e, rows], stack[1][e, rows] = data, scale
+            elif fp8:
                 w = b.fp8_linear(name, n, k, ue8m0)
                 t.expert_names += [f"{name}.weight", f"{name}.weight_scale_inv"]
             else:
@@ -407,11 +476,13 @@ def _deepseek_glm(
     b: _Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int, nextn: int
 ) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
     glm = kind == "glm4-moe"
-    fp8 = not glm
+    int4 = kind in INT4_KINDS
+    kimi = kind in ("kimi-k2", "kimi-k2-int4")
+    fp8 = not glm and not int4
     ue8m0 = kind == "deepseek-v3.1-fp8-ue8m0"
     bf = torch.bfloat16
     dense_i = 2 * I
-    n_group, topk_group = (2, 1) if E % 2 == 0 and not glm and kind != "kimi-k2" else (1, 1)
+    n_group, topk_group = (2, 1) if E % 2 == 0 and not glm and not kimi else (1, 1)
     if glm:
         heads, kv_heads, head_dim = 4, 2, 32
         config: dict[str, Any] = {
@@ -451,7 +522,7 @@ def _deepseek_glm(
         heads, q_lora, kv_lora, nope, rope, v_dim = 2, 64, 32, 16, 8, 16
         config = {
             "architectures": ["DeepseekV3ForCausalLM"],
-            "model_type": "kimi_k2" if kind == "kimi-k2" else "deepseek_v3",
+            "model_type": "kimi_k2" if kimi else "deepseek_v3",
             "hidden_size": H,
             "intermediate_size": dense_i,
             "moe_intermediate_size": I,
@@ -466,7 +537,7 @@ def _deepseek_glm(
             "topk_group": topk_group,
             "topk_method": "noaux_tc",
             "scoring_func": "sigmoid",
-            "routed_scaling_factor": 2.827 if kind == "kimi-k2" else 2.5,
+            "routed_scaling_factor": 2.827 if kimi else 2.5,
             "norm_topk_prob": True,
             "num_attention_heads": heads,
             "num_key_value_heads": heads,
@@ -505,6 +576,8 @@ def _deepseek_glm(
         }
         if ue8m0:
             config["quantization_config"]["scale_fmt"] = "ue8m0"
+        if int4:
+            config["quantization_config"] = json.loads(json.dumps(INT4_QUANTIZATION_CONFIG))
 
     def lin(name: str, out: int, inp: int, bias: bool = False) -> None:
         if fp8:
@@ -542,7 +615,7 @@ def _deepseek_glm(
             continue
         b.linear(f"{p}.mlp.gate", E, H, bf)
         b.add(f"{p}.mlp.gate.e_score_correction_bias", b.randn((E,), 0.1, torch.float32))
-        t = _per_expert_layer(b, f"{p}.mlp", E, H, I, ("gate_proj", "up_proj", "down_proj"), bf, fp8, ue8m0)
+        t = _per_expert_layer(b, f"{p}.mlp", E, H, I, ("gate_proj", "up_proj", "down_proj"), bf, fp8, ue8m0, int4)
         t.layer = li
         t.router_weight = f"{p}.mlp.gate.weight"
         t.correction_bias = f"{p}.mlp.gate.e_score_correction_bias"
@@ -633,10 +706,10 @@ def make_checkpoint(
     ``num_layers`` decoder layers. ``mlp_only_layers`` (Qwen) makes those layers dense.
     DeepSeek/GLM kinds make layer 0 dense (``first_k_dense_replace = 1``).
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
+    if kind not in KINDS + INT4_KINDS:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS + INT4_KINDS}")
     family = FAMILY_OF_KIND[kind]
-    dh, di = _DEFAULT_SIZES[family]
+    dh, di = _KIND_SIZES.get(kind, _DEFAULT_SIZES[family])
     H = hidden_size or dh
     I = intermediate_size or di
     if H % 32 or I % 32:
@@ -649,7 +722,7 @@ def make_checkpoint(
     elif family in ("qwen-moe", "mixtral"):
         config, truths = _qwen_mixtral(b, kind, num_layers, num_experts, H, I, top_k, vocab_size, dtype, tuple(mlp_only_layers))
     else:
-        nextn = num_nextn_predict_layers if num_nextn_predict_layers is not None else (0 if kind == "kimi-k2" else 1)
+        nextn = num_nextn_predict_layers if num_nextn_predict_layers is not None else (0 if kind in ("kimi-k2", "kimi-k2-int4") else 1)
         config, truths = _deepseek_glm(b, kind, num_layers, num_experts, H, I, top_k, vocab_size, nextn)
     write_shards(path, b.t, shards)
     _write_side_files(path, config)

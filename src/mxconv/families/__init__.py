@@ -6,7 +6,7 @@ import importlib
 
 from mxconv.checkpoint import Checkpoint
 from mxconv.errors import BadInput
-from mxconv.families.base import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MoELayerRef, MXStack
+from mxconv.families.base import FamilyReader, FP8BlockStack, Int4Stack, ModelInfo, MoELayer, MoELayerRef, MXStack
 
 # family name -> "module:ReaderClass", in detection order (most specific first).
 _REGISTRY: dict[str, str | type[FamilyReader]] = {
@@ -57,4 +57,4 @@ def detect_family(ckpt: Checkpoint) -> FamilyReader:
     )
 
 
-__all__ = ["FAMILIES", "register_family", "unregister_family", "FamilyReader", "FP8BlockStack", "ModelInfo", "MoELayer", "MoELayerRef", "MXStack", "detect_family", "reader_class"]
+__all__ = ["FAMILIES", "register_family", "unregister_family", "FamilyReader", "FP8BlockStack", "Int4Stack", "ModelInfo", "MoELayer", "MoELayerRef", "MXStack", "detect_family", "reader_class"]

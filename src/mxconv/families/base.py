@@ -20,6 +20,7 @@ Canonical layer (one MoE layer, all experts stacked):
 | w13_mx    | MXStack      | uint8 | instead of w13 for MX sources: data [E, 2I, H/2] (mxfp4) or [E, 2I, H] (mxfp8) + scales [E, 2I, H/32] |
 | w2_mx     | MXStack      | uint8 | data [E, H, I/2] or [E, H, I] + scales [E, H, I/32] |
 | w13_fp8   | FP8BlockStack | float8_e4m3fn + fp32 scale_inv | instead of w13 for block-FP8 sources |
+| w13_int4  | Int4Stack    | uint8 + bf16 | instead of w13 for compressed-tensors INT4 sources: data [E, 2I, H/2] offset-binary + scales [E, 2I, H/32] (mxconv.int4) |
 | w13_bias  | [E, 2I]      | source dtype (bf16) | only gpt-oss |
 | w2_bias   | [E, H]       | source dtype | only gpt-oss |
 
@@ -137,6 +138,37 @@ class FP8BlockStack:
 
 
 @dataclass
+class Int4Stack:
+    """A compressed-tensors INT4 expert stack (symmetric, group 32, bf16 scales) in mxconv's
+    canonical int4 form (:mod:`mxconv.int4`): the checkpoint's bytes, viewed, not converted.
+
+    ``data`` uint8 [E, N, K/2]: offset-binary nibbles (stored q + 8), low nibble = even k;
+    ``scales`` bf16 [E, N, K/32]: w = q * scale.
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    fmt: ClassVar[str] = "int4"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N, K) of the unpacked weights."""
+        E, N, kb = self.data.shape
+        return (int(E), int(N), int(kb) * 2)
+
+    def dequantize(self, e0: int = 0, e1: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+        """Exact fp32 [e1 - e0, N, K] on ``device``: q * scale (see mxconv.int4.dequantize_int4)."""
+        from mxconv.int4 import dequantize_int4
+
+        e1 = self.shape[0] if e1 is None else e1
+        return dequantize_int4(self.data[e0:e1].to(device, non_blocking=True), self.scales[e0:e1].to(device, non_blocking=True))
+
+    def to(self, device: torch.device | str) -> "Int4Stack":
+        """Both tensors on ``device``."""
+        return Int4Stack(self.data.to(device, non_blocking=True), self.scales.to(device, non_blocking=True))
+
+
+@dataclass
 class MoELayer:
     """One canonical MoE layer (see module docstring). Exactly one of w13 / w13_mx is set (same for w2)."""
 
@@ -150,6 +182,8 @@ class MoELayer:
     w2_bias: torch.Tensor | None = None
     w13_fp8: FP8BlockStack | None = None  # block-FP8 sources: instead of w13 (dequantized on the device)
     w2_fp8: FP8BlockStack | None = None
+    w13_int4: Int4Stack | None = None  # compressed-tensors INT4 sources: instead of w13
+    w2_int4: Int4Stack | None = None
 
     @property
     def is_mx(self) -> bool:
@@ -160,6 +194,8 @@ class MoELayer:
         small layers: the conversion path dequantizes on the compute device, in expert chunks."""
         if self.w13_fp8 is not None and self.w2_fp8 is not None:
             return self.w13_fp8.dequantize(), self.w2_fp8.dequantize()
+        if self.w13_int4 is not None and self.w2_int4 is not None:
+            return self.w13_int4.dequantize(), self.w2_int4.dequantize()
         assert self.w13 is not None and self.w2 is not None
         return self.w13, self.w2
 

@@ -13,12 +13,13 @@ Source expert formats (decided from config ``quantization_config`` + tensor name
 | fp8_block   | ``weight`` F8_E4M3 ``[N, K]`` + ``weight_scale_inv`` F32 ``[ceil(N/bn), ceil(K/bk)]`` | ``quant_method: fp8``, ``weight_block_size: [bn, bk]`` (``scale_fmt: ue8m0`` = powers of two) |
 | mxfp4       | ``weight_packed`` U8 ``[N, K/2]`` + ``weight_scale`` U8 ``[N, K/32]``       | compressed-tensors ``mxfp4-pack-quantized`` (mxconv's own output) |
 | mxfp8       | ``weight`` F8_E4M3 ``[N, K]`` + ``weight_scale`` U8 ``[N, K/32]``           | compressed-tensors ``mxfp8-quantized`` (mxconv's own output) |
+| int4        | ``weight_packed`` I32 ``[N, K/8]`` + ``weight_scale`` BF16 ``[N, K/32]`` + ``weight_shape`` I64 ``[2]`` | compressed-tensors ``pack-quantized``, int 4 bits, symmetric, group 32 (Kimi-K2-Thinking; :mod:`mxconv.families.ct_int4`) |
 
 Canonical layer (see :mod:`mxconv.families.base`): ``w13[e] = cat(gate, up)`` ``[E, 2I, H]``,
 ``w2[e] = down`` ``[E, H, I]``, row order "halves", no biases. Float sources keep their dtype;
 block-FP8 is dequantized **in fp32** (``W = fp32(W_fp8) * scale_inv[i // bn, j // bk]``, one
 rounding-free product per element, never through bf16); MX sources become :class:`MXStack` (mxfp8 data
-as uint8 E4M3 bit patterns).
+as uint8 E4M3 bit patterns); INT4 sources become :class:`Int4Stack` (the words' bytes, see :mod:`mxconv.int4`).
 
 Quantized output (``quantize`` command): compressed-tensors per-expert Linear tensors under the
 source names (``...experts.{e}.gate_proj.weight_packed`` / ``.weight_scale`` for mxfp4,
@@ -65,11 +66,15 @@ import torch
 from mxconv.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MoELayerRef, MXStack
+from mxconv.families.ct_int4 import int4_proj_specs, read_int4_stack
 from mxconv.families.ct_output import CompressedTensorsOutput
-from mxconv.families.quant_config import FLOAT_DTYPES, MX_FORMATS, UNCONVERTED_KEY, QuantScheme, ct_matches, read_quant_scheme
+from mxconv.families.quant_config import (
+    FLOAT_DTYPES, MX_FORMATS, UNCONVERTED_KEY, QuantScheme, ct_matches, quantization_dict, read_quant_scheme, unsupported_quantization,
+)
 from mxconv.st_format import ST_DTYPES, TensorInfo
 
-_EXPERT_PARAMS = ("weight", "weight_packed", "weight_scale", "weight_scale_inv")
+_EXPERT_PARAMS = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_shape")
+_INT4_PARAMS = frozenset({"weight_packed", "weight_scale", "weight_shape"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +86,7 @@ _EXPERT_PARAMS = ("weight", "weight_packed", "weight_scale", "weight_scale_inv")
 class _Plan:
     root: str  # tensor-name prefix before "layers.", e.g. "model."
     layers: tuple[int, ...]
-    fmt: str  # "float" | "fp8_block" | "mxfp4" | "mxfp8": the MX format of a mixed checkpoint
+    fmt: str  # "float" | "fp8_block" | "mxfp4" | "mxfp8" | "int4": the MX format of a mixed checkpoint
     expert_format: str  # ModelInfo.expert_format
     float_dtype: str | None  # safetensors dtype of float sources
     layer_fmt: dict[int, tuple[str, str | None]]  # per MoE layer: (fmt, safetensors dtype of a float layer)
@@ -189,7 +194,13 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
         """(format, float dtype) of one MoE layer from its parameters and dtypes, checked against
         quantization_config. ``params``: {param present in the layer: first tensor name}."""
         names = set(params)
-        if names == {"weight"}:
+        if scheme.method != "ct-int4":
+            names.discard("weight_shape")  # only INT4 consumes it; elsewhere it is copied like any tensor
+        if scheme.method == "ct-int4" and "weight_packed" in names and names <= _INT4_PARAMS:
+            fmt = "int4"  # a missing weight_scale / weight_shape is named by _check_layer
+        elif scheme.method == "ct-int4":  # e.g. FP8 tensors under an INT4 config
+            raise unsupported_quantization(self.ckpt, quantization_dict(self.ckpt) or {}, self.title)
+        elif names == {"weight"}:
             fmt = "float"
         elif names == {"weight", "weight_scale_inv"}:
             fmt = "fp8_block"
@@ -205,7 +216,7 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
             )
         first = params.get("weight_packed") or params["weight"]
         sample = self.ckpt.info(first)
-        want = {None: "float", "fp8": "fp8_block"}.get(scheme.method, scheme.mx_fmt)
+        want = {None: "float", "fp8": "fp8_block", "ct-int4": "int4"}.get(scheme.method, scheme.mx_fmt)
         if fmt != want:
             if scheme.method != "ct-mx" or fmt in MX_FORMATS:
                 qc = "no quantization_config" if scheme.method is None else f"quantization_config says {want}"
@@ -276,7 +287,7 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
         # (uniform) source format of the first layer.
         mx = [f for f, _ in layer_fmt.values() if f in MX_FORMATS]
         fmt, float_dtype = (mx[0], None) if mx else layer_fmt[layers[0]]
-        if mx and (H % 32 or I % 32):
+        if (mx or fmt == "int4") and (H % 32 or I % 32):
             raise BadInput(f"{ck.root / 'config.json'}: hidden_size {H} / intermediate size {I} not multiples of 32")
         scale_scheme = None
         if fmt == "fp8_block":
@@ -284,6 +295,8 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
             scale_scheme = f"fp8_block_{scheme.block[0]}x{scheme.block[1]}" + ("_ue8m0" if scheme.ue8m0 else "")
         elif fmt in MX_FORMATS:
             scale_scheme = "e8m0"
+        elif fmt == "int4":
+            scale_scheme = "bf16_group32"
         plan = _Plan(
             root=root,
             layers=layers,
@@ -338,6 +351,8 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
             sshape = (math.ceil(n / bn), math.ceil(k / bk))
             swhy = f"one scale per {bn}x{bk} tile of [{n}, {k}]"
             return [("weight", ("F8_E4M3",), (n, k), why), ("weight_scale_inv", ("F32", "BF16", "F16"), sshape, swhy)]
+        if fmt == "int4":
+            return int4_proj_specs(n, k, why)
         swhy = f"one E8M0 scale per 32 inputs of [{n}, {k}]"
         if fmt == "mxfp4":
             return [("weight_packed", ("U8",), (n, k // 2), why + ", two E2M1 codes per byte"), ("weight_scale", ("U8", "F8_E8M0"), (n, k // 32), swhy)]
@@ -454,6 +469,8 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
                     sinv = self._read_stack(prefix, (proj,), "weight_scale_inv", -(-step // bn), -(-k // bk), torch.float32)
                     parts.append((data, sinv))
                 setattr(layer, key + "_fp8", FP8BlockStack(parts, p.block))
+            elif fmt == "int4":
+                setattr(layer, key + "_int4", read_int4_stack(self, prefix, projs, n, k))
             else:
                 packed = fmt == "mxfp4"
                 data = self._read_stack(prefix, projs, "weight_packed" if packed else "weight", n, k // 2 if packed else k, torch.uint8)
@@ -482,6 +499,8 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
             param = "weight_scale"
         elif self._plan().layer_fmt[ref.layer][0] == "mxfp4":
             param, col = "weight_packed", col // 2
+        elif self._plan().layer_fmt[ref.layer][0] == "int4":
+            param, col = "weight_packed", col // 8  # the int32 word
         return f"{self.expert_name(ref.module_prefix, e, proj, param)} [{row}, {col}]"
 
     def layer_format(self, ref: MoELayerRef) -> str:

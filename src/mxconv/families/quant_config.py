@@ -23,8 +23,10 @@ CT_FORMATS = {"mxfp4": "mxfp4-pack-quantized", "mxfp8": "mxfp8-quantized"}
 UNCONVERTED_KEY = "mxconv_unconverted_quantization_config"
 SUPPORTED_HINT = (
     "mxconv reads unquantized (bf16/fp16/fp32), block-FP8 (quant_method 'fp8' with weight_block_size) "
-    "and MXFP4/MXFP8 experts; dequantize the checkpoint first"
+    "and MXFP4/MXFP8 experts, and compressed-tensors INT4 'pack-quantized' experts (int, 4 bits, symmetric, "
+    "group 32, bf16 scales) of per-expert families; dequantize the checkpoint first"
 )
+CT_INT4_FORMAT = "pack-quantized"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,7 +39,7 @@ class QuantScheme:
     """What ``quantization_config`` says about the expert weights.
 
     ``method``: None (no config), "fp8" (block-FP8), "ct-mx" (compressed-tensors MX, ``mx_fmt`` set),
-    "mxfp4" / "mxfp8" (gpt-oss convention).
+    "ct-int4" (compressed-tensors INT4 pack-quantized, group 32), "mxfp4" / "mxfp8" (gpt-oss convention).
     """
 
     method: str | None
@@ -100,6 +102,33 @@ def ct_mx_format(qc: dict[str, Any]) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
+def ct_int4_format(qc: dict[str, Any]) -> bool:
+    """True when a compressed-tensors config quantizes weights as INT4 ``pack-quantized`` only, the
+    Kimi-K2-Thinking convention: every config group int weights, 4 bits, symmetric, group strategy,
+    group size 32, no activation ordering, no input-activation quantization (W4A16), stored as
+    ``pack-quantized`` (group ``format`` or the top-level one)."""
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        return False
+    for group in groups.values():
+        if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+            return False
+        w = group["weights"]
+        ok = (
+            w.get("type") == "int"
+            and w.get("num_bits") == 4
+            and w.get("group_size") == 32
+            and w.get("strategy", "group") == "group"
+            and w.get("symmetric", True) is True
+            and w.get("actorder") is None
+            and group.get("input_activations") is None
+            and (group.get("format") or qc.get("format")) == CT_INT4_FORMAT
+        )
+        if not ok:
+            return False
+    return True
+
+
 def _block_fp8(qc: dict[str, Any], where: str, family: str) -> QuantScheme:
     """The QuantScheme of a transformers/DeepSeek ``quant_method: fp8`` config (block-FP8 only)."""
     block = qc.get("weight_block_size")
@@ -136,6 +165,8 @@ def read_quant_scheme(ckpt: Checkpoint, family: str) -> QuantScheme:
                 fp8 = _block_fp8(unconverted, f"{where} ({UNCONVERTED_KEY})", family)
                 block, ue8m0 = fp8.block, fp8.ue8m0
             return QuantScheme("ct-mx", mx_fmt=fmt, block=block, ue8m0=ue8m0, ignore=tuple(ignore))
+        if ct_int4_format(qc):
+            return QuantScheme("ct-int4", ignore=tuple(p for p in qc.get("ignore") or [] if isinstance(p, str)))
     raise unsupported_quantization(ckpt, qc, family)
 
 
