@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from mxconv.errors import BadInput
-from mxconv.families import FP8BlockStack, MoELayer, MXStack
+from mxconv.families import FP8BlockStack, Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts, slice_tp
 from mxconv.numerics import mxfp4_to_mxfp8
@@ -122,14 +122,17 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return base.to(device, non_blocking=True).permute(inverse)
 
 
-def to_format(stack: MXStack | None, float_w: torch.Tensor | FP8BlockStack | None, fmt: str, q: QuantOptions,
-              where: str | Callable[[tuple[int, ...]], str], stats: ErrorStats | None, device: torch.device) -> MXStack:
-    """One expert stack (MX or float) -> MXStack in ``fmt`` on ``device``; MX bytes move untouched when
-    the format already matches, MXFP4 -> MXFP8 is lossless, anything else re-quantizes."""
+def to_format(stack: MXStack | None, float_w: torch.Tensor | FP8BlockStack | Int4Stack | None, fmt: str, q: QuantOptions,
+              where: str | Callable[[tuple[int, ...]], str], stats: ErrorStats | None, device: torch.device) -> MXStack | Int4Stack:
+    """One expert stack (MX, INT4 or float) -> MXStack in ``fmt`` on ``device``; MX bytes move untouched when
+    the format already matches, MXFP4 -> MXFP8 is lossless, anything else re-quantizes (INT4 and block-FP8
+    from their exact fp32 dequantization). ``fmt == "int4"`` (a repack of an INT4 source): the Int4Stack as is."""
     from mxconv.numerics import dequantize_mx
 
+    if isinstance(float_w, Int4Stack) and fmt == "int4":
+        return float_w.to(device)
     if stack is None:
-        if isinstance(float_w, FP8BlockStack):
+        if isinstance(float_w, (FP8BlockStack, Int4Stack)):
             src = float_w
             return quantize_stack(src.shape, lambda e0, e1: src.dequantize(e0, e1, device), fmt, q, where, stats, device)
         assert float_w is not None
@@ -164,10 +167,14 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
         def where(which: str) -> Callable[[tuple[int, ...]], str]:
             return lambda idx: plan.reader.source_location(ref, which, tuple(int(i) for i in idx))
 
-        w13 = to_format(layer.w13_mx, layer.w13 if layer.w13_fp8 is None else layer.w13_fp8, fmt, plan.quant,
-                        where("w13"), stats.errors, device)
-        w2 = to_format(layer.w2_mx, layer.w2 if layer.w2_fp8 is None else layer.w2_fp8, fmt, plan.quant,
-                       where("w2"), stats.errors, device)
+        def source(which: str) -> torch.Tensor | FP8BlockStack | Int4Stack | None:
+            for form in (f"{which}_int4", f"{which}_fp8", which):
+                if getattr(layer, form) is not None:
+                    return getattr(layer, form)
+            return None
+
+        w13 = to_format(layer.w13_mx, source("w13"), fmt, plan.quant, where("w13"), stats.errors, device)
+        w2 = to_format(layer.w2_mx, source("w2"), fmt, plan.quant, where("w2"), stats.errors, device)
         if layout is None:
             out_layer = MoELayer(ref, layer.row_order, w13_mx=_cpu(w13), w2_mx=_cpu(w2), w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
             if device.type == "cuda":
@@ -180,6 +187,7 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
                 w13_bias=None if layer.w13_bias is None else layer.w13_bias.to(device),
                 w2_bias=None if layer.w2_bias is None else layer.w2_bias.to(device),
                 row_order=layer.row_order,
+                weight_format=fmt,
             )
             canon.validate()
             results = []

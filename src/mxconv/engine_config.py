@@ -238,7 +238,8 @@ def _kernel_refs(m: dict[str, Any], pattern: str) -> list[TensorRef] | None:
         layout = get_layout(m["backend"])
         sizes = LayoutSizes(int(model["num_experts"]), int(lay["hidden_size"]), int(lay["intermediate_size"]),
                             int(lay["padded_hidden_size"]), int(lay["padded_intermediate_size"]),
-                            str(lay["w13_row_order"]), bool(model["has_expert_bias"]))
+                            str(lay["w13_row_order"]), bool(model["has_expert_bias"]),
+                            "int4" if m["weight_format"] == "int4" else "mxfp4")
         specs = layout.kernel_specs(sizes, m["activation"], layout.resolve_options(lay.get("options") or {}))
     except Exception:  # noqa: BLE001 - an unknown or changed layout: fall back to the tensors table
         return None

@@ -243,7 +243,7 @@ SCHEMA: Check = _obj(
         "source": _obj({"revision": _nullable(STR), "fingerprint": STR}, {"path": STR, "repo_id": STR}),
         "family": STR,
         "kind": _enum("canonical", "kernel"),
-        "weight_format": _enum("mxfp4", "mxfp8"),
+        "weight_format": _enum("mxfp4", "mxfp8", "int4"),
         "scale_rounding": _nullable(STR),
         "backend": _nullable(STR),
         "activation": _nullable(STR),

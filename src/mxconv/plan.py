@@ -14,7 +14,7 @@ from typing import Any
 from mxconv.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
 from mxconv.families import FamilyReader, ModelInfo, MoELayerRef
-from mxconv.layouts import Layout, LayoutSizes, TensorSpec, get_layout
+from mxconv.layouts import Layout, LayoutSizes, TensorSpec, backend_names, get_layout
 from mxconv.layouts.base import tp_ranges
 from mxconv.pipeline import WorkItem
 from mxconv.numerics import resolve_scale_mode
@@ -102,7 +102,10 @@ class Plan:
 
     @property
     def weight_format(self) -> str:
-        return "mxfp4" if self.command == "repack" else self.quant.fmt
+        """Format of the written experts: quantize's --format; repack: mxfp4, or int4 (kept) for an INT4 source."""
+        if self.command == "repack":
+            return self.sizes.weight_format if self.sizes is not None else "mxfp4"
+        return self.quant.fmt
 
 
 def _layer_of(name: str) -> int:
@@ -171,6 +174,11 @@ def build_plan(
     selected = {r.layer for r in refs}
     for r in all_refs:
         kept = reader.layer_format(r)
+        if r.layer not in selected and kept == "int4":
+            raise BadInput(
+                f"{r.module_prefix}.experts: --include/--ignore would leave this INT4 layer as it is next to {quant.fmt} "
+                "layers, which one quantization_config cannot describe; quantize every MoE layer of an INT4 checkpoint"
+            )
         if r.layer not in selected and kept in ("mxfp4", "mxfp8") and kept != quant.fmt:
             raise BadInput(
                 f"{r.module_prefix}.experts: --include/--ignore leave this {kept} layer as it is, next to {quant.fmt} "
@@ -195,15 +203,32 @@ def build_plan(
                 f"{ckpt.root}: experts are MXFP8; backend layouts take MXFP4 experts "
                 "(repack the bf16 source, or quantize it with --format mxfp4 first)"
             )
+        # INT4 experts stay INT4 (layouts that take them); everything else becomes MXFP4 on the way
+        wfmt = "int4" if info.expert_format == "int4" else "mxfp4"
+        takes = getattr(layout, "weight_formats", ("mxfp4",))
+        if wfmt not in takes:
+            others = [n for n in backend_names() if wfmt in getattr(get_layout(n), "weight_formats", ("mxfp4",))]
+            raise BadInput(
+                f"{ckpt.root}: experts are {wfmt} (compressed-tensors INT4, bf16 group scales); backend {repack.backend} "
+                f"takes {', '.join(takes)} experts only (backends that take {wfmt}: {', '.join(others) or 'none'}; "
+                "or quantize the source first: mxconv quantize SRC OUT --format mxfp4)"
+            )
+        fmt_kw: dict[str, Any] = {} if wfmt == "mxfp4" else {"weight_format": wfmt}
         plan.rank_ranges = tp_ranges(info.intermediate_size, repack.tp)
         widths = {e - s for s, e in plan.rank_ranges}
         I_rank = max(widths)
         opts = layout.resolve_options(repack.layout_options)
         repack = plan.repack = replace(repack, layout_options=opts)
-        Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation, opts)
+        Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation, opts, **fmt_kw)
         for w in widths:  # every rank pads to the same Ip; make sure the smaller ones fit the rule too
-            layout.padded_sizes(info.hidden_size, w, info.row_order, repack.activation, opts)
-        plan.sizes = LayoutSizes(info.num_experts, info.hidden_size, I_rank, Hp, Ip, info.row_order, info.has_expert_bias)
+            layout.padded_sizes(info.hidden_size, w, info.row_order, repack.activation, opts, **fmt_kw)
+        if fmt_kw and len(widths) > 1:
+            raise BadInput(
+                f"--tp {repack.tp} splits intermediate size {info.intermediate_size} unevenly "
+                f"({sorted(widths)} per rank); {wfmt} experts are never padded, so every rank needs the same width"
+            )
+        plan.sizes = LayoutSizes(info.num_experts, info.hidden_size, I_rank, Hp, Ip, info.row_order, info.has_expert_bias,
+                                 wfmt)
         specs = layout.kernel_specs(plan.sizes, repack.activation, repack.layout_options)
         plan.layout_desc = layout.describe(plan.sizes, repack.activation, repack.layout_options)
         plan.warnings = layout.size_warnings(info.hidden_size, I_rank, opts)

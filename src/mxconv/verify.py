@@ -24,7 +24,7 @@ import torch
 
 from mxconv.checkpoint import Checkpoint, layer_index, open_checkpoint
 from mxconv.errors import BadInput, LayoutError
-from mxconv.families import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MXStack, detect_family
+from mxconv.families import FamilyReader, FP8BlockStack, Int4Stack, ModelInfo, MoELayer, MXStack, detect_family
 from mxconv.families.base import nonfinite_tensors
 from mxconv.layouts import LayoutSizes, get_layout
 from mxconv.layouts.base import CanonicalExperts, unpad_canonical
@@ -44,6 +44,9 @@ THRESHOLDS: dict[str, dict[str, float]] = {
     "exact": {"rel_rms": 1e-6, "cosine": 0.999999, "topk_agreement": 1.0},
     "mxfp4": {"rel_rms": 0.30, "cosine": 0.95, "topk_agreement": 1.0},
     "mxfp8": {"rel_rms": 0.06, "cosine": 0.998, "topk_agreement": 1.0},
+    # INT4 (group 32, bf16 scales) outputs against a float reference: 16 levels per group, an error of
+    # the MXFP4 order (an INT4 reference holds the same values: "exact")
+    "int4": {"rel_rms": 0.30, "cosine": 0.95, "topk_agreement": 1.0},
 }
 
 
@@ -219,6 +222,7 @@ def _sizes(manifest: dict[str, Any]) -> LayoutSizes:
         padded_intermediate_size=int(lay["padded_intermediate_size"]),
         row_order=lay["w13_row_order"],
         has_bias=bool(model["has_expert_bias"]),
+        weight_format="int4" if manifest["weight_format"] == "int4" else "mxfp4",
     )
 
 
@@ -242,6 +246,7 @@ def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: in
         w13_bias=b13,
         w2_bias=parts[0].w2_bias,
         row_order=order,
+        weight_format=parts[0].weight_format,
     )
 
 
@@ -270,7 +275,7 @@ def kernel_layer_canonical(
         s, e = ranges[rank]
         # every rank was laid out at the widest rank's width (slice_tp's pad_to), then padded
         rank_sizes = LayoutSizes(sizes.num_experts, sizes.hidden_size, sizes.intermediate_size, sizes.padded_hidden_size,
-                                 sizes.padded_intermediate_size, sizes.row_order, sizes.has_bias)
+                                 sizes.padded_intermediate_size, sizes.row_order, sizes.has_bias, sizes.weight_format)
         tag = f"{prefix}.experts" + (f" (rank {rank})" if len(ckpts) > 1 else "")
         try:
             canon = layout.from_kernel(tensors, rank_sizes, activation, options)
@@ -298,7 +303,7 @@ def kernel_layer_canonical(
     return merge_tp(parts, ranges, sizes.intermediate_size)
 
 
-_FORMAT_CODES = ("float", "mxfp4", "mxfp8")
+_FORMAT_CODES = ("float", "mxfp4", "mxfp8", "int4")
 
 
 def _same_mx_bytes(reference_format: str, converted_format: str) -> bool:
@@ -312,6 +317,8 @@ def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
         x, y = getattr(a, name), getattr(b, name)
         if x.shape != y.shape:
             return f"{name}: shape {tuple(x.shape)} vs reference {tuple(y.shape)}"
+        if x.is_floating_point():  # bf16 INT4 scales: compare bit patterns (-0.0 is not +0.0)
+            x, y = x.view(torch.int16), y.view(torch.int16)
         diff = x != y
         if bool(diff.any()):
             e, r = diff.nonzero()[0][:2].tolist()
@@ -327,15 +334,24 @@ def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
 
 
 def _canonical_from_layer(layer: MoELayer) -> CanonicalExperts | None:
+    if layer.w13_int4 is not None and layer.w2_int4 is not None:
+        return CanonicalExperts(layer.w13_int4.data, layer.w13_int4.scales, layer.w2_int4.data, layer.w2_int4.scales,
+                                row_order=layer.row_order, weight_format="int4")
     if layer.w13_mx is None or layer.w13_mx.fmt != "mxfp4":
         return None
     return CanonicalExperts(layer.w13_mx.data, layer.w13_mx.scales, layer.w2_mx.data, layer.w2_mx.scales,
                             layer.w13_bias, layer.w2_bias, layer.row_order)
 
 
+def _canonical_stack(c: CanonicalExperts, which: str) -> MXStack | Int4Stack:
+    """``c``'s w13 or w2 with its scales, as the stack type of its weight format."""
+    data, scales = getattr(c, which), getattr(c, f"{which}_scale")
+    return Int4Stack(data, scales) if c.weight_format == "int4" else MXStack("mxfp4", data, scales)
+
+
 def _weights(layer: MoELayer, which: str) -> MXStack | FP8BlockStack | torch.Tensor:
-    """A layer's stack in whatever form the reader gave it (MX, block-FP8 or float)."""
-    for form in (f"{which}_mx", f"{which}_fp8", which):
+    """A layer's stack in whatever form the reader gave it (MX, block-FP8, INT4 or float)."""
+    for form in (f"{which}_mx", f"{which}_fp8", f"{which}_int4", which):
         t = getattr(layer, form)
         if t is not None:
             return t
@@ -349,7 +365,7 @@ def expert_fn(w13: MXStack | FP8BlockStack | torch.Tensor, w2: MXStack | FP8Bloc
     def get(t: MXStack | FP8BlockStack | torch.Tensor, e: int) -> torch.Tensor:
         if isinstance(t, MXStack):
             return dequantize_mx(t.data[e], t.scales[e], t.fmt)
-        if isinstance(t, FP8BlockStack):
+        if isinstance(t, (FP8BlockStack, Int4Stack)):  # exact fp32 dequantization
             return t.dequantize(e, e + 1)[0]
         return t[e].float()
 
@@ -378,10 +394,16 @@ def _model_info(d: dict[str, Any]) -> ModelInfo:
 def _kernel_nonfinite(canon: CanonicalExperts, prefix: str) -> str | None:
     """The first NaN scale byte / non-finite bias of experts recovered from a kernel layout, named
     by the manifest tensor and the canonical (expert, row, block) index."""
-    from mxconv.numerics import first_nonnumber
+    from mxconv.numerics import first_nonfinite, first_nonnumber
 
-    hit = first_nonnumber({"w13_weight_scale": canon.w13_scale, "w2_weight_scale": canon.w2_scale,
-                           "w13_bias": canon.w13_bias, "w2_bias": canon.w2_bias})
+    scales = {"w13_weight_scale": canon.w13_scale, "w2_weight_scale": canon.w2_scale}
+    if canon.weight_format == "int4":  # bf16 group scales: NaN/Inf (E8M0 0xFF is an MX rule)
+        for name, t in scales.items():
+            at = first_nonfinite(t)
+            if at is not None:
+                return f"non-finite value {t[at].item()} in {prefix}.experts.{name} at canonical [{', '.join(map(str, at))}] (expert, row, block)"
+        scales = {}
+    hit = first_nonnumber({**scales, "w13_bias": canon.w13_bias, "w2_bias": canon.w2_bias})
     if hit is None:
         return None
     name, idx, what = hit
@@ -557,7 +579,9 @@ def verify(
                 bad_value = bad_value or ref_bad
                 rep.problems.append(f"layer {L}: the reference {reference} holds a value that is not a number: {ref_bad}")
             rcanon = _canonical_from_layer(ref_layer)
-            if rcanon is not None and canon is not None and manifest["weight_format"] == "mxfp4":
+            if rcanon is not None and canon is not None and manifest["weight_format"] in ("mxfp4", "int4") and (
+                rcanon.weight_format == manifest["weight_format"]
+            ):
                 diff = _first_difference(canon, rcanon)
                 if diff:
                     rep.layout = "FAIL"
@@ -581,7 +605,7 @@ def verify(
             reports.append(rep)
             continue
         if canon is not None:
-            conv_fn = expert_fn(MXStack("mxfp4", canon.w13, canon.w13_scale), MXStack("mxfp4", canon.w2, canon.w2_scale),
+            conv_fn = expert_fn(_canonical_stack(canon, "w13"), _canonical_stack(canon, "w2"),
                                 canon.w13_bias, canon.w2_bias)
             row_order = canon.row_order
         else:
@@ -607,7 +631,7 @@ def verify(
             rfn = expert_fn(_weights(ref_layer, "w13"), _weights(ref_layer, "w2"), ref_layer.w13_bias, ref_layer.w2_bias)
             ref_out, ref_routing = run_layer(info, ref_layer.row_order, rfn, _router(ref_ckpt, lay), x)
             ref_ids = ref_routing.ids
-            ref_src_fmt = ref_layer.w13_mx.fmt if ref_layer.w13_mx is not None else "float"
+            ref_src_fmt = ref_layer.w13_mx.fmt if ref_layer.w13_mx is not None else "int4" if ref_layer.w13_int4 is not None else "float"
             ref_fmt = "exact" if _same_mx_bytes(ref_src_fmt, manifest["weight_format"]) else manifest["weight_format"]
             if save_reference:
                 to_save[f"layer.{L}.output"] = ref_out.contiguous()

@@ -21,6 +21,10 @@ Canonical (unpadded) MXFP4 expert stack, one MoE layer, one TP rank:
 
 `row_order` is "interleaved" (gpt-oss: row 2j = gate j, row 2j+1 = up j) or "halves"
 (rows [0, I) = gate/w1, rows [I, 2I) = up/w3).
+
+`weight_format` is "mxfp4" (above) or "int4": compressed-tensors INT4, same shapes, w13/w2 bytes
+offset-binary int4 pairs (low nibble = even k) and w13_scale/w2_scale **bf16** group-32 scales
+(see mxconv.int4). A layout lists the formats it takes in ``LayoutBase.weight_formats``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from mxconv.errors import LayoutError
 
 ROW_ORDERS = ("interleaved", "halves")
+WEIGHT_FORMATS = ("mxfp4", "int4")
 
 # Names of the kernel tensors every backend produces (vLLM FusedMoE parameter names, without prefix).
 KERNEL_TENSOR_NAMES = (
@@ -63,6 +68,7 @@ class CanonicalExperts:
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
     row_order: str = "halves"
+    weight_format: str = "mxfp4"  # "mxfp4" | "int4" (bf16 scales)
 
     @property
     def num_experts(self) -> int:
@@ -105,6 +111,9 @@ class CanonicalExperts:
         """Raise LayoutError unless shapes/dtypes are a consistent canonical stack."""
         if self.row_order not in ROW_ORDERS:
             raise LayoutError(f"unknown w13 row order {self.row_order!r} (expected one of {ROW_ORDERS})")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise LayoutError(f"unknown expert weight format {self.weight_format!r} (expected one of {WEIGHT_FORMATS})")
+        scale_dtype = torch.bfloat16 if self.weight_format == "int4" else torch.uint8
         E, n13, hb = self.w13.shape
         H, I = hb * 2, n13 // 2
         want = {
@@ -120,8 +129,9 @@ class CanonicalExperts:
         for name, (t, shape) in want.items():
             if tuple(t.shape) != shape:
                 raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
-            if t.dtype != torch.uint8:
-                raise LayoutError(f"{name} has dtype {t.dtype}, expected torch.uint8")
+            want_dtype = scale_dtype if name.endswith("_scale") else torch.uint8
+            if t.dtype != want_dtype:
+                raise LayoutError(f"{name} has dtype {t.dtype}, expected {want_dtype}")
         if (self.w13_bias is None) != (self.w2_bias is None):
             raise LayoutError("w13_bias and w2_bias must both be present or both absent (give both w13_bias and w2_bias, or neither)")
         if self.w13_bias is not None and tuple(self.w13_bias.shape) != (E, 2 * I):
@@ -141,6 +151,7 @@ class LayoutSizes:
     padded_intermediate_size: int
     row_order: str
     has_bias: bool
+    weight_format: str = "mxfp4"  # canonical expert format the kernel tensors hold ("mxfp4" | "int4")
 
 
 # Kernel tensors: name (see KERNEL_TENSOR_NAMES) -> tensor. Biases absent when the model has none.
@@ -224,6 +235,8 @@ class LayoutBase:
     # vLLM 0.33 ``Mxfp4MoeBackend`` names (fused_moe/oracle/mxfp4.py) that hold this layout's bytes
     # after loading, per activation; mxconv.engine_config checks sizes and model against each one.
     vllm_backends: dict[str, tuple[str, ...]] = {}
+    # canonical expert formats (CanonicalExperts.weight_format) this layout takes; plan refuses others
+    weight_formats: tuple[str, ...] = ("mxfp4",)
 
     def resolve_options(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
         """``given`` (values, or strings to parse) validated, unknown names refused, defaults filled."""
@@ -282,6 +295,7 @@ class Layout(Protocol):
     activations: tuple[str, ...]  # accepted --activation values; first is the default
     options: tuple[LayoutOption, ...]  # typed options (--layout-option NAME=VALUE)
     vllm_backends: dict[str, tuple[str, ...]]  # activation -> vLLM Mxfp4MoeBackend names served
+    weight_formats: tuple[str, ...]  # canonical weight formats taken (LayoutBase: ("mxfp4",))
 
     def resolve_options(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
         """Validated options with defaults filled (LayoutBase provides it)."""
@@ -373,7 +387,7 @@ def pad_canonical(c: CanonicalExperts, Hp: int, Ip: int, scale_fill: int = 0) ->
     s2 = pad_last(_pad_dim1(c.w2_scale, Hp, scale_fill), Ip // 32, scale_fill)
     b13 = None if c.w13_bias is None else _pad_rows(c.w13_bias, 2 * Ip, c.row_order, 0)
     b2 = None if c.w2_bias is None else _pad_dim1(c.w2_bias, Hp, 0)
-    return CanonicalExperts(w13, s13, w2, s2, b13, b2, c.row_order)
+    return CanonicalExperts(w13, s13, w2, s2, b13, b2, c.row_order, c.weight_format)
 
 
 def pad_row_source(rows: int, padded_rows: int, row_order: str | None = None) -> torch.Tensor:
@@ -519,6 +533,7 @@ def unpad_canonical(
         w13_bias=None if c.w13_bias is None else rows13(c.w13_bias).contiguous(),
         w2_bias=None if c.w2_bias is None else c.w2_bias[:, :H].contiguous(),
         row_order=c.row_order,
+        weight_format=c.weight_format,
     )
 
 
@@ -579,6 +594,7 @@ def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int, pad_to: int |
         w13_bias=None if c.w13_bias is None else rows(c.w13_bias).contiguous(),
         w2_bias=None if w2_bias is None else w2_bias.contiguous(),
         row_order=c.row_order,
+        weight_format=c.weight_format,
     )
     if pad_to is not None and pad_to > end - start:
         part = pad_canonical(part, part.hidden_size, pad_to)

@@ -32,6 +32,11 @@ Options read (a plain dict; other keys are ignored):
   padded to. Must be a positive multiple of 128 (vLLM releases use 256; a later snapshot 128).
 
 The weights are identical for both activations ("bf16", "mxfp8"); only the manifest differs.
+
+MxInt4 (spec section 9): a canonical stack with ``weight_format == "int4"`` (compressed-tensors INT4,
+bf16 scales) goes to :mod:`mxconv.layouts.trtllm_mxint4` (sign XOR, the same row tables, block-major
+K, flat bf16 swizzled scales; bf16 activations; H and I multiples of 256, no padding). Every method
+below dispatches on the stack's or ``LayoutSizes``' weight format; the MXFP4 code is untouched by it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Any
 import torch
 
 from mxconv.errors import LayoutError
+from mxconv.layouts import trtllm_mxint4  # imports nothing from this module at import time
 from mxconv.layouts.base import (
     ROW_ORDERS,
     CanonicalExperts,
@@ -277,6 +283,7 @@ class TrtllmLayout(LayoutBase):
     version = LAYOUT_VERSION
     activations = ACTIVATIONS
     vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
+    weight_formats = ("mxfp4", "int4")  # int4: the MxInt4 variant (trtllm_mxint4)
     options = (
         LayoutOption(
             "intermediate_align", int, DEFAULT_INTERMEDIATE_ALIGN,
@@ -312,12 +319,16 @@ class TrtllmLayout(LayoutBase):
         options: dict[str, Any] | None = None,
         *,
         intermediate_align: int | None = None,
+        weight_format: str = "mxfp4",
     ) -> tuple[int, int]:
         """(Hp, Ip) = (roundup(H, 256), roundup(I, intermediate_align)) for one rank.
 
         ``intermediate_align`` comes from the keyword, else from ``options`` (default 256).
         Raises LayoutError unless H and I are positive multiples of 32 (MXFP4 blocks).
+        ``weight_format="int4"``: the MxInt4 rule instead, (H, I) with both multiples of 256.
         """
+        if weight_format == "int4":
+            return trtllm_mxint4.padded_sizes(hidden_size, intermediate_size, row_order, activation)
         _check_row_order(row_order)
         self._check_activation(activation)
         if intermediate_align is None:
@@ -352,6 +363,8 @@ class TrtllmLayout(LayoutBase):
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the kernel tensors (biases only when ``sizes.has_bias``)."""
+        if sizes.weight_format == "int4":
+            return trtllm_mxint4.kernel_specs(sizes, activation)
         Hp, Ip = self._checked_padding(sizes, activation, options)
         E = sizes.num_experts
         specs = {
@@ -369,6 +382,8 @@ class TrtllmLayout(LayoutBase):
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
         """Canonical stack -> padded, permuted kernel tensors on ``c``'s device (table in module doc)."""
+        if c.weight_format == "int4":
+            return trtllm_mxint4.to_kernel(c, activation)
         c.validate()  # includes: both biases or neither
         Hp, Ip = self.padded_sizes(
             c.hidden_size,
@@ -420,6 +435,8 @@ class TrtllmLayout(LayoutBase):
         different devices, or a padding byte that is not its fill (weights/scales 0, biases 0.0;
         the index is reported in padded canonical coordinates).
         """
+        if sizes.weight_format == "int4":
+            return trtllm_mxint4.from_kernel(k, sizes, activation)
         specs = self.kernel_specs(sizes, activation, options)
         _check_kernel_tensors(k, specs)
         Hp, Ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
@@ -441,6 +458,8 @@ class TrtllmLayout(LayoutBase):
 
     def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
         """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
+        if sizes.weight_format == "int4":
+            return trtllm_mxint4.describe(sizes, activation)
         self._checked_padding(sizes, activation, options)
         return {
             "name": self.name,
