@@ -164,8 +164,9 @@ class Int4Stack:
         return dequantize_int4(self.data[e0:e1].to(device, non_blocking=True), self.scales[e0:e1].to(device, non_blocking=True))
 
     def to(self, device: torch.device | str) -> "Int4Stack":
-        """Both tensors on ``device``."""
-        return Int4Stack(self.data.to(device, non_blocking=True), self.scales.to(device, non_blocking=True))
+        """Both tensors on ``device`` (non-blocking host -> device only: a copy to the host is complete on return)."""
+        nb = torch.device(device).type != "cpu"
+        return Int4Stack(self.data.to(device, non_blocking=nb), self.scales.to(device, non_blocking=nb))
 
 
 @dataclass

@@ -299,7 +299,8 @@ class TrtllmLayout(LayoutBase):
         except Exception:
             return "flashinfer is not installed (pip install 'mxconv[flashinfer]')"
         if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
-            return "FlashInfer TRT-LLM-gen MXFP4 MoE kernels need an SM100 (Blackwell) GPU"
+            kind = "MxInt4" if manifest.get("weight_format") == "int4" else "MXFP4"
+            return f"FlashInfer TRT-LLM-gen {kind} MoE kernels need an SM100 (Blackwell) GPU"
         return "running the TRT-LLM-gen kernel is not wired up in this version"
 
     # -- sizes ---------------------------------------------------------------------------------
