@@ -210,6 +210,16 @@ def test_default_scale_rule_is_chosen_per_format(ws: Path, tmp_path: Path, fmt: 
     assert any(v["sha256"] != m["tensors"][k]["sha256"] for k, v in differ["tensors"].items() if v["role"] == "expert")
 
 
+def test_verify_device_flag(ws: Path) -> None:
+    """--device cpu runs the reference on the CPU and passes; an unknown device is a usage error (2)."""
+    code, out, err = mx("verify", ws / "qwen-trt", "--reference", ws / "qwen", "--device", "cpu", "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["layers"] and all(layer["numerics"] == "ok" and layer["passed"] for layer in rep["layers"])
+    code, _, err = mx("verify", ws / "qwen-trt", "--device", "tpu9")
+    assert code == 2 and "tpu9" in err
+
+
 # ---- verify catches corruption ------------------------------------------------------------------
 
 W13 = "model.layers.0.mlp.experts.w13_weight"

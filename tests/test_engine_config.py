@@ -239,7 +239,7 @@ def test_only_mxfp4_outputs_serve_mxfp4_backends(outputs: dict[str, dict[str, An
 
 
 def test_inspect_prints_quant_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mxconv import cli
+    from mxconv.cli import common as cli
 
     monkeypatch.setattr(cli.out, "width", 200)  # rows unwrapped
     runner = CliRunner()

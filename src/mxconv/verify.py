@@ -358,19 +358,23 @@ def _weights(layer: MoELayer, which: str) -> MXStack | FP8BlockStack | torch.Ten
     raise BadInput(f"{layer.ref.module_prefix}.experts: no {which} weights")
 
 
-def expert_fn(w13: MXStack | FP8BlockStack | torch.Tensor, w2: MXStack | FP8BlockStack | torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None) -> ExpertFn:
-    """Per-expert fp32 weights, dequantized on demand."""
+def expert_fn(w13: MXStack | FP8BlockStack | torch.Tensor, w2: MXStack | FP8BlockStack | torch.Tensor, b13: torch.Tensor | None,
+              b2: torch.Tensor | None, device: torch.device | str = "cpu") -> ExpertFn:
+    """Per-expert fp32 weights on ``device``, dequantized there on demand (one expert at a time)."""
     from mxconv.numerics import dequantize_mx
 
     def get(t: MXStack | FP8BlockStack | torch.Tensor, e: int) -> torch.Tensor:
         if isinstance(t, MXStack):
-            return dequantize_mx(t.data[e], t.scales[e], t.fmt)
+            return dequantize_mx(t.data[e].to(device), t.scales[e].to(device), t.fmt)
         if isinstance(t, (FP8BlockStack, Int4Stack)):  # exact fp32 dequantization
-            return t.dequantize(e, e + 1)[0]
-        return t[e].float()
+            return t.dequantize(e, e + 1, device)[0]
+        return t[e].to(device).float()
+
+    def bias(b: torch.Tensor | None, e: int) -> torch.Tensor | None:
+        return None if b is None else b[e].to(device).float()
 
     def fn(e: int):
-        return (get(w13, e), get(w2, e), None if b13 is None else b13[e].float(), None if b2 is None else b2[e].float())
+        return (get(w13, e), get(w2, e), bias(b13, e), bias(b2, e))
 
     return fn
 
@@ -423,9 +427,10 @@ def _output_nonfinite(out: torch.Tensor, what: str) -> str | None:
 
 def run_layer(info: ModelInfo, row_order: str, experts: ExpertFn, router: tuple, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
     """The reference MoE output [T, H] fp32 of one layer and its routing (top-k ids and weights)."""
-    rw, rb, cb = router
+    rw, rb, cb = (None if t is None else t.to(x.device) for t in router)
     r = route(x, rw, info, rb, cb)
-    return moe_forward(x, r, experts, info.num_experts, info, row_order), r
+    out = moe_forward(x, r, experts, info.num_experts, info, row_order).cpu()
+    return out, Routing(r.ids.cpu(), r.weights.cpu())
 
 
 def parse_layers(spec: str | None, available: list[int]) -> list[int]:
@@ -454,6 +459,7 @@ def verify(
     seed: int = 0,
     revision: str | None = None,
     kernel: bool = False,
+    device: torch.device | str = "cpu",
 ) -> VerifyReport:
     """Run the three checks on ``path``; see the module docstring."""
     root = Path(path).expanduser().resolve()
@@ -597,7 +603,7 @@ def verify(
             rep.numerics = "skipped" if rep.layout != "FAIL" else "not run"
             reports.append(rep)
             continue
-        x = hidden_states(tokens, info.hidden_size, seed, L)
+        x = hidden_states(tokens, info.hidden_size, seed, L, device)
         try:
             router = _router(ckpts[0], lay)
         except BadInput as exc:
@@ -606,11 +612,11 @@ def verify(
             continue
         if canon is not None:
             conv_fn = expert_fn(_canonical_stack(canon, "w13"), _canonical_stack(canon, "w2"),
-                                canon.w13_bias, canon.w2_bias)
+                                canon.w13_bias, canon.w2_bias, device)
             row_order = canon.row_order
         else:
             assert conv_layer is not None
-            conv_fn = expert_fn(_weights(conv_layer, "w13"), _weights(conv_layer, "w2"), conv_layer.w13_bias, conv_layer.w2_bias)
+            conv_fn = expert_fn(_weights(conv_layer, "w13"), _weights(conv_layer, "w2"), conv_layer.w13_bias, conv_layer.w2_bias, device)
             row_order = conv_layer.row_order
         out, routing = run_layer(info, row_order, conv_fn, router, x)
         ids = routing.ids
@@ -628,7 +634,7 @@ def verify(
             ref_fmt = "exact" if _same_mx_bytes(_FORMAT_CODES[code], manifest["weight_format"]) else manifest["weight_format"]
         elif ref_layer is not None:
             assert ref_ckpt is not None
-            rfn = expert_fn(_weights(ref_layer, "w13"), _weights(ref_layer, "w2"), ref_layer.w13_bias, ref_layer.w2_bias)
+            rfn = expert_fn(_weights(ref_layer, "w13"), _weights(ref_layer, "w2"), ref_layer.w13_bias, ref_layer.w2_bias, device)
             ref_out, ref_routing = run_layer(info, ref_layer.row_order, rfn, _router(ref_ckpt, lay), x)
             ref_ids = ref_routing.ids
             ref_src_fmt = ref_layer.w13_mx.fmt if ref_layer.w13_mx is not None else "int4" if ref_layer.w13_int4 is not None else "float"

@@ -1,0 +1,5 @@
+"""``python -m mxconv.cli``."""
+
+from mxconv.cli import main
+
+main()

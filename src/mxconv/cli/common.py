@@ -1,0 +1,259 @@
+"""What every ``mxconv`` command shares: the app, consoles, option declarations, error handling.
+
+Streams: result tables and ``--json`` documents on stdout (:data:`out`); progress, notes, warnings
+and errors on stderr (:data:`err`). Exit codes: 0 success / verification passed, 1 verification
+failed, 2 bad usage or bad input (an interruption by SIGINT/SIGTERM included, see
+docs/reliability.md), 3 internal error. Options that several commands take are declared once here
+(``Annotated`` aliases) so the same flag is spelled and documented the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import sys
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from mxconv import __version__
+from mxconv.errors import MxconvError
+from mxconv.interrupt import Interrupted, stop_signals
+
+app = typer.Typer(
+    name="mxconv",
+    help=(
+        "Convert Mixture-of-Experts checkpoints into kernel-ready MXFP4/MXFP8 weights, once, offline, "
+        "and prove they compute what their source computes.\n\n"
+        "Typical flow: mxconv inspect SRC; mxconv repack SRC OUT --backend trtllm; "
+        "mxconv verify OUT --reference SRC."
+    ),
+    no_args_is_help=True,
+    rich_markup_mode=None,  # plain click help: no <bool>/<str> type columns
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+
+class Rounding(str, Enum):
+    auto = "auto"
+    rceil = "rceil"
+    floor = "floor"
+    even = "even"
+
+
+SOURCE_HELP = "Checkpoint directory or Hugging Face repo id (org/name)."
+
+# ---- options shared by several commands -----------------------------------------------------
+SourceArg = Annotated[str, typer.Argument(metavar="SOURCE", help=SOURCE_HELP)]
+OutputArg = Annotated[Path, typer.Argument(metavar="OUTPUT", help="Output directory (must be empty unless --overwrite).")]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto | cpu | cuda | cuda:N (auto = CUDA when present).")]
+RevisionOpt = Annotated[Optional[str], typer.Option("--revision", metavar="REV", help="Hub revision (branch, tag or commit) of a repo-id source.")]
+MaxShardOpt = Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an earlier mxconv output in OUTPUT (swapped in only when the new one is complete).")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (tensors, bytes in/out, padding); write nothing.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable document on stdout.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", help="No progress bar or tables; reasons for a failure are still shown.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks.")]
+RoundingOpt = Annotated[Rounding, typer.Option("--scale-rounding", help=(
+    "E8M0 scale rule. auto: even for mxfp4, rceil for mxfp8 (least error, docs/numerics.md). rceil matches "
+    "NVIDIA hardware/TRT-LLM/vLLM online MXFP8, ModelOpt and llm-compressor; floor is OCP v1.0 and torchao's "
+    "default; even matches AMD Quark."))]
+NonfiniteOpt = Annotated[bool, typer.Option("--allow-nonfinite", help="Carry NaN/Inf over instead of refusing: NaN scales (0xFF) for blocks holding them, and NaN/Inf biases, routers and 0xFF scales of MX sources as they are.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"mxconv {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
+    """mxconv: MoE checkpoints -> kernel-ready MX weights."""
+
+
+@contextmanager
+def errors(debug: bool) -> Iterator[None]:
+    """Turn expected failures into a one-line message and the contract's exit code; SIGINT and
+    SIGTERM stop the command cleanly (exit 2, see :mod:`mxconv.interrupt`)."""
+    try:
+        with stop_signals():
+            yield
+    except typer.Exit:
+        raise
+    except MxconvError as exc:
+        if debug:
+            raise
+        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    except OSError as exc:
+        if debug:
+            raise
+        what = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+        where = f": {exc.filename}" if exc.filename else ""
+        err.print(f"[bold red]error:[/] {what}{where} (nothing partial was kept; fix this and rerun)", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt as exc:
+        why = f"interrupted by {exc.signame}" if isinstance(exc, Interrupted) else "interrupted"
+        note = exc.note if isinstance(exc, Interrupted) and exc.note else "stopped; nothing partial was kept"
+        err.print(f"[bold red]error:[/] {why}; {note}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except Exception as exc:  # noqa: BLE001 - never let a crash look like "verification failed" (1)
+        if debug:
+            raise
+        err.print(
+            f"[bold red]internal error:[/] {type(exc).__name__}: {exc} (rerun with --debug for the traceback; "
+            "please report it)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(3) from None
+
+
+def device_of(spec: str):
+    import torch
+
+    from mxconv.errors import BadInput
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise BadInput(f"--device {spec!r}: expected auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise BadInput(f"--device {spec!r}: expected auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BadInput(f"--device {spec}: no CUDA device is available (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise BadInput(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) present")
+    return dev
+
+
+def human_bytes(n: float | int | None) -> str:
+    """Bytes in the largest decimal unit that keeps a leading digit (what huggingface-cli shows)."""
+    if n is None:
+        return "-"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def print_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+@contextmanager
+def progress(total: int, label: str, quiet: bool) -> Iterator[Any]:
+    if quiet:
+        yield None
+        return
+    prog = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=False),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=False,
+    )
+    with prog:
+        task = prog.add_task(label, total=max(total, 1))
+        yield lambda n: prog.advance(task, n)
+
+
+def summary_table(plan_summary: dict[str, Any], title: str) -> Table:
+    """Two-column summary: bytes human-readable, seconds rounded, nested values compact."""
+    t = Table(title=title, show_header=False)
+    t.add_column("key", style="bold")
+    t.add_column("value")
+    for k, v in plan_summary.items():
+        if v is None:
+            continue
+        if isinstance(v, (int, float)) and ("bytes" in k) and not isinstance(v, bool):
+            v = human_bytes(v)
+        elif k == "gb_per_s":
+            v = f"{v:.2f} GB/s"
+        elif k.endswith("seconds") and isinstance(v, float):
+            v = f"{v:.2f} s"
+        elif k == "stage_seconds" and isinstance(v, dict):
+            v = " · ".join(f"{name.removesuffix('_s').replace('_', ' ')} {sec:.2f} s" for name, sec in v.items())
+        elif isinstance(v, float):
+            v = f"{v:.4g}"
+        elif isinstance(v, dict):
+            v = ", ".join(f"{a}={b}" for a, b in v.items())
+        elif isinstance(v, list):
+            v = ", ".join(map(str, v))
+        t.add_row(k.replace("_", " "), str(v))
+    return t
+
+
+def run_convert(
+    command: str,
+    source: str,
+    output: Path,
+    *,
+    quant: Any,
+    repack: Any,
+    device: str,
+    revision: Optional[str],
+    max_shard_size: str,
+    overwrite: bool,
+    dry_run: bool,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    from mxconv.checkpoint import open_checkpoint
+    from mxconv.convert import build_plan, execute
+    from mxconv.families import detect_family
+    from mxconv.writer import check_output_dir, parse_size
+
+    shard_bytes = parse_size(max_shard_size)
+    dev = device_of(device)
+    ckpt = open_checkpoint(source, revision)
+    reader = detect_family(ckpt)
+    plan = build_plan(ckpt, reader, command, quant, repack)
+    check_output_dir(output, [ckpt.root], overwrite)
+    if not as_json:
+        for warning in plan.warnings:  # shown even with --quiet: the output would compute wrongly
+            err.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    if dry_run:
+        doc = plan.summary()
+        doc["dry_run"] = True
+        doc["output"] = str(output)
+        doc["tensors"] = [
+            {"name": t.name, "shape": list(t.shape), "dtype": t.st_dtype, "bytes": t.nbytes, "role": t.role}
+            for t in plan.dests[0]
+            if t.role == "expert"
+        ]
+        if as_json:
+            print_json(doc)
+        elif not quiet:
+            out.print(summary_table(plan.summary(), f"mxconv {command} --dry-run (nothing written)"))
+            for t in doc["tensors"][:12]:
+                out.print(f"  {t['name']}  {t['dtype']}{t['shape']}", highlight=False)
+            if len(doc["tensors"]) > 12:
+                out.print(f"  ... {len(doc['tensors']) - 12} more expert tensors")
+        return
+    with progress(plan.bytes_in, f"{command} {reader.title}", quiet or as_json) as advance:
+        summary = execute(plan, output, device=dev, max_shard_size=shard_bytes, overwrite=overwrite,
+                          argv=["mxconv", *sys.argv[1:]], on_progress=advance)
+    if as_json:
+        print_json(summary)
+    elif not quiet:
+        for n in summary.get("notes", []):
+            err.print(f"[dim]{n}[/]", highlight=False, soft_wrap=True)
+        out.print(summary_table({k: v for k, v in summary.items() if k != "notes"}, f"mxconv {command}: done"))

@@ -1,0 +1,77 @@
+"""``mxconv inspect``: what a checkpoint is, from headers and the manifest alone (no weights read)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from mxconv.cli.common import SOURCE_HELP, DebugOpt, JsonOpt, RevisionOpt, app, errors, human_bytes, out, print_json
+
+
+@app.command()
+def inspect(
+    path: Annotated[str, typer.Argument(metavar="PATH", help=SOURCE_HELP)],
+    revision: RevisionOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """What a checkpoint is: family, sizes, formats, bytes, and per-backend padded sizes/overhead.
+
+    Reads headers and the manifest only (no weights). Example:
+
+        mxconv inspect openai/gpt-oss-20b
+    """
+    from mxconv.checkpoint import open_checkpoint
+    from mxconv.inspect_ckpt import inspect_checkpoint
+
+    with errors(debug):
+        root = Path(path)
+        if root.is_dir() and (root / "rank-0").is_dir() and (root / "mxconv.json").exists():
+            from mxconv.manifest import load_manifest
+
+            ckpt = open_checkpoint(root / "rank-0", revision)  # a TP output: ranks share one manifest
+            ckpt.manifest = load_manifest(root)
+        else:
+            ckpt = open_checkpoint(path, revision)
+        doc = inspect_checkpoint(ckpt)
+        if as_json:
+            print_json(doc)
+            return
+        t = Table(title=f"mxconv inspect {doc['path']}", show_header=False)
+        t.add_column("key", style="bold")
+        t.add_column("value")
+        model = doc.get("model") or {}
+        t.add_row("family", str(doc.get("family_title") or doc.get("family")))
+        t.add_row("kind", doc["kind"] + (f" ({doc['manifest']['backend']}, {doc['manifest']['activation']})" if doc["kind"] == "kernel" else ""))
+        for k in ("num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size", "padded_hidden_size",
+                  "padded_intermediate_size", "expert_format", "source_expert_format", "row_order", "routing", "activation"):
+            if k in model:
+                t.add_row(k, str(model[k]))
+        if "moe_layers" in doc:
+            t.add_row("moe_layers", str(doc["moe_layers"]))
+        t.add_row("dtypes", ", ".join(f"{k} x{v}" for k, v in doc["dtypes"].items()))
+        t.add_row("tensors / shards", f"{doc['tensors']} / {doc['shards']}")
+        t.add_row("bytes: experts", human_bytes(doc["bytes"]["experts"]))
+        t.add_row("bytes: rest", human_bytes(doc["bytes"]["rest"]))
+        out.print(t)
+        if doc.get("quant_config"):
+            from mxconv.engine_config import EngineQuantConfig
+
+            q = Table(title="engine quant config (fused MoE, per layer L)", show_header=False)
+            for key, value in EngineQuantConfig.from_json(doc["quant_config"]).summary_rows():
+                q.add_row(key, value)
+            out.print(q)
+        if doc.get("backends"):
+            b = Table(title="per-backend kernel layout (MXFP4 experts)")
+            for col in ("backend", "activation", "padded H", "padded I", "expert bytes", "padding overhead", "vLLM 0.33 backends"):
+                b.add_column(col)
+            for row in doc["backends"]:
+                if "error" in row:
+                    b.add_row(row["backend"], row["activation"], "-", "-", "-", row["error"], "-")
+                else:
+                    b.add_row(row["backend"], row["activation"], str(row["padded_hidden_size"]), str(row["padded_intermediate_size"]),
+                              human_bytes(row["expert_bytes"]), f"{100 * row['padding_overhead']:+.1f}%", ", ".join(row["vllm_backends"]) or "-")
+            out.print(b)

@@ -1,0 +1,106 @@
+"""``mxconv repack``: MXFP4 (or bf16) checkpoint -> the expert tensors one engine backend holds after
+its load-time processing. Backends and their typed options come from the layout registry
+(:mod:`mxconv.layouts`); nothing here names a backend."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperCommand
+
+from mxconv.cli.common import (
+    SOURCE_HELP, DebugOpt, DeviceOpt, DryRunOpt, JsonOpt, MaxShardOpt, NonfiniteOpt, OutputArg, OverwriteOpt,
+    QuietOpt, RevisionOpt, Rounding, app, errors, run_convert,
+)
+from mxconv.layouts import backend_names
+
+Backend = Enum("Backend", {name: name for name in backend_names()}, type=str)  # type: ignore[misc]
+
+
+def layout_options(pairs: list[str]) -> dict[str, str]:
+    """``--layout-option NAME=VALUE`` pairs -> {NAME: VALUE} (typed and checked by the layout)."""
+    from mxconv.errors import BadInput
+
+    given: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise BadInput(f"--layout-option {pair!r}: expected NAME=VALUE")
+        if name.strip() in given:
+            raise BadInput(f"--layout-option {name.strip()} given twice")
+        given[name.strip()] = value.strip()
+    return given
+
+
+class _RepackCommand(TyperCommand):
+    """The repack command, whose --help ends with every backend's options (read from the layouts
+    only when help is shown, so plain --help never imports torch)."""
+
+    @property
+    def epilog(self) -> str:
+        from mxconv.layouts import options_help
+
+        lines = options_help().splitlines()
+        return "Backend options (--layout-option NAME=VALUE):\n\n" + "\n\n".join(lines)
+
+    @epilog.setter
+    def epilog(self, value: str | None) -> None:  # click assigns it in __init__; ours is computed
+        pass
+
+
+@app.command(cls=_RepackCommand)
+def repack(
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help=SOURCE_HELP + " MXFP4 (moved, never re-quantized) or bf16 (quantized on the way).")],
+    output: OutputArg,
+    backend: Annotated[Backend, typer.Option("--backend", help="Engine backend whose kernel layout to write.")],
+    activation: Annotated[Optional[str], typer.Option("--activation", metavar="NAME", help="The engine's activation format; the backend's first is the default (trtllm: bf16|mxfp8; marlin: bf16|fp8; aiter: bf16|mxfp4; triton: bf16; deepgemm: fp8).")] = None,
+    tp: Annotated[int, typer.Option("--tp", metavar="N", min=1, help="Tensor-parallel size: writes OUTPUT/rank-{r}/ per rank.")] = 1,
+    layout_option: Annotated[Optional[list[str]], typer.Option("--layout-option", metavar="NAME=VALUE", help="A backend option (repeatable); each backend's options are listed below.")] = None,
+    marlin_scale_layout: Annotated[Optional[str], typer.Option("--marlin-scale-layout", metavar="current|legacy", help="Same as --layout-option marlin_scale_layout=VALUE: current (vLLM >= 0.12, the default) | legacy (<= 0.11.2).")] = None,
+    triton_layout: Annotated[Optional[str], typer.Option("--triton-layout", metavar="3.5|3.6", help="Same as --layout-option triton_layout=VALUE: 3.5 (triton_kernels vendored by vLLM 0.12-0.33, the default) | 3.6 (vLLM 0.20, triton main).")] = None,
+    scale_rounding: Annotated[Rounding, typer.Option("--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way (auto = even, the least MXFP4 error; see quantize --help).")] = Rounding.auto,
+    allow_nonfinite: NonfiniteOpt = False,
+    device: DeviceOpt = "auto",
+    revision: RevisionOpt = None,
+    max_shard_size: MaxShardOpt = "5GB",
+    overwrite: OverwriteOpt = False,
+    dry_run: DryRunOpt = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """MXFP4 (or bf16) checkpoint -> kernel-ready expert tensors for one engine backend.
+
+    Writes exactly what vLLM's fused-MoE layer holds after its load-time processing
+    (model.layers.L.mlp.experts.w13_weight, ...), padding included, so the engine can skip it.
+    Every MoE layer is converted (--include/--ignore are quantize options). Example:
+
+        mxconv repack openai/gpt-oss-20b ./gpt-oss-20b-trtllm --backend trtllm
+    """
+    from mxconv.plan import QuantOptions, RepackOptions
+    from mxconv.errors import BadInput, LayoutError
+    from mxconv.layouts import get_layout
+
+    with errors(debug):
+        backend = backend.value
+        layout = get_layout(backend)
+        act = activation or layout.activations[0]
+        given = layout_options(layout_option or [])
+        for flag, key, value in (("--marlin-scale-layout", "marlin_scale_layout", marlin_scale_layout),
+                                 ("--triton-layout", "triton_layout", triton_layout)):
+            if value is None:
+                continue
+            if key not in {o.name for o in layout.options}:
+                owners = [b for b in backend_names() if key in {o.name for o in get_layout(b).options}]
+                raise BadInput(f"{flag} applies to --backend {' / '.join(owners)} only (got --backend {backend})")
+            given[key] = value
+        try:
+            opts = layout.resolve_options(given)
+        except LayoutError as exc:
+            raise BadInput(f"--backend {backend}: {exc}") from None
+        q = QuantOptions("mxfp4", scale_rounding.value, allow_nonfinite)
+        r = RepackOptions(backend, act, tp, opts)
+        run_convert("repack", source, output, quant=q, repack=r, device=device, revision=revision,
+                    max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, as_json=as_json, quiet=quiet)

@@ -1,0 +1,85 @@
+"""``mxconv verify``: integrity, layout and numerics of a converted checkpoint (and, with ``--kernel``,
+the engine's own kernel on the files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from mxconv.cli.common import DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json
+
+
+@app.command()
+def verify(
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="A checkpoint written by mxconv quantize or repack.")],
+    reference: Annotated[Optional[str], typer.Option("--reference", metavar="SOURCE", help="The checkpoint the conversion came from (bf16 or MXFP4).")] = None,
+    reference_outputs: Annotated[Optional[Path], typer.Option("--reference-outputs", metavar="FILE", help="Compare with outputs saved earlier by --save-reference.")] = None,
+    save_reference: Annotated[Optional[Path], typer.Option("--save-reference", metavar="FILE", help="Save the reference's outputs (safetensors) for later runs without the source.")] = None,
+    layers: Annotated[Optional[str], typer.Option("--layers", metavar="L,L", help="MoE layers to check, e.g. 0,3 (default: all).")] = None,
+    tokens: Annotated[int, typer.Option("--tokens", metavar="N", help="Synthetic tokens per layer.")] = 64,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the synthetic hidden states.")] = 0,
+    revision: Annotated[Optional[str], typer.Option("--revision", metavar="REV", help="Hub revision of a repo-id --reference.")] = None,
+    kernel: Annotated[bool, typer.Option("--kernel", help=(
+        "Also run the engine's own kernel on the files (triton: triton_kernels matmul_ogs; marlin: vLLM's Marlin MoE "
+        "op; SM90 GPU) and compare it with the reference runner. Exit 2 naming what is missing where it cannot run. "
+        "Kernels are found in an installed vLLM or triton_kernels, or via MXCONV_TRITON_KERNELS / MXCONV_MARLIN_OPS."))] = False,
+    device: DeviceOpt = "auto",
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Check a converted checkpoint: integrity (sha256), layout (inverse + padding), numerics.
+
+    Exit 0 when everything passes, 1 when a check fails, 2 on bad input. Example:
+
+        mxconv verify ./gpt-oss-20b-trtllm --reference openai/gpt-oss-20b
+    """
+    from mxconv.verify import verify as run_verify
+
+    with errors(debug):
+        rep = run_verify(
+            path,
+            reference=reference,
+            reference_outputs=str(reference_outputs) if reference_outputs else None,
+            save_reference=str(save_reference) if save_reference else None,
+            layers=layers,
+            tokens=tokens,
+            seed=seed,
+            revision=revision,
+            kernel=kernel,
+            device=device_of(device),
+        )
+        problems = rep.problems + [p for r in rep.layers for p in r.problems]
+        if as_json:
+            print_json(rep.to_json())
+        elif not quiet:
+            t = Table(title=f"mxconv verify {rep.path} ({rep.kind}{', ' + rep.backend if rep.backend else ''})")
+            with_kernel = any(r.kernel is not None for r in rep.layers)
+            for col in ("layer", "integrity", "layout", "numerics", "rel RMS", "cosine", "max abs", "top-k agree"):
+                t.add_column(col)
+            if with_kernel:
+                for col in ("kernel", "kernel rel RMS (vs bytes / vs ref)"):
+                    t.add_column(col)
+            for r in rep.layers:
+                c = r.comparison
+                row = [
+                    str(r.layer), r.integrity, r.layout, r.numerics,
+                    *(("-",) * 4 if c is None else (f"{c.rel_rms:.3g}", f"{c.cosine:.6f}", f"{c.max_abs:.3g}", f"{c.topk_agreement:.3f}")),
+                ]
+                if with_kernel:
+                    k = r.kernel
+                    figs = "-" if k is None or k.vs_converted is None else f"{k.vs_converted.rel_rms:.3g}" + (
+                        "" if k.vs_reference is None else f" / {k.vs_reference.rel_rms:.3g}")
+                    row += ["-" if k is None else k.status, figs]
+                t.add_row(*row)
+            out.print(t)
+            for n in rep.notes:
+                err.print(f"[dim]{n}[/]", highlight=False)
+            out.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]")
+        for p in problems:  # the reasons for a failure: shown with --quiet and --json too
+            err.print(f"[red]FAIL[/] {p}", highlight=False, soft_wrap=True)
+        if not rep.passed:
+            raise typer.Exit(1)
