@@ -1,0 +1,131 @@
+"""verify, check 1 (integrity): every tensor the manifest lists is on disk with its file, shape,
+dtype and sha256, nothing unlisted is there, and what the manifest claims about the model and the
+layout is what the files hold."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from mxconv.checkpoint import Checkpoint, layer_index
+from mxconv.errors import BadInput
+from mxconv.families import FamilyReader, ModelInfo
+from mxconv.layouts import get_layout
+from mxconv.st_format import iter_tensor_chunks
+from mxconv.verify.layout import manifest_sizes
+
+
+def _sha256_of(ckpt: Checkpoint, name: str) -> str:
+    h = hashlib.sha256()
+    for chunk in iter_tensor_chunks(ckpt.tensors[name]):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint]) -> dict[int | None, list[str]]:
+    """Problems by layer (None = not in a layer)."""
+    problems: dict[int | None, list[str]] = {}
+    tp = len(ckpts)
+    seen: set[str] = set()
+    for key, entry in manifest["tensors"].items():
+        rank, name = 0, key
+        if tp > 1:
+            prefix, _, name = key.partition("/")
+            try:
+                rank = int(prefix.removeprefix("rank-"))
+                if not 0 <= rank < tp:
+                    raise ValueError
+            except ValueError:
+                problems.setdefault(None, []).append(f"{key}: manifest names no valid rank directory (rank-0 .. rank-{tp - 1})")
+                continue
+        ckpt = ckpts[rank]
+        seen.add(key)
+        where = problems.setdefault(layer_index(name), [])
+        info = ckpt.tensors.get(name)
+        if info is None:
+            where.append(f"{key}: listed in the manifest but missing from the checkpoint")
+            continue
+        rel = info.file.relative_to(root).as_posix()
+        if rel != entry["file"]:
+            where.append(f"{key}: stored in {rel}, manifest says {entry['file']}")
+        if list(info.shape) != list(entry["shape"]) or info.dtype != entry["dtype"]:
+            where.append(f"{key}: {info.dtype}{list(info.shape)} on disk, manifest says {entry['dtype']}{entry['shape']}")
+            continue
+        if _sha256_of(ckpt, name) != entry["sha256"]:
+            where.append(f"{key}: sha256 mismatch (corrupted or modified bytes)")
+    for r, ckpt in enumerate(ckpts):
+        for name in ckpt.tensors:
+            key = name if tp == 1 else f"rank-{r}/{name}"
+            if key not in seen:
+                problems.setdefault(layer_index(name), []).append(f"{key}: present in the checkpoint but not in the manifest")
+    return problems
+
+
+# Manifest layout keys that convert sets itself (the others come from the backend's describe()).
+_LAYOUT_KEYS_SET_BY_CONVERT = frozenset({"hidden_size", "intermediate_size", "intermediate_size_total", "padded_hidden_size",
+                                         "padded_intermediate_size", "tp_ranges", "options", "w13_row_order", "kernel_params"})
+# ModelInfo fields a canonical output's own config and tensors must repeat (not the formats: those
+# of the output differ from the source's, which the manifest's model table describes).
+_MODEL_FIELDS = ("family", "num_layers", "moe_layers", "num_experts", "top_k", "hidden_size", "intermediate_size",
+                 "row_order", "has_expert_bias", "routing", "norm_topk_prob", "n_group", "topk_group",
+                 "routed_scaling_factor", "activation", "swiglu_alpha", "swiglu_limit")
+
+
+def check_manifest_claims(manifest: dict[str, Any], info: ModelInfo, ckpts: list[Checkpoint],
+                          own_reader: FamilyReader | None) -> list[str]:
+    """What the manifest says that the files can contradict (the schema checked its types):
+
+    * ``layout.kernel_params`` are the model's activation constants;
+    * kernel outputs: the backend's own description of the layout (``describe``) matches the
+      manifest's ``layout`` table, and the router tensors ``layers`` names are in the checkpoint;
+    * canonical outputs: the output reads back as the model ``model`` describes, and ``layers``
+      names the layers' modules and routers as the output's own reader finds them.
+    """
+    from mxconv.plan import kernel_params
+
+    problems: list[str] = []
+    lay = manifest["layout"]
+    want = kernel_params(info)
+    if lay.get("kernel_params") != want:
+        problems.append(f"manifest layout.kernel_params is {lay.get('kernel_params')}, but the model's activation gives {want}")
+    if manifest["kind"] == "kernel":
+        try:
+            layout = get_layout(manifest["backend"])
+            desc = layout.describe(manifest_sizes(manifest), manifest["activation"], layout.resolve_options(lay.get("options") or {}))
+        except BadInput:  # unknown backend or options: the layout check of every layer says so
+            desc = {}
+        for key, value in json.loads(json.dumps(desc)).items():
+            if key not in _LAYOUT_KEYS_SET_BY_CONVERT and lay.get(key) != value:
+                problems.append(f"manifest layout.{key} is {lay.get(key)!r}, but the {manifest['backend']} layout of these "
+                                f"sizes and options has {value!r}")
+        for row in manifest["layers"]:
+            for key in ("router_weight", "router_bias", "correction_bias"):
+                name = row.get(key)
+                if name and name not in ckpts[0].tensors:
+                    problems.append(f"manifest layers: layer {row['layer']} {key} {name!r} is not in the checkpoint")
+    elif own_reader is not None:
+        own = own_reader.model_info()
+        for f in _MODEL_FIELDS:
+            if getattr(own, f) != getattr(info, f):
+                problems.append(f"manifest model.{f} is {getattr(info, f)!r}, but the checkpoint's config and tensors give "
+                                f"{getattr(own, f)!r}")
+        refs = {r.layer: r for r in own_reader.layer_refs()}
+        for row in manifest["layers"]:
+            ref = refs.get(row["layer"])
+            for key in ("module_prefix", "router_weight", "router_bias", "correction_bias"):
+                if ref is not None and row.get(key) != getattr(ref, key):
+                    problems.append(f"manifest layers: layer {row['layer']} {key} is {row.get(key)!r}, but the checkpoint "
+                                    f"has {getattr(ref, key)!r}")
+    return problems
+
+
+def model_info_of(d: dict[str, Any]) -> ModelInfo:
+    """The manifest's ``model`` table (validated by load_manifest) -> ModelInfo; keys a newer mxconv
+    may add are ignored."""
+    known = {f.name for f in dataclasses.fields(ModelInfo)}
+    d = {k: v for k, v in d.items() if k in known}
+    d["moe_layers"] = tuple(d["moe_layers"])
+    return ModelInfo(**d)

@@ -1,0 +1,218 @@
+"""verify, check 2 (layout): kernel-layout tensors inverted with the backend's inverse (padding must
+hold its fill), laid out again and compared byte for byte with what is stored; canonical outputs read
+back by their own family reader; with a reference of the same format the recovered canonical bytes
+must equal the reference's exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mxconv.checkpoint import Checkpoint
+from mxconv.errors import BadInput, LayoutError
+from mxconv.families import Int4Stack, MoELayer, MXStack
+from mxconv.layouts import LayoutSizes, get_layout
+from mxconv.layouts.base import CanonicalExperts, unpad_canonical
+from mxconv.st_format import read_tensor
+from mxconv.verify.report import LayerReport, Run
+
+
+def manifest_sizes(manifest: dict[str, Any]) -> LayoutSizes:
+    lay, model = manifest["layout"], manifest["model"]
+    return LayoutSizes(
+        num_experts=int(model["num_experts"]),
+        hidden_size=int(lay["hidden_size"]),
+        intermediate_size=int(lay["intermediate_size"]),
+        padded_hidden_size=int(lay["padded_hidden_size"]),
+        padded_intermediate_size=int(lay["padded_intermediate_size"]),
+        row_order=lay["w13_row_order"],
+        has_bias=bool(model["has_expert_bias"]),
+        weight_format="int4" if manifest["weight_format"] == "int4" else "mxfp4",
+    )
+
+
+def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: int) -> CanonicalExperts:
+    """Inverse of slicing a canonical stack by rank (see layouts.base.slice_tp)."""
+    order = parts[0].row_order
+
+    def cat13(ts: list[torch.Tensor]) -> torch.Tensor:
+        if order == "interleaved":
+            return torch.cat(ts, dim=1)
+        gates = [t[:, : (e - s)] for t, (s, e) in zip(ts, ranges)]
+        ups = [t[:, (e - s) :] for t, (s, e) in zip(ts, ranges)]
+        return torch.cat(gates + ups, dim=1)
+
+    b13 = None if parts[0].w13_bias is None else cat13([p.w13_bias for p in parts])
+    return CanonicalExperts(
+        w13=cat13([p.w13 for p in parts]),
+        w13_scale=cat13([p.w13_scale for p in parts]),
+        w2=torch.cat([p.w2 for p in parts], dim=2),
+        w2_scale=torch.cat([p.w2_scale for p in parts], dim=2),
+        w13_bias=b13,
+        w2_bias=parts[0].w2_bias,
+        row_order=order,
+        weight_format=parts[0].weight_format,
+    )
+
+
+def kernel_layer_canonical(
+    manifest: dict[str, Any], ckpts: list[Checkpoint], prefix: str, problems: list[str]
+) -> CanonicalExperts | None:
+    """Invert one layer's kernel tensors (all ranks), check the round trip; None on failure."""
+    backend = manifest["backend"]
+    try:
+        layout = get_layout(backend)
+    except BadInput as exc:
+        problems.append(f"manifest backend: {exc}")
+        return None
+    activation = manifest["activation"]
+    try:
+        options = layout.resolve_options(manifest["layout"].get("options") or {})
+    except LayoutError as exc:
+        problems.append(f"{prefix}.experts: not a valid {backend} layout: manifest layout options: {exc}")
+        return None
+    sizes = manifest_sizes(manifest)
+    ranges = [tuple(r) for r in manifest["layout"].get("tp_ranges") or [[0, sizes.intermediate_size]]]
+    parts: list[CanonicalExperts] = []
+    for rank, ckpt in enumerate(ckpts):
+        names = {k: f"{prefix}.experts.{k}" for k in ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")}
+        tensors = {k: read_tensor(ckpt.tensors[n]) for k, n in names.items() if n in ckpt.tensors}
+        s, e = ranges[rank]
+        # every rank was laid out at the widest rank's width (slice_tp's pad_to), then padded
+        rank_sizes = LayoutSizes(sizes.num_experts, sizes.hidden_size, sizes.intermediate_size, sizes.padded_hidden_size,
+                                 sizes.padded_intermediate_size, sizes.row_order, sizes.has_bias, sizes.weight_format)
+        tag = f"{prefix}.experts" + (f" (rank {rank})" if len(ckpts) > 1 else "")
+        try:
+            canon = layout.from_kernel(tensors, rank_sizes, activation, options)
+        except LayoutError as exc:
+            problems.append(f"{tag}: not a valid {backend} layout: {exc}")
+            return None
+        again = layout.to_kernel(canon, activation, options)
+        for k, t in again.items():
+            stored = tensors.get(k)
+            if stored is None or stored.shape != t.shape or not torch.equal(stored.view(torch.uint8), t.contiguous().view(torch.uint8)):
+                problems.append(f"{tag}.{k}: bytes are not what the {backend} layout of their own inverse gives")
+                return None
+        if e - s < sizes.intermediate_size:
+            try:
+                canon = unpad_canonical(canon, sizes.hidden_size, e - s)
+            except LayoutError as exc:
+                problems.append(f"{tag}: not a valid {backend} layout: {exc}")
+                return None
+        if canon.w2_bias is not None and rank > 0 and bool(canon.w2_bias.any()):
+            problems.append(f"{tag}.w2_bias: must be zero on ranks other than 0")
+            return None
+        parts.append(canon)
+    if len(parts) == 1:
+        return parts[0]
+    return merge_tp(parts, ranges, sizes.intermediate_size)
+
+
+def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
+    for name in ("w13", "w13_scale", "w2", "w2_scale"):
+        x, y = getattr(a, name), getattr(b, name)
+        if x.shape != y.shape:
+            return f"{name}: shape {tuple(x.shape)} vs reference {tuple(y.shape)}"
+        if x.is_floating_point():  # bf16 INT4 scales: compare bit patterns (-0.0 is not +0.0)
+            x, y = x.view(torch.int16), y.view(torch.int16)
+        diff = x != y
+        if bool(diff.any()):
+            e, r = diff.nonzero()[0][:2].tolist()
+            return f"{name}: first difference at expert {e}, row {r}"
+    for name in ("w13_bias", "w2_bias"):
+        x, y = getattr(a, name), getattr(b, name)
+        if (x is None) != (y is None):
+            return f"{name}: present on one side only"
+        if x is not None and not torch.equal(x.float(), y.float()):
+            e, r = (x.float() != y.float()).nonzero()[0][:2].tolist()
+            return f"{name}: first difference at expert {e}, row {r}"
+    return None
+
+
+def _canonical_from_layer(layer: MoELayer) -> CanonicalExperts | None:
+    if layer.w13_int4 is not None and layer.w2_int4 is not None:
+        return CanonicalExperts(layer.w13_int4.data, layer.w13_int4.scales, layer.w2_int4.data, layer.w2_int4.scales,
+                                row_order=layer.row_order, weight_format="int4")
+    if layer.w13_mx is None or layer.w13_mx.fmt != "mxfp4":
+        return None
+    return CanonicalExperts(layer.w13_mx.data, layer.w13_mx.scales, layer.w2_mx.data, layer.w2_mx.scales,
+                            layer.w13_bias, layer.w2_bias, layer.row_order)
+
+
+def canonical_stack(c: CanonicalExperts, which: str) -> MXStack | Int4Stack:
+    """``c``'s w13 or w2 with its scales, as the stack type of its weight format."""
+    data, scales = getattr(c, which), getattr(c, f"{which}_scale")
+    return Int4Stack(data, scales) if c.weight_format == "int4" else MXStack("mxfp4", data, scales)
+
+
+def kernel_nonfinite(canon: CanonicalExperts, prefix: str) -> str | None:
+    """The first NaN scale byte / non-finite bias of experts recovered from a kernel layout, named
+    by the manifest tensor and the canonical (expert, row, block) index."""
+    from mxconv.numerics import first_nonfinite, first_nonnumber
+
+    scales = {"w13_weight_scale": canon.w13_scale, "w2_weight_scale": canon.w2_scale}
+    if canon.weight_format == "int4":  # bf16 group scales: NaN/Inf (E8M0 0xFF is an MX rule)
+        for name, t in scales.items():
+            at = first_nonfinite(t)
+            if at is not None:
+                return f"non-finite value {t[at].item()} in {prefix}.experts.{name} at canonical [{', '.join(map(str, at))}] (expert, row, block)"
+        scales = {}
+    hit = first_nonnumber({**scales, "w13_bias": canon.w13_bias, "w2_bias": canon.w2_bias})
+    if hit is None:
+        return None
+    name, idx, what = hit
+    coords = "expert, row, block" if name.endswith("_scale") else "expert, row"
+    return f"{what} in {prefix}.experts.{name} at canonical [{', '.join(map(str, idx))}] ({coords})"
+
+
+def recover_layer(run: Run, L: int, lay: dict[str, Any], rep: LayerReport) -> tuple[CanonicalExperts | None, MoELayer | None]:
+    """The layout check of one MoE layer: its canonical experts as the converted checkpoint holds them
+    (a kernel output inverted and laid out again; a canonical output read back by its own reader),
+    and for a canonical output the layer read back. ``rep.layout`` says how it went."""
+    prefix = lay["module_prefix"]
+    if run.kind == "kernel":
+        lprobs: list[str] = []
+        canon = None
+        try:
+            canon = kernel_layer_canonical(run.manifest, run.ckpts, prefix, lprobs)
+        except KeyError as exc:
+            lprobs.append(f"{prefix}.experts: kernel tensor {exc} missing")
+        rep.layout = "FAIL" if lprobs else "ok"
+        rep.problems.extend(lprobs)
+        return canon, None
+    if run.own_error is not None:
+        rep.layout = "not run"
+        return None, None
+    ref = run.own_refs.get(L)
+    if ref is None:
+        rep.layout = "FAIL"
+        rep.problems.append(f"{prefix}: the manifest lists this MoE layer but the checkpoint has no experts for it")
+        return None, None
+    assert run.own_reader is not None
+    conv_layer = run.own_reader.read_layer(ref)
+    rep.layout = "ok"
+    return _canonical_from_layer(conv_layer), conv_layer
+
+
+def reference_layer(run: Run, L: int, prefix: str, canon: CanonicalExperts | None, rep: LayerReport) -> tuple[MoELayer, str | None]:
+    """Layer ``L`` of ``--reference`` and the first value in it that is not a number (None when all
+    are); where the reference holds the output's own format, the recovered canonical bytes must equal
+    its bytes (``rep.layout`` becomes "bit-exact" or "FAIL")."""
+    assert run.ref_reader is not None
+    rrefs = {r.layer: r for r in run.ref_reader.layer_refs()}
+    if L not in rrefs:
+        raise BadInput(f"--reference {run.reference}: has no MoE layer {L}")
+    ref_layer = run.ref_reader.read_layer(rrefs[L])
+    ref_bad = run.ref_reader.nonfinite_problem(ref_layer)
+    if ref_bad:
+        rep.problems.append(f"layer {L}: the reference {run.reference} holds a value that is not a number: {ref_bad}")
+    rcanon = _canonical_from_layer(ref_layer)
+    if rcanon is not None and canon is not None and run.weight_format in ("mxfp4", "int4") and rcanon.weight_format == run.weight_format:
+        diff = _first_difference(canon, rcanon)
+        if diff:
+            rep.layout = "FAIL"
+            rep.problems.append(f"{prefix}.experts: recovered canonical bytes differ from the reference: {diff}")
+        else:
+            rep.layout = "bit-exact"
+    return ref_layer, ref_bad

@@ -1,0 +1,118 @@
+"""What ``verify`` reports (per layer and overall), its pass/fail thresholds, and the state every
+check of one run shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxconv.checkpoint import Checkpoint
+from mxconv.families import FamilyReader, ModelInfo
+from mxconv.runner import Comparison
+from mxconv.verify_kernel import KernelResult
+
+# Pass/fail thresholds of the numerics check, by (converted weight format, reference kind).
+# MX error figures from mx-numerics.md §6: a weight's relative RMS error is ≈ 0.115 (MXFP4) and
+# ≈ 0.027 (MXFP8 E4M3); through gate/up, the activation and down it compounds to ≈ 0.16 / 0.04
+# on layer outputs (0.19-0.21 measured on the demo's Gaussian experts). The limits leave headroom
+# for heavy-tailed weights (Student-t MXFP4 weight error ≈ 0.15) and are far below what a layout
+# bug gives (≈ 1.0 or more: wrong rows or experts decorrelate the output).
+THRESHOLDS: dict[str, dict[str, float]] = {
+    "exact": {"rel_rms": 1e-6, "cosine": 0.999999, "topk_agreement": 1.0},
+    "mxfp4": {"rel_rms": 0.30, "cosine": 0.95, "topk_agreement": 1.0},
+    "mxfp8": {"rel_rms": 0.06, "cosine": 0.998, "topk_agreement": 1.0},
+    # INT4 (group 32, bf16 scales) outputs against a float reference: 16 levels per group, an error of
+    # the MXFP4 order (an INT4 reference holds the same values: "exact")
+    "int4": {"rel_rms": 0.30, "cosine": 0.95, "topk_agreement": 1.0},
+}
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    integrity: str = "ok"
+    layout: str = "n/a"
+    numerics: str = "skipped"
+    comparison: Comparison | None = None
+    threshold: str | None = None
+    problems: list[str] = field(default_factory=list)
+    kernel: KernelResult | None = None  # verify --kernel
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "integrity": self.integrity,
+            "layout": self.layout,
+            "numerics": self.numerics,
+            "threshold": self.threshold,
+            "comparison": self.comparison.to_json() if self.comparison else None,
+            "kernel": self.kernel.to_json() if self.kernel else None,
+            "problems": self.problems,
+            "passed": self.passed,
+        }
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    kind: str
+    backend: str | None
+    layers: list[LayerReport]
+    problems: list[str]  # not tied to one layer
+    notes: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems and all(r.passed for r in self.layers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "backend": self.backend,
+            "passed": self.passed,
+            "problems": self.problems,
+            "notes": self.notes,
+            "layers": [r.to_json() for r in self.layers],
+            "thresholds": THRESHOLDS,
+        }
+
+
+@dataclass
+class Run:
+    """One verify run: the output, its manifest, the reference (if any), the options."""
+
+    root: Path
+    manifest: dict[str, Any]
+    ckpts: list[Checkpoint]  # one per TP rank
+    info: ModelInfo
+    tokens: int
+    seed: int
+    device: torch.device | str
+    reference: str | None = None
+    reference_outputs: str | None = None
+    save_reference: str | None = None
+    ref_ckpt: Checkpoint | None = None
+    ref_reader: FamilyReader | None = None
+    saved: dict[str, torch.Tensor] | None = None  # --reference-outputs
+    to_save: dict[str, torch.Tensor] = field(default_factory=dict)  # --save-reference
+    own_reader: FamilyReader | None = None  # canonical outputs: the output read back by its family reader
+    own_refs: dict[int, Any] = field(default_factory=dict)
+    own_error: str | None = None
+    klayout: Any = None  # --kernel: the layout whose kernel runs
+    kernel_size_problems: list[str] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return self.manifest["kind"]
+
+    @property
+    def weight_format(self) -> str:
+        return self.manifest["weight_format"]
