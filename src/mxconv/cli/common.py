@@ -216,6 +216,10 @@ def run_convert(
     as_json: bool,
     quiet: bool,
 ) -> None:
+    from mxconv.readahead import Readahead
+
+    # The disk starts on the source while torch imports and CUDA starts (seconds): see mxconv.readahead.
+    ahead = None if dry_run else Readahead.for_source(source)
     from mxconv.checkpoint import open_checkpoint
     from mxconv.convert import build_plan, execute
     from mxconv.families import detect_family
@@ -248,6 +252,8 @@ def run_convert(
             if len(doc["tensors"]) > 12:
                 out.print(f"  ... {len(doc['tensors']) - 12} more expert tensors")
         return
+    if ahead is not None:
+        ahead.stop()  # from here the pipeline's readers take over (its first reads hit the page cache)
     with progress(plan.bytes_in, f"{command} {reader.title}", quiet or as_json) as advance:
         summary = execute(plan, output, device=dev, max_shard_size=shard_bytes, overwrite=overwrite,
                           argv=["mxconv", *sys.argv[1:]], on_progress=advance)
