@@ -22,6 +22,8 @@ from mxconv.families import MoELayer, MoELayerRef
 from mxconv.interrupt import Interrupted, deferred_signals
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts
+from mxconv.linear_config import with_linears
+from mxconv.linears import linear_compute, linear_load, manifest_extras
 from mxconv.manifest import base_manifest, tensor_table, write_manifest
 from mxconv.pipeline import WorkItem, run_pipeline
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
@@ -57,6 +59,8 @@ def output_config(plan: Plan) -> dict[str, Any]:
         pass  # MX source kept as is: its quantization_config already describes the experts
     else:
         cfg["quantization_config"] = reader.quantization_config(plan.weight_format, plan.quant.scale_rounding, skipped)
+    if plan.linears is not None and plan.linears.mx_modules():  # MXFP8 linear layers: named exactly, as the rest
+        cfg["quantization_config"] = with_linears(cfg["quantization_config"], plan.linears.mx_modules(), plan.linears.kept)
     if plan.repack is not None:
         cfg["mxconv_layout"] = {
             "backend": plan.repack.backend,
@@ -218,7 +222,7 @@ def _execute(
             d.mkdir(parents=True, exist_ok=True)
         writers.append(ShardedWriter(d, shards, display_dir=out_dir / d.relative_to(write_dir)))
     stats = RunStats()
-    compute = make_compute(plan, device, stats)
+    compute = linear_compute(plan, make_compute(plan, device, stats), device, stats)  # + "linear" items
     reader = plan.reader
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -233,6 +237,7 @@ def _execute(
         run_compute = compute
     # reader threads refuse NaN/Inf biases and routers and 0xFF scales (weights: where quantized)
     load = lambda item: reader.read_checked_layer(item.payload, plan.quant.allow_nonfinite)  # noqa: E731
+    load = linear_load(plan, load)
     times = run_pipeline(plan.items, writers, load=load, compute=run_compute, on_progress=on_progress)
 
     cfg = output_config(plan)
@@ -278,6 +283,7 @@ def _execute(
         argv=argv,
     )
     manifest["tensors"] = tensors
+    manifest.update(manifest_extras(plan))  # linear layers, source bytes by role
     from mxconv.engine_config import attach  # quant_config + served_vllm_backends (reads the tensors table)
 
     attach(manifest)

@@ -55,6 +55,29 @@ def backend_table(
     return rows
 
 
+def role_bytes(ckpt: Checkpoint, routers: list[str], reader: Any = None) -> dict[str, Any]:
+    """Bytes per role (mxconv.linears.ROLES) before and after: an mxconv output against its source
+    (recorded in the manifest); a source against what ``quantize --format mxfp8 --targets linear``
+    would write (planned from the headers; ``after_error`` where it would refuse)."""
+    from mxconv.linears import bytes_by_role
+
+    now = bytes_by_role(((n, i.nbytes) for n, i in ckpt.tensors.items()), routers)
+    m = ckpt.manifest
+    if m is not None:
+        return {"before": m.get("source_bytes_by_role"), "before_label": "source", "after": now, "after_label": "this output"}
+    doc: dict[str, Any] = {"before": now, "before_label": "this checkpoint", "after": None,
+                           "after_label": "quantize --format mxfp8 --targets linear"}
+    if reader is not None:
+        from mxconv.plan import QuantOptions, build_plan
+
+        try:
+            plan = build_plan(ckpt, reader, "quantize", QuantOptions("mxfp8", targets="linear", skip_unaligned=True))
+            doc["after"] = bytes_by_role(((t.name, t.nbytes) for t in plan.dests[0]), routers)
+        except BadInput as exc:
+            doc["after_error"] = str(exc)
+    return doc
+
+
 def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
     """A JSON-able description of ``ckpt`` (see the CLI's inspect command)."""
     dtypes = Counter(i.dtype for i in ckpt.tensors.values())
@@ -98,6 +121,8 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
                 "family": m.get("family") if m else None,
                 "model": model,
                 "bytes": {"experts": expert, "rest": ckpt.total_bytes() - expert},
+                "bytes_by_role": role_bytes(ckpt, [r.get(k) for r in (m or {}).get("layers", []) for k in
+                                                   ("router_weight", "router_bias", "correction_bias") if r.get(k)]),
             }
         )
         return out
@@ -113,6 +138,8 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
             "model": info.to_json(),
             "moe_layers": len(refs),
             "bytes": {"experts": expert_bytes, "rest": ckpt.total_bytes() - expert_bytes},
+            "bytes_by_role": role_bytes(ckpt, [n for r in refs for n in (r.router_weight, r.router_bias, r.correction_bias) if n],
+                                        reader),
             "backends": backend_table(
                 info.num_experts, info.hidden_size, info.intermediate_size, info.row_order, info.has_expert_bias, len(refs),
                 info.activation,

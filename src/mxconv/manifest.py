@@ -234,6 +234,12 @@ _LAYER = _obj(
     {"layer": NONNEG, "module_prefix": NONEMPTY, "router_weight": NONEMPTY},
     {"router_bias": _nullable(NONEMPTY), "correction_bias": _nullable(NONEMPTY)},
 )
+# quantize --targets linear (mxconv.linears.LinearSelection.to_json): what became MXFP8, what stayed and why.
+_LINEARS = _obj(
+    {"targets": _enum("experts", "linear"), "format": STR, "quantized": _list(NONEMPTY), "carried_mx": _list(NONEMPTY),
+     "left_alone": _map(STR)},
+    {"scale_rounding": _nullable(STR)},
+)
 SCHEMA: Check = _obj(
     {
         "format_version": POSITIVE,
@@ -253,7 +259,7 @@ SCHEMA: Check = _obj(
         "layers": _list(_LAYER),
         "tensors": _map(_TENSOR),
     },
-    {"numerics": _map(ANY), "output_files": _list(STR)},
+    {"numerics": _map(ANY), "output_files": _list(STR), "source_bytes_by_role": _map(NONNEG), "linears": _LINEARS},
 )
 
 

@@ -32,7 +32,7 @@ from mxconv.writer import ShardedWriter, WriteCancelled, copy_tensor_to
 class WorkItem:
     """One unit of work: a group of tensors copied byte for byte, or one MoE layer."""
 
-    kind: str  # "copy" | "layer"
+    kind: str  # "copy" | "layer" | "linear" (one layer's linears, mxconv.linears): all but "copy" are loaded and computed
     in_bytes: int
     copy_names: list[str] = field(default_factory=list)  # for "copy": tensor names, in plan order
     payload: Any = None  # for "layer": whatever load/compute need (e.g. a MoELayerRef)
@@ -120,13 +120,13 @@ def run_pipeline(
 
     def submit(i: int) -> None:
         item = items[i]
-        pending.append((item, pool.submit(timed_load, item) if item.kind == "layer" else None))
+        pending.append((item, pool.submit(timed_load, item) if item.kind != "copy" else None))
 
     try:
         nxt = 0
         loaded_ahead = 0
         while nxt < len(items) and loaded_ahead < prefetch:
-            if items[nxt].kind == "layer":
+            if items[nxt].kind != "copy":
                 loaded_ahead += 1
             submit(nxt)
             nxt += 1
@@ -145,8 +145,8 @@ def run_pipeline(
                 loaded_ahead -= 1
             else:
                 results = []
-            while nxt < len(items) and (items[nxt].kind != "layer" or loaded_ahead < prefetch):
-                if items[nxt].kind == "layer":
+            while nxt < len(items) and (items[nxt].kind == "copy" or loaded_ahead < prefetch):
+                if items[nxt].kind != "copy":
                     loaded_ahead += 1
                 submit(nxt)
                 nxt += 1

@@ -7,7 +7,6 @@ and the shard split of every output directory (one per TP rank).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,6 +15,7 @@ from mxconv.errors import BadInput
 from mxconv.families import FamilyReader, ModelInfo, MoELayerRef
 from mxconv.layouts import Layout, LayoutSizes, TensorSpec, backend_names, get_layout
 from mxconv.layouts.base import tp_ranges
+from mxconv.linears import TARGETS, LinearSelection, check_patterns, fused_part_warnings, linear_item, name_matches, select_linears
 from mxconv.pipeline import WorkItem
 from mxconv.numerics import resolve_scale_mode
 from mxconv.writer import PlannedTensor
@@ -28,14 +28,18 @@ class QuantOptions:
     fmt: str = "mxfp4"
     scale_rounding: str = "auto"  # "auto" = numerics.DEFAULT_SCALE_MODES[fmt]
     allow_nonfinite: bool = False
-    include: str | None = None  # regex over "<module_prefix>.experts"; default: every MoE layer
-    ignore: str | None = None
+    # patterns (one or a list) over "<module_prefix>.experts" and, with targets "linear", linear module
+    # names: a regex found anywhere, or compressed-tensors' "re:REGEX" (re.match); see linears.name_matches
+    include: str | list[str] | None = None  # default: every MoE layer (and linear)
+    ignore: str | list[str] | None = None
+    targets: str = "experts"  # "experts": routed experts only; "linear": every linear layer too, MXFP8 (mxconv.linears)
+    skip_unaligned: bool = False  # targets "linear": leave a linear whose input is not a multiple of 32 alone
 
     def selects(self, ref: MoELayerRef) -> bool:
         target = f"{ref.module_prefix}.experts"
-        if self.include and not re.search(self.include, target):
+        if self.include and not name_matches(self.include, target):
             return False
-        if self.ignore and re.search(self.ignore, target):
+        if self.ignore and name_matches(self.ignore, target):
             return False
         return True
 
@@ -65,6 +69,7 @@ class Plan:
     rank_ranges: list[tuple[int, int]] = field(default_factory=list)
     layout_desc: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # sizes the engine takes but computes wrongly
+    linears: LinearSelection | None = None  # the model's linear layers (mxconv.linears); None for repack
 
     @property
     def bytes_in(self) -> int:
@@ -89,6 +94,9 @@ class Plan:
             "bytes_out": self.bytes_out,
             "expert_bytes_out": self.expert_bytes_out(),
         }
+        if self.linears is not None and self.linears.mx_modules():
+            s["linears_quantized"] = len(self.linears.quantized)
+            s["linear_bytes_out"] = sum(t.nbytes for d in self.dests for t in d if t.role == "linear")
         if self.warnings:
             s["warnings"] = list(self.warnings)
         if self.sizes is not None:
@@ -133,11 +141,12 @@ def _check_quant_options(q: QuantOptions) -> None:
     if q.scale_rounding not in SCALE_MODES + ("auto",):
         raise BadInput(f"--scale-rounding {q.scale_rounding!r} is not supported; choose auto or one of {', '.join(SCALE_MODES)}")
     for flag, pat in (("--include", q.include), ("--ignore", q.ignore)):
-        if pat:
-            try:
-                re.compile(pat)
-            except re.error as exc:
-                raise BadInput(f"{flag}: invalid regular expression {pat!r} ({exc})") from None
+        check_patterns(flag, pat)
+    if q.targets not in TARGETS:
+        raise BadInput(f"--targets {q.targets!r} is not supported; choose one of {', '.join(TARGETS)}")
+    if q.targets == "linear" and q.fmt != "mxfp8":
+        raise BadInput("--targets linear quantizes every linear layer to MXFP8 (vLLM's online MXFP8 method); "
+                       "pass --format mxfp8")
 
 
 def build_plan(
@@ -154,6 +163,8 @@ def build_plan(
         # A kernel-layout output holds kernel tensors for every MoE layer (the output contract);
         # a partial repack would mix them with per-expert source tensors.
         raise BadInput("repack converts every MoE layer; --include/--ignore apply to quantize only")
+    if (command == "repack" or repack is not None) and quant.targets != "experts":
+        raise BadInput("--targets linear applies to quantize only (repack lays out the routed experts)")
     if ckpt.kind == "kernel":
         raise BadInput(
             f"{ckpt.root}: already a kernel-layout checkpoint (backend "
@@ -189,6 +200,14 @@ def build_plan(
     dests: list[list[PlannedTensor]] = [[] for _ in range(ndest)]
     items: list[WorkItem] = []
     plan = Plan(ckpt, reader, info, command, quant, repack, refs, items, dests)
+    if repack is None:  # linear layers: quantized with --targets linear, described in the config either way
+        plan.linears = select_linears(ckpt, all_refs, quant)
+        if plan.linears.carried and quant.fmt != "mxfp8":
+            raise BadInput(f"{ckpt.root}: linear layers such as {plan.linears.carried[0]} are MXFP8 already; an output holds "
+                           f"one MX format (use --format mxfp8)")
+        consumed |= plan.linears.source_names()
+        plan.warnings += fused_part_warnings(plan.linears)
+    lin_by_layer = plan.linears.by_layer() if plan.linears is not None else {}
 
     layout: Layout | None = None
     if repack is not None:
@@ -240,7 +259,7 @@ def build_plan(
             by_layer.setdefault(_layer_of(name), []).append(name)
     ref_by_layer = {r.layer: r for r in refs}
     routers = {n for r in all_refs for n in (r.router_weight, r.router_bias, r.correction_bias) if n}
-    for layer in sorted(set(by_layer) | set(ref_by_layer)):
+    for layer in sorted(set(by_layer) | set(ref_by_layer) | set(lin_by_layer)):
         names = sorted(by_layer.get(layer, []))
         if names:
             for d in dests:
@@ -248,6 +267,8 @@ def build_plan(
                     role = "router" if n in routers else "copy"
                     d.append(PlannedTensor(n, TensorSpec(ckpt.tensors[n].shape, ckpt.tensors[n].torch_dtype), role, ckpt.tensors[n]))
             items.append(WorkItem("copy", ckpt.total_bytes(names), copy_names=names))
+        if layer in lin_by_layer:
+            items.append(linear_item(ckpt, lin_by_layer[layer], dests))
         ref = ref_by_layer.get(layer)
         if ref is None:
             continue

@@ -57,6 +57,17 @@ def inspect(
         t.add_row("bytes: experts", human_bytes(doc["bytes"]["experts"]))
         t.add_row("bytes: rest", human_bytes(doc["bytes"]["rest"]))
         out.print(t)
+        roles = doc.get("bytes_by_role")
+        if roles and (roles.get("before") or roles.get("after")):
+            before, after = roles.get("before") or {}, roles.get("after") or {}
+            r = Table(title="bytes by role" + (f" (after: {roles['after_error']})" if roles.get("after_error") else ""))
+            for col in ("role", f"before ({roles['before_label']})", f"after ({roles['after_label']})"):
+                r.add_column(col)
+            for role in [*before, *(k for k in after if k not in before)]:
+                r.add_row(role, human_bytes(before.get(role)) if roles.get("before") else "-",
+                          human_bytes(after.get(role)) if roles.get("after") else "-")
+            r.add_row("total", human_bytes(sum(before.values())) if before else "-", human_bytes(sum(after.values())) if after else "-")
+            out.print(r)
         if doc.get("quant_config"):
             from mxconv.engine_config import EngineQuantConfig
 

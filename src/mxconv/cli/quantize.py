@@ -18,14 +18,29 @@ class Fmt(str, Enum):
     mxfp8 = "mxfp8"
 
 
+class Targets(str, Enum):
+    experts = "experts"
+    linear = "linear"
+
+
 @app.command()
 def quantize(
     source: SourceArg,
     output: OutputArg,
     format: Annotated[Fmt, typer.Option("--format", help="Expert weight format.")] = Fmt.mxfp4,
     scale_rounding: RoundingOpt = Rounding.auto,
-    include: Annotated[Optional[str], typer.Option("--include", metavar="REGEX", help="Regex over '<module>.experts' names: quantize only matching MoE layers.")] = None,
-    ignore: Annotated[Optional[str], typer.Option("--ignore", metavar="REGEX", help="Regex over '<module>.experts' names: leave matching MoE layers as they are (config.json lists them as not converted).")] = None,
+    targets: Annotated[Targets, typer.Option("--targets", help=(
+        "experts: routed-expert weights only. linear: every linear layer too (attention, dense MLPs, shared experts), "
+        "MXFP8 like vLLM's online MXFP8 method (needs --format mxfp8); embeddings, lm_head, routers and norms stay."))] = Targets.experts,
+    include: Annotated[Optional[list[str]], typer.Option("--include", metavar="PATTERN", help=(
+        "Repeatable. Quantize only matching MoE layers ('<module>.experts' names) and, with --targets linear, linear "
+        "modules: a regex found anywhere in the name, or compressed-tensors' 're:REGEX' (matched from the start)."))] = None,
+    ignore: Annotated[Optional[list[str]], typer.Option("--ignore", metavar="PATTERN", help=(
+        "Repeatable. Leave matching MoE layers and linear modules as they are (same patterns as --include; "
+        "config.json lists them as not converted)."))] = None,
+    skip_unaligned: Annotated[bool, typer.Option("--skip-unaligned", help=(
+        "With --targets linear: leave a linear whose input size is not a multiple of 32 unquantized (listed in "
+        "config.json) instead of refusing."))] = False,
     allow_nonfinite: NonfiniteOpt = False,
     device: DeviceOpt = "auto",
     revision: RevisionOpt = None,
@@ -39,14 +54,18 @@ def quantize(
     """bf16/fp16/fp32, FP8-block or MXFP4 MoE checkpoint -> canonical MXFP4/MXFP8 checkpoint.
 
     gpt-oss is written in the published gpt-oss MXFP4 convention (*_blocks/*_scales); other families
-    as compressed-tensors (mxfp4-pack-quantized / mxfp8-quantized). Only routed-expert weights are
-    quantized; every other tensor is copied byte for byte. Example:
+    as compressed-tensors (mxfp4-pack-quantized / mxfp8-quantized). Routed-expert weights are
+    quantized (with --targets linear every linear layer, MXFP8); every other tensor is copied byte
+    for byte. Examples:
 
         mxconv quantize Qwen/Qwen3-30B-A3B ./qwen3-mxfp4 --format mxfp4
+
+        mxconv quantize Qwen/Qwen3-30B-A3B ./qwen3-mxfp8 --format mxfp8 --targets linear
     """
     from mxconv.plan import QuantOptions
 
     with errors(debug):
-        q = QuantOptions(format.value, scale_rounding.value, allow_nonfinite, include, ignore)
+        q = QuantOptions(format.value, scale_rounding.value, allow_nonfinite, include or None, ignore or None,
+                         targets.value, skip_unaligned)
         run_convert("quantize", source, output, quant=q, repack=None, device=device, revision=revision,
                     max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, as_json=as_json, quiet=quiet)

@@ -52,7 +52,7 @@ def verify(
             kernel=kernel,
             device=device_of(device),
         )
-        problems = rep.problems + [p for r in rep.layers for p in r.problems]
+        problems = rep.problems + [p for r in rep.layers for p in r.problems] + [p for r in rep.linears for p in r.problems]
         if as_json:
             print_json(rep.to_json())
         elif not quiet:
@@ -76,6 +76,16 @@ def verify(
                     row += ["-" if k is None else k.status, figs]
                 t.add_row(*row)
             out.print(t)
+            if rep.linears:
+                from mxconv.verify.linears import role_summary
+
+                lt = Table(title="MXFP8 linear layers")
+                for col in ("role", "linears", "passed", "max rel RMS", "bit-exact bytes"):
+                    lt.add_column(col)
+                for row in role_summary(rep.linears):
+                    worst = "-" if row["max_rel_rms"] is None else f"{row['max_rel_rms']:.3g}"
+                    lt.add_row(row["role"], str(row["linears"]), str(row["linears"] - row["failed"]), worst, str(row["bit_exact"]))
+                out.print(lt)
             for n in rep.notes:
                 err.print(f"[dim]{n}[/]", highlight=False)
             out.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]")

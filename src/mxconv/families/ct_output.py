@@ -120,30 +120,31 @@ class CompressedTensorsOutput:
                 unconverted = dict(qc if qc.get("quant_method") == "fp8" else qc.get(UNCONVERTED_KEY) or {})
                 if unconverted.get("quant_method") != "fp8":
                     raise ValueError(f"{ref.module_prefix}.experts: block-FP8 layer without a block-FP8 config")
-        weights = {
-            "num_bits": 4 if fmt == "mxfp4" else 8,
-            "type": "float",
-            "symmetric": True,
-            "group_size": 32,
-            "strategy": "group",
-            "dynamic": False,
-            "scale_dtype": "torch.uint8",
-        }
         return {
             "quant_method": "compressed-tensors",
             "format": CT_FORMATS[fmt],
             "quantization_status": "compressed",
             "config_groups": {
-                "group_0": {
-                    "targets": self.ct_targets(),
-                    "weights": weights,
-                    "input_activations": None,
-                    "output_activations": None,
-                    "format": CT_FORMATS[fmt],
-                }
+                "group_0": {"targets": self.ct_targets(), **ct_group(fmt)},
             },
             "ignore": ignore,
             "kv_cache_scheme": None,
             "mxconv_scale_rounding": scale_rounding,
             **({UNCONVERTED_KEY: unconverted} if unconverted is not None else {}),
         }
+
+
+def ct_group(fmt: str) -> dict[str, Any]:
+    """A compressed-tensors config group of MX weights (``targets`` left to the caller): the
+    MXFP4A16 / MXFP8A16 presets' weight arguments (float, 4/8 bits, group 32, symmetric, uint8 E8M0
+    scales), no activation quantization, the format's name."""
+    weights = {
+        "num_bits": 4 if fmt == "mxfp4" else 8,
+        "type": "float",
+        "symmetric": True,
+        "group_size": 32,
+        "strategy": "group",
+        "dynamic": False,
+        "scale_dtype": "torch.uint8",
+    }
+    return {"weights": weights, "input_activations": None, "output_activations": None, "format": CT_FORMATS[fmt]}

@@ -28,6 +28,7 @@ from mxconv.manifest import load_manifest
 from mxconv.runner import hidden_states  # noqa: F401 - part of what verify's API has always offered
 from mxconv.verify.integrity import check_integrity, check_manifest_claims, model_info_of
 from mxconv.verify.layout import kernel_layer_canonical, merge_tp, recover_layer, reference_layer
+from mxconv.verify.linears import LINEAR_THRESHOLDS, LinearReport, check_linears
 from mxconv.verify.numerics import (
     check_layer_numerics, converted_nonfinite, expert_fn, load_reference_outputs, run_layer, save_reference_outputs,
 )
@@ -35,7 +36,7 @@ from mxconv.verify.report import THRESHOLDS, LayerReport, Run, VerifyReport
 from mxconv.verify_kernel import KernelResult, check_kernel_layer, kernel_preflight
 
 __all__ = [
-    "THRESHOLDS", "LayerReport", "VerifyReport", "check_integrity", "check_manifest_claims", "expert_fn",
+    "LINEAR_THRESHOLDS", "THRESHOLDS", "LayerReport", "LinearReport", "VerifyReport", "check_integrity", "check_manifest_claims", "expert_fn",
     "kernel_layer_canonical", "load_reference_outputs", "merge_tp", "parse_layers", "run_layer",
     "save_reference_outputs", "verify",
 ]
@@ -95,7 +96,14 @@ def verify(
             _check_layer(run, L, lay_table[L], rep)
         if L in chosen or probs:
             reports.append(rep)
-    return VerifyReport(str(run.root), run.kind, run.manifest.get("backend"), reports, general, _finish(run))
+    linears, lin_problems = check_linears(run, set(chosen) if layers else None)
+    general.extend(lin_problems)
+    notes = _finish(run)
+    if linears:
+        notes.append(f"{len(linears)} MXFP8 linear layers checked" + (
+            f" against the reference (relative RMS <= {LINEAR_THRESHOLDS['rel_rms']}, bytes = the reference quantized again)"
+            if run.ref_ckpt is not None else " (files and config; numerics need --reference)"))
+    return VerifyReport(str(run.root), run.kind, run.manifest.get("backend"), reports, general, notes, linears)
 
 
 def _open_run(path: str | Path, reference: str | None, reference_outputs: str | None, save_reference: str | None,

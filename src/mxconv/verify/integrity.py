@@ -18,7 +18,7 @@ from mxconv.st_format import iter_tensor_chunks
 from mxconv.verify.layout import manifest_sizes
 
 
-def _sha256_of(ckpt: Checkpoint, name: str) -> str:
+def sha256_of(ckpt: Checkpoint, name: str) -> str:
     h = hashlib.sha256()
     for chunk in iter_tensor_chunks(ckpt.tensors[name]):
         h.update(chunk)
@@ -54,7 +54,7 @@ def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint
         if list(info.shape) != list(entry["shape"]) or info.dtype != entry["dtype"]:
             where.append(f"{key}: {info.dtype}{list(info.shape)} on disk, manifest says {entry['dtype']}{entry['shape']}")
             continue
-        if _sha256_of(ckpt, name) != entry["sha256"]:
+        if sha256_of(ckpt, name) != entry["sha256"]:
             where.append(f"{key}: sha256 mismatch (corrupted or modified bytes)")
     for r, ckpt in enumerate(ckpts):
         for name in ckpt.tensors:

@@ -67,10 +67,11 @@ class VerifyReport:
     layers: list[LayerReport]
     problems: list[str]  # not tied to one layer
     notes: list[str]
+    linears: list[Any] = field(default_factory=list)  # verify.linears.LinearReport: MXFP8 linear layers
 
     @property
     def passed(self) -> bool:
-        return not self.problems and all(r.passed for r in self.layers)
+        return not self.problems and all(r.passed for r in self.layers) and all(r.passed for r in self.linears)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -82,6 +83,7 @@ class VerifyReport:
             "notes": self.notes,
             "layers": [r.to_json() for r in self.layers],
             "thresholds": THRESHOLDS,
+            "linears": [r.to_json() for r in self.linears],
         }
 
 

@@ -1,0 +1,379 @@
+"""Every linear layer of a model as MXFP8 (``quantize --targets linear``), what vLLM's online MXFP8
+method does at every start: attention projections (and fused qkv where a checkpoint has it), dense
+MLPs, shared experts, next to the routed experts.
+
+Linear layers are found from the headers alone: every 2-D ``{module}.weight`` that is not a routed
+expert. Left as they are by default (listed in the config as not quantized): embeddings and
+``lm_head`` (and DeepSeek's MTP ``shared_head.head``), routers (every MoE layer's router and
+Qwen2-MoE's ``shared_expert_gate``), DeepSeek's MTP ``eh_proj`` (a plain ``nn.Linear`` in vLLM);
+norms are 1-D and never candidates. ``--include`` / ``--ignore`` narrow the rest by module name
+(:func:`name_matches`). A linear whose input size K is not a multiple of 32 is refused, naming it,
+or left alone and listed with ``--skip-unaligned``.
+
+Sources: bf16/fp16/fp32 weights, and block-FP8 ones (``weight`` F8_E4M3 + ``weight_scale_inv``,
+DeepSeek-style, tile from ``quantization_config.weight_block_size``), dequantized in fp32 first
+(exact product) and then MXFP8-quantized (with power-of-two tile scales and rceil the values are
+kept exactly, mx-numerics.md §5.3). A linear that is MXFP8 already (``weight`` F8_E4M3 +
+``weight_scale`` U8 ``[N, K/32]``, an earlier mxconv output) is copied as it is and stays described
+as MXFP8. MX blocks run along K within each row, so a fused projection (``qkv_proj``,
+``gate_up_proj``) quantizes exactly as its parts would: no special case.
+
+Output per quantized linear: ``{module}.weight`` F8_E4M3 ``[N, K]`` and ``{module}.weight_scale`` U8
+``[N, K/32]`` (E8M0), biases copied; same scale rounding and kernels as the experts
+(:func:`mxconv.compute.quantize_stack`). The config side is :mod:`mxconv.linear_config`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+
+import torch
+
+from mxconv.checkpoint import Checkpoint, layer_index
+from mxconv.errors import BadInput
+
+if TYPE_CHECKING:
+    from mxconv.families import MoELayerRef
+    from mxconv.pipeline import WorkItem
+    from mxconv.writer import PlannedTensor
+
+TARGETS = ("experts", "linear")
+LINEAR_FORMAT = "mxfp8"
+_FLOAT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+
+# ---------------------------------------------------------------------------------------------
+# roles: what a tensor is part of, from its name
+# ---------------------------------------------------------------------------------------------
+
+ROLES = ("experts", "attention", "dense_mlp", "shared_experts", "routers", "embeddings", "norms", "other")
+_ROLE_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("routers", re.compile(r"\.(?:gate|router)\.(?:weight|bias|e_score_correction_bias)$|shared_expert_gate\.")),
+    ("experts", re.compile(r"(?:^|\.)experts\.")),
+    ("shared_experts", re.compile(r"(?:^|\.)shared_experts?\.")),
+    ("embeddings", re.compile(r"embed|(?:^|\.)(?:lm_head|wte|unembedding)\.|shared_head\.head\.")),
+    ("norms", re.compile(r"norm[^.]*\.(?:weight|bias|scale)$")),
+    ("attention", re.compile(r"(?:^|\.)(?:self_attn|attention|attn)\.")),
+    ("dense_mlp", re.compile(r"(?:^|\.)(?:mlp|feed_forward)\.")),
+)
+
+
+def tensor_role(name: str, routers: Iterable[str] = ()) -> str:
+    """The part of the model tensor ``name`` belongs to (one of :data:`ROLES`); ``routers`` are
+    router tensor names known from the MoE layers (any name works without them)."""
+    if name in set(routers):
+        return "routers"
+    for role, rule in _ROLE_RULES:
+        if rule.search(name):
+            return role
+    return "other"
+
+
+def bytes_by_role(sizes: Iterable[tuple[str, int]], routers: Iterable[str] = ()) -> dict[str, int]:
+    """Sum of (name, bytes) per role, in :data:`ROLES` order, roles without bytes left out."""
+    routers = set(routers)
+    total = dict.fromkeys(ROLES, 0)
+    for name, n in sizes:
+        total[tensor_role(name, routers)] += n
+    return {k: v for k, v in total.items() if v}
+
+
+# ---------------------------------------------------------------------------------------------
+# selection
+# ---------------------------------------------------------------------------------------------
+
+
+def patterns(spec: str | Sequence[str] | None) -> list[str]:
+    """``--include`` / ``--ignore`` values as a list (one string, several, or none)."""
+    if not spec:
+        return []
+    return [spec] if isinstance(spec, str) else list(spec)
+
+
+def name_matches(spec: str | Sequence[str] | None, name: str) -> bool:
+    """True when a pattern of ``spec`` matches module ``name``: ``re:REGEX`` as compressed-tensors
+    does (``re.match``), anything else as a regular expression found anywhere in the name
+    (``re.search``, mxconv's ``--include``/``--ignore`` from the start; an exact module name matches
+    itself, and longer names that contain it: anchor it as ``re:NAME$``)."""
+    for p in patterns(spec):
+        if re.match(p[3:], name) if p.startswith("re:") else re.search(p, name):
+            return True
+    return False
+
+
+def check_patterns(flag: str, spec: str | Sequence[str] | None) -> None:
+    for p in patterns(spec):
+        try:
+            re.compile(p[3:] if p.startswith("re:") else p)
+        except re.error as exc:
+            raise BadInput(f"{flag}: invalid regular expression {p!r} ({exc})") from None
+
+
+_DEFAULT_KEPT: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("embedding or lm_head (kept by default)", re.compile(r"embed|(?:^|\.)(?:lm_head|wte|unembedding)$|shared_head\.head$")),
+    ("router (kept by default)", re.compile(r"(?:^|\.)(?:gate|router|shared_expert_gate)$")),
+    ("MTP eh_proj, a plain nn.Linear in engines (kept by default)", re.compile(r"(?:^|\.)eh_proj$")),
+)
+
+
+@dataclass(frozen=True)
+class LinearRef:
+    """One linear layer to quantize: ``{module}.weight`` [N, K] of ``source_format``."""
+
+    module: str
+    shape: tuple[int, int]
+    source_format: str  # "bf16" | "fp16" | "fp32" | "fp8_block"
+    role: str
+    block: tuple[int, int] | None = None  # fp8_block tile
+
+    @property
+    def weight(self) -> str:
+        return f"{self.module}.weight"
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return (self.weight, f"{self.module}.weight_scale_inv") if self.source_format == "fp8_block" else (self.weight,)
+
+    def out_specs(self) -> dict[str, Any]:
+        from mxconv.layouts.base import TensorSpec
+
+        n, k = self.shape
+        return {self.weight: TensorSpec((n, k), torch.float8_e4m3fn), f"{self.module}.weight_scale": TensorSpec((n, k // 32), torch.uint8)}
+
+
+@dataclass
+class LinearSelection:
+    """What ``quantize`` does with the linear layers: quantizes ``quantized``, copies ``carried``
+    (MXFP8 already) and leaves ``kept`` as they are (module -> why)."""
+
+    targets: str
+    scale_rounding: str
+    quantized: list[LinearRef] = field(default_factory=list)
+    carried: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+
+    def mx_modules(self) -> list[str]:
+        """Every linear that is MXFP8 in the output."""
+        return sorted({r.module for r in self.quantized} | set(self.carried))
+
+    def source_names(self) -> set[str]:
+        return {n for r in self.quantized for n in r.source_names}
+
+    def by_layer(self) -> dict[int, list[LinearRef]]:
+        """Quantized linears per decoder layer (global ones under 1 << 30, as the plan orders them)."""
+        out: dict[int, list[LinearRef]] = {}
+        for r in self.quantized:
+            L = layer_index(r.module)
+            out.setdefault(1 << 30 if L is None else L, []).append(r)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "targets": self.targets,
+            "format": LINEAR_FORMAT,
+            "scale_rounding": self.scale_rounding,
+            "quantized": sorted(r.module for r in self.quantized),
+            "carried_mx": sorted(self.carried),
+            "left_alone": dict(sorted(self.kept.items())),
+        }
+
+
+def _is_mx8(ckpt: Checkpoint, module: str, n: int, k: int) -> bool:
+    s = ckpt.tensors.get(f"{module}.weight_scale")
+    return s is not None and s.dtype in ("U8", "F8_E8M0") and tuple(s.shape) == (n, k // 32)
+
+
+def linear_modules(ckpt: Checkpoint, routers: Iterable[str] = (), experts: Iterable[str] = ()) -> Iterator[tuple[str, str, bool]]:
+    """(module, role, MXFP8 already) of every 2-D ``{module}.weight`` of ``ckpt`` that is not a
+    routed expert (``experts``: source names known from the MoE layers; any ``.experts.`` name is one)."""
+    routers, experts = set(routers), set(experts)
+    for name in sorted(ckpt.tensors):
+        info = ckpt.tensors[name]
+        if not name.endswith(".weight") or name in experts or len(info.shape) != 2:
+            continue
+        module, role = name[: -len(".weight")], tensor_role(name, routers)
+        if role != "experts":  # a MoE layer --include/--ignore left alone: the expert config says so
+            n, k = (int(d) for d in info.shape)
+            yield module, role, info.dtype == "F8_E4M3" and _is_mx8(ckpt, module, n, k)
+
+
+def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: Any) -> LinearSelection:
+    """The linear layers of ``ckpt`` and what ``quant`` (a :class:`mxconv.plan.QuantOptions`) does
+    with each, from the headers alone. BadInput for a linear ``--targets linear`` cannot take."""
+    sel = LinearSelection(quant.targets, quant.scale_rounding)
+    experts = {n for r in all_refs for n in r.source_names}
+    routers = {n for r in all_refs for n in (r.router_weight, r.router_bias, r.correction_bias) if n}
+    block: tuple[int, int] | None = None
+    for module, role, is_mx in linear_modules(ckpt, routers, experts):
+        info = ckpt.tensors[f"{module}.weight"]
+        n, k = (int(d) for d in info.shape)
+        if is_mx:
+            sel.carried.append(module)
+            continue
+        why = "router (kept by default)" if role == "routers" else next((w for w, r in _DEFAULT_KEPT if r.search(module)), None)
+        if why is None and quant.targets != "linear":
+            why = "--targets experts"
+        if why is None and ((quant.include and not name_matches(quant.include, module)) or name_matches(quant.ignore, module)):
+            why = "--include/--ignore"
+        fp8 = info.dtype == "F8_E4M3" and f"{module}.weight_scale_inv" in ckpt.tensors
+        if why is None and info.dtype not in _FLOAT and not fp8:
+            why = f"{info.dtype} weight (neither float nor block-FP8)"
+        if why is None and k % 32:
+            if not quant.skip_unaligned:
+                raise BadInput(
+                    f"{ckpt.root}: linear {module} has input size {k} (weight {list(info.shape)}), not a multiple of 32: "
+                    "MXFP8 needs 32-element blocks along the input; pass --skip-unaligned to leave such linears "
+                    f"unquantized (listed in the config), or --ignore 're:{re.escape(module)}$'"
+                )
+            why = f"input size {k} is not a multiple of 32 (--skip-unaligned)"
+        if why is not None:
+            sel.kept[module] = why
+            continue
+        if fp8:
+            block = block or _fp8_block(ckpt)
+            _check_scale_inv(ckpt, module, n, k, block)
+        sel.quantized.append(LinearRef(module, (n, k), "fp8_block" if fp8 else _FLOAT[info.dtype], role, block if fp8 else None))
+    return sel
+
+
+def _fp8_block(ckpt: Checkpoint) -> tuple[int, int]:
+    from mxconv.families.quant_config import read_quant_scheme
+
+    block = read_quant_scheme(ckpt, "linear layers").block
+    if block is None:
+        raise BadInput(f"{ckpt.root / 'config.json'}: block-FP8 linear layers (weight_scale_inv) but no weight_block_size")
+    return block
+
+
+def _check_scale_inv(ckpt: Checkpoint, module: str, n: int, k: int, block: tuple[int, int]) -> None:
+    s = ckpt.tensors[f"{module}.weight_scale_inv"]
+    want = (-(-n // block[0]), -(-k // block[1]))
+    if s.dtype not in _FLOAT or tuple(s.shape) != want:
+        raise BadInput(
+            f"{ckpt.root}: tensor {s.name!r} is {s.dtype}{list(s.shape)}, expected a float [{want[0]}, {want[1]}] "
+            f"(one scale per {block[0]}x{block[1]} tile of [{n}, {k}])"
+        )
+
+
+def fused_part_warnings(sel: LinearSelection) -> list[str]:
+    """Parts of a projection engines fuse (q/k/v, gate/up, Mixtral w1/w3) split between MXFP8 and
+    not: vLLM loads a fused layer with one scheme for all its parts."""
+    mx = set(sel.mx_modules())
+    out = []
+    for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3")):
+        for m in sorted(mx):
+            parent, _, leaf = m.rpartition(".")
+            if leaf in group:
+                kept = [f"{parent}.{g}" for g in group if f"{parent}.{g}" in sel.kept]
+                if kept:
+                    out.append(f"{m} is MXFP8 but {', '.join(kept)} is not: engines that fuse {'/'.join(group)} into one "
+                               "layer need one scheme for all of its parts")
+    return sorted(set(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# run: work items, load, quantize
+# ---------------------------------------------------------------------------------------------
+
+
+def linear_item(ckpt: Checkpoint, refs: list[LinearRef], dests: list[list[PlannedTensor]]) -> WorkItem:
+    """The work item of one layer's linears (kind "linear"); its output tensors join ``dests``."""
+    from mxconv.pipeline import WorkItem
+    from mxconv.writer import PlannedTensor
+
+    item = WorkItem("linear", ckpt.total_bytes([n for r in refs for n in r.source_names]), payload=refs)
+    for d in dests:
+        names = []
+        for r in refs:
+            for n, spec in r.out_specs().items():
+                d.append(PlannedTensor(n, spec, "linear"))
+                names.append(n)
+        item.out_names.append(names)
+    return item
+
+
+def load_linears(ckpt: Checkpoint, refs: list[LinearRef]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """module -> (weight as stored, fp32 scale_inv or None), on the CPU."""
+    return {r.module: (ckpt.read(r.weight), ckpt.read(r.source_names[1]).float() if r.block else None) for r in refs}
+
+
+def read_float(ckpt: Checkpoint, module: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Linear ``module`` of ``ckpt`` as fp32 values on ``device``, whatever its format: float,
+    block-FP8 (dequantized with the config's tile) or MXFP8 (dequantized). BadInput when it is
+    missing or none of these."""
+    from mxconv.numerics import dequantize_mx
+
+    info = ckpt.info(f"{module}.weight")
+    n, k = (int(d) for d in info.shape) if len(info.shape) == 2 else (0, 0)
+    w = ckpt.read(info.name)
+    if info.dtype in _FLOAT and len(info.shape) == 2:
+        return w.to(device).float()
+    if info.dtype == "F8_E4M3" and _is_mx8(ckpt, module, n, k):
+        return dequantize_mx(w.view(torch.uint8).to(device), ckpt.read(f"{module}.weight_scale").view(torch.uint8).to(device), "mxfp8")
+    if info.dtype == "F8_E4M3" and f"{module}.weight_scale_inv" in ckpt.tensors:
+        block = _fp8_block(ckpt)
+        _check_scale_inv(ckpt, module, n, k, block)
+        return source_float(w, ckpt.read(f"{module}.weight_scale_inv").float(), block, device)
+    raise BadInput(f"{ckpt.root}: {info.name} is {info.dtype}{list(info.shape)}: not a float, block-FP8 or MXFP8 linear weight")
+
+
+def source_float(weight: torch.Tensor, scale_inv: torch.Tensor | None, block: tuple[int, int] | None,
+                 device: torch.device | str) -> torch.Tensor:
+    """A linear's source weight as floats on ``device``: as stored, or block-FP8 dequantized in fp32."""
+    from mxconv.numerics import dequantize_fp8_block
+
+    if scale_inv is None:
+        return weight.to(device)
+    assert block is not None
+    return dequantize_fp8_block(weight.to(device), scale_inv.to(device), block)
+
+
+def quantize_linears(refs: list[LinearRef], data: dict[str, tuple[torch.Tensor, torch.Tensor | None]], quant: Any,
+                     stats: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """One layer's linears -> ``{module}.weight`` (float8_e4m3fn) and ``.weight_scale`` (uint8) on the
+    host. NaN/Inf are refused (naming weight and index) unless ``quant.allow_nonfinite``."""
+    from mxconv.compute import quantize_stack, to_host
+
+    out: dict[str, torch.Tensor] = {}
+    for r in refs:
+        w, sinv = data[r.module]
+        x = source_float(w, sinv, r.block, device).unsqueeze(0)
+        where = (lambda name: lambda idx: f"{name} [{idx[1]}, {idx[2]}]")(r.weight)
+        st = quantize_stack((1, *r.shape), lambda e0, e1, x=x: x[e0:e1], LINEAR_FORMAT, quant, where, stats, device)
+        out[r.weight] = to_host(st.data[0]).view(torch.float8_e4m3fn)
+        out[f"{r.module}.weight_scale"] = to_host(st.scales[0])
+        del x, st
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out
+
+
+def linear_load(plan: Any, load: Any) -> Any:
+    """The pipeline's load step, taking the plan's "linear" items too."""
+    return lambda item: load_linears(plan.ckpt, item.payload) if item.kind == "linear" else load(item)
+
+
+def linear_compute(plan: Any, compute: Any, device: torch.device, stats: Any) -> Any:
+    """The pipeline's compute step, taking the plan's "linear" items too (``stats``: compute.RunStats)."""
+    import time
+
+    def run(item: WorkItem, data: Any) -> list[dict[str, torch.Tensor]]:
+        if item.kind != "linear":
+            return compute(item, data)
+        t0 = time.perf_counter()
+        out = [quantize_linears(item.payload, data, plan.quant, stats.errors, device)]
+        stats.compute_seconds += time.perf_counter() - t0
+        return out
+
+    return run
+
+
+def manifest_extras(plan: Any) -> dict[str, Any]:
+    """What the manifest records about the linear layers and the source's bytes by role (inspect
+    shows them next to the output's)."""
+    routers = [n for r in plan.reader.layer_refs() for n in (r.router_weight, r.router_bias, r.correction_bias) if n]
+    out: dict[str, Any] = {"source_bytes_by_role": bytes_by_role(((n, i.nbytes) for n, i in plan.ckpt.tensors.items()), routers)}
+    if plan.linears is not None and plan.linears.mx_modules():
+        out["linears"] = plan.linears.to_json()
+    return out
