@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from mxconv.cli import app
 from mxconv.st_format import read_header, read_tensor
-from mxconv.testing import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 runner = CliRunner()
 
@@ -400,7 +400,7 @@ app()
 
 
 def test_hub_repo_id_from_local_cache(ws: Path, tmp_path: Path, monkeypatch) -> None:
-    from mxconv.testing import make_hub_cache
+    from support.hub import make_hub_cache
 
     cache = tmp_path / "hub"
     make_hub_cache(cache, "acme/tiny-moe", ws / "qwen")

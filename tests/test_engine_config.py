@@ -19,7 +19,7 @@ from mxconv.engine_config import EngineQuantConfig, activation_quant, from_manif
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
-from mxconv.testing import make_checkpoint
+from support.checkpoints import make_checkpoint
 from mxconv.vllm_mxfp4 import admits_vllm, vllm_padded_sizes
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "docs" / "quant-config.schema.json").read_text())

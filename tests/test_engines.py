@@ -27,7 +27,7 @@ from mxconv.cli import app
 from mxconv.engines import discover, kernel_unavailable, marlin_moe, triton_moe
 from mxconv.errors import BadInput
 from mxconv.loader import read_layer_tensors, resolve_layer
-from mxconv.testing import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 KERN = REPO / ".kern"

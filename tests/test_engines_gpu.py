@@ -29,7 +29,7 @@ from mxconv.layouts.base import CanonicalExperts
 from mxconv.loader import build_engine_layer, read_layer_tensors, resolve_layer
 from mxconv.manifest import load_manifest
 from mxconv.runner import Routing, compare, hidden_states, moe_forward, route
-from mxconv.testing import make_checkpoint
+from support.checkpoints import make_checkpoint
 from mxconv.verify import expert_fn
 
 HAS_CUDA = torch.cuda.is_available()

@@ -32,7 +32,7 @@ from mxconv.layouts.base import (
     round_up,
     unpad_canonical,
 )
-from mxconv.testing import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 
 class ToyLayout(LayoutBase):

@@ -13,7 +13,7 @@ from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.families.gpt_oss import MODULES_TO_NOT_CONVERT
 from mxconv.layouts import backend_names, get_layout
-from mxconv.testing import KINDS, make_checkpoint
+from support.checkpoints import KINDS, make_checkpoint
 from mxconv.verify import verify
 
 import torch

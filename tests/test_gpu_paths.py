@@ -15,7 +15,7 @@ from mxconv.checkpoint import open_checkpoint
 from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
-from mxconv.testing import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

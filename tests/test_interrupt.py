@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 import mxconv.writer as writer_mod
 from mxconv.cli import app
-from mxconv.testing import make_checkpoint
+from support.checkpoints import make_checkpoint
 from mxconv.writer import IN_PROGRESS, STAGING, TMP_SUFFIX
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"

@@ -27,7 +27,7 @@ from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import CanonicalExperts, LayoutSizes
 from mxconv.layouts.trtllm import LAYOUT
 from mxconv.st_format import read_header, read_tensor
-from mxconv.testing import GroundTruth, make_checkpoint, pack_int4_words_reference, write_shards
+from support.checkpoints import GroundTruth, make_checkpoint, pack_int4_words_reference, write_shards
 from mxconv.verify import verify
 
 runner = CliRunner()

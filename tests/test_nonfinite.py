@@ -19,7 +19,7 @@ from mxconv.cli import app
 from mxconv.numerics import first_nan_scale, first_nonfinite, first_nonnumber
 from mxconv.runner import compare
 from mxconv.st_format import read_header, read_tensor
-from mxconv.testing import make_checkpoint
+from support.checkpoints import make_checkpoint
 from test_cli import _patch_tensor  # tests/ is on sys.path (pytest rootdir import mode)
 
 runner = CliRunner()

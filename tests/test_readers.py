@@ -1,4 +1,4 @@
-"""Family readers against generated real-format checkpoints (mxconv.testing) and the
+"""Family readers against generated real-format checkpoints (tests/support/checkpoints.py) and the
 compressed-tensors library as an oracle for the quantized-output convention."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from mxconv.errors import BadInput
 from mxconv.families import FAMILIES, detect_family, reader_class
 from mxconv.families.base import FamilyReader, MoELayer, MXStack
 from mxconv.families.quant_config import SUPPORTED_HINT
-from mxconv.testing import KINDS, GroundTruth, make_checkpoint, make_hub_cache, write_shards
+from support.checkpoints import KINDS, GroundTruth, make_checkpoint, write_shards
+from support.hub import make_hub_cache
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

@@ -24,7 +24,7 @@ from mxconv.cli import app
 from mxconv.errors import BadInput
 from mxconv.manifest import load_manifest, validate_manifest
 from mxconv.st_format import read_header
-from mxconv.testing import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 runner = CliRunner()
 INDEX = "model.safetensors.index.json"

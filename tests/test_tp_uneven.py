@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from mxconv.checkpoint import open_checkpoint
 from mxconv.cli import app
-from mxconv.testing import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 runner = CliRunner()
 

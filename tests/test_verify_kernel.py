@@ -24,7 +24,7 @@ from mxconv.cli import app
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts
 from mxconv.manifest import load_manifest
-from mxconv.testing import make_checkpoint
+from support.checkpoints import make_checkpoint
 from mxconv.verify import kernel_layer_canonical, verify
 
 cli = CliRunner()

@@ -29,7 +29,7 @@ def _convert(src: Path, out: Path, command: str, q: QuantOptions, r: RepackOptio
 
 def run_demo(workdir: Path | None, device: torch.device, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Run the whole flow; returns {"passed": bool, "steps": [...]} (one row per step)."""
-    from mxconv.testing import make_checkpoint
+    from mxconv.examples import make_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="mxconv-demo-")) if workdir is None else Path(workdir)
     tmp.mkdir(parents=True, exist_ok=True)
