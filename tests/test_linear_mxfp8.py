@@ -23,10 +23,7 @@ from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.st_format import read_tensor
-try:  # the generators' home once the test helpers live in tests/support; mxconv.testing before that
-    from support.checkpoints import make_checkpoint, write_shards
-except ImportError:
-    from mxconv.testing import make_checkpoint, write_shards
+from support.checkpoints import make_checkpoint, write_shards
 from mxconv.verify import verify
 
 LINEAR = QuantOptions("mxfp8", targets="linear")
