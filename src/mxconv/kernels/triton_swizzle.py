@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mxconv.kernels.layout_triton import _check_runnable, _device_ctx, _table, _words, tl, triton
+from mxconv.kernels.triton_common import _check_runnable, _device_ctx, _table, _words, tl, triton
 
 # Launch shapes (powers of two): BR1 = 32-byte column blocks per value program, BK0 = scale
 # column pairs per scale program.
@@ -28,7 +28,7 @@ KERNEL_CONFIG: dict[str, dict[str, int]] = {
 }
 
 if triton is not None:
-    from mxconv.kernels.layout_triton import _byte_transpose4
+    from mxconv.kernels.marlin_triton import _byte_transpose4
 
     @triton.jit
     def _twiddle(w):

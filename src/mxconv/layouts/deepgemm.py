@@ -28,16 +28,8 @@ import torch
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import (
-    KERNEL_TENSOR_NAMES,
-    ROW_ORDERS,
-    CanonicalExperts,
-    KernelTensors,
-    LayoutBase,
-    LayoutSizes,
-    TensorSpec,
-    pad_canonical,
-    round_up,
-    unpad_canonical,
+    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutSizes, TensorSpec,
+    pad_canonical, round_up, unpad_canonical,
 )
 
 BACKEND_NAME = "deepgemm"

@@ -48,20 +48,22 @@ import torch
 from mxconv.errors import LayoutError
 from mxconv.layouts import trtllm_mxint4  # imports nothing from this module at import time
 from mxconv.layouts.base import (
-    ROW_ORDERS,
-    CanonicalExperts,
-    KernelTensors,
-    LayoutBase,
-    LayoutOption,
-    LayoutSizes,
-    TensorSpec,
-    cached_index,
-    gather_padded_rows,
-    layout_kernels,
-    pad_row_source,
-    round_up,
-    unpad_canonical,
+    CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes, TensorSpec, gather_padded_rows,
+    layout_kernels, round_up, unpad_canonical,
 )
+from mxconv.layouts.trtllm_rows import (
+    EPILOGUE_TILE_M, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, _check_row_order, gate_up_pair_dst,
+    gate_up_pair_src, mma_shuffle_dst, mma_shuffle_src, swizzle_128x4, swizzle_offsets, swizzle_slot_coords,
+    swizzled_scale_size, unswizzle_128x4, w13_row_dst, w13_row_src, w13_row_table, w2_row_dst, w2_row_src,
+    w2_row_table,
+)
+
+__all__ = [  # the row maps and swizzle are re-exported: tests, tools and trtllm_mxint4 use trtllm.<name>
+    "ACTIVATIONS", "BACKEND_NAME", "EPILOGUE_TILE_M", "LAYOUT", "LAYOUT_VERSION", "SF_TILE_COLS", "SF_TILE_ROWS",
+    "SHUFFLE_BLOCK_ROWS", "TrtllmLayout", "gate_up_pair_dst", "gate_up_pair_src", "mma_shuffle_dst",
+    "mma_shuffle_src", "swizzle_128x4", "swizzle_offsets", "swizzle_slot_coords", "swizzled_scale_size",
+    "unswizzle_128x4", "w13_row_dst", "w13_row_src", "w13_row_table", "w2_row_dst", "w2_row_src", "w2_row_table",
+]
 
 BACKEND_NAME = "trtllm"
 LAYOUT_VERSION = 1
@@ -72,186 +74,13 @@ DEFAULT_INTERMEDIATE_ALIGN = 256
 INTERMEDIATE_ALIGN_QUANTUM = 128  # 2Ip % 128 and (Ip/32) % 4 must hold
 MX_BLOCK = 32  # elements per E8M0 scale
 
-EPILOGUE_TILE_M = 128
-SHUFFLE_BLOCK_ROWS = 32  # MMA row-shuffle block for epilogue_tile_m = 128
 NUM_ELTS_PER_SF = 16  # what vLLM passes to FlashInfer for MXFP4 (rows do not depend on it)
-SF_TILE_ROWS = 128  # 128x4 scale swizzle tile
-SF_TILE_COLS = 4
 SCALE_FILL = 0x00  # never 0xFF (NaN * 0 = NaN)
 
 KERNEL_SCALE_DTYPE = torch.float8_e4m3fn
 KERNEL_BIAS_DTYPE = torch.float32
 ENGINE_COMPAT = {"vllm": ">=0.10.2", "flashinfer": ">=0.3"}
 VLLM_BACKENDS = {"bf16": "FLASHINFER_TRTLLM_MXFP4_BF16", "mxfp8": "FLASHINFER_TRTLLM_MXFP4_MXFP8"}
-
-
-# ---------------------------------------------------------------------------------------------
-# Row index functions (pure; LongTensors on ``device``). "src" = gather indices: out[j] = in[src[j]];
-# "dst" = the inverse: in[r] = out[dst[r]].
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_rows(num_rows: int, multiple: int, what: str) -> None:
-    if num_rows <= 0 or num_rows % multiple:
-        raise LayoutError(f"{what}: {num_rows} rows is not a positive multiple of {multiple}")
-
-
-def mma_shuffle_src(num_rows: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Step B gather: ``s(j) = 32*(j//32) + 4*(j%8) + (j%32)//8`` for j in [0, num_rows).
-
-    Returns a LongTensor [num_rows]; num_rows must be a multiple of 32.
-    """
-    _check_rows(num_rows, SHUFFLE_BLOCK_ROWS, "MMA row shuffle")
-    j = torch.arange(num_rows, dtype=torch.long, device=device)
-    return (j // 32) * 32 + (j % 8) * 4 + (j % 32) // 8
-
-
-def mma_shuffle_dst(num_rows: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse of :func:`mma_shuffle_src`: ``d(r) = 32*(r//32) + 8*(r%4) + (r%32)//4``. [num_rows] long."""
-    _check_rows(num_rows, SHUFFLE_BLOCK_ROWS, "MMA row shuffle")
-    r = torch.arange(num_rows, dtype=torch.long, device=device)
-    return (r // 32) * 32 + (r % 4) * 8 + (r % 32) // 4
-
-
-def _check_row_order(row_order: str) -> None:
-    if row_order not in ROW_ORDERS:
-        raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
-
-
-def gate_up_pair_src(
-    padded_intermediate: int, row_order: str, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Step A gather P(k), k in [0, 2*Ip): kernel row 2i = up_i, row 2i+1 = gate_i.
-
-    halves (rows [gate; up]): P(k) = Ip + k/2 (k even), (k-1)/2 (k odd).
-    interleaved (row 2i = gate_i, 2i+1 = up_i): P(k) = k XOR 1. Returns a LongTensor [2*Ip].
-    """
-    _check_row_order(row_order)
-    Ip = padded_intermediate
-    k = torch.arange(2 * Ip, dtype=torch.long, device=device)
-    if row_order == "interleaved":
-        return k ^ 1
-    return torch.where(k % 2 == 0, Ip + k // 2, k // 2)
-
-
-def gate_up_pair_dst(
-    padded_intermediate: int, row_order: str, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Inverse of :func:`gate_up_pair_src`: P^-1(n) = 2n+1 (n < Ip), 2(n-Ip) (n >= Ip) for halves,
-    n XOR 1 for interleaved. Returns a LongTensor [2*Ip]."""
-    _check_row_order(row_order)
-    Ip = padded_intermediate
-    n = torch.arange(2 * Ip, dtype=torch.long, device=device)
-    if row_order == "interleaved":
-        return n ^ 1
-    return torch.where(n < Ip, 2 * n + 1, 2 * (n - Ip))
-
-
-def w13_row_src(padded_intermediate: int, row_order: str, device: torch.device | str | None = None) -> torch.Tensor:
-    """Full w13 gather ``src13(j) = P(s(j))`` into the padded canonical rows. LongTensor [2*Ip]."""
-    pair_src = gate_up_pair_src(padded_intermediate, row_order, device)
-    return pair_src[mma_shuffle_src(2 * padded_intermediate, device)]
-
-
-def w13_row_dst(padded_intermediate: int, row_order: str, device: torch.device | str | None = None) -> torch.Tensor:
-    """Kernel row of each padded canonical w13 row: ``dst13(n) = d(P^-1(n))``. LongTensor [2*Ip]."""
-    pair_dst = gate_up_pair_dst(padded_intermediate, row_order, device)
-    return mma_shuffle_dst(2 * padded_intermediate, device)[pair_dst]
-
-
-def w2_row_src(padded_hidden: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """w2 gather (step B only): ``s(j)``, LongTensor [Hp]."""
-    return mma_shuffle_src(padded_hidden, device)
-
-
-def w2_row_dst(padded_hidden: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Kernel row of each padded canonical w2 row: ``d(r)``, LongTensor [Hp]."""
-    return mma_shuffle_dst(padded_hidden, device)
-
-
-def w13_row_table(
-    intermediate: int, padded_intermediate: int, row_order: str, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Source row of the *unpadded* w13 stack behind each kernel row (padding, step A and step B
-    in one map), -1 for padding rows: ``pad_row_source(2I, 2Ip)[src13]``. Cached int32 tensor [2*Ip]."""
-
-    def build() -> torch.Tensor:
-        pad = pad_row_source(2 * intermediate, 2 * padded_intermediate, row_order)
-        return pad[w13_row_src(padded_intermediate, row_order)]
-
-    return cached_index(("trtllm-w13", intermediate, padded_intermediate, row_order), device, build)
-
-
-def w2_row_table(hidden: int, padded_hidden: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Source row of the unpadded w2 stack behind each kernel row (-1 = padding). Cached int32 tensor [Hp]."""
-
-    def build() -> torch.Tensor:
-        return pad_row_source(hidden, padded_hidden)[w2_row_src(padded_hidden)]
-
-    return cached_index(("trtllm-w2", hidden, padded_hidden), device, build)
-
-
-# ---------------------------------------------------------------------------------------------
-# Step C: 128x4 scale swizzle (per expert). Element (r, c) of a [R, C] matrix, padded to
-# (Rp, Cp) = (roundup(R, 128), roundup(C, 4)), lands at
-#   off(r, c) = ((r//128)*(Cp/4) + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4.
-# ---------------------------------------------------------------------------------------------
-
-
-def swizzled_scale_size(rows: int, cols: int) -> int:
-    """Elements in one expert's swizzled buffer: roundup(rows, 128) * roundup(cols, 4)."""
-    return round_up(rows, SF_TILE_ROWS) * round_up(cols, SF_TILE_COLS)
-
-
-def swizzle_offsets(rows: int, cols: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``off(r, c)`` for every element of a [rows, cols] matrix: LongTensor [rows, cols]."""
-    Cp = round_up(cols, SF_TILE_COLS)
-    r = torch.arange(rows, dtype=torch.long, device=device)[:, None]
-    c = torch.arange(cols, dtype=torch.long, device=device)[None, :]
-    tile = (r // SF_TILE_ROWS) * (Cp // SF_TILE_COLS) + c // SF_TILE_COLS
-    return tile * 512 + (r % 32) * 16 + ((r % SF_TILE_ROWS) // 32) * 4 + c % SF_TILE_COLS
-
-
-def swizzle_slot_coords(rows: int, cols: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(r, c) held by every slot p of one expert's swizzled buffer (spec §10), padding included.
-
-    Returns two LongTensors [Rp*Cp]; entries with r >= rows or c >= cols are padding slots.
-    """
-    Cp = round_up(cols, SF_TILE_COLS)
-    p = torch.arange(swizzled_scale_size(rows, cols), dtype=torch.long, device=device)
-    row_tile, q = p // (SF_TILE_ROWS * Cp), p % (SF_TILE_ROWS * Cp)
-    r = SF_TILE_ROWS * row_tile + 32 * ((q % 16) // 4) + (q % 512) // 16
-    c = SF_TILE_COLS * (q // 512) + q % 4
-    return r, c
-
-
-def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
-    """Swizzle each trailing [R, C] matrix of ``scales`` ([..., R, C], any dtype) into its 128x4 order.
-
-    Pads to (roundup(R, 128), roundup(C, 4)) with the zero bit pattern, then reorders
-    [Rp/128, 4, 32, Cp/4, 4] -> (row tile, col tile, row in group, 32-row group, col in tile).
-    Returns a contiguous tensor [..., Rp*Cp] of the same dtype (one flat buffer per matrix).
-    """
-    *lead, R, C = scales.shape
-    Rp, Cp = round_up(R, SF_TILE_ROWS), round_up(C, SF_TILE_COLS)
-    if (Rp, Cp) != (R, C):
-        padded = torch.zeros((*lead, Rp, Cp), dtype=scales.dtype, device=scales.device)
-        padded[..., :R, :C] = scales
-        scales = padded
-    tiles = scales.reshape(-1, Rp // SF_TILE_ROWS, 4, 32, Cp // SF_TILE_COLS, SF_TILE_COLS)
-    swizzled = tiles.permute(0, 1, 4, 3, 2, 5)
-    return swizzled.reshape(*lead, Rp * Cp).contiguous()
-
-
-def unswizzle_128x4(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`swizzle_128x4`: [..., Rp*Cp] -> [..., rows, cols] (padding slots dropped)."""
-    *lead, n = buffer.shape
-    Rp, Cp = round_up(rows, SF_TILE_ROWS), round_up(cols, SF_TILE_COLS)
-    if n != Rp * Cp:
-        raise LayoutError(f"swizzled scale buffer has {n} elements per matrix, expected {Rp * Cp}")
-    tiles = buffer.reshape(-1, Rp // SF_TILE_ROWS, Cp // SF_TILE_COLS, 32, 4, SF_TILE_COLS)
-    matrix = tiles.permute(0, 1, 4, 3, 2, 5).reshape(*lead, Rp, Cp)
-    return matrix[..., :rows, :cols].contiguous()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,170 @@
+"""The canonical MXFP4 expert stack every backend layout starts from and returns to, its sizes
+before and after padding (:class:`LayoutSizes`), and the planned shape of an output tensor.
+
+A backend layout is a pair of pure functions over a whole expert stack:
+
+    to_kernel(canonical, activation, options)   -> KernelTensors   (padding included)
+    from_kernel(kernel, sizes, activation, options) -> CanonicalExperts (padding checked and removed)
+
+Everything is torch tensor arithmetic (index gathers, views, reshapes), so the same code gives the same
+bytes on CPU and on CUDA. No per-expert Python loops in the hot path.
+
+Canonical (unpadded) MXFP4 expert stack, one MoE layer, one TP rank:
+
+| field      | shape            | dtype  | meaning |
+|------------|------------------|--------|---------|
+| w13        | [E, 2I, H/2]     | uint8  | E2M1 pairs, low nibble = even k; rows in `row_order` |
+| w13_scale  | [E, 2I, H/32]    | uint8  | E8M0 exponents |
+| w2         | [E, H, I/2]      | uint8  | |
+| w2_scale   | [E, H, I/32]     | uint8  | |
+| w13_bias   | [E, 2I] or None  | any float (bf16 in checkpoints) | rows in `row_order` |
+| w2_bias    | [E, H] or None   | any float | |
+
+`row_order` is "interleaved" (gpt-oss: row 2j = gate j, row 2j+1 = up j) or "halves"
+(rows [0, I) = gate/w1, rows [I, 2I) = up/w3).
+
+`weight_format` is "mxfp4" (above) or "int4": compressed-tensors INT4, same shapes, w13/w2 bytes
+offset-binary int4 pairs (low nibble = even k) and w13_scale/w2_scale **bf16** group-32 scales
+(see mxconv.int4). A layout lists the formats it takes in ``LayoutBase.weight_formats``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from mxconv.errors import LayoutError
+
+ROW_ORDERS = ("interleaved", "halves")
+WEIGHT_FORMATS = ("mxfp4", "int4")
+
+# Names of the kernel tensors every backend produces (vLLM FusedMoE parameter names, without prefix).
+KERNEL_TENSOR_NAMES = (
+    "w13_weight",
+    "w13_weight_scale",
+    "w13_bias",
+    "w2_weight",
+    "w2_weight_scale",
+    "w2_bias",
+)
+
+
+def round_up(x: int, m: int) -> int:
+    """Smallest multiple of ``m`` that is >= ``x``."""
+    return ((x + m - 1) // m) * m
+
+
+@dataclass
+class CanonicalExperts:
+    """One MoE layer's MXFP4 experts in canonical form (see module docstring for shapes)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    row_order: str = "halves"
+    weight_format: str = "mxfp4"  # "mxfp4" | "int4" (bf16 scales)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w13.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        """H: input width of w13 (= output rows of w2)."""
+        return int(self.w13.shape[2]) * 2
+
+    @property
+    def intermediate_size(self) -> int:
+        """I: per-expert intermediate width (w13 has 2I rows)."""
+        return int(self.w13.shape[1]) // 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    def to(self, device: torch.device | str) -> "CanonicalExperts":
+        """Copy every tensor to ``device`` (non-blocking where possible)."""
+
+        # non_blocking only host -> device: a device -> host copy must be complete before use.
+        non_blocking = torch.device(device).type != "cpu"
+
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return replace(
+            self,
+            w13=mv(self.w13),
+            w13_scale=mv(self.w13_scale),
+            w2=mv(self.w2),
+            w2_scale=mv(self.w2_scale),
+            w13_bias=mv(self.w13_bias),
+            w2_bias=mv(self.w2_bias),
+        )
+
+    def validate(self) -> None:
+        """Raise LayoutError unless shapes/dtypes are a consistent canonical stack."""
+        if self.row_order not in ROW_ORDERS:
+            raise LayoutError(f"unknown w13 row order {self.row_order!r} (expected one of {ROW_ORDERS})")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise LayoutError(f"unknown expert weight format {self.weight_format!r} (expected one of {WEIGHT_FORMATS})")
+        scale_dtype = torch.bfloat16 if self.weight_format == "int4" else torch.uint8
+        E, n13, hb = self.w13.shape
+        H, I = hb * 2, n13 // 2
+        want = {
+            "w13": (self.w13, (E, 2 * I, H // 2)),
+            "w13_scale": (self.w13_scale, (E, 2 * I, H // 32)),
+            "w2": (self.w2, (E, H, I // 2)),
+            "w2_scale": (self.w2_scale, (E, H, I // 32)),
+        }
+        if n13 % 2:
+            raise LayoutError(f"w13 has an odd number of rows ({n13}); expected 2*I")
+        if H % 32 or I % 32:
+            raise LayoutError(f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 32 for MXFP4")
+        for name, (t, shape) in want.items():
+            if tuple(t.shape) != shape:
+                raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+            want_dtype = scale_dtype if name.endswith("_scale") else torch.uint8
+            if t.dtype != want_dtype:
+                raise LayoutError(f"{name} has dtype {t.dtype}, expected {want_dtype}")
+        if (self.w13_bias is None) != (self.w2_bias is None):
+            raise LayoutError("w13_bias and w2_bias must both be present or both absent (give both w13_bias and w2_bias, or neither)")
+        if self.w13_bias is not None and tuple(self.w13_bias.shape) != (E, 2 * I):
+            raise LayoutError(f"w13_bias has shape {tuple(self.w13_bias.shape)}, expected {(E, 2 * I)}")
+        if self.w2_bias is not None and tuple(self.w2_bias.shape) != (E, H):
+            raise LayoutError(f"w2_bias has shape {tuple(self.w2_bias.shape)}, expected {(E, H)}")
+
+
+@dataclass(frozen=True)
+class LayoutSizes:
+    """Unpadded and padded sizes of one rank's expert stack."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    padded_hidden_size: int
+    padded_intermediate_size: int
+    row_order: str
+    has_bias: bool
+    weight_format: str = "mxfp4"  # canonical expert format the kernel tensors hold ("mxfp4" | "int4")
+
+
+# Kernel tensors: name (see KERNEL_TENSOR_NAMES) -> tensor. Biases absent when the model has none.
+KernelTensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Planned shape and dtype of one output tensor (used by --dry-run, inspect and the writer)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
