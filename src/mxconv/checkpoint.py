@@ -90,9 +90,9 @@ class Checkpoint:
         except KeyError:
             raise BadInput(f"{self.root}: tensor {name!r} is missing from the checkpoint") from None
 
-    def read(self, name: str) -> torch.Tensor:
-        """Read tensor ``name`` into a new CPU tensor."""
-        return read_tensor(self.info(name))
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Read tensor ``name`` (only rows [r0, r1) of dim 0 when ``rows`` is given) into a new CPU tensor."""
+        return read_tensor(self.info(name), rows)
 
     def total_bytes(self, names: list[str] | None = None) -> int:
         it = self.tensors.values() if names is None else (self.tensors[n] for n in names)

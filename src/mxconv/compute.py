@@ -30,12 +30,13 @@ class ErrorStats:
     sq_ref: float = 0.0
     tensors: int = 0
 
-    def add(self, ref: torch.Tensor, approx: torch.Tensor) -> None:
-        """Accumulate ||approx - ref||² and ||ref||²; ``approx`` (a fresh fp32 tensor) is consumed."""
+    def add(self, ref: torch.Tensor, approx: torch.Tensor, count: bool = True) -> None:
+        """Accumulate ||approx - ref||² and ||ref||²; ``approx`` (a fresh fp32 tensor) is consumed.
+        ``count``: this is the first part of a tensor (later expert chunks add to its sums only)."""
         r = ref.float()
         self.sq_ref += float(r.square().sum())
         self.sq_err += float(approx.float().sub_(r).square_().sum())
-        self.tensors += 1
+        self.tensors += int(count)
 
     @property
     def rel_rms(self) -> float | None:
@@ -101,9 +102,9 @@ def quantize_stack(
             deq = dequantize_mx(d, s, fmt)
             if bad_blocks is not None:
                 keep = ~bad_blocks.repeat_interleave(32, dim=-1)
-                stats.add(x[keep], deq[keep])
+                stats.add(x[keep], deq[keep], count=e0 == 0)
             else:
-                stats.add(x, deq)
+                stats.add(x, deq, count=e0 == 0)
             del deq
         del x, d, s
     return MXStack(fmt, data, scales)
@@ -165,7 +166,9 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
         ref = layer.ref
         fmt = plan.weight_format
         def where(which: str) -> Callable[[tuple[int, ...]], str]:
-            return lambda idx: plan.reader.source_location(ref, which, tuple(int(i) for i in idx))
+            # idx[0] counts the experts read (a group under a memory budget starts at first_expert)
+            return lambda idx: plan.reader.source_location(
+                ref, which, (int(idx[0]) + layer.first_expert, *(int(i) for i in idx[1:])))
 
         def source(which: str) -> torch.Tensor | FP8BlockStack | Int4Stack | None:
             for form in (f"{which}_int4", f"{which}_fp8", which):
@@ -173,10 +176,14 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
                     return getattr(layer, form)
             return None
 
+        counted = stats.errors.tensors
         w13 = to_format(layer.w13_mx, source("w13"), fmt, plan.quant, where("w13"), stats.errors, device)
         w2 = to_format(layer.w2_mx, source("w2"), fmt, plan.quant, where("w2"), stats.errors, device)
+        if layer.first_expert:  # a later group of a layer's experts: its stacks are counted once, by the first
+            stats.errors.tensors = counted
         if layout is None:
-            out_layer = MoELayer(ref, layer.row_order, w13_mx=_cpu(w13), w2_mx=_cpu(w2), w13_bias=layer.w13_bias, w2_bias=layer.w2_bias)
+            out_layer = MoELayer(ref, layer.row_order, w13_mx=_cpu(w13), w2_mx=_cpu(w2), w13_bias=layer.w13_bias,
+                                 w2_bias=layer.w2_bias, first_expert=layer.first_expert)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the host copies must land before the reader repackages them
             results = [plan.reader.quantized_tensors(out_layer)]

@@ -25,6 +25,7 @@ from mxconv.layouts.base import CanonicalExperts
 from mxconv.linear_config import with_linears
 from mxconv.linears import linear_compute, linear_load, manifest_extras
 from mxconv.manifest import base_manifest, tensor_table, write_manifest
+from mxconv.memory import MemoryBudget, plan_for, resolve_budget, work_items
 from mxconv.pipeline import WorkItem, run_pipeline
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
 from mxconv.writer import (
@@ -159,6 +160,16 @@ def output_bytes(plan: Plan, shard_plans: list[list[ShardPlan]]) -> int:
     return sum(shards_size(s) for s in shard_plans) + len(shard_plans) * extra + 1024 * tensors + (1 << 20)
 
 
+def plan_memory(plan: Plan, budget: MemoryBudget | None, device: torch.device) -> None:
+    """Plan ``plan``'s memory (``plan.memory``: pipeline depth, experts per group) for ``device``
+    under ``budget`` (None fields: the machine's defaults, see :mod:`mxconv.memory`); BadInput when
+    one expert does not fit."""
+    budget = budget or MemoryBudget()
+    resolved, default = resolve_budget(budget.host, budget.gpu, device)
+    plan.memory = plan_for(plan, resolved, default_budget=default)
+    plan.memory_device = device.type
+
+
 def execute(
     plan: Plan,
     out_dir: Path,
@@ -168,8 +179,12 @@ def execute(
     overwrite: bool,
     argv: list[str] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    memory: MemoryBudget | None = None,
 ) -> dict[str, Any]:
     """Run ``plan`` into ``out_dir``; returns the summary (with timing and error statistics).
+
+    Memory: ``plan.memory`` where :func:`plan_memory` planned it for this device, else the plan
+    under ``memory`` (default: the machine's default budget, see :mod:`mxconv.memory`).
 
     On any failure or interruption everything this run wrote is removed (an ``--overwrite``'s old
     output stays whole) before the exception leaves; an :class:`Interrupted` carries what OUTPUT
@@ -177,6 +192,8 @@ def execute(
     target = OutputTarget(out_dir, [plan.ckpt.root], overwrite)
     writers: list[ShardedWriter] = []
     try:
+        if plan.memory is None or memory is not None or plan.memory_device != device.type:
+            plan_memory(plan, memory, device)
         return _execute(plan, target, writers, device=device, max_shard_size=max_shard_size, argv=argv,
                         on_progress=on_progress)
     except BaseException as exc:
@@ -236,9 +253,11 @@ def _execute(
     else:
         run_compute = compute
     # reader threads refuse NaN/Inf biases and routers and 0xFF scales (weights: where quantized)
-    load = lambda item: reader.read_checked_layer(item.payload, plan.quant.allow_nonfinite)  # noqa: E731
+    load = lambda item: reader.read_checked_layer(item.payload, plan.quant.allow_nonfinite, item.experts)  # noqa: E731
     load = linear_load(plan, load)
-    times = run_pipeline(plan.items, writers, load=load, compute=run_compute, on_progress=on_progress)
+    mem = plan.memory
+    times = run_pipeline(work_items(plan.items, mem), writers, load=load, compute=run_compute, on_progress=on_progress,
+                         prefetch=mem.prefetch, queue_depth=mem.queue_depth, read_threads=min(2, mem.prefetch))
 
     cfg = output_config(plan)
     tensors: dict[str, Any] = {}

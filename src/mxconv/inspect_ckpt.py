@@ -146,4 +146,24 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
             ),
         }
     )
+    memory = memory_plan(ckpt, reader)
+    if memory is not None:
+        out["memory"] = memory
     return out
+
+
+def memory_plan(ckpt: Checkpoint, reader: Any) -> dict[str, Any] | None:
+    """How ``mxconv quantize`` (default options, CPU) would use memory at the default ``--max-memory``:
+    experts per group, pipeline depth, estimated peak and the smallest budget that works (None where
+    quantize refuses this source)."""
+    import torch
+
+    from mxconv.convert import plan_memory
+    from mxconv.plan import QuantOptions, build_plan
+
+    try:
+        plan = build_plan(ckpt, reader, "quantize", QuantOptions())
+        plan_memory(plan, None, torch.device("cpu"))
+    except BadInput:
+        return None
+    return {"command": "quantize --device cpu", "plan": plan.memory.describe(), **plan.memory.to_json()}

@@ -4,8 +4,12 @@
         --bounded queue-->  writer thread (shard files, sha256)
 
 Host memory is bounded by ``prefetch`` items being read, one being computed and ``queue_depth``
-waiting to be written; the GPU holds one item at a time. Items keep their order end to end, which
-is what lets every shard header be written before its data.
+waiting to be written (plus the one the writer holds and the one waiting to be queued); the GPU
+holds one item at a time. :mod:`mxconv.memory` plans both numbers and the items themselves from the
+``--max-memory`` budget: an item is a whole MoE layer, or a group of its experts whose results are
+runs of dim-0 rows of the layer's ``[E, ...]`` tensors (or whole per-expert tensors), written with
+:meth:`~mxconv.writer.ShardedWriter.write_part`. Items keep their order end to end, which is what
+lets every shard header be written before its data.
 
 On any failure (an error in a stage, or SIGINT/SIGTERM raised in the main thread as
 :class:`mxconv.interrupt.Interrupted`) the writers are cancelled between chunks, pending reads are
@@ -30,14 +34,17 @@ from mxconv.writer import ShardedWriter, WriteCancelled, copy_tensor_to
 
 @dataclass
 class WorkItem:
-    """One unit of work: a group of tensors copied byte for byte, or one MoE layer."""
+    """One unit of work: a group of tensors copied byte for byte, or one MoE layer (or a group of
+    its experts)."""
 
     kind: str  # "copy" | "layer" | "linear" (one layer's linears, mxconv.linears): all but "copy" are loaded and computed
     in_bytes: int
     copy_names: list[str] = field(default_factory=list)  # for "copy": tensor names, in plan order
     payload: Any = None  # for "layer": whatever load/compute need (e.g. a MoELayerRef)
-    # for "layer": per destination writer, the tensor names this item writes, in plan order
+    # for "layer": per destination writer, the tensor names this item writes, in plan order (a group
+    # of experts: the layer's names; it writes its own experts' tensors and its part of the stacks)
     out_names: list[list[str]] = field(default_factory=list)
+    experts: tuple[int, int] | None = None  # for "layer": experts [e0, e1) only (None: all)
 
 
 LoadFn = Callable[[WorkItem], Any]
@@ -90,10 +97,18 @@ def run_pipeline(
                 if item.kind == "copy":
                     for name in item.copy_names:
                         copy_tensor_to(writers, name)  # read and hashed once for all ranks
-                else:
+                elif item.experts is None:
                     for w, names, res in zip(writers, item.out_names, results):
                         for name in names:
                             w.write_tensor(name, res[name])
+                else:  # a group of experts: its per-expert tensors whole, its rows of the stacks
+                    for w, names, res in zip(writers, item.out_names, results):
+                        unplanned = set(res).difference(names)
+                        if unplanned:
+                            raise RuntimeError(f"compute returned tensors the plan does not hold: {sorted(unplanned)[:3]}")
+                        for name in names:
+                            if name in res:
+                                w.write_part(name, res[name])
                 times.write_s += time.perf_counter() - t0
                 if on_progress:
                     on_progress(item.in_bytes)

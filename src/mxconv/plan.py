@@ -69,6 +69,8 @@ class Plan:
     rank_ranges: list[tuple[int, int]] = field(default_factory=list)
     layout_desc: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # sizes the engine takes but computes wrongly
+    memory: Any = None  # mxconv.memory.MemoryPlan: pipeline depth, experts per group (convert.plan_memory)
+    memory_device: str | None = None  # the device type it was planned for
     linears: LinearSelection | None = None  # the model's linear layers (mxconv.linears); None for repack
 
     @property
@@ -97,6 +99,8 @@ class Plan:
         if self.linears is not None and self.linears.mx_modules():
             s["linears_quantized"] = len(self.linears.quantized)
             s["linear_bytes_out"] = sum(t.nbytes for d in self.dests for t in d if t.role == "linear")
+        if self.memory is not None:
+            s["memory"] = self.memory.describe()
         if self.warnings:
             s["warnings"] = list(self.warnings)
         if self.sizes is not None:

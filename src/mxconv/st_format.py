@@ -225,29 +225,36 @@ def library_check(path: Path) -> None:
         raise BadInput(f"{path}: the safetensors library refuses the file ({exc})") from None
 
 
-def read_tensor(info: TensorInfo) -> torch.Tensor:
+def read_tensor(info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Read one tensor's bytes from disk into a new CPU tensor (header already validated).
 
     Reads with ``readinto`` straight into the tensor's storage: one copy, no mmap page faults,
-    and it works for every dtype (F8_E8M0, F4 included).
+    and it works for every dtype (F8_E8M0, F4 included). ``rows=(r0, r1)``: only rows [r0, r1)
+    of dim 0 (a contiguous byte range of the file), e.g. a group of experts of a fused stack.
     """
     dtype = info.torch_dtype
-    nbytes = info.nbytes
+    shape = info.shape
+    if info.dtype == "F4" and shape:
+        shape = (*shape[:-1], shape[-1] // 2)
+    begin, nbytes = info.begin, info.nbytes
+    if rows is not None:
+        r0, r1 = rows
+        if not shape or not 0 <= r0 <= r1 <= shape[0]:
+            raise ValueError(f"rows {rows} of tensor {info.name!r} with shape {list(info.shape)}")
+        row_bytes = nbytes // shape[0] if shape[0] else 0
+        begin, nbytes, shape = begin + r0 * row_bytes, (r1 - r0) * row_bytes, (r1 - r0, *shape[1:])
     buf = torch.empty(nbytes, dtype=torch.uint8)
     if nbytes:
         mv = memoryview(buf.numpy()).cast("B")
         with open(info.file, "rb", buffering=0) as f:
-            f.seek(info.begin)
+            f.seek(begin)
             got = 0
             while got < nbytes:
                 r = f.readinto(mv[got:])
                 if not r:
                     raise BadInput(f"{info.file}: tensor {info.name!r} is truncated (read {got} of {nbytes} bytes)")
                 got += r
-    if info.dtype == "F4":
-        shape = (*info.shape[:-1], info.shape[-1] // 2) if info.shape else info.shape
-        return buf.view(dtype).reshape(shape)
-    return buf.view(dtype).reshape(info.shape)
+    return buf.view(dtype).reshape(shape)
 
 
 def iter_tensor_chunks(info: TensorInfo, chunk: int = 64 << 20):

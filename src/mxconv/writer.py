@@ -76,8 +76,9 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def parse_size(text: str) -> int:
-    """'5GB' / '500MB' / '2GiB' / '1000000' -> bytes (decimal units as huggingface uses them)."""
+def parse_size(text: str, flag: str = "--max-shard-size") -> int:
+    """'5GB' / '500MB' / '2GiB' / '1000000' -> bytes (decimal units as huggingface uses them);
+    errors name ``flag``."""
     s = text.strip().upper().replace(" ", "")
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
     for u, mult in units.items():
@@ -89,9 +90,9 @@ def parse_size(text: str) -> int:
     try:
         value = float(num)
     except ValueError:
-        raise BadInput(f"--max-shard-size: cannot parse {text!r} (use e.g. 5GB, 500MB, 2GiB)") from None
+        raise BadInput(f"{flag}: cannot parse {text!r} (use e.g. 5GB, 500MB, 2GiB)") from None
     if not math.isfinite(value) or value * mult < 1:
-        raise BadInput(f"--max-shard-size must be at least one byte, got {text!r}")
+        raise BadInput(f"{flag} must be at least one byte, got {text!r}")
     return int(value * mult)
 
 
@@ -484,8 +485,28 @@ class WrittenTensor:
 
 
 @dataclass
+class _Part:
+    """A planned tensor begun and not yet complete: where its bytes go and its running sha256."""
+
+    planned: PlannedTensor
+    shard: int
+    offset: int  # absolute file offset of the tensor's first byte
+    hasher: Any  # hashlib sha256 over the bytes written so far
+    done: int = 0
+
+
+@dataclass
 class ShardedWriter:
     """Writes a planned set of shards into ``out_dir``, tensor by tensor, in plan order.
+
+    A tensor is written whole (:meth:`write_tensor`, :meth:`copy_tensor`) or in parts
+    (:meth:`write_part`: consecutive runs of its dim-0 rows, e.g. one group of experts of an
+    ``[E, ...]`` stack at a time under a memory budget). Tensors begin in plan order; a tensor begun
+    in parts may be continued after later tensors have begun (each part goes to its own offset in
+    the shard, whose header is planned up front), so several shards can be open at once. The
+    sha256 of a tensor covers its bytes in order whatever the parts, so the output and its manifest
+    are the same however it was cut. A shard is fsync'd and renamed into place once its last
+    tensor is complete.
 
     Errors name the file under ``display_dir`` (the final OUTPUT, where ``out_dir`` is a staging
     directory). :meth:`cancel` (any thread) stops a write between chunks of at most ``COPY_CHUNK``.
@@ -507,10 +528,14 @@ class ShardedWriter:
         self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-fsync")
         self._synced: list[Future] = []
         self._queue = [(si, t) for si, s in enumerate(self.shards) for t in s.tensors]
-        self._pos = 0
-        self._file = None
-        self._shard_idx = -1
-        self._remaining_in_shard = 0
+        self._pos = 0  # tensors begun
+        self._files: dict[int, Any] = {}  # open shard files (temporary names)
+        self._fpos: dict[int, int] = {}  # each open file's position (a seek only where a part jumps)
+        self._left: dict[int, int] = {}  # tensors of an open shard not yet complete
+        self._offsets: dict[str, int] = {}  # absolute offsets of the tensors of opened shards
+        self._shard_of: dict[str, int] = {}
+        self._parts: dict[str, _Part] = {}
+        self._last_shard = -1  # the shard written to last (named by errors)
         self._cancelled = threading.Event()
         self._open_at_abort: Path | None = None
         self._delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)  # test hook (module doc)
@@ -523,42 +548,54 @@ class ShardedWriter:
 
     def current_file(self) -> Path | None:
         """The output file (final name) of the shard being written (or that was, when aborted)."""
-        return self._shown(self.shards[self._shard_idx]) if self._file is not None else self._open_at_abort
+        if self._files and self._last_shard in self._files:
+            return self._shown(self.shards[self._last_shard])
+        return self._open_at_abort
 
     def cancel(self) -> None:
         """Make the write in progress (and any later one) raise :class:`WriteCancelled`."""
         self._cancelled.set()
 
-    def _write(self, chunk: memoryview | bytes) -> None:
+    def _write_at(self, si: int, offset: int, chunk: memoryview | bytes) -> None:
         if self._cancelled.is_set():
             raise WriteCancelled()
-        assert self._file is not None
+        f = self._files[si]
+        self._last_shard = si
         try:
-            self._file.write(chunk)
+            if self._fpos[si] != offset:
+                f.seek(offset)
+            f.write(chunk)
         except OSError as exc:
-            raise OutputWriteError.from_os_error(exc, self._shown(self.shards[self._shard_idx])) from exc
+            raise OutputWriteError.from_os_error(exc, self._shown(self.shards[si])) from exc
+        self._fpos[si] = offset + len(chunk)
 
-    def _open_next(self, si: int) -> None:
+    def _open_shard(self, si: int) -> None:
         for fut in self._synced:  # an earlier shard's failed fsync/rename stops the run here already
             if fut.done() and fut.exception() is not None:
                 raise fut.exception()  # type: ignore[misc]
         shard = self.shards[si]
         try:
-            self._file = open(self._tmp(shard), "wb")
+            self._files[si] = open(self._tmp(shard), "wb")
         except OSError as exc:
             raise OutputWriteError.from_os_error(exc, self._shown(shard)) from exc
-        self._shard_idx = si
-        self._remaining_in_shard = len(shard.tensors)
-        self._write(_header_bytes(shard, self.metadata))
+        self._fpos[si] = 0
+        self._left[si] = len(shard.tensors)
+        header = _header_bytes(shard, self.metadata)
+        off = len(header)
+        for t in shard.tensors:
+            self._offsets[t.name] = off
+            off += t.nbytes
+        self._write_at(si, 0, header)
 
-    def _finish_shard(self) -> None:
-        assert self._file is not None
-        shard = self.shards[self._shard_idx]
+    def _finish_shard(self, si: int) -> None:
+        shard = self.shards[si]
+        f = self._files.pop(si)
+        del self._fpos[si], self._left[si]
         try:
-            self._file.flush()  # here, so that a full disk stops the writer now
+            f.flush()  # here, so that a full disk stops the writer now
         except OSError as exc:
+            self._files[si] = f  # abort() closes and deletes it
             raise OutputWriteError.from_os_error(exc, self._shown(shard)) from exc
-        f, self._file = self._file, None
 
         def sync_and_rename() -> None:
             try:
@@ -573,40 +610,69 @@ class ShardedWriter:
         self._synced.append(self._syncer.submit(sync_and_rename))
 
     def _begin(self, name: str) -> PlannedTensor:
+        """Begin the next planned tensor, which must be ``name`` (opening its shard)."""
         if self._pos >= len(self._queue):
             raise RuntimeError(f"writer: unexpected tensor {name!r} after the plan ended")
         si, planned = self._queue[self._pos]
         if planned.name != name:
             raise RuntimeError(f"writer: got tensor {name!r}, plan expects {planned.name!r}")
-        if self._file is None:
-            self._open_next(si)
+        if si not in self._files:
+            self._open_shard(si)
+        self._shard_of[name] = si
+        self._pos += 1
         return planned
 
     def _end(self, planned: PlannedTensor, digest: str) -> None:
+        si = self._shard_of[planned.name]
         self.written[planned.name] = WrittenTensor(
-            self.shards[self._shard_idx].file, list(planned.shape), planned.st_dtype, digest, planned.role
+            self.shards[si].file, list(planned.shape), planned.st_dtype, digest, planned.role
         )
-        self._pos += 1
-        self._remaining_in_shard -= 1
-        if self._remaining_in_shard == 0:
-            self._finish_shard()
+        self._left[si] -= 1
+        if self._left[si] == 0:
+            self._finish_shard(si)
         if self._delay and self._cancelled.wait(self._delay):
             raise WriteCancelled()
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        """Append ``tensor`` (CPU or CUDA) as the next planned tensor ``name``."""
-        planned = self._begin(name)
-        if tensor.dtype != planned.spec.dtype or tuple(tensor.shape) != tuple(planned.spec.shape):
+        """Append ``tensor`` (CPU or CUDA) as the next planned tensor ``name``, whole."""
+        planned = self._queue[self._pos][1] if self._pos < len(self._queue) else None
+        if planned is not None and planned.name == name and (
+            tensor.dtype != planned.spec.dtype or tuple(tensor.shape) != tuple(planned.spec.shape)
+        ):
             raise RuntimeError(
                 f"writer: {name} is {tensor.dtype}{list(tensor.shape)}, plan says "
                 f"{planned.spec.dtype}{list(planned.spec.shape)}"
             )
+        if name in self._parts:
+            raise RuntimeError(f"writer: {name} was begun in parts, got it whole")
+        self.write_part(name, tensor)
+
+    def write_part(self, name: str, tensor: torch.Tensor) -> None:
+        """Append ``tensor``, the next run of dim-0 rows of planned tensor ``name`` (its first part
+        begins it, in plan order; the tensor is complete when all its bytes are in)."""
+        part = self._parts.get(name)
+        if part is None:
+            if name in self.written and tensor.numel() == 0:
+                return  # an empty tensor, complete since its first (empty) part
+            planned = self._begin(name)
+            si = self._shard_of[name]
+            part = self._parts[name] = _Part(planned, si, self._offsets[name], hashlib.sha256())
+        planned = part.planned
+        if tensor.dtype != planned.spec.dtype or tuple(tensor.shape[1:]) != tuple(planned.spec.shape[1:]):
+            raise RuntimeError(
+                f"writer: part of {name} is {tensor.dtype}{list(tensor.shape)}, plan says "
+                f"{planned.spec.dtype}{list(planned.spec.shape)} (parts are runs of dim-0 rows)"
+            )
         data = tensor_bytes(tensor)
-        if len(data) != planned.nbytes:
-            raise RuntimeError(f"writer: {name} has {len(data)} bytes, plan says {planned.nbytes}")
-        digest = _stream([self], (data[i : i + COPY_CHUNK] for i in range(0, len(data), COPY_CHUNK)))
+        if part.done + len(data) > planned.nbytes:
+            raise RuntimeError(f"writer: {name} gets {part.done + len(data)} bytes, plan says {planned.nbytes}")
+        _stream([(self, part.shard, part.offset + part.done)], part.hasher,
+                (data[i : i + COPY_CHUNK] for i in range(0, len(data), COPY_CHUNK)))
+        part.done += len(data)
         self.bytes_written += len(data)
-        self._end(planned, digest)
+        if part.done == planned.nbytes:
+            del self._parts[name]
+            self._end(planned, part.hasher.hexdigest())
 
     def copy_tensor(self, name: str) -> int:
         """Copy the next planned tensor byte for byte from its source file; returns bytes copied."""
@@ -620,6 +686,14 @@ class ShardedWriter:
             fut.result()  # re-raise a failed fsync/rename (e.g. disk full) before the index is written
         if self._pos != len(self._queue):
             raise RuntimeError(f"writer: {len(self._queue) - self._pos} planned tensors were never written")
+        if self._parts:
+            name, part = next(iter(self._parts.items()))
+            raise RuntimeError(
+                f"writer: {len(self._parts)} tensors were written in part only, e.g. {name} "
+                f"({part.done} of {part.planned.nbytes} bytes)"
+            )
+        # in plan order (tensors written in parts complete out of it): same index and table however cut
+        self.written = {t.name: self.written[t.name] for _, t in self._queue}
         weight_map = {name: w.file for name, w in self.written.items()}
         total = sum(s.nbytes for s in self.shards)
         with writing(self.display_dir or self.out_dir, self.out_dir):
@@ -627,39 +701,45 @@ class ShardedWriter:
         return self.written
 
     def abort(self) -> None:
-        """Stop the helper threads, close and delete the temporary file of the shard in progress
+        """Stop the helper threads, close and delete the temporary files of the shards in progress
         (best effort; safe to call twice). Finished shards stay: the caller's OutputTarget removes them."""
         self._cancelled.set()
         self._hasher.shutdown(wait=True, cancel_futures=True)  # at most one chunk being hashed
         self._syncer.shutdown(wait=True)
-        if self._file is not None:
-            self._open_at_abort = self.current_file()
+        if self._files:
+            self._open_at_abort = self.current_file() or self._shown(self.shards[min(self._files)])
+        for si, f in list(self._files.items()):
             try:
-                self._file.close()
+                f.close()
             except OSError:
                 pass
             finally:
-                self._tmp(self.shards[self._shard_idx]).unlink(missing_ok=True)
-                self._file = None
+                self._tmp(self.shards[si]).unlink(missing_ok=True)
+                del self._files[si]
 
 
-def _stream(writers: list[ShardedWriter], chunks: Iterable[memoryview | bytes]) -> str:
-    """Write ``chunks`` into the open shard of every writer, hashing each chunk on the first writer's
-    sha256 thread while the next one is written; returns the hex digest."""
-    h = hashlib.sha256()
-    hasher = writers[0]._hasher
+Target = tuple[ShardedWriter, int, int]  # (writer, shard, absolute file offset of the first byte)
+
+
+def _stream(targets: list[Target], h: Any, chunks: Iterable[memoryview | bytes]) -> int:
+    """Write ``chunks`` at consecutive offsets of every target (one per TP rank), updating sha256
+    ``h`` with each chunk on the first writer's hashing thread while the chunk is being written;
+    returns the bytes written per target."""
+    hasher = targets[0][0]._hasher
     pending: Future | None = None
+    pos = 0
     try:
         for chunk in chunks:
             if pending is not None:
                 pending.result()
             pending = hasher.submit(h.update, chunk)
-            for w in writers:
-                w._write(chunk)
+            for w, si, off in targets:
+                w._write_at(si, off + pos, chunk)
+            pos += len(chunk)
     finally:
         if pending is not None:
             pending.result()
-    return h.hexdigest()
+    return pos
 
 
 def copy_tensor_to(writers: list[ShardedWriter], name: str) -> int:
@@ -667,8 +747,10 @@ def copy_tensor_to(writers: list[ShardedWriter], name: str) -> int:
     hashing its source once; returns the bytes read."""
     planned = [w._begin(name) for w in writers]
     src = planned[0].source
-    assert src is not None and all(w._file is not None for w in writers)
-    digest = _stream(writers, iter_tensor_chunks(src, COPY_CHUNK))
+    assert src is not None
+    h = hashlib.sha256()
+    _stream([(w, w._shard_of[name], w._offsets[name]) for w in writers], h, iter_tensor_chunks(src, COPY_CHUNK))
+    digest = h.hexdigest()
     for w, p in zip(writers, planned):
         w.bytes_written += src.nbytes
         w._end(p, digest)

@@ -59,7 +59,12 @@ DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto
 RevisionOpt = Annotated[Optional[str], typer.Option("--revision", metavar="REV", help="Hub revision (branch, tag or commit) of a repo-id source.")]
 MaxShardOpt = Annotated[str, typer.Option("--max-shard-size", metavar="SIZE", help="Largest output shard, e.g. 5GB, 500MB.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an earlier mxconv output in OUTPUT (swapped in only when the new one is complete).")]
-DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (tensors, bytes in/out, padding); write nothing.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan (tensors, bytes in/out, padding, memory); write nothing.")]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option("--max-memory", metavar="SIZE", help=(
+    "Host memory budget (peak RSS), e.g. 16GB, 2GiB. Default: 75% of the memory available at start. A layer "
+    "that does not fit is read, converted and written in groups of experts; same output bytes."))]
+MaxGpuMemoryOpt = Annotated[Optional[str], typer.Option("--max-gpu-memory", metavar="SIZE", help=(
+    "GPU memory budget for --device cuda, e.g. 20GB. Default: 80% of the device's free memory."))]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable document on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="No progress bar or tables; reasons for a failure are still shown.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks.")]
@@ -215,22 +220,27 @@ def run_convert(
     dry_run: bool,
     as_json: bool,
     quiet: bool,
+    max_memory: Optional[str] = None,
+    max_gpu_memory: Optional[str] = None,
 ) -> None:
     from mxconv.readahead import Readahead
 
     # The disk starts on the source while torch imports and CUDA starts (seconds): see mxconv.readahead.
     ahead = None if dry_run else Readahead.for_source(source)
     from mxconv.checkpoint import open_checkpoint
-    from mxconv.convert import build_plan, execute
+    from mxconv.convert import build_plan, execute, plan_memory
     from mxconv.families import detect_family
+    from mxconv.memory import MemoryBudget, parse_memory
     from mxconv.writer import check_output_dir, parse_size
 
     shard_bytes = parse_size(max_shard_size)
+    budget = MemoryBudget(parse_memory(max_memory, "--max-memory"), parse_memory(max_gpu_memory, "--max-gpu-memory"))
     dev = device_of(device)
     ckpt = open_checkpoint(source, revision)
     reader = detect_family(ckpt)
     plan = build_plan(ckpt, reader, command, quant, repack)
     check_output_dir(output, [ckpt.root], overwrite)
+    plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
     if not as_json:
         for warning in plan.warnings:  # shown even with --quiet: the output would compute wrongly
             err.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
@@ -238,6 +248,7 @@ def run_convert(
         doc = plan.summary()
         doc["dry_run"] = True
         doc["output"] = str(output)
+        doc["memory"] = plan.memory.to_json()
         doc["tensors"] = [
             {"name": t.name, "shape": list(t.shape), "dtype": t.st_dtype, "bytes": t.nbytes, "role": t.role}
             for t in plan.dests[0]

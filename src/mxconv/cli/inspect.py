@@ -56,6 +56,9 @@ def inspect(
         t.add_row("tensors / shards", f"{doc['tensors']} / {doc['shards']}")
         t.add_row("bytes: experts", human_bytes(doc["bytes"]["experts"]))
         t.add_row("bytes: rest", human_bytes(doc["bytes"]["rest"]))
+        if doc.get("memory"):
+            mem = doc["memory"]
+            t.add_row("memory (quantize, CPU)", f"{mem['plan']}; smallest --max-memory ~{human_bytes(mem['smallest_max_memory'])}")
         out.print(t)
         roles = doc.get("bytes_by_role")
         if roles and (roles.get("before") or roles.get("after")):

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from mxconv.cli.common import (
-    DebugOpt, DeviceOpt, DryRunOpt, JsonOpt, MaxShardOpt, NonfiniteOpt, OutputArg, OverwriteOpt, QuietOpt,
-    RevisionOpt, Rounding, RoundingOpt, SourceArg, app, errors, run_convert,
+    DebugOpt, DeviceOpt, DryRunOpt, JsonOpt, MaxGpuMemoryOpt, MaxMemoryOpt, MaxShardOpt, NonfiniteOpt, OutputArg,
+    OverwriteOpt, QuietOpt, RevisionOpt, Rounding, RoundingOpt, SourceArg, app, errors, run_convert,
 )
 
 
@@ -46,6 +46,8 @@ def quantize(
     revision: RevisionOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
     overwrite: OverwriteOpt = False,
+    max_memory: MaxMemoryOpt = None,
+    max_gpu_memory: MaxGpuMemoryOpt = None,
     dry_run: DryRunOpt = False,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -68,4 +70,5 @@ def quantize(
         q = QuantOptions(format.value, scale_rounding.value, allow_nonfinite, include or None, ignore or None,
                          targets.value, skip_unaligned)
         run_convert("quantize", source, output, quant=q, repack=None, device=device, revision=revision,
-                    max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, as_json=as_json, quiet=quiet)
+                    max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, as_json=as_json, quiet=quiet,
+                    max_memory=max_memory, max_gpu_memory=max_gpu_memory)

@@ -11,8 +11,8 @@ import typer
 from typer.core import TyperCommand
 
 from mxconv.cli.common import (
-    SOURCE_HELP, DebugOpt, DeviceOpt, DryRunOpt, JsonOpt, MaxShardOpt, NonfiniteOpt, OutputArg, OverwriteOpt,
-    QuietOpt, RevisionOpt, Rounding, app, errors, run_convert,
+    SOURCE_HELP, DebugOpt, DeviceOpt, DryRunOpt, JsonOpt, MaxGpuMemoryOpt, MaxMemoryOpt, MaxShardOpt, NonfiniteOpt,
+    OutputArg, OverwriteOpt, QuietOpt, RevisionOpt, Rounding, app, errors, run_convert,
 )
 from mxconv.layouts import backend_names
 
@@ -66,6 +66,8 @@ def repack(
     revision: RevisionOpt = None,
     max_shard_size: MaxShardOpt = "5GB",
     overwrite: OverwriteOpt = False,
+    max_memory: MaxMemoryOpt = None,
+    max_gpu_memory: MaxGpuMemoryOpt = None,
     dry_run: DryRunOpt = False,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -103,4 +105,5 @@ def repack(
         q = QuantOptions("mxfp4", scale_rounding.value, allow_nonfinite)
         r = RepackOptions(backend, act, tp, opts)
         run_convert("repack", source, output, quant=q, repack=r, device=device, revision=revision,
-                    max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, as_json=as_json, quiet=quiet)
+                    max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, as_json=as_json, quiet=quiet,
+                    max_memory=max_memory, max_gpu_memory=max_gpu_memory)

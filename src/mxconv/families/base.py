@@ -185,10 +185,32 @@ class MoELayer:
     w2_fp8: FP8BlockStack | None = None
     w13_int4: Int4Stack | None = None  # compressed-tensors INT4 sources: instead of w13
     w2_int4: Int4Stack | None = None
+    # Expert index (in the checkpoint's layer) of row 0 of every stack: a layer read as a group of
+    # experts [first_expert, first_expert + E) under a memory budget (mxconv.memory); 0 for a whole layer.
+    first_expert: int = 0
 
     @property
     def is_mx(self) -> bool:
         return self.w13_mx is not None
+
+    def select_experts(self, e0: int, e1: int) -> "MoELayer":
+        """Experts [e0, e1) of this layer (views along dim 0 of every stack), ``first_expert`` set."""
+        cut = lambda t: None if t is None else t[e0:e1]  # noqa: E731
+
+        def mx(s: MXStack | None) -> MXStack | None:
+            return None if s is None else MXStack(s.fmt, s.data[e0:e1], s.scales[e0:e1])
+
+        def fp8(s: FP8BlockStack | None) -> FP8BlockStack | None:
+            return None if s is None else FP8BlockStack([(d[e0:e1], sc[e0:e1]) for d, sc in s.parts], s.block)
+
+        def int4(s: Int4Stack | None) -> Int4Stack | None:
+            return None if s is None else Int4Stack(s.data[e0:e1], s.scales[e0:e1])
+
+        return MoELayer(
+            self.ref, self.row_order, cut(self.w13), cut(self.w2), mx(self.w13_mx), mx(self.w2_mx),
+            cut(self.w13_bias), cut(self.w2_bias), fp8(self.w13_fp8), fp8(self.w2_fp8),
+            int4(self.w13_int4), int4(self.w2_int4), self.first_expert + e0,
+        )
 
     def float_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) as float tensors on the CPU (block-FP8 dequantized in fp32). For tests and
@@ -206,6 +228,9 @@ class FamilyReader(ABC):
 
     name: ClassVar[str]  # registry key, e.g. "gpt-oss"
     title: ClassVar[str]  # human name, e.g. "gpt-oss (MXFP4 / BF16)"
+    # True when read_layer(ref, experts=(e0, e1)) reads only those experts' bytes; otherwise a
+    # group is cut from the whole layer, so a memory budget cannot split the reader's layers.
+    reads_expert_ranges: ClassVar[bool] = False
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
@@ -224,8 +249,9 @@ class FamilyReader(ABC):
         """Every MoE layer, in layer order, validated against the headers."""
 
     @abstractmethod
-    def read_layer(self, ref: MoELayerRef) -> MoELayer:
-        """Read one layer's expert tensors into a canonical CPU MoELayer."""
+    def read_layer(self, ref: MoELayerRef, experts: tuple[int, int] | None = None) -> MoELayer:
+        """Read one layer's expert tensors into a canonical CPU MoELayer; ``experts=(e0, e1)``: only
+        experts [e0, e1) (stacks of e1 - e0, ``first_expert`` = e0), where ``reads_expert_ranges``."""
 
     # ---- quantized output convention (quantize command) -------------------------------------
     @abstractmethod
@@ -276,6 +302,7 @@ class FamilyReader(ABC):
         """
         from mxconv.numerics import first_nonnumber
 
+        first = layer.first_expert  # dim 0 of every stack is the expert, counted from here
         hit = first_nonnumber(
             {
                 "w13_scale": None if layer.w13_mx is None else layer.w13_mx.scales,
@@ -286,19 +313,29 @@ class FamilyReader(ABC):
         )
         if hit is not None:
             which, idx, what = hit
-            return f"{what} in {self.source_location(layer.ref, which, idx)}"
+            return f"{what} in {self.source_location(layer.ref, which, (idx[0] + first, *idx[1:]))}"
         for which, fp8 in (("w13", layer.w13_fp8), ("w2", layer.w2_fp8)):
             for j, (_, scale_inv) in enumerate(fp8.parts if fp8 is not None else ()):
                 hit = first_nonnumber({"scale_inv": scale_inv})
                 if hit is not None:
                     e, r, c = hit[1]
-                    return f"{hit[2]} in {self.source_location(layer.ref, which + '_scale_inv', (e, j, r, c))}"
+                    return f"{hit[2]} in {self.source_location(layer.ref, which + '_scale_inv', (e + first, j, r, c))}"
+        if first:  # the routers belong to the whole layer: checked with its first group of experts
+            return None
         return nonfinite_tensors(self.ckpt, (layer.ref.router_weight, layer.ref.router_bias, layer.ref.correction_bias))
 
-    def read_checked_layer(self, ref: MoELayerRef, allow_nonfinite: bool = False) -> MoELayer:
-        """:meth:`read_layer`, refusing (BadInput) what :meth:`nonfinite_problem` finds unless
-        ``allow_nonfinite`` (then NaN/Inf biases and routers and 0xFF scales are carried over as they are)."""
-        layer = self.read_layer(ref)
+    def read_checked_layer(
+        self, ref: MoELayerRef, allow_nonfinite: bool = False, experts: tuple[int, int] | None = None
+    ) -> MoELayer:
+        """:meth:`read_layer` (of experts [e0, e1) when ``experts`` is given), refusing (BadInput) what
+        :meth:`nonfinite_problem` finds unless ``allow_nonfinite`` (then NaN/Inf biases and routers and
+        0xFF scales are carried over as they are)."""
+        if experts is None:
+            layer = self.read_layer(ref)
+        elif self.reads_expert_ranges:
+            layer = self.read_layer(ref, experts)
+        else:
+            layer = self.read_layer(ref).select_experts(*experts)
         if not allow_nonfinite:
             problem = self.nonfinite_problem(layer)
             if problem:

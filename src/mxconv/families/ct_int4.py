@@ -46,19 +46,21 @@ def _fail(reader: "PerExpertReader", name: str, problem: str) -> BadInput:
     return BadInput(f"{where}: tensor {name!r} {problem}")
 
 
-def read_int4_stack(reader: "PerExpertReader", prefix: str, projs: tuple[int, ...], n: int, k: int) -> Int4Stack:
+def read_int4_stack(
+    reader: "PerExpertReader", prefix: str, projs: tuple[int, ...], n: int, k: int, experts: tuple[int, int] | None = None
+) -> Int4Stack:
     """Read projections ``projs`` (stacked along the rows, gate then up for w13) of every expert of
-    the layer at ``prefix`` into one canonical :class:`Int4Stack`: data uint8 [E, n, k/2] (the
-    words' bytes, offset-binary), scales bf16 [E, n, k/32].
+    the layer at ``prefix`` (or of experts [e0, e1)) into one canonical :class:`Int4Stack`: data uint8
+    [E, n, k/2] (the words' bytes, offset-binary), scales bf16 [E, n, k/32].
 
     BadInput naming the shard file, the tensor and the rule when a ``weight_shape`` disagrees with
     [rows, k] or a scale is NaN/Inf.
     """
-    E = reader._plan().num_experts
+    e0, e1 = experts or (0, reader._plan().num_experts)
     rows = n // len(projs)
-    data = torch.empty((E, n, k // 2), dtype=torch.uint8)
-    scales = torch.empty((E, n, k // GROUP_SIZE), dtype=torch.bfloat16)
-    for e in range(E):
+    data = torch.empty((e1 - e0, n, k // 2), dtype=torch.uint8)
+    scales = torch.empty((e1 - e0, n, k // GROUP_SIZE), dtype=torch.bfloat16)
+    for e in range(e0, e1):
         for j, proj in enumerate(projs):
             part = slice(j * rows, (j + 1) * rows)
             shape_name = reader.expert_name(prefix, e, proj, "weight_shape")
@@ -69,7 +71,7 @@ def read_int4_stack(reader: "PerExpertReader", prefix: str, projs: tuple[int, ..
                     f"says the weight is {stated}, but its weight_packed/weight_scale headers and config.json give "
                     f"[{rows}, {k}] (weight_shape must equal [rows, columns] of the unpacked weight)",
                 )
-            data[e, part] = words_as_bytes(reader.ckpt.read(reader.expert_name(prefix, e, proj, "weight_packed")))
+            data[e - e0, part] = words_as_bytes(reader.ckpt.read(reader.expert_name(prefix, e, proj, "weight_packed")))
             scale_name = reader.expert_name(prefix, e, proj, "weight_scale")
             s = reader.ckpt.read(scale_name)
             bad = ~torch.isfinite(s)
@@ -79,5 +81,5 @@ def read_int4_stack(reader: "PerExpertReader", prefix: str, projs: tuple[int, ..
                     reader, scale_name,
                     f"holds {s[r, c].item()} at [{r}, {c}] (INT4 group scales must be finite; w = q * scale)",
                 )
-            scales[e, part] = s
+            scales[e - e0, part] = s
     return Int4Stack(data, scales)

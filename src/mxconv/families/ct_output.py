@@ -67,8 +67,9 @@ class CompressedTensorsOutput:
                 data = stack.data[e, rows].clone()
                 if fmt == "mxfp8":
                     data = data.view(torch.float8_e4m3fn)
-                out[self.expert_name(prefix, e, proj, data_param)] = data
-                out[self.expert_name(prefix, e, proj, "weight_scale")] = stack.scales[e, rows].clone()
+                # a group of experts (memory budget) names them from the layer's first_expert on
+                out[self.expert_name(prefix, layer.first_expert + e, proj, data_param)] = data
+                out[self.expert_name(prefix, layer.first_expert + e, proj, "weight_scale")] = stack.scales[e, rows].clone()
         return out
 
     def ct_targets(self) -> list[str]:

@@ -64,6 +64,7 @@ class GptOssReader(FamilyReader):
 
     name = "gpt-oss"
     title = "gpt-oss (MXFP4 / BF16)"
+    reads_expert_ranges = True
 
     def __init__(self, ckpt: Checkpoint) -> None:
         super().__init__(ckpt)
@@ -311,17 +312,22 @@ class GptOssReader(FamilyReader):
             )
         return refs
 
-    def read_layer(self, ref: MoELayerRef) -> MoELayer:
+    def read_layer(self, ref: MoELayerRef, experts: tuple[int, int] | None = None) -> MoELayer:
         plan = self._plan()
-        E, H, I = plan["E"], plan["H"], plan["I"]
+        H, I = plan["H"], plan["I"]
+        E = plan["E"] if experts is None else experts[1] - experts[0]
         fmt = plan["formats"][ref.layer][0]
         p = ref.module_prefix + ".experts"
-        read = self.ckpt.read
+
+        def read(name: str) -> torch.Tensor:  # the fused [E, ...] tensors: experts' rows only
+            return self.ckpt.read(name, experts)
+
         layer = MoELayer(
             ref=ref,
             row_order="interleaved",
             w13_bias=read(f"{p}.gate_up_proj_bias"),
             w2_bias=read(f"{p}.down_proj_bias"),
+            first_expert=experts[0] if experts else 0,
         )
         if fmt in MX_FORMATS:
             for key, proj, n, k in (("w13_mx", "gate_up_proj", 2 * I, H), ("w2_mx", "down_proj", H, I)):

@@ -103,6 +103,7 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
     """Family reader for per-expert Linear checkpoints; subclasses set names and config rules."""
 
     moe_module: ClassVar[str] = "mlp"  # "{root}layers.{L}.{moe_module}" is the FusedMoE parent
+    reads_expert_ranges: ClassVar[bool] = True
     proj_names: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
     router_module: ClassVar[str] = "gate"
     model_types: ClassVar[frozenset[str]] = frozenset()
@@ -424,16 +425,20 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
         self._refs_cache = refs
         return list(refs)
 
-    def _read_stack(self, prefix: str, projs: tuple[int, ...], param: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        """Read ``param`` of the given projections of every expert into one ``[E, rows, cols]`` tensor.
+    def _read_stack(
+        self, prefix: str, projs: tuple[int, ...], param: str, rows: int, cols: int, dtype: torch.dtype,
+        experts: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Read ``param`` of the given projections of every expert (or of experts [e0, e1)) into one
+        ``[E, rows, cols]`` tensor.
 
         The projections are stacked along dim 1 (gate then up for w13). One read per tensor, copied
         straight into its slice of the preallocated output.
         """
-        E = self._plan().num_experts
-        out = torch.empty((E, rows, cols), dtype=dtype)
+        e0, e1 = experts or (0, self._plan().num_experts)
+        out = torch.empty((e1 - e0, rows, cols), dtype=dtype)
         step = rows // len(projs)
-        for e in range(E):
+        for e in range(e0, e1):
             for j, proj in enumerate(projs):
                 t = self.ckpt.read(self.expert_name(prefix, e, proj, param))
                 if t.dtype != dtype:
@@ -441,20 +446,20 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
                         t = t.to(dtype)  # bf16/fp16 weight_scale_inv -> fp32 (exact)
                     else:
                         t = t.view(dtype)  # E4M3 data / F8_E8M0 scales kept as uint8 bit patterns
-                out[e, j * step : (j + 1) * step] = t
+                out[e - e0, j * step : (j + 1) * step] = t
         return out
 
-    def read_layer(self, ref: MoELayerRef) -> MoELayer:
+    def read_layer(self, ref: MoELayerRef, experts: tuple[int, int] | None = None) -> MoELayer:
         p = self._plan()
         H, I = p.hidden_size, p.intermediate_size
         prefix = ref.module_prefix
         shapes = {(0, 1): (2 * I, H), (2,): (H, I)}
-        layer = MoELayer(ref=ref, row_order="halves")
+        layer = MoELayer(ref=ref, row_order="halves", first_expert=experts[0] if experts else 0)
         fmt, float_dtype = p.layer_fmt[ref.layer]
         for key, (projs, (n, k)) in zip(("w13", "w2"), shapes.items()):
             if fmt == "float":
                 assert float_dtype is not None
-                w = self._read_stack(prefix, projs, "weight", n, k, ST_DTYPES[float_dtype][0])
+                w = self._read_stack(prefix, projs, "weight", n, k, ST_DTYPES[float_dtype][0], experts)
                 setattr(layer, key, w)
             elif fmt == "fp8_block":
                 # Kept as stored (1 byte per weight + a small scale grid per projection): the
@@ -465,16 +470,16 @@ class PerExpertReader(CompressedTensorsOutput, FamilyReader):
                 step = n // len(projs)
                 parts = []
                 for proj in projs:
-                    data = self._read_stack(prefix, (proj,), "weight", step, k, torch.float8_e4m3fn)
-                    sinv = self._read_stack(prefix, (proj,), "weight_scale_inv", -(-step // bn), -(-k // bk), torch.float32)
+                    data = self._read_stack(prefix, (proj,), "weight", step, k, torch.float8_e4m3fn, experts)
+                    sinv = self._read_stack(prefix, (proj,), "weight_scale_inv", -(-step // bn), -(-k // bk), torch.float32, experts)
                     parts.append((data, sinv))
                 setattr(layer, key + "_fp8", FP8BlockStack(parts, p.block))
             elif fmt == "int4":
-                setattr(layer, key + "_int4", read_int4_stack(self, prefix, projs, n, k))
+                setattr(layer, key + "_int4", read_int4_stack(self, prefix, projs, n, k, experts))
             else:
                 packed = fmt == "mxfp4"
-                data = self._read_stack(prefix, projs, "weight_packed" if packed else "weight", n, k // 2 if packed else k, torch.uint8)
-                scales = self._read_stack(prefix, projs, "weight_scale", n, k // 32, torch.uint8)
+                data = self._read_stack(prefix, projs, "weight_packed" if packed else "weight", n, k // 2 if packed else k, torch.uint8, experts)
+                scales = self._read_stack(prefix, projs, "weight_scale", n, k // 32, torch.uint8, experts)
                 setattr(layer, key + "_mx", MXStack(fmt, data, scales))
         return layer
 

@@ -1,0 +1,369 @@
+"""The memory budget of a conversion (``--max-memory``, ``--max-gpu-memory``).
+
+A run holds, at any moment, the items the pipeline has in flight (:mod:`mxconv.pipeline`):
+``prefetch`` items read or being read, the one being computed with its temporaries, and up to
+``queue_depth + 2`` results waiting for or being written. An item is one MoE layer, or, when one
+layer does not fit the budget, one group of its experts: the layer is then read, computed and
+written group after group (every output tensor is a stack over experts along dim 0, or one tensor
+per expert, so a group is a run of dim-0 rows and the output bytes are the same whatever the
+grouping). This module plans, from headers alone, the pipeline depth and the experts per group of
+every layer so that the estimated peak stays within the budget:
+
+    host peak = RSS already held + reserve
+                + prefetch x read bytes + compute temporaries (CPU device) + (queue_depth + 2) x output bytes
+
+per item, where the per-expert figures are:
+
+* read: the source bytes of one expert as stored (bf16, block-FP8, MX, INT4);
+* output: the bytes one expert's result takes, every destination (TP rank) together;
+* compute temporaries: quantizing from a float (or block-FP8, INT4, other MX) source holds about
+  ``QUANTIZE_BYTES`` per element of w13 (fp32 copies for the error statistic: measured 12.5-15 on
+  CPU), for at most ``compute.CHUNK_ELEMENTS`` elements at a time; MXFP4 -> MXFP8 about
+  ``MXFP4_TO_MXFP8_BYTES``; the layout (repack) or the per-expert split (quantize) ``OUTPUT_COPIES``
+  times the output.
+
+On a CUDA device the temporaries are on the GPU (checked against the GPU budget, with the item's
+input and output there too) and the host keeps pinned copies of the results (``PINNED`` x output:
+torch's pinned allocator rounds blocks up to powers of two).
+
+Defaults: ``--max-memory`` = ``HOST_FRACTION`` of the memory available when the run starts
+(MemAvailable) plus what the process already holds; ``--max-gpu-memory`` = ``GPU_FRACTION`` of the
+device's free memory. The pipeline keeps two items read ahead and two results queued when whole
+layers fit, one result queued otherwise, and reads one item ahead only when not even one expert
+fits with two. A budget too small for one expert is an error (exit 2) that names the sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mxconv.errors import BadInput
+from mxconv.writer import COPY_CHUNK, human_bytes, parse_size
+
+if TYPE_CHECKING:
+    from mxconv.pipeline import WorkItem
+    from mxconv.plan import Plan
+
+HOST_FRACTION = 0.75
+GPU_FRACTION = 0.8
+QUANTIZE_BYTES = 16  # host/GPU bytes per w13 element while a float stack is quantized (+ error statistic)
+MXFP4_TO_MXFP8_BYTES = 14  # per w13 element of the lossless MXFP4 -> MXFP8 re-coding
+OUTPUT_COPIES = {"repack": 4, "quantize": 2}  # temporaries of the layout / per-expert split, x output
+PINNED = 2
+# Held beside the items: a byte copy's chunk and the one being hashed, and what the allocator keeps
+# of freed blocks (a fraction of what is in flight, see SLACK).
+RESERVE = 2 * COPY_CHUNK
+SLACK = 0.1
+CUDA_HOST_RESERVE = 1 << 30  # host memory of the CUDA context, Triton and the pinned allocator
+PIPELINE_DEPTHS = ((2, 2), (2, 1), (1, 1))  # (prefetch, queue_depth), most overlap first
+
+
+def _proc_kib(path: str, key: str) -> int | None:
+    """The ``key:`` line of a /proc file (``... kB``) in bytes; None where it cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def meminfo_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (free pages where there is no such file, None if unknown)."""
+    avail = _proc_kib("/proc/meminfo", "MemAvailable")
+    if avail is None:
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return avail
+
+
+def process_rss() -> int:
+    """Resident memory of this process now (VmRSS), in bytes; 0 where it cannot be read."""
+    return _proc_kib("/proc/self/status", "VmRSS") or 0
+
+
+def default_host_budget() -> int | None:
+    """``HOST_FRACTION`` of MemAvailable plus this process's RSS (None: unknown, no limit)."""
+    avail = meminfo_available()
+    return None if avail is None else int(HOST_FRACTION * avail) + process_rss()
+
+
+def default_gpu_budget(device: Any) -> int | None:
+    """``GPU_FRACTION`` of the free memory of CUDA ``device`` (None for the CPU)."""
+    if getattr(device, "type", device) != "cuda":
+        return None
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(GPU_FRACTION * free)
+
+
+def parse_memory(text: str | None, flag: str) -> int | None:
+    """``--max-memory`` / ``--max-gpu-memory`` value: 2GB, 512MiB, ... (None when not given)."""
+    if text is None or text.strip().lower() in ("", "auto"):
+        return None
+    return parse_size(text, flag)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What the user asked for (None = the default) and where the compute runs."""
+
+    host: int | None = None
+    gpu: int | None = None
+    device_type: str = "cpu"
+
+
+@dataclass(frozen=True)
+class ExpertCost:
+    """Bytes one expert of a layer takes in flight (see the module docstring)."""
+
+    read: int
+    out: int
+    work: int  # compute temporaries per expert, for at most ``work_cap`` experts at a time
+    work_cap: int
+    out_temp: int  # layout / split temporaries per expert
+
+    def compute(self, g: int) -> int:
+        return self.work * min(g, self.work_cap) + self.out_temp * g
+
+
+@dataclass
+class MemoryPlan:
+    """Pipeline depth and experts per group for one run, with the estimates behind them."""
+
+    host_budget: int | None
+    gpu_budget: int | None
+    baseline: int  # host bytes held before the pipeline starts (RSS + reserve)
+    prefetch: int
+    queue_depth: int
+    num_experts: int
+    groups: dict[int, int] = field(default_factory=dict)  # layer -> experts per group
+    peak_host: int = 0
+    peak_gpu: int | None = None
+    min_host: int = 0  # the smallest host budget that works (one expert, least overlap)
+    default_budget: bool = True
+
+    @property
+    def split(self) -> bool:
+        return any(g < self.num_experts for g in self.groups.values())
+
+    def group_sizes(self) -> list[int]:
+        return sorted(set(self.groups.values()))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_memory": self.host_budget,
+            "max_memory_default": self.default_budget,
+            "max_gpu_memory": self.gpu_budget,
+            "prefetch": self.prefetch,
+            "queue_depth": self.queue_depth,
+            "experts_per_group": {str(L): g for L, g in sorted(self.groups.items())},
+            "groups_per_layer": {str(L): math.ceil(self.num_experts / g) for L, g in sorted(self.groups.items())},
+            "estimated_peak_host_bytes": self.peak_host,
+            "estimated_peak_gpu_bytes": self.peak_gpu,
+            "smallest_max_memory": self.min_host,
+        }
+
+    def describe(self) -> str:
+        """One line for --dry-run and the summary table."""
+        sizes = self.group_sizes()
+        if not self.split:
+            what = "whole layers"
+        else:
+            gs = "/".join(str(g) for g in sizes)
+            n = max(math.ceil(self.num_experts / g) for g in sizes)
+            what = f"groups of {gs} of {self.num_experts} experts ({n} per layer)"
+        budget = "no limit" if self.host_budget is None else human_bytes(self.host_budget)
+        if self.default_budget and self.host_budget is not None:
+            budget += " (default)"
+        s = (f"{what}; {self.prefetch} read ahead, {self.queue_depth} queued for writing; "
+             f"host peak ~{human_bytes(self.peak_host)} of {budget}")
+        if self.peak_gpu is not None:
+            s += f"; GPU peak ~{human_bytes(self.peak_gpu)} of {human_bytes(self.gpu_budget or 0)}"
+        return s
+
+
+def host_bytes(c: ExpertCost, g: int, prefetch: int, queue_depth: int, device_type: str) -> int:
+    """Host bytes of the items in flight (baseline excluded) for groups of ``g`` experts."""
+    if device_type == "cuda":
+        return prefetch * c.read * g + PINNED * (queue_depth + 2) * c.out * g
+    return prefetch * c.read * g + c.compute(g) + (queue_depth + 2) * c.out * g
+
+
+def gpu_bytes(c: ExpertCost, g: int) -> int:
+    """GPU bytes of the one item being computed: its input, temporaries and result."""
+    return c.read * g + c.compute(g) + c.out * g
+
+
+def _with_slack(n: int) -> int:
+    return int(n * (1 + SLACK))
+
+
+def _largest_group(c: ExpertCost, E: int, room: int, prefetch: int, queue_depth: int, device_type: str,
+                   gpu_room: int | None) -> int:
+    """The most experts (<= E) whose items fit ``room`` host bytes (and ``gpu_room``); 0 if none."""
+    lo, hi = 0, E
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = _with_slack(host_bytes(c, mid, prefetch, queue_depth, device_type)) <= room
+        if ok and gpu_room is not None:
+            ok = _with_slack(gpu_bytes(c, mid)) <= gpu_room
+        if ok:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def balance(g: int, E: int) -> int:
+    """Equal groups: the smallest size that needs no more groups than groups of ``g`` do."""
+    n = math.ceil(E / g)
+    return math.ceil(E / n)
+
+
+def plan_memory(
+    costs: dict[int, ExpertCost],
+    num_experts: int,
+    budget: MemoryBudget,
+    *,
+    baseline: int,
+    splittable: bool = True,
+    names: dict[int, str] | None = None,
+    default_budget: bool = False,
+) -> MemoryPlan:
+    """Pipeline depth and experts per group for layers with per-expert ``costs`` under ``budget``.
+
+    ``baseline``: host bytes held whatever the items (RSS at planning + reserve). Whole layers with
+    the deepest pipeline that fits, else the largest equal groups with one result queued (two
+    items read ahead, or one when not even one expert fits with two). BadInput naming the sizes when
+    one expert does not fit (or, where the reader cannot read a range of experts, one layer)."""
+    E = num_experts
+    names = names or {}
+    dev = budget.device_type
+    room = None if budget.host is None else budget.host - baseline
+    gpu_room = budget.gpu if dev == "cuda" else None
+
+    def fits(c: ExpertCost, g: int, p: int, q: int) -> bool:
+        if room is not None and _with_slack(host_bytes(c, g, p, q, dev)) > room:
+            return False
+        return gpu_room is None or _with_slack(gpu_bytes(c, g)) <= gpu_room
+
+    def finish(p: int, q: int, groups: dict[int, int]) -> MemoryPlan:
+        peak = baseline + max((_with_slack(host_bytes(costs[L], g, p, q, dev)) for L, g in groups.items()), default=0)
+        peak_gpu = max((_with_slack(gpu_bytes(costs[L], g)) for L, g in groups.items()), default=0) if dev == "cuda" else None
+        worst = max(costs.values(), key=lambda c: host_bytes(c, 1, 1, 1, dev), default=None)
+        smallest = baseline + (_with_slack(host_bytes(worst, 1 if splittable else E, 1, 1, dev)) if worst else 0)
+        return MemoryPlan(budget.host, gpu_room, baseline, p, q, E, groups, peak, peak_gpu, smallest, default_budget)
+
+    for p, q in PIPELINE_DEPTHS[:2]:  # whole layers, the deepest pipeline that fits
+        if all(fits(c, E, p, q) for c in costs.values()):
+            return finish(p, q, {L: E for L in costs})
+    if not splittable:
+        p, q = PIPELINE_DEPTHS[-1]
+        if all(fits(c, E, p, q) for c in costs.values()):
+            return finish(p, q, {L: E for L in costs})
+        L, c = max(costs.items(), key=lambda kv: host_bytes(kv[1], E, p, q, dev))
+        raise BadInput(
+            f"--max-memory {human_bytes(budget.host or 0)} is too small for {names.get(L, f'layer {L}')}: this family's "
+            f"reader reads whole layers, and one layer in flight takes about {human_bytes(_with_slack(host_bytes(c, E, p, q, dev)))} "
+            f"on top of the {human_bytes(baseline)} the process holds; give at least "
+            f"{human_bytes(baseline + _with_slack(host_bytes(c, E, p, q, dev)))}"
+        )
+    for p, q in PIPELINE_DEPTHS[1:]:
+        groups = {L: _largest_group(c, E, room if room is not None else 1 << 62, p, q, dev, gpu_room) for L, c in costs.items()}
+        if all(g >= 1 for g in groups.values()):
+            return finish(p, q, {L: balance(g, E) for L, g in groups.items()})
+    # not even one expert fits: name the sizes
+    p, q = PIPELINE_DEPTHS[-1]
+    L, c = max(costs.items(), key=lambda kv: host_bytes(kv[1], 1, p, q, dev))
+    where = names.get(L, f"layer {L}")
+    if room is not None and not fits(c, 1, p, q) and (gpu_room is None or _with_slack(gpu_bytes(c, 1)) <= gpu_room):
+        one = _with_slack(host_bytes(c, 1, p, q, dev))
+        raise BadInput(
+            f"--max-memory {human_bytes(budget.host or 0)} is too small for one expert of {where}: one expert in flight "
+            f"takes about {human_bytes(one)} (read {human_bytes(c.read)}, output {human_bytes(c.out)}, compute "
+            f"{human_bytes(c.compute(1) if dev != 'cuda' else 0)}) on top of the {human_bytes(baseline)} the process holds "
+            f"already; give at least {human_bytes(baseline + one)}"
+        )
+    one = _with_slack(gpu_bytes(c, 1))
+    raise BadInput(
+        f"--max-gpu-memory {human_bytes(gpu_room or 0)} is too small for one expert of {where}: computing one expert "
+        f"takes about {human_bytes(one)} on the GPU (input {human_bytes(c.read)}, temporaries {human_bytes(c.compute(1))}, "
+        f"output {human_bytes(c.out)}); give at least {human_bytes(one)}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# a plan's per-expert costs, and its work items cut into groups
+# ---------------------------------------------------------------------------------------------
+
+
+def expert_cost(plan: "Plan", item: "WorkItem") -> ExpertCost:
+    """Per-expert bytes of a layer item of ``plan`` (headers only)."""
+    from mxconv.compute import CHUNK_ELEMENTS
+
+    ref = item.payload
+    E = plan.info.num_experts
+    H, I = plan.info.hidden_size, plan.info.intermediate_size
+    planned = {t.name: t.nbytes for d in plan.dests for t in d if t.role == "expert"}
+    out = sum(planned[n] for names in item.out_names for n in names)
+    src = plan.reader.layer_format(ref)
+    w13 = 2 * I * H
+    if src in ("mxfp4", "mxfp8", "int4") and src == plan.weight_format:
+        work, cap = 0, E  # bytes moved as they are
+    elif src == "mxfp4" and plan.weight_format == "mxfp8":
+        work, cap = MXFP4_TO_MXFP8_BYTES * w13, E  # lossless re-coding, the whole item at once
+    else:
+        work, cap = QUANTIZE_BYTES * w13, max(1, CHUNK_ELEMENTS // w13)
+    copies = OUTPUT_COPIES["repack" if plan.repack is not None else "quantize"]
+    return ExpertCost(-(-item.in_bytes // E), -(-out // E), work, cap, copies * -(-out // E))
+
+
+def plan_for(plan: "Plan", budget: MemoryBudget, default_budget: bool = False) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``plan``'s layer items under ``budget`` (RSS now as the baseline)."""
+    layers = [i for i in plan.items if i.kind == "layer"]
+    costs = {i.payload.layer: expert_cost(plan, i) for i in layers}
+    names = {i.payload.layer: i.payload.module_prefix + ".experts" for i in layers}
+    baseline = process_rss() + RESERVE + (CUDA_HOST_RESERVE if budget.device_type == "cuda" else 0)
+    return plan_memory(costs, plan.info.num_experts, budget, baseline=baseline, names=names,
+                       splittable=plan.reader.reads_expert_ranges, default_budget=default_budget)
+
+
+def resolve_budget(host: int | None, gpu: int | None, device: Any) -> tuple[MemoryBudget, bool]:
+    """The budget a run uses (defaults filled in from the machine) and whether the host one is the default."""
+    dev_type = getattr(device, "type", str(device))
+    return MemoryBudget(
+        host if host is not None else default_host_budget(),
+        gpu if gpu is not None else default_gpu_budget(device),
+        dev_type,
+    ), host is None
+
+
+def work_items(items: list["WorkItem"], mem: MemoryPlan | None) -> list["WorkItem"]:
+    """``items`` with every layer item cut into its groups of experts (in expert order); a group
+    reads a share of the layer's bytes (for the progress bar) and writes the layer's tensor names
+    (whole per-expert tensors, or parts of ``[E, ...]`` stacks)."""
+    from dataclasses import replace
+
+    if mem is None or not mem.split:
+        return list(items)
+    out = []
+    E = mem.num_experts
+    for item in items:
+        g = mem.groups.get(item.payload.layer, E) if item.kind == "layer" else E
+        if item.kind != "layer" or g >= E:
+            out.append(item)
+            continue
+        for e0 in range(0, E, g):
+            e1 = min(E, e0 + g)
+            share = item.in_bytes * e1 // E - item.in_bytes * e0 // E
+            out.append(replace(item, in_bytes=share, experts=(e0, e1)))
+    return out

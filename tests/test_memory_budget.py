@@ -1,0 +1,362 @@
+"""Memory budget (issue 13 item 1): layers cut into groups of experts give the same bytes.
+
+Covers: reading a range of experts (every family and format), the writer's parts (sha256 and bytes
+equal to whole writes, across shard boundaries), the planning function (pipeline depth, group
+sizes, GPU budget, errors naming the sizes), and whole conversions (quantize mxfp4/mxfp8 and
+repack on every backend, TP 2 included) whose every output file and manifest tensor table equal
+the unsplit run's. Peak RSS is measured by scripts/bench_memory.py, not here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mxconv.checkpoint import open_checkpoint
+from mxconv.cli import app
+from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.errors import BadInput
+from mxconv.families import detect_family
+from mxconv.layouts import backend_names, get_layout
+from mxconv.layouts.base import TensorSpec
+from mxconv.memory import ExpertCost, MemoryBudget, MemoryPlan, balance, plan_memory, work_items
+from support.checkpoints import INT4_KINDS, KINDS, make_checkpoint
+from mxconv.writer import PlannedTensor, ShardedWriter, plan_shards
+
+from test_cli import _patch_tensor  # tests/ is on sys.path (pytest rootdir import mode)
+
+runner = CliRunner()
+CPU = torch.device("cpu")
+E = 8
+
+
+def mx(*args: object) -> tuple[int, str, str]:
+    r = runner.invoke(app, [str(a) for a in args])
+    return r.exit_code, r.stdout, r.stderr
+
+
+# ---- reading a range of experts ----------------------------------------------------------------
+
+
+def _stacks(layer) -> dict[str, torch.Tensor]:
+    out = {}
+    for key in ("w13", "w2", "w13_bias", "w2_bias"):
+        if getattr(layer, key) is not None:
+            out[key] = getattr(layer, key)
+    for key in ("w13_mx", "w2_mx", "w13_int4", "w2_int4"):
+        s = getattr(layer, key)
+        if s is not None:
+            out[key + ".data"], out[key + ".scales"] = s.data, s.scales
+    for key in ("w13_fp8", "w2_fp8"):
+        s = getattr(layer, key)
+        for j, (d, sc) in enumerate(s.parts if s is not None else ()):
+            out[f"{key}.{j}.data"], out[f"{key}.{j}.scale_inv"] = d, sc
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS + INT4_KINDS)
+def test_read_layer_of_a_range_of_experts(kind: str, tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "src", kind, num_experts=5)
+    reader = detect_family(open_checkpoint(tmp_path / "src"))
+    assert reader.reads_expert_ranges
+    for ref in reader.layer_refs():
+        whole = reader.read_layer(ref)
+        want = _stacks(whole.select_experts(1, 4))
+        part = reader.read_checked_layer(ref, experts=(1, 4))
+        got = _stacks(part)
+        assert part.first_expert == 1 and set(got) == set(want)
+        for k in want:
+            assert got[k].shape[0] == 3 and torch.equal(got[k].contiguous().view(torch.uint8), want[k].contiguous().view(torch.uint8)), k
+
+
+def test_reader_without_ranges_cuts_groups_from_the_whole_layer(tmp_path: Path, monkeypatch) -> None:
+    make_checkpoint(tmp_path / "src", "qwen3-moe", num_experts=5)
+    reader = detect_family(open_checkpoint(tmp_path / "src"))
+    ref = reader.layer_refs()[0]
+    want = _stacks(reader.read_layer(ref, (2, 5)))
+    monkeypatch.setattr(type(reader), "reads_expert_ranges", False)
+    got = reader.read_checked_layer(ref, experts=(2, 5))
+    assert got.first_expert == 2 and all(torch.equal(got_t, want[k]) for k, got_t in _stacks(got).items())
+
+
+# ---- the writer's parts ----------------------------------------------------------------------
+
+
+def _pt(name: str, shape: tuple[int, ...], dtype=torch.uint8) -> PlannedTensor:
+    return PlannedTensor(name, TensorSpec(shape, dtype), "expert")
+
+
+def test_write_part_equals_whole_writes_across_shards(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "l.a": torch.randint(0, 255, (6, 5, 4), dtype=torch.uint8, generator=g),
+        "l.e0": torch.randn(3, 4, generator=g).to(torch.bfloat16),  # one tensor per expert
+        "l.e1": torch.randn(3, 4, generator=g).to(torch.bfloat16),
+        "l.b": torch.randn(6, 7, generator=g),
+        "l.empty": torch.empty(6, 0),
+        "l.c": torch.randint(0, 255, (6, 33), dtype=torch.uint8, generator=g),
+    }
+    plan = [_pt(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    shards = plan_shards(plan, 150)  # the layer's stacks fall in several shards
+    assert len(shards) > 2
+    (tmp_path / "whole").mkdir()
+    w = ShardedWriter(tmp_path / "whole", shards)
+    for n, t in tensors.items():
+        w.write_tensor(n, t)
+    whole = w.finish()
+    (tmp_path / "parts").mkdir()
+    w = ShardedWriter(tmp_path / "parts", plan_shards(plan, 150))
+    for e0, e1 in ((0, 1), (1, 4), (4, 6)):  # uneven groups, as the pipeline writes them
+        for n, t in tensors.items():
+            if n in ("l.e0", "l.e1"):
+                if e0 == 0:
+                    w.write_part(n, t)  # a whole per-expert tensor is a one-part write
+            else:
+                w.write_part(n, t[e0:e1])
+    parts = w.finish()
+    assert {n: v.sha256 for n, v in parts.items()} == {n: v.sha256 for n, v in whole.items()}
+    for n, t in tensors.items():
+        assert whole[n].sha256 == hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    for f in sorted((tmp_path / "whole").iterdir()):
+        assert f.read_bytes() == (tmp_path / "parts" / f.name).read_bytes(), f.name
+
+
+def test_write_part_refuses_what_the_plan_does_not_hold(tmp_path: Path) -> None:
+    w = ShardedWriter(tmp_path, plan_shards([_pt("a", (4, 8)), _pt("b", (2,))], 1000))
+    with pytest.raises(RuntimeError, match="parts are runs of dim-0 rows"):
+        w.write_part("a", torch.zeros(2, 7, dtype=torch.uint8))
+    w.write_part("a", torch.zeros(3, 8, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="gets 40 bytes, plan says 32"):
+        w.write_part("a", torch.zeros(2, 8, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="begun in parts"):
+        w.write_tensor("a", torch.zeros(4, 8, dtype=torch.uint8))
+    w.write_tensor("b", torch.zeros(2, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match=r"written in part only, e.g. a \(24 of 32 bytes\)"):
+        w.finish()
+    w.abort()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".mxconv-tmp")]
+
+
+# ---- planning ----------------------------------------------------------------------------------
+
+MB = 10**6
+# one expert: 10 MB read, 2 MB output, 40 MB of quantize temporaries (at most 4 experts at once), 4 MB layout
+COST = ExpertCost(read=10 * MB, out=2 * MB, work=40 * MB, work_cap=4, out_temp=4 * MB)
+
+
+def _plan(host: int | None, gpu: int | None = None, dev: str = "cpu", **kw) -> MemoryPlan:
+    return plan_memory({0: COST, 1: COST}, 128, MemoryBudget(host, gpu, dev), baseline=500 * MB, **kw)
+
+
+def test_plan_whole_layers_when_they_fit() -> None:
+    for host in (None, 10**12):
+        m = _plan(host)
+        assert (m.prefetch, m.queue_depth, m.groups, m.split) == (2, 2, {0: 128, 1: 128}, False)
+    # whole layers with one result queued: 128 x (2 x 10 + 4 + 3 x 2) + 4 x 40 = 4000 MB, +10 %
+    m = _plan(500 * MB + 4400 * MB)
+    assert (m.prefetch, m.queue_depth, m.split) == (2, 1, False)
+    assert m.peak_host <= m.host_budget
+
+
+def test_plan_groups_of_experts_within_the_budget() -> None:
+    # room 1500 MB; groups of g with one result queued: 20g + 40 x min(g, 4) + 4g + 3 x 2g, +10 % -> g <= 40,
+    # and 40 needs 4 groups of 128: 4 equal groups of 32
+    m = _plan(2 * 10**9)
+    assert m.split and (m.prefetch, m.queue_depth, m.groups) == (2, 1, {0: 32, 1: 32})
+    assert m.peak_host <= 2 * 10**9
+    assert m.describe().startswith("groups of 32 of 128 experts (4 per layer); 2 read ahead, 1 queued for writing")
+    assert m.to_json()["groups_per_layer"] == {"0": 4, "1": 4}
+    # one expert with two read ahead takes 77 MB, with one 66 MB
+    m = _plan(500 * MB + 70 * MB)
+    assert (m.prefetch, m.queue_depth, m.groups[0]) == (1, 1, 1)
+    assert m.min_host == 566 * MB
+
+
+def test_balance_makes_equal_groups() -> None:
+    assert balance(50, 128) == 43 and balance(64, 128) == 64 and balance(1, 5) == 1 and balance(127, 128) == 64
+
+
+def test_plan_refuses_a_budget_below_one_expert_naming_the_sizes() -> None:
+    with pytest.raises(BadInput) as exc:
+        _plan(500 * MB + 50 * MB, names={0: "model.layers.0.mlp.experts", 1: "x"})
+    msg = str(exc.value)
+    assert "--max-memory 550.00 MB is too small for one expert of model.layers.0.mlp.experts" in msg
+    assert "takes about 66.00 MB (read 10.00 MB, output 2.00 MB, compute 44.00 MB)" in msg
+    assert "on top of the 500.00 MB the process holds already; give at least 566.00 MB" in msg
+    with pytest.raises(BadInput, match="too small for one expert"):
+        _plan(100 * MB)  # below what the process holds already
+
+
+def test_plan_on_cuda_keeps_temporaries_on_the_gpu_budget() -> None:
+    # GPU: input + temporaries + result of one item, 10g + 40 x min(g, 4) + 4g + 2g, +10 % <= 1000 MB -> g <= 46,
+    # i.e. 3 groups: 43 experts each
+    m = _plan(10**12, gpu=1000 * MB, dev="cuda")
+    assert m.groups == {0: 43, 1: 43} and m.peak_gpu <= 1000 * MB and m.gpu_budget == 1000 * MB
+    # the host holds reads and pinned results only: whole layers fit where the CPU would need groups
+    uncapped = {0: ExpertCost(10 * MB, 2 * MB, 40 * MB, 128, 4 * MB)}  # temporaries of every expert at once
+    for dev, split in (("cuda", False), ("cpu", True)):
+        m = plan_memory(uncapped, 128, MemoryBudget(6500 * MB, 10**12, dev), baseline=500 * MB)
+        assert m.split == split and m.peak_host <= 6500 * MB
+    with pytest.raises(BadInput, match=r"--max-gpu-memory 50.00 MB is too small for one expert of layer 0: .* 61.60 MB on the GPU"):
+        _plan(10**12, gpu=50 * MB, dev="cuda")
+
+
+def test_plan_of_a_reader_that_reads_whole_layers() -> None:
+    assert not _plan(None, splittable=False).split
+    with pytest.raises(BadInput, match="reads whole layers"):
+        _plan(2 * 10**9, splittable=False)
+
+
+# ---- whole conversions: the same bytes with and without groups ------------------------------
+
+
+def _digests(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file() and p.name != "mxconv.json"}
+
+
+def _run(src: Path, out: Path, q: QuantOptions, r: RepackOptions | None, group: int | None, device: torch.device = CPU) -> dict:
+    ckpt = open_checkpoint(src)
+    plan = build_plan(ckpt, detect_family(ckpt), "repack" if r else "quantize", q, r)
+    if group is not None:  # a fixed grouping, as a small --max-memory plans it
+        layers = [i.payload.layer for i in plan.items if i.kind == "layer"]
+        plan.memory = MemoryPlan(None, None, 0, 2, 1, plan.info.num_experts, {L: group for L in layers})
+        plan.memory_device = device.type
+        assert sum(i.kind == "layer" for i in work_items(plan.items, plan.memory)) == len(layers) * -(-plan.info.num_experts // group)
+    return execute(plan, out, device=device, max_shard_size=40_000, overwrite=True, argv=["test"])
+
+
+def _same_output(src: Path, tmp_path: Path, q: QuantOptions, r: RepackOptions | None = None, groups=(3, 1)) -> None:
+    base = _run(src, tmp_path / "whole", q, r, None)
+    want = _digests(tmp_path / "whole")
+    want_tensors = json.loads((tmp_path / "whole" / "mxconv.json").read_text())["tensors"]
+    assert len(want) > 3
+    for g in groups:
+        out = tmp_path / f"g{g}"
+        s = _run(src, out, q, r, g)
+        assert _digests(out) == want, g
+        assert json.loads((out / "mxconv.json").read_text())["tensors"] == want_tensors
+        assert s["quantized_tensors"] == base["quantized_tensors"]
+        if base["relative_rms_error"] is None:
+            assert s["relative_rms_error"] is None
+        else:
+            assert s["relative_rms_error"] == pytest.approx(base["relative_rms_error"], rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("budget")
+    for kind in ("qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4"):
+        make_checkpoint(root / kind, kind, num_experts=E, shards=3)
+    return root
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_quantize_bytes_do_not_depend_on_the_budget(ws: Path, tmp_path: Path, kind: str, fmt: str) -> None:
+    _same_output(ws / kind, tmp_path, QuantOptions(fmt))
+
+
+REPACKS = [(b, a, 1) for b in backend_names() for a in get_layout(b).activations[:1]] + [
+    ("trtllm", "mxfp8", 2), ("marlin", "bf16", 2), ("aiter", "mxfp4", 1), ("triton", "bf16", 2), ("deepgemm", "fp8", 2),
+]
+
+
+@pytest.mark.parametrize("backend, act, tp", REPACKS)
+def test_repack_bytes_do_not_depend_on_the_budget(ws: Path, tmp_path: Path, backend: str, act: str, tp: int) -> None:
+    _same_output(ws / "gpt-oss-mxfp4", tmp_path, QuantOptions(), RepackOptions(backend, act, tp), groups=(3,))
+
+
+@pytest.mark.parametrize("src, backend, tp", [("qwen3-moe", "marlin", 2), ("deepseek-v3-fp8", "trtllm", 1), ("kimi-k2-int4", "trtllm", 1)])
+def test_repack_of_quantized_on_the_way_sources(ws: Path, tmp_path: Path, src: str, backend: str, tp: int) -> None:
+    _same_output(ws / src, tmp_path, QuantOptions(), RepackOptions(backend, get_layout(backend).activations[0], tp), groups=(3,))
+
+
+def test_nonfinite_in_a_later_group_names_the_source_expert(ws: Path, tmp_path: Path) -> None:
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(ws / "qwen3-moe", src)
+    name = "model.layers.1.mlp.experts.6.up_proj.weight"
+
+    def plant(t: torch.Tensor) -> torch.Tensor:
+        t[2, 5] = float("nan")
+        return t
+
+    _patch_tensor(src, name, plant, False)
+    with pytest.raises(BadInput, match=rf"non-finite value nan in {name} \[2, 5\]"):
+        _run(src, tmp_path / "o", QuantOptions(), None, 3)
+    gpt = tmp_path / "gpt"
+    shutil.copytree(ws / "gpt-oss-mxfp4", gpt)
+    scales = "model.layers.0.mlp.experts.down_proj_scales"
+
+    def nan_scale(t: torch.Tensor) -> torch.Tensor:
+        t.view(torch.uint8)[7, 1, 0] = 0xFF
+        return t
+
+    _patch_tensor(gpt, scales, nan_scale, False)
+    with pytest.raises(BadInput, match=rf"E8M0 NaN scale byte 0xFF in {scales} \[7, 1, 0\]"):
+        _run(gpt, tmp_path / "o2", QuantOptions(), RepackOptions("trtllm", "bf16"), 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind, q, r", [
+    ("qwen3-moe", QuantOptions("mxfp4"), None),
+    ("gpt-oss-bf16", QuantOptions("mxfp8"), None),
+    ("deepseek-v3-fp8", QuantOptions(), RepackOptions("trtllm", "bf16")),
+    ("gpt-oss-mxfp4", QuantOptions(), RepackOptions("triton", "bf16", 2)),
+    ("gpt-oss-bf16", QuantOptions(), RepackOptions("marlin", "bf16")),
+], ids=["qwen-q4", "gpt-q8", "ds-trtllm", "gpt-triton-tp2", "gpt-bf16-marlin"])
+def test_cuda_groups_give_the_cpu_bytes(ws: Path, tmp_path: Path, kind: str, q: QuantOptions, r: RepackOptions | None) -> None:
+    """Groups of experts computed on the GPU (what --max-gpu-memory plans) write the CPU's bytes."""
+    _run(ws / kind, tmp_path / "cpu", q, r, None)
+    s = _run(ws / kind, tmp_path / "cuda", q, r, 3, torch.device("cuda"))
+    assert s["device"].startswith("cuda")
+    assert _digests(tmp_path / "cuda") == _digests(tmp_path / "cpu")
+
+
+# ---- the CLI: --max-memory, --dry-run ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> Path:
+    """Experts of a few MB each, so that a budget a little above the process's RSS splits layers."""
+    return make_checkpoint(tmp_path_factory.mktemp("big") / "qwen", "qwen3-moe", num_experts=8, hidden_size=1024,
+                           intermediate_size=512).path
+
+
+def test_cli_max_memory_groups_experts_and_keeps_the_bytes(big: Path, tmp_path: Path) -> None:
+    code, out, err = mx("quantize", big, tmp_path / "d", "--dry-run", "--json", "--device", "cpu")
+    assert code == 0, err
+    doc = json.loads(out)
+    mem = doc["memory"]
+    assert mem["max_memory_default"] and mem["experts_per_group"] == {"0": 8, "1": 8} and mem["prefetch"] == 2
+    smallest = mem["smallest_max_memory"]
+    budget = smallest + 150 * 10**6  # room for a few experts at a time, whatever the RSS of this process
+    code, out, err = mx("quantize", big, tmp_path / "d", "--dry-run", "--json", "--device", "cpu", "--max-memory", str(budget))
+    assert code == 0, err
+    mem = json.loads(out)["memory"]
+    assert mem["max_memory"] == budget and not mem["max_memory_default"]
+    assert 1 <= mem["experts_per_group"]["0"] < 8 and mem["estimated_peak_host_bytes"] <= budget
+    code, out, err = mx("quantize", big, tmp_path / "d", "--dry-run", "--device", "cpu", "--max-memory", str(budget))
+    assert code == 0 and "groups of" in out and "experts" in out, out
+    for name, extra in (("whole", []), ("split", ["--max-memory", str(budget)])):
+        code, out, err = mx("quantize", big, tmp_path / name, "--device", "cpu", "--json", "--quiet", *extra)
+        assert code == 0, err
+        assert ("groups of" in json.loads(out)["memory"]) == (name == "split")
+    assert _digests(tmp_path / "whole") == _digests(tmp_path / "split")
+
+
+def test_cli_budget_too_small_is_a_usage_error(big: Path, tmp_path: Path) -> None:
+    for cmd in (["quantize"], ["repack", "--backend", "trtllm"]):
+        code, _, err = mx(cmd[0], big, tmp_path / "o", *cmd[1:], "--max-memory", "200MB", "--device", "cpu")
+        assert code == 2 and "--max-memory 200.00 MB is too small for one expert of model.layers.0.mlp.experts" in err, err
+        assert "give at least" in err and "Traceback" not in err and not (tmp_path / "o").exists()
+    code, _, err = mx("quantize", big, tmp_path / "o", "--max-memory", "lots", "--device", "cpu")
+    assert code == 2 and "--max-memory: cannot parse 'lots'" in err, err
