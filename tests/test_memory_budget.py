@@ -206,6 +206,19 @@ def test_plan_on_cuda_keeps_temporaries_on_the_gpu_budget() -> None:
         _plan(10**12, gpu=50 * MB, dev="cuda")
 
 
+def test_plan_keeps_items_converted_whole_within_the_budget() -> None:
+    """Other computed items (one layer's linears, --targets linear) are converted whole: they must fit
+    the pipeline the layers get, and one that cannot fit at all is named."""
+    linears = {"the linear item writing a.weight": ExpertCost(300 * MB, 150 * MB, 800 * MB, 1, 300 * MB)}
+    # with two read ahead and one queued it takes (2 x 300 + 800 + 300 + 3 x 150) MB + 10 % = 2365 MB
+    m = _plan(500 * MB + 3000 * MB, whole=linears)
+    assert (m.prefetch, m.queue_depth) == (2, 1) and m.split
+    assert 500 * MB + 2365 * MB <= m.peak_host <= 3500 * MB
+    assert m.min_host == 500 * MB + 2035 * MB  # one read ahead: 1 x 300 + 800 + 300 + 3 x 150, +10 %
+    with pytest.raises(BadInput, match=r"too small for the linear item writing a.weight \(converted whole\): it in flight"):
+        _plan(2 * 10**9, whole=linears)
+
+
 def test_plan_of_a_reader_that_reads_whole_layers() -> None:
     assert not _plan(None, splittable=False).split
     with pytest.raises(BadInput, match="reads whole layers"):
@@ -360,3 +373,16 @@ def test_cli_budget_too_small_is_a_usage_error(big: Path, tmp_path: Path) -> Non
         assert "give at least" in err and "Traceback" not in err and not (tmp_path / "o").exists()
     code, _, err = mx("quantize", big, tmp_path / "o", "--max-memory", "lots", "--device", "cpu")
     assert code == 2 and "--max-memory: cannot parse 'lots'" in err, err
+
+
+def test_cli_max_memory_with_linear_targets(big: Path, tmp_path: Path) -> None:
+    """--targets linear: the linears of each layer are converted whole within the same budget."""
+    args = ["--format", "mxfp8", "--targets", "linear", "--device", "cpu"]
+    code, out, err = mx("quantize", big, tmp_path / "d", *args, "--dry-run", "--json")
+    assert code == 0, err
+    budget = json.loads(out)["memory"]["smallest_max_memory"] + 150 * 10**6
+    for name, extra in (("whole", []), ("split", ["--max-memory", str(budget)])):
+        code, out, err = mx("quantize", big, tmp_path / name, *args, "--json", "--quiet", *extra)
+        assert code == 0, err
+        assert ("groups of" in json.loads(out)["memory"]) == (name == "split")
+    assert _digests(tmp_path / "whole") == _digests(tmp_path / "split")

@@ -22,6 +22,9 @@ per item, where the per-expert figures are:
   ``MXFP4_TO_MXFP8_BYTES``; the layout (repack) or the per-expert split (quantize) ``OUTPUT_COPIES``
   times the output.
 
+Other computed items (one layer's linear layers under ``--targets linear``) are converted whole:
+their bytes count as one "expert" and must fit the same pipeline.
+
 On a CUDA device the temporaries are on the GPU (checked against the GPU budget, with the item's
 input and output there too) and the host keeps pinned copies of the results (``PINNED`` x output:
 torch's pinned allocator rounds blocks up to powers of two).
@@ -238,36 +241,45 @@ def plan_memory(
     splittable: bool = True,
     names: dict[int, str] | None = None,
     default_budget: bool = False,
+    whole: dict[str, ExpertCost] | None = None,
 ) -> MemoryPlan:
     """Pipeline depth and experts per group for layers with per-expert ``costs`` under ``budget``.
 
     ``baseline``: host bytes held whatever the items (RSS at planning + reserve). Whole layers with
     the deepest pipeline that fits, else the largest equal groups with one result queued (two
-    items read ahead, or one when not even one expert fits with two). BadInput naming the sizes when
-    one expert does not fit (or, where the reader cannot read a range of experts, one layer)."""
+    items read ahead, or one when not even one expert fits with two). ``whole``: other items, by
+    name, converted whole (their cost as one "expert"), which must fit the same pipeline. BadInput
+    naming the sizes when one expert does not fit (or, where the reader cannot read a range of
+    experts, one layer; or one of ``whole``)."""
     E = num_experts
     names = names or {}
+    whole = whole or {}
     dev = budget.device_type
     room = None if budget.host is None else budget.host - baseline
     gpu_room = budget.gpu if dev == "cuda" else None
 
+    def host_fits(c: ExpertCost, g: int, p: int, q: int) -> bool:
+        return room is None or _with_slack(host_bytes(c, g, p, q, dev)) <= room
+
     def fits(c: ExpertCost, g: int, p: int, q: int) -> bool:
-        if room is not None and _with_slack(host_bytes(c, g, p, q, dev)) > room:
-            return False
-        return gpu_room is None or _with_slack(gpu_bytes(c, g)) <= gpu_room
+        return host_fits(c, g, p, q) and (gpu_room is None or _with_slack(gpu_bytes(c, g)) <= gpu_room)
+
+    def whole_fit(p: int, q: int) -> bool:
+        return all(fits(c, 1, p, q) for c in whole.values())
 
     def finish(p: int, q: int, groups: dict[int, int]) -> MemoryPlan:
-        peak = baseline + max((_with_slack(host_bytes(costs[L], g, p, q, dev)) for L, g in groups.items()), default=0)
-        peak_gpu = max((_with_slack(gpu_bytes(costs[L], g)) for L, g in groups.items()), default=0) if dev == "cuda" else None
-        worst = max(costs.values(), key=lambda c: host_bytes(c, 1, 1, 1, dev), default=None)
-        smallest = baseline + (_with_slack(host_bytes(worst, 1 if splittable else E, 1, 1, dev)) if worst else 0)
+        items = [(costs[L], g) for L, g in groups.items()] + [(c, 1) for c in whole.values()]
+        peak = baseline + max((_with_slack(host_bytes(c, g, p, q, dev)) for c, g in items), default=0)
+        peak_gpu = max((_with_slack(gpu_bytes(c, g)) for c, g in items), default=0) if dev == "cuda" else None
+        least = [(c, 1 if splittable else E) for c in costs.values()] + [(c, 1) for c in whole.values()]
+        smallest = baseline + max((_with_slack(host_bytes(c, g, 1, 1, dev)) for c, g in least), default=0)
         return MemoryPlan(budget.host, gpu_room, baseline, p, q, E, groups, peak, peak_gpu, smallest, default_budget)
 
     for p, q in PIPELINE_DEPTHS[:2]:  # whole layers, the deepest pipeline that fits
-        if all(fits(c, E, p, q) for c in costs.values()):
+        if whole_fit(p, q) and all(fits(c, E, p, q) for c in costs.values()):
             return finish(p, q, {L: E for L in costs})
-    if not splittable:
-        p, q = PIPELINE_DEPTHS[-1]
+    p, q = PIPELINE_DEPTHS[-1]
+    if not splittable and whole_fit(p, q):
         if all(fits(c, E, p, q) for c in costs.values()):
             return finish(p, q, {L: E for L in costs})
         L, c = max(costs.items(), key=lambda kv: host_bytes(kv[1], E, p, q, dev))
@@ -277,25 +289,32 @@ def plan_memory(
             f"on top of the {human_bytes(baseline)} the process holds; give at least "
             f"{human_bytes(baseline + _with_slack(host_bytes(c, E, p, q, dev)))}"
         )
-    for p, q in PIPELINE_DEPTHS[1:]:
+    for p, q in PIPELINE_DEPTHS[1:] if splittable else ():
+        if not whole_fit(p, q):
+            continue
         groups = {L: _largest_group(c, E, room if room is not None else 1 << 62, p, q, dev, gpu_room) for L, c in costs.items()}
         if all(g >= 1 for g in groups.values()):
             return finish(p, q, {L: balance(g, E) for L, g in groups.items()})
-    # not even one expert fits: name the sizes
+    # not even one expert (or one item converted whole) fits: name the sizes
     p, q = PIPELINE_DEPTHS[-1]
-    L, c = max(costs.items(), key=lambda kv: host_bytes(kv[1], 1, p, q, dev))
-    where = names.get(L, f"layer {L}")
-    if room is not None and not fits(c, 1, p, q) and (gpu_room is None or _with_slack(gpu_bytes(c, 1)) <= gpu_room):
+    failing = [(n, c) for n, c in whole.items() if not fits(c, 1, p, q)]
+    if failing:
+        where, c = max(failing, key=lambda kv: host_bytes(kv[1], 1, p, q, dev))
+        what, unit = f"{where} (converted whole)", "it"
+    else:
+        L, c = max(costs.items(), key=lambda kv: host_bytes(kv[1], 1, p, q, dev))
+        what, unit = f"one expert of {names.get(L, f'layer {L}')}", "one expert"
+    if not host_fits(c, 1, p, q):
         one = _with_slack(host_bytes(c, 1, p, q, dev))
         raise BadInput(
-            f"--max-memory {human_bytes(budget.host or 0)} is too small for one expert of {where}: one expert in flight "
+            f"--max-memory {human_bytes(budget.host or 0)} is too small for {what}: {unit} in flight "
             f"takes about {human_bytes(one)} (read {human_bytes(c.read)}, output {human_bytes(c.out)}, compute "
             f"{human_bytes(c.compute(1) if dev != 'cuda' else 0)}) on top of the {human_bytes(baseline)} the process holds "
             f"already; give at least {human_bytes(baseline + one)}"
         )
     one = _with_slack(gpu_bytes(c, 1))
     raise BadInput(
-        f"--max-gpu-memory {human_bytes(gpu_room or 0)} is too small for one expert of {where}: computing one expert "
+        f"--max-gpu-memory {human_bytes(gpu_room or 0)} is too small for {what}: computing {unit} "
         f"takes about {human_bytes(one)} on the GPU (input {human_bytes(c.read)}, temporaries {human_bytes(c.compute(1))}, "
         f"output {human_bytes(c.out)}); give at least {human_bytes(one)}"
     )
@@ -327,14 +346,27 @@ def expert_cost(plan: "Plan", item: "WorkItem") -> ExpertCost:
     return ExpertCost(-(-item.in_bytes // E), -(-out // E), work, cap, copies * -(-out // E))
 
 
+def whole_item_cost(plan: "Plan", item: "WorkItem") -> ExpertCost:
+    """Bytes of an item converted whole (e.g. one layer's linears, ``--targets linear``): its
+    read and output bytes, quantize temporaries for its largest weight (one at a time)."""
+    planned = {t.name: t.nbytes for d in plan.dests for t in d}
+    out = sum(planned.get(n, 0) for names in item.out_names for n in names)
+    shapes = [getattr(r, "shape", None) for r in (item.payload if isinstance(item.payload, (list, tuple)) else ())]
+    elems = max((math.prod(s) for s in shapes if s), default=item.in_bytes // 2)
+    return ExpertCost(item.in_bytes, out, QUANTIZE_BYTES * elems, 1, OUTPUT_COPIES["quantize"] * out)
+
+
 def plan_for(plan: "Plan", budget: MemoryBudget, default_budget: bool = False) -> MemoryPlan:
-    """The :class:`MemoryPlan` of ``plan``'s layer items under ``budget`` (RSS now as the baseline)."""
+    """The :class:`MemoryPlan` of ``plan``'s items under ``budget`` (RSS now as the baseline): MoE
+    layer items by expert, other computed items whole."""
     layers = [i for i in plan.items if i.kind == "layer"]
     costs = {i.payload.layer: expert_cost(plan, i) for i in layers}
     names = {i.payload.layer: i.payload.module_prefix + ".experts" for i in layers}
+    whole = {f"the {i.kind} item writing {i.out_names[0][0]}": whole_item_cost(plan, i)
+             for i in plan.items if i.kind not in ("copy", "layer") and i.out_names and i.out_names[0]}
     baseline = process_rss() + RESERVE + (CUDA_HOST_RESERVE if budget.device_type == "cuda" else 0)
     return plan_memory(costs, plan.info.num_experts, budget, baseline=baseline, names=names,
-                       splittable=plan.reader.reads_expert_ranges, default_budget=default_budget)
+                       splittable=plan.reader.reads_expert_ranges, default_budget=default_budget, whole=whole)
 
 
 def resolve_budget(host: int | None, gpu: int | None, device: Any) -> tuple[MemoryBudget, bool]:
