@@ -38,28 +38,25 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from mxconv.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
+from mxconv.families.gpt_oss_output import _BLOCK_BYTES, MODULES_TO_NOT_CONVERT, GptOssOutput  # noqa: F401 (re-exported)
 from mxconv.families.quant_config import FLOAT_DTYPES, MX_FORMATS, quantization_dict, unsupported_quantization
-from mxconv.layouts.base import TensorSpec
-from mxconv.st_format import ST_DTYPES, TensorInfo
+from mxconv.st_format import TensorInfo
 
-MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 _ORIGINAL = re.compile(r"^block\.\d+\.mlp\.mlp1_weight\.blocks$")
 _EXPERT = re.compile(
     r"^(?P<root>(?:.*\.)?)layers\.(?P<layer>\d+)\.mlp\.experts\.(?:gate_up_proj|down_proj)(?P<suffix>_blocks|_scales|_bias)?$"
 )
-# Bytes per 32-element block in the blocks tensors.
-_BLOCK_BYTES = {"mxfp4": 16, "mxfp8": 32}
 _BLOCK_DTYPE = {"mxfp4": "U8", "mxfp8": "F8_E4M3"}
 
 
-class GptOssReader(FamilyReader):
+class GptOssReader(GptOssOutput, FamilyReader):
     """gpt-oss MXFP4 / MXFP8 / BF16 checkpoints (Hugging Face layout)."""
 
     name = "gpt-oss"
@@ -363,65 +360,6 @@ class GptOssReader(FamilyReader):
             raise ValueError(f"{ref.module_prefix}: not a MoE layer of this checkpoint")
         fmt, float_dtype = plan["formats"][ref.layer]
         return fmt if fmt in MX_FORMATS else FLOAT_DTYPES[float_dtype]
-
-    # ---- quantized output ---------------------------------------------------------------------
-    def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
-        if fmt not in MX_FORMATS:
-            raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
-        plan = self._plan()
-        E, H, I = plan["E"], plan["H"], plan["I"]
-        p = ref.module_prefix + ".experts"
-        data_dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
-        nb = _BLOCK_BYTES[fmt]
-        specs: dict[str, TensorSpec] = {}
-        for proj, n, k in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
-            specs[f"{p}.{proj}_blocks"] = TensorSpec((E, n, k // 32, nb), data_dtype)
-            specs[f"{p}.{proj}_scales"] = TensorSpec((E, n, k // 32), torch.uint8)
-            bias = self.ckpt.info(f"{p}.{proj}_bias")
-            specs[f"{p}.{proj}_bias"] = TensorSpec(tuple(bias.shape), ST_DTYPES[bias.dtype][0])
-        return specs
-
-    def quantized_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:
-        """MX canonical layer (interleaved rows, source biases) -> published gpt-oss tensors.
-
-        ``*_blocks``: the packed data viewed as ``[E, N, K/32, 16]`` (mxfp4, uint8) or
-        ``[E, N, K/32, 32]`` (mxfp8, float8_e4m3fn); ``*_scales`` unchanged; biases unchanged.
-        """
-        if layer.w13_mx is None or layer.w2_mx is None:
-            raise ValueError("quantized_tensors needs an MX-quantized layer (w13_mx and w2_mx)")
-        if layer.row_order != "interleaved":
-            raise ValueError(f"gpt-oss keeps interleaved gate/up rows, got row order {layer.row_order!r}")
-        if layer.w13_bias is None or layer.w2_bias is None:
-            raise ValueError("gpt-oss layers carry expert biases; the MoELayer has none")
-        p = layer.ref.module_prefix + ".experts"
-        out: dict[str, torch.Tensor] = {}
-        for proj, stack, bias in (("gate_up_proj", layer.w13_mx, layer.w13_bias), ("down_proj", layer.w2_mx, layer.w2_bias)):
-            if stack.fmt not in MX_FORMATS:
-                raise ValueError(f"unknown MX format {stack.fmt!r}")
-            E, n, kb = stack.data.shape
-            nb = _BLOCK_BYTES[stack.fmt]
-            data = stack.data.contiguous().reshape(E, n, kb // nb, nb)
-            if stack.fmt == "mxfp8":
-                data = data.view(torch.float8_e4m3fn)
-            out[f"{p}.{proj}_blocks"] = data
-            out[f"{p}.{proj}_scales"] = stack.scales.contiguous()
-            out[f"{p}.{proj}_bias"] = bias.contiguous()
-        return out
-
-    def quantization_config(self, fmt: str, scale_rounding: str, skipped: Sequence[MoELayerRef] = ()) -> dict[str, Any]:
-        """The published config; each ``skipped`` layer (left BF16) adds ``{module_prefix}.experts``
-        to ``modules_to_not_convert`` (transformers then keeps that layer's experts unquantized)."""
-        if fmt not in MX_FORMATS:
-            raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
-        modules = list(MODULES_TO_NOT_CONVERT)
-        for ref in sorted(skipped, key=lambda r: r.layer):
-            kind = self.layer_format(ref)
-            if kind in MX_FORMATS:
-                raise ValueError(
-                    f"{ref.module_prefix}.experts: {kind} layers cannot be listed as not converted next to {fmt} ones"
-                )
-            modules.append(f"{ref.module_prefix}.experts")
-        return {"quant_method": fmt, "modules_to_not_convert": modules}
 
 
 def _listed(module: str, patterns: list[str]) -> bool:

@@ -1,0 +1,81 @@
+"""The quantized output of the gpt-oss reader (``quantize``): the published gpt-oss MXFP4 tensors and
+config (``{"quant_method": "mxfp4", "modules_to_not_convert": [...]}``) and mxconv's MXFP8 variant of
+them, as a mixin of :class:`mxconv.families.gpt_oss.GptOssReader` (see its module docstring)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from mxconv.families.base import MoELayer, MoELayerRef
+from mxconv.families.quant_config import MX_FORMATS
+from mxconv.layouts.base import TensorSpec
+from mxconv.st_format import ST_DTYPES
+
+MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+# Bytes per 32-element block in the blocks tensors.
+_BLOCK_BYTES = {"mxfp4": 16, "mxfp8": 32}
+
+
+class GptOssOutput:
+    """``quantized_specs`` / ``quantized_tensors`` / ``quantization_config`` of
+    :class:`~mxconv.families.gpt_oss.GptOssReader` (they use its ``ckpt``, ``_plan`` and ``layer_format``)."""
+
+    def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
+        if fmt not in MX_FORMATS:
+            raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
+        plan = self._plan()
+        E, H, I = plan["E"], plan["H"], plan["I"]
+        p = ref.module_prefix + ".experts"
+        data_dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
+        nb = _BLOCK_BYTES[fmt]
+        specs: dict[str, TensorSpec] = {}
+        for proj, n, k in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
+            specs[f"{p}.{proj}_blocks"] = TensorSpec((E, n, k // 32, nb), data_dtype)
+            specs[f"{p}.{proj}_scales"] = TensorSpec((E, n, k // 32), torch.uint8)
+            bias = self.ckpt.info(f"{p}.{proj}_bias")
+            specs[f"{p}.{proj}_bias"] = TensorSpec(tuple(bias.shape), ST_DTYPES[bias.dtype][0])
+        return specs
+
+    def quantized_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:
+        """MX canonical layer (interleaved rows, source biases) -> published gpt-oss tensors.
+
+        ``*_blocks``: the packed data viewed as ``[E, N, K/32, 16]`` (mxfp4, uint8) or
+        ``[E, N, K/32, 32]`` (mxfp8, float8_e4m3fn); ``*_scales`` unchanged; biases unchanged.
+        """
+        if layer.w13_mx is None or layer.w2_mx is None:
+            raise ValueError("quantized_tensors needs an MX-quantized layer (w13_mx and w2_mx)")
+        if layer.row_order != "interleaved":
+            raise ValueError(f"gpt-oss keeps interleaved gate/up rows, got row order {layer.row_order!r}")
+        if layer.w13_bias is None or layer.w2_bias is None:
+            raise ValueError("gpt-oss layers carry expert biases; the MoELayer has none")
+        p = layer.ref.module_prefix + ".experts"
+        out: dict[str, torch.Tensor] = {}
+        for proj, stack, bias in (("gate_up_proj", layer.w13_mx, layer.w13_bias), ("down_proj", layer.w2_mx, layer.w2_bias)):
+            if stack.fmt not in MX_FORMATS:
+                raise ValueError(f"unknown MX format {stack.fmt!r}")
+            E, n, kb = stack.data.shape
+            nb = _BLOCK_BYTES[stack.fmt]
+            data = stack.data.contiguous().reshape(E, n, kb // nb, nb)
+            if stack.fmt == "mxfp8":
+                data = data.view(torch.float8_e4m3fn)
+            out[f"{p}.{proj}_blocks"] = data
+            out[f"{p}.{proj}_scales"] = stack.scales.contiguous()
+            out[f"{p}.{proj}_bias"] = bias.contiguous()
+        return out
+
+    def quantization_config(self, fmt: str, scale_rounding: str, skipped: Sequence[MoELayerRef] = ()) -> dict[str, Any]:
+        """The published config; each ``skipped`` layer (left BF16) adds ``{module_prefix}.experts``
+        to ``modules_to_not_convert`` (transformers then keeps that layer's experts unquantized)."""
+        if fmt not in MX_FORMATS:
+            raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
+        modules = list(MODULES_TO_NOT_CONVERT)
+        for ref in sorted(skipped, key=lambda r: r.layer):
+            kind = self.layer_format(ref)
+            if kind in MX_FORMATS:
+                raise ValueError(
+                    f"{ref.module_prefix}.experts: {kind} layers cannot be listed as not converted next to {fmt} ones"
+                )
+            modules.append(f"{ref.module_prefix}.experts")
+        return {"quant_method": fmt, "modules_to_not_convert": modules}
