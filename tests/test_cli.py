@@ -13,18 +13,10 @@ import pytest
 
 from mxconv.layouts import backend_names
 import torch
-from typer.testing import CliRunner
 
-from mxconv.cli import app
 from mxconv.st_format import read_header, read_tensor
 from support.checkpoints import make_checkpoint
-
-runner = CliRunner()
-
-
-def mx(*args: str) -> tuple[int, str, str]:
-    r = runner.invoke(app, [str(a) for a in args])
-    return r.exit_code, r.stdout, r.stderr
+from support.cli import mx
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from mxconv.cli import app
 from mxconv.errors import LayoutError
 from mxconv.families import register_family, unregister_family
 from mxconv.families.per_expert import PerExpertReader
@@ -32,6 +30,7 @@ from mxconv.layouts.base import (
     round_up,
     unpad_canonical,
 )
+import support.cli
 from support.checkpoints import make_checkpoint
 
 
@@ -102,12 +101,8 @@ class ToyReader(PerExpertReader):
         return {"routing": "softmax_topk", "norm_topk_prob": True}
 
 
-runner = CliRunner()
-
-
 def mx(*args: Any) -> tuple[int, str, str]:
-    r = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
-    return r.exit_code, r.stdout, r.stderr
+    return support.cli.mx(*args, env={"COLUMNS": "200"})
 
 
 @pytest.fixture

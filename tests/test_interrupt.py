@@ -22,20 +22,13 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 import mxconv.writer as writer_mod
-from mxconv.cli import app
-from support.checkpoints import make_checkpoint
 from mxconv.writer import IN_PROGRESS, STAGING, TMP_SUFFIX
+from support.checkpoints import make_checkpoint
+from support.cli import mx
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
-runner = CliRunner()
-
-
-def mx(*args: object) -> tuple[int, str, str]:
-    r = runner.invoke(app, [str(a) for a in args])
-    return r.exit_code, r.stdout, r.stderr
 
 
 @pytest.fixture(scope="module")

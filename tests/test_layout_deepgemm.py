@@ -32,8 +32,7 @@ def stack(E: int, H: int, I: int, row_order: str, bias: bool, seed: int = 0) -> 
 
 
 def sizes_of(c: CanonicalExperts) -> LayoutSizes:
-    Hp, Ip = LAYOUT.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, "fp8")
-    return LayoutSizes(c.num_experts, c.hidden_size, c.intermediate_size, Hp, Ip, c.row_order, c.w13_bias is not None)
+    return c.sizes(*LAYOUT.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, "fp8"))
 
 
 def vllm_param_row(r: int, I: int, Ip: int, row_order: str) -> int | None:

@@ -10,11 +10,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +17,8 @@ import torch
 from mxconv.errors import LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import CanonicalExperts, LayoutSizes, layout_kernels
+from support.interpreter import interpreter_report as run_interpreter, print_report, torch_then_kernels
 
-HERE = Path(__file__).resolve().parent
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -50,16 +45,7 @@ def sizes_for(backend: str, c: CanonicalExperts, activation: str, options: dict)
     kwargs = {}
     if backend == "trtllm" and "intermediate_align" in options:
         kwargs["intermediate_align"] = options["intermediate_align"]
-    Hp, Ip = layout.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, **kwargs)
-    return LayoutSizes(
-        num_experts=c.num_experts,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        padded_hidden_size=Hp,
-        padded_intermediate_size=Ip,
-        row_order=c.row_order,
-        has_bias=c.w13_bias is not None,
-    )
+    return c.sizes(*layout.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, **kwargs))
 
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -147,23 +133,14 @@ def _interpreter_main() -> None:
         mod, layout = modules[backend], get_layout(backend)
         for row_order in ("interleaved", "halves"):
             c = make_stack(2, 96, 160, row_order, seed=len(report))
-            mod.layout_kernels = lambda t: None
-            ref = layout.to_kernel(c, act, opts)
-            mod.layout_kernels = lambda t: lt
-            got = layout.to_kernel(c, act, opts)
+            ref, got = torch_then_kernels(mod, lt, lambda: layout.to_kernel(c, act, opts))
             report[f"to_kernel-{_case_id((backend, act, opts))}-{row_order}"] = not same_bytes(got, ref)
-    print("REPORT" + json.dumps(report))
+    print_report(report)
 
 
 @pytest.fixture(scope="module")
 def interpreter_report() -> dict[str, bool]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_layout_gpu as t; t._interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1]
-    return json.loads(line[len("REPORT") :])
+    return run_interpreter("test_layout_gpu")
 
 
 def test_interpreter_kernels_equal_torch(interpreter_report: dict[str, bool]) -> None:

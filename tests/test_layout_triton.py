@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from mxconv.layouts.triton import (
     unpermute_values,
     w13_row_table,
 )
+from support.interpreter import interpreter_report as run_interpreter, print_report, torch_then_kernels
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -41,8 +41,7 @@ GENERATIONS = ("3.5", "3.6")
 
 
 def sizes_of(c: CanonicalExperts, opts: dict) -> LayoutSizes:
-    hp, ip = LAYOUT.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, "bf16", opts)
-    return LayoutSizes(c.num_experts, c.hidden_size, c.intermediate_size, hp, ip, c.row_order, c.w13_bias is not None)
+    return c.sizes(*LAYOUT.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, "bf16", opts))
 
 
 def ids(*shape: int) -> torch.Tensor:
@@ -458,23 +457,14 @@ def _interpreter_main() -> None:
     for row_order, opts in INTERP_CASES:
         c = make_stack(2, 352, 160, row_order, seed=len(report))
         o = LAYOUT.resolve_options(opts)
-        tl_mod.layout_kernels = lambda t: None
-        ref = LAYOUT.to_kernel(c, "bf16", o)
-        tl_mod.layout_kernels = lambda t: ts
-        got = LAYOUT.to_kernel(c, "bf16", o)
+        ref, got = torch_then_kernels(tl_mod, ts, lambda: LAYOUT.to_kernel(c, "bf16", o))
         report[f"to_kernel-{row_order}-{opts}"] = not same_bytes(got, ref)
-    print("REPORT" + json.dumps(report))
+    print_report(report)
 
 
 @pytest.fixture(scope="module")
 def interpreter_report() -> dict[str, bool]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_layout_triton as t; t._interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1]
-    return json.loads(line[len("REPORT") :])
+    return run_interpreter("test_layout_triton")
 
 
 def test_interpreter_kernels_equal_torch(interpreter_report: dict[str, bool]) -> None:

@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from mxconv.checkpoint import open_checkpoint
-from mxconv.cli import app
 from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.errors import BadInput, LayoutError
 from mxconv.families import detect_family
@@ -27,15 +25,9 @@ from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import CanonicalExperts, LayoutSizes
 from mxconv.layouts.trtllm import LAYOUT
 from mxconv.st_format import read_header, read_tensor
-from support.checkpoints import GroundTruth, make_checkpoint, pack_int4_words_reference, write_shards
 from mxconv.verify import verify
-
-runner = CliRunner()
-
-
-def mx(*args: object) -> tuple[int, str, str]:
-    r = runner.invoke(app, [str(a) for a in args])
-    return r.exit_code, r.stdout, r.stderr
+from support.checkpoints import GroundTruth, make_checkpoint, pack_int4_words_reference, write_shards
+from support.cli import mx
 
 
 # ---------------------------------------------------------------------------------------------

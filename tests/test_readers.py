@@ -7,7 +7,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from mxconv.checkpoint import open_checkpoint
 from mxconv.errors import BadInput
 from mxconv.families import FAMILIES, detect_family, reader_class
-from mxconv.families.base import FamilyReader, MoELayer, MXStack
+from mxconv.families.base import FamilyReader, MoELayer, MoELayerRef, MXStack
 from mxconv.families.quant_config import SUPPORTED_HINT
 from support.checkpoints import KINDS, GroundTruth, make_checkpoint, write_shards
 from support.hub import make_hub_cache
@@ -94,6 +94,27 @@ def patch_config(path: Path, **changes: Any) -> None:
         else:
             cfg[k] = v
     (path / "config.json").write_text(json.dumps(cfg))
+
+
+def refusal(
+    path: Path,
+    kind: str,
+    call: str = "model_info",
+    config: dict[str, Any] | None = None,
+    mutate: Callable[[dict[str, torch.Tensor]], None] | None = None,
+    **gen: Any,
+) -> str:
+    """Generate ``kind`` into ``path`` (``gen``: make_checkpoint options), patch its config.json with
+    ``config`` and/or rewrite its tensors with ``mutate``, then return the BadInput message the
+    reader's ``call`` ("model_info" or "layer_refs") raises."""
+    make_checkpoint(path, kind, **gen)
+    if mutate is not None:
+        rewrite(path, mutate, shards=gen.get("shards", 2))
+    if config:
+        patch_config(path, **config)
+    with pytest.raises(BadInput) as ei:
+        getattr(reader_for(path), call)()
+    return str(ei.value)
 
 
 def random_mx(g: torch.Generator, fmt: str, E: int, n: int, k: int) -> MXStack:
@@ -277,15 +298,19 @@ def test_other_float_dtypes(tmp_path: Path, dtype: torch.dtype, name: str) -> No
     assert layer.w13.dtype == dtype and torch.equal(layer.w13, gt.layers[1].w13)
 
 
+def _gpt_oss_layers(gt: GroundTruth) -> Iterator[tuple[MoELayerRef, str, MoELayer]]:
+    """(ref, experts module name, layer as read) of every MoE layer of a generated gpt-oss checkpoint."""
+    r = reader_for(gt.path)
+    for ref in r.layer_refs():
+        yield ref, f"{ref.module_prefix}.experts", r.read_layer(ref)
+
+
 def test_gpt_oss_bf16_is_transposed_and_interleaved(built: Callable[[str], GroundTruth]) -> None:
     gt = built("gpt-oss-bf16")
-    r = reader_for(gt.path)
     E, H, I = 4, gt.hidden_size, gt.intermediate_size
-    for ref in r.layer_refs():
-        x = f"{ref.module_prefix}.experts"
+    for ref, x, layer in _gpt_oss_layers(gt):
         disk13, disk2 = raw(gt.path, f"{x}.gate_up_proj"), raw(gt.path, f"{x}.down_proj")
         assert tuple(disk13.shape) == (E, H, 2 * I) and tuple(disk2.shape) == (E, I, H)  # in x out on disk
-        layer = r.read_layer(ref)
         assert tuple(layer.w13.shape) == (E, 2 * I, H) and tuple(layer.w2.shape) == (E, H, I)
         for e, n, k in ((0, 0, 0), (1, 5, 17), (3, 2 * I - 1, H - 1)):
             assert layer.w13[e, n, k] == disk13[e, k, n]
@@ -297,11 +322,8 @@ def test_gpt_oss_bf16_is_transposed_and_interleaved(built: Callable[[str], Groun
 
 def test_gpt_oss_mxfp4_keeps_source_bytes(built: Callable[[str], GroundTruth]) -> None:
     gt = built("gpt-oss-mxfp4")
-    r = reader_for(gt.path)
     E, H, I = 4, gt.hidden_size, gt.intermediate_size
-    for ref in r.layer_refs():
-        x = f"{ref.module_prefix}.experts"
-        layer = r.read_layer(ref)
+    for _ref, x, layer in _gpt_oss_layers(gt):
         blocks = raw(gt.path, f"{x}.gate_up_proj_blocks")
         assert tuple(blocks.shape) == (E, 2 * I, H // 32, 16)
         assert torch.equal(layer.w13_mx.data, blocks.reshape(E, 2 * I, H // 2))
@@ -457,15 +479,8 @@ def test_per_expert_quantized_names(built: Callable[[str], GroundTruth]) -> None
 
 def test_per_expert_quantization_config(built: Callable[[str], GroundTruth]) -> None:
     r = reader_for(built("mixtral").path)
-    weights = {
-        "num_bits": 8,
-        "type": "float",
-        "symmetric": True,
-        "group_size": 32,
-        "strategy": "group",
-        "dynamic": False,
-        "scale_dtype": "torch.uint8",
-    }
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group", "dynamic": False,
+               "scale_dtype": "torch.uint8"}  # fmt: skip
     assert r.quantization_config("mxfp8", "floor") == {
         "quant_method": "compressed-tensors",
         "format": "mxfp8-quantized",
@@ -591,68 +606,75 @@ def test_unknown_family_lists_supported(tmp_path: Path) -> None:
         assert t in titles
 
 
-def test_shape_contradicting_config(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "qwen3-moe")
-    patch_config(tmp_path, moe_intermediate_size=128)
-    with pytest.raises(BadInput) as ei:
-        reader_for(tmp_path).model_info()
-    assert str(ei.value) == (
-        f"{tmp_path.resolve()}: tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' has shape [96, 160], "
-        f"expected [128, 160] ([intermediate, hidden] = [128, 160] from config.json)"
-    )
+# config.json edits the reader refuses at model_info, with the message after "<checkpoint dir>: "
+CONFIG_REFUSALS = [
+    pytest.param(
+        "qwen3-moe", {"moe_intermediate_size": 128},
+        "tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' has shape [96, 160], "
+        "expected [128, 160] ([intermediate, hidden] = [128, 160] from config.json)",
+        id="shape_contradicting_config",
+    ),
+    pytest.param(
+        "glm4-moe", {"n_routed_experts": 5},
+        "tensor 'model.layers.1.mlp.experts.4.gate_proj.weight' is missing "
+        "(layer 1 is a MoE layer and config.json has 5 routed experts, each with three projections)",
+        id="too_many_experts_in_config",
+    ),
+    pytest.param(
+        "qwen2-moe", {"num_experts": 3},
+        "tensor 'model.layers.0.mlp.experts.3.gate_proj.weight' has expert index 3, "
+        "but config.json has 3 routed experts",
+        id="too_few_experts_in_config",
+    ),
+    pytest.param(
+        "qwen3-moe", {"mlp_only_layers": [1]},
+        "layer 1 has routed-expert tensors (model.layers.1.mlp.experts.0.gate_proj...), but "
+        "config.json makes it a dense layer (num_hidden_layers=2; mlp_only_layers=[1], decoder_sparse_step=1)",
+        id="config_and_names_disagree_on_moe_layers",
+    ),
+    pytest.param(
+        "deepseek-v3-fp8", {"first_k_dense_replace": 0},
+        "config.json makes layer 0 a MoE layer (L >= first_k_dense_replace(0) and "
+        "L % moe_layer_freq(1) == 0), but the checkpoint has no routed-expert tensors for it "
+        "(e.g. 'model.layers.0.mlp.experts.0.gate_proj.weight' is missing)",
+        id="config_expects_moe_where_layer_is_dense",
+    ),
+    pytest.param(
+        "gpt-oss-bf16", {"num_local_experts": 8},
+        "tensor 'model.layers.0.mlp.experts.gate_up_proj' has shape [4, 96, 128], expected "
+        "[8, 96, 128] (num_local_experts=8, hidden_size=96, intermediate_size=64 from config.json, stored [in, out])",
+        id="gpt_oss_expert_count",
+    ),
+]
+
+
+@pytest.mark.parametrize("kind,config,message", CONFIG_REFUSALS)
+def test_config_contradicting_tensors(tmp_path: Path, kind: str, config: dict[str, Any], message: str) -> None:
+    assert refusal(tmp_path, kind, config=config) == f"{tmp_path.resolve()}: {message}"
 
 
 def test_hidden_size_contradicting_router(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "mixtral")
-    patch_config(tmp_path, hidden_size=192)
-    with pytest.raises(BadInput, match=r"tensor 'model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\.weight' has shape \[96, 160\], expected \[96, 192\]"):
-        reader_for(tmp_path).layer_refs()
-
-
-def test_too_many_experts_in_config(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "glm4-moe")
-    patch_config(tmp_path, n_routed_experts=5)
-    with pytest.raises(BadInput) as ei:
-        reader_for(tmp_path).model_info()
-    assert str(ei.value) == (
-        f"{tmp_path.resolve()}: tensor 'model.layers.1.mlp.experts.4.gate_proj.weight' is missing "
-        f"(layer 1 is a MoE layer and config.json has 5 routed experts, each with three projections)"
-    )
-
-
-def test_too_few_experts_in_config(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "qwen2-moe")
-    patch_config(tmp_path, num_experts=3)
-    with pytest.raises(BadInput) as ei:
-        reader_for(tmp_path).model_info()
-    assert str(ei.value) == (
-        f"{tmp_path.resolve()}: tensor 'model.layers.0.mlp.experts.3.gate_proj.weight' has expert index 3, "
-        f"but config.json has 3 routed experts"
+    assert re.search(
+        r"tensor 'model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\.weight' has shape \[96, 160\], expected \[96, 192\]",
+        refusal(tmp_path, "mixtral", "layer_refs", config={"hidden_size": 192}),
     )
 
 
 def test_missing_expert_tensor(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "deepseek-v3-fp8")
-    rewrite(tmp_path, lambda t: t.pop("model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"))
-    with pytest.raises(BadInput) as ei:
-        reader_for(tmp_path).layer_refs()
-    assert str(ei.value) == (
+    name = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
+    assert refusal(tmp_path, "deepseek-v3-fp8", "layer_refs", mutate=lambda t: t.pop(name)) == (
         f"{tmp_path.resolve()}: tensor 'model.layers.1.mlp.experts.2.up_proj.weight_scale_inv' is missing "
         f"(layer 1 is a MoE layer and config.json has 4 routed experts, each with three projections)"
     )
 
 
 def test_fp8_scale_shape_checked(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "kimi-k2")
     name = "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"
 
     def grow(t: dict[str, torch.Tensor]) -> None:
         t[name] = torch.ones(3, 3)
 
-    rewrite(tmp_path, grow)
-    with pytest.raises(BadInput) as ei:
-        reader_for(tmp_path).model_info()
-    assert str(ei.value) == (
+    assert refusal(tmp_path, "kimi-k2", mutate=grow) == (
         f"{tmp_path.resolve()}: tensor {name!r} has shape [3, 3], expected [3, 2] (one scale per 128x128 tile of [288, 160])"
     )
 
@@ -685,48 +707,22 @@ def test_unsupported_quantization(tmp_path: Path, kind: str, qc: dict[str, Any],
 
 
 def test_per_tensor_fp8_is_unsupported(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "deepseek-v3-fp8", shards=1)
-    patch_config(tmp_path, quantization_config={"quant_method": "fp8", "activation_scheme": "static"})
-    with pytest.raises(BadInput, match=r"unsupported quantization \(quant_method 'fp8' without a \[rows, cols\] weight_block_size"):
-        reader_for(tmp_path).model_info()
-
-
-def test_fp8_tensors_without_quantization_config(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "deepseek-v3-fp8", shards=1)
-    patch_config(tmp_path, quantization_config=None)
-    with pytest.raises(BadInput, match=r"are fp8_block, but config.json has no quantization_config"):
-        reader_for(tmp_path).model_info()
-
-
-def test_config_and_names_disagree_on_moe_layers(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "qwen3-moe")
-    patch_config(tmp_path, mlp_only_layers=[1])
-    with pytest.raises(BadInput) as ei:
-        reader_for(tmp_path).model_info()
-    assert str(ei.value) == (
-        f"{tmp_path.resolve()}: layer 1 has routed-expert tensors (model.layers.1.mlp.experts.0.gate_proj...), but "
-        f"config.json makes it a dense layer (num_hidden_layers=2; mlp_only_layers=[1], decoder_sparse_step=1)"
+    qc = {"quant_method": "fp8", "activation_scheme": "static"}
+    assert re.search(
+        r"unsupported quantization \(quant_method 'fp8' without a \[rows, cols\] weight_block_size",
+        refusal(tmp_path, "deepseek-v3-fp8", config={"quantization_config": qc}, shards=1),
     )
 
 
-def test_config_expects_moe_where_layer_is_dense(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "deepseek-v3-fp8")
-    patch_config(tmp_path, first_k_dense_replace=0)
-    with pytest.raises(BadInput) as ei:
-        reader_for(tmp_path).model_info()
-    assert str(ei.value) == (
-        f"{tmp_path.resolve()}: config.json makes layer 0 a MoE layer (L >= first_k_dense_replace(0) and "
-        f"L % moe_layer_freq(1) == 0), but the checkpoint has no routed-expert tensors for it "
-        f"(e.g. 'model.layers.0.mlp.experts.0.gate_proj.weight' is missing)"
+def test_fp8_tensors_without_quantization_config(tmp_path: Path) -> None:
+    assert re.search(
+        r"are fp8_block, but config.json has no quantization_config",
+        refusal(tmp_path, "deepseek-v3-fp8", config={"quantization_config": None}, shards=1),
     )
 
 
 def _gpt_oss_edit(tmp_path: Path, mutate: Callable[[dict[str, torch.Tensor]], None]) -> str:
-    make_checkpoint(tmp_path, "gpt-oss-mxfp4", hidden_size=128)
-    rewrite(tmp_path, mutate)
-    with pytest.raises(BadInput) as ei:
-        reader_for(tmp_path).model_info()
-    return str(ei.value)
+    return refusal(tmp_path, "gpt-oss-mxfp4", mutate=mutate, hidden_size=128)
 
 
 BLOCKS = "model.layers.0.mlp.experts.gate_up_proj_blocks"
@@ -758,17 +754,6 @@ def test_gpt_oss_blocks_dtype(tmp_path: Path) -> None:
         t[BLOCKS] = t[BLOCKS].view(torch.int8)
 
     assert _gpt_oss_edit(tmp_path, f) == f"{tmp_path.resolve()}: tensor {BLOCKS!r} has dtype I8, expected U8 (mxfp4 blocks)"
-
-
-def test_gpt_oss_expert_count(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "gpt-oss-bf16")
-    patch_config(tmp_path, num_local_experts=8)
-    with pytest.raises(BadInput) as ei:
-        reader_for(tmp_path).model_info()
-    assert str(ei.value) == (
-        f"{tmp_path.resolve()}: tensor 'model.layers.0.mlp.experts.gate_up_proj' has shape [4, 96, 128], expected "
-        f"[8, 96, 128] (num_local_experts=8, hidden_size=96, intermediate_size=64 from config.json, stored [in, out])"
-    )
 
 
 def test_gpt_oss_original_layout_refused(tmp_path: Path) -> None:

@@ -9,19 +9,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 import struct
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from mxconv.numerics import FORMAT_PARAMS, FORMATS, SCALE_MODES, quantize_mx_torch
-
-HERE = Path(__file__).resolve().parent
+from support.interpreter import interpreter_report as run_interpreter, print_report
 
 
 def _f32_from_bits(bits: int) -> float:
@@ -111,18 +105,12 @@ def _interpreter_main() -> None:
                     "n_bad_data": int((d_ref != d_tri).sum()),
                 }
                 report.append(entry)
-    print("REPORT" + json.dumps(report))
+    print_report(report)
 
 
 @pytest.fixture(scope="module")
 def interpreter_report() -> list[dict]:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_triton_kernels as t; t._interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1]
-    return json.loads(line[len("REPORT") :])
+    return run_interpreter("test_triton_kernels")
 
 
 def test_interpreter_mxfp4_bit_exact(interpreter_report):

@@ -197,7 +197,7 @@ class AiterLayout(LayoutBase):
         """Canonical (unpadded) stack -> AITER kernel tensors on ``c``'s device (padding included)."""
         c.validate()  # includes: both biases or neither
         hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
-        sizes = _sizes_of(c, hp, ip)
+        sizes = c.sizes(hp, ip)
         _check_sizes(sizes, activation)
         return _to_kernel_gathered(c, hp, ip, activation)
 
@@ -328,18 +328,6 @@ def _check_sizes(sizes: LayoutSizes, activation: str) -> None:
         _need(ip % 64 == 0, f"a4w4 needs the padded intermediate size % 64 == 0 (w2 K), got {ip}")
         _check_a4w4_rows("w13_weight_scale", e, 2 * ip)
         _check_a4w4_rows("w2_weight_scale", e, hp)
-
-
-def _sizes_of(c: CanonicalExperts, hp: int, ip: int) -> LayoutSizes:
-    return LayoutSizes(
-        num_experts=c.num_experts,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        padded_hidden_size=hp,
-        padded_intermediate_size=ip,
-        row_order=c.row_order,
-        has_bias=c.w13_bias is not None or c.w2_bias is not None,
-    )
 
 
 def _validated_inputs(k: KernelTensors, specs: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:

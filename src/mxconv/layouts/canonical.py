@@ -87,6 +87,19 @@ class CanonicalExperts:
     def device(self) -> torch.device:
         return self.w13.device
 
+    def sizes(self, padded_hidden_size: int, padded_intermediate_size: int) -> "LayoutSizes":
+        """This stack's :class:`LayoutSizes` once padded to (Hp, Ip)."""
+        return LayoutSizes(
+            num_experts=self.num_experts,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            padded_hidden_size=padded_hidden_size,
+            padded_intermediate_size=padded_intermediate_size,
+            row_order=self.row_order,
+            has_bias=self.w13_bias is not None or self.w2_bias is not None,
+            weight_format=self.weight_format,
+        )
+
     def to(self, device: torch.device | str) -> "CanonicalExperts":
         """Copy every tensor to ``device`` (non-blocking where possible)."""
 
