@@ -5,7 +5,7 @@ Source formats (Hugging Face layout, per layer ``L``, prefix ``model.layers.L.ml
 | format | expert tensors | config |
 |---|---|---|
 | MXFP4 (published) | ``experts.gate_up_proj_blocks`` U8 ``[E, 2I, H/32, 16]`` + ``_scales`` U8 ``[E, 2I, H/32]``, ``experts.down_proj_blocks`` U8 ``[E, H, I/32, 16]`` + ``_scales`` U8 ``[E, H, I/32]`` | ``{"quant_method": "mxfp4", ...}`` |
-| MXFP8 (mxconv) | ``experts.gate_up_proj_blocks`` F8_E4M3 ``[E, 2I, H/32, 32]`` + U8 ``_scales`` ``[E, 2I, H/32]``, same for ``down_proj`` | ``{"quant_method": "mxfp8", ...}`` |
+| MXFP8 (mxconv) | ``experts.gate_up_proj_blocks`` F8_E4M3 ``[E, 2I, H/32, 32]`` + U8 ``_scales`` ``[E, 2I, H/32]``, same for ``down_proj`` | ``{"quant_method": null, "mxconv_quant_method": "mxfp8", ...}`` (older outputs: ``"quant_method": "mxfp8"``) |
 | BF16 | ``experts.gate_up_proj`` ``[E, H, 2I]`` and ``experts.down_proj`` ``[E, I, H]`` (**in x out**) | none |
 
 plus ``experts.gate_up_proj_bias`` ``[E, 2I]`` and ``experts.down_proj_bias`` ``[E, H]`` (BF16) in every
@@ -19,9 +19,11 @@ logits), activation "swigluoai" with alpha = ``swiglu_alpha`` (default 1.702) an
 Quantized output (``quantize``): the published gpt-oss MXFP4 convention above (biases copied as they
 are), config ``{"quant_method": "mxfp4", "modules_to_not_convert": [...]}``. For MXFP8 mxconv uses
 the same names with ``gate_up_proj_blocks`` / ``down_proj_blocks`` as F8_E4M3 ``[E, N, K/32, 32]``
-(the E4M3 elements of each 32-block) plus the same U8 E8M0 ``_scales``, and ``"quant_method":
-"mxfp8"``. That MXFP8 variant is mxconv's own: no engine reads it yet (mxconv reads it back, e.g. as
-a ``repack`` source). The scale rounding is left to mxconv.json (the published config has no such key).
+(the E4M3 elements of each 32-block) plus the same U8 E8M0 ``_scales``, and ``"quant_method": null,
+"mxconv_quant_method": "mxfp8"``. That MXFP8 variant is mxconv's own: no engine reads it yet, and the
+null method makes transformers refuse it rather than load random experts (``gpt_oss_output``); mxconv
+reads it back (and the ``"quant_method": "mxfp8"`` of its older outputs), e.g. as a ``repack`` source.
+The scale rounding is left to mxconv.json (the published config has no such key).
 
 Mixed output (``quantize --include/--ignore``): the layers left unconverted keep their BF16
 ``gate_up_proj`` / ``down_proj`` and ``{prefix}.experts`` (e.g. ``model.layers.1.mlp.experts``) is
@@ -45,7 +47,7 @@ import torch
 from mxconv.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
-from mxconv.families.gpt_oss_output import _BLOCK_BYTES, MODULES_TO_NOT_CONVERT, GptOssOutput  # noqa: F401 (re-exported)
+from mxconv.families.gpt_oss_output import _BLOCK_BYTES, MODULES_TO_NOT_CONVERT, GptOssOutput, config_format  # noqa: F401 (re-exported)
 from mxconv.families.quant_config import FLOAT_DTYPES, MX_FORMATS, quantization_dict, unsupported_quantization
 from mxconv.st_format import TensorInfo
 
@@ -108,7 +110,7 @@ class GptOssReader(GptOssOutput, FamilyReader):
                 f"not read; use the Hugging Face layout at the repository root (same expert bytes)"
             )
         qc = quantization_dict(ck)
-        method = None if qc is None else qc.get("quant_method")
+        method = None if qc is None else config_format(qc)
         if qc is not None and method not in MX_FORMATS:
             raise unsupported_quantization(ck, qc, self.title)
         num_layers = self._cfg_int("num_hidden_layers")

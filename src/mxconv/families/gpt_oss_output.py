@@ -1,6 +1,13 @@
 """The quantized output of the gpt-oss reader (``quantize``): the published gpt-oss MXFP4 tensors and
 config (``{"quant_method": "mxfp4", "modules_to_not_convert": [...]}``) and mxconv's MXFP8 variant of
-them, as a mixin of :class:`mxconv.families.gpt_oss.GptOssReader` (see its module docstring)."""
+them, as a mixin of :class:`mxconv.families.gpt_oss.GptOssReader` (see its module docstring).
+
+The MXFP8 variant has no ``quant_method`` that a loader reads correctly: ``"mxfp8"`` (what mxconv wrote
+before) is taken by transformers' fine-grained FP8 loader, which finds none of its tensors and leaves the
+experts randomly initialised, and a name transformers does not know only makes it warn and do the same.
+So the config says ``"quant_method": null`` and names the format under mxconv's own key
+(:data:`FORMAT_KEY`): transformers then refuses to load it ("no `quant_method` attribute"), vLLM and
+SGLang stop at start-up, and mxconv reads it (and its older ``"mxfp8"`` outputs)."""
 
 from __future__ import annotations
 
@@ -16,6 +23,21 @@ from mxconv.st_format import ST_DTYPES
 MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 # Bytes per 32-element block in the blocks tensors.
 _BLOCK_BYTES = {"mxfp4": 16, "mxfp8": 32}
+# mxconv's key for the MX format of a gpt-oss config whose quant_method is null (MXFP8, see above).
+FORMAT_KEY = "mxconv_quant_method"
+
+
+def method_fields(fmt: str) -> dict[str, Any]:
+    """The ``quant_method`` entries of a gpt-oss output config: ``"mxfp4"`` as published, or, for MXFP8,
+    ``null`` plus :data:`FORMAT_KEY` (no loader misreads it; see the module docstring)."""
+    return {"quant_method": "mxfp4"} if fmt == "mxfp4" else {"quant_method": None, FORMAT_KEY: fmt}
+
+
+def config_format(qc: dict[str, Any]) -> Any:
+    """The MX format a gpt-oss ``quantization_config`` names: its ``quant_method``, or, when that is
+    null, :data:`FORMAT_KEY` (older mxconv MXFP8 outputs say ``"quant_method": "mxfp8"``)."""
+    method = qc.get("quant_method")
+    return qc.get(FORMAT_KEY) if method is None else method
 
 
 class GptOssOutput:
@@ -78,4 +100,4 @@ class GptOssOutput:
                     f"{ref.module_prefix}.experts: {kind} layers cannot be listed as not converted next to {fmt} ones"
                 )
             modules.append(f"{ref.module_prefix}.experts")
-        return {"quant_method": fmt, "modules_to_not_convert": modules}
+        return {**method_fields(fmt), "modules_to_not_convert": modules}
