@@ -26,7 +26,6 @@ results stay resident when they fit in GPU memory (as in a real load).
 
 from __future__ import annotations
 
-import argparse
 import json
 import struct
 import tempfile
@@ -36,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from _args import parser
 from mxconv.engines import discover, marlin_moe, triton_moe
 from mxconv.families.base import ModelInfo
 from mxconv.layouts import LayoutSizes, get_layout
@@ -183,10 +183,7 @@ def read_canonical(path: Path) -> CanonicalExperts:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=2880)
-    ap.add_argument("--intermediate", type=int, default=2880)
+    ap = parser(__doc__, experts=128)
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--backends", default="triton,marlin")
     ap.add_argument("--device", default="cuda")

@@ -20,7 +20,6 @@ on the first and last expert of the stack.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -29,6 +28,7 @@ import time
 
 import torch
 
+from _args import parser
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import CanonicalExperts
 
@@ -144,10 +144,7 @@ def bench_one(layout, backend: str, act: str, c: CanonicalExperts, in_bytes: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=2880)
-    ap.add_argument("--intermediate", type=int, default=2880)
+    ap = parser(__doc__, experts=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="E=4, H=I=256: a CPU smoke test")
     ap.add_argument("--all-activations", action="store_true", help="every activation, not only the default")

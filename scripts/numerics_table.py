@@ -22,7 +22,6 @@ Usage: python scripts/numerics_table.py [--hidden 1024 --intermediate 512 --seed
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _args import parser  # noqa: E402
 from mxconv.numerics import FORMATS, SCALE_MODES, dequantize_mx, quantize_mx_torch  # noqa: E402
 from mxconv.runner import hidden_states  # noqa: E402
 
@@ -83,9 +83,7 @@ def real_matrices(path: str) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=512)
+    ap = parser(__doc__, hidden=1024, intermediate=512)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--real", help="a safetensors file of a real model's weights")

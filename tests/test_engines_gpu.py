@@ -26,7 +26,7 @@ from mxconv.engines import KERNEL_THRESHOLDS, discover, run_kernel_layer
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts.base import CanonicalExperts
-from mxconv.loader import build_engine_layer, read_layer_tensors, resolve_layer
+from mxconv.loader import LayerSource, build_engine_layer, read_layer_tensors, resolve_layer
 from mxconv.manifest import load_manifest
 from mxconv.runner import Routing, compare, hidden_states, moe_forward, route
 from support.checkpoints import make_checkpoint
@@ -151,13 +151,18 @@ def test_kernel_matches_reference(cases: dict[str, Case], family: str, name: str
         _check(f"{family}/{name}/layer{layer}", got, ref, r, True)
 
 
+def _layer0(cases: dict[str, Case], family: str, backend: str) -> tuple[Case, LayerSource]:
+    """(the family's case, layer 0 of its ``backend`` output); skips where the kernels are missing."""
+    _need_kernels(backend)
+    case = cases[family]
+    return case, resolve_layer(_output(case, backend), 0)
+
+
 @pytest.mark.parametrize("family", list(KINDS))
 @pytest.mark.parametrize("backend", ["marlin", "triton"])
 def test_forward_from_router_logits(cases: dict[str, Case], family: str, backend: str) -> None:
     """The engine's own routing from bf16 logits (triton_kernels' routing kernel / top-k in torch)."""
-    _need_kernels(backend)
-    case = cases[family]
-    src = resolve_layer(_output(case, backend), 0)
+    case, src = _layer0(cases, family, backend)
     eng = build_engine_layer(src, read_layer_tensors(src, "cuda"))
     x, _, _, canon, logits = _reference(case.q4, 0)
     logits = logits.to(torch.bfloat16)
@@ -241,9 +246,7 @@ def _bugs(src, canon: CanonicalExperts, hot: tuple[int, int]) -> dict[str, Calla
 @pytest.mark.parametrize("family", list(KINDS))
 @pytest.mark.parametrize("backend", ["marlin", "triton"])
 def test_planted_bugs_exceed_the_bound(cases: dict[str, Case], family: str, backend: str) -> None:
-    _need_kernels(backend)
-    case = cases[family]
-    src = resolve_layer(_output(case, backend), 0)
+    case, src = _layer0(cases, family, backend)
     x, r, ref, canon, _ = _reference(case.q4, 0)
     counts = torch.bincount(r.ids.flatten(), minlength=canon.num_experts)
     hot = tuple(int(e) for e in counts.argsort(descending=True)[:2])

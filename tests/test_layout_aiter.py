@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Callable
 
 import pytest
 import torch
@@ -273,14 +274,21 @@ def test_worked_example_scale_bytes() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _assert_offsets(out: torch.Tensor, x: torch.Tensor, offset: Callable[[int, int, int], int], col_step: int = 1) -> None:
+    """Element (e, r, c) of ``x`` [E, R, C] (every ``col_step``-th column) sits at
+    ``out[e, offset(r, c, C)]`` of the flattened result ``out`` [E, R*C]."""
+    E, R, C = x.shape
+    for e in range(E):
+        for r in range(R):
+            for c in range(0, C, col_step):
+                assert int(out[e, offset(r, c, C)]) == int(x[e, r, c])
+
+
 def test_w16_matches_formula() -> None:
     N, B = 48, 80
     x = torch.arange(2 * N * B, dtype=torch.int64).view(2, N, B)
     out = w16(x).reshape(2, -1)
-    for e in range(2):
-        for r in range(N):
-            for c in range(0, B, 3):
-                assert int(out[e, w16_offset(r, c, B)]) == int(x[e, r, c])
+    _assert_offsets(out, x, w16_offset, col_step=3)
     dest = w16_dest_offsets(N, B)
     assert [int(dest[r, c]) for r, c in [(0, 0), (17, 33), (47, 79)]] == [
         w16_offset(r, c, B) for r, c in [(0, 0), (17, 33), (47, 79)]
@@ -304,10 +312,7 @@ def test_s32x8_matches_formula() -> None:
     R, C = 64, 24
     x = torch.arange(3 * R * C, dtype=torch.int64).view(3, R, C)
     out = s32x8(x).reshape(3, -1)
-    for e in range(3):
-        for r in range(R):
-            for q in range(C):
-                assert int(out[e, s32x8_offset(r, q, C)]) == int(x[e, r, q])
+    _assert_offsets(out, x, s32x8_offset)
     dest = s32x8_dest_offsets(R, C)
     assert torch.equal(out[1][dest.reshape(-1)], x[1].reshape(-1))
     assert torch.equal(s32x8_inverse(s32x8(x)), x)

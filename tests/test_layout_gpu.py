@@ -17,7 +17,7 @@ import torch
 from mxconv.errors import LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import CanonicalExperts, LayoutSizes, layout_kernels
-from support.interpreter import interpreter_report as run_interpreter, print_report, torch_then_kernels
+from support.interpreter import kernels_match_torch, print_report, report_fixture, same_bytes
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -46,20 +46,6 @@ def sizes_for(backend: str, c: CanonicalExperts, activation: str, options: dict)
     if backend == "trtllm" and "intermediate_align" in options:
         kwargs["intermediate_align"] = options["intermediate_align"]
     return c.sizes(*layout.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, **kwargs))
-
-
-def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    """Names of tensors whose keys/shape/dtype/bytes differ (empty list = identical)."""
-    if a.keys() != b.keys():
-        return [f"keys {sorted(a)} != {sorted(b)}"]
-    bad = []
-    for name in a:
-        x, y = a[name], b[name]
-        if x.shape != y.shape or x.dtype != y.dtype:
-            bad.append(f"{name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
-        elif not torch.equal(x.cpu().contiguous().view(torch.uint8), y.cpu().contiguous().view(torch.uint8)):
-            bad.append(name)
-    return bad
 
 
 # (backend, activation, options) for every activation plus the options that change bytes
@@ -133,14 +119,12 @@ def _interpreter_main() -> None:
         mod, layout = modules[backend], get_layout(backend)
         for row_order in ("interleaved", "halves"):
             c = make_stack(2, 96, 160, row_order, seed=len(report))
-            ref, got = torch_then_kernels(mod, lt, lambda: layout.to_kernel(c, act, opts))
-            report[f"to_kernel-{_case_id((backend, act, opts))}-{row_order}"] = not same_bytes(got, ref)
+            key = f"to_kernel-{_case_id((backend, act, opts))}-{row_order}"
+            report[key] = kernels_match_torch(mod, lt, lambda: layout.to_kernel(c, act, opts))
     print_report(report)
 
 
-@pytest.fixture(scope="module")
-def interpreter_report() -> dict[str, bool]:
-    return run_interpreter("test_layout_gpu")
+interpreter_report = report_fixture("test_layout_gpu")
 
 
 def test_interpreter_kernels_equal_torch(interpreter_report: dict[str, bool]) -> None:

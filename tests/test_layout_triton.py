@@ -30,7 +30,7 @@ from mxconv.layouts.triton import (
     unpermute_values,
     w13_row_table,
 )
-from support.interpreter import interpreter_report as run_interpreter, print_report, torch_then_kernels
+from support.interpreter import kernels_match_torch, print_report, report_fixture
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -457,14 +457,11 @@ def _interpreter_main() -> None:
     for row_order, opts in INTERP_CASES:
         c = make_stack(2, 352, 160, row_order, seed=len(report))
         o = LAYOUT.resolve_options(opts)
-        ref, got = torch_then_kernels(tl_mod, ts, lambda: LAYOUT.to_kernel(c, "bf16", o))
-        report[f"to_kernel-{row_order}-{opts}"] = not same_bytes(got, ref)
+        report[f"to_kernel-{row_order}-{opts}"] = kernels_match_torch(tl_mod, ts, lambda: LAYOUT.to_kernel(c, "bf16", o))
     print_report(report)
 
 
-@pytest.fixture(scope="module")
-def interpreter_report() -> dict[str, bool]:
-    return run_interpreter("test_layout_triton")
+interpreter_report = report_fixture("test_layout_triton")
 
 
 def test_interpreter_kernels_equal_torch(interpreter_report: dict[str, bool]) -> None:

@@ -631,14 +631,18 @@ def test_oracle_flashinfer_row_indices(rows: int) -> None:
     assert torch.equal(as_w1w3, w13_row_src(Ip, "halves"))
 
 
+def _oracle_case(row_order: str, seed: int) -> tuple[int, int, int, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(E, Hp, Ip, vLLM's padded stack, our kernel tensors) for a 2-expert H=320, I=160 stack with biases."""
+    E, H, I = 2, 320, 160
+    Hp, Ip = 512, 256
+    c = make_stack(E, H, I, row_order, True, seed=seed)
+    return E, Hp, Ip, vllm_padded(c, Hp, Ip), LAYOUT.to_kernel(c, "bf16", {})
+
+
 def test_oracle_flashinfer_standard_sequence_halves() -> None:
     """Re-enact the [w3; w1] + FlashInfer permute sequence per expert on weights, scale rows, bias."""
     _, fi_core, _ = _flashinfer_helpers()
-    E, H, I = 2, 320, 160
-    Hp, Ip = 512, 256
-    c = make_stack(E, H, I, "halves", True, seed=21)
-    ref = vllm_padded(c, Hp, Ip)
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    E, Hp, Ip, ref, k = _oracle_case("halves", seed=21)
     w13_scale_rows = unswizzle_128x4(k["w13_weight_scale"].view(torch.uint8).reshape(E, -1), 2 * Ip, Hp // 32)
     w2_scale_rows = unswizzle_128x4(k["w2_weight_scale"].view(torch.uint8).reshape(E, -1), Hp, Ip // 32)
     for e in range(E):
@@ -662,11 +666,7 @@ def test_oracle_flashinfer_standard_sequence_halves() -> None:
 def test_oracle_flashinfer_gpt_oss_sequence_interleaved() -> None:
     """Old vLLM gpt-oss path: swap every two rows, then FlashInfer's shuffle_matrix_a per expert."""
     _, _, shuffle_matrix_a = _flashinfer_helpers()
-    E, H, I = 2, 320, 160
-    Hp, Ip = 512, 256
-    c = make_stack(E, H, I, "interleaved", True, seed=22)
-    ref = vllm_padded(c, Hp, Ip)
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    E, _, _, ref, k = _oracle_case("interleaved", seed=22)
 
     def swap_pairs(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(t.shape[0] // 2, 2, *t.shape[1:]).flip(1).reshape(t.shape)

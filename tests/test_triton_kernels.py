@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mxconv.numerics import FORMAT_PARAMS, FORMATS, SCALE_MODES, quantize_mx_torch
-from support.interpreter import interpreter_report as run_interpreter, print_report
+from support.interpreter import print_report, report_fixture
 
 
 def _f32_from_bits(bits: int) -> float:
@@ -108,9 +108,7 @@ def _interpreter_main() -> None:
     print_report(report)
 
 
-@pytest.fixture(scope="module")
-def interpreter_report() -> list[dict]:
-    return run_interpreter("test_triton_kernels")
+interpreter_report = report_fixture("test_triton_kernels")
 
 
 def test_interpreter_mxfp4_bit_exact(interpreter_report):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -33,10 +34,34 @@ def interpreter_report(test_module: str) -> Any:
     return json.loads(line[len("REPORT") :])
 
 
-def torch_then_kernels(layout_module: Any, kernels: Any, run: Callable[[], Any]) -> tuple[Any, Any]:
-    """``run()`` with ``layout_module.layout_kernels`` forced to the torch path, then to ``kernels``:
-    (reference, kernel result)."""
+def report_fixture(test_module: str) -> Any:
+    """A module-scoped ``interpreter_report`` fixture: :func:`interpreter_report` of ``test_module``."""
+
+    @pytest.fixture(scope="module", name="interpreter_report")
+    def fixture() -> Any:
+        return interpreter_report(test_module)
+
+    return fixture
+
+
+def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names of tensors whose keys/shape/dtype/bytes differ (empty list = identical)."""
+    if a.keys() != b.keys():
+        return [f"keys {sorted(a)} != {sorted(b)}"]
+    bad = []
+    for name in a:
+        x, y = a[name], b[name]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            bad.append(f"{name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
+        elif not torch.equal(x.cpu().contiguous().view(torch.uint8), y.cpu().contiguous().view(torch.uint8)):
+            bad.append(name)
+    return bad
+
+
+def kernels_match_torch(layout_module: Any, kernels: Any, run: Callable[[], dict[str, torch.Tensor]]) -> bool:
+    """Whether ``run()`` gives the same bytes with ``layout_module.layout_kernels`` forced to the
+    torch path and to ``kernels``."""
     layout_module.layout_kernels = lambda t: None
     ref = run()
     layout_module.layout_kernels = lambda t: kernels
-    return ref, run()
+    return not same_bytes(run(), ref)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
-
 from mxconv.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, FP8BlockStack, Int4Stack, ModelInfo, MoELayer, MoELayerRef, MXStack
+from mxconv.registry import register, resolve
 
 # family name -> "module:ReaderClass", in detection order (most specific first).
 _REGISTRY: dict[str, str | type[FamilyReader]] = {
@@ -25,9 +24,7 @@ def register_family(name: str, reader: str | type[FamilyReader]) -> None:
 
     The built-in families are the lines of ``_REGISTRY``; this is for plug-ins and tests.
     """
-    if name in _REGISTRY:
-        raise ValueError(f"family {name!r} is registered already")
-    _REGISTRY[name] = reader
+    register(_REGISTRY, "family", name, reader)
 
 
 def unregister_family(name: str) -> None:
@@ -36,11 +33,7 @@ def unregister_family(name: str) -> None:
 
 
 def reader_class(name: str) -> type[FamilyReader]:
-    entry = _REGISTRY[name]
-    if not isinstance(entry, str):
-        return entry
-    module, attr = entry.split(":")
-    return getattr(importlib.import_module(module), attr)
+    return resolve(_REGISTRY, name)
 
 
 def detect_family(ckpt: Checkpoint) -> FamilyReader:

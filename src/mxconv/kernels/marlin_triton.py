@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from mxconv.kernels.triton_common import KERNEL_CONFIG, _check_runnable, _device_ctx, _table, _words, tl, triton
+from mxconv.kernels.triton_common import KERNEL_CONFIG, _dims, _launch, _rows_contiguous, _table, _words, tl, triton
 
 if triton is not None:
+    from mxconv.kernels.triton_common import _load_rows
+
     # 32-bit masks, written as signed int32 values (Triton and numpy keep int32 arithmetic in int32).
     _LO_NIBBLES = tl.constexpr(0x0F0F0F0F)
     _HI_NIBBLES = tl.constexpr(-0x0F0F0F10)  # 0xF0F0F0F0
@@ -36,6 +38,17 @@ if triton is not None:
         o2 = ((t0 >> 16) & _LOW_HALF) | (t2 & _HIGH_HALF)
         o3 = ((t1 >> 16) & _LOW_HALF) | (t3 & _HIGH_HALF)
         return o0, o1, o2, o3
+
+    @triton.jit
+    def _store_stream(out, o0, o1, o2, o3, kt, nt, row_words, KT_out, BK: tl.constexpr):
+        """Store the tile's output words o_thr [w, thc, kt] (thr = 0..3) as words
+        ``kt*row_words + nt*128 + thc*16 + thr*4 + w`` of one expert's stream ``out``."""
+        # join twice: [..., a, b] = o_(2a+b), i.e. [w, thc, kt, thr]
+        words = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (4, 8, BK, 4))
+        words = tl.permute(words, (2, 1, 3, 0))  # [kt, thc, thr, w]
+        words = tl.reshape(words, (BK, 128))
+        off = kt[:, None] * row_words + nt * 128 + tl.arange(0, 128)[None, :]
+        tl.store(out + off, words, mask=(kt < KT_out)[:, None])
 
     @triton.jit
     def _marlin_bf16_kernel(src, dst, tab, KT_in, KT_out, N, s_e, s_r, d_e, BK: tl.constexpr):
@@ -72,12 +85,7 @@ if triton is not None:
         r = ((a >> 4) & _LO_NIBBLES) | (b & _HI_NIBBLES)  # A.hi | B.hi << 4
         s = ((c >> 4) & _LO_NIBBLES) | (d & _HI_NIBBLES)  # C.hi | D.hi << 4
         o0, o1, o2, o3 = _byte_transpose4(p, q, r, s)
-        # join twice: [..., a, b] = o_(2a+b), i.e. [w, thc, kt, thr]
-        words = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (4, 8, BK, 4))
-        words = tl.permute(words, (2, 1, 3, 0))  # [kt, thc, thr, w]
-        words = tl.reshape(words, (BK, 128))
-        off = kt[:, None] * (2 * N) + nt * 128 + tl.arange(0, 128)[None, :]
-        tl.store(dst + e * d_e + off, words, mask=(kt < KT_out)[:, None])
+        _store_stream(dst + e * d_e, o0, o1, o2, o3, kt, nt, 2 * N, KT_out, BK)
 
     @triton.jit
     def _marlin_fp8_kernel(src, dst, tab, KT_in, KT_out, N, s_e, s_r, d_e, BK: tl.constexpr):
@@ -118,12 +126,7 @@ if triton is not None:
         o1 = ((e0 >> 16) & _LOW_HALF) | (f0 & _HIGH_HALF)  # L2 H2 L3 H3
         o2 = (e1 & _LOW_HALF) | (f1 << 16)
         o3 = ((e1 >> 16) & _LOW_HALF) | (f1 & _HIGH_HALF)
-        # join twice: [..., a, b] = o_(2a+b), i.e. [w, thc, kt, thr]
-        words = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (4, 8, BK, 4))
-        words = tl.permute(words, (2, 1, 3, 0))  # [kt, thc, thr, w]
-        words = tl.reshape(words, (BK, 128))
-        off = kt[:, None] * (4 * N) + nt * 128 + tl.arange(0, 128)[None, :]
-        tl.store(dst + e * d_e + off, words, mask=(kt < KT_out)[:, None])
+        _store_stream(dst + e * d_e, o0, o1, o2, o3, kt, nt, 4 * N, KT_out, BK)
 
     @triton.jit
     def _transpose_rows_kernel(
@@ -134,9 +137,7 @@ if triton is not None:
         g = tl.program_id(1) * BG + tl.arange(0, BG)
         e = tl.program_id(2).to(tl.int64)
         n_ok = n < N
-        s = tl.load(tab + n, mask=n_ok, other=-1)
-        m = (s >= 0)[:, None] & (g < G_in)[None, :]
-        x = tl.load(src + e * s_e + s[:, None] * s_r + g[None, :], mask=m, other=0)
+        x = _load_rows(src, e, s_e, s_r, tl.load(tab + n, mask=n_ok, other=-1), g, G_in, 0)
         if OFFSET != 0:
             x = (x + OFFSET).to(tl.uint8)
         x = tl.trans(x)  # [g, n]
@@ -153,10 +154,8 @@ def marlin_weights(src: torch.Tensor, tab: torch.Tensor, K: int, activation: str
     """uint8 [E, N_in, K_in/2] -> Marlin int32 [E, K/16, 2N] with N = len(tab) rows gathered through
     ``tab`` and the K axis zero-padded to ``K``. bf16: N % 64, K % 16; fp8: N % 32, K % 32
     (and K_in likewise)."""
-    _check_runnable(src)
-    E, _, half_k_in = src.shape
+    E, half_k_in, N = _dims(src, tab)
     K_in = 2 * half_k_in
-    N = int(tab.numel())
     kt_size = 16 if activation == "bf16" else 32
     n_tile = 64 if activation == "bf16" else 32
     if activation not in ("bf16", "fp8"):
@@ -172,30 +171,26 @@ def marlin_weights(src: torch.Tensor, tab: torch.Tensor, K: int, activation: str
     kt_in, kt_out = K_in // kt_size, K // kt_size
     grid = (N // n_tile, triton.cdiv(kt_out, cfg["BK"]), E)
     kernel = _marlin_bf16_kernel if activation == "bf16" else _marlin_fp8_kernel
-    with _device_ctx(src):
-        kernel[grid](s, out, tab, kt_in, kt_out, N, s.stride(0), s.stride(1), out.stride(0), **cfg)
+    _launch(kernel, grid, src, s, out, tab, kt_in, kt_out, N, s.stride(0), s.stride(1), out.stride(0), **cfg)
     return out
 
 
 def transpose_rows(src: torch.Tensor, tab: torch.Tensor, rows_out: int, offset: int = 0) -> torch.Tensor:
     """uint8 [E, R_in, G_in] -> [E, rows_out, len(tab)]: out[e, g, n] = src[e, tab[n], g] (0 for
     padding rows/columns) plus ``offset`` (mod 256)."""
-    _check_runnable(src)
-    E, _, G_in = src.shape
-    N = int(tab.numel())
+    E, G_in, N = _dims(src, tab)
     out = torch.empty((E, rows_out, N), dtype=torch.uint8, device=src.device)
     if out.numel() == 0:
         return out
-    if src.stride(-1) != 1:
-        src = src.contiguous()
+    src = _rows_contiguous(src)
     tab = _table(tab, src.device)
     cfg = KERNEL_CONFIG["transpose_rows"]
     grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(rows_out, cfg["BG"]), E)
-    with _device_ctx(src):
-        _transpose_rows_kernel[grid](
-            src, out, tab, N, G_in, rows_out, src.stride(0), src.stride(1), out.stride(0),
-            OFFSET=int(offset) % 256, **cfg,
-        )  # fmt: skip
+    _launch(
+        _transpose_rows_kernel, grid, src,
+        src, out, tab, N, G_in, rows_out, src.stride(0), src.stride(1), out.stride(0),
+        OFFSET=int(offset) % 256, **cfg,
+    )
     return out
 
 

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 
 from mxconv.errors import BadInput
+from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
+from mxconv.kernels.triton_import import interpreter_on as _interpreter_on
+from mxconv.kernels.triton_import import tl, triton
 from mxconv.numerics import (
     BLOCK_SIZE,
     E8M0_BIAS,
@@ -42,16 +44,6 @@ from mxconv.numerics import (
     SUBNORMAL_FIX_MAX_BYTE,
     check_args,
 )
-
-try:  # triton is optional at import time (CPU-only installs, macOS)
-    import triton
-    import triton.language as tl
-
-    _TRITON_IMPORT_ERROR: Exception | None = None
-except Exception as exc:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    _TRITON_IMPORT_ERROR = exc
 
 # Default launch shape (tuned on H100/H200 with scripts/bench_quantize.py).
 DEFAULT_BLOCKS_PER_PROGRAM = 128
@@ -63,10 +55,6 @@ DEFAULT_TILES_PER_PROGRAM = 1
 def triton_available() -> bool:
     """True when triton imports and a CUDA device is present (the kernels' production target)."""
     return _TRITON_IMPORT_ERROR is None and torch.cuda.is_available()
-
-
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 if triton is not None:

@@ -8,18 +8,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import Any
 
 import torch
 
-try:  # triton is optional at import time (CPU-only installs, macOS)
-    import triton
-    import triton.language as tl
-
-    _TRITON_IMPORT_ERROR: Exception | None = None
-except Exception as exc:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    _TRITON_IMPORT_ERROR = exc
+from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
+from mxconv.kernels.triton_import import interpreter_on as _interpreter_on
+from mxconv.kernels.triton_import import tl, triton
 
 ENV_SWITCH = "MXCONV_LAYOUT_TRITON"
 
@@ -36,6 +31,16 @@ KERNEL_CONFIG: dict[str, dict[str, int]] = {
 }
 
 
+if triton is not None:
+
+    @triton.jit
+    def _load_rows(src, e, s_e, s_r, s, c, C_in, other):
+        """Tile ``src[e, s, c]`` ([len(s), len(c)]): ``other`` where the source row ``s`` is -1
+        (padding) or ``c >= C_in``."""
+        m = (s >= 0)[:, None] & (c < C_in)[None, :]
+        return tl.load(src + e * s_e + s[:, None] * s_r + c[None, :], mask=m, other=other)
+
+
 @functools.lru_cache(maxsize=1)
 def _triton_importable() -> bool:
     return _TRITON_IMPORT_ERROR is None
@@ -48,15 +53,19 @@ def layout_kernels_enabled(t: torch.Tensor) -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip() not in ("0", "false", "no", "off")
 
 
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _check_runnable(t: torch.Tensor) -> None:
     if triton is None:
         raise RuntimeError(f"triton is not importable: {_TRITON_IMPORT_ERROR}")
     if not t.is_cuda and not _interpreter_on():
         raise RuntimeError("the layout kernels need CUDA tensors (or TRITON_INTERPRET=1 for testing)")
+
+
+def _dims(src: torch.Tensor, tab: torch.Tensor) -> tuple[int, int, int]:
+    """(experts, last dim of ``src`` [E, R_in, W_in], rows of the row table ``tab``), once the
+    kernels can run on ``src`` (:func:`_check_runnable`)."""
+    _check_runnable(src)
+    E, _, width = src.shape
+    return E, width, int(tab.numel())
 
 
 def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -73,7 +82,24 @@ def _device_ctx(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last dim contiguous (a copy only where it is not)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], on: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)`` on the device of ``on``."""
+    with _device_ctx(on):
+        kernel[grid](*args, **kwargs)
+
+
 def _table(tab: torch.Tensor, device: torch.device) -> torch.Tensor:
     if tab.dtype != torch.int32 or tab.device != device:
         tab = tab.to(device=device, dtype=torch.int32)
     return tab.contiguous()
+
+
+__all__ = [
+    "ENV_SWITCH", "KERNEL_CONFIG", "_check_runnable", "_device_ctx", "_dims", "_launch", "_rows_contiguous", "_table", "_words",
+    "layout_kernels_enabled", "tl", "triton",
+]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mxconv.kernels.triton_common import _check_runnable, _device_ctx, _table, _words, tl, triton
+from mxconv.kernels.triton_common import _dims, _launch, _rows_contiguous, _table, _words, tl, triton
 
 # Launch shapes (powers of two): BR1 = 32-byte column blocks per value program, BK0 = scale
 # column pairs per scale program.
@@ -109,9 +109,7 @@ def hopper_values(src: torch.Tensor, tab: torch.Tensor, row_bytes: int) -> torch
     """uint8 [E, R_in, Kb_in] -> value buffer uint8 [E, Np/4, 4*row_bytes] with Np = len(tab):
     kernel row n is source row tab[n] (-1 = zeros), bytes beyond Kb_in zero, then the value
     permutation and the bit twiddle. Np % 16 == 0, row_bytes % 32 == 0, Kb_in % 4 == 0."""
-    _check_runnable(src)
-    E, _, kb_in = src.shape
-    n = int(tab.numel())
+    E, kb_in, n = _dims(src, tab)
     if n % 16 or row_bytes % 32 or kb_in % 4:
         raise ValueError(f"Hopper value layout needs rows % 16, bytes % 32 and source bytes % 4 == 0, got {n}, {row_bytes}, {kb_in}")
     out = torch.empty((E, n // 4, 4 * row_bytes), dtype=torch.uint8, device=src.device)
@@ -121,10 +119,10 @@ def hopper_values(src: torch.Tensor, tab: torch.Tensor, row_bytes: int) -> torch
     tab = _table(tab, src.device)
     cfg = KERNEL_CONFIG["hopper_values"]
     grid = (n // 16, triton.cdiv(row_bytes // 32, cfg["BR1"]), E)
-    with _device_ctx(src):
-        _hopper_value_kernel[grid](
-            s, d, tab, kb_in // 4, row_bytes, s.stride(0), s.stride(1), d.stride(0), d.stride(1), **cfg
-        )
+    _launch(
+        _hopper_value_kernel, grid, src,
+        s, d, tab, kb_in // 4, row_bytes, s.stride(0), s.stride(1), d.stride(0), d.stride(1), **cfg
+    )
     return out
 
 
@@ -132,23 +130,21 @@ def hopper_scales(src: torch.Tensor, tab: torch.Tensor, cols: int, num_warps: in
     """uint8 [E, R_in, C_in] -> scale buffer uint8 [E, Ns/32, 32*cols] with Ns = len(tab): kernel
     row n is source row tab[n] (-1 = zeros), columns beyond C_in zero, then the scale permutation
     for ``num_warps``. Ns % (32 * num_warps) == 0, cols even."""
-    _check_runnable(src)
-    E, _, c_in = src.shape
-    n, W = int(tab.numel()), int(num_warps)
+    E, c_in, n = _dims(src, tab)
+    W = int(num_warps)
     if n % (32 * W) or cols % 2:
         raise ValueError(f"Hopper scale layout needs rows % {32 * W} == 0 and even columns, got [{n}, {cols}]")
     out = torch.empty((E, n // 32, 32 * cols), dtype=torch.uint8, device=src.device)
     if out.numel() == 0:
         return out
-    if src.stride(-1) != 1:
-        src = src.contiguous()
+    src = _rows_contiguous(src)
     tab = _table(tab, src.device)
     cfg = KERNEL_CONFIG["hopper_scales"]
     grid = (2 * n // (32 * W), triton.cdiv(cols // 2, cfg["BK0"]), E)
-    with _device_ctx(src):
-        _hopper_scale_kernel[grid](
-            src, out, tab, c_in, cols // 2, src.stride(0), src.stride(1), out.stride(0), out.stride(1), W=W, **cfg
-        )
+    _launch(
+        _hopper_scale_kernel, grid, src,
+        src, out, tab, c_in, cols // 2, src.stride(0), src.stride(1), out.stride(0), out.stride(1), W=W, **cfg
+    )
     return out
 
 

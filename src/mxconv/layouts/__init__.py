@@ -7,10 +7,10 @@ Each entry names a :class:`~mxconv.layouts.base.LayoutBase` instance, imported o
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from mxconv.errors import BadInput
+from mxconv.registry import register, resolve
 
 # The registry itself imports no torch (``mxconv --help`` lists the backends without it); the
 # shared types of ``base`` are re-exported lazily.
@@ -44,9 +44,7 @@ def register_layout(name: str, layout: Any) -> None:
 
     The built-in backends are the lines of ``_REGISTRY``; this is for plug-ins and tests.
     """
-    if name in _REGISTRY:
-        raise ValueError(f"backend {name!r} is registered already")
-    _REGISTRY[name] = layout
+    register(_REGISTRY, "backend", name, layout)
 
 
 def unregister_layout(name: str) -> None:
@@ -58,11 +56,7 @@ def get_layout(name: str) -> "Layout":
     """The registered Layout for backend ``name``; BadInput listing the known ones otherwise."""
     if name not in _REGISTRY:
         raise BadInput(f"unknown backend {name!r}; supported backends: {', '.join(backend_names())}")
-    entry = _REGISTRY[name]
-    if isinstance(entry, str):
-        module, attr = entry.split(":")
-        entry = getattr(importlib.import_module(module), attr)
-    return entry
+    return resolve(_REGISTRY, name)
 
 
 def options_help() -> str:

@@ -172,15 +172,13 @@ class TrtllmLayout(LayoutBase):
                 )
         return round_up(hidden_size, HIDDEN_ALIGN), round_up(intermediate_size, align)
 
+    def _padded(self, H: int, I: int, row_order: str, activation: str, options: dict[str, Any] | None) -> tuple[int, int]:
+        """:meth:`padded_sizes` with the ``intermediate_align`` of ``options``."""
+        return self.padded_sizes(H, I, row_order, activation, intermediate_align=intermediate_align_option(options))
+
     def _checked_padding(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> tuple[int, int]:
         """(Hp, Ip) for ``sizes``; LayoutError if sizes' padded values disagree with this layout."""
-        Hp, Ip = self.padded_sizes(
-            sizes.hidden_size,
-            sizes.intermediate_size,
-            sizes.row_order,
-            activation,
-            intermediate_align=intermediate_align_option(options),
-        )
+        Hp, Ip = self._padded(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options)
         got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
         if got != (Hp, Ip):
             raise LayoutError(
@@ -215,13 +213,7 @@ class TrtllmLayout(LayoutBase):
         if c.weight_format == "int4":
             return trtllm_mxint4.to_kernel(c, activation)
         c.validate()  # includes: both biases or neither
-        Hp, Ip = self.padded_sizes(
-            c.hidden_size,
-            c.intermediate_size,
-            c.row_order,
-            activation,
-            intermediate_align=intermediate_align_option(options),
-        )
+        Hp, Ip = self._padded(c.hidden_size, c.intermediate_size, c.row_order, activation, options)
         E, H, I = c.num_experts, c.hidden_size, c.intermediate_size
         # Padding and steps A/B are one row gather: kernel row j <- source row tab[j] (-1 = padding).
         tab13 = w13_row_table(I, Ip, c.row_order, c.device)
