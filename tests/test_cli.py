@@ -403,3 +403,14 @@ def test_hub_repo_id_from_local_cache(ws: Path, tmp_path: Path, monkeypatch) -> 
     assert doc["family"] == "qwen-moe" and doc["source"]["repo_id"] == "acme/tiny-moe"
     r = subprocess.run([sys.executable, "-m", "mxconv.cli", "inspect", "acme/not-cached"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "acme/not-cached: cannot fetch" in r.stderr
+
+
+def test_progress_label_names_family_and_formats(ws: Path, tmp_path: Path) -> None:
+    """The progress bar says what the run does (family, source -> output format), not the family's
+    title: "quantize gpt-oss (MXFP4 / BF16)" while writing MXFP8 read as a bug (issue 10 item 6)."""
+    code, _, err = mx("quantize", ws / "gpt", tmp_path / "q8", "--format", "mxfp8", "--device", "cpu")
+    assert code == 0, err
+    assert "quantize gpt-oss: bf16 -> mxfp8" in err and "MXFP4 / BF16" not in err
+    code, _, err = mx("repack", ws / "gpt", tmp_path / "k", "--backend", "marlin", "--device", "cpu")
+    assert code == 0, err
+    assert "repack gpt-oss: bf16 -> mxfp4 marlin" in err

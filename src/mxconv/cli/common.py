@@ -161,6 +161,15 @@ def print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
 
 
+def progress_label(plan: Any) -> str:
+    """What a run does, for its progress bar: family, source format -> output format (and backend),
+    e.g. "quantize gpt-oss: bf16 -> mxfp8", "repack mixtral: bf16 -> mxfp4 trtllm"."""
+    to = plan.weight_format + (f" {plan.repack.backend}" if plan.repack is not None else "")
+    if plan.linears is not None and plan.linears.mx_modules():
+        to += " (every linear)"
+    return f"{plan.command} {plan.info.family}: {plan.info.expert_format} -> {to}"
+
+
 @contextmanager
 def progress(total: int, label: str, quiet: bool) -> Iterator[Any]:
     if quiet:
@@ -265,7 +274,7 @@ def run_convert(
         return
     if ahead is not None:
         ahead.stop()  # from here the pipeline's readers take over (its first reads hit the page cache)
-    with progress(plan.bytes_in, f"{command} {reader.title}", quiet or as_json) as advance:
+    with progress(plan.bytes_in, progress_label(plan), quiet or as_json) as advance:
         summary = execute(plan, output, device=dev, max_shard_size=shard_bytes, overwrite=overwrite,
                           argv=["mxconv", *sys.argv[1:]], on_progress=advance)
     if as_json:

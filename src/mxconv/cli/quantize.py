@@ -58,7 +58,14 @@ def quantize(
     gpt-oss is written in the published gpt-oss MXFP4 convention (*_blocks/*_scales); other families
     as compressed-tensors (mxfp4-pack-quantized / mxfp8-quantized). Routed-expert weights are
     quantized (with --targets linear every linear layer, MXFP8); every other tensor is copied byte
-    for byte. Examples:
+    for byte.
+
+    Who reads the output (README, "Which loaders read each output"): MXFP4 of every family loads in
+    transformers (gpt-oss through its MXFP4 loader, the others with compressed-tensors installed),
+    compressed-tensors, vLLM and mxconv. MXFP8 of the compressed-tensors families: compressed-tensors,
+    vLLM and mxconv; transformers 5.24 refuses it (raises). gpt-oss MXFP8 is mxconv's own variant
+    (quant_method null, mxconv_quant_method mxfp8): transformers and vLLM refuse it, mxconv reads it.
+    Examples:
 
         mxconv quantize Qwen/Qwen3-30B-A3B ./qwen3-mxfp4 --format mxfp4
 
