@@ -11,7 +11,15 @@ with CUDA events, warm-up and the median of several repetitions, and prints rati
 bandwidth. ``--small`` uses tiny sizes and also runs on CPU (smoke test). ``--json`` prints one JSON
 object instead of the table. ``--sweep`` also times the Triton kernel over launch shapes.
 
-Usage (no install needed):  PYTHONPATH=src python scripts/bench_quantize.py [--small] [--json]
+On a machine without CUDA (or ``--device cpu``) it times the CPU torch path instead, on 16 experts of
+Qwen3-30B-A3B's stacks (w13 16 x 1536 x 2048, w2 16 x 2048 x 768, bf16): the fast path against the
+exact reference computation (``quantize_mx_torch(..., fast=False)``) in cache-sized chunks and in
+the 8M-element chunks it ran in before (``exact_8m``: the torch path as it was before the fast path),
+the error statistic fused into the quantizer (``error_sums``) against a dequantized
+copy, ``dequantize_mx`` and ``first_nonfinite``, with torch's intra-op threads (all cores by default,
+``--threads N``); bytes of both paths are checked equal.
+
+Usage (no install needed):  PYTHONPATH=src python scripts/bench_quantize.py [--small] [--json] [--device cpu]
 """
 
 from __future__ import annotations
@@ -29,10 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from mxconv.kernels import quantize_mx_triton, triton_available  # noqa: E402
-from mxconv.numerics import quantize_mx_torch  # noqa: E402
+from mxconv.numerics import dequantize_mx, first_nonfinite, quantize_mx_torch  # noqa: E402
 
 FULL_SHAPES = [(128, 5760, 2880), (128, 2880, 2880)]
 SMALL_SHAPES = [(4, 256, 512), (4, 128, 512)]
+CPU_SHAPES = [(16, 1536, 2048), (16, 2048, 768)]  # 16 experts of Qwen3-30B-A3B's w13 / w2
 # (blocks per tile, warps, tiles per program) tried by --sweep
 SWEEP_CONFIGS = [
     (16, 1, 1), (16, 2, 4), (32, 2, 1), (32, 4, 1), (32, 4, 4), (64, 2, 1), (64, 4, 1), (64, 4, 4),
@@ -124,6 +133,75 @@ def bench_shape(shape, device, args) -> dict:
     return res
 
 
+def bench_cpu_shape(shape, args) -> dict:
+    """The CPU torch path on one bf16 stack: fast vs exact, the error statistic, dequantize, scan."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    n = x.numel()
+    reps = max(1, args.reps)
+    res: dict = {"shape": list(shape), "input_bytes": n * 2}
+    copy_ms = time_ms(lambda: x.clone(), x.device, reps, 1)
+    res["copy"] = {"ms": copy_ms, "gbps": 2 * n * 2 / copy_ms / 1e6}
+
+    def entry(ms: float, moved: int) -> dict:
+        return {"ms": ms, "gelem_s": n / ms / 1e6, "gbps": moved / ms / 1e6}
+
+    res["first_nonfinite"] = entry(time_ms(lambda: first_nonfinite(x), x.device, reps, 1), 2 * n)
+    for fmt in ("mxfp4", "mxfp8"):
+        moved = 2 * n + out_bytes(x, fmt)
+        e: dict = {}
+        e["fast"] = entry(time_ms(lambda: quantize_mx_torch(x, fmt, args.mode), x.device, reps, 1), moved)
+        e["exact"] = entry(time_ms(lambda: quantize_mx_torch(x, fmt, args.mode, fast=False), x.device,
+                                   max(1, min(reps, 2)), 0), moved)
+        from mxconv import numerics
+
+        saved = numerics._CHUNK_ELEMS
+        numerics._CHUNK_ELEMS = 1 << 23
+        try:
+            e["exact_8m"] = entry(time_ms(lambda: quantize_mx_torch(x, fmt, args.mode, fast=False), x.device,
+                                          max(1, min(reps, 2)), 0), moved)
+        finally:
+            numerics._CHUNK_ELEMS = saved
+        e["speedup"] = e["exact"]["ms"] / e["fast"]["ms"]
+        e["speedup_vs_8m"] = e["exact_8m"]["ms"] / e["fast"]["ms"]
+        d, s = quantize_mx_torch(x, fmt, args.mode)
+        d0, s0 = quantize_mx_torch(x, fmt, args.mode, fast=False)
+        e["same_bytes"] = bool(torch.equal(d, d0) and torch.equal(s, s0))
+        del d0, s0
+
+        def with_sums():
+            sums = [0.0, 0.0]
+            quantize_mx_torch(x, fmt, args.mode, error_sums=sums)
+            return sums
+
+        def with_copy():  # what a caller does without error_sums: quantize, dequantize, compare
+            dd, ss = quantize_mx_torch(x, fmt, args.mode)
+            r = x.float()
+            return float(dequantize_mx(dd, ss, fmt).sub_(r).square_().sum()), float(r.square().sum())
+
+        e["fast_with_error_sums"] = entry(time_ms(with_sums, x.device, reps, 1), moved)
+        e["fast_then_dequantized_error"] = entry(time_ms(with_copy, x.device, reps, 1), moved)
+        e["dequantize"] = entry(time_ms(lambda: dequantize_mx(d, s, fmt), x.device, reps, 1), out_bytes(x, fmt) + 4 * n)
+        res[fmt] = e
+    return res
+
+
+def print_cpu_table(report: dict) -> None:
+    print(f"CPU torch path: {report['device']}, {report['threads']} threads, torch {report['torch']}, mode {report['mode']}")
+    for r in report["results"]:
+        shape = "x".join(map(str, r["shape"]))
+        c = r["copy"]
+        print(f"\n{shape} bf16 ({r['input_bytes'] / 1e9:.2f} GB): copy {c['ms']:.1f} ms = {c['gbps']:.1f} GB/s; "
+              f"first_nonfinite {r['first_nonfinite']['ms']:.1f} ms ({r['first_nonfinite']['gelem_s']:.2f} Gelem/s)")
+        for fmt in ("mxfp4", "mxfp8"):
+            e = r[fmt]
+            for key in ("exact_8m", "exact", "fast", "fast_with_error_sums", "fast_then_dequantized_error", "dequantize"):
+                v = e[key]
+                print(f"  {fmt} {key:28s} {v['ms']:9.1f} ms {v['gelem_s']:6.3f} Gelem/s {v['gbps']:6.2f} GB/s")
+            print(f"  {fmt} fast vs exact: {e['speedup']:.1f}x, vs exact in 8M chunks (before): "
+                  f"{e['speedup_vs_8m']:.1f}x, same bytes: {e['same_bytes']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny sizes (smoke test; runs on CPU)")
@@ -133,15 +211,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="rceil", choices=("rceil", "floor", "even"))
     ap.add_argument("--sweep", action="store_true", help="also time Triton launch shapes")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU (default: all cores)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
     shapes = SMALL_SHAPES if args.small else FULL_SHAPES
     if device.type == "cpu" and not args.small:
-        print("no CUDA device: use --small for the CPU smoke test", file=sys.stderr)
-        return 2
+        import os
+        import platform
+
+        report = {
+            "device": f"{platform.machine()} CPU, {os.cpu_count()} cores", "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "mode": args.mode,
+            "results": [bench_cpu_shape(s, args) for s in CPU_SHAPES],
+        }
+        if args.json:
+            print(json.dumps(report, indent=1))
+        else:
+            print_cpu_table(report)
+        return 0
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {
         "device": name,

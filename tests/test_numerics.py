@@ -618,3 +618,142 @@ def test_torchao_to_mx_gives_identical_bytes_on_bf16(fmt, mode):
     data, scales = quantize_mx_torch(x, fmt, mode)
     assert torch.equal(s_ao.view(torch.uint8).reshape(scales.shape), scales)
     assert torch.equal(d_ao.view(torch.uint8).reshape(data.shape), data)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the fast CPU path (bit-pattern block maxima, E2M1 table, fp8 cast) against the exact path
+# ---------------------------------------------------------------------------------------------------
+
+
+def _fast_path_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(21)
+    xs = [_random_mixed(64, torch.float32, seed=3), torch.randn(48, 256, generator=g) * 0.02]
+    # every E2M1 / E4M3 midpoint and its fp32 neighbours, at block maxima that put them on the grid
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 7.5, 2.0**-10, 3 * 2.0**-10, 440.0, 456.0])
+    bits = mids.view(torch.int32)
+    near = torch.stack([bits - 2, bits - 1, bits, bits + 1, bits + 2]).reshape(-1).view(torch.float32)
+    row = torch.cat([near, -near])[:64]
+    row[0] = 6.0
+    for scale in (1.0, 2.0**-7, 2.0**20, 448.0 / 6.0, 2.0**-100, 2.0**100, 0.75):
+        xs.append(row.unsqueeze(0).repeat(3, 1) * scale)
+    # random bit patterns (fp32 subnormals included), both signs
+    raw = torch.randint(0, 0x7F000000, (64, 64), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    xs.append(raw * torch.where(torch.rand(64, 64, generator=g) < 0.5, -1.0, 1.0))
+    # zero blocks, -0, and a chunk holding one tiny block (exact path) next to ordinary ones
+    mixed = torch.randn(8, 64, generator=g)
+    mixed[1] = 0.0
+    mixed[2] = -0.0
+    mixed[5, :32] *= 1e-38
+    xs.append(mixed)
+    out = []
+    for x in xs:
+        if dtype == torch.float16:
+            x = (x / x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) * 1000).nan_to_num()
+        x = x.to(dtype)
+        out.append(torch.where(torch.isfinite(x), x, torch.zeros_like(x)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("fmt", mxn.FORMATS)
+@pytest.mark.parametrize("mode", mxn.SCALE_MODES)
+def test_fast_path_equals_exact_path(dtype, fmt, mode, monkeypatch):
+    monkeypatch.setattr(mxn, "_CHUNK_ELEMS", 256)  # several chunks, some of them on the exact path
+    for x in _fast_path_inputs(dtype):
+        fast = quantize_mx_torch(x, fmt, mode)
+        exact = quantize_mx_torch(x, fmt, mode, fast=False)
+        assert torch.equal(fast[1], exact[1]), (dtype, fmt, mode)
+        assert torch.equal(fast[0], exact[0]), (dtype, fmt, mode)
+
+
+def test_fast_path_falls_back_only_for_tiny_nonzero_blocks():
+    x = torch.randn(4, 64)
+    x[1] = 0.0
+    d = torch.empty(4, 32, dtype=torch.uint8)
+    s = torch.empty(4, 2, dtype=torch.uint8)
+    assert mxn._quantize_rows_fast(x, "mxfp4", "rceil", d, s)  # zero blocks (byte 0) stay on it
+    x[2, 40] = 1e-39
+    x[2, 32:40] = 0.0
+    x[2, 41:] = 0.0
+    assert not mxn._quantize_rows_fast(x, "mxfp4", "rceil", d, s)
+
+
+def test_e2m1_table_with_round_to_odd_keys_equals_threshold_counting():
+    # every fp32 value within 64 ulps of each threshold and of each grid value, plus random ones
+    anchors = torch.tensor(list(mxn.E2M1_MIDPOINTS) + [abs(v) for v in mxn.E2M1_VALUES[:8]] + [8.0, 12.0, 2.0**-3])
+    offs = torch.arange(-64, 65, dtype=torch.int32)
+    y = (anchors.view(torch.int32).unsqueeze(1) + offs).reshape(-1).view(torch.float32)
+    g = torch.Generator().manual_seed(5)
+    y = torch.cat([y, torch.rand(200_000, generator=g) * 9, torch.rand(1000, generator=g) * 2.0**-120])
+    y = torch.cat([y, -y])
+    lut = mxn._e2m1_lut(y.device)
+    got = lut[mxn._e2m1_keys(y).long()]
+    assert torch.equal(got, mxn._e2m1_codes(y))
+    yb = y.to(torch.bfloat16)
+    assert torch.equal(lut[mxn._e2m1_keys(yb).long()], mxn._e2m1_codes(yb.float()))
+
+
+def test_fast_path_without_a_saturating_fp8_cast(monkeypatch):
+    x = blocks_with_max([1.9375 * 2.0**k for k in range(-8, 8)], others=1.0)  # floor/even saturate at 448
+    want = {m: quantize_mx_torch(x, "mxfp8", m, fast=False) for m in mxn.SCALE_MODES}
+    assert mxn._fp8_cast_saturates(x.device) == (
+        torch.tensor([464.0, -1e30]).to(torch.float8_e4m3fn).view(torch.uint8).tolist() == [0x7E, 0xFE])
+    monkeypatch.setitem(mxn._FP8_CAST_SATURATES, str(x.device), False)  # the clamp path
+    for m, (d, s) in want.items():
+        got = quantize_mx_torch(x, "mxfp8", m)
+        assert torch.equal(got[0], d) and torch.equal(got[1], s), m
+
+
+def test_dequant_tables_match_the_formula():
+    every = torch.arange(256, dtype=torch.uint8)
+    scales = torch.tensor([0, 1, 100, 127, 200, 254, 255], dtype=torch.uint8)
+    for fmt in mxn.FORMATS:
+        per_block = 16 if fmt == "mxfp4" else 32
+        data = every.repeat(len(scales) * 2)[: len(scales) * 2 * per_block].view(len(scales), 2 * per_block)
+        sc = scales.unsqueeze(1).repeat(1, 2)
+        if fmt == "mxfp4":
+            lut = torch.tensor(mxn.E2M1_VALUES)
+            vals = lut[unpack_fp4(data).long()]
+        else:
+            vals = data.view(torch.float8_e4m3fn).float()
+        want = (vals.view(len(scales), 2, 32) * mxn.scales_to_float(sc).unsqueeze(-1)).view(len(scales), 64)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = dequantize_mx(data, sc, fmt, dtype)
+            w = want.to(dtype)
+            assert torch.equal(torch.isnan(got), torch.isnan(w))
+            assert torch.equal(got.nan_to_num(0.0), w.nan_to_num(0.0)), (fmt, dtype)
+
+
+def test_first_nonfinite_fast_check(monkeypatch):
+    monkeypatch.setattr(mxn, "_FINITE_CHUNK", 100)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        x = torch.randn(7, 300).to(dtype)
+        assert first_nonfinite(x) is None
+        for val in (float("nan"), float("inf"), float("-inf")):
+            for pos in ((0, 0), (3, 151), (6, 299)):
+                y = x.clone()
+                y[pos] = val
+                assert first_nonfinite(y) == pos, (dtype, val, pos)
+        y = x.clone()
+        y[4, 5], y[2, 250] = float("inf"), float("-inf")  # +inf and -inf in different chunks
+        assert first_nonfinite(y) == (2, 250)
+    # finite values whose sum overflows: the exact scan decides
+    big = torch.full((4, 64), 3e38)
+    assert first_nonfinite(big) is None and first_nonfinite(big.bfloat16()) is None
+    big[3, 7] = float("nan")
+    assert first_nonfinite(big) == (3, 7)
+
+
+@pytest.mark.parametrize("fmt", mxn.FORMATS)
+def test_error_sums_match_the_dequantized_error(fmt, monkeypatch):
+    monkeypatch.setattr(mxn, "_CHUNK_ELEMS", 1000)
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(3, 40, 256, generator=g) * 0.02).to(torch.bfloat16)
+    sums = [0.0, 0.0]
+    d, s = quantize_mx(x, fmt, "rceil", error_sums=sums)
+    ref = x.double()
+    want_err = float((dequantize_mx(d, s, fmt).double() - ref).square().sum())
+    want_ref = float(ref.square().sum())
+    assert sums[0] == pytest.approx(want_err, rel=1e-5) and sums[1] == pytest.approx(want_ref, rel=1e-5)
+    assert mxn.mx_error_sums(x, d, s, fmt) == pytest.approx((want_err, want_ref), rel=1e-5)
+    assert (sums[0] / sums[1]) ** 0.5 == pytest.approx(0.1153 if fmt == "mxfp4" else 0.0266, rel=0.05)

@@ -159,9 +159,12 @@ FORMAT_PARAMS: dict[str, _FormatParams] = {
     "mxfp8": _FormatParams("mxfp8", E4M3_MAX, E4M3_EMAX, E4M3_MBITS),
 }
 
-# Row chunks of the torch path keep fp32/int32 temporaries around this many elements (~6 live
-# temporaries of 4 bytes -> well under 256 MB).
-_CHUNK_ELEMS = 1 << 23
+# Row chunks of the torch path hold about this many elements on the CPU: the chunk's temporaries
+# (2-4 bytes per element, a few of them) stay in the caches between the passes over it. On other
+# devices (the torch path on CUDA without Triton) chunks are _DEVICE_CHUNK_FACTOR times larger, so
+# few launches run per stack.
+_CHUNK_ELEMS = 1 << 20
+_DEVICE_CHUNK_FACTOR = 8
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -288,13 +291,145 @@ def unpack_fp4(data: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _rows_per_chunk(row_elems: int) -> int:
-    """Rows of ``row_elems`` elements per chunk so a chunk holds about ``_CHUNK_ELEMS`` elements."""
-    return max(1, _CHUNK_ELEMS // max(1, row_elems))
+def _rows_per_chunk(row_elems: int, device: torch.device | None = None) -> int:
+    """Rows of ``row_elems`` elements per chunk so a chunk holds about ``_CHUNK_ELEMS`` elements
+    (``_DEVICE_CHUNK_FACTOR`` times more off the CPU)."""
+    elems = _CHUNK_ELEMS if device is None or device.type == "cpu" else _CHUNK_ELEMS * _DEVICE_CHUNK_FACTOR
+    return max(1, elems // max(1, row_elems))
+
+
+# --- the fast chunk path --------------------------------------------------------------------------
+#
+# The same bytes as the exact path below (``_quantize_rows_exact``), in fewer and narrower passes:
+#
+# * the block maximum is taken on the bit patterns: ``bits & 0x7FFF`` (bf16/fp16) or ``& 0x7FFFFFFF``
+#   (fp32) orders |x| as integers, so an integer ``amax`` gives the bits of max |x| (masking two bf16
+#   values at once through an int32 view);
+# * for E2M1, bf16 input is scaled in bf16: ``x * 2^-e`` is exact there (bf16 has fp32's exponent
+#   range), except that a product below 2^-126 may round to a bf16 subnormal, and such a value
+#   rounds to a signed zero element anyway; everything else is scaled in fp32 as before;
+# * E4M3: the scaled value is cast straight into the output (RNE); the clamp to +-448 is only done
+#   where the device's cast does not saturate by itself (probed once per device type);
+# * E2M1: a 65536-entry table maps every bf16 bit pattern of ``y`` to its code (built with
+#   ``_e2m1_codes``, so it is that function's rounding). An fp32 ``y`` is first rounded to bf16
+#   *to odd* (truncate, OR-ing any dropped bit into the last kept bit): every E2M1 rounding threshold
+#   is a bf16 value with an even bit pattern, so the rounded key lies on the same side of each
+#   threshold as ``y`` and the table gives ``y``'s own RNE code;
+# * a chunk holding a non-zero block whose scale byte is <= SUBNORMAL_FIX_MAX_BYTE (max |x| below
+#   about 2^-110: never seen in real weights) goes through the exact path, which rebuilds subnormal
+#   inputs whatever the flush-to-zero mode.
+
+_E2M1_LUT: dict[str, torch.Tensor] = {}
+_DEQUANT_LUT: dict[str, torch.Tensor] = {}
+_FP8_CAST_SATURATES: dict[str, bool] = {}
+
+
+def _device_key(device: torch.device) -> str:
+    return str(device)
+
+
+def _e2m1_lut(device: torch.device) -> torch.Tensor:
+    """uint8 [65536]: the E2M1 code (sign in bit 3) of the bf16 value with each bit pattern."""
+    key = _device_key(device)
+    lut = _E2M1_LUT.get(key)
+    if lut is None:
+        values = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+        lut = _E2M1_LUT[key] = _e2m1_codes(values).to(device)
+    return lut
+
+
+def _fp8_cast_saturates(device: torch.device) -> bool:
+    """Whether casting fp32 and bf16 to float8_e4m3fn on ``device`` maps finite overflow to +-448."""
+    key = _device_key(device)
+    sat = _FP8_CAST_SATURATES.get(key)
+    if sat is None:
+        probe = torch.tensor([464.0, -1e30, 3e38, 449.0], dtype=torch.float32, device=device)
+        want = [0x7E, 0xFE, 0x7E, 0x7E]
+        sat = all(
+            probe.to(dt).to(torch.float8_e4m3fn).view(torch.uint8).tolist() == want
+            for dt in (torch.float32, torch.bfloat16)
+        )
+        _FP8_CAST_SATURATES[key] = sat
+    return sat
+
+
+def _block_amax_bits(xb: torch.Tensor) -> torch.Tensor:
+    """fp32 bit pattern (int32 [R, nb]) of max |x| per block of xb [R, nb, 32] (contiguous)."""
+    if xb.dtype == torch.float32:
+        return (xb.view(torch.int32) & _F32_ABS_MASK).amax(dim=-1)
+    # two 16-bit values per int32: clear both sign bits at once, then reduce as int16
+    halves = (xb.view(torch.int32) & 0x7FFF7FFF).view(torch.int16).view(*xb.shape[:-1], 2, BLOCK_SIZE // 2)
+    m16 = torch.maximum(halves[..., 0, :], halves[..., 1, :]).amax(dim=-1)
+    if xb.dtype == torch.bfloat16:
+        return m16.to(torch.int32) << 16
+    return m16.view(torch.float16).to(torch.float32).view(torch.int32)
+
+
+def _e2m1_keys(y: torch.Tensor) -> torch.Tensor:
+    """int32 bf16 bit patterns (0..65535) indexing ``_e2m1_lut`` for y (bf16 exactly; fp32 rounded to odd)."""
+    if y.dtype == torch.bfloat16:
+        return y.view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
+    bits = y.view(torch.int32)
+    keys = (bits >> 16).bitwise_and_(0xFFFF)
+    return keys.bitwise_or_((bits & 0xFFFF).ne_(0).to(torch.int32))
+
+
+def _quantize_rows_fast(xc: torch.Tensor, fmt: str, scale_rounding: str, data_out: torch.Tensor,
+                        scale_out: torch.Tensor, sums: list[float] | None = None) -> bool:
+    """Quantize rows xc [R, K] (contiguous) into data_out / scale_out (uint8 views of the result);
+    with ``sums``, add the chunk's error sums (:func:`_add_error_sums`).
+
+    Returns False, writing nothing, when the chunk needs the exact path (see above).
+    """
+    rows, k = xc.shape
+    nb = k // BLOCK_SIZE
+    xb = xc.view(rows, nb, BLOCK_SIZE)
+    amax_bits = _block_amax_bits(xb)
+    byte = scale_bytes_from_amax_bits(amax_bits, fmt, scale_rounding)
+    if bool(((byte <= SUBNORMAL_FIX_MAX_BYTE) & (amax_bits != 0)).any()):
+        return False
+    inv = _pow2_from_byte(byte, negate=True).unsqueeze(-1)  # 2^-e, exact (byte 0 only for all-zero blocks)
+    xf = None
+    if fmt == "mxfp8":
+        # fp32 arithmetic and the fp32 -> E4M3 cast are faster on the CPU than their bf16 forms
+        if sums is None:
+            y = xb.to(torch.float32, copy=True).mul_(inv)
+        else:
+            xf = xb.to(torch.float32)  # kept for the error sums
+            y = xf * inv
+        if not _fp8_cast_saturates(xc.device):
+            y.clamp_(-E4M3_MAX, E4M3_MAX)
+        data_out.view(torch.float8_e4m3fn).view(rows, nb, BLOCK_SIZE).copy_(y)
+    else:
+        # E2M1 keys are bf16 patterns: a bf16 product needs no rounding to odd
+        y = xb * inv.to(torch.bfloat16) if xc.dtype == torch.bfloat16 else xb.to(torch.float32) * inv
+        codes = torch.index_select(_e2m1_lut(xc.device), 0, _e2m1_keys(y).view(-1)).view(rows, k)
+        torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4, out=data_out)
+    scale_out.copy_(byte)
+    if sums is not None:
+        _add_error_sums(xc, data_out, scale_out, fmt, sums, xf)
+    return True
+
+
+def _quantize_rows_exact(xc: torch.Tensor, fmt: str, scale_rounding: str, data_out: torch.Tensor,
+                         scale_out: torch.Tensor) -> None:
+    """The reference computation of one row chunk (fp32 throughout, threshold-counting E2M1)."""
+    k = xc.shape[-1]
+    nb = k // BLOCK_SIZE
+    xb = xc.to(torch.float32).contiguous().view(-1, nb, BLOCK_SIZE)
+    amax = torch.maximum(xb.amax(dim=-1).abs(), xb.amin(dim=-1).abs())  # no full-size |x| temporary
+    byte = scale_bytes_from_amax_bits(amax.view(torch.int32), fmt, scale_rounding)
+    y = _scaled_blocks(xb, byte)
+    if fmt == "mxfp4":
+        data_out.copy_(pack_fp4(_e2m1_codes(y)).view(data_out.shape))
+    else:
+        data_out.copy_(_e4m3_bytes(y).view(data_out.shape))
+    scale_out.copy_(byte)
 
 
 def quantize_mx_torch(
-    x: torch.Tensor, fmt: str, scale_rounding: str = "rceil"
+    x: torch.Tensor, fmt: str, scale_rounding: str = "rceil", *, fast: bool = True,
+    error_sums: list[float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` [..., K] (bf16/fp16/fp32, any device) to MX blocks of 32 along K.
 
@@ -303,6 +438,9 @@ def quantize_mx_torch(
       * mxfp8: data uint8 [..., K] (float8_e4m3fn bit patterns)
       * scales: uint8 [..., K/32] E8M0 bytes (2^(s-127)); an all-zero block gets byte 0.
     Raises BadInput for an unknown format/mode, a non-float dtype, or K % 32 != 0.
+    ``fast=False`` runs only the exact reference computation (same bytes, several times slower; tests).
+    ``error_sums``: a list ``[sq_err, sq_ref]`` to which ``sum((dequantized - x)^2)`` and ``sum(x^2)``
+    are added (see :func:`mx_error_sums`), computed chunk by chunk while the chunk is in the caches.
     """
     check_args(x, fmt, scale_rounding)
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
@@ -313,20 +451,43 @@ def quantize_mx_torch(
     rows = x.reshape(-1, k)
     data_rows = data.view(-1, data_k)
     scale_rows = scales.view(-1, nb)
-    step = _rows_per_chunk(k)
+    step = _rows_per_chunk(k, x.device)
     for r0 in range(0, rows.shape[0], step):
-        xb = rows[r0 : r0 + step].to(torch.float32).contiguous().view(-1, nb, BLOCK_SIZE)
-        amax = torch.maximum(xb.amax(dim=-1).abs(), xb.amin(dim=-1).abs())  # no full-size |x| temporary
-        amax_bits = amax.view(torch.int32)
-        byte = scale_bytes_from_amax_bits(amax_bits, fmt, scale_rounding)
-        y = _scaled_blocks(xb, byte)
-        if fmt == "mxfp4":
-            out = pack_fp4(_e2m1_codes(y)).view(-1, data_k)
-        else:
-            out = _e4m3_bytes(y).view(-1, data_k)
-        data_rows[r0 : r0 + step] = out
-        scale_rows[r0 : r0 + step] = byte.to(torch.uint8)
+        xc = rows[r0 : r0 + step].contiguous()
+        d_out, s_out = data_rows[r0 : r0 + step], scale_rows[r0 : r0 + step]
+        if not (fast and _quantize_rows_fast(xc, fmt, scale_rounding, d_out, s_out, error_sums)):
+            _quantize_rows_exact(xc, fmt, scale_rounding, d_out, s_out)
+            if error_sums is not None:
+                _add_error_sums(xc, d_out, s_out, fmt, error_sums)
     return data, scales
+
+
+def _add_error_sums(xc: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fmt: str, sums: list[float],
+                    xf: torch.Tensor | None = None) -> None:
+    """Add sum((dequantized - x)^2) and sum(x^2) of one row chunk (xc [R, K], its MX bytes) to ``sums``
+    (``xf``: xc in fp32 when the caller has it). fp32 dot products, accumulated in Python floats."""
+    rows, k = xc.shape
+    nb = k // BLOCK_SIZE
+    vals = torch.index_select(_dequant_lut(fmt, xc.device), 0, data.reshape(-1).to(torch.int32)).view(rows, nb, BLOCK_SIZE)
+    vals.mul_(scales_to_float(scales).unsqueeze(-1))
+    xf = (xc.to(torch.float32) if xf is None else xf).reshape(-1)
+    diff = vals.view(-1).sub_(xf)
+    sums[0] += float(torch.dot(diff, diff))
+    sums[1] += float(torch.dot(xf, xf))
+
+
+def mx_error_sums(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fmt: str) -> tuple[float, float]:
+    """``(sum((dequantize_mx(data, scales) - x)^2), sum(x^2))`` for x [..., K] and its MX bytes, in fp32
+    row chunks (no full-size temporary). A NaN scale byte makes the first sum NaN."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    data_rows = data.reshape(rows.shape[0], -1)
+    scale_rows = scales.reshape(rows.shape[0], -1)
+    sums = [0.0, 0.0]
+    step = _rows_per_chunk(k, x.device)
+    for r0 in range(0, rows.shape[0], step):
+        _add_error_sums(rows[r0 : r0 + step], data_rows[r0 : r0 + step], scale_rows[r0 : r0 + step], fmt, sums)
+    return sums[0], sums[1]
 
 
 def scales_to_float(scales: torch.Tensor) -> torch.Tensor:
@@ -361,18 +522,36 @@ def dequantize_mx(
     data_rows = data.reshape(-1, data.shape[-1])
     scale_rows = scales.reshape(-1, nb)
     out_rows = out.view(-1, k)
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=data.device)
-    step = _rows_per_chunk(k)
+    # a table of fp32 values per byte: E4M3 (the cast's own results), or per packed E2M1 byte the
+    # values of its low and high nibble; a lookup is several times faster than the CPU's fp8 cast
+    lut = _dequant_lut(fmt, data.device)
+    step = _rows_per_chunk(k, data.device)
     for r0 in range(0, data_rows.shape[0], step):
         d = data_rows[r0 : r0 + step]
-        if fmt == "mxfp4":
-            vals = lut[unpack_fp4(d).long()]
+        rows = d.shape[0]
+        vals = torch.index_select(lut, 0, d.reshape(-1).to(torch.int32))
+        sc = scales_to_float(scale_rows[r0 : r0 + step]).unsqueeze(-1)
+        if dtype == torch.float32:
+            torch.mul(vals.view(rows, nb, BLOCK_SIZE), sc, out=out_rows[r0 : r0 + step].view(rows, nb, BLOCK_SIZE))
         else:
-            vals = d.view(torch.float8_e4m3fn).to(torch.float32)
-        sc = scales_to_float(scale_rows[r0 : r0 + step])
-        deq = vals.view(-1, nb, BLOCK_SIZE) * sc.unsqueeze(-1)
-        out_rows[r0 : r0 + step] = deq.view(-1, k).to(dtype)
+            out_rows[r0 : r0 + step] = vals.view(rows, nb, BLOCK_SIZE).mul_(sc).view(rows, k).to(dtype)
     return out
+
+
+def _dequant_lut(fmt: str, device: torch.device) -> torch.Tensor:
+    """fp32 [256] E4M3 values (mxfp8; NaN at 0x7F/0xFF) or [256, 2] E2M1 values of each packed
+    byte's low and high nibble (mxfp4)."""
+    key = f"{fmt}:{_device_key(device)}"
+    lut = _DEQUANT_LUT.get(key)
+    if lut is None:
+        byte = torch.arange(256)
+        if fmt == "mxfp4":
+            values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+            lut = torch.stack((values[byte & 0x0F], values[byte >> 4]), dim=-1)
+        else:
+            lut = byte.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+        lut = _DEQUANT_LUT[key] = lut.to(device)
+    return lut
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -381,6 +560,7 @@ def dequantize_mx(
 
 
 _SCAN_CHUNK = 1 << 26  # elements per pass of a scan: bounds the temporaries of a huge stack
+_FINITE_CHUNK = 1 << 20  # elements per sum of first_nonfinite's fast check (stays in the caches)
 
 
 def _first_where(x: torch.Tensor, bad: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, ...] | None:
@@ -394,19 +574,38 @@ def _first_where(x: torch.Tensor, bad: Callable[[torch.Tensor], torch.Tensor]) -
     for start in range(0, flat.numel(), _SCAN_CHUNK):
         hit = bad(flat[start : start + _SCAN_CHUNK])
         if bool(hit.any()):
-            pos = start + int(hit.nonzero()[0, 0])
-            idx = []
-            for size in reversed(x.shape):
-                idx.append(pos % size)
-                pos //= size
-            return tuple(reversed(idx))
+            return _unravel(start + int(hit.nonzero()[0, 0]), x.shape)
     return None
+
+
+def _unravel(pos: int, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    """Row-major index of flat position ``pos`` in ``shape``."""
+    idx = []
+    for size in reversed(shape):
+        idx.append(pos % size)
+        pos //= size
+    return tuple(reversed(idx))
+
+
+def _surely_finite(part: torch.Tensor) -> bool:
+    """True when a float tensor certainly holds no NaN/Inf: its fp32 sum is finite (a NaN or an Inf
+    term makes any IEEE sum non-finite). False is inconclusive (a sum may also overflow)."""
+    return bool(torch.isfinite(part.sum(dtype=torch.float32)))
 
 
 def first_nonfinite(x: torch.Tensor) -> tuple[int, ...] | None:
     """Index (row-major) of the first NaN/Inf in ``x``, or None when every element is finite
     (integer tensors always are)."""
     if not (x.is_floating_point() or x.is_complex()):
+        return None
+    if x.is_floating_point() and x.numel() > 0:
+        # common path: one reduction per cache-sized chunk; the element scan runs only from a chunk
+        # whose sum is not finite
+        flat = x.reshape(-1)
+        for start in range(0, flat.numel(), _FINITE_CHUNK):
+            if not _surely_finite(flat[start : start + _FINITE_CHUNK]):
+                hit = _first_where(flat[start:], lambda part: ~torch.isfinite(part))
+                return None if hit is None else _unravel(start + hit[0], x.shape)
         return None
     return _first_where(x, lambda part: ~torch.isfinite(part))
 
@@ -458,6 +657,7 @@ __all__ = [
     "first_nan_scale",
     "first_nonfinite",
     "first_nonnumber",
+    "mx_error_sums",
     "pack_fp4",
     "quantize_mx_torch",
     "scale_bytes_from_amax_bits",

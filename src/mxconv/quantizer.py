@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from mxconv.errors import BadInput
-from mxconv.numerics import check_args, quantize_mx_torch
+from mxconv.numerics import check_args, mx_error_sums, quantize_mx_torch
 
 IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 
@@ -29,7 +29,8 @@ def select_impl(x: torch.Tensor, impl: str = "auto") -> str:
 
 
 def quantize_mx(
-    x: torch.Tensor, fmt: str, scale_rounding: str = "rceil", impl: str = "auto"
+    x: torch.Tensor, fmt: str, scale_rounding: str = "rceil", impl: str = "auto",
+    *, error_sums: list[float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` [..., K] (bf16/fp16/fp32) to MX blocks of 32 along K.
 
@@ -38,14 +39,22 @@ def quantize_mx(
     ``impl``: "auto" (Triton for CUDA tensors when available, else torch), "torch" or "triton".
     Raises BadInput for an unknown format/mode/impl, a non-float dtype or K % 32 != 0.
     Does not check for NaN/Inf (use ``mxconv.numerics.first_nonfinite`` first).
+    ``error_sums``: a list ``[sq_err, sq_ref]`` to which ``sum((dequantized - x)^2)`` and ``sum(x^2)``
+    are added — the error statistic without a full-size dequantized copy (on the torch path it is
+    computed chunk by chunk while each chunk is still in the caches).
     """
     check_args(x, fmt, scale_rounding)
     chosen = select_impl(x, impl)
     if chosen == "triton":
         from mxconv.kernels import quantize_mx_triton
 
-        return quantize_mx_triton(x, fmt, scale_rounding)
-    return quantize_mx_torch(x, fmt, scale_rounding)
+        data, scales = quantize_mx_triton(x, fmt, scale_rounding)
+        if error_sums is not None:
+            err, ref = mx_error_sums(x, data, scales, fmt)
+            error_sums[0] += err
+            error_sums[1] += ref
+        return data, scales
+    return quantize_mx_torch(x, fmt, scale_rounding, error_sums=error_sums)
 
 
 __all__ = ["IMPLS", "quantize_mx", "select_impl"]
