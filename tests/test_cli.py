@@ -414,3 +414,15 @@ def test_progress_label_names_family_and_formats(ws: Path, tmp_path: Path) -> No
     code, _, err = mx("repack", ws / "gpt", tmp_path / "k", "--backend", "marlin", "--device", "cpu")
     assert code == 0, err
     assert "repack gpt-oss: bf16 -> mxfp4 marlin" in err
+
+
+@pytest.mark.parametrize("name", ["nope[/b]", "nope[bold]x[/bold]", "ckpt-[256, 32]"])
+def test_messages_are_printed_verbatim_never_as_markup(tmp_path, name):
+    """Paths, shapes and tensor names in a message reach the user exactly: no bracketed word dropped
+    as a rich tag, no markup error turning a bad path into a crash."""
+    for cmd in (("inspect",), ("verify",), ("quantize",)):
+        args = [*cmd, tmp_path / name] + ([tmp_path / "out"] if cmd == ("quantize",) else [])
+        code, out, err = mx(*args)
+        assert code == 2, (cmd, code, out, err)
+        assert name in err.replace("\n", ""), (cmd, err)
+        assert "internal error" not in err

@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from mxconv import __version__
 from mxconv.errors import MxconvError
@@ -39,8 +40,18 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True)
-out = Console()
+# Markup off: messages carry tensor shapes ("[256, 32]") and user paths that rich would otherwise read
+# as markup tags (dropping them, or raising on "[/"). Styles go through :func:`say` / rich Text.
+err = Console(stderr=True, markup=False)
+out = Console(markup=False)
+
+
+def say(console: Console, label: str, style: str, message: str = "") -> None:
+    """Print ``label message`` on one logical line: the label styled, the message exactly as given."""
+    line = Text(label, style=style)
+    if message:
+        line.append(" " + message)
+    console.print(line, highlight=False, soft_wrap=True)
 
 
 class Rounding(str, Enum):
@@ -100,29 +111,25 @@ def errors(debug: bool) -> Iterator[None]:
     except MxconvError as exc:
         if debug:
             raise
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        say(err, "error:", "bold red", str(exc))
         raise typer.Exit(exc.exit_code) from None
     except OSError as exc:
         if debug:
             raise
         what = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
         where = f": {exc.filename}" if exc.filename else ""
-        err.print(f"[bold red]error:[/] {what}{where} (nothing partial was kept; fix this and rerun)", highlight=False, soft_wrap=True)
+        say(err, "error:", "bold red", f"{what}{where} (nothing partial was kept; fix this and rerun)")
         raise typer.Exit(2) from None
     except KeyboardInterrupt as exc:
         why = f"interrupted by {exc.signame}" if isinstance(exc, Interrupted) else "interrupted"
         note = exc.note if isinstance(exc, Interrupted) and exc.note else "stopped; nothing partial was kept"
-        err.print(f"[bold red]error:[/] {why}; {note}", highlight=False, soft_wrap=True)
+        say(err, "error:", "bold red", f"{why}; {note}")
         raise typer.Exit(2) from None
     except Exception as exc:  # noqa: BLE001 - never let a crash look like "verification failed" (1)
         if debug:
             raise
-        err.print(
-            f"[bold red]internal error:[/] {type(exc).__name__}: {exc} (rerun with --debug for the traceback; "
-            "please report it)",
-            highlight=False,
-            soft_wrap=True,
-        )
+        say(err, "internal error:", "bold red",
+            f"{type(exc).__name__}: {exc} (rerun with --debug for the traceback; please report it)")
         raise typer.Exit(3) from None
 
 
@@ -252,7 +259,7 @@ def run_convert(
     plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
     if not as_json:
         for warning in plan.warnings:  # shown even with --quiet: the output would compute wrongly
-            err.print(f"[bold yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+            say(err, "warning:", "bold yellow", warning)
     if dry_run:
         doc = plan.summary()
         doc["dry_run"] = True
@@ -281,5 +288,5 @@ def run_convert(
         print_json(summary)
     elif not quiet:
         for n in summary.get("notes", []):
-            err.print(f"[dim]{n}[/]", highlight=False, soft_wrap=True)
+            say(err, n, "dim")
         out.print(summary_table({k: v for k, v in summary.items() if k != "notes"}, f"mxconv {command}: done"))

@@ -7,8 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
-from mxconv.cli.common import DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json
+from mxconv.cli.common import DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say
 
 
 @app.command()
@@ -24,7 +25,7 @@ def demo(
     from mxconv.demo import run_demo
 
     with errors(debug):
-        results = run_demo(workdir, device_of(device), progress=lambda msg: (None if as_json or quiet else err.print(f"[dim]{msg}[/]", highlight=False)))
+        results = run_demo(workdir, device_of(device), progress=lambda msg: (None if as_json or quiet else say(err, msg, "dim")))
         if as_json:
             print_json(results)
         elif not quiet:
@@ -32,12 +33,12 @@ def demo(
             for col in ("source", "step", "result", "rel RMS", "detail"):
                 t.add_column(col)
             for r in results["steps"]:
-                t.add_row(r["source"], r["step"], "[green]ok[/]" if r["ok"] else "[red]FAIL[/]",
+                t.add_row(r["source"], r["step"], Text("ok", style="green") if r["ok"] else Text("FAIL", style="red"),
                           "-" if r.get("rel_rms") is None else f"{r['rel_rms']:.4f}", r.get("detail", ""))
             out.print(t)
-            out.print("[bold green]demo passed[/]" if results["passed"] else "[bold red]demo failed[/]")
+            say(out, "demo passed", "bold green") if results["passed"] else say(out, "demo failed", "bold red")
         for r in results["steps"]:
             if not r["ok"]:
-                err.print(f"[red]FAIL[/] {r['source']} {r['step']}: {r.get('detail', '')}", highlight=False, soft_wrap=True)
+                say(err, "FAIL", "red", f"{r['source']} {r['step']}: {r.get('detail', '')}")
         if not results["passed"]:
             raise typer.Exit(1)

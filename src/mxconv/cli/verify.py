@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from mxconv.cli.common import DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json
+from mxconv.cli.common import DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say
 
 
 @app.command()
@@ -87,9 +87,9 @@ def verify(
                     lt.add_row(row["role"], str(row["linears"]), str(row["linears"] - row["failed"]), worst, str(row["bit_exact"]))
                 out.print(lt)
             for n in rep.notes:
-                err.print(f"[dim]{n}[/]", highlight=False)
-            out.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]")
+                say(err, n, "dim")
+            say(out, "PASS", "bold green") if rep.passed else say(out, "FAIL", "bold red")
         for p in problems:  # the reasons for a failure: shown with --quiet and --json too
-            err.print(f"[red]FAIL[/] {p}", highlight=False, soft_wrap=True)
+            say(err, "FAIL", "red", p)
         if not rep.passed:
             raise typer.Exit(1)
