@@ -435,3 +435,24 @@ def test_cli_quantize_verify_inspect(tmp_path: Path) -> None:
     assert roles["after_label"] == "quantize --format mxfp8 --targets linear" and roles["after"]["attention"] < roles["before"]["attention"]
     r = runner.invoke(app, ["quantize", str(src), str(tmp_path / "o4"), "--targets", "linear"])
     assert r.exit_code == 2 and "pass --format mxfp8" in r.output
+
+
+def test_block_fp8_linear_without_its_scales_is_refused(tmp_path: Path) -> None:
+    """An F8_E4M3 linear whose weight_scale_inv is gone cannot be read: never kept silently as 'not float'."""
+    from safetensors.torch import save_file
+
+    src_dir = make_checkpoint(tmp_path / "src", "deepseek-v3-fp8").path
+    gone = "model.layers.1.self_attn.kv_b_proj.weight_scale_inv"
+    index_path = src_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = src_dir / index["weight_map"].pop(gone)
+    tensors = load_file(shard)
+    del tensors[gone]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(BadInput, match=r"kv_b_proj\.weight' is F8_E4M3 but neither .*weight_scale_inv"):
+        _convert(src_dir, tmp_path / "out", LINEAR)
+    assert not (tmp_path / "out" / "mxconv.json").exists()
+    # leaving it alone by name is the user's explicit choice
+    _convert(src_dir, tmp_path / "out2", QuantOptions("mxfp8", targets="linear", ignore=[r"re:.*kv_b_proj$"]))
+    assert json.loads((tmp_path / "out2" / "mxconv.json").read_text())

@@ -217,6 +217,12 @@ def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: Any
         if why is None and ((quant.include and not name_matches(quant.include, module)) or name_matches(quant.ignore, module)):
             why = "--include/--ignore"
         fp8 = info.dtype == "F8_E4M3" and f"{module}.weight_scale_inv" in ckpt.tensors
+        if why is None and info.dtype == "F8_E4M3" and not fp8:
+            raise BadInput(
+                f"{info.file}: tensor {info.name!r} is F8_E4M3 but neither {module}.weight_scale_inv (block FP8) nor "
+                f"{module}.weight_scale (MXFP8, U8 [{n}, {k // 32}]) is in the checkpoint: its values cannot be read "
+                f"without its scales (a damaged or partial checkpoint?); --ignore 're:{re.escape(module)}$' leaves it as it is"
+            )
         if why is None and info.dtype not in _FLOAT and not fp8:
             why = f"{info.dtype} weight (neither float nor block-FP8)"
         if why is None and k % 32:
