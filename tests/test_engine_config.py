@@ -131,6 +131,7 @@ def test_gpt_oss_canonical(outputs: dict[str, dict[str, Any]]) -> None:
     assert qc["activation"] == {
         "name": "swigluoai", "w13_row_order": "interleaved", "alpha": 1.702, "beta": 1.0, "limit": 7.0,
         "formula": "g = min(gate, limit); u = clamp(up, -limit, limit); out = (u + beta) * g * sigmoid(alpha * g)",
+        "w13_kernel_row_order": None,
     }
     assert qc["routing"] == {
         "method": "topk_softmax", "vllm_routing_method": "RenormalizeNaive", "scoring_func": "softmax", "top_k": 2,
@@ -198,6 +199,11 @@ def test_kernel_tensors_and_served(outputs: dict[str, dict[str, Any]]) -> None:
     assert outputs["gpt-oss-bf16/aiter/bf16"]["served_vllm_backends"] == ["AITER_MXFP4_BF16"]  # 256/256 for swigluoai
     assert outputs["qwen3-moe/aiter/mxfp4"]["served_vllm_backends"] == ["AITER_MXFP4_MXFP4"]
     assert outputs["gpt-oss-bf16/triton/bf16"]["served_vllm_backends"] == ["TRITON"]
+    # the stored gate/up rows of a kernel output are the layout's, the canonical order stays beside them
+    for key, stored in (("qwen3-moe/trtllm/bf16", "up_gate_pairs"), ("qwen3-moe/aiter/bf16", "gate_up_16row_blocks"),
+                        ("qwen3-moe/marlin/bf16", None), ("qwen3-moe/mxfp4", None)):
+        act = outputs[key]["quant_config"]["activation"]
+        assert (act["w13_row_order"], act["w13_kernel_row_order"]) == ("halves", stored), key
     assert outputs["qwen3-moe/triton/bf16"]["quant_config"]["not_served"] == {"TRITON": "TRITON runs swigluoai only; the model uses silu"}
 
 

@@ -70,7 +70,9 @@ class ActivationQuant:
 
 @dataclass(frozen=True)
 class Activation:
-    """Gated activation over gemm1's output (``w13_row_order``: which rows are gate and up)."""
+    """Gated activation over gemm1's output. ``w13_row_order``: which rows of the canonical w13 are
+    gate and up; ``w13_kernel_row_order``: the order of the rows a kernel output stores (the layout's
+    own, e.g. trtllm ``up_gate_pairs``), None for a canonical output (its rows are ``w13_row_order``)."""
 
     name: str  # vLLM MoEActivation value: "swigluoai" | "silu"
     w13_row_order: str  # "interleaved" (gate 2j, up 2j+1) | "halves" ([gate; up])
@@ -78,6 +80,7 @@ class Activation:
     alpha: float | None = None
     beta: float | None = None  # added to up ("up + 1")
     limit: float | None = None
+    w13_kernel_row_order: str | None = None
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,8 @@ class EngineQuantConfig:
         rows = [
             ("weights", f"{self.weight_dtype}, block {list(self.block_shape)}, {self.scale_format} scales"),
             ("activation quant", aq.scheme + (f" ({aq.dtype}, group {list(aq.group_shape or ())}, {aq.scale_format} scales)" if aq.dtype else "")),
-            ("activation", act.name + (f" ({params})" if params else "") + f", w13 {act.w13_row_order}"),
+            ("activation", act.name + (f" ({params})" if params else "") + f", w13 {act.w13_row_order}"
+             + (f" (stored rows: {act.w13_kernel_row_order})" if act.w13_kernel_row_order else "")),
             ("routing", route + (", correction bias" if r.correction_bias else "") + (", router bias" if r.router_bias else "") + ")"),
         ]
         for gemm, g in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
@@ -260,14 +264,16 @@ def _table_refs(m: dict[str, Any], layer: int, prefix: str, pattern: str) -> lis
 
 def _activation(model: dict[str, Any], layout: dict[str, Any]) -> Activation:
     order = str(layout.get("w13_row_order") or model.get("row_order") or "halves")
+    stored = layout.get("w13_kernel_row_order")
+    stored = None if stored is None else str(stored)
     if model.get("activation") == "swigluoai":
         kp = layout.get("kernel_params") or {}
         alpha = float(kp.get("gemm1_alpha", model.get("swiglu_alpha") or 1.702))
         limit = float(kp.get("gemm1_clamp_limit", model.get("swiglu_limit") or 7.0))
         beta = float(kp.get("gemm1_beta", 1.0))
         formula = "g = min(gate, limit); u = clamp(up, -limit, limit); out = (u + beta) * g * sigmoid(alpha * g)"
-        return Activation("swigluoai", order, formula, alpha, beta, limit)
-    return Activation(str(model.get("activation") or "silu"), order, "out = silu(gate) * up")
+        return Activation("swigluoai", order, formula, alpha, beta, limit, stored)
+    return Activation(str(model.get("activation") or "silu"), order, "out = silu(gate) * up", w13_kernel_row_order=stored)
 
 
 def _routing(model: dict[str, Any], first_layer: dict[str, Any]) -> Routing:
