@@ -329,3 +329,24 @@ def test_verify_reports_an_extra_tensor(outs: Path, tmp_path: Path) -> None:
     _add_tensor(d, "model.extra.weight")
     code, _, err = mx("verify", d)
     assert code == 1 and "model.extra.weight: present in the checkpoint but not in the manifest" in err
+
+
+@pytest.mark.parametrize("stray", ["model.safetensors", "model-00002-of-00002.safetensors", "pytorch_model.bin"])
+@pytest.mark.parametrize("out", ["q4", "k"])
+def test_verify_fails_on_a_weight_file_the_index_does_not_name(outs: Path, tmp_path: Path, out: str, stray: str) -> None:
+    """transformers reads model.safetensors before the index: a stray weight file makes a loader read
+    something else than what verify checked, so it fails verification naming the file."""
+    d = _copy(outs / out, tmp_path / out)
+    save_file({"foo": torch.zeros(3)}, str(d / stray))
+    code, _, err = mx("verify", d)
+    assert code == 1, err
+    assert f"{stray}: a weight file the output's index does not name" in err
+
+
+def test_a_manifest_that_lists_no_layer_is_refused(outs: Path, tmp_path: Path) -> None:
+    d = _copy(outs / "k", tmp_path / "k")
+    m = json.loads((d / "mxconv.json").read_text())
+    m["layers"] = []
+    (d / "mxconv.json").write_text(json.dumps(m))
+    code, _, err = mx("verify", d)
+    assert code == 2 and "layers" in err and "is empty" in err, err

@@ -285,6 +285,8 @@ def _consistency(m: dict[str, Any]) -> None:
         raise _Invalid("model.family", f"is {_show(model['family'])}, but 'family' is {_show(m['family'])}")
     if model["top_k"] > model["num_experts"]:
         raise _Invalid("model.top_k", f"{model['top_k']} is more than num_experts={model['num_experts']}")
+    if not m["layers"]:
+        raise _Invalid("layers", "is empty, but every mxconv output converts at least one MoE layer")
     seen: set[int] = set()
     for i, layer in enumerate(m["layers"]):
         if layer["layer"] in seen:
