@@ -9,6 +9,7 @@ DONTNEED, no root needed), so both phases read from the disk the same way.
 
     PYTHONPATH=src python scripts/bench_e2e.py --mode repack   --dir /tmp/bench   # 24 layers, MXFP4
     PYTHONPATH=src python scripts/bench_e2e.py --mode quantize --dir /tmp/bench --layers 8
+    PYTHONPATH=src python scripts/bench_e2e.py --mode quantize --model 120b --layers 3   # 128 experts
     PYTHONPATH=src python scripts/bench_e2e.py --mode repack --small              # CPU smoke test
 """
 
@@ -27,7 +28,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-GPT_OSS_20B = dict(E=32, H=2880, I=2880, V=201088, layers=24)
+GPT_OSS = {
+    "20b": dict(E=32, H=2880, I=2880, V=201088, layers=24),
+    "120b": dict(E=128, H=2880, I=2880, V=201088, layers=36),
+}
 
 
 def _evict(paths: list[Path]) -> None:
@@ -140,17 +144,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("quantize", "repack"), default="repack")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/mxconv-bench"))
-    ap.add_argument("--layers", type=int, default=None, help="MoE layers (default: 24 for repack, 8 for quantize)")
+    ap.add_argument("--model", choices=tuple(GPT_OSS), default="20b", help="gpt-oss shape (experts per layer, sizes)")
+    ap.add_argument("--backend", default="trtllm", help="repack backend")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="MoE layers (default: all for a 20b repack, 8 for a 20b quantize, 4 for 120b)")
     ap.add_argument("--small", action="store_true", help="tiny sizes: a CPU smoke test")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = dict(GPT_OSS_20B)
+    shape = dict(GPT_OSS[args.model])
     if args.small:
         shape.update(E=4, H=256, I=256, V=512, layers=2)
     if args.layers:
         shape["layers"] = args.layers
+    elif args.model == "120b" and not args.small:
+        shape["layers"] = 4
     elif args.mode == "quantize" and not args.small:
         shape["layers"] = 8
     src, out = args.dir / f"src-{args.mode}", args.dir / f"out-{args.mode}"
@@ -162,7 +171,7 @@ def main() -> None:
     src_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
 
     cmd = [sys.executable, "-m", "mxconv.cli", args.mode, str(src), str(out), "--json", "--quiet", "--overwrite"]
-    cmd += ["--backend", "trtllm"] if args.mode == "repack" else ["--format", "mxfp4"]
+    cmd += ["--backend", args.backend] if args.mode == "repack" else ["--format", "mxfp4"]
     # dry run first to learn the output size for the floor
     plan = json.loads(subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, check=True).stdout)
     floor_s = io_floor(src, plan["bytes_out"], args.dir / "floor.scratch")
@@ -178,6 +187,8 @@ def main() -> None:
     doc = {
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "mode": args.mode,
+        "model": args.model,
+        "backend": args.backend if args.mode == "repack" else None,
         "shape": shape,
         "source_bytes": src_bytes,
         "output_bytes": summary["bytes_out"],
@@ -191,6 +202,7 @@ def main() -> None:
         "peak_gpu_bytes": summary.get("peak_gpu_bytes"),
         "compute_s": summary.get("compute_seconds"),
         "stage_seconds": summary.get("stage_seconds"),
+        "bytes_read_ahead": summary.get("bytes_read_ahead"),  # during interpreter/torch/CUDA start-up
         "relative_rms_error": summary.get("relative_rms_error"),
     }
     if not args.keep:

@@ -279,11 +279,13 @@ def run_convert(
             if len(doc["tensors"]) > 12:
                 out.print(f"  ... {len(doc['tensors']) - 12} more expert tensors")
         return
-    if ahead is not None:
-        ahead.stop()  # from here the pipeline's readers take over (its first reads hit the page cache)
+    # from here the pipeline's readers take over (its first reads hit the page cache)
+    read_ahead = None if ahead is None else ahead.stop()
     with progress(plan.bytes_in, progress_label(plan), quiet or as_json) as advance:
         summary = execute(plan, output, device=dev, max_shard_size=shard_bytes, overwrite=overwrite,
                           argv=["mxconv", *sys.argv[1:]], on_progress=advance)
+    if read_ahead is not None:
+        summary["bytes_read_ahead"] = read_ahead  # source bytes read while the process started
     if as_json:
         print_json(summary)
     elif not quiet:
