@@ -226,6 +226,18 @@ def test_transformers_loads_mxfp4_and_reproduces_the_reference(
     _assert_same_model(got, _expected(family, sources[family], out), sources[family])
 
 
+@pytest.mark.parametrize("family", ["gpt-oss", "qwen3-moe"])
+def test_transformers_refuses_kernel_layout_outputs(family: str, outputs: dict[tuple[str, str], Path], tmp_path: Path) -> None:
+    """repack outputs hold the engine's kernel tensors (w13_weight, ...), which from_pretrained cannot
+    read: it must raise, never load the model with randomly initialised experts."""
+    dst = tmp_path / "trt"
+    code, _, err = mx("repack", outputs[family, "mxfp4"], dst, "--backend", "trtllm", "--device", "cpu", "--quiet")
+    assert code == 0, err
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["quant_method"] is None
+    with pytest.raises(ValueError, match="quant_method"):
+        _load(dst)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformers_never_loads_mxfp8_wrong(family: str, sources: dict[str, Path], outputs: dict[tuple[str, str], Path]) -> None:
     """MXFP8 experts: transformers reads them right or raises, never random or misread experts."""

@@ -46,6 +46,9 @@ from mxconv.writer import (
 # ---------------------------------------------------------------------------------------------
 
 
+KERNEL_FORMAT_KEY = "mxconv_quant_method"  # the key gpt-oss MXFP8 outputs use too (families.gpt_oss_output)
+
+
 def output_config(plan: Plan) -> dict[str, Any]:
     """config.json of the output: the source config with the quantization_config for the experts."""
     cfg = dict(plan.ckpt.config)
@@ -68,6 +71,16 @@ def output_config(plan: Plan) -> dict[str, Any]:
             "activation": plan.repack.activation,
             "tp_size": plan.repack.tp,
             "manifest": "mxconv.json",
+        }
+        # Kernel-layout experts are for engine integrations (mxconv.loader), never for from_pretrained:
+        # with a quant_method a loader knows, transformers finds none of its expert tensors and leaves the
+        # experts randomly initialised. quant_method null makes transformers and vLLM refuse the directory.
+        cfg["quantization_config"] = {
+            "quant_method": None,
+            KERNEL_FORMAT_KEY: "kernel-layout",
+            "mxconv_note": (f"MoE experts in the {plan.repack.backend} kernel layout (mxconv.json); load them with "
+                            "mxconv.loader or an engine integration, not with from_pretrained"),
+            "mxconv_expert_quantization_config": cfg.get("quantization_config"),
         }
     return cfg
 

@@ -19,7 +19,10 @@ from typing import Annotated, Any, Iterator, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -194,6 +197,24 @@ def progress(total: int, label: str, quiet: bool) -> Iterator[Any]:
     with prog:
         task = prog.add_task(label, total=max(total, 1))
         yield lambda n: prog.advance(task, n)
+
+
+@contextmanager
+def step_progress(label: str, quiet: bool) -> Iterator[Any]:
+    """A bar over the steps of a long check on stderr: yields ``on_step(what, done, total)`` (None
+    when quiet)."""
+    if quiet:
+        yield None
+        return
+    prog = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=err, transient=False)
+    with prog:
+        task = prog.add_task(label, total=None)
+
+        def on_step(what: str, done: int, total: int) -> None:
+            prog.update(task, description=f"{label}: {what}", completed=done, total=total)
+
+        yield on_step
 
 
 def summary_table(plan_summary: dict[str, Any], title: str) -> Table:

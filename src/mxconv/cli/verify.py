@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from mxconv.cli.common import DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say
+from mxconv.cli.common import DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say, step_progress
 
 
 @app.command()
@@ -40,18 +40,20 @@ def verify(
     from mxconv.verify import verify as run_verify
 
     with errors(debug):
-        rep = run_verify(
-            path,
-            reference=reference,
-            reference_outputs=str(reference_outputs) if reference_outputs else None,
-            save_reference=str(save_reference) if save_reference else None,
-            layers=layers,
-            tokens=tokens,
-            seed=seed,
-            revision=revision,
-            kernel=kernel,
-            device=device_of(device),
-        )
+        with step_progress(f"verify {path}", quiet or as_json) as on_step:
+            rep = run_verify(
+                path,
+                reference=reference,
+                reference_outputs=str(reference_outputs) if reference_outputs else None,
+                save_reference=str(save_reference) if save_reference else None,
+                layers=layers,
+                tokens=tokens,
+                seed=seed,
+                revision=revision,
+                kernel=kernel,
+                device=device_of(device),
+                on_step=on_step,
+            )
         problems = rep.problems + [p for r in rep.layers for p in r.problems] + [p for r in rep.linears for p in r.problems]
         if as_json:
             print_json(rep.to_json())

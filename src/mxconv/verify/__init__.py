@@ -17,6 +17,7 @@ report's general problems); :class:`VerifyReport` is the result.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -69,11 +70,16 @@ def verify(
     revision: str | None = None,
     kernel: bool = False,
     device: torch.device | str = "cpu",
+    on_step: Callable[[str, int, int], None] | None = None,
 ) -> VerifyReport:
-    """Run the three checks on ``path``; see the module docstring."""
+    """Run the three checks on ``path``; see the module docstring. ``on_step(what, done, total)`` is
+    called before each long step (the integrity hashes, then each checked layer) and once at the end."""
+    step = on_step or (lambda what, done, total: None)
     run = _open_run(path, reference, reference_outputs, save_reference, tokens, seed, device)
     lay_table = {int(l["layer"]): l for l in run.manifest["layers"]}
     chosen = parse_layers(layers, sorted(lay_table))
+    steps = len(chosen) + 1
+    step("integrity (sha256 of every tensor)", 0, steps)
     integ = check_integrity(run.root, run.manifest, run.ckpts)
     if kernel:
         run.klayout, run.kernel_size_problems = kernel_preflight(run.manifest)
@@ -93,12 +99,14 @@ def verify(
             rep.integrity = "FAIL"
             rep.problems.extend(probs)
         if L in chosen:
+            step(f"layer {L}", 1 + chosen.index(L), steps)
             _check_layer(run, L, lay_table[L], rep)
         if L in chosen or probs:
             reports.append(rep)
     linears, lin_problems = check_linears(run, set(chosen) if layers else None)
     general.extend(lin_problems)
     notes = _finish(run)
+    step("done", steps, steps)
     if linears:
         notes.append(f"{len(linears)} MXFP8 linear layers checked" + (
             f" against the reference (relative RMS <= {LINEAR_THRESHOLDS['rel_rms']}, bytes = the reference quantized again)"
