@@ -240,7 +240,8 @@ def run_convert(
     from mxconv.convert import build_plan, execute, plan_memory
     from mxconv.families import detect_family
     from mxconv.memory import MemoryBudget, parse_memory
-    from mxconv.writer import check_output_dir, parse_size
+    from mxconv.output_dir import check_output_dir
+    from mxconv.sizes import parse_size
 
     shard_bytes = parse_size(max_shard_size)
     budget = MemoryBudget(parse_memory(max_memory, "--max-memory"), parse_memory(max_gpu_memory, "--max-gpu-memory"))
