@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from mxconv import __version__
+from mxconv import __version__, sizes
 from mxconv.errors import MxconvError
 from mxconv.interrupt import Interrupted, stop_signals
 
@@ -188,13 +188,8 @@ def device_of(spec: str):
 
 
 def human_bytes(n: float | int | None) -> str:
-    """Bytes in the largest decimal unit that keeps a leading digit (what huggingface-cli shows)."""
-    if n is None:
-        return "-"
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+    """:func:`mxconv.sizes.human_bytes`, and "-" for an unknown size (None)."""
+    return "-" if n is None else sizes.human_bytes(n)
 
 
 def print_json(doc: Any) -> None:
