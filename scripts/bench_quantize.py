@@ -186,13 +186,19 @@ def bench_cpu_shape(shape, args) -> dict:
     return res
 
 
+def copy_line(r: dict, ms: str, gbps: str) -> str:
+    """The line that opens one shape's results: the shape, its bf16 size and what a plain copy takes
+    (``ms`` and ``gbps``: the format specs of the two numbers)."""
+    shape = "x".join(map(str, r["shape"]))
+    c = r["copy"]
+    return f"\n{shape} bf16 ({r['input_bytes'] / 1e9:.2f} GB): copy {c['ms']:{ms}} ms = {c['gbps']:{gbps}} GB/s"
+
+
 def print_cpu_table(report: dict) -> None:
     print(f"CPU torch path: {report['device']}, {report['threads']} threads, torch {report['torch']}, mode {report['mode']}")
     for r in report["results"]:
-        shape = "x".join(map(str, r["shape"]))
-        c = r["copy"]
-        print(f"\n{shape} bf16 ({r['input_bytes'] / 1e9:.2f} GB): copy {c['ms']:.1f} ms = {c['gbps']:.1f} GB/s; "
-              f"first_nonfinite {r['first_nonfinite']['ms']:.1f} ms ({r['first_nonfinite']['gelem_s']:.2f} Gelem/s)")
+        print(copy_line(r, ".1f", ".1f") + f"; first_nonfinite {r['first_nonfinite']['ms']:.1f} ms "
+              f"({r['first_nonfinite']['gelem_s']:.2f} Gelem/s)")
         for fmt in ("mxfp4", "mxfp8"):
             e = r[fmt]
             for key in ("exact_8m", "exact", "fast", "fast_with_error_sums", "fast_then_dequantized_error", "dequantize"):
@@ -262,9 +268,7 @@ def _triton_version() -> str | None:
 def print_table(report: dict) -> None:
     print(f"device: {report['device']}  torch {report['torch']}  triton {report['triton']}  mode {report['mode']}")
     for r in report["results"]:
-        shape = "x".join(map(str, r["shape"]))
-        c = r["copy"]
-        print(f"\n{shape} bf16 ({r['input_bytes'] / 1e9:.2f} GB): copy {c['ms']:.3f} ms = {c['gbps']:.0f} GB/s")
+        print(copy_line(r, ".3f", ".0f"))
         for fmt in ("mxfp4", "mxfp8"):
             for impl in ("triton", "torch", "torchao_to_mx"):
                 e = r[fmt].get(impl)

@@ -1,7 +1,7 @@
 """The conversion jobs behind ``quantize`` and ``repack``: plan (:mod:`mxconv.plan`), compute
 (:mod:`mxconv.compute`), then output: ``execute`` runs the plan through the overlapped pipeline,
 writes the shards, the config and index files, and the manifest last, through an
-:class:`~mxconv.writer.OutputTarget`: a failed or interrupted run removes what it wrote, and an
+:class:`~mxconv.output_dir.OutputTarget`: a failed or interrupted run removes what it wrote, and an
 ``--overwrite`` replaces the old output only once the new one is complete (docs/reliability.md).
 """
 
@@ -26,19 +26,10 @@ from mxconv.linear_config import with_linears
 from mxconv.linears import linear_compute, linear_load, manifest_extras
 from mxconv.manifest import base_manifest, tensor_table, write_manifest
 from mxconv.memory import MemoryBudget, plan_for, resolve_budget, work_items
+from mxconv.output_dir import DISK_FULL, OutputTarget, OutputWriteError, atomic_write_json, writing
 from mxconv.pipeline import WorkItem, run_pipeline
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
-from mxconv.writer import (
-    DISK_FULL,
-    OutputTarget,
-    OutputWriteError,
-    ShardPlan,
-    ShardedWriter,
-    atomic_write_json,
-    plan_shards,
-    shards_size,
-    writing,
-)
+from mxconv.writer import ShardPlan, ShardedWriter, plan_shards, shards_size
 
 
 # ---------------------------------------------------------------------------------------------

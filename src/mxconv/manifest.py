@@ -19,7 +19,8 @@ from typing import Any, Callable
 from mxconv import __version__
 from mxconv.checkpoint import CONFIG_NAME, MANIFEST_NAME
 from mxconv.errors import BadInput
-from mxconv.writer import IN_PROGRESS, WrittenTensor, atomic_write_json
+from mxconv.output_dir import IN_PROGRESS, atomic_write_json
+from mxconv.writer import WrittenTensor
 
 FORMAT_VERSION = 1
 _RANK_DIR = re.compile(r"rank-\d+")

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
-from mxconv.writer import COPY_CHUNK, human_bytes, parse_size
+from mxconv.sizes import human_bytes, parse_size
+from mxconv.writer import COPY_CHUNK
 
 if TYPE_CHECKING:
     from mxconv.pipeline import WorkItem

@@ -36,128 +36,30 @@ How the bytes are computed (shared with the Triton kernels):
    MXFP8: ``y`` is clamped to +-448 and cast to ``float8_e4m3fn`` (RNE).
 
 Non-finite input is not checked here (see :func:`first_nonfinite`); its bytes are unspecified.
+
+The code sits in three modules: the formats' constants, scale rules, element codes and packing in
+:mod:`mxconv.numerics_format`; the fast chunk path and lookup tables in :mod:`mxconv.numerics_fast`;
+here the quantize / dequantize entry points, the exact path, the error sums, the non-finite scans
+and the conversions between formats. This module re-exports the other two: import MX numerics from here.
 """
 
 from __future__ import annotations
 
-import struct
-from fractions import Fraction
 from typing import Callable
 
 import torch
 
 from mxconv.errors import BadInput
-
-# ---------------------------------------------------------------------------------------------------
-# constants
-# ---------------------------------------------------------------------------------------------------
-
-BLOCK_SIZE = 32
-FORMATS: tuple[str, ...] = ("mxfp4", "mxfp8")
-SCALE_MODES: tuple[str, ...] = ("rceil", "floor", "even")
-# The rule "auto" picks per format: the lowest weight and layer-output error measured by
-# scripts/numerics_table.py on Gaussian, Student-t and outlier weights (docs/numerics.md).
-DEFAULT_SCALE_MODES: dict[str, str] = {"mxfp4": "even", "mxfp8": "rceil"}
-
-
-def resolve_scale_mode(fmt: str, mode: str) -> str:
-    """``mode``, or the format's default rule when ``mode`` is "auto"."""
-    return DEFAULT_SCALE_MODES[fmt] if mode == "auto" else mode
-
-E8M0_BIAS = 127
-E8M0_NAN = 0xFF
-E8M0_MAX_FINITE = 254
-
-# E2M1 (FP4): max 6 = 1.5 * 2^2, one mantissa bit.
-E2M1_MAX = 6.0
-E2M1_EMAX = 2
-E2M1_MBITS = 1
-# value of each 4-bit code (bit 3 = sign), code order 0x0 .. 0xF
-E2M1_VALUES: tuple[float, ...] = (
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-)  # fmt: skip
-# |y| boundaries between consecutive E2M1 magnitudes (codes 0..7). A tie goes to the even code: the
-# ties 0.25, 1.25, 2.5, 5 (lower code even) round down, 0.75, 1.75, 3.5 (lower code odd) round up.
-E2M1_MIDPOINTS: tuple[float, ...] = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-E2M1_TIE_ROUNDS_UP: tuple[bool, ...] = (False, True, False, True, False, True, False)
-
-# E4M3 (float8_e4m3fn): max 448 = 1.75 * 2^8, three mantissa bits.
-E4M3_MAX = 448.0
-E4M3_EMAX = 8
-E4M3_MBITS = 3
-
-SCALE_MODE_IDS: dict[str, int] = {"rceil": 0, "floor": 1, "even": 2}
-
-# Blocks whose scale byte is <= this are the only ones where an fp32-subnormal input can round to a
-# non-zero element (E4M3's smallest half-step is 2^-10 = 2^-126 * 2^116, so e <= -117, byte <= 10).
-SUBNORMAL_FIX_MAX_BYTE = 10
-
-# fp32 bit-field helpers
-_F32_MANT_MASK = 0x007FFFFF
-_F32_ABS_MASK = 0x7FFFFFFF
-
-
-def _f32_bits(value: float) -> int:
-    """Bit pattern of ``value`` rounded to fp32 (int in [0, 2^32))."""
-    return struct.unpack("<I", struct.pack("<f", value))[0]
-
-
-def _f32_from_bits(bits: int) -> float:
-    """The fp32 value with bit pattern ``bits`` (int in [0, 2^32)), as a Python float."""
-    return struct.unpack("<f", struct.pack("<I", bits))[0]
-
-
-def _round_fraction_to_f32(q: Fraction) -> Fraction:
-    """Exact round-to-nearest-even of a non-negative rational to fp32 (subnormals included, no overflow)."""
-    if q == 0:
-        return Fraction(0)
-    exp = q.numerator.bit_length() - q.denominator.bit_length()  # floor(log2 q) or one more
-    if Fraction(2) ** exp > q:
-        exp -= 1
-    ulp = Fraction(2) ** (max(exp, -126) - 23)
-    n, rem = divmod(q, ulp)
-    if rem * 2 > ulp or (rem * 2 == ulp and n % 2 == 1):
-        n += 1
-    return n * ulp
-
-
-def _rceil_min_bits_byte1(max_elem: float) -> int:
-    """Smallest fp32 bit pattern of A for which fp32(A / max_elem) > 2^-127 (rceil byte >= 1).
-
-    Below it the ratio rounds to at most 2^-127 and rceil stores byte 0.
-    """
-    target = Fraction(2) ** -127
-    lo, hi = 0, 0x7F800000  # search over positive finite bit patterns (monotone in value)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        a = Fraction(_f32_from_bits(mid))
-        if _round_fraction_to_f32(a / Fraction(max_elem)) > target:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-class _FormatParams:
-    """Per-format integer constants of the scale rules (shared with the Triton kernels)."""
-
-    def __init__(self, name: str, max_elem: float, emax: int, mbits: int) -> None:
-        self.name = name
-        self.max_elem = max_elem
-        self.emax = emax
-        self.mbits = mbits
-        # rceil: the exponent goes up by one when A's mantissa field exceeds max_elem's
-        self.rceil_mant_threshold = _f32_bits(max_elem) & _F32_MANT_MASK
-        self.rceil_min_bits_byte1 = _rceil_min_bits_byte1(max_elem)
-        # even: add half an ulp of the element's mantissa width (ties away) before taking the exponent
-        self.even_round_add = 1 << (22 - mbits)
-
-
-FORMAT_PARAMS: dict[str, _FormatParams] = {
-    "mxfp4": _FormatParams("mxfp4", E2M1_MAX, E2M1_EMAX, E2M1_MBITS),
-    "mxfp8": _FormatParams("mxfp8", E4M3_MAX, E4M3_EMAX, E4M3_MBITS),
-}
+from mxconv.numerics_fast import (  # noqa: F401 - used here, and re-exported for the tests
+    _FP8_CAST_SATURATES, _add_error_sums, _dequant_lut, _e2m1_keys, _e2m1_lut, _fp8_cast_saturates,
+    _quantize_rows_fast,
+)
+from mxconv.numerics_format import (  # noqa: F401 - used here and re-exported: the one import for MX numerics
+    BLOCK_SIZE, DEFAULT_SCALE_MODES, E2M1_EMAX, E2M1_MAX, E2M1_MBITS, E2M1_MIDPOINTS, E2M1_TIE_ROUNDS_UP, E2M1_VALUES,
+    E4M3_EMAX, E4M3_MAX, E4M3_MBITS, E8M0_BIAS, E8M0_MAX_FINITE, E8M0_NAN, FORMAT_PARAMS, FORMATS, SCALE_MODE_IDS,
+    SCALE_MODES, SUBNORMAL_FIX_MAX_BYTE, _e2m1_codes, _e4m3_bytes, _scaled_blocks, check_args, pack_fp4,
+    resolve_scale_mode, scale_bytes_from_amax_bits, scales_to_float, unpack_fp4,
+)
 
 # Row chunks of the torch path hold about this many elements on the CPU: the chunk's temporaries
 # (2-4 bytes per element, a few of them) stay in the caches between the passes over it. On other
@@ -165,125 +67,6 @@ FORMAT_PARAMS: dict[str, _FormatParams] = {
 # few launches run per stack.
 _CHUNK_ELEMS = 1 << 20
 _DEVICE_CHUNK_FACTOR = 8
-
-
-# ---------------------------------------------------------------------------------------------------
-# validation
-# ---------------------------------------------------------------------------------------------------
-
-
-def check_args(x: torch.Tensor, fmt: str, scale_rounding: str) -> None:
-    """Raise BadInput unless ``x`` is a float tensor [..., K] with K % 32 == 0 and fmt/mode are known."""
-    if fmt not in FORMATS:
-        raise BadInput(f"unknown MX format {fmt!r}; supported: {', '.join(FORMATS)}")
-    if scale_rounding not in SCALE_MODES:
-        raise BadInput(f"unknown scale rounding {scale_rounding!r}; supported: {', '.join(SCALE_MODES)}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise BadInput(f"cannot quantize a {x.dtype} tensor to {fmt}: expected bfloat16, float16 or float32")
-    if x.dim() == 0 or x.shape[-1] % BLOCK_SIZE != 0:
-        k = "a scalar" if x.dim() == 0 else f"last dim K={x.shape[-1]}"
-        raise BadInput(f"cannot quantize a tensor of shape {tuple(x.shape)} to {fmt}: {k} is not a multiple of {BLOCK_SIZE}")
-
-
-# ---------------------------------------------------------------------------------------------------
-# scale bytes
-# ---------------------------------------------------------------------------------------------------
-
-
-def scale_bytes_from_amax_bits(amax_bits: torch.Tensor, fmt: str, scale_rounding: str) -> torch.Tensor:
-    """E8M0 byte per block from the fp32 bit pattern of its max |x|.
-
-    amax_bits: int32 [...] (non-negative: bits of a finite |x|). Returns int32 [...] in [0, 254].
-    """
-    p = FORMAT_PARAMS[fmt]
-    exp_field = amax_bits >> 23
-    if scale_rounding == "floor":
-        e = exp_field - (E8M0_BIAS + p.emax)
-    elif scale_rounding == "rceil":
-        bump = ((amax_bits & _F32_MANT_MASK) > p.rceil_mant_threshold).to(torch.int32)
-        e = exp_field - (E8M0_BIAS + p.emax) + bump
-        # ratio A/max_elem subnormal and rounding to <= 2^-127: byte 0
-        e = torch.where(amax_bits < p.rceil_min_bits_byte1, -E8M0_BIAS, e)
-    elif scale_rounding == "even":
-        e = ((amax_bits + p.even_round_add) >> 23) - (E8M0_BIAS + p.emax)
-    else:
-        raise BadInput(f"unknown scale rounding {scale_rounding!r}; supported: {', '.join(SCALE_MODES)}")
-    return (e + E8M0_BIAS).clamp_(0, E8M0_MAX_FINITE)
-
-
-def _pow2_from_byte(byte: torch.Tensor, negate: bool) -> torch.Tensor:
-    """fp32 2^(s-127) (negate=False) or 2^(127-s) (negate=True) for int32 bytes s in [1, 253] exactly."""
-    field = (2 * E8M0_BIAS - byte) if negate else byte
-    return (field << 23).view(torch.float32)
-
-
-# ---------------------------------------------------------------------------------------------------
-# elements
-# ---------------------------------------------------------------------------------------------------
-
-
-def _scaled_blocks(xb: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
-    """y = x * 2^-e exactly, per block.
-
-    xb: fp32 [R, nb, 32]; byte: int32 [R, nb] in [0, 253]. Returns fp32 [R, nb, 32].
-    """
-    y = xb * _pow2_from_byte(byte, negate=True).unsqueeze(-1)
-    low = byte <= SUBNORMAL_FIX_MAX_BYTE
-    if bool(low.any()):
-        bits = xb.view(torch.int32)
-        sub = ((bits & 0x7F800000) == 0) & low.unsqueeze(-1)
-        if bool(sub.any()):
-            # |x| = m * 2^-149 with m < 2^23: rebuild as float(m) * 2^(-149-e), 2^(-149-e) normal here
-            e = byte - E8M0_BIAS
-            mult = ((E8M0_BIAS - 149 - e) << 23).clamp_(min=1 << 23).view(torch.float32)
-            mag = (bits & _F32_MANT_MASK).to(torch.float32) * mult.unsqueeze(-1)
-            exact = torch.where(bits < 0, -mag, mag)
-            y = torch.where(sub, exact, y)
-    return y
-
-
-# |y| thresholds between consecutive E2M1 magnitudes: code = number of thresholds strictly below |y|.
-# A tie whose lower code is odd must round up, so that threshold is moved one fp32 ulp down.
-_E2M1_THRESHOLDS: tuple[float, ...] = tuple(
-    _f32_from_bits(_f32_bits(mid) - 1) if up else mid for mid, up in zip(E2M1_MIDPOINTS, E2M1_TIE_ROUNDS_UP)
-)
-
-
-def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8 0..15) of fp32 y (already scaled): RNE, saturating at 6, sign kept.
-
-    Counts the rounding thresholds below |y| (exact comparisons, so sticky bits are exact).
-    """
-    ay = y.abs()
-    codes = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
-    above = torch.empty(y.shape, dtype=torch.bool, device=y.device)
-    for threshold in _E2M1_THRESHOLDS:
-        torch.gt(ay, threshold, out=above)
-        codes += above
-    return codes | (torch.signbit(y).to(torch.uint8) << 3)
-
-
-def _e4m3_bytes(y: torch.Tensor) -> torch.Tensor:
-    """E4M3 bit patterns (uint8) of fp32 y: clamp to +-448 (keeps -0), cast RNE."""
-    return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-
-
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """Pack E2M1 codes uint8 [..., K] (K even, values 0..15) into bytes uint8 [..., K/2].
-
-    Element 2i goes to the low nibble, 2i+1 to the high nibble.
-    """
-    if codes.shape[-1] % 2 != 0:
-        raise BadInput(f"cannot pack {codes.shape[-1]} FP4 codes into bytes: the last dim must be even")
-    c = codes.to(torch.uint8)
-    return (c[..., 0::2] & 0x0F) | ((c[..., 1::2] & 0x0F) << 4)
-
-
-def unpack_fp4(data: torch.Tensor) -> torch.Tensor:
-    """Unpack bytes uint8 [..., K/2] into E2M1 codes uint8 [..., K] (low nibble = even element)."""
-    if data.dtype != torch.uint8:
-        raise BadInput(f"packed FP4 data must be uint8, got {data.dtype}")
-    return torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(-2)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -296,119 +79,6 @@ def _rows_per_chunk(row_elems: int, device: torch.device | None = None) -> int:
     (``_DEVICE_CHUNK_FACTOR`` times more off the CPU)."""
     elems = _CHUNK_ELEMS if device is None or device.type == "cpu" else _CHUNK_ELEMS * _DEVICE_CHUNK_FACTOR
     return max(1, elems // max(1, row_elems))
-
-
-# --- the fast chunk path --------------------------------------------------------------------------
-#
-# The same bytes as the exact path below (``_quantize_rows_exact``), in fewer and narrower passes:
-#
-# * the block maximum is taken on the bit patterns: ``bits & 0x7FFF`` (bf16/fp16) or ``& 0x7FFFFFFF``
-#   (fp32) orders |x| as integers, so an integer ``amax`` gives the bits of max |x| (masking two bf16
-#   values at once through an int32 view);
-# * for E2M1, bf16 input is scaled in bf16: ``x * 2^-e`` is exact there (bf16 has fp32's exponent
-#   range), except that a product below 2^-126 may round to a bf16 subnormal, and such a value
-#   rounds to a signed zero element anyway; everything else is scaled in fp32 as before;
-# * E4M3: the scaled value is cast straight into the output (RNE); the clamp to +-448 is only done
-#   where the device's cast does not saturate by itself (probed once per device type);
-# * E2M1: a 65536-entry table maps every bf16 bit pattern of ``y`` to its code (built with
-#   ``_e2m1_codes``, so it is that function's rounding). An fp32 ``y`` is first rounded to bf16
-#   *to odd* (truncate, OR-ing any dropped bit into the last kept bit): every E2M1 rounding threshold
-#   is a bf16 value with an even bit pattern, so the rounded key lies on the same side of each
-#   threshold as ``y`` and the table gives ``y``'s own RNE code;
-# * a chunk holding a non-zero block whose scale byte is <= SUBNORMAL_FIX_MAX_BYTE (max |x| below
-#   about 2^-110: never seen in real weights) goes through the exact path, which rebuilds subnormal
-#   inputs whatever the flush-to-zero mode.
-
-_E2M1_LUT: dict[str, torch.Tensor] = {}
-_DEQUANT_LUT: dict[str, torch.Tensor] = {}
-_FP8_CAST_SATURATES: dict[str, bool] = {}
-
-
-def _device_key(device: torch.device) -> str:
-    return str(device)
-
-
-def _e2m1_lut(device: torch.device) -> torch.Tensor:
-    """uint8 [65536]: the E2M1 code (sign in bit 3) of the bf16 value with each bit pattern."""
-    key = _device_key(device)
-    lut = _E2M1_LUT.get(key)
-    if lut is None:
-        values = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
-        lut = _E2M1_LUT[key] = _e2m1_codes(values).to(device)
-    return lut
-
-
-def _fp8_cast_saturates(device: torch.device) -> bool:
-    """Whether casting fp32 and bf16 to float8_e4m3fn on ``device`` maps finite overflow to +-448."""
-    key = _device_key(device)
-    sat = _FP8_CAST_SATURATES.get(key)
-    if sat is None:
-        probe = torch.tensor([464.0, -1e30, 3e38, 449.0], dtype=torch.float32, device=device)
-        want = [0x7E, 0xFE, 0x7E, 0x7E]
-        sat = all(
-            probe.to(dt).to(torch.float8_e4m3fn).view(torch.uint8).tolist() == want
-            for dt in (torch.float32, torch.bfloat16)
-        )
-        _FP8_CAST_SATURATES[key] = sat
-    return sat
-
-
-def _block_amax_bits(xb: torch.Tensor) -> torch.Tensor:
-    """fp32 bit pattern (int32 [R, nb]) of max |x| per block of xb [R, nb, 32] (contiguous)."""
-    if xb.dtype == torch.float32:
-        return (xb.view(torch.int32) & _F32_ABS_MASK).amax(dim=-1)
-    # two 16-bit values per int32: clear both sign bits at once, then reduce as int16
-    halves = (xb.view(torch.int32) & 0x7FFF7FFF).view(torch.int16).view(*xb.shape[:-1], 2, BLOCK_SIZE // 2)
-    m16 = torch.maximum(halves[..., 0, :], halves[..., 1, :]).amax(dim=-1)
-    if xb.dtype == torch.bfloat16:
-        return m16.to(torch.int32) << 16
-    return m16.view(torch.float16).to(torch.float32).view(torch.int32)
-
-
-def _e2m1_keys(y: torch.Tensor) -> torch.Tensor:
-    """int32 bf16 bit patterns (0..65535) indexing ``_e2m1_lut`` for y (bf16 exactly; fp32 rounded to odd)."""
-    if y.dtype == torch.bfloat16:
-        return y.view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)
-    bits = y.view(torch.int32)
-    keys = (bits >> 16).bitwise_and_(0xFFFF)
-    return keys.bitwise_or_((bits & 0xFFFF).ne_(0).to(torch.int32))
-
-
-def _quantize_rows_fast(xc: torch.Tensor, fmt: str, scale_rounding: str, data_out: torch.Tensor,
-                        scale_out: torch.Tensor, sums: list[float] | None = None) -> bool:
-    """Quantize rows xc [R, K] (contiguous) into data_out / scale_out (uint8 views of the result);
-    with ``sums``, add the chunk's error sums (:func:`_add_error_sums`).
-
-    Returns False, writing nothing, when the chunk needs the exact path (see above).
-    """
-    rows, k = xc.shape
-    nb = k // BLOCK_SIZE
-    xb = xc.view(rows, nb, BLOCK_SIZE)
-    amax_bits = _block_amax_bits(xb)
-    byte = scale_bytes_from_amax_bits(amax_bits, fmt, scale_rounding)
-    if bool(((byte <= SUBNORMAL_FIX_MAX_BYTE) & (amax_bits != 0)).any()):
-        return False
-    inv = _pow2_from_byte(byte, negate=True).unsqueeze(-1)  # 2^-e, exact (byte 0 only for all-zero blocks)
-    xf = None
-    if fmt == "mxfp8":
-        # fp32 arithmetic and the fp32 -> E4M3 cast are faster on the CPU than their bf16 forms
-        if sums is None:
-            y = xb.to(torch.float32, copy=True).mul_(inv)
-        else:
-            xf = xb.to(torch.float32)  # kept for the error sums
-            y = xf * inv
-        if not _fp8_cast_saturates(xc.device):
-            y.clamp_(-E4M3_MAX, E4M3_MAX)
-        data_out.view(torch.float8_e4m3fn).view(rows, nb, BLOCK_SIZE).copy_(y)
-    else:
-        # E2M1 keys are bf16 patterns: a bf16 product needs no rounding to odd
-        y = xb * inv.to(torch.bfloat16) if xc.dtype == torch.bfloat16 else xb.to(torch.float32) * inv
-        codes = torch.index_select(_e2m1_lut(xc.device), 0, _e2m1_keys(y).view(-1)).view(rows, k)
-        torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4, out=data_out)
-    scale_out.copy_(byte)
-    if sums is not None:
-        _add_error_sums(xc, data_out, scale_out, fmt, sums, xf)
-    return True
 
 
 def _quantize_rows_exact(xc: torch.Tensor, fmt: str, scale_rounding: str, data_out: torch.Tensor,
@@ -462,20 +132,6 @@ def quantize_mx_torch(
     return data, scales
 
 
-def _add_error_sums(xc: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fmt: str, sums: list[float],
-                    xf: torch.Tensor | None = None) -> None:
-    """Add sum((dequantized - x)^2) and sum(x^2) of one row chunk (xc [R, K], its MX bytes) to ``sums``
-    (``xf``: xc in fp32 when the caller has it). fp32 dot products, accumulated in Python floats."""
-    rows, k = xc.shape
-    nb = k // BLOCK_SIZE
-    vals = torch.index_select(_dequant_lut(fmt, xc.device), 0, data.reshape(-1).to(torch.int32)).view(rows, nb, BLOCK_SIZE)
-    vals.mul_(scales_to_float(scales).unsqueeze(-1))
-    xf = (xc.to(torch.float32) if xf is None else xf).reshape(-1)
-    diff = vals.view(-1).sub_(xf)
-    sums[0] += float(torch.dot(diff, diff))
-    sums[1] += float(torch.dot(xf, xf))
-
-
 def mx_error_sums(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fmt: str) -> tuple[float, float]:
     """``(sum((dequantize_mx(data, scales) - x)^2), sum(x^2))`` for x [..., K] and its MX bytes, in fp32
     row chunks (no full-size temporary). A NaN scale byte makes the first sum NaN."""
@@ -488,14 +144,6 @@ def mx_error_sums(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fmt
     for r0 in range(0, rows.shape[0], step):
         _add_error_sums(rows[r0 : r0 + step], data_rows[r0 : r0 + step], scale_rows[r0 : r0 + step], fmt, sums)
     return sums[0], sums[1]
-
-
-def scales_to_float(scales: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes uint8 [...] -> exact fp32 2^(s-127) [...]; byte 0 -> 2^-127 (subnormal), 0xFF -> NaN."""
-    s = scales.to(torch.int32)
-    bits = torch.where(s == 0, torch.full_like(s, 0x00400000), s << 23)
-    bits = torch.where(s == E8M0_NAN, torch.full_like(s, 0x7FC00000), bits)
-    return bits.view(torch.float32)
 
 
 def dequantize_mx(
@@ -536,22 +184,6 @@ def dequantize_mx(
         else:
             out_rows[r0 : r0 + step] = vals.view(rows, nb, BLOCK_SIZE).mul_(sc).view(rows, k).to(dtype)
     return out
-
-
-def _dequant_lut(fmt: str, device: torch.device) -> torch.Tensor:
-    """fp32 [256] E4M3 values (mxfp8; NaN at 0x7F/0xFF) or [256, 2] E2M1 values of each packed
-    byte's low and high nibble (mxfp4)."""
-    key = f"{fmt}:{_device_key(device)}"
-    lut = _DEQUANT_LUT.get(key)
-    if lut is None:
-        byte = torch.arange(256)
-        if fmt == "mxfp4":
-            values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-            lut = torch.stack((values[byte & 0x0F], values[byte >> 4]), dim=-1)
-        else:
-            lut = byte.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
-        lut = _DEQUANT_LUT[key] = lut.to(device)
-    return lut
 
 
 # ---------------------------------------------------------------------------------------------------

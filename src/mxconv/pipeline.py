@@ -14,7 +14,7 @@ lets every shard header be written before its data.
 On any failure (an error in a stage, or SIGINT/SIGTERM raised in the main thread as
 :class:`mxconv.interrupt.Interrupted`) the writers are cancelled between chunks, pending reads are
 dropped, every thread is joined and the writers' temporary files are deleted before the exception
-leaves :func:`run_pipeline`; the caller's :class:`mxconv.writer.OutputTarget` removes the rest.
+leaves :func:`run_pipeline`; the caller's :class:`mxconv.output_dir.OutputTarget` removes the rest.
 """
 
 from __future__ import annotations

@@ -4,18 +4,22 @@ Streams: result tables and ``--json`` documents on stdout (:data:`out`); progres
 and errors on stderr (:data:`err`). Exit codes: 0 success / verification passed, 1 verification
 failed, 2 bad usage or bad input (an interruption by SIGINT/SIGTERM included, see
 docs/reliability.md), 3 internal error. Options that several commands take are declared once here
-(``Annotated`` aliases) so the same flag is spelled and documented the same way everywhere.
+(``Annotated`` aliases) so the same flag is spelled and documented the same way everywhere; the
+options of a conversion run (quantize, repack) come as one set, :class:`RunOptions`.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import json
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Optional
+from typing import Annotated, Any, Callable, Iterator, Optional, get_type_hints
 
 import typer
 from rich.console import Console
@@ -26,7 +30,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from mxconv import __version__
+from mxconv import __version__, sizes
 from mxconv.errors import MxconvError
 from mxconv.interrupt import Interrupted, stop_signals
 
@@ -87,6 +91,42 @@ RoundingOpt = Annotated[Rounding, typer.Option("--scale-rounding", help=(
     "NVIDIA hardware/TRT-LLM/vLLM online MXFP8, ModelOpt and llm-compressor; floor is OCP v1.0 and torchao's "
     "default; even matches AMD Quark."))]
 NonfiniteOpt = Annotated[bool, typer.Option("--allow-nonfinite", help="Carry NaN/Inf over instead of refusing: NaN scales (0xFF) for blocks holding them, and NaN/Inf biases, routers and 0xFF scales of MX sources as they are.")]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The options every conversion command (quantize, repack) takes, after its own and in this
+    order; :func:`run_options` declares them on the command."""
+
+    allow_nonfinite: NonfiniteOpt = False
+    device: DeviceOpt = "auto"
+    revision: RevisionOpt = None
+    max_shard_size: MaxShardOpt = "5GB"
+    overwrite: OverwriteOpt = False
+    max_memory: MaxMemoryOpt = None
+    max_gpu_memory: MaxGpuMemoryOpt = None
+    dry_run: DryRunOpt = False
+    as_json: JsonOpt = False
+    quiet: QuietOpt = False
+    debug: DebugOpt = False
+
+
+def run_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Declare the :class:`RunOptions` on ``command`` (whose last parameter is ``run: RunOptions``):
+    Typer reads them from the signature after the command's own options, and the command gets them
+    gathered into ``run``, so both conversion commands spell, document and default them alike."""
+    hints = get_type_hints(RunOptions, include_extras=True)
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "run"]
+    shared = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+              for f in fields(RunOptions)]
+
+    @functools.wraps(command)
+    def with_run_options(**kwargs: Any) -> None:
+        run = RunOptions(**{f.name: kwargs.pop(f.name) for f in fields(RunOptions)})
+        command(**kwargs, run=run)
+
+    with_run_options.__signature__ = inspect.Signature(own + shared)  # type: ignore[attr-defined]
+    return with_run_options
 
 
 def _version(value: bool) -> None:
@@ -158,13 +198,8 @@ def device_of(spec: str):
 
 
 def human_bytes(n: float | int | None) -> str:
-    """Bytes in the largest decimal unit that keeps a leading digit (what huggingface-cli shows)."""
-    if n is None:
-        return "-"
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+    """:func:`mxconv.sizes.human_bytes`, and "-" for an unknown size (None)."""
+    return "-" if n is None else sizes.human_bytes(n)
 
 
 def print_json(doc: Any) -> None:
@@ -250,38 +285,31 @@ def run_convert(
     *,
     quant: Any,
     repack: Any,
-    device: str,
-    revision: Optional[str],
-    max_shard_size: str,
-    overwrite: bool,
-    dry_run: bool,
-    as_json: bool,
-    quiet: bool,
-    max_memory: Optional[str] = None,
-    max_gpu_memory: Optional[str] = None,
+    run: RunOptions,
 ) -> None:
     from mxconv.readahead import Readahead
 
     # The disk starts on the source while torch imports and CUDA starts (seconds): see mxconv.readahead.
-    ahead = None if dry_run else Readahead.for_source(source)
+    ahead = None if run.dry_run else Readahead.for_source(source)
     from mxconv.checkpoint import open_checkpoint
     from mxconv.convert import build_plan, execute, plan_memory
     from mxconv.families import detect_family
     from mxconv.memory import MemoryBudget, parse_memory
-    from mxconv.writer import check_output_dir, parse_size
+    from mxconv.output_dir import check_output_dir
+    from mxconv.sizes import parse_size
 
-    shard_bytes = parse_size(max_shard_size)
-    budget = MemoryBudget(parse_memory(max_memory, "--max-memory"), parse_memory(max_gpu_memory, "--max-gpu-memory"))
-    dev = device_of(device)
-    ckpt = open_checkpoint(source, revision)
+    shard_bytes = parse_size(run.max_shard_size)
+    budget = MemoryBudget(parse_memory(run.max_memory, "--max-memory"), parse_memory(run.max_gpu_memory, "--max-gpu-memory"))
+    dev = device_of(run.device)
+    ckpt = open_checkpoint(source, run.revision)
     reader = detect_family(ckpt)
     plan = build_plan(ckpt, reader, command, quant, repack)
-    check_output_dir(output, [ckpt.root], overwrite)
+    check_output_dir(output, [ckpt.root], run.overwrite)
     plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
-    if not as_json:
+    if not run.as_json:
         for warning in plan.warnings:  # shown even with --quiet: the output would compute wrongly
             say(err, "warning:", "bold yellow", warning)
-    if dry_run:
+    if run.dry_run:
         doc = plan.summary()
         doc["dry_run"] = True
         doc["output"] = str(output)
@@ -291,9 +319,9 @@ def run_convert(
             for t in plan.dests[0]
             if t.role == "expert"
         ]
-        if as_json:
+        if run.as_json:
             print_json(doc)
-        elif not quiet:
+        elif not run.quiet:
             out.print(summary_table(plan.summary(), f"mxconv {command} --dry-run (nothing written)"))
             for t in doc["tensors"][:12]:
                 out.print(f"  {t['name']}  {t['dtype']}{t['shape']}", highlight=False)
@@ -302,14 +330,14 @@ def run_convert(
         return
     # from here the pipeline's readers take over (its first reads hit the page cache)
     read_ahead = None if ahead is None else ahead.stop()
-    with progress(plan.bytes_in, progress_label(plan), quiet or as_json) as advance:
-        summary = execute(plan, output, device=dev, max_shard_size=shard_bytes, overwrite=overwrite,
+    with progress(plan.bytes_in, progress_label(plan), run.quiet or run.as_json) as advance:
+        summary = execute(plan, output, device=dev, max_shard_size=shard_bytes, overwrite=run.overwrite,
                           argv=["mxconv", *sys.argv[1:]], on_progress=advance)
     if read_ahead is not None:
         summary["bytes_read_ahead"] = read_ahead  # source bytes read while the process started
-    if as_json:
+    if run.as_json:
         print_json(summary)
-    elif not quiet:
+    elif not run.quiet:
         for n in summary.get("notes", []):
             say(err, n, "dim")
         out.print(summary_table({k: v for k, v in summary.items() if k != "notes"}, f"mxconv {command}: done"))

@@ -8,8 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mxconv.cli.common import (
-    DebugOpt, DeviceOpt, DryRunOpt, JsonOpt, MaxGpuMemoryOpt, MaxMemoryOpt, MaxShardOpt, NonfiniteOpt, OutputArg,
-    OverwriteOpt, QuietOpt, RevisionOpt, Rounding, RoundingOpt, SourceArg, app, errors, run_convert,
+    OutputArg, Rounding, RoundingOpt, RunOptions, SourceArg, app, errors, run_convert, run_options,
 )
 
 
@@ -24,6 +23,7 @@ class Targets(str, Enum):
 
 
 @app.command()
+@run_options
 def quantize(
     source: SourceArg,
     output: OutputArg,
@@ -41,17 +41,8 @@ def quantize(
     skip_unaligned: Annotated[bool, typer.Option("--skip-unaligned", help=(
         "With --targets linear: leave a linear whose input size is not a multiple of 32 unquantized (listed in "
         "config.json) instead of refusing."))] = False,
-    allow_nonfinite: NonfiniteOpt = False,
-    device: DeviceOpt = "auto",
-    revision: RevisionOpt = None,
-    max_shard_size: MaxShardOpt = "5GB",
-    overwrite: OverwriteOpt = False,
-    max_memory: MaxMemoryOpt = None,
-    max_gpu_memory: MaxGpuMemoryOpt = None,
-    dry_run: DryRunOpt = False,
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
-    debug: DebugOpt = False,
+    *,
+    run: RunOptions,
 ) -> None:
     """bf16/fp16/fp32, FP8-block or MXFP4 MoE checkpoint -> canonical MXFP4/MXFP8 checkpoint.
 
@@ -73,9 +64,7 @@ def quantize(
     """
     from mxconv.plan import QuantOptions
 
-    with errors(debug):
-        q = QuantOptions(format.value, scale_rounding.value, allow_nonfinite, include or None, ignore or None,
+    with errors(run.debug):
+        q = QuantOptions(format.value, scale_rounding.value, run.allow_nonfinite, include or None, ignore or None,
                          targets.value, skip_unaligned)
-        run_convert("quantize", source, output, quant=q, repack=None, device=device, revision=revision,
-                    max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, as_json=as_json, quiet=quiet,
-                    max_memory=max_memory, max_gpu_memory=max_gpu_memory)
+        run_convert("quantize", source, output, quant=q, repack=None, run=run)

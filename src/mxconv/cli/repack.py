@@ -10,10 +10,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand
 
-from mxconv.cli.common import (
-    SOURCE_HELP, DebugOpt, DeviceOpt, DryRunOpt, JsonOpt, MaxGpuMemoryOpt, MaxMemoryOpt, MaxShardOpt, NonfiniteOpt,
-    OutputArg, OverwriteOpt, QuietOpt, RevisionOpt, Rounding, app, errors, run_convert,
-)
+from mxconv.cli.common import SOURCE_HELP, OutputArg, Rounding, RunOptions, app, errors, run_convert, run_options
 from mxconv.layouts import backend_names
 
 Backend = Enum("Backend", {name: name for name in backend_names()}, type=str)  # type: ignore[misc]
@@ -51,6 +48,7 @@ class _RepackCommand(TyperCommand):
 
 
 @app.command(cls=_RepackCommand)
+@run_options
 def repack(
     source: Annotated[str, typer.Argument(metavar="SOURCE", help=SOURCE_HELP + " MXFP4 (moved, never re-quantized) or bf16 (quantized on the way).")],
     output: OutputArg,
@@ -61,17 +59,8 @@ def repack(
     marlin_scale_layout: Annotated[Optional[str], typer.Option("--marlin-scale-layout", metavar="current|legacy", help="Same as --layout-option marlin_scale_layout=VALUE: current (vLLM >= 0.12, the default) | legacy (<= 0.11.2).")] = None,
     triton_layout: Annotated[Optional[str], typer.Option("--triton-layout", metavar="3.5|3.6", help="Same as --layout-option triton_layout=VALUE: 3.5 (triton_kernels vendored by vLLM 0.12-0.33, the default) | 3.6 (vLLM 0.20, triton main).")] = None,
     scale_rounding: Annotated[Rounding, typer.Option("--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way (auto = even, the least MXFP4 error; see quantize --help).")] = Rounding.auto,
-    allow_nonfinite: NonfiniteOpt = False,
-    device: DeviceOpt = "auto",
-    revision: RevisionOpt = None,
-    max_shard_size: MaxShardOpt = "5GB",
-    overwrite: OverwriteOpt = False,
-    max_memory: MaxMemoryOpt = None,
-    max_gpu_memory: MaxGpuMemoryOpt = None,
-    dry_run: DryRunOpt = False,
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
-    debug: DebugOpt = False,
+    *,
+    run: RunOptions,
 ) -> None:
     """MXFP4 (or bf16) checkpoint -> kernel-ready expert tensors for one engine backend.
 
@@ -85,7 +74,7 @@ def repack(
     from mxconv.errors import BadInput, LayoutError
     from mxconv.layouts import get_layout
 
-    with errors(debug):
+    with errors(run.debug):
         backend = backend.value
         layout = get_layout(backend)
         act = activation or layout.activations[0]
@@ -102,8 +91,6 @@ def repack(
             opts = layout.resolve_options(given)
         except LayoutError as exc:
             raise BadInput(f"--backend {backend}: {exc}") from None
-        q = QuantOptions("mxfp4", scale_rounding.value, allow_nonfinite)
+        q = QuantOptions("mxfp4", scale_rounding.value, run.allow_nonfinite)
         r = RepackOptions(backend, act, tp, opts)
-        run_convert("repack", source, output, quant=q, repack=r, device=device, revision=revision,
-                    max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, as_json=as_json, quiet=quiet,
-                    max_memory=max_memory, max_gpu_memory=max_gpu_memory)
+        run_convert("repack", source, output, quant=q, repack=r, run=run)
