@@ -212,3 +212,28 @@ def test_scans_find_the_first_bad_element_across_chunks(monkeypatch) -> None:
     hit = first_nonnumber({"w13_scale": s, "w13_bias": x})
     assert hit == ("w13_scale", (3, 8), "E8M0 NaN scale byte 0xFF")
     assert first_nonnumber({"w13_scale": None, "w2_bias": x}) == ("w2_bias", (2, 1, 3), "non-finite value nan")
+
+
+@pytest.mark.parametrize(
+    "src, name, index, value, command",
+    [
+        ("gpt", "model.layers.1.self_attn.q_proj.weight", (3, 7), float("nan"), ("quantize",)),
+        ("gpt", "model.embed_tokens.weight", (10, 2), float("-inf"), ("quantize",)),
+        ("qwen", "model.norm.weight", (5,), float("inf"), ("quantize", "--format", "mxfp8")),
+        ("gpt-q4", "model.layers.0.self_attn.o_proj.weight", (1, 1), float("nan"), ("repack", "--backend", "marlin", "--tp", "2")),
+        ("ds", "model.layers.0.self_attn.q_a_proj.weight", (0, 3), 0x7F, ("quantize",)),  # E4M3 NaN byte
+    ],
+)
+def test_nonfinite_in_a_copied_tensor_is_refused(ws: Path, tmp_path: Path, src: str, name: str, index: tuple[int, ...],
+                                                 value: float | int, command: tuple[str, ...]) -> None:
+    """Tensors copied byte for byte (attention, embeddings, norms) are scanned too: NaN/Inf never
+    reaches an output that says it converted successfully."""
+    d = _copy(ws / src, tmp_path / src)
+    patch(d, name, setter(index, value), fix_manifest=(d / "mxconv.json").exists())
+    out = tmp_path / "out"
+    code, _, err = mx(command[0], d, out, *command[1:], "--device", "cpu", "--quiet")
+    assert code == 2, err
+    assert f"non-finite value (NaN/Inf) in {name} {list(index)}" in err and "--allow-nonfinite" in err, err
+    assert not (out / "mxconv.json").exists()
+    code, _, err = mx(command[0], d, out, *command[1:], "--device", "cpu", "--quiet", "--allow-nonfinite", "--overwrite")
+    assert code == 0, err

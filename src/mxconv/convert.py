@@ -14,10 +14,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from mxconv.checkpoint import CONFIG_NAME
 from mxconv.compute import RunStats, make_compute
+from mxconv.errors import BadInput
 from mxconv.families import MoELayer, MoELayerRef
 from mxconv.interrupt import Interrupted, deferred_signals
 from mxconv.layouts import get_layout
@@ -27,7 +29,9 @@ from mxconv.linears import linear_compute, linear_load, manifest_extras
 from mxconv.manifest import base_manifest, tensor_table, write_manifest
 from mxconv.memory import MemoryBudget, plan_for, resolve_budget, work_items
 from mxconv.output_dir import DISK_FULL, OutputTarget, OutputWriteError, atomic_write_json, writing
+from mxconv.numerics import first_nonfinite_bytes
 from mxconv.pipeline import WorkItem, run_pipeline
+from mxconv.st_format import ST_DTYPES, TensorInfo
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
 from mxconv.writer import ShardPlan, ShardedWriter, plan_shards, shards_size
 
@@ -35,6 +39,17 @@ from mxconv.writer import ShardPlan, ShardedWriter, plan_shards, shards_size
 # ---------------------------------------------------------------------------------------------
 # execution
 # ---------------------------------------------------------------------------------------------
+
+
+def refuse_nonfinite_copy(src: TensorInfo, offset: int, chunk: bytes) -> None:
+    """BadInput for a NaN/Inf in a tensor copied byte for byte (embeddings, attention, norms, ...)."""
+    pos = first_nonfinite_bytes(chunk, src.dtype)
+    if pos is not None:
+        index = list(np.unravel_index(offset * 8 // ST_DTYPES[src.dtype][1] + pos, src.shape)) if src.shape else []
+        raise BadInput(
+            f"{src.file}: non-finite value (NaN/Inf) in {src.name} {[int(i) for i in index]} (a tensor mxconv copies as is); "
+            "fix the source, or pass --allow-nonfinite to carry it over"
+        )
 
 
 KERNEL_FORMAT_KEY = "mxconv_quant_method"  # the key gpt-oss MXFP8 outputs use too (families.gpt_oss_output)
@@ -261,7 +276,8 @@ def _execute(
     load = linear_load(plan, load)
     mem = plan.memory
     times = run_pipeline(work_items(plan.items, mem), writers, load=load, compute=run_compute, on_progress=on_progress,
-                         prefetch=mem.prefetch, queue_depth=mem.queue_depth, read_threads=min(2, mem.prefetch))
+                         prefetch=mem.prefetch, queue_depth=mem.queue_depth, read_threads=min(2, mem.prefetch),
+                         check_copy=None if plan.quant.allow_nonfinite else refuse_nonfinite_copy)
 
     cfg = output_config(plan)
     tensors: dict[str, Any] = {}

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from mxconv.interrupt import deferred_signals
+from mxconv.st_format import TensorInfo
 from mxconv.writer import ShardedWriter, WriteCancelled, copy_tensor_to
 
 
@@ -75,6 +76,7 @@ def run_pipeline(
     prefetch: int = 2,
     queue_depth: int = 2,
     times: StageTimes | None = None,
+    check_copy: Callable[[TensorInfo, int, bytes], None] | None = None,
 ) -> StageTimes:
     """Run ``items`` through load (threads) -> compute (this thread) -> write (one thread).
 
@@ -96,7 +98,7 @@ def run_pipeline(
             try:
                 if item.kind == "copy":
                     for name in item.copy_names:
-                        copy_tensor_to(writers, name)  # read and hashed once for all ranks
+                        copy_tensor_to(writers, name, check_copy)  # read and hashed once for all ranks
                 elif item.experts is None:
                     for w, names, res in zip(writers, item.out_names, results):
                         for name in names:

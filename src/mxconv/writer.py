@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -386,16 +386,29 @@ def _stream(targets: list[Target], h: Any, chunks: Iterable[memoryview | bytes])
     return pos
 
 
-def copy_tensor_to(writers: list[ShardedWriter], name: str) -> int:
+def copy_tensor_to(writers: list[ShardedWriter], name: str,
+                   check: Callable[[TensorInfo, int, bytes], None] | None = None) -> int:
     """Copy planned tensor ``name`` byte for byte into every writer (one per TP rank), reading and
-    hashing its source once; returns the bytes read."""
+    hashing its source once; returns the bytes read. ``check(source, byte_offset, chunk)`` sees every
+    chunk before it is written (it raises to stop the copy)."""
     planned = [w._begin(name) for w in writers]
     src = planned[0].source
     assert src is not None
     h = hashlib.sha256()
-    _stream([(w, w._shard_of[name], w._offsets[name]) for w in writers], h, iter_tensor_chunks(src, COPY_CHUNK))
+    chunks = iter_tensor_chunks(src, COPY_CHUNK)
+    if check is not None:
+        chunks = _checked(src, chunks, check)
+    _stream([(w, w._shard_of[name], w._offsets[name]) for w in writers], h, chunks)
     digest = h.hexdigest()
     for w, p in zip(writers, planned):
         w.bytes_written += src.nbytes
         w._end(p, digest)
     return src.nbytes
+
+
+def _checked(src: TensorInfo, chunks: Iterable[bytes], check: Callable[[TensorInfo, int, bytes], None]) -> Iterator[bytes]:
+    offset = 0
+    for chunk in chunks:
+        check(src, offset, chunk)
+        offset += len(chunk)
+        yield chunk
