@@ -292,3 +292,25 @@ def test_raw_enospc_from_anywhere_in_the_writer_names_the_output(src: Path, tmp_
     code, _, err = mx("quantize", src, out, "--max-shard-size", "100kB", "--device", "cpu", "--quiet")
     assert code == 2 and f"while writing {out.resolve()}" in err and str(src) not in err, err
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_inspect_and_verify_of_a_directory_being_written_say_so(tmp_path: Path) -> None:
+    """An output a live run is writing is not 'an interrupted run to rerun': the message says to wait."""
+    import subprocess as sp
+
+    from support.cli import mx
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    live = sp.Popen(["sleep", "30"])
+    try:
+        (out / ".mxconv-in-progress").write_text(f"an mxconv run (pid {live.pid}) is writing this directory\n")
+        for cmd in ("verify", "inspect"):
+            code, _, err = mx(cmd, out)
+            assert code == 2 and f"mxconv (pid {live.pid}) is writing this output now" in err.replace("\n", ""), (cmd, err)
+    finally:
+        live.kill()
+        live.wait()
+    code, _, err = mx("verify", out)  # the writer is gone: an interrupted run
+    assert code == 2 and "an interrupted mxconv run? rerun it" in err.replace("\n", ""), err

@@ -23,6 +23,7 @@ from mxconv.st_format import TensorInfo, loads_unique, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "mxconv.json"
+IN_PROGRESS = ".mxconv-in-progress"  # in an output directory while a run writes it (mxconv.output_dir)
 CONFIG_NAME = "config.json"
 # Top-level files we never copy into an output (they are rewritten or are weights).
 _NOT_COPIED = {INDEX_NAME, MANIFEST_NAME, CONFIG_NAME}
@@ -217,6 +218,10 @@ def _indexed_tensors(index_path: Path) -> tuple[dict[str, TensorInfo], list[Path
 def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoint:
     """Open and validate a checkpoint: config.json, index (or shard scan), every shard header."""
     root, sinfo = resolve_source(str(source), revision)
+    if (root / IN_PROGRESS).exists() and not (root / MANIFEST_NAME).exists():
+        from mxconv.manifest import missing_manifest_message  # imports this module
+
+        raise BadInput(missing_manifest_message(root))  # an output being written, or an interrupted run
     config = _load_json(root / CONFIG_NAME, "config.json")
     if not isinstance(config, dict):
         raise BadInput(f"{root / CONFIG_NAME}: malformed config.json (not a JSON object)")

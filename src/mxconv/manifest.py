@@ -319,6 +319,11 @@ def validate_manifest(m: Any, path: Path | str) -> dict[str, Any]:
 def missing_manifest_message(root: Path) -> str:
     """Why ``root`` has no usable mxconv.json, and what to run instead (for BadInput)."""
     if (root / IN_PROGRESS).exists():
+        from mxconv.output_dir import live_writer  # (imports this module's neighbours: only on this path)
+
+        pid = live_writer(root)
+        if pid is not None:
+            return f"{root}: no {MANIFEST_NAME} yet; mxconv (pid {pid}) is writing this output now: wait for it to finish"
         return f"{root}: no {MANIFEST_NAME}; not a complete mxconv output (an interrupted mxconv run? rerun it)"
     if _RANK_DIR.fullmatch(root.name) and (root.parent / MANIFEST_NAME).exists():
         return (

@@ -25,12 +25,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from mxconv.checkpoint import INDEX_NAME, MANIFEST_NAME
+from mxconv.checkpoint import IN_PROGRESS, INDEX_NAME, MANIFEST_NAME
 from mxconv.errors import BadInput
 from mxconv.interrupt import deferred_signals
 from mxconv.sizes import human_bytes
 
-IN_PROGRESS = ".mxconv-in-progress"
 TMP_SUFFIX = ".mxconv-tmp"
 STAGING = "mxconv-staging"  # OUT.mxconv-staging-<pid>: an --overwrite's new output, until the swap
 ASIDE = "mxconv-old"  # OUT.mxconv-old-<pid>: the old output during the swap, deleted right after
@@ -104,6 +103,17 @@ def check_output_dir(out: Path, sources: list[Path], overwrite: bool) -> bool:
     if not overwrite and not interrupted:
         raise BadInput(f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
     return interrupted
+
+
+def live_writer(out: Path) -> int | None:
+    """The pid of a running mxconv that is writing ``out`` now (its in-progress marker names a live
+    process), else None."""
+    marker = out / IN_PROGRESS
+    try:
+        pid = _writer_pid(marker) if marker.is_file() else None
+    except OSError:
+        return None
+    return pid if pid is not None and pid != os.getpid() and _alive(pid) else None
 
 
 def _writer_pid(marker: Path) -> int | None:
