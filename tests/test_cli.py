@@ -444,3 +444,12 @@ def test_verify_reports_each_step_in_order(ws: Path) -> None:
     verify(ws / "qwen-trt", on_step=lambda what, done, total: steps.append((what, done, total)))
     assert steps[0] == ("integrity (sha256 of every tensor)", 0, 3)
     assert [s[0] for s in steps[1:]] == ["layer 0", "layer 1", "done"] and steps[-1][1:] == (3, 3)
+
+
+def test_repack_says_when_no_vllm_backend_holds_the_bytes(ws: Path, tmp_path: Path) -> None:
+    code, out, err = mx("repack", ws / "qwen-q4", tmp_path / "t", "--backend", "triton", "--device", "cpu", "--json")
+    assert code == 0, err
+    notes = json.loads(out)["notes"]
+    assert any("no vLLM 0.33 MXFP4 MoE backend holds these bytes" in n and "TRITON runs swigluoai only" in n for n in notes), notes
+    code, out, err = mx("repack", ws / "gpt-q4", tmp_path / "m", "--backend", "marlin", "--device", "cpu", "--json")
+    assert code == 0 and not any("no vLLM" in n for n in json.loads(out)["notes"]), out  # MARLIN holds it

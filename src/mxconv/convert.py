@@ -326,6 +326,11 @@ def _execute(
     from mxconv.engine_config import attach  # quant_config + served_vllm_backends (reads the tensors table)
 
     attach(manifest)
+    if manifest["kind"] == "kernel" and not manifest["served_vllm_backends"]:
+        why = "; ".join(f"{b}: {r}" for b, r in manifest["quant_config"]["not_served"].items())
+        notes.append(f"note: no vLLM {manifest['quant_config']['engine_version']} MXFP4 MoE backend holds these bytes as they are"
+                     + (f" ({why})" if why else f" ({manifest['weight_format']} experts)")
+                     + "; mxconv.loader and its kernels read them, and the manifest's quant_config describes them")
     # Top-level names this run wrote (a later --overwrite removes exactly these, and nothing else).
     if len(rank_dirs) > 1:
         manifest["output_files"] = sorted({CONFIG_NAME, *(d.name for d in rank_dirs)})

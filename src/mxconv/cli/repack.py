@@ -66,7 +66,10 @@ def repack(
 
     Writes exactly what vLLM's fused-MoE layer holds after its load-time processing
     (model.layers.L.mlp.experts.w13_weight, ...), padding included, so the engine can skip it.
-    Every MoE layer is converted (--include/--ignore are quantize options). Example:
+    A compressed-tensors INT4 source (Kimi-K2-Thinking style) with --backend trtllm gives
+    TRT-LLM-gen MxInt4. Every MoE layer is converted (--include/--ignore are quantize options).
+    mxconv.json's quant_config says what each tensor is and which vLLM backends hold the bytes
+    as they are (Python: mxconv.engine_config.quant_config_of). Example:
 
         mxconv repack openai/gpt-oss-20b ./gpt-oss-20b-trtllm --backend trtllm
     """
