@@ -3,6 +3,8 @@
 writes the shards, the config and index files, and the manifest last, through an
 :class:`~mxconv.output_dir.OutputTarget`: a failed or interrupted run removes what it wrote, and an
 ``--overwrite`` replaces the old output only once the new one is complete (docs/reliability.md).
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.checkpoint import CONFIG_NAME
 from mxconv.compute import RunStats, make_compute
@@ -30,6 +30,9 @@ from mxconv.output_dir import DISK_FULL, OutputTarget, OutputWriteError, atomic_
 from mxconv.pipeline import WorkItem, run_pipeline
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
 from mxconv.writer import ShardPlan, ShardedWriter, plan_shards, shards_size
+
+if TYPE_CHECKING:
+    import torch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,6 +126,7 @@ def manifest_layout(plan: Plan) -> dict[str, Any]:
 def _start_warmup(plan: Plan, device: torch.device) -> threading.Thread:
     """Initialise CUDA and compile the quantize and layout kernels for this plan's shapes on a side thread,
     so the one-off start-up (seconds) overlaps reading the first layers instead of delaying them."""
+    import torch
 
     def work() -> None:
         try:
@@ -164,14 +168,14 @@ def output_bytes(plan: Plan, shard_plans: list[list[ShardPlan]]) -> int:
     return sum(shards_size(s) for s in shard_plans) + len(shard_plans) * extra + 1024 * tensors + (1 << 20)
 
 
-def plan_memory(plan: Plan, budget: MemoryBudget | None, device: torch.device) -> None:
-    """Plan ``plan``'s memory (``plan.memory``: pipeline depth, experts per group) for ``device``
-    under ``budget`` (None fields: the machine's defaults, see :mod:`mxconv.memory`); BadInput when
-    one expert does not fit."""
+def plan_memory(plan: Plan, budget: MemoryBudget | None, device: torch.device | str) -> None:
+    """Plan ``plan``'s memory (``plan.memory``: pipeline depth, experts per group) for ``device`` (a
+    torch.device, or a device type: ``inspect`` plans for "cpu" without torch) under ``budget`` (None
+    fields: the machine's defaults, see :mod:`mxconv.memory`); BadInput when one expert does not fit."""
     budget = budget or MemoryBudget()
     resolved, default = resolve_budget(budget.host, budget.gpu, device)
     plan.memory = plan_for(plan, resolved, default_budget=default)
-    plan.memory_device = device.type
+    plan.memory_device = resolved.device_type
 
 
 def execute(
@@ -232,6 +236,8 @@ def _execute(
     on_progress: Callable[[int], None] | None,
 ) -> dict[str, Any]:
     """:func:`execute` without the clean-up: fills ``writers`` as it creates them."""
+    import torch
+
     t0 = time.perf_counter()
     shard_plans = [plan_shards(tensors, max_shard_size) for tensors in plan.dests]
     write_dir = target.prepare(output_bytes(plan, shard_plans))
