@@ -4,6 +4,8 @@
 the config/tokenizer files, the index and the shards the index names are fetched (the local cache
 and ``HF_HUB_OFFLINE=1`` are honoured). Every shard header is validated up front
 (:func:`mxconv.st_format.read_header`), so later reads cannot run off the end of a file.
+
+torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
 from mxconv.st_format import TensorInfo, loads_unique, read_header, read_tensor
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "mxconv.json"

@@ -3,23 +3,25 @@
 Float (or block-FP8) experts are quantized in bounded expert chunks on the compute device; MX
 experts move untouched (MXFP4 -> MXFP8 is lossless); a repack then slices TP ranks and applies the
 backend layout. Results come back as pinned host tensors, one dict per destination.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from mxconv.errors import BadInput
 from mxconv.families import FP8BlockStack, Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts, slice_tp
-from mxconv.numerics import mxfp4_to_mxfp8
 from mxconv.pipeline import WorkItem
 from mxconv.plan import Plan, QuantOptions
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -50,6 +52,8 @@ class ErrorStats:
 
 def _nan_policy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Replace non-finite values by 0 and return the mask of blocks that held any ([..., K/32])."""
+    import torch
+
     bad = ~torch.isfinite(x)
     blocks = bad.view(*x.shape[:-1], x.shape[-1] // 32, 32).any(dim=-1)
     return torch.where(bad, torch.zeros((), dtype=x.dtype, device=x.device), x), blocks
@@ -72,6 +76,8 @@ def quantize_stack(
 ) -> MXStack:
     """Float stack [E, N, K] -> MXStack on ``device``, in expert chunks: ``chunk(e0, e1)`` returns
     experts [e0, e1) as a float tensor on ``device``. NaN/Inf are refused unless allowed."""
+    import torch
+
     from mxconv.numerics import dequantize_mx, first_nonfinite
     from mxconv.quantizer import quantize_mx
 
@@ -128,7 +134,7 @@ def to_format(stack: MXStack | None, float_w: torch.Tensor | FP8BlockStack | Int
     """One expert stack (MX, INT4 or float) -> MXStack in ``fmt`` on ``device``; MX bytes move untouched when
     the format already matches, MXFP4 -> MXFP8 is lossless, anything else re-quantizes (INT4 and block-FP8
     from their exact fp32 dequantization). ``fmt == "int4"`` (a repack of an INT4 source): the Int4Stack as is."""
-    from mxconv.numerics import dequantize_mx
+    from mxconv.numerics import dequantize_mx, mxfp4_to_mxfp8
 
     if isinstance(float_w, Int4Stack) and fmt == "int4":
         return float_w.to(device)
@@ -159,6 +165,8 @@ class RunStats:
 
 def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[[WorkItem, MoELayer], list[dict[str, torch.Tensor]]]:
     """The per-layer compute step for ``plan`` on ``device`` (returns CPU tensors per destination)."""
+    import torch
+
     layout = get_layout(plan.repack.backend) if plan.repack else None
 
     def compute(item: WorkItem, layer: MoELayer) -> list[dict[str, torch.Tensor]]:
@@ -213,6 +221,8 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """Device -> host into pinned memory without waiting (the caller synchronizes once per layer).
     Pinned blocks come from torch's caching host allocator, so layer after layer reuses them."""
+    import torch
+
     if t.device.type == "cpu":
         return t
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

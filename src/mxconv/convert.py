@@ -3,6 +3,8 @@
 writes the shards, the config and index files, and the manifest last, through an
 :class:`~mxconv.output_dir.OutputTarget`: a failed or interrupted run removes what it wrote, and an
 ``--overwrite`` replaces the old output only once the new one is complete (docs/reliability.md).
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
 from mxconv.checkpoint import CONFIG_NAME
 from mxconv.compute import RunStats, make_compute
@@ -29,11 +30,13 @@ from mxconv.linears import linear_compute, linear_load, manifest_extras
 from mxconv.manifest import base_manifest, tensor_table, write_manifest
 from mxconv.memory import MemoryBudget, plan_for, resolve_budget, work_items
 from mxconv.output_dir import DISK_FULL, OutputTarget, OutputWriteError, atomic_write_json, writing
-from mxconv.numerics import first_nonfinite_bytes
 from mxconv.pipeline import WorkItem, run_pipeline
-from mxconv.st_format import ST_DTYPES, TensorInfo
+from mxconv.st_format import TensorInfo, element_bytes
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
 from mxconv.writer import ShardPlan, ShardedWriter, plan_shards, shards_size
+
+if TYPE_CHECKING:
+    import torch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,11 +46,14 @@ from mxconv.writer import ShardPlan, ShardedWriter, plan_shards, shards_size
 
 def refuse_nonfinite_copy(src: TensorInfo, offset: int, chunk: bytes) -> None:
     """BadInput for a NaN/Inf in a tensor copied byte for byte (embeddings, attention, norms, ...)."""
+    from mxconv.numerics import first_nonfinite_bytes  # torch: only when converting
+
     pos = first_nonfinite_bytes(chunk, src.dtype)
     if pos is not None:
-        index = list(np.unravel_index(offset * 8 // ST_DTYPES[src.dtype][1] + pos, src.shape)) if src.shape else []
+        flat = offset // element_bytes(src.dtype) + pos
+        index = [int(i) for i in np.unravel_index(flat, src.shape)] if src.shape else []
         raise BadInput(
-            f"{src.file}: non-finite value (NaN/Inf) in {src.name} {[int(i) for i in index]} (a tensor mxconv copies as is); "
+            f"{src.file}: non-finite value (NaN/Inf) in {src.name} {index} (a tensor mxconv copies as is); "
             "fix the source, or pass --allow-nonfinite to carry it over"
         )
 
@@ -138,6 +144,7 @@ def manifest_layout(plan: Plan) -> dict[str, Any]:
 def _start_warmup(plan: Plan, device: torch.device) -> threading.Thread:
     """Initialise CUDA and compile the quantize and layout kernels for this plan's shapes on a side thread,
     so the one-off start-up (seconds) overlaps reading the first layers instead of delaying them."""
+    import torch
 
     def work() -> None:
         try:
@@ -179,14 +186,14 @@ def output_bytes(plan: Plan, shard_plans: list[list[ShardPlan]]) -> int:
     return sum(shards_size(s) for s in shard_plans) + len(shard_plans) * extra + 1024 * tensors + (1 << 20)
 
 
-def plan_memory(plan: Plan, budget: MemoryBudget | None, device: torch.device) -> None:
-    """Plan ``plan``'s memory (``plan.memory``: pipeline depth, experts per group) for ``device``
-    under ``budget`` (None fields: the machine's defaults, see :mod:`mxconv.memory`); BadInput when
-    one expert does not fit."""
+def plan_memory(plan: Plan, budget: MemoryBudget | None, device: torch.device | str) -> None:
+    """Plan ``plan``'s memory (``plan.memory``: pipeline depth, experts per group) for ``device`` (a
+    torch.device, or a device type: ``inspect`` plans for "cpu" without torch) under ``budget`` (None
+    fields: the machine's defaults, see :mod:`mxconv.memory`); BadInput when one expert does not fit."""
     budget = budget or MemoryBudget()
     resolved, default = resolve_budget(budget.host, budget.gpu, device)
     plan.memory = plan_for(plan, resolved, default_budget=default)
-    plan.memory_device = device.type
+    plan.memory_device = resolved.device_type
 
 
 def execute(
@@ -247,6 +254,8 @@ def _execute(
     on_progress: Callable[[int], None] | None,
 ) -> dict[str, Any]:
     """:func:`execute` without the clean-up: fills ``writers`` as it creates them."""
+    import torch
+
     t0 = time.perf_counter()
     shard_plans = [plan_shards(tensors, max_shard_size) for tensors in plan.dests]
     write_dir = target.prepare(output_bytes(plan, shard_plans))

@@ -235,7 +235,6 @@ def _gemm_tensors(named: list[TensorRef], prefix: str) -> tuple[GemmTensors, Gem
 def _kernel_refs(m: dict[str, Any], pattern: str) -> list[TensorRef] | None:
     """A kernel output's tensors from its layout's kernel_specs; None if the layout cannot say."""
     from mxconv.layouts import LayoutSizes, get_layout
-    from mxconv.st_format import TORCH_TO_ST
 
     lay, model = m["layout"], m["model"]
     try:
@@ -247,7 +246,7 @@ def _kernel_refs(m: dict[str, Any], pattern: str) -> list[TensorRef] | None:
         specs = layout.kernel_specs(sizes, m["activation"], layout.resolve_options(lay.get("options") or {}))
     except Exception:  # noqa: BLE001 - an unknown or changed layout: fall back to the tensors table
         return None
-    return [TensorRef(f"{pattern}.experts.{k}", TORCH_TO_ST[s.dtype], tuple(s.shape)) for k, s in specs.items()]
+    return [TensorRef(f"{pattern}.experts.{k}", s.st_dtype, tuple(s.shape)) for k, s in specs.items()]
 
 
 def _table_refs(m: dict[str, Any], layer: int, prefix: str, pattern: str) -> list[TensorRef]:

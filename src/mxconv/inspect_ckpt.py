@@ -1,4 +1,8 @@
-"""``mxconv inspect``: what a checkpoint is, from headers and the manifest alone (no weights read)."""
+"""``mxconv inspect``: what a checkpoint is, from headers and the manifest alone (no weights read).
+
+Imports no torch, nor does anything it calls (tests/test_startup.py): inspect starts in well under a
+second. The memory plan counts the RSS torch will add to the quantize run (``memory.TORCH_RSS``).
+"""
 
 from __future__ import annotations
 
@@ -156,14 +160,12 @@ def memory_plan(ckpt: Checkpoint, reader: Any) -> dict[str, Any] | None:
     """How ``mxconv quantize`` (default options, CPU) would use memory at the default ``--max-memory``:
     experts per group, pipeline depth, estimated peak and the smallest budget that works (None where
     quantize refuses this source)."""
-    import torch
-
     from mxconv.convert import plan_memory
     from mxconv.plan import QuantOptions, build_plan
 
     try:
         plan = build_plan(ckpt, reader, "quantize", QuantOptions())
-        plan_memory(plan, None, torch.device("cpu"))
+        plan_memory(plan, None, "cpu")
     except BadInput:
         return None
     return {"command": "quantize --device cpu", "plan": plan.memory.describe(), **plan.memory.to_json()}

@@ -15,19 +15,23 @@ TRT-LLM-gen's MxInt4 kernels read) is ``data ^ 0x88`` on every byte; the same XO
 
 Dequantization ``q * scale`` in fp32 is exact: ``|q| <= 8`` needs 4 significand bits and a bf16
 scale 8, far below fp32's 24, and the bf16 exponent range is fp32's.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 GROUP_SIZE = 32  # weights per bf16 scale, along K
 VALUES_PER_WORD = 8  # int4 values per int32 word
 OFFSET = 8  # stored nibble = q + OFFSET
 SIGN_FLIP = 0x88  # offset-binary <-> two's complement, both nibbles of a byte at once
-SCALE_DTYPE = torch.bfloat16
+SCALE_DTYPE = "BF16"  # safetensors name of the scales' dtype (bfloat16)
 
 
 def _check_little_endian() -> None:
@@ -38,6 +42,8 @@ def _check_little_endian() -> None:
 def words_as_bytes(words: torch.Tensor) -> torch.Tensor:
     """compressed-tensors ``weight_packed`` int32 ``[..., K/8]`` -> canonical uint8 ``[..., K/2]``
     (a view of the same memory; offset-binary nibbles, low nibble = even column)."""
+    import torch
+
     if words.dtype != torch.int32:
         raise ValueError(f"packed INT4 words must be int32, got {words.dtype}")
     _check_little_endian()
@@ -46,6 +52,8 @@ def words_as_bytes(words: torch.Tensor) -> torch.Tensor:
 
 def bytes_as_words(data: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`words_as_bytes`: uint8 ``[..., K/2]`` -> int32 ``[..., K/8]`` (a view)."""
+    import torch
+
     if data.dtype != torch.uint8 or data.shape[-1] % 4:
         raise ValueError(f"INT4 bytes must be uint8 with a multiple of 4 per row, got {data.dtype} {tuple(data.shape)}")
     _check_little_endian()
@@ -54,6 +62,8 @@ def bytes_as_words(data: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(data: torch.Tensor) -> torch.Tensor:
     """Canonical offset-binary bytes uint8 ``[..., K/2]`` -> signed values int8 ``[..., K]`` in [-8, 7]."""
+    import torch
+
     if data.dtype != torch.uint8:
         raise ValueError(f"INT4 bytes must be uint8, got {data.dtype}")
     nibbles = torch.stack((data & 0x0F, data >> 4), dim=-1)  # [..., K/2, 2]: even column, odd column
@@ -63,6 +73,8 @@ def unpack_int4(data: torch.Tensor) -> torch.Tensor:
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Signed values (any integer dtype) ``[..., K]`` in [-8, 7], K even -> canonical offset-binary
     bytes uint8 ``[..., K/2]``. ValueError for a value out of range."""
+    import torch
+
     if q.is_floating_point() or q.shape[-1] % 2:
         raise ValueError(f"pack_int4 takes integers with an even last dimension, got {q.dtype} {tuple(q.shape)}")
     if q.numel() and (int(q.min()) < -OFFSET or int(q.max()) > OFFSET - 1):
@@ -81,12 +93,16 @@ def pack_int4_words(q: torch.Tensor) -> torch.Tensor:
 
 def to_twos_complement(data: torch.Tensor) -> torch.Tensor:
     """Offset-binary int4 bytes -> two's-complement int4 bytes (``^ 0x88``; also the inverse). uint8, same shape."""
+    import torch
+
     return torch.bitwise_xor(data, SIGN_FLIP)
 
 
 def dequantize_int4(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Exact fp32 weights ``[..., N, K]`` from canonical bytes uint8 ``[..., N, K/2]`` and bf16
     scales ``[..., N, K/32]``: ``q * scale`` with q = nibble - 8."""
+    import torch
+
     K = data.shape[-1] * 2
     if tuple(scales.shape) != (*data.shape[:-1], K // GROUP_SIZE) or K % GROUP_SIZE:
         raise ValueError(f"INT4 scales {tuple(scales.shape)} do not match data {tuple(data.shape)} (one per {GROUP_SIZE} along K)")

@@ -21,6 +21,8 @@ as MXFP8. MX blocks run along K within each row, so a fused projection (``qkv_pr
 Output per quantized linear: ``{module}.weight`` F8_E4M3 ``[N, K]`` and ``{module}.weight_scale`` U8
 ``[N, K/32]`` (E8M0), biases copied; same scale rounding and kernels as the experts
 (:func:`mxconv.compute.quantize_stack`). The config side is :mod:`mxconv.linear_config`.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-import torch
-
 from mxconv.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
 
 if TYPE_CHECKING:
+    import torch
+
     from mxconv.families import MoELayerRef
     from mxconv.pipeline import WorkItem
     from mxconv.writer import PlannedTensor
@@ -139,7 +141,7 @@ class LinearRef:
         from mxconv.layouts.base import TensorSpec
 
         n, k = self.shape
-        return {self.weight: TensorSpec((n, k), torch.float8_e4m3fn), f"{self.module}.weight_scale": TensorSpec((n, k // 32), torch.uint8)}
+        return {self.weight: TensorSpec((n, k), "F8_E4M3"), f"{self.module}.weight_scale": TensorSpec((n, k // 32), "U8")}
 
 
 @dataclass
@@ -308,6 +310,8 @@ def read_float(ckpt: Checkpoint, module: str, device: torch.device | str = "cpu"
     """Linear ``module`` of ``ckpt`` as fp32 values on ``device``, whatever its format: float,
     block-FP8 (dequantized with the config's tile) or MXFP8 (dequantized). BadInput when it is
     missing or none of these."""
+    import torch
+
     from mxconv.numerics import dequantize_mx
 
     info = ckpt.info(f"{module}.weight")
@@ -339,6 +343,8 @@ def quantize_linears(refs: list[LinearRef], data: dict[str, tuple[torch.Tensor, 
                      stats: Any, device: torch.device) -> dict[str, torch.Tensor]:
     """One layer's linears -> ``{module}.weight`` (float8_e4m3fn) and ``.weight_scale`` (uint8) on the
     host. NaN/Inf are refused (naming weight and index) unless ``quant.allow_nonfinite``."""
+    import torch
+
     from mxconv.compute import quantize_stack, to_host
 
     out: dict[str, torch.Tensor] = {}

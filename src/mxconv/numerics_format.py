@@ -2,17 +2,21 @@
 size and formats, the E2M1 / E4M3 / E8M0 constants and per-format scale parameters, argument
 checks, the E8M0 scale-byte rules, the exact element scaling, E2M1 / E4M3 codes, FP4 packing and
 E8M0 decoding. The torch quantizer (:mod:`mxconv.numerics`, :mod:`mxconv.numerics_fast`) and the
-Triton kernels are built on these; other modules import them through :mod:`mxconv.numerics`.
+Triton kernels are built on these; other modules import them through :mod:`mxconv.numerics`,
+except the ones ``mxconv inspect`` imports (:mod:`mxconv.plan`, :mod:`mxconv.layouts.marlin_repack`):
+:mod:`mxconv.numerics` imports torch, this module imports it lazily, in the functions that compute.
 """
 
 from __future__ import annotations
 
 import struct
 from fractions import Fraction
-
-import torch
+from typing import TYPE_CHECKING
 
 from mxconv.errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
 
 # ---------------------------------------------------------------------------------------------------
 # constants
@@ -133,6 +137,8 @@ FORMAT_PARAMS: dict[str, _FormatParams] = {
 
 def check_args(x: torch.Tensor, fmt: str, scale_rounding: str) -> None:
     """Raise BadInput unless ``x`` is a float tensor [..., K] with K % 32 == 0 and fmt/mode are known."""
+    import torch
+
     if fmt not in FORMATS:
         raise BadInput(f"unknown MX format {fmt!r}; supported: {', '.join(FORMATS)}")
     if scale_rounding not in SCALE_MODES:
@@ -154,6 +160,8 @@ def scale_bytes_from_amax_bits(amax_bits: torch.Tensor, fmt: str, scale_rounding
 
     amax_bits: int32 [...] (non-negative: bits of a finite |x|). Returns int32 [...] in [0, 254].
     """
+    import torch
+
     p = FORMAT_PARAMS[fmt]
     exp_field = amax_bits >> 23
     if scale_rounding == "floor":
@@ -172,6 +180,8 @@ def scale_bytes_from_amax_bits(amax_bits: torch.Tensor, fmt: str, scale_rounding
 
 def _pow2_from_byte(byte: torch.Tensor, negate: bool) -> torch.Tensor:
     """fp32 2^(s-127) (negate=False) or 2^(127-s) (negate=True) for int32 bytes s in [1, 253] exactly."""
+    import torch
+
     field = (2 * E8M0_BIAS - byte) if negate else byte
     return (field << 23).view(torch.float32)
 
@@ -186,6 +196,8 @@ def _scaled_blocks(xb: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
 
     xb: fp32 [R, nb, 32]; byte: int32 [R, nb] in [0, 253]. Returns fp32 [R, nb, 32].
     """
+    import torch
+
     y = xb * _pow2_from_byte(byte, negate=True).unsqueeze(-1)
     low = byte <= SUBNORMAL_FIX_MAX_BYTE
     if bool(low.any()):
@@ -213,6 +225,8 @@ def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
 
     Counts the rounding thresholds below |y| (exact comparisons, so sticky bits are exact).
     """
+    import torch
+
     ay = y.abs()
     codes = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
     above = torch.empty(y.shape, dtype=torch.bool, device=y.device)
@@ -224,6 +238,8 @@ def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
 
 def _e4m3_bytes(y: torch.Tensor) -> torch.Tensor:
     """E4M3 bit patterns (uint8) of fp32 y: clamp to +-448 (keeps -0), cast RNE."""
+    import torch
+
     return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
@@ -232,6 +248,8 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
     Element 2i goes to the low nibble, 2i+1 to the high nibble.
     """
+    import torch
+
     if codes.shape[-1] % 2 != 0:
         raise BadInput(f"cannot pack {codes.shape[-1]} FP4 codes into bytes: the last dim must be even")
     c = codes.to(torch.uint8)
@@ -240,6 +258,8 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_fp4(data: torch.Tensor) -> torch.Tensor:
     """Unpack bytes uint8 [..., K/2] into E2M1 codes uint8 [..., K] (low nibble = even element)."""
+    import torch
+
     if data.dtype != torch.uint8:
         raise BadInput(f"packed FP4 data must be uint8, got {data.dtype}")
     return torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(-2)
@@ -247,6 +267,8 @@ def unpack_fp4(data: torch.Tensor) -> torch.Tensor:
 
 def scales_to_float(scales: torch.Tensor) -> torch.Tensor:
     """E8M0 bytes uint8 [...] -> exact fp32 2^(s-127) [...]; byte 0 -> 2^-127 (subnormal), 0xFF -> NaN."""
+    import torch
+
     s = scales.to(torch.int32)
     bits = torch.where(s == 0, torch.full_like(s, 0x00400000), s << 23)
     bits = torch.where(s == E8M0_NAN, torch.full_like(s, 0x7FC00000), bits)

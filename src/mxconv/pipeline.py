@@ -15,6 +15,8 @@ On any failure (an error in a stage, or SIGINT/SIGTERM raised in the main thread
 :class:`mxconv.interrupt.Interrupted`) the writers are cancelled between chunks, pending reads are
 dropped, every thread is joined and the writers' temporary files are deleted before the exception
 leaves :func:`run_pipeline`; the caller's :class:`mxconv.output_dir.OutputTarget` removes the rest.
+
+torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.interrupt import deferred_signals
 from mxconv.st_format import TensorInfo
 from mxconv.writer import ShardedWriter, WriteCancelled, copy_tensor_to
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -49,7 +52,7 @@ class WorkItem:
 
 
 LoadFn = Callable[[WorkItem], Any]
-ComputeFn = Callable[[WorkItem, Any], list[dict[str, torch.Tensor]]]
+ComputeFn = Callable[[WorkItem, Any], "list[dict[str, torch.Tensor]]"]
 
 
 @dataclass

@@ -17,7 +17,7 @@ from mxconv.layouts import Layout, LayoutSizes, TensorSpec, backend_names, get_l
 from mxconv.layouts.base import tp_ranges
 from mxconv.linears import TARGETS, LinearSelection, check_patterns, fused_part_warnings, linear_item, name_matches, select_linears
 from mxconv.pipeline import WorkItem
-from mxconv.numerics import resolve_scale_mode
+from mxconv.numerics_format import resolve_scale_mode  # numerics imports torch, numerics_format does not
 from mxconv.writer import PlannedTensor
 
 
@@ -138,7 +138,7 @@ def kernel_params(info: ModelInfo) -> dict[str, float] | None:
 
 
 def _check_quant_options(q: QuantOptions) -> None:
-    from mxconv.numerics import FORMATS, SCALE_MODES
+    from mxconv.numerics_format import FORMATS, SCALE_MODES
 
     if q.fmt not in FORMATS:
         raise BadInput(f"--format {q.fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
@@ -269,7 +269,7 @@ def build_plan(
             for d in dests:
                 for n in names:
                     role = "router" if n in routers else "copy"
-                    d.append(PlannedTensor(n, TensorSpec(ckpt.tensors[n].shape, ckpt.tensors[n].torch_dtype), role, ckpt.tensors[n]))
+                    d.append(PlannedTensor(n, TensorSpec(ckpt.tensors[n].shape, ckpt.tensors[n].dtype), role, ckpt.tensors[n]))
             items.append(WorkItem("copy", ckpt.total_bytes(names), copy_names=names))
         if layer in lin_by_layer:
             items.append(linear_item(ckpt, lin_by_layer[layer], dests))

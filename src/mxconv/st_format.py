@@ -20,43 +20,79 @@ in chunks), which needs each tensor's absolute byte range, and the safetensors l
 expose offsets; and its errors do not say which rule a header broke. The library's own parser is
 still run on every file as a second opinion (:func:`library_check`: it is what the loaders of the
 output use), and the tests check that the two agree on damaged headers.
+
+torch is imported lazily (headers need none), so ``mxconv inspect`` stays torch-free: the dtype
+tables are keyed by safetensors name, and the torch ones (``ST_DTYPES``, ``TORCH_TO_ST``,
+:func:`torch_dtype`, :func:`st_name`) are built on first use.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
 
-# safetensors dtype string -> (torch dtype, bits per element)
-ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 64),
-    "F32": (torch.float32, 32),
-    "F16": (torch.float16, 16),
-    "BF16": (torch.bfloat16, 16),
-    "I64": (torch.int64, 64),
-    "I32": (torch.int32, 32),
-    "I16": (torch.int16, 16),
-    "I8": (torch.int8, 8),
-    "U8": (torch.uint8, 8),
-    "BOOL": (torch.bool, 8),
-    "F8_E4M3": (torch.float8_e4m3fn, 8),
-    "F8_E5M2": (torch.float8_e5m2, 8),
-    "F8_E8M0": (torch.float8_e8m0fnu, 8),
-    "F4": (torch.float4_e2m1fn_x2, 4),
+if TYPE_CHECKING:
+    import torch
+
+# safetensors dtype string -> (torch dtype name, bits per element)
+_DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 64),
+    "F32": ("float32", 32),
+    "F16": ("float16", 16),
+    "BF16": ("bfloat16", 16),
+    "I64": ("int64", 64),
+    "I32": ("int32", 32),
+    "I16": ("int16", 16),
+    "I8": ("int8", 8),
+    "U8": ("uint8", 8),
+    "BOOL": ("bool", 8),
+    "F8_E4M3": ("float8_e4m3fn", 8),
+    "F8_E5M2": ("float8_e5m2", 8),
+    "F8_E8M0": ("float8_e8m0fnu", 8),
+    "F4": ("float4_e2m1fn_x2", 4),
+    "U16": ("uint16", 16),
+    "U32": ("uint32", 32),
+    "U64": ("uint64", 64),
 }
-TORCH_TO_ST: dict[torch.dtype, str] = {v[0]: k for k, v in ST_DTYPES.items()}
-for _extra, _name in ((torch.uint16, "U16"), (torch.uint32, "U32"), (torch.uint64, "U64")):
-    ST_DTYPES[_name] = (_extra, int(_name[1:]))
-    TORCH_TO_ST[_extra] = _name
+
+
+@functools.cache
+def _torch_tables() -> tuple[dict[str, tuple[torch.dtype, int]], dict[torch.dtype, str]]:
+    import torch
+
+    st_dtypes = {name: (getattr(torch, attr), bits) for name, (attr, bits) in _DTYPES.items()}
+    return st_dtypes, {dtype: name for name, (dtype, _) in st_dtypes.items()}
+
+
+def __getattr__(name: str) -> Any:
+    # ST_DTYPES: safetensors dtype string -> (torch dtype, bits per element); TORCH_TO_ST: the reverse
+    if name in ("ST_DTYPES", "TORCH_TO_ST"):
+        return _torch_tables()[name == "TORCH_TO_ST"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of safetensors dtype ``name`` ("F4": ``float4_e2m1fn_x2``, two values a byte)."""
+    return _torch_tables()[0][name][0]
+
+
+def st_name(dtype: torch.dtype) -> str:
+    """The safetensors name of torch ``dtype``."""
+    return _torch_tables()[1][dtype]
+
+
+def element_bytes(name: str) -> int:
+    """Bytes per element of the torch dtype of safetensors dtype ``name`` (F4: 1, a pair of values)."""
+    return (_DTYPES[name][1] + 7) // 8
+
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -78,12 +114,12 @@ class TensorInfo:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return ST_DTYPES[self.dtype][0]
+        return torch_dtype(self.dtype)
 
 
 def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     """Bytes a tensor of ``dtype``/``shape`` occupies (F4 shapes count 4-bit elements)."""
-    bits = ST_DTYPES[dtype][1] * math.prod(shape)
+    bits = _DTYPES[dtype][1] * math.prod(shape)
     return (bits + 7) // 8
 
 
@@ -129,8 +165,8 @@ def _entry(path: Path, name: str, entry: Any, data_start: int) -> TensorInfo:
         if key not in entry:
             raise BadInput(f"{where}: corrupt header entry (no {key!r})")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in ST_DTYPES:
-        raise BadInput(f"{where}: unknown dtype {dtype!r} (known: {', '.join(sorted(ST_DTYPES))})")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise BadInput(f"{where}: unknown dtype {dtype!r} (known: {', '.join(sorted(_DTYPES))})")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise BadInput(f"{where}: malformed shape {shape!r} (must be a list of non-negative integers)")
     if (
@@ -215,11 +251,12 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 
 def library_check(path: Path) -> None:
     """Open ``path`` with the safetensors library (header only): a second parser of the same bytes,
-    the one the loaders of an output use. BadInput when it refuses the file."""
+    the one the loaders of an output use. BadInput when it refuses the file. The header parser is the
+    same for every framework; "numpy" opens the file without importing torch (``mxconv inspect``)."""
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="numpy") as f:
             f.keys()
     except SafetensorError as exc:
         raise BadInput(f"{path}: the safetensors library refuses the file ({exc})") from None
@@ -232,6 +269,8 @@ def read_tensor(info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.
     and it works for every dtype (F8_E8M0, F4 included). ``rows=(r0, r1)``: only rows [r0, r1)
     of dim 0 (a contiguous byte range of the file), e.g. a group of experts of a fused stack.
     """
+    import torch
+
     dtype = info.torch_dtype
     shape = info.shape
     if info.dtype == "F4" and shape:

@@ -10,6 +10,8 @@ Where a run writes, and how what it wrote becomes OUTPUT (staging, cleanup, mark
 
 Test hook: ``MXCONV_TEST_WRITE_DELAY=SECONDS`` makes the writer pause that long after every tensor
 (cancellable), so that tests can interrupt a run mid-write at a predictable point.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -21,9 +23,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from mxconv.checkpoint import INDEX_NAME
 from mxconv.layouts.base import TensorSpec
@@ -33,7 +33,10 @@ from mxconv.output_dir import (  # noqa: F401 - re-exported: these lived here be
     prepare_output_dir,
 )
 from mxconv.sizes import human_bytes, parse_size  # noqa: F401 - re-exported likewise
-from mxconv.st_format import TORCH_TO_ST, TensorInfo, expected_nbytes, iter_tensor_chunks
+from mxconv.st_format import TensorInfo, expected_nbytes, iter_tensor_chunks
+
+if TYPE_CHECKING:
+    import torch
 
 COPY_CHUNK = 64 * 1024 * 1024
 WRITE_DELAY_ENV = "MXCONV_TEST_WRITE_DELAY"
@@ -56,7 +59,7 @@ class PlannedTensor:
     def st_dtype(self) -> str:
         if self.source is not None:
             return self.source.dtype
-        return TORCH_TO_ST[self.spec.dtype]
+        return self.spec.st_dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -110,6 +113,8 @@ def shards_size(shards: list[ShardPlan], metadata: dict[str, str] | None = None)
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A CPU tensor's raw little-endian bytes (contiguous) as a memoryview."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()

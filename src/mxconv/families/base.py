@@ -34,19 +34,22 @@ names and dtypes (:meth:`FamilyReader.layer_format`); one layer holding two form
 a checkpoint holds at most one MX format (the one its ``quantization_config`` names) next to
 unconverted layers that the config lists as not converted (``quantization_config(...,
 skipped=...)``). ``ModelInfo.expert_format`` then reports that MX format (the converted layers').
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from mxconv.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.layouts.base import TensorSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ class FP8BlockStack:
 
     def dequantize(self, e0: int = 0, e1: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """fp32 [e1 - e0, N, K] on ``device``: W = fp32(W_fp8) * scale_inv of its 128x128 tile."""
+        import torch
+
         from mxconv.numerics import dequantize_fp8_block
 
         e1 = self.shape[0] if e1 is None else e1
@@ -165,6 +170,8 @@ class Int4Stack:
 
     def to(self, device: torch.device | str) -> "Int4Stack":
         """Both tensors on ``device`` (non-blocking host -> device only: a copy to the host is complete on return)."""
+        import torch
+
         nb = torch.device(device).type != "cpu"
         return Int4Stack(self.data.to(device, non_blocking=nb), self.scales.to(device, non_blocking=nb))
 

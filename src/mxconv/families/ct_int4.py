@@ -12,19 +12,21 @@ Per routed expert projection ``P`` (N = out, K = in):
 Headers are checked with the family's other formats (:meth:`PerExpertReader._check_layer`, from
 :func:`int4_proj_specs`); :func:`read_int4_stack` checks what only the data can show: every
 ``weight_shape`` equals the [N, K] the header shapes and config.json give, and every scale is finite.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from mxconv.errors import BadInput
 from mxconv.families.base import Int4Stack
 from mxconv.int4 import GROUP_SIZE, VALUES_PER_WORD, words_as_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from mxconv.families.per_expert import PerExpertReader
 
 ProjSpec = tuple[str, tuple[str, ...], tuple[int, ...], str]
@@ -56,6 +58,8 @@ def read_int4_stack(
     BadInput naming the shard file, the tensor and the rule when a ``weight_shape`` disagrees with
     [rows, k] or a scale is NaN/Inf.
     """
+    import torch
+
     e0, e1 = experts or (0, reader._plan().num_experts)
     rows = n // len(projs)
     data = torch.empty((e1 - e0, n, k // 2), dtype=torch.uint8)

@@ -6,18 +6,21 @@ it writes an MX canonical layer as per-expert Linear tensors under the source na
 builds the ``quantization_config`` (one config group, an ``ignore`` list covering every other Linear).
 It relies on the reader's ``expert_name``, ``layer_prefix``, ``layer_format``, ``_plan`` and the
 class attributes ``moe_module``, ``proj_names``, ``ignore_patterns``.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from mxconv.families.base import MoELayer, MoELayerRef
 from mxconv.families.quant_config import CT_FORMATS, MX_FORMATS, UNCONVERTED_KEY, ct_matches, quantization_dict
 from mxconv.layouts.base import TensorSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CompressedTensorsOutput:
@@ -33,10 +36,10 @@ class CompressedTensorsOutput:
             for proj in range(3):
                 n, k = (I, H) if proj < 2 else (H, I)
                 if fmt == "mxfp4":
-                    specs[self.expert_name(ref.module_prefix, e, proj, "weight_packed")] = TensorSpec((n, k // 2), torch.uint8)
+                    specs[self.expert_name(ref.module_prefix, e, proj, "weight_packed")] = TensorSpec((n, k // 2), "U8")
                 else:
-                    specs[self.expert_name(ref.module_prefix, e, proj, "weight")] = TensorSpec((n, k), torch.float8_e4m3fn)
-                specs[self.expert_name(ref.module_prefix, e, proj, "weight_scale")] = TensorSpec((n, k // 32), torch.uint8)
+                    specs[self.expert_name(ref.module_prefix, e, proj, "weight")] = TensorSpec((n, k), "F8_E4M3")
+                specs[self.expert_name(ref.module_prefix, e, proj, "weight_scale")] = TensorSpec((n, k // 32), "U8")
         return specs
 
     def quantized_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:
@@ -45,6 +48,8 @@ class CompressedTensorsOutput:
         Needs ``w13_mx``/``w2_mx`` (same format) in "halves" order. Each output tensor is a fresh
         contiguous copy (safetensors refuses tensors that share storage).
         """
+        import torch
+
         if layer.w13_mx is None or layer.w2_mx is None:
             raise ValueError("quantized_tensors needs an MX-quantized layer (w13_mx and w2_mx)")
         if layer.row_order != "halves":

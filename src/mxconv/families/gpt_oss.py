@@ -34,15 +34,15 @@ blocks and BF16 weights is refused.
 
 OpenAI's original layout (``original/``: ``block.N.mlp.mlp1_weight.blocks`` ...) carries the same
 expert bytes; it is detected and refused with a pointer to the Hugging Face layout.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mxconv.checkpoint import Checkpoint
 from mxconv.errors import BadInput
@@ -50,6 +50,9 @@ from mxconv.families.base import FamilyReader, ModelInfo, MoELayer, MoELayerRef,
 from mxconv.families.gpt_oss_output import _BLOCK_BYTES, MODULES_TO_NOT_CONVERT, GptOssOutput, config_format  # noqa: F401 (re-exported)
 from mxconv.families.quant_config import FLOAT_DTYPES, MX_FORMATS, quantization_dict, unsupported_quantization
 from mxconv.st_format import TensorInfo
+
+if TYPE_CHECKING:
+    import torch
 
 _ORIGINAL = re.compile(r"^block\.\d+\.mlp\.mlp1_weight\.blocks$")
 _EXPERT = re.compile(
@@ -312,6 +315,8 @@ class GptOssReader(GptOssOutput, FamilyReader):
         return refs
 
     def read_layer(self, ref: MoELayerRef, experts: tuple[int, int] | None = None) -> MoELayer:
+        import torch
+
         plan = self._plan()
         H, I = plan["H"], plan["I"]
         E = plan["E"] if experts is None else experts[1] - experts[0]

@@ -7,18 +7,21 @@ before) is taken by transformers' fine-grained FP8 loader, which finds none of i
 experts randomly initialised, and a name transformers does not know only makes it warn and do the same.
 So the config says ``"quant_method": null`` and names the format under mxconv's own key
 (:data:`FORMAT_KEY`): transformers then refuses to load it ("no `quant_method` attribute"), vLLM and
-SGLang stop at start-up, and mxconv reads it (and its older ``"mxfp8"`` outputs)."""
+SGLang stop at start-up, and mxconv reads it (and its older ``"mxfp8"`` outputs).
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from mxconv.families.base import MoELayer, MoELayerRef
 from mxconv.families.quant_config import MX_FORMATS
 from mxconv.layouts.base import TensorSpec
-from mxconv.st_format import ST_DTYPES
+
+if TYPE_CHECKING:
+    import torch
 
 MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 # Bytes per 32-element block in the blocks tensors.
@@ -50,14 +53,14 @@ class GptOssOutput:
         plan = self._plan()
         E, H, I = plan["E"], plan["H"], plan["I"]
         p = ref.module_prefix + ".experts"
-        data_dtype = torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn
+        data_dtype = "U8" if fmt == "mxfp4" else "F8_E4M3"
         nb = _BLOCK_BYTES[fmt]
         specs: dict[str, TensorSpec] = {}
         for proj, n, k in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
             specs[f"{p}.{proj}_blocks"] = TensorSpec((E, n, k // 32, nb), data_dtype)
-            specs[f"{p}.{proj}_scales"] = TensorSpec((E, n, k // 32), torch.uint8)
+            specs[f"{p}.{proj}_scales"] = TensorSpec((E, n, k // 32), "U8")
             bias = self.ckpt.info(f"{p}.{proj}_bias")
-            specs[f"{p}.{proj}_bias"] = TensorSpec(tuple(bias.shape), ST_DTYPES[bias.dtype][0])
+            specs[f"{p}.{proj}_bias"] = TensorSpec(tuple(bias.shape), bias.dtype)
         return specs
 
     def quantized_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:
@@ -66,6 +69,8 @@ class GptOssOutput:
         ``*_blocks``: the packed data viewed as ``[E, N, K/32, 16]`` (mxfp4, uint8) or
         ``[E, N, K/32, 32]`` (mxfp8, float8_e4m3fn); ``*_scales`` unchanged; biases unchanged.
         """
+        import torch
+
         if layer.w13_mx is None or layer.w2_mx is None:
             raise ValueError("quantized_tensors needs an MX-quantized layer (w13_mx and w2_mx)")
         if layer.row_order != "interleaved":

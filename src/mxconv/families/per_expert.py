@@ -51,13 +51,13 @@ express under the DeepSeek tensor names (see above): mxconv records the source's
 layers back with it. Reading such a checkpoint, a float or block-FP8 layer next to a compressed-tensors
 config must be matched by ``ignore`` (else the config would describe it wrongly), and all MX layers
 must be in the config's one MX format.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mxconv.checkpoint import Checkpoint
 from mxconv.errors import BadInput
@@ -66,7 +66,10 @@ from mxconv.families.ct_int4 import read_int4_stack
 from mxconv.families.ct_output import CompressedTensorsOutput
 from mxconv.families.per_expert_plan import _Plan, PerExpertPlan
 from mxconv.families.quant_config import FLOAT_DTYPES
-from mxconv.st_format import ST_DTYPES
+from mxconv.st_format import torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PerExpertReader(PerExpertPlan, CompressedTensorsOutput, FamilyReader):
@@ -187,6 +190,8 @@ class PerExpertReader(PerExpertPlan, CompressedTensorsOutput, FamilyReader):
         The projections are stacked along dim 1 (gate then up for w13). One read per tensor, copied
         straight into its slice of the preallocated output.
         """
+        import torch
+
         e0, e1 = experts or (0, self._plan().num_experts)
         out = torch.empty((e1 - e0, rows, cols), dtype=dtype)
         step = rows // len(projs)
@@ -202,6 +207,8 @@ class PerExpertReader(PerExpertPlan, CompressedTensorsOutput, FamilyReader):
         return out
 
     def read_layer(self, ref: MoELayerRef, experts: tuple[int, int] | None = None) -> MoELayer:
+        import torch
+
         p = self._plan()
         H, I = p.hidden_size, p.intermediate_size
         prefix = ref.module_prefix
@@ -211,7 +218,7 @@ class PerExpertReader(PerExpertPlan, CompressedTensorsOutput, FamilyReader):
         for key, (projs, (n, k)) in zip(("w13", "w2"), shapes.items()):
             if fmt == "float":
                 assert float_dtype is not None
-                w = self._read_stack(prefix, projs, "weight", n, k, ST_DTYPES[float_dtype][0], experts)
+                w = self._read_stack(prefix, projs, "weight", n, k, torch_dtype(float_dtype), experts)
                 setattr(layer, key, w)
             elif fmt == "fp8_block":
                 # Kept as stored (1 byte per weight + a small scale grid per projection): the

@@ -30,13 +30,13 @@ Options read (``options`` dict, all optional):
   for ``mxfp4``, require the scale column padding (bytes upstream leaves uninitialised) to hold
   0x7F. Set False to read scales dumped from a live vLLM process. The a16w4 scale padding is
   defined upstream (0x7F) and is always checked.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.aiter_shuffles import (
@@ -49,6 +49,10 @@ from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
     TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
 )
+from mxconv.st_format import torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [  # the shuffles are re-exported: tests and tools name them as aiter.<name>
     "ACTIVATIONS", "KERNEL_KINDS", "LAYOUT", "SCALE_PAD_FILL", "VLLM_BACKENDS", "VLLM_PAD_FILL", "AiterLayout",
@@ -71,11 +75,8 @@ _ALIGN: dict[tuple[str, str], tuple[int, int]] = {
     ("mxfp4", "halves"): (256, 128),
 }
 
-# Alternative dtypes with identical bytes that from_kernel accepts (vLLM's own views).
-_BYTE_ALIASES: dict[str, tuple[torch.dtype, ...]] = {
-    "weight": tuple(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None),
-    "scale": tuple(d for d in (getattr(torch, "float8_e8m0fnu", None),) if d is not None),
-}
+# Alternative dtypes with identical bytes that from_kernel accepts (vLLM's own views), by safetensors name.
+_BYTE_ALIASES: dict[str, tuple[str, ...]] = {"weight": ("F4",), "scale": ("F8_E8M0",)}
 
 
 def _row_table(
@@ -99,6 +100,8 @@ def _row_table(
 def _to_kernel_gathered(c: CanonicalExperts, hp: int, ip: int, activation: str) -> KernelTensors:
     """:func:`permute_padded` of ``pad_canonical(c, hp, ip)``, with padding and row maps fused into
     one row gather per tensor (Triton kernels on CUDA, torch elsewhere)."""
+    import torch
+
     e, h, i = c.num_experts, c.hidden_size, c.intermediate_size
     a16w4 = activation == "bf16"
     deint = a16w4 and c.row_order == "interleaved"
@@ -176,7 +179,7 @@ class AiterLayout(LayoutBase):
         ``[E, N, round_up(K/32, 8)]``; weights ``[E, N, K/2]`` uint8; biases float32."""
         _check_sizes(sizes, activation)
         e, hp, ip = sizes.num_experts, sizes.padded_hidden_size, sizes.padded_intermediate_size
-        u8 = torch.uint8
+        u8 = "U8"
         c13, c2 = round_up(hp // 32, 8), round_up(ip // 32, 8)
         if activation == "bf16":
             s13, s2 = (e * 2 * ip, c13), (e * hp, c2)
@@ -189,8 +192,8 @@ class AiterLayout(LayoutBase):
             "w2_weight_scale": TensorSpec(s2, u8),
         }
         if sizes.has_bias:
-            specs["w13_bias"] = TensorSpec((e, 2 * ip), torch.float32)
-            specs["w2_bias"] = TensorSpec((e, hp), torch.float32)
+            specs["w13_bias"] = TensorSpec((e, 2 * ip), "F32")
+            specs["w2_bias"] = TensorSpec((e, hp), "F32")
         return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
@@ -332,6 +335,8 @@ def _check_sizes(sizes: LayoutSizes, activation: str) -> None:
 
 def _validated_inputs(k: KernelTensors, specs: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:
     """Check every expected kernel tensor is present with the planned shape/dtype; return uint8 views."""
+    import torch
+
     extra = sorted(set(k) & set(KERNEL_TENSOR_NAMES) - set(specs))
     if extra:
         raise LayoutError(f"aiter: unexpected kernel tensor(s) {extra} for a layout without biases")
@@ -342,7 +347,7 @@ def _validated_inputs(k: KernelTensors, specs: dict[str, TensorSpec]) -> dict[st
         t = k[name]
         if tuple(t.shape) != spec.shape:
             raise LayoutError(f"aiter: {name} has shape {tuple(t.shape)}, expected {spec.shape}")
-        aliases = _BYTE_ALIASES["scale" if name.endswith("_scale") else "weight"]
+        aliases = [torch_dtype(a) for a in _BYTE_ALIASES["scale" if name.endswith("_scale") else "weight"]]
         if spec.dtype == torch.uint8 and t.dtype in aliases:
             t = t.view(torch.uint8)
         if t.dtype != spec.dtype:
@@ -367,6 +372,8 @@ def _check_scale_column_padding(
 
     ``forward`` maps the unshuffled view to the stored tensor; it locates the offending byte there.
     """
+    import torch
+
     pad = logical[..., cols:]
     if pad.numel() == 0:
         return

@@ -1,13 +1,19 @@
 """AITER's byte shuffles (docs/layout-aiter.md section 2) as reshape/permutes, the spec's index
 formulas, and the whole-stack torch path over an already padded stack (:func:`permute_padded`), which
-:mod:`mxconv.layouts.aiter` fuses with the padding into row gathers."""
+:mod:`mxconv.layouts.aiter` fuses with the padding into row gathers.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import KERNEL_TENSOR_NAMES, CanonicalExperts, KernelTensors, pad_last, round_up
+
+if TYPE_CHECKING:
+    import torch
 
 # Byte written into scale columns that AITER pads (E8M0 0x7F = 2**0; never 0xFF, which is NaN).
 SCALE_PAD_FILL = 0x7F
@@ -132,6 +138,8 @@ def e8m0_shuffle(s2d: torch.Tensor, fill: int = SCALE_PAD_FILL) -> torch.Tensor:
     s2d: ``[M, C]``. Pads to ``[round_up(M, 256), round_up(C, 8)]`` with ``fill``, then S32x8 over
     the 2-D matrix. Returns the padded 2-D result.
     """
+    import torch
+
     m, c = s2d.shape
     padded = torch.full((round_up(m, 256), round_up(c, 8)), fill, dtype=s2d.dtype, device=s2d.device)
     padded[:m, :c] = s2d
@@ -169,6 +177,8 @@ def unshuffle_scale_a4w4(s: torch.Tensor) -> torch.Tensor:
 
 def w16_dest_offsets(n: int, b: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``[N, B]``: flat destination offset (within one expert) of source byte ``(r, c)`` under W16."""
+    import torch
+
     r = torch.arange(n, device=device).unsqueeze(1)
     c = torch.arange(b, device=device).unsqueeze(0)
     return ((r // 16) * (b // 16) + c // 16) * 256 + (r % 16) * 16 + c % 16
@@ -176,6 +186,8 @@ def w16_dest_offsets(n: int, b: int, device: torch.device | str = "cpu") -> torc
 
 def gu16_source_rows(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``[N]``: concat-order source row of each GU16 destination row."""
+    import torch
+
     d = torch.arange(n, device=device)
     j, q = d // 16, d % 16
     return (j % 2) * (n // 2) + (j // 2) * 16 + q
@@ -183,6 +195,8 @@ def gu16_source_rows(n: int, device: torch.device | str = "cpu") -> torch.Tensor
 
 def s32x8_dest_offsets(r: int, c: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``[R, C]``: flat destination offset of source scale ``(row, col)`` under S32x8."""
+    import torch
+
     row = torch.arange(r, device=device).unsqueeze(1)
     col = torch.arange(c, device=device).unsqueeze(0)
     b, cc = (row % 32) // 16, row % 16
@@ -192,6 +206,8 @@ def s32x8_dest_offsets(r: int, c: int, device: torch.device | str = "cpu") -> to
 
 def deinterleave_source_rows(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``[N]``: interleaved source row of each concat-order row (``d < N/2 <- 2d``, ``N/2 + j <- 2j+1``)."""
+    import torch
+
     d = torch.arange(n, device=device)
     half = n // 2
     return torch.where(d < half, 2 * d, 2 * (d - half) + 1)
@@ -209,6 +225,8 @@ def permute_padded(c: CanonicalExperts, activation: str) -> KernelTensors:
     weights/scales so id tensors can be traced). Returns kernel tensors: a16w4 scales 2-D
     ``[E*N, round_up(K/32, 8)]``, a4w4 scales 3-D ``[E, N, round_up(K/32, 8)]``, biases float32.
     """
+    import torch
+
     _check_activation(activation)
     out: KernelTensors = {}
     if activation == "bf16":
@@ -235,6 +253,8 @@ def permute_padded(c: CanonicalExperts, activation: str) -> KernelTensors:
 
 def _w16_bytes(x: torch.Tensor) -> torch.Tensor:
     """:func:`w16` of a contiguous uint8 ``[E, N, B]``, moving 8-byte words (same bytes)."""
+    import torch
+
     e, n, b = x.shape
     _need(n % 16 == 0 and b % 16 == 0, f"W16 needs rows and bytes multiples of 16, got [{n}, {b}]")
     words = x.view(torch.int64).reshape(e, n // 16, 16, b // 16, 2)

@@ -12,15 +12,15 @@ bytes on CPU and on CUDA. No per-expert Python loops in the hot path.
 The canonical stack and sizes live in :mod:`mxconv.layouts.canonical`, padding, the shared gathers
 and TP slicing in :mod:`mxconv.layouts.padding`; both are re-exported here, where the backends and
 the rest of mxconv import them from.
+
+torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import (
@@ -31,6 +31,9 @@ from mxconv.layouts.padding import (
     cached_index, check_fill, gather_padded_rows, layout_kernels, pad_canonical, pad_last, pad_row_source,
     slice_tp, tp_ranges, unpad_canonical,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "KERNEL_TENSOR_NAMES", "ROW_ORDERS", "WEIGHT_FORMATS", "CanonicalExperts", "KernelTensors", "Layout",

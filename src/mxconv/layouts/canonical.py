@@ -26,16 +26,21 @@ Canonical (unpadded) MXFP4 expert stack, one MoE layer, one TP rank:
 `weight_format` is "mxfp4" (above) or "int4": compressed-tensors INT4, same shapes, w13/w2 bytes
 offset-binary int4 pairs (low nibble = even k) and w13_scale/w2_scale **bf16** group-32 scales
 (see mxconv.int4). A layout lists the formats it takes in ``LayoutBase.weight_formats``.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
+from mxconv.st_format import element_bytes, st_name, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 ROW_ORDERS = ("interleaved", "halves")
 WEIGHT_FORMATS = ("mxfp4", "int4")
@@ -102,6 +107,8 @@ class CanonicalExperts:
 
     def to(self, device: torch.device | str) -> "CanonicalExperts":
         """Copy every tensor to ``device`` (non-blocking where possible)."""
+        import torch
+
 
         # non_blocking only host -> device: a device -> host copy must be complete before use.
         non_blocking = torch.device(device).type != "cpu"
@@ -121,6 +128,8 @@ class CanonicalExperts:
 
     def validate(self) -> None:
         """Raise LayoutError unless shapes/dtypes are a consistent canonical stack."""
+        import torch
+
         if self.row_order not in ROW_ORDERS:
             raise LayoutError(f"unknown w13 row order {self.row_order!r} (expected one of {ROW_ORDERS})")
         if self.weight_format not in WEIGHT_FORMATS:
@@ -167,17 +176,29 @@ class LayoutSizes:
 
 
 # Kernel tensors: name (see KERNEL_TENSOR_NAMES) -> tensor. Biases absent when the model has none.
-KernelTensors = dict[str, torch.Tensor]
+KernelTensors = dict[str, "torch.Tensor"]
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Planned shape and dtype of one output tensor (used by --dry-run, inspect and the writer)."""
+    """Planned shape and dtype of one output tensor (used by --dry-run, inspect and the writer).
+
+    Built from a torch dtype or its safetensors name (``TensorSpec(shape, "U8")``, what the layouts
+    and readers give, so planning imports no torch); it keeps the name, ``dtype`` is the torch dtype.
+    """
 
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    st_dtype: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.st_dtype, str):  # a torch dtype
+            object.__setattr__(self, "st_dtype", st_name(self.st_dtype))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.st_dtype)
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * element_bytes(self.st_dtype)
 

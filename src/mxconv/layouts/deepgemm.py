@@ -18,19 +18,23 @@ The scale tensors are the storage of the engine's tensor: vLLM holds ``stored.tr
 the way (``_upcast_e8m0_to_fp32``, then the pack's ``bits >> 23``) gives back every byte, 0 and
 0xFF included. Weights keep the row order they come in (vLLM's DeepGEMM path does not reorder).
 All padding is zero (vLLM allocates the parameters with ``torch.zeros``).
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutSizes, TensorSpec,
     pad_canonical, round_up, unpad_canonical,
 )
+from mxconv.st_format import torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 BACKEND_NAME = "deepgemm"
 LAYOUT_VERSION = 1
@@ -38,8 +42,8 @@ MX_BLOCK = 32
 ALIGN = 128  # mxfp4_round_up_hidden_size_and_intermediate_size: DEEPGEMM_MXFP4 -> H and I to 128
 PACK = 4  # UE8M0 scales per int32 word
 PAD_FILL = 0
-SCALE_DTYPE = torch.int32
-BIAS_DTYPE = torch.bfloat16
+SCALE_DTYPE = "I32"  # safetensors names; mxconv.st_format.torch_dtype gives the torch ones
+BIAS_DTYPE = "BF16"
 ACTIVATIONS = ("fp8",)  # DeepGemmFP4Experts: FP8 activations, dynamic per token and 128-wide group
 VLLM_BACKEND = "DEEPGEMM_MXFP4"
 
@@ -50,19 +54,23 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     Word [e, j, n] holds scales[e, n, 4j + q] in byte q (q = 0 least significant), i.e. its
     little-endian bytes are scales[e, n, 4j : 4j + 4].
     """
+    import torch
+
     E, N, C = scales.shape
     if scales.dtype != torch.uint8:
         raise LayoutError(f"deepgemm: scales must be uint8 E8M0 bytes, got {scales.dtype}")
     if C % PACK:
         raise LayoutError(f"deepgemm: {C} scale columns do not pack into int32 words of {PACK}")
     words = scales.reshape(E, N, C // PACK, PACK).permute(0, 2, 1, 3).contiguous()
-    return words.view(SCALE_DTYPE).reshape(E, C // PACK, N)
+    return words.view(torch_dtype(SCALE_DTYPE)).reshape(E, C // PACK, N)
 
 
 def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_ue8m0`: [E, C/4, N] int32 -> [E, N, C] uint8."""
+    import torch
+
     E, J, N = packed.shape
-    if packed.dtype != SCALE_DTYPE:
+    if packed.dtype != torch_dtype(SCALE_DTYPE):
         raise LayoutError(f"deepgemm: packed scales must be int32, got {packed.dtype}")
     raw = packed.contiguous().view(torch.uint8).reshape(E, J, N, PACK)
     return raw.permute(0, 2, 1, 3).reshape(E, N, J * PACK).contiguous()
@@ -78,6 +86,8 @@ class DeepgemmLayout(LayoutBase):
 
     def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
         """DeepGEMM's grouped FP8 x FP4 GEMM needs an SM100/SM120 GPU; mxconv does not drive it."""
+        import torch
+
         if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (10, 12):
             return "DeepGEMM's m_grouped_fp8_fp4_gemm_nt_contiguous needs an SM100 or SM120 (Blackwell) GPU"
         return "running the DeepGEMM MXFP4 kernel is not wired up in this version"
@@ -112,9 +122,9 @@ class DeepgemmLayout(LayoutBase):
         Hp, Ip = self._checked(sizes, activation)
         E = sizes.num_experts
         specs = {
-            "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), torch.uint8),
+            "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), "U8"),
             "w13_weight_scale": TensorSpec((E, Hp // (MX_BLOCK * PACK), 2 * Ip), SCALE_DTYPE),
-            "w2_weight": TensorSpec((E, Hp, Ip // 2), torch.uint8),
+            "w2_weight": TensorSpec((E, Hp, Ip // 2), "U8"),
             "w2_weight_scale": TensorSpec((E, Ip // (MX_BLOCK * PACK), Hp), SCALE_DTYPE),
         }
         if sizes.has_bias:
@@ -130,10 +140,10 @@ class DeepgemmLayout(LayoutBase):
         p = pad_canonical(c, Hp, Ip, scale_fill=PAD_FILL)
         out: KernelTensors = {"w13_weight": p.w13.contiguous(), "w13_weight_scale": pack_ue8m0(p.w13_scale)}
         if p.w13_bias is not None:
-            out["w13_bias"] = p.w13_bias.to(BIAS_DTYPE).contiguous()
+            out["w13_bias"] = p.w13_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
         out.update({"w2_weight": p.w2.contiguous(), "w2_weight_scale": pack_ue8m0(p.w2_scale)})
         if p.w2_bias is not None:
-            out["w2_bias"] = p.w2_bias.to(BIAS_DTYPE).contiguous()
+            out["w2_bias"] = p.w2_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
         return out
 
     def from_kernel(

@@ -19,13 +19,13 @@ Activations: "bf16" (16-bit activations, 16x64 weight tiles, the default) and "f
 Options read (a plain dict, other keys ignored):
     marlin_scale_layout: "current" (vLLM >= 0.12, default) | "legacy" (vLLM 0.10.2 - 0.11.2,
                          bf16 activation only; extra row-pair weave of the scales, §5.3).
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import (
@@ -38,6 +38,9 @@ from mxconv.layouts.marlin_repack import (
     marlin_weight_repack, marlin_weight_repack_words, marlin_weight_unrepack, permute_chunks, scale_perm_bf16,
     scale_regroup_perm, scale_transpose_perm, weight_source_index,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [  # the byte maps are re-exported: tests and tools name them as marlin.<name>
     "ACTIVATIONS", "FP8_SCALE_MAX_INPUT", "FP8_SCALE_OFFSET", "HIDDEN_MULTIPLE", "INTERMEDIATE_MULTIPLE", "LAYOUT",
@@ -97,20 +100,22 @@ class MarlinLayout(LayoutBase):
         _check_scale_mode(activation, _scale_layout(options))
         E, Hp, Ip = sizes.num_experts, sizes.padded_hidden_size, sizes.padded_intermediate_size
         specs = {
-            "w13_weight": TensorSpec((E, Hp // 16, 4 * Ip), torch.int32),
-            "w13_weight_scale": TensorSpec((E, Hp // 32, 2 * Ip), torch.float8_e8m0fnu),
-            "w2_weight": TensorSpec((E, Ip // 16, 2 * Hp), torch.int32),
-            "w2_weight_scale": TensorSpec((E, Ip // 32, Hp), torch.float8_e8m0fnu),
+            "w13_weight": TensorSpec((E, Hp // 16, 4 * Ip), "I32"),
+            "w13_weight_scale": TensorSpec((E, Hp // 32, 2 * Ip), "F8_E8M0"),
+            "w2_weight": TensorSpec((E, Ip // 16, 2 * Hp), "I32"),
+            "w2_weight_scale": TensorSpec((E, Ip // 32, Hp), "F8_E8M0"),
         }
         if sizes.has_bias:
-            specs["w13_bias"] = TensorSpec((E, 2 * Ip), torch.bfloat16)
-            specs["w2_bias"] = TensorSpec((E, Hp), torch.bfloat16)
+            specs["w13_bias"] = TensorSpec((E, 2 * Ip), "BF16")
+            specs["w2_bias"] = TensorSpec((E, Hp), "BF16")
         return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
 
     # -- conversion ----------------------------------------------------------------------------
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
         """Pad (zero weights, zero scale bytes, zero bias) and lay out the whole stack on c's device."""
+        import torch
+
         scale_layout = _scale_layout(options)
         _check_scale_mode(activation, scale_layout)
         c.validate()  # includes: both biases or neither
@@ -154,6 +159,8 @@ class MarlinLayout(LayoutBase):
     ) -> CanonicalExperts:
         """Exact inverse of :meth:`to_kernel`; LayoutError on wrong shapes/dtypes or non-zero padding.
         Biases come back as float32."""
+        import torch
+
         scale_layout = _scale_layout(options)
         specs = self.kernel_specs(sizes, activation, options)
         for name in KERNEL_TENSOR_NAMES:
@@ -247,6 +254,8 @@ def _kernel_scales(
 
     ``lt`` (the Triton kernel module, current/fp8 maps only; it does not range-check fp8 bytes) or
     None: the torch path, which raises LayoutError for fp8 bytes above 249."""
+    import torch
+
     fp8 = activation == "fp8"
     if lt is not None:
         tab = _row_table(rows, padded_rows, row_order, 32 if fp8 else 64, s.device)

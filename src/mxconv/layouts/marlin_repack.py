@@ -1,13 +1,19 @@
 """Marlin's byte maps as whole-stack tensor recipes (docs/layout-marlin.md): the weight tile stream
 (§4), the scale chunk permutations and legacy weave (§5) and the bias permutation (§6), with their
-inverses and index functions. :mod:`mxconv.layouts.marlin` fuses them with the padding."""
+inverses and index functions. :mod:`mxconv.layouts.marlin` fuses them with the padding.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.numerics import pack_fp4, unpack_fp4
+from mxconv.numerics_format import pack_fp4, unpack_fp4  # numerics imports torch, numerics_format does not
+
+if TYPE_CHECKING:
+    import torch
 
 FP8_SCALE_OFFSET = 6  # E4M3 bias (7) - E2M1 bias (1), added to every scale byte for fp8 activations
 FP8_SCALE_MAX_INPUT = 255 - FP8_SCALE_OFFSET  # 249: larger bytes are rejected by vLLM
@@ -61,6 +67,8 @@ def marlin_weight_repack(w: torch.Tensor, activation: str = "bf16", name: str = 
     ``activation`` is "bf16" (16x64 tiles) or "fp8" (32x32 tiles). Needs N % 64 == 0 and
     K % 16 == 0 (K % 32 == 0 for fp8); ``name`` is used in the error message.
     """
+    import torch
+
     E, N, half_k = (int(d) for d in w.shape)
     K = 2 * half_k
     _check_weight_dims(activation, N, K, name)
@@ -72,6 +80,8 @@ def marlin_weight_repack(w: torch.Tensor, activation: str = "bf16", name: str = 
 
 def marlin_weight_unrepack(q: torch.Tensor, activation: str = "bf16", name: str = "weight") -> torch.Tensor:
     """Inverse of :func:`marlin_weight_repack`: int32 [E, K/16, 2N] -> uint8 [E, N, K/2]."""
+    import torch
+
     E, k16, two_n = (int(d) for d in q.shape)
     N, K = two_n // 2, 16 * k16
     _check_weight_dims(activation, N, K, name)
@@ -118,6 +128,8 @@ def marlin_weight_repack_words(w: torch.Tensor, activation: str = "bf16", name: 
     row n+8. fp8 word has bytes (A.lo|B.lo<<4, A.hi|B.hi<<4, C.lo|D.lo<<4, C.hi|D.hi<<4) with A, C
     bytes 16kt+2thr, +1 and B, D bytes 16kt+8+2thr, +1 of row 32nt+8w+thc.
     """
+    import torch
+
     E, N, half_k = (int(d) for d in w.shape)
     K = 2 * half_k
     _check_weight_dims(activation, N, K, name)
@@ -147,6 +159,8 @@ def weight_source_index(
 ) -> torch.Tensor:
     """LongTensor [K/16, 16N]: for each code of one expert's output stream (row, 8*word + nibble),
     the flat index ``n*K + k`` of the element of Q[N, K] it holds."""
+    import torch
+
     _check_weight_dims(activation, N, K, "weight")
     sizes, perm = _stream_permutation(activation, N, K)
     flat = torch.arange(N * K, dtype=torch.long, device=device).reshape(sizes)
@@ -161,6 +175,8 @@ def weight_source_index(
 
 def inverse_perm(perm: torch.Tensor) -> torch.Tensor:
     """LongTensor inv with inv[perm[p]] = p (same device)."""
+    import torch
+
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), dtype=perm.dtype, device=perm.device)
     return inv
@@ -168,12 +184,16 @@ def inverse_perm(perm: torch.Tensor) -> torch.Tensor:
 
 def scale_transpose_perm(device: torch.device | str | None = None) -> torch.Tensor:
     """[64] step (a) of §5.1: 8x8 transpose of a 64-chunk, out[8i + j] = in[i + 8j]."""
+    import torch
+
     p = torch.arange(64, dtype=torch.long, device=device)
     return (p >> 3) + 8 * (p & 7)
 
 
 def scale_regroup_perm(device: torch.device | str | None = None) -> torch.Tensor:
     """[64] step (b) of §5.1: in every run of 4 swap the middle two (a b c d -> a c b d)."""
+    import torch
+
     p = torch.arange(64, dtype=torch.long, device=device)
     low2 = p & 3
     swapped = torch.where((low2 == 1) | (low2 == 2), 3 - low2, low2)
@@ -182,6 +202,8 @@ def scale_regroup_perm(device: torch.device | str | None = None) -> torch.Tensor
 
 def scale_perm_bf16(device: torch.device | str | None = None) -> torch.Tensor:
     """[64] current 16-bit scale chunk map (§5.1): c = 32*p2 + 16*p0 + 8*p1 + (p >> 3)."""
+    import torch
+
     p = torch.arange(64, dtype=torch.long, device=device)
     return 32 * ((p >> 2) & 1) + 16 * (p & 1) + 8 * ((p >> 1) & 1) + (p >> 3)
 
@@ -189,6 +211,8 @@ def scale_perm_bf16(device: torch.device | str | None = None) -> torch.Tensor:
 def chunk32_perm(device: torch.device | str | None = None) -> torch.Tensor:
     """[32] FP8 scale map (§5.2) and bias map (§6): c = 8*((p & 7) >> 1) + 2*(p >> 3) + (p & 1).
     An involution."""
+    import torch
+
     p = torch.arange(32, dtype=torch.long, device=device)
     return 8 * ((p & 7) >> 1) + 2 * (p >> 3) + (p & 1)
 
@@ -289,11 +313,15 @@ def marlin_unscales(
 
 def marlin_bias(b: torch.Tensor) -> torch.Tensor:
     """Bias [E, N] (any float) -> bf16 [E, N] permuted in chunks of 32 (§6). N % 32 == 0."""
+    import torch
+
     return permute_chunks(b.to(torch.bfloat16), chunk32_perm(b.device)).contiguous()
 
 
 def marlin_unbias(b: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`marlin_bias` (the map is an involution): [E, N] -> float32 [E, N]."""
+    import torch
+
     return permute_chunks(b, chunk32_perm(b.device)).to(torch.float32).contiguous()
 
 

@@ -1,15 +1,19 @@
 """Padding, the shared row gathers and tensor-parallel slicing of a canonical expert stack
-(:mod:`mxconv.layouts.canonical`), used by every backend layout."""
+(:mod:`mxconv.layouts.canonical`), used by every backend layout.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import CanonicalExperts
+
+if TYPE_CHECKING:
+    import torch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -20,6 +24,8 @@ from mxconv.layouts.canonical import CanonicalExperts
 
 def _pad_rows(t: torch.Tensor, rows: int, row_order: str, fill: int | float) -> torch.Tensor:
     """Pad dim 1 of a w13-like tensor [E, 2I, ...] to [E, 2*Ip, ...] following ``row_order``."""
+    import torch
+
     E, n = t.shape[0], t.shape[1]
     I, Ip = n // 2, rows // 2
     if n == rows:
@@ -35,6 +41,8 @@ def _pad_rows(t: torch.Tensor, rows: int, row_order: str, fill: int | float) -> 
 
 def pad_last(t: torch.Tensor, cols: int, fill: int | float) -> torch.Tensor:
     """Pad the last axis of ``t`` to ``cols`` with ``fill`` (``t`` itself when already that wide)."""
+    import torch
+
     if t.shape[-1] == cols:
         return t
     out = torch.full((*t.shape[:-1], cols), fill, dtype=t.dtype, device=t.device)
@@ -43,6 +51,8 @@ def pad_last(t: torch.Tensor, cols: int, fill: int | float) -> torch.Tensor:
 
 
 def _pad_dim1(t: torch.Tensor, rows: int, fill: int | float) -> torch.Tensor:
+    import torch
+
     if t.shape[1] == rows:
         return t
     out = torch.full((t.shape[0], rows, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
@@ -75,6 +85,8 @@ def pad_row_source(rows: int, padded_rows: int, row_order: str | None = None) ->
     ``row_order="halves"`` (w13 and its scales/bias: rows = 2I, padded_rows = 2Ip): each half padded
     on its own; otherwise rows are appended at the end (interleaved w13, w2).
     """
+    import torch
+
     if padded_rows < rows:
         raise LayoutError(f"padded row count {padded_rows} smaller than {rows}")
     p = torch.arange(padded_rows, dtype=torch.long)
@@ -109,6 +121,8 @@ def cached_index(key: tuple[Any, ...], device: torch.device | str | None, build:
     int32 is what the Triton kernels read and what ``index_select`` accepts. The returned tensor is
     shared between callers: never modify it in place.
     """
+    import torch
+
     dev = torch.device("cpu") if device is None else torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -123,6 +137,8 @@ def cached_index(key: tuple[Any, ...], device: torch.device | str | None, build:
 
 
 def _word_dtype(nbytes: int) -> torch.dtype:
+    import torch
+
     for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
         if nbytes % size == 0:
             return dtype
@@ -134,6 +150,8 @@ def gather_padded_rows(t: torch.Tensor, tab: torch.Tensor, cols: int | None = No
     a row of ``fill``), last dim padded to ``cols`` with ``fill``: the padding of
     :func:`pad_canonical` and any row permutation in one gather. Returns [E, R_out, *rest'].
     """
+    import torch
+
     E, R = t.shape[0], t.shape[1]
     rest = tuple(t.shape[2:])
     out_rest = rest if cols is None or not rest else (*rest[:-1], cols)
@@ -173,6 +191,8 @@ def unpad_canonical(
 
     ``scale_fill=None`` skips the scale-padding check (bytes the engine leaves undefined).
     """
+    import torch
+
     Ip = c.intermediate_size
     halves = c.row_order == "halves"
 
@@ -249,6 +269,8 @@ def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int, pad_to: int |
     ``pad_to``: zero-pad a narrower last rank to this intermediate width (the widest rank's), so
     every rank's kernel tensors have one shape; the bytes equal padding straight to the layout's Ip.
     """
+    import torch
+
     I = c.intermediate_size
     if c.row_order == "interleaved":
         r13 = slice(2 * start, 2 * end)

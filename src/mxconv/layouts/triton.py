@@ -25,13 +25,13 @@ Stored tensors (the contiguous buffers; an engine wraps ``buf.mT``, spec §8):
 Every padding byte/value is zero. The torch path is views, permutes, one row gather and integer
 bit operations over the whole stack (identical bytes on CPU and CUDA); on CUDA the Triton kernels
 of ``mxconv.kernels.triton_swizzle`` do gather + permutation + twiddle in one pass per tensor.
+
+torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import (
@@ -42,6 +42,10 @@ from mxconv.layouts.triton_values import (
     NIBBLE_DEST_BITS, TWIDDLE_GROUPS, UNTWIDDLE_GROUPS, _inverse_rows, _need, permute_scales, permute_values,
     twiddle_words, unpermute_scales, unpermute_values, w13_row_table, w2_row_table,
 )
+from mxconv.st_format import torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [  # the byte maps are re-exported: tests and tools name them as triton.<name>
     "BACKEND_NAME", "LAYOUT", "LAYOUT_VERSION", "NIBBLE_DEST_BITS", "TWIDDLE_GROUPS", "UNTWIDDLE_GROUPS",
@@ -56,7 +60,7 @@ INTERMEDIATE_ALIGN = 64  # vLLM rounds the per-rank intermediate size up to 64 f
 HIDDEN_ALIGN = 64  # matmul_ogs on SM90 needs K % 64 == 0; only applied with pad_hidden
 # (row multiple, row-byte multiple) of the value layout per triton_kernels generation
 VALUE_PADDING = {"3.5": (16, 32), "3.6": (64, 64)}
-BIAS_DTYPE = torch.float32
+BIAS_DTYPE = "F32"  # safetensors name; mxconv.st_format.torch_dtype gives the torch one
 
 _ENGINE_COMPAT = {
     ("3.5", 4): "0.33 (vendored triton_kernels 3.5.1 API, scale K/32 padded to 4 on SM90)",
@@ -190,8 +194,8 @@ class TritonLayout(LayoutBase):
         self.check_activation(activation)
         specs: dict[str, TensorSpec] = {}
         for w, g in self.geometry(sizes, options).items():
-            specs[f"{w}_weight"] = TensorSpec(g.value_shape, torch.uint8)
-            specs[f"{w}_weight_scale"] = TensorSpec(g.scale_shape, torch.uint8)
+            specs[f"{w}_weight"] = TensorSpec(g.value_shape, "U8")
+            specs[f"{w}_weight_scale"] = TensorSpec(g.scale_shape, "U8")
             if sizes.has_bias:
                 specs[f"{w}_bias"] = TensorSpec((g.experts, g.rows), BIAS_DTYPE)
         return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
@@ -214,7 +218,7 @@ class TritonLayout(LayoutBase):
                 out[f"{w}_weight"] = twiddle_words(permute_values(gather_padded_rows(weight, tab_v, g.value_row_bytes)))
                 out[f"{w}_weight_scale"] = permute_scales(gather_padded_rows(scale, tab_s, g.scale_padded_cols), g.num_warps)
             if bias is not None:
-                out[f"{w}_bias"] = gather_padded_rows(bias.to(BIAS_DTYPE), tab_v[: g.rows])
+                out[f"{w}_bias"] = gather_padded_rows(bias.to(torch_dtype(BIAS_DTYPE)), tab_v[: g.rows])
         return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
 
     def from_kernel(

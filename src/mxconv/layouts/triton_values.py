@@ -1,13 +1,19 @@
 """The triton_kernels Hopper MX byte maps (docs/layout-triton.md): the bit twiddle of every 32-bit
 word (§3), the value and scale permutations of an already padded stack (§3, §4) with their inverses,
-and the kernel-row tables (§5) :mod:`mxconv.layouts.triton` gathers with."""
+and the kernel-row tables (§5) :mod:`mxconv.layouts.triton` gathers with.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import ROW_ORDERS, cached_index, pad_row_source
+
+if TYPE_CHECKING:
+    import torch
 
 # Bit twiddle (spec §3): destination bit of nibble bits (m, e0, e1, s) of byte j of a 32-bit word;
 # low nibbles fill the low 16 bits, high nibbles the same pattern + 16.
@@ -42,6 +48,8 @@ def twiddle_words(buf: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     ``buf`` [..., 4n]; a new uint8 tensor of the same shape (``21 43 65 87 -> 5D 2C A6 40``).
     Masking after each (arithmetic) shift keeps only bits that came from inside the word. On CPU
     it runs in cache-sized chunks (about 10x faster than whole-tensor passes)."""
+    import torch
+
     words = buf.contiguous().view(torch.int32).view(-1)
     out = torch.empty_like(words)
     step = _TWIDDLE_CHUNK if words.device.type == "cpu" else max(words.numel(), 1)
@@ -111,6 +119,8 @@ def w13_row_table(intermediate: int, row_order: str, rows: int, device: torch.de
     (vLLM's padding to Ip, then the value/scale layout's) zero. interleaved source: row j; halves
     source: row u*I + m (spec §5). Cached int32 tensor [rows].
     """
+    import torch
+
     _need(row_order in ROW_ORDERS, f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
 
     def build() -> torch.Tensor:
@@ -129,6 +139,8 @@ def w2_row_table(hidden: int, rows: int, device: torch.device | str | None = Non
 def _inverse_rows(tab: torch.Tensor, real: int) -> torch.Tensor:
     """Kernel row of each source row: ``inv[tab[j]] = j`` for the ``real`` leading kernel rows
     (which hold every source row once; the rest are padding). LongTensor [real] on tab's device."""
+    import torch
+
     inv = torch.empty(real, dtype=torch.long, device=tab.device)
     inv[tab[:real].long()] = torch.arange(real, dtype=torch.long, device=tab.device)
     return inv

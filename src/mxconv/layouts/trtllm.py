@@ -37,13 +37,13 @@ MxInt4 (spec section 9): a canonical stack with ``weight_format == "int4"`` (com
 bf16 scales) goes to :mod:`mxconv.layouts.trtllm_mxint4` (sign XOR, the same row tables, block-major
 K, flat bf16 swizzled scales; bf16 activations; H and I multiples of 256, no padding). Every method
 below dispatches on the stack's or ``LayoutSizes``' weight format; the MXFP4 code is untouched by it.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import trtllm_mxint4  # imports nothing from this module at import time
@@ -57,6 +57,10 @@ from mxconv.layouts.trtllm_rows import (
     swizzled_scale_size, unswizzle_128x4, w13_row_dst, w13_row_src, w13_row_table, w2_row_dst, w2_row_src,
     w2_row_table,
 )
+from mxconv.st_format import torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [  # the row maps and swizzle are re-exported: tests, tools and trtllm_mxint4 use trtllm.<name>
     "ACTIVATIONS", "BACKEND_NAME", "EPILOGUE_TILE_M", "LAYOUT", "LAYOUT_VERSION", "SF_TILE_COLS", "SF_TILE_ROWS",
@@ -77,8 +81,8 @@ MX_BLOCK = 32  # elements per E8M0 scale
 NUM_ELTS_PER_SF = 16  # what vLLM passes to FlashInfer for MXFP4 (rows do not depend on it)
 SCALE_FILL = 0x00  # never 0xFF (NaN * 0 = NaN)
 
-KERNEL_SCALE_DTYPE = torch.float8_e4m3fn
-KERNEL_BIAS_DTYPE = torch.float32
+KERNEL_SCALE_DTYPE = "F8_E4M3"  # safetensors names; mxconv.st_format.torch_dtype gives the torch ones
+KERNEL_BIAS_DTYPE = "F32"
 ENGINE_COMPAT = {"vllm": ">=0.10.2", "flashinfer": ">=0.3"}
 VLLM_BACKENDS = {"bf16": "FLASHINFER_TRTLLM_MXFP4_BF16", "mxfp8": "FLASHINFER_TRTLLM_MXFP4_MXFP8"}
 
@@ -123,6 +127,8 @@ class TrtllmLayout(LayoutBase):
 
     def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
         """FlashInfer's TRT-LLM-gen MoE kernels need an SM100 GPU; mxconv does not drive them yet."""
+        import torch
+
         try:
             import flashinfer  # noqa: F401
         except Exception:
@@ -196,9 +202,9 @@ class TrtllmLayout(LayoutBase):
         Hp, Ip = self._checked_padding(sizes, activation, options)
         E = sizes.num_experts
         specs = {
-            "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), torch.uint8),
+            "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), "U8"),
             "w13_weight_scale": TensorSpec((E, 2 * Ip, Hp // MX_BLOCK), KERNEL_SCALE_DTYPE),
-            "w2_weight": TensorSpec((E, Hp, Ip // 2), torch.uint8),
+            "w2_weight": TensorSpec((E, Hp, Ip // 2), "U8"),
             "w2_weight_scale": TensorSpec((E, Hp, Ip // MX_BLOCK), KERNEL_SCALE_DTYPE),
         }
         if sizes.has_bias:
@@ -224,11 +230,11 @@ class TrtllmLayout(LayoutBase):
                 "w13_weight": lt.gather_rows(c.w13, tab13, Hp // 2),
                 "w13_weight_scale": lt.swizzle_128x4(c.w13_scale, tab13, Hp // MX_BLOCK, SCALE_FILL)
                 .view(E, 2 * Ip, Hp // MX_BLOCK)
-                .view(KERNEL_SCALE_DTYPE),
+                .view(torch_dtype(KERNEL_SCALE_DTYPE)),
                 "w2_weight": lt.gather_rows(c.w2, tab2, Ip // 2),
                 "w2_weight_scale": lt.swizzle_128x4(c.w2_scale, tab2, Ip // MX_BLOCK, SCALE_FILL)
                 .view(E, Hp, Ip // MX_BLOCK)
-                .view(KERNEL_SCALE_DTYPE),
+                .view(torch_dtype(KERNEL_SCALE_DTYPE)),
             }
         else:
             out = {
@@ -242,8 +248,8 @@ class TrtllmLayout(LayoutBase):
                 ),
             }
         if c.w13_bias is not None and c.w2_bias is not None:
-            out["w13_bias"] = gather_padded_rows(c.w13_bias.to(KERNEL_BIAS_DTYPE), tab13)
-            out["w2_bias"] = gather_padded_rows(c.w2_bias.to(KERNEL_BIAS_DTYPE), tab2)
+            out["w13_bias"] = gather_padded_rows(c.w13_bias.to(torch_dtype(KERNEL_BIAS_DTYPE)), tab13)
+            out["w2_bias"] = gather_padded_rows(c.w2_bias.to(torch_dtype(KERNEL_BIAS_DTYPE)), tab2)
         return out
 
     # -- inverse -------------------------------------------------------------------------------
@@ -307,11 +313,13 @@ def _swizzled_kernel_scales(row_permuted: torch.Tensor) -> torch.Tensor:
     E, R, C = row_permuted.shape
     if swizzled_scale_size(R, C) != R * C:
         raise LayoutError(f"trtllm scale matrix [{R}, {C}] needs R % 128 == 0 and C % 4 == 0")
-    return swizzle_128x4(row_permuted).reshape(E, R, C).view(KERNEL_SCALE_DTYPE)
+    return swizzle_128x4(row_permuted).reshape(E, R, C).view(torch_dtype(KERNEL_SCALE_DTYPE))
 
 
 def _unswizzled_kernel_scales(kernel_scale: torch.Tensor) -> torch.Tensor:
     """[E, R, C] float8_e4m3fn kernel scales -> [E, R, C] uint8 matrix (rows still permuted)."""
+    import torch
+
     E, R, C = kernel_scale.shape
     return unswizzle_128x4(kernel_scale.view(torch.uint8).reshape(E, R * C), R, C)
 

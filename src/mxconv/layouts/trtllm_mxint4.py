@@ -21,17 +21,20 @@ Per layer and TP rank, with no padding (H and I must be multiples of 256):
 | w2_weight_scale  | [E, H*I/32]         | bfloat16 (swizzled) |
 
 The kernel takes bf16 activations and plain SiLU (gemm1 alpha/beta/clamp_limit None).
+
+torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.int4 import GROUP_SIZE, SCALE_DTYPE, to_twos_complement
 from mxconv.layouts.base import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, gather_padded_rows
+
+if TYPE_CHECKING:
+    import torch
 
 VARIANT = "mxint4"
 WEIGHT_FORMAT = "int4"
@@ -74,9 +77,9 @@ def kernel_specs(sizes: LayoutSizes, activation: str) -> dict[str, TensorSpec]:
         raise LayoutError("trtllm MxInt4 takes no expert biases (compressed-tensors INT4 experts have none)")
     E = sizes.num_experts
     return {
-        "w13_weight": TensorSpec((E, H // SIZE_ALIGN, 2 * I, K_CHUNK_BYTES), torch.uint8),
+        "w13_weight": TensorSpec((E, H // SIZE_ALIGN, 2 * I, K_CHUNK_BYTES), "U8"),
         "w13_weight_scale": TensorSpec((E, 2 * I * (H // GROUP_SIZE)), SCALE_DTYPE),
-        "w2_weight": TensorSpec((E, I // SIZE_ALIGN, H, K_CHUNK_BYTES), torch.uint8),
+        "w2_weight": TensorSpec((E, I // SIZE_ALIGN, H, K_CHUNK_BYTES), "U8"),
         "w2_weight_scale": TensorSpec((E, H * (I // GROUP_SIZE)), SCALE_DTYPE),
     }
 

@@ -1,14 +1,20 @@
 """The row maps and the scale swizzle of the TRT-LLM-gen layout (docs/layout-trtllm.md steps 1-3 and
 C): pure index functions, the cached kernel-row tables :mod:`mxconv.layouts.trtllm` gathers with, and
 the 128x4 swizzle and its inverse. The MxInt4 variant (:mod:`mxconv.layouts.trtllm_mxint4`) uses the
-same tables."""
+same tables.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import ROW_ORDERS, cached_index, pad_row_source, round_up
+
+if TYPE_CHECKING:
+    import torch
 
 EPILOGUE_TILE_M = 128
 SHUFFLE_BLOCK_ROWS = 32  # MMA row-shuffle block for epilogue_tile_m = 128
@@ -32,6 +38,8 @@ def mma_shuffle_src(num_rows: int, device: torch.device | str | None = None) -> 
 
     Returns a LongTensor [num_rows]; num_rows must be a multiple of 32.
     """
+    import torch
+
     _check_rows(num_rows, SHUFFLE_BLOCK_ROWS, "MMA row shuffle")
     j = torch.arange(num_rows, dtype=torch.long, device=device)
     return (j // 32) * 32 + (j % 8) * 4 + (j % 32) // 8
@@ -39,6 +47,8 @@ def mma_shuffle_src(num_rows: int, device: torch.device | str | None = None) -> 
 
 def mma_shuffle_dst(num_rows: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Inverse of :func:`mma_shuffle_src`: ``d(r) = 32*(r//32) + 8*(r%4) + (r%32)//4``. [num_rows] long."""
+    import torch
+
     _check_rows(num_rows, SHUFFLE_BLOCK_ROWS, "MMA row shuffle")
     r = torch.arange(num_rows, dtype=torch.long, device=device)
     return (r // 32) * 32 + (r % 4) * 8 + (r % 32) // 4
@@ -57,6 +67,8 @@ def gate_up_pair_src(
     halves (rows [gate; up]): P(k) = Ip + k/2 (k even), (k-1)/2 (k odd).
     interleaved (row 2i = gate_i, 2i+1 = up_i): P(k) = k XOR 1. Returns a LongTensor [2*Ip].
     """
+    import torch
+
     _check_row_order(row_order)
     Ip = padded_intermediate
     k = torch.arange(2 * Ip, dtype=torch.long, device=device)
@@ -70,6 +82,8 @@ def gate_up_pair_dst(
 ) -> torch.Tensor:
     """Inverse of :func:`gate_up_pair_src`: P^-1(n) = 2n+1 (n < Ip), 2(n-Ip) (n >= Ip) for halves,
     n XOR 1 for interleaved. Returns a LongTensor [2*Ip]."""
+    import torch
+
     _check_row_order(row_order)
     Ip = padded_intermediate
     n = torch.arange(2 * Ip, dtype=torch.long, device=device)
@@ -136,6 +150,8 @@ def swizzled_scale_size(rows: int, cols: int) -> int:
 
 def swizzle_offsets(rows: int, cols: int, device: torch.device | str | None = None) -> torch.Tensor:
     """``off(r, c)`` for every element of a [rows, cols] matrix: LongTensor [rows, cols]."""
+    import torch
+
     Cp = round_up(cols, SF_TILE_COLS)
     r = torch.arange(rows, dtype=torch.long, device=device)[:, None]
     c = torch.arange(cols, dtype=torch.long, device=device)[None, :]
@@ -148,6 +164,8 @@ def swizzle_slot_coords(rows: int, cols: int, device: torch.device | str | None 
 
     Returns two LongTensors [Rp*Cp]; entries with r >= rows or c >= cols are padding slots.
     """
+    import torch
+
     Cp = round_up(cols, SF_TILE_COLS)
     p = torch.arange(swizzled_scale_size(rows, cols), dtype=torch.long, device=device)
     row_tile, q = p // (SF_TILE_ROWS * Cp), p % (SF_TILE_ROWS * Cp)
@@ -163,6 +181,8 @@ def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
     [Rp/128, 4, 32, Cp/4, 4] -> (row tile, col tile, row in group, 32-row group, col in tile).
     Returns a contiguous tensor [..., Rp*Cp] of the same dtype (one flat buffer per matrix).
     """
+    import torch
+
     *lead, R, C = scales.shape
     Rp, Cp = round_up(R, SF_TILE_ROWS), round_up(C, SF_TILE_COLS)
     if (Rp, Cp) != (R, C):

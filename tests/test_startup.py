@@ -1,0 +1,63 @@
+"""``mxconv --help`` and ``mxconv inspect`` import no torch (nor triton): they start in well under a
+second. Each check runs in a fresh interpreter, since this one has torch loaded already."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.checkpoints import make_checkpoint
+from support.cli import mx
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# Runs ``mxconv ARGS`` in-process for each argument list of argv[1] (JSON), then fails naming the
+# heavy modules it imported.
+_PROBE = """
+import json, sys
+from typer.testing import CliRunner
+from mxconv.cli import app
+for args in json.loads(sys.argv[1]):
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, (args, r.exit_code, r.output, r.exception)
+heavy = sorted(m for m in ("torch", "triton") if m in sys.modules)
+assert not heavy, f"imported {heavy}"
+"""
+
+
+def _probe(*commands: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-c", _PROBE, json.dumps(list(commands))], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> Path:
+    """Two sources (per-expert bf16, gpt-oss MXFP4), a kernel layout, a TP=2 kernel output and an
+    MXFP8-linears output."""
+    root = tmp_path_factory.mktemp("startup")
+    make_checkpoint(root / "qwen", "qwen3-moe")
+    make_checkpoint(root / "gpt", "gpt-oss-mxfp4")
+    for args in (("repack", root / "gpt", root / "gpt-triton", "--backend", "triton"),
+                 ("repack", root / "qwen", root / "qwen-marlin-tp2", "--backend", "marlin", "--tp", "2"),
+                 ("quantize", root / "qwen", root / "qwen-mxfp8", "--format", "mxfp8", "--targets", "linear")):
+        code, _, err = mx(*args, "--device", "cpu", "--quiet")
+        assert code == 0, err
+    return root
+
+
+def test_help_imports_no_torch() -> None:
+    r = _probe(["--help"], *([command, "--help"] for command in ("quantize", "repack", "inspect", "verify", "demo")))
+    assert r.returncode == 0, r.stderr
+
+
+def test_inspect_imports_no_torch(outputs: Path) -> None:
+    dirs = ("qwen", "gpt", "gpt-triton", "qwen-marlin-tp2", "qwen-mxfp8")
+    r = _probe(*(["inspect", str(outputs / d), *extra] for d in dirs for extra in ([], ["--json"])))
+    assert r.returncode == 0, r.stderr
