@@ -297,27 +297,13 @@ def read_tensor(info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.
 
 
 def iter_tensor_chunks(info: TensorInfo, chunk: int = 64 << 20):
-    """Yield a tensor's raw bytes from its file in chunks of at most ``chunk`` bytes.
-
-    While the caller works on one chunk (writes, hashes it), the kernel is asked to read the next
-    one into the page cache (``posix_fadvise WILLNEED``: asynchronous, no memory of this process),
-    so a copy keeps the disk reading while it writes."""
+    """Yield a tensor's raw bytes from its file in chunks of at most ``chunk`` bytes."""
     left = info.nbytes
     with open(info.file, "rb") as f:
         f.seek(info.begin)
-        pos = info.begin
         while left:
             data = f.read(min(chunk, left))
             if not data:
                 raise BadInput(f"{info.file}: tensor {info.name!r} is truncated")
             left -= len(data)
-            pos += len(data)
-            if left and _FADVISE:
-                try:
-                    os.posix_fadvise(f.fileno(), pos, min(chunk, left), os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    pass  # only a hint
             yield data
-
-
-_FADVISE = hasattr(os, "posix_fadvise")
