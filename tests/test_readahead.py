@@ -41,14 +41,38 @@ def test_reads_up_to_the_limit_and_stops(tmp_path: Path) -> None:
     mib = 1 << 20
     root = _source(tmp_path / "m", {"s1.safetensors": 12 * mib, "s2.safetensors": 12 * mib}, None)
     ra = Readahead.for_source(str(root), limit=20 * mib)
-    assert ra is not None
-    ra._thread.join(timeout=30)
+    assert ra is not None and ra._proc is not None  # a child process reads, not a thread of ours
     # whole 8 MiB chunks until the limit is passed: 8, 12 (end of s1), 20
-    assert ra.bytes_read == 20 * mib and ra.stop() == 20 * mib
+    assert ra.wait(timeout=30) == 20 * mib and ra.stop() == 20 * mib
     everything = Readahead.for_source(str(root), limit=1 << 40)
     assert everything is not None
-    everything._thread.join(timeout=30)
-    assert everything.bytes_read == 24 * mib
+    assert everything.wait(timeout=30) == 24 * mib
+
+
+def test_stop_ends_the_child_and_reports_what_it_read(tmp_path: Path) -> None:
+    mib = 1 << 20
+    root = _source(tmp_path / "m", {"s1.safetensors": 64 * mib}, None)
+    ra = Readahead.for_source(str(root), limit=1 << 40)
+    assert ra is not None
+    proc = ra._proc
+    got = ra.stop()
+    assert proc is not None and proc.poll() is not None  # the reader is gone
+    assert 0 <= got <= 64 * mib and got % (8 * mib) in (0, 64 * mib % (8 * mib))
+    assert ra.stop() == got  # idempotent (atexit calls it again)
+
+
+def test_without_a_child_a_thread_reads(tmp_path: Path, monkeypatch) -> None:
+    import mxconv.readahead as readahead
+
+    def no_child(*args, **kwargs):
+        raise OSError("no fork here")
+
+    monkeypatch.setattr(readahead.subprocess, "Popen", no_child)
+    mib = 1 << 20
+    root = _source(tmp_path / "m", {"s1.safetensors": 12 * mib, "s2.safetensors": 12 * mib}, None)
+    ra = Readahead.for_source(str(root), limit=1 << 40)
+    assert ra is not None and ra._proc is None
+    assert ra.wait(timeout=30) == 24 * mib and ra.stop() == 24 * mib
 
 
 def test_not_a_directory_is_not_read(tmp_path: Path, monkeypatch) -> None:
