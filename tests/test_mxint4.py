@@ -581,3 +581,18 @@ def test_partial_quantize_of_int4_is_refused(kimi: GroundTruth) -> None:
     ckpt = open_checkpoint(two.path)
     with pytest.raises(BadInput, match=r"layers\.2\.mlp\.experts: --include/--ignore would leave this INT4 layer"):
         build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions("mxfp4", ignore=r"layers\.2\."))
+
+
+def test_inspect_of_an_int4_source_shows_what_repack_does(kimi: GroundTruth) -> None:
+    """The per-backend table of an INT4 source is the MxInt4 one: trtllm (bf16) padded by the MxInt4
+    rule and served by no MXFP4 backend; every other backend says it needs an MXFP4 source."""
+    code, out, err = mx("inspect", kimi.path, "--json")
+    assert code == 0, err
+    rows = {(r["backend"], r["activation"]): r for r in json.loads(out)["backends"]}
+    trt = rows["trtllm", "bf16"]
+    assert "error" not in trt and trt["vllm_backends"] == []
+    assert trt["padded_hidden_size"] % 256 == 0 and trt["padded_intermediate_size"] % 256 == 0
+    assert "bf16 activations only" in rows["trtllm", "mxfp8"]["error"]
+    for (backend, _), r in rows.items():
+        if backend != "trtllm":
+            assert r["error"].startswith("takes mxfp4 experts, not int4"), r
