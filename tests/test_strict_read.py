@@ -350,3 +350,13 @@ def test_a_manifest_that_lists_no_layer_is_refused(outs: Path, tmp_path: Path) -
     (d / "mxconv.json").write_text(json.dumps(m))
     code, _, err = mx("verify", d)
     assert code == 2 and "layers" in err and "is empty" in err, err
+
+
+def test_a_manifest_naming_an_unknown_backend_is_refused_once(outs: Path, tmp_path: Path) -> None:
+    d = _copy(outs / "k", tmp_path / "k")
+    m = json.loads((d / "mxconv.json").read_text())
+    m["backend"] = "foo"
+    (d / "mxconv.json").write_text(json.dumps(m))
+    for cmd in ("verify", "inspect"):
+        code, _, err = mx(cmd, d)
+        assert code == 2 and err.count("'backend' is \"foo\", not a backend this mxconv knows") == 1, (cmd, err)
