@@ -291,7 +291,8 @@ def test_unaligned_linear_is_refused_or_skipped(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match=r"linear model\.layers\.0\.self_attn\.extra_proj has input size 40 .*--skip-unaligned"):
         build_plan(ckpt, detect_family(ckpt), "quantize", LINEAR)
     _convert(src_dir, tmp_path / "q8", QuantOptions("mxfp8"))  # --targets experts: not a linear target, fine
-    _convert(src_dir, tmp_path / "out", QuantOptions("mxfp8", targets="linear", skip_unaligned=True))
+    summary = _convert(src_dir, tmp_path / "out", QuantOptions("mxfp8", targets="linear", skip_unaligned=True))
+    assert any("left unquantized" in n and "model.layers.0.self_attn.extra_proj" in n for n in summary["notes"]), summary["notes"]
     got, qc = _tensors(tmp_path / "out"), _qc(tmp_path / "out")
     assert got["model.layers.0.self_attn.extra_proj.weight"].dtype == torch.bfloat16
     assert "model.layers.0.self_attn.extra_proj" in qc["ignore"]
@@ -428,8 +429,14 @@ def test_cli_quantize_verify_inspect(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert "MXFP8 linear layers" in r.stdout and "attention" in r.stdout
     r = runner.invoke(app, ["inspect", str(tmp_path / "out"), "--json"])
-    roles = json.loads(r.stdout)["bytes_by_role"]
+    doc = json.loads(r.stdout)
+    roles = doc["bytes_by_role"]
     assert roles["before"]["attention"] > roles["after"]["attention"] and roles["before"]["embeddings"] == roles["after"]["embeddings"]
+    # which linears are MXFP8 and which were left alone, and why (the table groups them by reason)
+    assert len(doc["linears"]["quantized"]) == 2 * 4 - 2 - 1
+    assert doc["linears"]["left_alone"]["model.layers.1.self_attn.q_proj"] == "--include/--ignore"
+    r = runner.invoke(app, ["inspect", str(tmp_path / "out")])
+    assert "mxfp8 linears" in r.stdout and "--include/--ignore: model.layers.0.self_attn.o_proj" in r.stdout.replace("\n", " ")
     r = runner.invoke(app, ["inspect", str(src), "--json"])
     roles = json.loads(r.stdout)["bytes_by_role"]
     assert roles["after_label"] == "quantize --format mxfp8 --targets linear" and roles["after"]["attention"] < roles["before"]["attention"]

@@ -350,6 +350,10 @@ def _execute(
             atomic_write_json(write_dir / CONFIG_NAME, cfg)
         write_manifest(write_dir, manifest)
     target.commit()  # a staged --overwrite replaces the old output now
+    skipped = [m for m, why in (plan.linears.kept.items() if plan.linears is not None else ()) if "--skip-unaligned" in why]
+    if skipped:
+        notes.append(f"note: {len(skipped)} linear layer(s) left unquantized (input size not a multiple of 32, "
+                     f"--skip-unaligned): {', '.join(skipped)}; the config lists them in 'ignore'")
     if plan.repack is None and any(n.endswith("weight_scale_inv") for d in plan.dests for n in (t.name for t in d)):
         notes.append(
             "note: block-FP8 tensors outside the routed experts (attention, dense and shared MLPs) were copied "

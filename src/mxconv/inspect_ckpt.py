@@ -113,6 +113,8 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
     if m is not None:
         out["manifest"] = {k: m.get(k) for k in ("tool_version", "created", "family", "kind", "weight_format", "scale_rounding", "backend", "activation", "tp_size")}
         out["manifest"]["layout"] = m.get("layout")
+        if isinstance(m.get("linears"), dict) and m["linears"].get("targets") == "linear":
+            out["linears"] = m["linears"]  # which linear layers are MXFP8, which were left alone and why
         try:  # stored in the manifest, or recomputed from it (manifests older than the quant config)
             qc = quant_config_of(m)
             out["quant_config"], out["served_vllm_backends"] = qc.to_json(), list(qc.served_vllm_backends)

@@ -56,6 +56,16 @@ def inspect(
         t.add_row("tensors / shards", f"{doc['tensors']} / {doc['shards']}")
         t.add_row("bytes: experts", human_bytes(doc["bytes"]["experts"]))
         t.add_row("bytes: rest", human_bytes(doc["bytes"]["rest"]))
+        if doc.get("linears"):
+            lin = doc["linears"]
+            t.add_row(f"{lin['format']} linears", f"{len(lin['quantized']) + len(lin.get('carried_mx', []))} "
+                      f"(scale rounding {lin['scale_rounding']})")
+            by_reason: dict[str, list[str]] = {}
+            for module, why in lin.get("left_alone", {}).items():
+                by_reason.setdefault(why, []).append(module)
+            for why, modules in by_reason.items():  # every name in --json; here a few per reason
+                shown = ", ".join(modules[:3]) + (f", ... ({len(modules)} in all)" if len(modules) > 3 else "")
+                t.add_row("  left alone", f"{why}: {shown}")
         if doc.get("memory"):
             mem = doc["memory"]
             t.add_row("memory (quantize, CPU)", f"{mem['plan']}; smallest --max-memory ~{human_bytes(mem['smallest_max_memory'])}")
