@@ -85,3 +85,31 @@ def test_not_a_directory_is_not_read(tmp_path: Path, monkeypatch) -> None:
 def test_imports_no_torch() -> None:
     code = "import sys, mxconv.readahead; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_stop_after_wait_keeps_the_count(tmp_path: Path) -> None:
+    mib = 1 << 20
+    root = _source(tmp_path / "m", {"s1.safetensors": 12 * mib}, None)
+    ra = Readahead.for_source(str(root), limit=1 << 40)
+    assert ra is not None
+    assert ra.wait() == 12 * mib and ra.stop() == 12 * mib
+
+
+def test_a_run_that_fails_before_converting_ends_its_reader(tmp_path: Path, monkeypatch) -> None:
+    """In-process callers (tests, libraries) keep running after a failed command: no reader may stay."""
+    import mxconv.readahead as readahead
+    from support.cli import mx
+
+    started: list[Readahead] = []
+    real = readahead.Readahead.start
+
+    def track(self: Readahead) -> None:
+        started.append(self)
+        real(self)
+
+    monkeypatch.setattr(readahead.Readahead, "start", track)
+    mib = 1 << 20
+    root = _source(tmp_path / "m", {"s1.safetensors": 64 * mib}, None)  # shards but no config.json: exit 2
+    code, _, err = mx("quantize", root, tmp_path / "out")
+    assert code == 2, err
+    assert len(started) == 1 and started[0]._proc is None  # stopped and reaped

@@ -66,29 +66,33 @@ def default_limit() -> int:
     return 2 << 30
 
 
-# The child: read the files given, front to back, until the limit; on SIGTERM (or at the end) print
-# the bytes read and exit. SIGINT is the parent's to handle (Ctrl-C reaches the whole process group).
+# The child: read the files given, front to back, until the limit or until its parent is gone; on
+# SIGTERM (or at the end) print the bytes read and exit. SIGINT is the parent's to handle (Ctrl-C
+# reaches the whole process group).
 _CHILD = r"""
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 done = 0
 def report(*_):
-    os.write(1, b"%d\n" % done)
+    try:
+        os.write(1, b"%d\n" % done)
+    except OSError:
+        pass
     os._exit(0)
 signal.signal(signal.SIGTERM, report)
-limit, chunk = int(sys.argv[1]), int(sys.argv[2])
+parent, limit, chunk = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 view = memoryview(bytearray(chunk))
-for name in sys.argv[3:]:
+for name in sys.argv[4:]:
     try:
         with open(name, "rb", buffering=0) as fh:
-            while done < limit:
+            while done < limit and os.getppid() == parent:
                 n = fh.readinto(view)
                 if not n:
                     break
                 done += n
     except OSError:
         pass
-    if done >= limit:
+    if done >= limit or os.getppid() != parent:
         break
 report()
 """
@@ -123,7 +127,7 @@ class Readahead:
     def start(self) -> None:
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-S", "-c", _CHILD, str(self.limit), str(_CHUNK), *map(str, self.files)],
+                [sys.executable, "-S", "-c", _CHILD, str(os.getpid()), str(self.limit), str(_CHUNK), *map(str, self.files)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             )
             atexit.register(self.stop)  # a run that fails before stop() leaves no reader behind
@@ -135,6 +139,8 @@ class Readahead:
         if self._proc is not None:
             out, _ = self._proc.communicate(timeout=timeout)
             self.bytes_read = _parse(out)
+            self._proc = None
+            atexit.unregister(self.stop)
         else:
             self._thread.join(timeout)
         return self.bytes_read
@@ -160,6 +166,7 @@ class Readahead:
         self._stop.set()
         proc, self._proc = self._proc, None
         if proc is not None:
+            atexit.unregister(self.stop)
             if proc.poll() is None:
                 proc.terminate()
             try:

@@ -291,6 +291,14 @@ def run_convert(
 
     # The disk starts on the source while torch imports and CUDA starts (seconds): see mxconv.readahead.
     ahead = None if run.dry_run else Readahead.for_source(source)
+    try:
+        _convert(command, source, output, quant=quant, repack=repack, run=run, ahead=ahead)
+    finally:
+        if ahead is not None:
+            ahead.stop()  # a run that fails before converting leaves no reader behind
+
+
+def _convert(command: str, source: str, output: Path, *, quant: Any, repack: Any, run: RunOptions, ahead: Any) -> None:
     from mxconv.checkpoint import open_checkpoint
     from mxconv.convert import build_plan, execute, plan_memory
     from mxconv.families import detect_family
