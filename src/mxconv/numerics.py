@@ -252,20 +252,24 @@ _NONFINITE_BITS: dict[str, tuple[torch.dtype, int, int]] = {
     "F64": (torch.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
     "F8_E4M3": (torch.uint8, 0x7F, 0x7F),
     "F8_E5M2": (torch.uint8, 0x7F, 0x7C),
+    "F8_E8M0": (torch.uint8, 0xFF, 0xFF),  # E8M0 scales: 0xFF is NaN, the only byte that is not a number
 }
 
 
 def first_nonfinite_bytes(data: bytes | memoryview, st_dtype: str) -> int | None:
     """Element position of the first NaN/Inf in raw little-endian ``data`` of safetensors dtype
     ``st_dtype`` (bit patterns only: nothing is converted), or None; None for non-float dtypes.
-    ``data`` holds whole elements."""
+    A trailing partial element (a short read of a truncated file) is left to the reader to report."""
     spec = _NONFINITE_BITS.get(st_dtype)
-    if spec is None or not len(data):
+    if spec is None:
         return None
     itype, mask, first_bad = spec
+    whole = len(data) - len(data) % torch.tensor([], dtype=itype).element_size()
+    if not whole:
+        return None
     with warnings.catch_warnings():  # read-only buffer: nothing here writes to it
         warnings.simplefilter("ignore", UserWarning)
-        bits = torch.frombuffer(data, dtype=itype)
+        bits = torch.frombuffer(memoryview(data)[:whole], dtype=itype)
     magnitude = bits & mask
     if int(magnitude.max()) < first_bad:
         return None

@@ -23,7 +23,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from mxconv.checkpoint import INDEX_NAME
 from mxconv.layouts.base import TensorSpec
@@ -370,10 +370,12 @@ class ShardedWriter:
 Target = tuple[ShardedWriter, int, int]  # (writer, shard, absolute file offset of the first byte)
 
 
-def _stream(targets: list[Target], h: Any, chunks: Iterable[memoryview | bytes]) -> int:
+def _stream(targets: list[Target], h: Any, chunks: Iterable[memoryview | bytes],
+            check: Callable[[int, bytes], None] | None = None) -> int:
     """Write ``chunks`` at consecutive offsets of every target (one per TP rank), updating sha256
-    ``h`` with each chunk on the first writer's hashing thread while the chunk is being written;
-    returns the bytes written per target."""
+    ``h`` with each chunk on the first writer's hashing thread while the chunk is being written
+    (``check(offset, chunk)`` runs there too, after the hash, and raises to stop); returns the bytes
+    written per target."""
     hasher = targets[0][0]._hasher
     pending: Future | None = None
     pos = 0
@@ -381,7 +383,7 @@ def _stream(targets: list[Target], h: Any, chunks: Iterable[memoryview | bytes])
         for chunk in chunks:
             if pending is not None:
                 pending.result()
-            pending = hasher.submit(h.update, chunk)
+            pending = hasher.submit(_digest, h, chunk, pos, check)
             for w, si, off in targets:
                 w._write_at(si, off + pos, chunk)
             pos += len(chunk)
@@ -391,29 +393,27 @@ def _stream(targets: list[Target], h: Any, chunks: Iterable[memoryview | bytes])
     return pos
 
 
+def _digest(h: Any, chunk: memoryview | bytes, pos: int, check: Callable[[int, bytes], None] | None) -> None:
+    h.update(chunk)
+    if check is not None:
+        check(pos, chunk)
+
+
 def copy_tensor_to(writers: list[ShardedWriter], name: str,
                    check: Callable[[TensorInfo, int, bytes], None] | None = None) -> int:
     """Copy planned tensor ``name`` byte for byte into every writer (one per TP rank), reading and
     hashing its source once; returns the bytes read. ``check(source, byte_offset, chunk)`` sees every
-    chunk before it is written (it raises to stop the copy)."""
+    chunk on the hashing thread, beside the write (it raises to stop the copy: the run fails and
+    nothing it wrote is kept)."""
     planned = [w._begin(name) for w in writers]
     src = planned[0].source
     assert src is not None
     h = hashlib.sha256()
-    chunks = iter_tensor_chunks(src, COPY_CHUNK)
-    if check is not None:
-        chunks = _checked(src, chunks, check)
-    _stream([(w, w._shard_of[name], w._offsets[name]) for w in writers], h, chunks)
+    on_chunk = None if check is None else (lambda pos, chunk: check(src, pos, chunk))
+    _stream([(w, w._shard_of[name], w._offsets[name]) for w in writers], h, iter_tensor_chunks(src, COPY_CHUNK), on_chunk)
     digest = h.hexdigest()
     for w, p in zip(writers, planned):
         w.bytes_written += src.nbytes
         w._end(p, digest)
     return src.nbytes
 
-
-def _checked(src: TensorInfo, chunks: Iterable[bytes], check: Callable[[TensorInfo, int, bytes], None]) -> Iterator[bytes]:
-    offset = 0
-    for chunk in chunks:
-        check(src, offset, chunk)
-        offset += len(chunk)
-        yield chunk
