@@ -25,6 +25,7 @@ from mxconv.checkpoint import open_checkpoint
 from mxconv.engines import KERNEL_THRESHOLDS
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
+from mxconv.layouts import backend_names
 from mxconv.manifest import load_manifest
 from mxconv.runner import hidden_states  # noqa: F401 - part of what verify's API has always offered
 from mxconv.verify.integrity import check_integrity, check_manifest_claims, model_info_of
@@ -77,7 +78,7 @@ def verify(
     step = on_step or (lambda what, done, total: None)
     run = _open_run(path, reference, reference_outputs, save_reference, tokens, seed, device)
     lay_table = {int(l["layer"]): l for l in run.manifest["layers"]}
-    chosen = parse_layers(layers, sorted(lay_table))
+    chosen = sorted(set(parse_layers(layers, sorted(lay_table))))
     steps = len(chosen) + 1
     step("integrity (sha256 of every tensor)", 0, steps)
     integ = check_integrity(run.root, run.manifest, run.ckpts)
@@ -121,6 +122,9 @@ def _open_run(path: str | Path, reference: str | None, reference_outputs: str | 
     if not root.is_dir():
         raise BadInput(f"{path}: no such directory")
     manifest = load_manifest(root)
+    if manifest["kind"] == "kernel" and manifest["backend"] not in backend_names():  # a plug-in not registered here
+        raise BadInput(f"{root / 'mxconv.json'}: backend {manifest['backend']!r} is not one this mxconv knows "
+                       f"({', '.join(backend_names())}); a newer mxconv, or a plug-in backend not registered in this process?")
     tp = int(manifest.get("tp_size") or 1)
     dirs = [root] if tp == 1 else [root / f"rank-{r}" for r in range(tp)]
     for d in dirs:

@@ -62,21 +62,24 @@ def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint
             key = name if tp == 1 else f"rank-{r}/{name}"
             if key not in seen:
                 problems.setdefault(layer_index(name), []).append(f"{key}: present in the checkpoint but not in the manifest")
-        problems.setdefault(None, []).extend(stray_weight_files(root, ckpt))
+        problems.setdefault(None, []).extend(stray_weight_files(root, ckpt.root, ckpt.shard_files))
+    if tp > 1:  # the top of a TP output holds no weights at all
+        problems.setdefault(None, []).extend(stray_weight_files(root, root, []))
     return problems
 
 
 _WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|gguf)$")
 
 
-def stray_weight_files(root: Path, ckpt: Checkpoint) -> list[str]:
-    """Weight files in ``ckpt``'s directory that its index does not name: a loader may read one instead
-    of the indexed shards (transformers takes ``model.safetensors`` first), so they fail verification."""
-    shards = {f.name for f in ckpt.shard_files}
+def stray_weight_files(root: Path, directory: Path, shard_files: list[Path]) -> list[str]:
+    """Weight files in ``directory`` that are not its indexed ``shard_files``: a loader may read one
+    instead of the indexed shards (transformers takes ``model.safetensors`` first), so they fail
+    verification."""
+    shards = {f.name for f in shard_files}
     return [
         f"{f.relative_to(root).as_posix()}: a weight file the output's index does not name (a loader such as "
         "transformers may read it instead of the indexed shards); remove it"
-        for f in sorted(ckpt.root.iterdir())
+        for f in sorted(directory.iterdir())
         if f.is_file() and _WEIGHT_FILE.search(f.name) and f.name not in shards
     ]
 
