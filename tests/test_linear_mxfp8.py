@@ -463,3 +463,12 @@ def test_block_fp8_linear_without_its_scales_is_refused(tmp_path: Path) -> None:
     # leaving it alone by name is the user's explicit choice
     _convert(src_dir, tmp_path / "out2", QuantOptions("mxfp8", targets="linear", ignore=[r"re:.*kv_b_proj$"]))
     assert json.loads((tmp_path / "out2" / "mxconv.json").read_text())
+    # with a scale of another kind (per-tensor FP8) it is a format mxconv does not convert: left alone, said why
+    tensors = load_file(shard)
+    tensors["model.layers.1.self_attn.kv_b_proj.weight_scale"] = torch.ones(1)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index["weight_map"]["model.layers.1.self_attn.kv_b_proj.weight_scale"] = shard.name
+    index_path.write_text(json.dumps(index))
+    _convert(src_dir, tmp_path / "out3", LINEAR)
+    left = json.loads((tmp_path / "out3" / "mxconv.json").read_text())["linears"]["left_alone"]
+    assert left["model.layers.1.self_attn.kv_b_proj"] == "F8_E4M3 weight (neither float nor block-FP8)"

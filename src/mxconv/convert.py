@@ -22,6 +22,7 @@ from mxconv.checkpoint import CONFIG_NAME
 from mxconv.compute import RunStats, make_compute
 from mxconv.errors import BadInput
 from mxconv.families import MoELayer, MoELayerRef
+from mxconv.families.gpt_oss_output import FORMAT_KEY
 from mxconv.interrupt import Interrupted, deferred_signals
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts
@@ -58,9 +59,6 @@ def refuse_nonfinite_copy(src: TensorInfo, offset: int, chunk: bytes) -> None:
         )
 
 
-KERNEL_FORMAT_KEY = "mxconv_quant_method"  # the key gpt-oss MXFP8 outputs use too (families.gpt_oss_output)
-
-
 def output_config(plan: Plan) -> dict[str, Any]:
     """config.json of the output: the source config with the quantization_config for the experts."""
     cfg = dict(plan.ckpt.config)
@@ -89,7 +87,7 @@ def output_config(plan: Plan) -> dict[str, Any]:
         # experts randomly initialised. quant_method null makes transformers and vLLM refuse the directory.
         cfg["quantization_config"] = {
             "quant_method": None,
-            KERNEL_FORMAT_KEY: "kernel-layout",
+            FORMAT_KEY: "kernel-layout",  # the key gpt-oss MXFP8 outputs use too
             "mxconv_note": (f"MoE experts in the {plan.repack.backend} kernel layout (mxconv.json); load them with "
                             "mxconv.loader or an engine integration, not with from_pretrained"),
             "mxconv_expert_quantization_config": cfg.get("quantization_config"),
@@ -350,7 +348,7 @@ def _execute(
             atomic_write_json(write_dir / CONFIG_NAME, cfg)
         write_manifest(write_dir, manifest)
     target.commit()  # a staged --overwrite replaces the old output now
-    skipped = [m for m, why in (plan.linears.kept.items() if plan.linears is not None else ()) if "--skip-unaligned" in why]
+    skipped = plan.linears.unaligned if plan.linears is not None else []
     if skipped:
         notes.append(f"note: {len(skipped)} linear layer(s) left unquantized (input size not a multiple of 32, "
                      f"--skip-unaligned): {', '.join(skipped)}; the config lists them in 'ignore'")

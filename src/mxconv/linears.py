@@ -154,6 +154,7 @@ class LinearSelection:
     quantized: list[LinearRef] = field(default_factory=list)
     carried: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
+    unaligned: list[str] = field(default_factory=list)  # the kept ones --skip-unaligned left alone
 
     def mx_modules(self) -> list[str]:
         """Every linear that is MXFP8 in the output."""
@@ -219,7 +220,7 @@ def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: Any
         if why is None and ((quant.include and not name_matches(quant.include, module)) or name_matches(quant.ignore, module)):
             why = "--include/--ignore"
         fp8 = info.dtype == "F8_E4M3" and f"{module}.weight_scale_inv" in ckpt.tensors
-        if why is None and info.dtype == "F8_E4M3" and not fp8:
+        if why is None and info.dtype == "F8_E4M3" and not fp8 and f"{module}.weight_scale" not in ckpt.tensors:
             raise BadInput(
                 f"{info.file}: tensor {info.name!r} is F8_E4M3 but neither {module}.weight_scale_inv (block FP8) nor "
                 f"{module}.weight_scale (MXFP8, U8 [{n}, {k // 32}]) is in the checkpoint: its values cannot be read "
@@ -235,6 +236,7 @@ def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: Any
                     f"unquantized (listed in the config), or --ignore 're:{re.escape(module)}$'"
                 )
             why = f"input size {k} is not a multiple of 32 (--skip-unaligned)"
+            sel.unaligned.append(module)
         if why is not None:
             sel.kept[module] = why
             continue

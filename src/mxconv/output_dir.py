@@ -97,8 +97,8 @@ def check_output_dir(out: Path, sources: list[Path], overwrite: bool) -> bool:
         return False
     interrupted = (out / IN_PROGRESS).exists() and not (out / MANIFEST_NAME).exists()
     if interrupted:
-        pid = _writer_pid(out / IN_PROGRESS)
-        if pid is not None and pid != os.getpid() and _alive(pid):
+        pid = live_writer(out)
+        if pid is not None:
             raise BadInput(f"OUTPUT {out} is being written by another mxconv run (pid {pid}); wait for it or choose another directory")
     if not overwrite and not interrupted:
         raise BadInput(f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
