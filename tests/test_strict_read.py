@@ -345,18 +345,14 @@ def test_verify_fails_on_a_weight_file_the_index_does_not_name(outs: Path, tmp_p
 
 def test_a_manifest_that_lists_no_layer_is_refused(outs: Path, tmp_path: Path) -> None:
     d = _copy(outs / "k", tmp_path / "k")
-    m = json.loads((d / "mxconv.json").read_text())
-    m["layers"] = []
-    (d / "mxconv.json").write_text(json.dumps(m))
+    _tamper(d / "mxconv.json", lambda m: m.__setitem__("layers", []))
     code, _, err = mx("verify", d)
     assert code == 2 and "layers" in err and "is empty" in err, err
 
 
 def test_a_manifest_naming_an_unknown_backend_is_refused_once(outs: Path, tmp_path: Path) -> None:
     d = _copy(outs / "k", tmp_path / "k")
-    m = json.loads((d / "mxconv.json").read_text())
-    m["backend"] = "foo"
-    (d / "mxconv.json").write_text(json.dumps(m))
+    _tamper(d / "mxconv.json", lambda m: m.__setitem__("backend", "foo"))
     code, _, err = mx("verify", d)
     assert code == 2 and err.count("backend 'foo' is not one this mxconv knows") == 1, err
     code, out, err = mx("inspect", d, "--json")  # inspect still describes what the files and manifest say
