@@ -17,9 +17,9 @@ from mxconv.errors import BadInput, LayoutError
 from mxconv.vllm_mxfp4 import vllm_refusal
 
 
-def mxfp4_expert_bytes(E: int, H: int, I: int, has_bias: bool, scale_bytes: int = 1) -> int:
-    """Canonical (unpadded) MXFP4 bytes of one layer's experts, bf16 biases included
-    (``scale_bytes`` 2: INT4 with bf16 group-32 scales, the same 4-bit elements)."""
+def canonical_expert_bytes(E: int, H: int, I: int, has_bias: bool, scale_bytes: int = 1) -> int:
+    """Canonical (unpadded) bytes of one layer's 4-bit experts, bf16 biases included: MXFP4
+    (``scale_bytes`` 1, E8M0 scales) or INT4 (2, bf16 group-32 scales)."""
     w13 = 2 * I * (H // 2 + scale_bytes * H // 32)
     w2 = H * (I // 2 + scale_bytes * I // 32)
     bias = 2 * (2 * I + H) if has_bias else 0
@@ -35,25 +35,26 @@ def backend_table(
     ``weight_format`` "int4" (a compressed-tensors INT4 source): what ``repack`` does with it, i.e. the
     layouts that take INT4 as it is (trtllm: MxInt4), and an error row for the others."""
     rows = []
-    base = mxfp4_expert_bytes(E, H, I, has_bias, 2 if weight_format == "int4" else 1) * layers
+    base = canonical_expert_bytes(E, H, I, has_bias, 2 if weight_format == "int4" else 1) * layers
     for name in backend_names():
         layout = get_layout(name)
-        takes_format = weight_format in getattr(layout, "weight_formats", ("mxfp4",))
+        formats = getattr(layout, "weight_formats", ("mxfp4",))
         fmt_kw = {"weight_format": weight_format} if weight_format != "mxfp4" else {}
         for act in layout.activations:
-            if not takes_format:
+            if weight_format not in formats:
                 rows.append({"backend": name, "activation": act, "error": (
-                    f"takes {', '.join(getattr(layout, 'weight_formats', ('mxfp4',)))} experts, not {weight_format}: "
-                    "quantize the source to mxfp4 first")})
+                    f"takes {', '.join(formats)} experts, not {weight_format}: quantize the source to mxfp4 first")})
                 continue
             try:
                 Hp, Ip = layout.padded_sizes(H, I, row_order, act, layout.resolve_options(), **fmt_kw)
                 sizes = LayoutSizes(E, H, I, Hp, Ip, row_order, has_bias, weight_format)
                 nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, layout.resolve_options()).values()) * layers
-                compat = layout.describe(sizes, act, layout.resolve_options()).get("engine_compat", {}).get("vllm")
-                model = {"activation": model_activation, "has_expert_bias": has_bias}
-                served = [b for b in getattr(layout, "vllm_backends", {}).get(act, ())  # MXFP4 backends
-                          if weight_format == "mxfp4" and vllm_refusal(b, (H, I, Hp, Ip), model, compat) is None]
+                served: list[str] = []
+                if weight_format == "mxfp4":  # the vLLM backends a layout lists are MXFP4 ones
+                    compat = layout.describe(sizes, act, layout.resolve_options()).get("engine_compat", {}).get("vllm")
+                    model = {"activation": model_activation, "has_expert_bias": has_bias}
+                    served = [b for b in getattr(layout, "vllm_backends", {}).get(act, ())
+                              if vllm_refusal(b, (H, I, Hp, Ip), model, compat) is None]
                 rows.append(
                     {
                         "backend": name,
