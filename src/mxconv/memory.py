@@ -34,6 +34,13 @@ Defaults: ``--max-memory`` = ``HOST_FRACTION`` of the memory available when the 
 device's free memory. The pipeline keeps two items read ahead and two results queued when whole
 layers fit, one result queued otherwise, and reads one item ahead only when not even one expert
 fits with two. A budget too small for one expert is an error (exit 2) that names the sizes.
+
+Items are also kept small for overlap, whatever the budget: where the reader can read a range of
+experts, a layer whose experts read more than ``ITEM_READ_BYTES`` is cut into equal groups that
+read at most that much each. The pipeline fills (the first item read before anything is
+computed) and drains (the last item computed and written after the last read) one item at a
+time; with a 6.4 GB gpt-oss-120b bf16 layer as one item that left the disk idle for seconds at
+both ends (``scripts/bench_e2e.py``). The bytes written do not depend on it.
 """
 
 from __future__ import annotations
@@ -58,15 +65,17 @@ QUANTIZE_BYTES = 16  # host/GPU bytes per w13 element while a float stack is qua
 MXFP4_TO_MXFP8_BYTES = 14  # per w13 element of the lossless MXFP4 -> MXFP8 re-coding
 OUTPUT_COPIES = {"repack": 4, "quantize": 2}  # temporaries of the layout / per-expert split, x output
 PINNED = 2
-# Held beside the items: a byte copy's chunk and the one being hashed, and what the allocator keeps
-# of freed blocks (a fraction of what is in flight, see SLACK).
-RESERVE = 2 * COPY_CHUNK
+# Held beside the items: a byte copy's chunk being written and hashed, the one before it (hashing
+# may lag one chunk) and the next one being read (mxconv.diskio.read_ahead), and what the allocator
+# keeps of freed blocks (a fraction of what is in flight, see SLACK).
+RESERVE = 3 * COPY_CHUNK
 SLACK = 0.1
 CUDA_HOST_RESERVE = 1 << 30  # host memory of the CUDA context, Triton and the pinned allocator
 # What importing torch adds to the RSS (measured 186-204 MiB, torch 2.13 CPU build). A plan made in a
 # process without torch (``mxconv inspect`` imports none) counts it: the run it plans for has it.
 TORCH_RSS = 200 << 20
 PIPELINE_DEPTHS = ((2, 2), (2, 1), (1, 1))  # (prefetch, queue_depth), most overlap first
+ITEM_READ_BYTES = 512 << 20  # a layer item reads at most this much where it can be cut (module doc)
 
 
 def _proc_kib(path: str, key: str) -> int | None:
@@ -158,6 +167,7 @@ class MemoryPlan:
     peak_gpu: int | None = None
     min_host: int = 0  # the smallest host budget that works (one expert, least overlap)
     default_budget: bool = True
+    item_read_cap: int | None = None  # groups were cut to read at most this much (overlap, not memory)
 
     @property
     def split(self) -> bool:
@@ -178,6 +188,7 @@ class MemoryPlan:
             "estimated_peak_host_bytes": self.peak_host,
             "estimated_peak_gpu_bytes": self.peak_gpu,
             "smallest_max_memory": self.min_host,
+            "item_read_cap": self.item_read_cap,
         }
 
     def describe(self) -> str:
@@ -189,6 +200,8 @@ class MemoryPlan:
             gs = "/".join(str(g) for g in sizes)
             n = max(math.ceil(self.num_experts / g) for g in sizes)
             what = f"groups of {gs} of {self.num_experts} experts ({n} per layer)"
+            if self.item_read_cap is not None:
+                what += f", each reading at most {human_bytes(self.item_read_cap)} to keep the stages overlapped"
         budget = "no limit" if self.host_budget is None else human_bytes(self.host_budget)
         if self.default_budget and self.host_budget is not None:
             budget += " (default)"
@@ -247,6 +260,7 @@ def plan_memory(
     names: dict[int, str] | None = None,
     default_budget: bool = False,
     whole: dict[str, ExpertCost] | None = None,
+    item_read_cap: int | None = None,
 ) -> MemoryPlan:
     """Pipeline depth and experts per group for layers with per-expert ``costs`` under ``budget``.
 
@@ -255,7 +269,8 @@ def plan_memory(
     items read ahead, or one when not even one expert fits with two). ``whole``: other items, by
     name, converted whole (their cost as one "expert"), which must fit the same pipeline. BadInput
     naming the sizes when one expert does not fit (or, where the reader cannot read a range of
-    experts, one layer; or one of ``whole``)."""
+    experts, one layer; or one of ``whole``). ``item_read_cap``: where the reader can read expert
+    ranges, groups read at most this many bytes (at least one expert) even where more would fit."""
     E = num_experts
     names = names or {}
     whole = whole or {}
@@ -273,12 +288,19 @@ def plan_memory(
         return all(fits(c, 1, p, q) for c in whole.values())
 
     def finish(p: int, q: int, groups: dict[int, int]) -> MemoryPlan:
+        capped = False
+        if splittable and item_read_cap is not None:
+            for L, g in groups.items():
+                most = max(1, item_read_cap // max(1, costs[L].read))
+                if most < g:
+                    groups[L], capped = balance(most, E), True
         items = [(costs[L], g) for L, g in groups.items()] + [(c, 1) for c in whole.values()]
         peak = baseline + max((_with_slack(host_bytes(c, g, p, q, dev)) for c, g in items), default=0)
         peak_gpu = max((_with_slack(gpu_bytes(c, g)) for c, g in items), default=0) if dev == "cuda" else None
         least = [(c, 1 if splittable else E) for c in costs.values()] + [(c, 1) for c in whole.values()]
         smallest = baseline + max((_with_slack(host_bytes(c, g, 1, 1, dev)) for c, g in least), default=0)
-        return MemoryPlan(budget.host, gpu_room, baseline, p, q, E, groups, peak, peak_gpu, smallest, default_budget)
+        return MemoryPlan(budget.host, gpu_room, baseline, p, q, E, groups, peak, peak_gpu, smallest, default_budget,
+                          item_read_cap if capped else None)
 
     for p, q in PIPELINE_DEPTHS[:2]:  # whole layers, the deepest pipeline that fits
         if whole_fit(p, q) and all(fits(c, E, p, q) for c in costs.values()):
@@ -372,7 +394,8 @@ def plan_for(plan: "Plan", budget: MemoryBudget, default_budget: bool = False) -
     torch_rss = 0 if "torch" in sys.modules else TORCH_RSS
     baseline = process_rss() + torch_rss + RESERVE + (CUDA_HOST_RESERVE if budget.device_type == "cuda" else 0)
     return plan_memory(costs, plan.info.num_experts, budget, baseline=baseline, names=names,
-                       splittable=plan.reader.reads_expert_ranges, default_budget=default_budget, whole=whole)
+                       splittable=plan.reader.reads_expert_ranges, default_budget=default_budget, whole=whole,
+                       item_read_cap=ITEM_READ_BYTES)
 
 
 def resolve_budget(host: int | None, gpu: int | None, device: Any) -> tuple[MemoryBudget, bool]:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from mxconv.checkpoint import INDEX_NAME
+from mxconv.diskio import read_ahead, start_writeback
 from mxconv.layouts.base import TensorSpec
 from mxconv.output_dir import TMP_SUFFIX, OutputWriteError, atomic_write_json, writing
 from mxconv.output_dir import (  # noqa: F401 - re-exported: these lived here before output_dir.py
@@ -175,6 +176,8 @@ class ShardedWriter:
         # A finished shard is fsync'd and renamed into place on its own thread, so the writer goes
         # straight on with the next shard instead of waiting for the disk to flush this one.
         self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-fsync")
+        # A byte-for-byte copy reads its next chunk here while this one is written (mxconv.diskio).
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-copy-read")
         self._synced: list[Future] = []
         self._queue = [(si, t) for si, s in enumerate(self.shards) for t in s.tensors]
         self._pos = 0  # tensors begun
@@ -217,6 +220,7 @@ class ShardedWriter:
         except OSError as exc:
             raise OutputWriteError.from_os_error(exc, self._shown(self.shards[si])) from exc
         self._fpos[si] = offset + len(chunk)
+        start_writeback(f.fileno(), offset, len(chunk))  # the disk starts now, not at the shard's fsync
 
     def _open_shard(self, si: int) -> None:
         for fut in self._synced:  # an earlier shard's failed fsync/rename stops the run here already
@@ -330,6 +334,7 @@ class ShardedWriter:
     def finish(self) -> dict[str, WrittenTensor]:
         """Check every planned tensor was written, then write the index. Returns the tensor table."""
         self._hasher.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
         self._syncer.shutdown(wait=True)
         for fut in self._synced:
             fut.result()  # re-raise a failed fsync/rename (e.g. disk full) before the index is written
@@ -354,6 +359,7 @@ class ShardedWriter:
         (best effort; safe to call twice). Finished shards stay: the caller's OutputTarget removes them."""
         self._cancelled.set()
         self._hasher.shutdown(wait=True, cancel_futures=True)  # at most one chunk being hashed
+        self._reader.shutdown(wait=True, cancel_futures=True)  # at most one chunk being read
         self._syncer.shutdown(wait=True)
         if self._files:
             self._open_at_abort = self.current_file() or self._shown(self.shards[min(self._files)])
@@ -410,7 +416,11 @@ def copy_tensor_to(writers: list[ShardedWriter], name: str,
     assert src is not None
     h = hashlib.sha256()
     on_chunk = None if check is None else (lambda pos, chunk: check(src, pos, chunk))
-    _stream([(w, w._shard_of[name], w._offsets[name]) for w in writers], h, iter_tensor_chunks(src, COPY_CHUNK), on_chunk)
+    chunks = read_ahead(iter_tensor_chunks(src, COPY_CHUNK), writers[0]._reader)  # read k+1 while k is written
+    try:
+        _stream([(w, w._shard_of[name], w._offsets[name]) for w in writers], h, chunks, on_chunk)
+    finally:
+        chunks.close()  # a failed write leaves no read running
     digest = h.hexdigest()
     for w, p in zip(writers, planned):
         w.bytes_written += src.nbytes
