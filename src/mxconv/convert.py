@@ -9,6 +9,7 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import threading
@@ -31,7 +32,7 @@ from mxconv.linears import linear_compute, linear_load, manifest_extras
 from mxconv.manifest import base_manifest, tensor_table, write_manifest
 from mxconv.memory import MemoryBudget, plan_for, resolve_budget, work_items
 from mxconv.output_dir import DISK_FULL, OutputTarget, OutputWriteError, atomic_write_json, writing
-from mxconv.pipeline import WorkItem, run_pipeline
+from mxconv.pipeline import TRACE_ENV, StageTimes, WorkItem, run_pipeline, write_trace
 from mxconv.st_format import TensorInfo, element_bytes
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
 from mxconv.writer import ShardPlan, ShardedWriter, plan_shards, shards_size
@@ -282,12 +283,17 @@ def _execute(
     load = lambda item: reader.read_checked_layer(item.payload, plan.quant.allow_nonfinite, item.experts)  # noqa: E731
     load = linear_load(plan, load)
     mem = plan.memory
-    times = run_pipeline(work_items(plan.items, mem), writers, load=load, compute=run_compute, on_progress=on_progress,
-                         prefetch=mem.prefetch, queue_depth=mem.queue_depth, read_threads=min(2, mem.prefetch),
-                         check_copy=None if plan.quant.allow_nonfinite else refuse_nonfinite_copy)
+    items = work_items(plan.items, mem)
+    trace_path = os.environ.get(TRACE_ENV)
+    times = StageTimes(events=[] if trace_path else None, origin=t0)
+    t_pipe = time.perf_counter()
+    run_pipeline(items, writers, load=load, compute=run_compute, on_progress=on_progress,
+                 prefetch=mem.prefetch, queue_depth=mem.queue_depth, read_threads=min(2, mem.prefetch),
+                 check_copy=None if plan.quant.allow_nonfinite else refuse_nonfinite_copy, times=times)
 
     cfg = output_config(plan)
     tensors: dict[str, Any] = {}
+    t_finish = time.perf_counter()
     for r, (d, w) in enumerate(zip(rank_dirs, writers)):
         written = w.finish()
         with writing(out_dir, write_dir):
@@ -359,6 +365,10 @@ def _execute(
             "experts only, so engines that load this checkpoint must be told about those FP8 modules separately"
         )
     wall = time.perf_counter() - t0
+    if trace_path:
+        times.mark("setup", -1, t0, t_pipe)
+        times.mark("finish", -1, t_finish, t0 + wall)  # the last shards' fsync, config, manifest
+        write_trace(Path(trace_path), items, times)
     summary = plan.summary()
     summary.update(
         {

@@ -21,9 +21,11 @@ torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxc
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
+from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -51,6 +53,8 @@ class WorkItem:
     experts: tuple[int, int] | None = None  # for "layer": experts [e0, e1) only (None: all)
 
 
+TRACE_ENV = "MXCONV_TRACE"  # a file path: the run writes its timeline there (scripts/bench_e2e.py reads it)
+
 LoadFn = Callable[[WorkItem], Any]
 ComputeFn = Callable[[WorkItem, Any], "list[dict[str, torch.Tensor]]"]
 
@@ -64,9 +68,17 @@ class StageTimes:
     write_s: float = 0.0
     wait_for_load_s: float = 0.0  # main thread idle, waiting for a reader
     wait_for_writer_s: float = 0.0  # main thread blocked on a full write queue
+    # (stage, item index, start, end) in seconds since ``origin``, when tracing (``MXCONV_TRACE``)
+    events: list[tuple[str, int, float, float]] | None = field(default=None, repr=False)
+    origin: float = field(default=0.0, repr=False)
 
     def to_json(self) -> dict[str, float]:
-        return {k: round(v, 4) for k, v in self.__dict__.items()}
+        return {k: round(v, 4) for k, v in self.__dict__.items() if k.endswith("_s")}
+
+    def mark(self, stage: str, index: int, t0: float, t1: float) -> None:
+        """Record one stage of item ``index`` (perf_counter times) when tracing."""
+        if self.events is not None:
+            self.events.append((stage, index, round(t0 - self.origin, 4), round(t1 - self.origin, 4)))
 
 
 def run_pipeline(
@@ -96,7 +108,7 @@ def run_pipeline(
                 return
             if stop.is_set():  # a failure elsewhere: keep draining so nobody blocks on the queue
                 continue
-            item, results = got
+            index, item, results = got
             t0 = time.perf_counter()
             try:
                 if item.kind == "copy":
@@ -114,7 +126,9 @@ def run_pipeline(
                         for name in names:
                             if name in res:
                                 w.write_part(name, res[name])
-                times.write_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                times.write_s += t1 - t0
+                times.mark(item.kind if item.kind == "copy" else "write", index, t0, t1)
                 if on_progress:
                     on_progress(item.in_bytes)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
@@ -125,22 +139,24 @@ def run_pipeline(
 
     wt = threading.Thread(target=writer_loop, name="mxconv-writer", daemon=True)
     wt.start()
-    pending: list[tuple[WorkItem, Future | None]] = []
+    pending: list[tuple[int, WorkItem, Future | None]] = []
     pool = ThreadPoolExecutor(max_workers=max(1, read_threads), thread_name_prefix="mxconv-read")
 
     load_lock = threading.Lock()
 
-    def timed_load(item: WorkItem) -> Any:
+    def timed_load(i: int, item: WorkItem) -> Any:
         t0 = time.perf_counter()
         try:
             return load(item)
         finally:
+            t1 = time.perf_counter()
             with load_lock:  # several reader threads add to the same total
-                times.load_s += time.perf_counter() - t0
+                times.load_s += t1 - t0
+                times.mark("load", i, t0, t1)
 
     def submit(i: int) -> None:
         item = items[i]
-        pending.append((item, pool.submit(timed_load, item) if item.kind != "copy" else None))
+        pending.append((i, item, pool.submit(timed_load, i, item) if item.kind != "copy" else None))
 
     try:
         nxt = 0
@@ -153,14 +169,16 @@ def run_pipeline(
         while pending:
             if stop.is_set():
                 break
-            item, fut = pending.pop(0)
+            index, item, fut = pending.pop(0)
             if fut is not None:
                 t0 = time.perf_counter()
                 data = fut.result()
                 t1 = time.perf_counter()
                 results = compute(item, data)
+                t2 = time.perf_counter()
                 times.wait_for_load_s += t1 - t0
-                times.compute_s += time.perf_counter() - t1
+                times.compute_s += t2 - t1
+                times.mark("compute", index, t1, t2)
                 del data
                 loaded_ahead -= 1
             else:
@@ -171,7 +189,7 @@ def run_pipeline(
                 submit(nxt)
                 nxt += 1
             t0 = time.perf_counter()
-            q.put((item, results))
+            q.put((index, item, results))
             times.wait_for_writer_s += time.perf_counter() - t0
             del results
     except BaseException:
@@ -179,7 +197,7 @@ def run_pipeline(
         stop.set()
         for w in writers:
             w.cancel()  # the writer thread stops within one chunk instead of finishing its item
-        for _item, fut in pending:
+        for _index, _item, fut in pending:
             if fut is not None:
                 fut.cancel()
         raise
@@ -198,3 +216,18 @@ def run_pipeline(
         if errors and not failed:
             raise errors[0]
     return times
+
+
+def write_trace(path: Path, items: list[WorkItem], times: StageTimes) -> None:
+    """Write the run's timeline as JSON: the items (kind, bytes read, layer, experts) and every
+    traced stage as ``[stage, item index, start s, end s]`` (item -1: the run's setup and finish)."""
+    doc = {
+        "items": [
+            {"kind": i.kind, "in_bytes": i.in_bytes, "experts": i.experts,
+             "layer": getattr(i.payload, "layer", None)}
+            for i in items
+        ],
+        "events": times.events or [],
+        "stage_seconds": times.to_json(),
+    }
+    path.write_text(json.dumps(doc))
