@@ -219,6 +219,21 @@ def test_plan_keeps_items_converted_whole_within_the_budget() -> None:
         _plan(2 * 10**9, whole=linears)
 
 
+def test_plan_cuts_big_layers_for_overlap_where_the_reader_can() -> None:
+    # 128 experts of 10 MB read = 1280 MB per layer; at most 256 MB per item -> 25 experts, balanced to 6 groups of 22
+    m = _plan(None, item_read_cap=256 * MB)
+    assert m.groups == {0: 22, 1: 22} and m.split and m.item_read_cap == 256 * MB
+    assert m.describe().startswith("groups of 22 of 128 experts (6 per layer), each reading at most 256.00 MB")
+    assert m.to_json()["item_read_cap"] == 256 * MB
+    # a budget that already cuts smaller is not cut again (and says nothing about overlap)
+    m = _plan(2 * 10**9, item_read_cap=1000 * MB)
+    assert m.groups == {0: 32, 1: 32} and m.item_read_cap is None
+    # a cap below one expert still leaves one expert per item; whole layers where nothing can be cut
+    assert _plan(None, item_read_cap=1).groups == {0: 1, 1: 1}
+    m = _plan(None, splittable=False, item_read_cap=256 * MB)
+    assert not m.split and m.item_read_cap is None
+
+
 def test_plan_of_a_reader_that_reads_whole_layers() -> None:
     assert not _plan(None, splittable=False).split
     with pytest.raises(BadInput, match="reads whole layers"):
@@ -278,6 +293,23 @@ def test_quantize_bytes_do_not_depend_on_the_budget(ws: Path, tmp_path: Path, ki
 REPACKS = [(b, a, 1) for b in backend_names() for a in get_layout(b).activations[:1]] + [
     ("trtllm", "mxfp8", 2), ("marlin", "bf16", 2), ("aiter", "mxfp4", 1), ("triton", "bf16", 2), ("deepgemm", "fp8", 2),
 ]
+
+
+def test_default_plan_cuts_items_and_keeps_the_bytes(ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The overlap cap goes through plan_for (as every run plans): with a cap of one expert's read
+    every layer item becomes one expert, and the output is the uncut run's, byte for byte."""
+    import mxconv.memory as memory
+
+    src = ws / "gpt-oss-bf16"
+    _run(src, tmp_path / "whole", QuantOptions(), None, None)
+    ckpt = open_checkpoint(src)
+    plan = build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions(), None)
+    monkeypatch.setattr(memory, "ITEM_READ_BYTES", 1)
+    mem = memory.plan_for(plan, MemoryBudget())
+    assert mem.groups and set(mem.groups.values()) == {1} and mem.item_read_cap == 1
+    plan.memory, plan.memory_device = mem, "cpu"
+    execute(plan, tmp_path / "cut", device=CPU, max_shard_size=40_000, overwrite=True, argv=["test"])
+    assert _digests(tmp_path / "cut") == _digests(tmp_path / "whole")
 
 
 @pytest.mark.parametrize("backend, act, tp", REPACKS)
