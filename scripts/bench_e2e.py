@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bench_disk import evict  # scripts/ is sys.path[0] when a script runs
+
 GPT_OSS = {
     "20b": dict(E=32, H=2880, I=2880, V=201088, layers=24),
     "120b": dict(E=128, H=2880, I=2880, V=201088, layers=36),
@@ -36,12 +38,7 @@ GPT_OSS = {
 
 def _evict(paths: list[Path]) -> None:
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict(p)
 
 
 def generate(root: Path, mode: str, E: int, H: int, I: int, V: int, layers: int, device: torch.device) -> None:
@@ -102,9 +99,12 @@ def generate(root: Path, mode: str, E: int, H: int, I: int, V: int, layers: int,
     (root / "tokenizer.json").write_text("{}")
 
 
-def io_floor(src: Path, out_bytes: int, scratch: Path) -> float:
+def io_floor(src: Path, out_bytes: int, scratch: Path, writeback: bool) -> float:
     """Seconds to read every source shard and write ``out_bytes`` (fsync'd) with nothing else:
-    one reader thread, the main thread writing in step with what has been read (64 MiB chunks)."""
+    one reader thread, the main thread writing in step with what has been read (64 MiB chunks).
+    ``writeback``: start each chunk's write-out at once, as mxconv's writer does (mxconv.diskio)."""
+    from mxconv.diskio import start_writeback
+
     import queue
     import threading
 
@@ -132,12 +132,46 @@ def io_floor(src: Path, out_bytes: int, scratch: Path) -> float:
             while written < due:
                 k = min(len(chunk), due - written)
                 out.write(chunk[:k])
+                if writeback:
+                    start_writeback(out.fileno(), written, k)
                 written += k
         os.fsync(out.fileno())
     th.join()
     dt = time.perf_counter() - t0
     scratch.unlink()
     return dt
+
+
+def _busy(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``spans``."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def timeline(trace: dict) -> dict:
+    """Where the run's time went, from its MXCONV_TRACE file (seconds since mxconv's timer started):
+    how long each stage kept at least one thread busy, when writing began and reading ended, and
+    the setup before the pipeline and the finish after it (last fsyncs, config, manifest)."""
+    ev = trace["events"]
+    spans = lambda *stages: [(a, b) for s, _, a, b in ev if s in stages]  # noqa: E731
+    one = lambda stage: next(((a, b) for s, _, a, b in ev if s == stage), (0.0, 0.0))  # noqa: E731
+    writes = spans("write", "copy")
+    return {
+        "items": len(trace["items"]),
+        "setup_s": one("setup")[1],
+        "first_write_at_s": min((a for a, _ in writes), default=None),
+        "last_load_end_at_s": max((b for _, b in spans("load")), default=None),
+        "pipeline_end_at_s": one("finish")[0],
+        "finish_s": one("finish")[1] - one("finish")[0],
+        "busy_load_s": _busy(spans("load")),
+        "busy_compute_s": _busy(spans("compute")),
+        "busy_write_s": _busy(writes),
+        "busy_copy_s": _busy(spans("copy")),
+    }
 
 
 def main() -> None:
@@ -174,11 +208,14 @@ def main() -> None:
     cmd += ["--backend", args.backend] if args.mode == "repack" else ["--format", "mxfp4"]
     # dry run first to learn the output size for the floor
     plan = json.loads(subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, check=True).stdout)
-    floor_s = io_floor(src, plan["bytes_out"], args.dir / "floor.scratch")
+    # the floor is the faster of plain writes (flushed at the end) and writes streamed out as they go
+    floors = {wb: io_floor(src, plan["bytes_out"], args.dir / "floor.scratch", wb) for wb in (False, True)}
+    floor_s = min(floors.values())
     _evict(sorted(src.glob("*.safetensors")))
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    trace_file = args.dir / "trace.json"
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "MXCONV_TRACE": str(trace_file)})
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         sys.exit(f"mxconv failed ({r.returncode}): {r.stderr}")
@@ -194,6 +231,8 @@ def main() -> None:
         "output_bytes": summary["bytes_out"],
         "generate_s": gen_s,
         "io_floor_s": floor_s,
+        "io_floor_plain_s": floors[False],
+        "io_floor_streamed_s": floors[True],
         "mxconv_wall_s": wall,
         "mxconv_internal_s": summary["seconds"],
         "ratio_to_floor": wall / floor_s,  # includes interpreter + torch start-up (~2-5 s)
@@ -204,6 +243,7 @@ def main() -> None:
         "stage_seconds": summary.get("stage_seconds"),
         "bytes_read_ahead": summary.get("bytes_read_ahead"),  # during interpreter/torch/CUDA start-up
         "relative_rms_error": summary.get("relative_rms_error"),
+        "timeline": timeline(json.loads(trace_file.read_text())) if trace_file.is_file() else None,
     }
     if not args.keep:
         shutil.rmtree(src, ignore_errors=True)
