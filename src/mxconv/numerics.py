@@ -45,7 +45,6 @@ and the conversions between formats. This module re-exports the other two: impor
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
@@ -241,39 +240,6 @@ def first_nonfinite(x: torch.Tensor) -> tuple[int, ...] | None:
                 return None if hit is None else _unravel(start + hit[0], x.shape)
         return None
     return _first_where(x, lambda part: ~torch.isfinite(part))
-
-
-# safetensors float dtype -> (integer view, mask of the bits but the sign, smallest magnitude pattern
-# that is not a finite number): NaN/Inf have every exponent bit set (E4M3: only NaN, 0x7F)
-_NONFINITE_BITS: dict[str, tuple[torch.dtype, int, int]] = {
-    "BF16": (torch.int16, 0x7FFF, 0x7F80),
-    "F16": (torch.int16, 0x7FFF, 0x7C00),
-    "F32": (torch.int32, 0x7FFFFFFF, 0x7F800000),
-    "F64": (torch.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
-    "F8_E4M3": (torch.uint8, 0x7F, 0x7F),
-    "F8_E5M2": (torch.uint8, 0x7F, 0x7C),
-    "F8_E8M0": (torch.uint8, 0xFF, 0xFF),  # E8M0 scales: 0xFF is NaN, the only byte that is not a number
-}
-
-
-def first_nonfinite_bytes(data: bytes | memoryview, st_dtype: str) -> int | None:
-    """Element position of the first NaN/Inf in raw little-endian ``data`` of safetensors dtype
-    ``st_dtype`` (bit patterns only: nothing is converted), or None; None for non-float dtypes.
-    A trailing partial element (a short read of a truncated file) is left to the reader to report."""
-    spec = _NONFINITE_BITS.get(st_dtype)
-    if spec is None:
-        return None
-    itype, mask, first_bad = spec
-    whole = len(data) - len(data) % torch.tensor([], dtype=itype).element_size()
-    if not whole:
-        return None
-    with warnings.catch_warnings():  # read-only buffer: nothing here writes to it
-        warnings.simplefilter("ignore", UserWarning)
-        bits = torch.frombuffer(memoryview(data)[:whole], dtype=itype)
-    magnitude = bits & mask
-    if int(magnitude.max()) < first_bad:
-        return None
-    return int((magnitude >= first_bad).nonzero()[0, 0])
 
 
 def first_nan_scale(scales: torch.Tensor) -> tuple[int, ...] | None:

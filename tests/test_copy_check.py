@@ -1,0 +1,51 @@
+"""mxconv.copy_check finds NaN/Inf from raw bytes (numpy, torch-free): every bit pattern of every
+8- and 16-bit float type agrees with torch.isfinite, wider types on planted values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mxconv.copy_check import NONFINITE_BITS, first_nonfinite_bytes
+
+SMALL = {"BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("st_dtype", sorted(SMALL))
+def test_every_bit_pattern_agrees_with_torch(st_dtype: str) -> None:
+    dt = SMALL[st_dtype]
+    width = torch.tensor([], dtype=dt).element_size()
+    ints = torch.arange(1 << (8 * width), dtype=torch.int32)
+    patterns = ints.to(torch.int16) if width == 2 else ints.to(torch.uint8)  # int16 wraps: every 16-bit pattern
+    values = patterns.view(dt).float()
+    raw = patterns.numpy().tobytes()
+    for i in range(0, len(ints)):
+        chunk = raw[i * width:(i + 1) * width]
+        want = None if torch.isfinite(values[i]) else 0
+        assert first_nonfinite_bytes(chunk, st_dtype) == want, (st_dtype, hex(i))
+
+
+def test_e8m0_only_0xff_is_not_a_number() -> None:
+    for b in range(256):
+        assert first_nonfinite_bytes(bytes([7, b]), "F8_E8M0") == (1 if b == 0xFF else None)
+
+
+@pytest.mark.parametrize("st_dtype, dt", [("F32", torch.float32), ("F64", torch.float64), ("BF16", torch.bfloat16)])
+def test_first_position_in_a_long_run(st_dtype: str, dt: torch.dtype) -> None:
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0)).to(dt)
+    raw = x.view(torch.uint8).numpy().tobytes()
+    assert first_nonfinite_bytes(raw, st_dtype) is None
+    for pos, bad in ((99_999, float("nan")), (31_337, float("-inf")), (0, float("inf"))):
+        y = x.clone()
+        y[pos] = bad
+        y[min(pos + 5, 99_999)] = float("nan")
+        assert first_nonfinite_bytes(y.view(torch.uint8).numpy().tobytes(), st_dtype) == pos
+
+
+def test_short_and_non_float_data() -> None:
+    assert first_nonfinite_bytes(b"", "BF16") is None
+    assert first_nonfinite_bytes(b"\xff", "BF16") is None  # a trailing partial element is the reader's to report
+    assert first_nonfinite_bytes(b"\xff\xff", "I16") is None and first_nonfinite_bytes(b"\xff", "U8") is None
+    assert set(NONFINITE_BITS) == {"BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
+    assert first_nonfinite_bytes(memoryview(np.array([1.0, np.inf], dtype="<f4").tobytes()), "F32") == 1
