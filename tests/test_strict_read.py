@@ -331,7 +331,7 @@ def test_verify_reports_an_extra_tensor(outs: Path, tmp_path: Path) -> None:
     assert code == 1 and "model.extra.weight: present in the checkpoint but not in the manifest" in err
 
 
-@pytest.mark.parametrize("stray", ["model.safetensors", "model-00002-of-00002.safetensors", "pytorch_model.bin"])
+@pytest.mark.parametrize("stray", ["model.safetensors", "model-00009-of-00009.safetensors", "pytorch_model.bin"])
 @pytest.mark.parametrize("out", ["q4", "k", "tp"])
 def test_verify_fails_on_a_weight_file_the_index_does_not_name(outs: Path, tmp_path: Path, out: str, stray: str) -> None:
     """transformers reads model.safetensors before the index: a stray weight file makes a loader read

@@ -14,14 +14,14 @@ import shutil
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
-
 from mxconv.checkpoint import CONFIG_NAME
 from mxconv.compute import RunStats, make_compute
-from mxconv.errors import BadInput
+from mxconv.copy_check import refuse_nonfinite_copy
+from mxconv.early_copy import EarlyCopy, job_json
 from mxconv.families import MoELayer, MoELayerRef
 from mxconv.families.gpt_oss_output import FORMAT_KEY
 from mxconv.interrupt import Interrupted, deferred_signals
@@ -33,9 +33,8 @@ from mxconv.manifest import base_manifest, tensor_table, write_manifest
 from mxconv.memory import MemoryBudget, plan_for, resolve_budget, work_items
 from mxconv.output_dir import DISK_FULL, OutputTarget, OutputWriteError, atomic_write_json, writing
 from mxconv.pipeline import TRACE_ENV, StageTimes, WorkItem, run_pipeline, write_trace
-from mxconv.st_format import TensorInfo, element_bytes
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
-from mxconv.writer import ShardPlan, ShardedWriter, plan_shards, shards_size
+from mxconv.writer import ShardPlan, ShardedWriter, shards_size
 
 if TYPE_CHECKING:
     import torch
@@ -44,20 +43,6 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------
 # execution
 # ---------------------------------------------------------------------------------------------
-
-
-def refuse_nonfinite_copy(src: TensorInfo, offset: int, chunk: bytes) -> None:
-    """BadInput for a NaN/Inf in a tensor copied byte for byte (embeddings, attention, norms, ...)."""
-    from mxconv.numerics import first_nonfinite_bytes  # torch: only when converting
-
-    pos = first_nonfinite_bytes(chunk, src.dtype)
-    if pos is not None:
-        flat = offset // element_bytes(src.dtype) + pos
-        index = [int(i) for i in np.unravel_index(flat, src.shape)] if src.shape else []
-        raise BadInput(
-            f"{src.file}: non-finite value (NaN/Inf) in {src.name} {index} (a tensor mxconv copies as is); "
-            "fix the source, or pass --allow-nonfinite to carry it over"
-        )
 
 
 def output_config(plan: Plan) -> dict[str, Any]:
@@ -195,38 +180,60 @@ def plan_memory(plan: Plan, budget: MemoryBudget | None, device: torch.device | 
     plan.memory_device = resolved.device_type
 
 
+@dataclass
+class _Output:
+    """Where a run writes: OUTPUT's target, its shards per rank, the rank directories, and the
+    child copying the byte-copied tensors (None: copied in process)."""
+
+    target: OutputTarget
+    shard_plans: list[list[ShardPlan]]
+    write_dir: Path
+    rank_dirs: list[Path]
+    copier: EarlyCopy | None = None
+
+
 def execute(
     plan: Plan,
     out_dir: Path,
     *,
-    device: torch.device,
+    device: torch.device | Callable[[], torch.device],
     max_shard_size: int,
     overwrite: bool,
     argv: list[str] | None = None,
     on_progress: Callable[[int], None] | None = None,
     memory: MemoryBudget | None = None,
+    early_copy: bool = False,
 ) -> dict[str, Any]:
     """Run ``plan`` into ``out_dir``; returns the summary (with timing and error statistics).
 
     Memory: ``plan.memory`` where :func:`plan_memory` planned it for this device, else the plan
     under ``memory`` (default: the machine's default budget, see :mod:`mxconv.memory`).
 
+    ``early_copy``: the tensors copied byte for byte are written by a child process
+    (:mod:`mxconv.early_copy`) from the moment OUTPUT is ready; ``device`` may then be a function,
+    called after that (the CLI imports torch in it, so that the copies overlap the import).
+
     On any failure or interruption everything this run wrote is removed (an ``--overwrite``'s old
     output stays whole) before the exception leaves; an :class:`Interrupted` carries what OUTPUT
     holds now in ``note``, an :class:`OutputWriteError` says it in its message."""
     target = OutputTarget(out_dir, [plan.ckpt.root], overwrite)
     writers: list[ShardedWriter] = []
+    output: _Output | None = None
     try:
-        if plan.memory is None or memory is not None or plan.memory_device != device.type:
-            plan_memory(plan, memory, device)
-        return _execute(plan, target, writers, device=device, max_shard_size=max_shard_size, argv=argv,
-                        on_progress=on_progress)
+        t0 = time.perf_counter()
+        output = _prepare(plan, target, max_shard_size, early_copy, on_progress)
+        dev = device() if callable(device) else device
+        if plan.memory is None or memory is not None or plan.memory_device != dev.type:
+            plan_memory(plan, memory, dev)
+        return _execute(plan, output, writers, device=dev, argv=argv, on_progress=on_progress, t0=t0)
     except BaseException as exc:
         if isinstance(exc, OSError) and not isinstance(exc, OutputWriteError) and exc.errno in DISK_FULL:
             # mxconv writes nowhere but OUTPUT: a full disk is the output's, whoever raised it
             shown = next((f for f in (w.current_file() for w in writers) if f is not None), target.out)
             exc = OutputWriteError.from_os_error(exc, shown)
         with deferred_signals(raise_held=False):  # a second Ctrl-C must not cut the clean-up short
+            if output is not None and output.copier is not None:
+                output.copier.stop()  # before its files are removed: it deletes its unfinished ones
             for w in writers:
                 w.abort()
             left = target.abort()
@@ -242,29 +249,49 @@ def execute(
         raise
 
 
+def _prepare(plan: Plan, target: OutputTarget, max_shard_size: int, early_copy: bool,
+             on_progress: Callable[[int], None] | None) -> _Output:
+    """Make OUTPUT ready (free space, staging, rank directories) and, with ``early_copy``, start the
+    child writing the byte copies' shards. torch-free."""
+    shard_plans = plan.shard_plans(max_shard_size)
+    write_dir = target.prepare(output_bytes(plan, shard_plans))
+    rank_dirs = [write_dir] if len(plan.dests) == 1 else [write_dir / f"rank-{r}" for r in range(len(plan.dests))]
+    for d in rank_dirs:
+        with writing(target.out, write_dir):
+            d.mkdir(parents=True, exist_ok=True)
+    output = _Output(target, shard_plans, write_dir, rank_dirs)
+    names = plan.copied_names()
+    if early_copy and names:
+        copy_set = set(names)
+        ranks = [(d, target.out / d.relative_to(write_dir), [s for s in shards if s.tensors[0].name in copy_set])
+                 for d, shards in zip(rank_dirs, shard_plans)]
+        job = job_json(ranks, names, check=not plan.quant.allow_nonfinite)
+        output.copier = EarlyCopy.start(job, plan.ckpt.total_bytes(names))
+        if output.copier is not None:
+            output.copier.on_progress = on_progress
+    return output
+
+
 def _execute(
     plan: Plan,
-    target: OutputTarget,
+    output: _Output,
     writers: list[ShardedWriter],
     *,
     device: torch.device,
-    max_shard_size: int,
     argv: list[str] | None,
     on_progress: Callable[[int], None] | None,
+    t0: float,
 ) -> dict[str, Any]:
     """:func:`execute` without the clean-up: fills ``writers`` as it creates them."""
     import torch
 
-    t0 = time.perf_counter()
-    shard_plans = [plan_shards(tensors, max_shard_size) for tensors in plan.dests]
-    write_dir = target.prepare(output_bytes(plan, shard_plans))
+    target, write_dir, rank_dirs, copier = output.target, output.write_dir, output.rank_dirs, output.copier
     notes = target.notes
     out_dir = target.out
-    rank_dirs = [write_dir] if len(plan.dests) == 1 else [write_dir / f"rank-{r}" for r in range(len(plan.dests))]
-    for d, shards in zip(rank_dirs, shard_plans):
-        with writing(out_dir, write_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        writers.append(ShardedWriter(d, shards, display_dir=out_dir / d.relative_to(write_dir)))
+    for d, shards in zip(rank_dirs, output.shard_plans):
+        # the byte copies' shards are the child's, where one runs
+        external = frozenset(range(len(shards))[: _copy_shard_count(plan, shards)]) if copier else frozenset()
+        writers.append(ShardedWriter(d, shards, display_dir=out_dir / d.relative_to(write_dir), external=external))
     stats = RunStats()
     compute = linear_compute(plan, make_compute(plan, device, stats), device, stats)  # + "linear" items
     reader = plan.reader
@@ -284,6 +311,11 @@ def _execute(
     load = linear_load(plan, load)
     mem = plan.memory
     items = work_items(plan.items, mem)
+    if copier is not None:
+        items = [i for i in items if i.kind != "copy"]  # the child's
+        # a failed child (NaN/Inf in a copied tensor, disk full) stops this side within a chunk;
+        # its error is raised by copier.result() below
+        copier.on_failure = lambda: [w.cancel() for w in writers]
     trace_path = os.environ.get(TRACE_ENV)
     times = StageTimes(events=[] if trace_path else None, origin=t0)
     t_pipe = time.perf_counter()
@@ -294,8 +326,10 @@ def _execute(
     cfg = output_config(plan)
     tensors: dict[str, Any] = {}
     t_finish = time.perf_counter()
+    copied = copier.result() if copier is not None else [{} for _ in writers]  # raises what the child reported
+    t_copied = time.perf_counter()
     for r, (d, w) in enumerate(zip(rank_dirs, writers)):
-        written = w.finish()
+        written = w.finish(external=copied[r])
         with writing(out_dir, write_dir):
             atomic_write_json(d / CONFIG_NAME, cfg)
             for f in plan.ckpt.extra_files:
@@ -368,6 +402,7 @@ def _execute(
     if trace_path:
         times.mark("setup", -1, t0, t_pipe)
         times.mark("finish", -1, t_finish, t0 + wall)  # the last shards' fsync, config, manifest
+        times.mark("wait_for_early_copy", -1, t_finish, t_copied)
         write_trace(Path(trace_path), items, times)
     summary = plan.summary()
     summary.update(
@@ -380,9 +415,16 @@ def _execute(
             "relative_rms_error": stats.errors.rel_rms,
             "device": str(device),
             "stage_seconds": times.to_json(),
+            "early_copy_bytes": copier.nbytes if copier is not None else 0,  # written by the child process
             "notes": notes,
         }
     )
     if device.type == "cuda":
         summary["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     return summary
+
+
+def _copy_shard_count(plan: Plan, shards: list[ShardPlan]) -> int:
+    """How many of ``shards`` (the first ones) hold the byte copies."""
+    copied = set(plan.copied_names())
+    return sum(1 for s in shards if s.tensors and s.tensors[0].name in copied)

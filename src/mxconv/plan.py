@@ -18,7 +18,7 @@ from mxconv.layouts.base import tp_ranges
 from mxconv.linears import TARGETS, LinearSelection, check_patterns, fused_part_warnings, linear_item, name_matches, select_linears
 from mxconv.pipeline import WorkItem
 from mxconv.numerics_format import resolve_scale_mode  # numerics imports torch, numerics_format does not
-from mxconv.writer import PlannedTensor
+from mxconv.writer import PlannedTensor, ShardPlan, plan_shards
 
 
 @dataclass
@@ -80,6 +80,15 @@ class Plan:
     @property
     def bytes_out(self) -> int:
         return sum(t.nbytes for d in self.dests for t in d)
+
+    def copied_names(self) -> list[str]:
+        """The tensors copied byte for byte, in write order (they come first: their own shards)."""
+        return [n for i in self.items if i.kind == "copy" for n in i.copy_names]
+
+    def shard_plans(self, max_shard_size: int) -> list[list[ShardPlan]]:
+        """Per destination, its shards: the byte copies' first, then the converted tensors'."""
+        ncopy = len(self.copied_names())
+        return [plan_shards(d, max_shard_size, first_group=ncopy) for d in self.dests]
 
     def expert_bytes_out(self) -> int:
         return sum(t.nbytes for d in self.dests for t in d if t.role == "expert")
@@ -291,4 +300,9 @@ def build_plan(
                     d.append(PlannedTensor(n, spec, "expert"))
             item.out_names.append(names_out)
         items.append(item)
+    # Byte copies first, in shards of their own (mxconv.early_copy writes them while torch loads)
+    items[:] = [i for i in items if i.kind == "copy"] + [i for i in items if i.kind != "copy"]
+    copied = set(plan.copied_names())
+    for d in dests:
+        d[:] = [t for t in d if t.name in copied] + [t for t in d if t.name not in copied]
     return plan

@@ -14,6 +14,7 @@ import errno
 import functools
 import inspect
 import json
+import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -308,16 +309,25 @@ def _convert(command: str, source: str, output: Path, *, quant: Any, repack: Any
 
     shard_bytes = parse_size(run.max_shard_size)
     budget = MemoryBudget(parse_memory(run.max_memory, "--max-memory"), parse_memory(run.max_gpu_memory, "--max-gpu-memory"))
-    dev = device_of(run.device)
+    if run.dry_run or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", run.device):
+        device_of(run.device)  # a malformed --device is refused before anything is read (torch: now)
     ckpt = open_checkpoint(source, run.revision)
     reader = detect_family(ckpt)
-    plan = build_plan(ckpt, reader, command, quant, repack)
+    plan = build_plan(ckpt, reader, command, quant, repack)  # torch-free, like everything up to execute()
     check_output_dir(output, [ckpt.root], run.overwrite)
-    plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
     if not run.as_json:
         for warning in plan.warnings:  # shown even with --quiet: the output would compute wrongly
             say(err, "warning:", "bold yellow", warning)
+
+    def start_device():
+        """Called by execute() once OUTPUT is ready and the byte copies run in their child process:
+        torch is imported here, beside them (mxconv.early_copy)."""
+        dev = device_of(run.device)
+        plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
+        return dev
+
     if run.dry_run:
+        plan_memory(plan, budget, device_of(run.device))
         doc = plan.summary()
         doc["dry_run"] = True
         doc["output"] = str(output)
@@ -336,12 +346,19 @@ def _convert(command: str, source: str, output: Path, *, quant: Any, repack: Any
             if len(doc["tensors"]) > 12:
                 out.print(f"  ... {len(doc['tensors']) - 12} more expert tensors")
         return
-    # from here the pipeline's readers take over (its first reads hit the page cache)
-    read_ahead = None if ahead is None else ahead.stop()
+    read_ahead = 0
+
+    def start_pipeline():
+        nonlocal read_ahead
+        dev = start_device()
+        # from here the pipeline's readers take over (its first reads hit the page cache)
+        read_ahead = 0 if ahead is None else ahead.stop()
+        return dev
+
     with progress(plan.bytes_in, progress_label(plan), run.quiet or run.as_json) as advance:
-        summary = execute(plan, output, device=dev, max_shard_size=shard_bytes, overwrite=run.overwrite,
-                          argv=["mxconv", *sys.argv[1:]], on_progress=advance)
-    if read_ahead is not None:
+        summary = execute(plan, output, device=start_pipeline, max_shard_size=shard_bytes, overwrite=run.overwrite,
+                          argv=["mxconv", *sys.argv[1:]], on_progress=advance, early_copy=True)
+    if ahead is not None:
         summary["bytes_read_ahead"] = read_ahead  # source bytes read while the process started
     if run.as_json:
         print_json(summary)
