@@ -90,3 +90,22 @@ def test_a_conversion_starts_its_byte_copies_before_importing_torch(outputs: Pat
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"torch_at_child_start": [False], "torch_at_end": True}
+
+
+def test_the_console_entry_point_skips_teardown_but_keeps_output_and_exit_codes(outputs: Path, tmp_path: Path) -> None:
+    """``mxconv`` (cli.main) leaves with os._exit once torch was imported: the JSON summary is
+    complete on stdout, errors on stderr, and the exit codes are the commands' own."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "mxconv.cli", *map(str, a)], env=env,  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    r = run("quantize", outputs / "qwen", tmp_path / "out", "--json", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tensors_out"] > 0 and (tmp_path / "out" / "mxconv.json").is_file()
+    r = run("verify", tmp_path / "out")
+    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), r.stdout + r.stderr
+    (tmp_path / "out" / "model.safetensors").write_bytes(b"")  # a stray weight file: verify fails (exit 1)
+    r = run("verify", tmp_path / "out")
+    assert r.returncode == 1 and "FAIL" in r.stdout, r.stdout + r.stderr
+    r = run("quantize", outputs / "qwen", tmp_path / "out", "--device", "cpu")  # OUTPUT exists: exit 2
+    assert r.returncode == 2 and "error:" in r.stderr, r.stderr
