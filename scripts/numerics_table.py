@@ -14,10 +14,16 @@ Ratios are given against the rceil rule measured in the same run. Distributions:
 * gaussian: N(0, 0.02);
 * student-t: Student-t with 3 degrees of freedom, scaled to the same RMS (heavy tails);
 * outliers: Gaussian plus 4 entries per row multiplied by 20 (a few outliers per row);
-* real: the weight matrices of a real model if ``--real PATH`` names a safetensors file (every 2-D
-  tensor whose last axis is a multiple of 32 is used).
+* real: the weight matrices of real models, ``--real PATH [PATH ...]`` (safetensors files, or torch
+  state dicts ``.pt``/``.pth`` loaded with ``weights_only``): every 2-D float tensor whose last axis
+  is a multiple of 32, in bf16. Their layer error is that of the linear layer itself, y = x W^T, on
+  the same kind of inputs (a real model's matrices are not one SwiGLU expert). Two small models
+  ship their trained weights inside their PyPI wheels (``pip download --no-deps``):
+  ``silero-vad`` (``silero_vad/data/silero_vad_16k.safetensors``: LSTM [512, 128] x 2) and
+  ``Resemblyzer`` (``resemblyzer/pretrained.pt``: LSTM [1024, 256] x 5, linear [256, 256]).
 
 Usage: python scripts/numerics_table.py [--hidden 1024 --intermediate 512 --seeds 3 --json out.json]
+                                       [--real silero-vad=FILE.safetensors resemblyzer=FILE.pt]
 """
 
 from __future__ import annotations
@@ -77,16 +83,41 @@ def expert_error(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, fmt: str,
 
 
 def real_matrices(path: str) -> list[torch.Tensor]:
-    from safetensors.torch import load_file
+    """The usable weight matrices of one file (safetensors, or a torch state dict), in bf16."""
+    if path.endswith((".pt", ".pth")):
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        for key in ("model_state", "state_dict", "model"):
+            if isinstance(sd, dict) and isinstance(sd.get(key), dict):
+                sd = sd[key]
+    else:
+        from safetensors.torch import load_file
 
-    return [t.to(torch.bfloat16) for t in load_file(path).values() if t.dim() == 2 and t.shape[-1] % 32 == 0 and t.is_floating_point()]
+        sd = load_file(path)
+    return [t.to(torch.bfloat16) for t in sd.values()
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] % 32 == 0 and t.is_floating_point()]
+
+
+def real_error(mats: list[torch.Tensor], fmt: str, rule: str, tokens: int, seeds: int) -> tuple[float, float]:
+    """(weight rel RMS over all matrices, output rel RMS of y = x W^T over all of them)."""
+    num = den = onum = oden = 0.0
+    for i, w in enumerate(mats):
+        q = qdq(w, fmt, rule)
+        num += float((q - w.float()).double().pow(2).sum())
+        den += float(w.float().double().pow(2).sum())
+        for seed in range(seeds):
+            x = hidden_states(tokens, w.shape[1], seed, i)
+            y, yq = x @ w.float().t(), x @ q.t()
+            onum += float((yq - y).double().pow(2).sum())
+            oden += float(y.double().pow(2).sum())
+    return (num / den) ** 0.5, (onum / oden) ** 0.5
 
 
 def main() -> None:
     ap = parser(__doc__, hidden=1024, intermediate=512)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--real", help="a safetensors file of a real model's weights")
+    ap.add_argument("--real", nargs="+", default=[],
+                    help="real models' weights, [LABEL=]PATH (safetensors, or .pt/.pth state dicts)")
     ap.add_argument("--json", help="write the table here too")
     args = ap.parse_args()
     H, I = args.hidden, args.intermediate
@@ -106,22 +137,22 @@ def main() -> None:
             for rule, (we, le) in acc.items():
                 rows.append({"weights": kind, "format": fmt, "rule": rule, "weight_rel_rms": we, "layer_rel_rms": le,
                              "weight_vs_rceil": we / acc["rceil"][0], "layer_vs_rceil": le / acc["rceil"][1]})
-    if args.real:
-        mats = real_matrices(args.real)
+    for spec in args.real:
+        label, _, path = spec.rpartition("=")
+        mats = real_matrices(path)
+        if not mats:
+            sys.exit(f"{path}: no 2-D float tensor whose last axis is a multiple of 32")
+        name = f"{label or Path(path).stem} ({len(mats)} matrices)"
         for fmt in FORMATS:
-            errs = {}
-            for rule in SCALE_MODES:
-                num = sum(float((qdq(w, fmt, rule) - w.float()).double().pow(2).sum()) for w in mats)
-                den = sum(float(w.float().double().pow(2).sum()) for w in mats)
-                errs[rule] = (num / den) ** 0.5
-            for rule, we in errs.items():
-                rows.append({"weights": f"real ({len(mats)} matrices)", "format": fmt, "rule": rule, "weight_rel_rms": we,
-                             "layer_rel_rms": None, "weight_vs_rceil": we / errs["rceil"], "layer_vs_rceil": None})
-    print(f"{'weights':<22} {'fmt':<6} {'rule':<6} {'weight relRMS':>14} {'vs rceil':>9} {'layer relRMS':>13} {'vs rceil':>9}")
+            errs = {rule: real_error(mats, fmt, rule, args.tokens, args.seeds) for rule in SCALE_MODES}
+            for rule, (we, le) in errs.items():
+                rows.append({"weights": name, "format": fmt, "rule": rule, "weight_rel_rms": we, "layer_rel_rms": le,
+                             "weight_vs_rceil": we / errs["rceil"][0], "layer_vs_rceil": le / errs["rceil"][1]})
+    print(f"{'weights':<32} {'fmt':<6} {'rule':<6} {'weight relRMS':>14} {'vs rceil':>9} {'layer relRMS':>13} {'vs rceil':>9}")
     for r in rows:
         layer = "-" if r["layer_rel_rms"] is None else f"{r['layer_rel_rms']:.5f}"
         lv = "-" if r["layer_vs_rceil"] is None else f"{r['layer_vs_rceil']:.3f}"
-        print(f"{r['weights']:<22} {r['format']:<6} {r['rule']:<6} {r['weight_rel_rms']:>14.5f} {r['weight_vs_rceil']:>9.3f} {layer:>13} {lv:>9}")
+        print(f"{r['weights']:<32} {r['format']:<6} {r['rule']:<6} {r['weight_rel_rms']:>14.5f} {r['weight_vs_rceil']:>9.3f} {layer:>13} {lv:>9}")
     if args.json:
         Path(args.json).write_text(json.dumps({"hidden": H, "intermediate": I, "seeds": args.seeds, "rows": rows}, indent=2))
 
