@@ -416,6 +416,7 @@ def _execute(
             "device": str(device),
             "stage_seconds": times.to_json(),
             "early_copy_bytes": copier.nbytes if copier is not None else 0,  # written by the child process
+            "early_copy_peak_rss_bytes": copier.peak_rss if copier is not None else 0,  # beside this process's
             "notes": notes,
         }
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -122,7 +123,8 @@ def child_main() -> None:
     code = 1
     try:
         written = run_job(job, lambda n: _emit({"progress": n}), writers)
-        _emit({"written": [{k: asdict(v) for k, v in table.items()} for table in written]})
+        _emit({"written": [{k: asdict(v) for k, v in table.items()} for table in written],
+               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
         code = 0
     except WriteCancelled:
         code = 3
@@ -159,6 +161,7 @@ class EarlyCopy:
         self._on_progress: Callable[[int], None] | None = None
         self._on_failure: Callable[[], None] | None = None
         self.failed = False
+        self.peak_rss = 0  # the child's peak RSS in bytes, once result() has returned
         self._lock = threading.Lock()
         self._stderr: list[str] = []
         self._out = threading.Thread(target=self._read_stdout, name="mxconv-early-copy-out", daemon=True)
@@ -251,6 +254,7 @@ class EarlyCopy:
         self._err.join()
         msg = self._final or {}
         if code == 0 and "written" in msg:
+            self.peak_rss = int(msg.get("peak_rss") or 0)
             return [{k: WrittenTensor(**v) for k, v in table.items()} for table in msg["written"]]
         if msg.get("error") == "output":
             err = OutputWriteError(msg["message"])
