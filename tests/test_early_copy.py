@@ -170,3 +170,39 @@ def test_a_failed_child_stops_the_parent_early(ws: Path, tmp_path: Path, monkeyp
     assert code == 2 and f"non-finite value (NaN/Inf) in {first.name} [" in err, err
     assert took < 0.5 * computed - 1.5, took
     assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_while_the_child_copies_removes_everything(ws: Path, tmp_path: Path) -> None:
+    """Ctrl-C reaches the whole process group: the child ignores it, the parent stops it, deletes
+    what both wrote and says so (exit 2); no child is left running."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = dict(os.environ, **{WRITE_DELAY_ENV: "0.3"})
+    p = subprocess.Popen([sys.executable, "-m", "mxconv.cli", "quantize", str(ws / "gpt"), str(out), "--quiet",
+                          "--device", "cpu", "--max-shard-size", "50kB"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (out.is_dir() and any(out.glob("*.safetensors*"))):
+        time.sleep(0.02)  # the child has begun writing its shards
+    assert out.is_dir(), "the run never started writing"
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and "interrupted by SIGINT" in err and "was removed" in err, err
+    assert not out.exists()
+    assert not _early_copy_children(), "an early-copy child outlived its run"
+
+
+def _early_copy_children() -> list[int]:
+    """Pids of running early-copy children (from /proc)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if b"child_main" in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
