@@ -218,12 +218,14 @@ def main() -> None:
     with open(out_file, "w") as fo, open(err_file, "w") as fe:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env={**os.environ, "MXCONV_TRACE": str(trace_file)})
-        _, status, usage = os.wait4(proc.pid, 0)  # this run's own peak RSS (not the dry run's)
+        _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"mxconv failed ({os.waitstatus_to_exitcode(status)}): {err_file.read_text()}")
-    peak_rss = usage.ru_maxrss * 1024
     summary = json.loads(out_file.read_text())
+    # mxconv's own VmHWM; ru_maxrss would start at this script's peak (exec keeps the high-water mark
+    # of the address space it replaces, and this script held the generated layers)
+    peak_rss = summary.get("peak_host_rss_bytes") or usage.ru_maxrss * 1024
     doc = {
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "mode": args.mode,

@@ -5,8 +5,9 @@ synthetic checkpoint, with time and the I/O floor beside it, and the output byte
 The checkpoint has Qwen3-30B-A3B's expert shapes by default (128 experts, hidden 2048, expert
 intermediate 768, bf16; 2 MoE layers = 2.4 GB of experts, small attention and vocabulary), written
 layer by layer into ``--dir`` (never held whole in memory). Each budget runs in its own process;
-its peak host RSS is the child's ``ru_maxrss`` (``wait4``; the early-copy process it starts reports
-its own, shown beside it), its GPU peak the run's own
+its peak host RSS is the run's own high-water mark (``peak_host_rss_bytes`` of its summary, VmHWM;
+``wait4``'s ``ru_maxrss`` would include this script's own peak; the early-copy process it starts
+reports its own, shown beside it), its GPU peak the run's own
 ``peak_gpu_bytes`` (CUDA). The I/O floor is measured in the same session on the same files: read
 every source byte and write as many bytes as mxconv writes, fsync'd. Source files are evicted from
 the page cache (``posix_fadvise(DONTNEED)``) before every timed phase, so every phase reads from the disk.
@@ -207,7 +208,10 @@ def main() -> None:
         if gpu and gpu != "none":
             cmd += ["--max-gpu-memory", gpu]
         _evict(src_files)
-        summary, rss, wall, _ = run_one(cmd, env)
+        summary, maxrss, wall, _ = run_one(cmd, env)
+        # mxconv's own VmHWM: wait4's ru_maxrss starts at this script's own peak (exec keeps the
+        # spawning address space's high-water mark), which reading whole output files raises
+        rss = summary.get("peak_host_rss_bytes") or maxrss
         out_bytes = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
         floor = io_floor(src_files, out_bytes, args.dir / "scratch")
         manifest = json.loads((out / "mxconv.json").read_text())

@@ -180,7 +180,8 @@ def test_ctrl_c_while_the_child_copies_removes_everything(ws: Path, tmp_path: Pa
     import sys
 
     out = tmp_path / "out"
-    env = dict(os.environ, **{WRITE_DELAY_ENV: "0.3"})
+    mark = f"mxconv-test-{os.getpid()}-{time.monotonic_ns()}"  # finds this run's child, not another test session's
+    env = dict(os.environ, **{WRITE_DELAY_ENV: "0.3", "MXCONV_TEST_MARK": mark})
     p = subprocess.Popen([sys.executable, "-m", "mxconv.cli", "quantize", str(ws / "gpt"), str(out), "--quiet",
                           "--device", "cpu", "--max-shard-size", "50kB"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
@@ -192,16 +193,16 @@ def test_ctrl_c_while_the_child_copies_removes_everything(ws: Path, tmp_path: Pa
     _, err = p.communicate(timeout=60)
     assert p.returncode == 2 and "interrupted by SIGINT" in err and "was removed" in err, err
     assert not out.exists()
-    assert not _early_copy_children(), "an early-copy child outlived its run"
+    assert not _early_copy_children(mark), "an early-copy child outlived its run"
 
 
-def _early_copy_children() -> list[int]:
-    """Pids of running early-copy children (from /proc)."""
+def _early_copy_children(mark: str) -> list[int]:
+    """Pids of running early-copy children whose environment holds MXCONV_TEST_MARK=mark (/proc)."""
     found = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if b"child_main" in (d / "cmdline").read_bytes():
+                if b"child_main" in (d / "cmdline").read_bytes() and f"MXCONV_TEST_MARK={mark}".encode() in (d / "environ").read_bytes():
                     found.append(int(d.name))
             except OSError:
                 pass

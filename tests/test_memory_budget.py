@@ -418,3 +418,17 @@ def test_cli_max_memory_with_linear_targets(big: Path, tmp_path: Path) -> None:
         assert code == 0, err
         assert ("groups of" in json.loads(out)["memory"]) == (name == "split")
     assert _digests(tmp_path / "whole") == _digests(tmp_path / "split")
+
+
+def test_process_peak_rss_is_this_process_high_water_mark() -> None:
+    """VmHWM: at least the RSS now, and it keeps a peak that is gone (what the summary reports as
+    peak_host_rss_bytes; a parent's wait4 ru_maxrss would also count the parent's own peak)."""
+    from mxconv.memory import process_peak_rss, process_rss
+
+    before = process_peak_rss()
+    assert before is not None and before >= process_rss() > 0
+    block = bytearray(300 * MB)
+    block[:: 4096] = b"\x01" * len(block[:: 4096])  # touch every page
+    assert process_peak_rss() >= process_rss() >= 250 * MB
+    del block
+    assert process_peak_rss() - process_rss() >= 250 * MB  # the peak stays once the memory is gone

@@ -30,7 +30,7 @@ from mxconv.layouts.base import CanonicalExperts
 from mxconv.linear_config import with_linears
 from mxconv.linears import linear_compute, linear_load, manifest_extras
 from mxconv.manifest import base_manifest, tensor_table, write_manifest
-from mxconv.memory import MemoryBudget, plan_for, resolve_budget, work_items
+from mxconv.memory import MemoryBudget, plan_for, process_peak_rss, resolve_budget, work_items
 from mxconv.output_dir import DISK_FULL, OutputTarget, OutputWriteError, atomic_write_json, writing
 from mxconv.pipeline import TRACE_ENV, StageTimes, WorkItem, run_pipeline, write_trace
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
@@ -416,6 +416,7 @@ def _execute(
             "device": str(device),
             "stage_seconds": times.to_json(),
             "early_copy_bytes": copier.nbytes if copier is not None else 0,  # written by the child process
+            "peak_host_rss_bytes": process_peak_rss(),  # this process's own high-water mark (VmHWM)
             "early_copy_peak_rss_bytes": copier.peak_rss if copier is not None else 0,  # beside this process's
             "notes": notes,
         }

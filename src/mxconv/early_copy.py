@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from typing import Any, Callable
 
 from mxconv.errors import BadInput
 from mxconv.layouts.base import TensorSpec
+from mxconv.memory import process_peak_rss
 from mxconv.output_dir import OutputWriteError
 from mxconv.st_format import TensorInfo
 from mxconv.writer import PlannedTensor, ShardPlan, ShardedWriter, WriteCancelled, WrittenTensor, copy_tensor_to
@@ -124,7 +124,7 @@ def child_main() -> None:
     try:
         written = run_job(job, lambda n: _emit({"progress": n}), writers)
         _emit({"written": [{k: asdict(v) for k, v in table.items()} for table in written],
-               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+               "peak_rss": process_peak_rss() or 0})  # its own (ru_maxrss would start at the parent's)
         code = 0
     except WriteCancelled:
         code = 3

@@ -107,6 +107,15 @@ def process_rss() -> int:
     return _proc_kib("/proc/self/status", "VmRSS") or 0
 
 
+def process_peak_rss() -> int | None:
+    """Peak resident memory of this process so far (VmHWM), in bytes; None where it cannot be read.
+
+    Unlike ``ru_maxrss`` seen by a parent through ``wait4``, it is this program's own: on Linux the
+    child of a process that once held N bytes reports at least N there (exec keeps the spawning
+    address space's high-water mark), which made a benchmark's own peak look like mxconv's."""
+    return _proc_kib("/proc/self/status", "VmHWM")
+
+
 def default_host_budget() -> int | None:
     """``HOST_FRACTION`` of MemAvailable plus this process's RSS (None: unknown, no limit)."""
     avail = meminfo_available()
