@@ -49,3 +49,17 @@ def test_short_and_non_float_data() -> None:
     assert first_nonfinite_bytes(b"\xff\xff", "I16") is None and first_nonfinite_bytes(b"\xff", "U8") is None
     assert set(NONFINITE_BITS) == {"BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
     assert first_nonfinite_bytes(memoryview(np.array([1.0, np.inf], dtype="<f4").tobytes()), "F32") == 1
+
+
+def test_the_scan_in_small_steps_finds_the_same_element(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scan walks a chunk SCAN_BYTES at a time (one small temporary): positions across step
+    boundaries come out the same."""
+    import mxconv.copy_check as cc
+
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    monkeypatch.setattr(cc, "SCAN_BYTES", 64)  # 32 bf16 elements per step
+    for pos in (0, 31, 32, 33, 9_999):
+        y = x.clone()
+        y[pos] = float("nan")
+        assert cc.first_nonfinite_bytes(y.view(torch.uint8).numpy().tobytes(), "BF16") == pos
+    assert cc.first_nonfinite_bytes(x.view(torch.uint8).numpy().tobytes(), "BF16") is None

@@ -207,3 +207,30 @@ def _early_copy_children(mark: str) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+def test_a_source_read_error_in_the_child_is_the_parents_os_error(ws: Path, tmp_path: Path) -> None:
+    """Reading a copied tensor's source fails in the child (here: the shard became a directory):
+    the parent raises the same OSError the in-process copy would (exit 2 from the CLI), not an
+    internal error."""
+    import errno
+
+    job, n = _job(ws, tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    first = job["ranks"][0]["shards"][0]["tensors"][0]["source"]
+    (tmp_path / "gone").mkdir()
+    first["file"] = str(tmp_path / "gone")
+    copier = EarlyCopy.start(job, n)
+    with pytest.raises(OSError) as exc:
+        copier.result()
+    assert exc.value.errno == errno.EISDIR and exc.value.filename == str(tmp_path / "gone")
+    assert not list((tmp_path / "out").glob(f"*{TMP_SUFFIX}"))
+
+
+def test_a_late_refusal_leaves_no_directory_behind(ws: Path, tmp_path: Path) -> None:
+    """--max-memory is checked once torch is loaded, after OUTPUT was made ready (the early copy
+    starts first): the refusal still exits 2 and removes OUTPUT and the parents this run created."""
+    out = tmp_path / "a" / "b" / "out"
+    code, _, err = mx("quantize", ws / "gpt", out, "--device", "cpu", "--max-memory", "1MB", "--quiet")
+    assert code == 2 and "--max-memory" in err, err
+    assert not (tmp_path / "a").exists()

@@ -218,10 +218,10 @@ def execute(
     holds now in ``note``, an :class:`OutputWriteError` says it in its message."""
     target = OutputTarget(out_dir, [plan.ckpt.root], overwrite)
     writers: list[ShardedWriter] = []
-    output: _Output | None = None
+    prepared: list[_Output] = []  # filled by _prepare before it starts the child: a failure from then on stops it
     try:
         t0 = time.perf_counter()
-        output = _prepare(plan, target, max_shard_size, early_copy, on_progress)
+        output = _prepare(plan, target, max_shard_size, early_copy, on_progress, prepared)
         dev = device() if callable(device) else device
         if plan.memory is None or memory is not None or plan.memory_device != dev.type:
             plan_memory(plan, memory, dev)
@@ -232,8 +232,8 @@ def execute(
             shown = next((f for f in (w.current_file() for w in writers) if f is not None), target.out)
             exc = OutputWriteError.from_os_error(exc, shown)
         with deferred_signals(raise_held=False):  # a second Ctrl-C must not cut the clean-up short
-            if output is not None and output.copier is not None:
-                output.copier.stop()  # before its files are removed: it deletes its unfinished ones
+            if prepared and prepared[0].copier is not None:
+                prepared[0].copier.stop()  # before its files are removed: it deletes its unfinished ones
             for w in writers:
                 w.abort()
             left = target.abort()
@@ -250,9 +250,10 @@ def execute(
 
 
 def _prepare(plan: Plan, target: OutputTarget, max_shard_size: int, early_copy: bool,
-             on_progress: Callable[[int], None] | None) -> _Output:
+             on_progress: Callable[[int], None] | None, into: list[_Output]) -> _Output:
     """Make OUTPUT ready (free space, staging, rank directories) and, with ``early_copy``, start the
-    child writing the byte copies' shards. torch-free."""
+    child writing the byte copies' shards; the output is appended to ``into`` before the child
+    starts (signals held until it is on it), so the caller's clean-up always finds it. torch-free."""
     shard_plans = plan.shard_plans(max_shard_size)
     write_dir = target.prepare(output_bytes(plan, shard_plans))
     rank_dirs = [write_dir] if len(plan.dests) == 1 else [write_dir / f"rank-{r}" for r in range(len(plan.dests))]
@@ -260,13 +261,15 @@ def _prepare(plan: Plan, target: OutputTarget, max_shard_size: int, early_copy: 
         with writing(target.out, write_dir):
             d.mkdir(parents=True, exist_ok=True)
     output = _Output(target, shard_plans, write_dir, rank_dirs)
+    into.append(output)
     names = plan.copied_names()
     if early_copy and names:
         copy_set = set(names)
         ranks = [(d, target.out / d.relative_to(write_dir), [s for s in shards if s.tensors[0].name in copy_set])
                  for d, shards in zip(rank_dirs, shard_plans)]
         job = job_json(ranks, names, check=not plan.quant.allow_nonfinite)
-        output.copier = EarlyCopy.start(job, plan.ckpt.total_bytes(names))
+        with deferred_signals():  # a Ctrl-C now is raised once output.copier is set
+            output.copier = EarlyCopy.start(job, plan.ckpt.total_bytes(names))
         if output.copier is not None:
             output.copier.on_progress = on_progress
     return output
@@ -316,6 +319,8 @@ def _execute(
         # a failed child (NaN/Inf in a copied tensor, disk full) stops this side within a chunk;
         # its error is raised by copier.result() below
         copier.on_failure = lambda: [w.cancel() for w in writers]
+        if copier.failed:  # it failed while torch loaded: say so now, not after converting
+            copier.result()
     trace_path = os.environ.get(TRACE_ENV)
     times = StageTimes(events=[] if trace_path else None, origin=t0)
     t_pipe = time.perf_counter()

@@ -84,18 +84,24 @@ def _emit(msg: dict[str, Any]) -> None:
 
 
 def run_job(job: dict[str, Any], on_tensor: Callable[[int], None] = lambda n: None,
-            writers: list[ShardedWriter] | None = None) -> list[dict[str, WrittenTensor]]:
+            writers: list[ShardedWriter] | None = None,
+            stopping: threading.Event | None = None) -> list[dict[str, WrittenTensor]]:
     """Copy the job's tensors into its shards (what the child does; also callable in process).
-    Fills ``writers`` as it creates them (the caller cancels or aborts them); returns one table
-    per rank. Raises BadInput (NaN/Inf, truncated source), OutputWriteError, WriteCancelled."""
+    Fills ``writers`` as it creates them (the caller cancels or aborts them); ``stopping`` set
+    stops it before the next tensor (writers already cancelled stop within a chunk). Returns one
+    table per rank. Raises BadInput (NaN/Inf, truncated source), OutputWriteError, OSError (reading
+    the source), WriteCancelled."""
     from mxconv.copy_check import refuse_nonfinite_copy
 
+    stopping = stopping or threading.Event()
     writers = writers if writers is not None else []
     for r in job["ranks"]:
         shards = [ShardPlan(s["file"], [_tensor_from_json(t) for t in s["tensors"]]) for s in r["shards"]]
         writers.append(ShardedWriter(Path(r["dir"]), shards, display_dir=Path(r["display_dir"])))
     check = refuse_nonfinite_copy if job["check_nonfinite"] else None
     for name in job["names"]:
+        if stopping.is_set():  # a stop that came before the writers existed (or between tensors)
+            raise WriteCancelled()
         on_tensor(copy_tensor_to(writers, name, check))
     return [w.finish(write_index=False) for w in writers]
 
@@ -122,7 +128,7 @@ def child_main() -> None:
     threading.Thread(target=watch_parent, name="mxconv-early-copy-watch", daemon=True).start()
     code = 1
     try:
-        written = run_job(job, lambda n: _emit({"progress": n}), writers)
+        written = run_job(job, lambda n: _emit({"progress": n}), writers, stopping)
         _emit({"written": [{k: asdict(v) for k, v in table.items()} for table in written],
                "peak_rss": process_peak_rss() or 0})  # its own (ru_maxrss would start at the parent's)
         code = 0
@@ -132,6 +138,9 @@ def child_main() -> None:
         _emit({"error": "output", "message": str(exc), "disk_full": exc.disk_full})
     except BadInput as exc:
         _emit({"error": "input", "message": str(exc)})
+    except OSError as exc:  # reading the source (EIO, a file gone): the parent raises it as in process
+        _emit({"error": "os", "errno": exc.errno, "strerror": exc.strerror, "filename": exc.filename,
+               "message": str(exc)})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         _emit({"error": "internal", "message": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -262,6 +271,10 @@ class EarlyCopy:
             raise err
         if msg.get("error") == "input":
             raise BadInput(msg["message"])
+        if msg.get("error") == "os":
+            if msg.get("errno") is None:
+                raise OSError(msg["message"])
+            raise OSError(msg["errno"], msg.get("strerror") or msg["message"], msg.get("filename"))
         detail = msg.get("message") or "".join(self._stderr).strip()[-2000:] or "no message"
         raise RuntimeError(f"the process copying tensors as they are failed (exit {code}): {detail}")
 

@@ -66,9 +66,9 @@ MXFP4_TO_MXFP8_BYTES = 14  # per w13 element of the lossless MXFP4 -> MXFP8 re-c
 OUTPUT_COPIES = {"repack": 4, "quantize": 2}  # temporaries of the layout / per-expert split, x output
 PINNED = 2
 # Held beside the items: a byte copy's chunk being written and hashed, the one before it (hashing
-# may lag one chunk) and the next one being read (mxconv.diskio.read_ahead), in this process or in
-# the early-copy child (mxconv.early_copy, whose interpreter and numpy take about one chunk more),
-# and what the allocator keeps of freed blocks (a fraction of what is in flight, see SLACK).
+# may lag one chunk) and the next one being read (mxconv.diskio.read_ahead), plus the NaN scan's
+# 8 MiB temporary, in this process or in the early-copy child (mxconv.early_copy, whose interpreter
+# and numpy take ~35 MB more), and what the allocator keeps of freed blocks (see SLACK).
 RESERVE = 4 * COPY_CHUNK
 SLACK = 0.1
 CUDA_HOST_RESERVE = 1 << 30  # host memory of the CUDA context, Triton and the pinned allocator

@@ -253,6 +253,7 @@ class OutputTarget:
         self.created = False  # OUTPUT did not exist before this run
         self.committed = False
         self._kept: frozenset[str] | None = None  # in place: entries that predate this run's writes
+        self._made_parents: list[Path] = []
 
     @property
     def staged(self) -> bool:
@@ -274,6 +275,8 @@ class OutputTarget:
             self.notes.append(f"overwriting {self.out}: writing the new output to {staging}; the old one is replaced only once it is complete")
             return staging
         self.created = not self.out.exists()
+        # the missing directories above OUTPUT, outermost first: abort() removes them again (empty)
+        self._made_parents = [d for d in reversed(self.out.parents) if not d.exists()]
         if not interrupted:
             check_free_space(self.out, needed_bytes)
         with writing(self.out):
@@ -346,6 +349,9 @@ class OutputTarget:
                     _remove(p)
             if self.created and out.is_dir() and not any(out.iterdir()):
                 out.rmdir()
+                for d in reversed(self._made_parents):  # innermost first; a non-empty one stays
+                    if d.is_dir() and not any(d.iterdir()):
+                        d.rmdir()
             return f"the unfinished output in {out} was removed"
         except OSError as exc:
             return f"could not remove everything this run wrote ({exc}); {out} has no mxconv.json, rerunning the command cleans it up"

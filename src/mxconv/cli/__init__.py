@@ -25,16 +25,16 @@ def main() -> None:
     try:
         app()
     except SystemExit as exc:
+        if "torch" not in sys.modules:
+            raise
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
-        if "torch" not in sys.modules:
-            raise
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except (OSError, ValueError):  # a closed pipe (mxconv ... | head): nothing more to say
-                pass
+            except (OSError, ValueError):  # a closed pipe (mxconv ... | head -c 10): output was lost
+                code = code or 120  # what Python's own exit says when its final flush fails
         os._exit(code)
 
 
