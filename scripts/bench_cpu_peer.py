@@ -14,8 +14,9 @@ once into ``--dir`` (layer by layer, never held whole in memory), then for each 
 each run in its own child process, alternating, ``--reps`` times. Source files are evicted from the
 page cache (``posix_fadvise(DONTNEED)``) before every run. Reported per run: wall seconds (process
 start to exit, imports included), the tool's own seconds (mxconv's ``seconds`` in ``--json``; for the peer
-the ``model_free_ptq`` call alone), GB/s = (source + output bytes) / wall, peak RSS (the child's
-``ru_maxrss`` from ``wait4``) and the peer/mxconv time ratio (> 1: mxconv faster).
+the ``model_free_ptq`` call alone), GB/s = (source + output bytes) / wall, peak RSS (each tool's own
+VmHWM: mxconv's ``peak_host_rss_bytes``, the peer's read at the end of its child) and the
+peer/mxconv time ratio (> 1: mxconv faster).
 
 The output bytes are compared tensor by tensor over every routed expert (E4M3 / packed E2M1 data and
 E8M0 scales) under the scale rule the peer computes. compressed-tensors' rule
@@ -82,7 +83,9 @@ def evict(root: Path) -> None:
 
 
 def run_child(argv: list[str], env: dict[str, str]) -> dict:
-    """Run ``argv``; wall seconds, peak RSS bytes (``ru_maxrss``), exit code, stdout, stderr tail."""
+    """Run ``argv``; wall seconds, peak RSS bytes (``ru_maxrss``: at least this script's own peak,
+    since exec keeps the spawning address space's high-water mark; the callers replace it with the
+    tool's own VmHWM), exit code, stdout, stderr tail."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
     outs: dict[str, bytes] = {}
@@ -124,6 +127,7 @@ def run_mxconv(src: Path, out: Path, fmt: str, rule: str, threads: int | None) -
     summary = json.loads(res["stdout"])
     res["internal"] = summary["seconds"]
     res["summary"] = {k: summary.get(k) for k in ("seconds", "compute_seconds", "stage_seconds", "relative_rms_error")}
+    res["peak_rss"] = summary.get("peak_host_rss_bytes") or res["peak_rss"]  # its own VmHWM (see run_child)
     return res
 
 
@@ -134,7 +138,8 @@ from llmcompressor import model_free_ptq
 t1 = time.perf_counter()
 model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], ignore=json.loads(sys.argv[4]), device="cpu")
 t2 = time.perf_counter()
-print(json.dumps({"import_seconds": t1 - t0, "call_seconds": t2 - t1}))
+hwm = next((int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")), None)
+print(json.dumps({"import_seconds": t1 - t0, "call_seconds": t2 - t1, "peak_rss": hwm}))
 """
 
 
@@ -147,6 +152,7 @@ def run_peer(src: Path, out: Path, fmt: str, threads: int | None) -> dict:
     summary = json.loads(res["stdout"].strip().splitlines()[-1])
     res["internal"] = summary["call_seconds"]
     res["summary"] = summary
+    res["peak_rss"] = summary.get("peak_rss") or res["peak_rss"]  # its own VmHWM (see run_child)
     return res
 
 
