@@ -187,6 +187,7 @@ class _Output:
 
     target: OutputTarget
     shard_plans: list[list[ShardPlan]]
+    copy_shards: int  # the first shards of every rank, holding the byte copies (Plan.copy_shard_count)
     write_dir: Path
     rank_dirs: list[Path]
     copier: EarlyCopy | None = None
@@ -260,12 +261,11 @@ def _prepare(plan: Plan, target: OutputTarget, max_shard_size: int, early_copy: 
     for d in rank_dirs:
         with writing(target.out, write_dir):
             d.mkdir(parents=True, exist_ok=True)
-    output = _Output(target, shard_plans, write_dir, rank_dirs)
+    output = _Output(target, shard_plans, plan.copy_shard_count(shard_plans[0]), write_dir, rank_dirs)
     into.append(output)
     names = plan.copied_names()
     if early_copy and names:
-        copy_set = set(names)
-        ranks = [(d, target.out / d.relative_to(write_dir), [s for s in shards if s.tensors[0].name in copy_set])
+        ranks = [(d, target.out / d.relative_to(write_dir), shards[: output.copy_shards])
                  for d, shards in zip(rank_dirs, shard_plans)]
         job = job_json(ranks, names, check=not plan.quant.allow_nonfinite)
         with deferred_signals():  # a Ctrl-C now is raised once output.copier is set
@@ -293,7 +293,7 @@ def _execute(
     out_dir = target.out
     for d, shards in zip(rank_dirs, output.shard_plans):
         # the byte copies' shards are the child's, where one runs
-        external = frozenset(range(len(shards))[: _copy_shard_count(plan, shards)]) if copier else frozenset()
+        external = frozenset(range(output.copy_shards)) if copier else frozenset()
         writers.append(ShardedWriter(d, shards, display_dir=out_dir / d.relative_to(write_dir), external=external))
     stats = RunStats()
     compute = linear_compute(plan, make_compute(plan, device, stats), device, stats)  # + "linear" items
@@ -429,9 +429,3 @@ def _execute(
     if device.type == "cuda":
         summary["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     return summary
-
-
-def _copy_shard_count(plan: Plan, shards: list[ShardPlan]) -> int:
-    """How many of ``shards`` (the first ones) hold the byte copies."""
-    copied = set(plan.copied_names())
-    return sum(1 for s in shards if s.tensors and s.tensors[0].name in copied)

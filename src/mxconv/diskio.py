@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    if not os.uname().sysname == "Linux":
+    if os.uname().sysname != "Linux":
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

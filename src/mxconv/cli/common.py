@@ -319,13 +319,6 @@ def _convert(command: str, source: str, output: Path, *, quant: Any, repack: Any
         for warning in plan.warnings:  # shown even with --quiet: the output would compute wrongly
             say(err, "warning:", "bold yellow", warning)
 
-    def start_device():
-        """Called by execute() once OUTPUT is ready and the byte copies run in their child process:
-        torch is imported here, beside them (mxconv.early_copy)."""
-        dev = device_of(run.device)
-        plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
-        return dev
-
     if run.dry_run:
         plan_memory(plan, budget, device_of(run.device))
         doc = plan.summary()
@@ -349,8 +342,11 @@ def _convert(command: str, source: str, output: Path, *, quant: Any, repack: Any
     read_ahead = 0
 
     def start_pipeline():
+        """Called by execute() once OUTPUT is ready and the byte copies run in their child process:
+        torch is imported here, beside them (mxconv.early_copy)."""
         nonlocal read_ahead
-        dev = start_device()
+        dev = device_of(run.device)
+        plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
         # from here the pipeline's readers take over (its first reads hit the page cache)
         read_ahead = 0 if ahead is None else ahead.stop()
         return dev
