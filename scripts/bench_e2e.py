@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -151,7 +152,7 @@ def _busy(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def timeline(trace: dict) -> dict:
+def timeline(trace: dict, launched_epoch: float | None = None, wall: float | None = None) -> dict:
     """Where the run's time went, from its MXCONV_TRACE file (seconds since mxconv's timer started):
     how long each stage kept at least one thread busy, when writing began and reading ended, and
     the setup before the pipeline (with the CLI: importing torch, starting CUDA) and the finish after
@@ -172,6 +173,10 @@ def timeline(trace: dict) -> dict:
         "busy_compute_s": _busy(spans("compute")),
         "busy_write_s": _busy(writes),
         "busy_copy_s": _busy(spans("copy")),
+        # process start -> mxconv's timer (interpreter, CLI imports, planning) and its finish -> exit
+        "before_timer_s": (trace["origin_epoch"] - launched_epoch) if launched_epoch and "origin_epoch" in trace else None,
+        "after_finish_s": (launched_epoch + wall - trace["origin_epoch"] - one("finish")[1])
+        if launched_epoch and wall and "origin_epoch" in trace else None,
     }
 
 
@@ -186,6 +191,9 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="tiny sizes: a CPU smoke test")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--trace-out", type=Path, default=None, help="also keep mxconv's raw MXCONV_TRACE timeline here")
+    ap.add_argument("--warm-triton", action="store_true",
+                    help="let mxconv use the default Triton cache (default: an empty one, as on a fresh machine)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = dict(GPT_OSS[args.model])
@@ -216,10 +224,15 @@ def main() -> None:
     trace_file = args.dir / "trace.json"
     out_file, err_file = args.dir / "run.out", args.dir / "run.err"
     with open(out_file, "w") as fo, open(err_file, "w") as fe:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env={**os.environ, "MXCONV_TRACE": str(trace_file)})
+        env = {**os.environ, "MXCONV_TRACE": str(trace_file)}
+        if not args.warm_triton:  # compile every kernel, as the first run on a fresh machine does
+            env["TRITON_CACHE_DIR"] = cold_cache = tempfile.mkdtemp(prefix="mxconv-triton-", dir=args.dir)
+        t0, t0_epoch = time.perf_counter(), time.time()
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
+    if not args.warm_triton:
+        shutil.rmtree(cold_cache, ignore_errors=True)
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"mxconv failed ({os.waitstatus_to_exitcode(status)}): {err_file.read_text()}")
     summary = json.loads(out_file.read_text())
@@ -249,8 +262,12 @@ def main() -> None:
         "bytes_read_ahead": summary.get("bytes_read_ahead"),  # during interpreter/torch/CUDA start-up
         "early_copy_bytes": summary.get("early_copy_bytes"),  # written by the child while torch imported
         "relative_rms_error": summary.get("relative_rms_error"),
-        "timeline": timeline(json.loads(trace_file.read_text())) if trace_file.is_file() else None,
+        "triton_cache": "default" if args.warm_triton else "empty",
+        "items_computed_on_cpu": summary.get("items_computed_on_cpu"),  # while the GPU warmed up
+        "timeline": timeline(json.loads(trace_file.read_text()), t0_epoch, wall) if trace_file.is_file() else None,
     }
+    if args.trace_out and trace_file.is_file():
+        shutil.copyfile(trace_file, args.trace_out)
     if not args.keep:
         shutil.rmtree(src, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)

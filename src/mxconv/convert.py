@@ -22,6 +22,7 @@ from mxconv.checkpoint import CONFIG_NAME
 from mxconv.compute import RunStats, make_compute
 from mxconv.copy_check import refuse_nonfinite_copy
 from mxconv.early_copy import EarlyCopy, job_json
+from mxconv.errors import BadInput
 from mxconv.families import MoELayer, MoELayerRef
 from mxconv.families.gpt_oss_output import FORMAT_KEY
 from mxconv.interrupt import Interrupted, deferred_signals
@@ -125,34 +126,57 @@ def manifest_layout(plan: Plan) -> dict[str, Any]:
     return lay
 
 
+WARMUP_CPU_ENV = "MXCONV_WARMUP_CPU"
+
+
+def warmup_launches(plan: Plan, device: torch.device) -> list[tuple[Any, ...]]:
+    """The Triton launches of one tiny expert through this plan's quantize and layout code, recorded
+    and not run (:func:`~mxconv.kernels.triton_common.collect_launches`): they meet every kernel
+    specialisation the real run will (tests/test_warmup.py checks it on the GPU)."""
+    import torch
+
+    from mxconv.kernels.triton_common import collect_launches
+
+    with collect_launches() as launches:
+        if any(plan.reader.layer_format(r) not in ("mxfp4", "mxfp8") for r in plan.refs):
+            from mxconv.quantizer import quantize_mx
+
+            for k in {plan.info.hidden_size, plan.info.intermediate_size}:
+                quantize_mx(torch.zeros(1, 32, k, dtype=torch.bfloat16, device=device), plan.weight_format,
+                            plan.quant.scale_rounding)
+        if plan.repack is not None and plan.sizes is not None:
+            # one expert at the real per-rank sizes
+            layout = get_layout(plan.repack.backend)
+            H, I = plan.sizes.hidden_size, plan.sizes.intermediate_size
+            z = lambda *shape: torch.zeros(*shape, dtype=torch.uint8, device=device)  # noqa: E731
+            b = plan.sizes.has_bias
+            one = CanonicalExperts(
+                z(1, 2 * I, H // 2), z(1, 2 * I, H // 32), z(1, H, I // 2), z(1, H, I // 32),
+                torch.zeros(1, 2 * I, device=device) if b else None, torch.zeros(1, H, device=device) if b else None,
+                plan.sizes.row_order,
+            )
+            layout.to_kernel(one, plan.repack.activation, plan.repack.layout_options)
+    return launches
+
+
 def _start_warmup(plan: Plan, device: torch.device) -> threading.Thread:
     """Initialise CUDA and compile the quantize and layout kernels for this plan's shapes on a side thread,
-    so the one-off start-up (seconds) overlaps reading the first layers instead of delaying them."""
+    so the one-off start-up (seconds) overlaps reading the first layers instead of delaying them.
+    The launches are recorded first (:func:`warmup_launches`), then run with one thread per kernel
+    (:func:`~mxconv.kernels.triton_common.run_collected`; ``MXCONV_WARMUP_THREADS=1``: one after
+    another)."""
     import torch
+
+    from mxconv.kernels.triton_common import run_collected
+
+    wanted = os.environ.get("MXCONV_WARMUP_THREADS", "").strip()
+    threads = max(1, int(wanted)) if wanted.isdigit() else 8
 
     def work() -> None:
         try:
             with torch.cuda.device(device):
-                if any(plan.reader.layer_format(r) not in ("mxfp4", "mxfp8") for r in plan.refs):
-                    from mxconv.quantizer import quantize_mx
-
-                    for k in {plan.info.hidden_size, plan.info.intermediate_size}:
-                        quantize_mx(torch.zeros(1, 32, k, dtype=torch.bfloat16, device=device), plan.weight_format,
-                                    plan.quant.scale_rounding)
-                else:
-                    torch.zeros(1, device=device)
-                if plan.repack is not None and plan.sizes is not None:
-                    # one expert at the real per-rank sizes: compiles the layout kernels' variants
-                    layout = get_layout(plan.repack.backend)
-                    H, I = plan.sizes.hidden_size, plan.sizes.intermediate_size
-                    z = lambda *shape: torch.zeros(*shape, dtype=torch.uint8, device=device)  # noqa: E731
-                    b = plan.sizes.has_bias
-                    one = CanonicalExperts(
-                        z(1, 2 * I, H // 2), z(1, 2 * I, H // 32), z(1, H, I // 2), z(1, H, I // 32),
-                        torch.zeros(1, 2 * I, device=device) if b else None, torch.zeros(1, H, device=device) if b else None,
-                        plan.sizes.row_order,
-                    )
-                    layout.to_kernel(one, plan.repack.activation, plan.repack.layout_options)
+                torch.zeros(1, device=device)  # the CUDA context
+                run_collected(warmup_launches(plan, device), max_threads=threads)
                 torch.cuda.synchronize(device)
         except Exception:  # noqa: BLE001 - a failed warm-up only costs the time it would have saved
             pass
@@ -160,6 +184,23 @@ def _start_warmup(plan: Plan, device: torch.device) -> threading.Thread:
     t = threading.Thread(target=work, name="mxconv-warmup", daemon=True)
     t.start()
     return t
+
+
+def _cpu_fits(plan: Plan) -> bool:
+    """Whether a layer item of this (GPU-planned) run may be computed on the CPU within the host
+    budget: a plan for the CPU under the same budget keeps the same expert groups and depths (on
+    the GPU, a layer's temporaries are on the GPU's budget; on the CPU they are the host's)."""
+    mem = plan.memory
+    if mem is None or mem.host_budget is None:
+        return True
+    try:
+        cpu = plan_for(plan, MemoryBudget(mem.host_budget, None, "cpu"), default_budget=mem.default_budget,
+                       cuda_started=True)
+    except BadInput:
+        return False
+    E = mem.num_experts
+    return (cpu.prefetch >= mem.prefetch and cpu.queue_depth >= mem.queue_depth
+            and all(cpu.groups.get(layer, E) >= mem.groups.get(layer, E) for layer in {*cpu.groups, *mem.groups}))
 
 
 def output_bytes(plan: Plan, shard_plans: list[list[ShardPlan]]) -> int:
@@ -204,6 +245,7 @@ def execute(
     on_progress: Callable[[int], None] | None = None,
     memory: MemoryBudget | None = None,
     early_copy: bool = False,
+    on_started: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``plan`` into ``out_dir``; returns the summary (with timing and error statistics).
 
@@ -213,6 +255,8 @@ def execute(
     ``early_copy``: the tensors copied byte for byte are written by a child process
     (:mod:`mxconv.early_copy`) from the moment OUTPUT is ready; ``device`` may then be a function,
     called after that (the CLI imports torch in it, so that the copies overlap the import).
+    ``on_started`` is called once the pipeline has computed its first item (the CLI stops reading
+    ahead there: until then the kernels' warm-up may hold the pipeline, and the disk reads on).
 
     On any failure or interruption everything this run wrote is removed (an ``--overwrite``'s old
     output stays whole) before the exception leaves; an :class:`Interrupted` carries what OUTPUT
@@ -226,7 +270,8 @@ def execute(
         dev = device() if callable(device) else device
         if plan.memory is None or memory is not None or plan.memory_device != dev.type:
             plan_memory(plan, memory, dev)
-        return _execute(plan, output, writers, device=dev, argv=argv, on_progress=on_progress, t0=t0)
+        return _execute(plan, output, writers, device=dev, argv=argv, on_progress=on_progress, t0=t0,
+                        on_started=on_started)
     except BaseException as exc:
         if isinstance(exc, OSError) and not isinstance(exc, OutputWriteError) and exc.errno in DISK_FULL:
             # mxconv writes nowhere but OUTPUT: a full disk is the output's, whoever raised it
@@ -284,6 +329,7 @@ def _execute(
     argv: list[str] | None,
     on_progress: Callable[[int], None] | None,
     t0: float,
+    on_started: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """:func:`execute` without the clean-up: fills ``writers`` as it creates them."""
     import torch
@@ -298,12 +344,24 @@ def _execute(
     stats = RunStats()
     compute = linear_compute(plan, make_compute(plan, device, stats), device, stats)  # + "linear" items
     reader = plan.reader
+    on_cpu: list[int] = []  # items computed on the CPU while the GPU warmed up
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         warm = _start_warmup(plan, device)  # CUDA context + kernel compiles overlap the first reads
+        # A layer whose bytes are only laid out (no quantizing) is computed on the CPU while the
+        # warm-up runs (seconds on a fresh machine): same bytes (the torch path, tested equal to the
+        # kernels), and the disk gets output to write instead of waiting for the compiles.
+        # (MXCONV_WARMUP_CPU=0: every item on the GPU, as the GPU-vs-CPU byte tests need)
+        cpu_ok = (plan.repack is not None and os.environ.get(WARMUP_CPU_ENV, "1").strip() not in ("0", "false", "no", "off")
+                  and _cpu_fits(plan))
+        cpu_compute = make_compute(plan, torch.device("cpu"), stats) if cpu_ok else None
 
         def compute_after_warmup(item: WorkItem, layer: MoELayer) -> list[dict[str, torch.Tensor]]:
-            warm.join()  # the first layer waits for the warm-up instead of racing it
+            if (cpu_compute is not None and warm.is_alive() and item.kind == "layer"
+                    and plan.reader.layer_format(item.payload) == plan.weight_format):
+                on_cpu.append(1)
+                return cpu_compute(item, layer)
+            warm.join()  # otherwise the first layer waits for the warm-up instead of racing it
             return compute(item, layer)
 
         run_compute = compute_after_warmup
@@ -326,7 +384,8 @@ def _execute(
     t_pipe = time.perf_counter()
     run_pipeline(items, writers, load=load, compute=run_compute, on_progress=on_progress,
                  prefetch=mem.prefetch, queue_depth=mem.queue_depth, read_threads=min(2, mem.prefetch),
-                 check_copy=None if plan.quant.allow_nonfinite else refuse_nonfinite_copy, times=times)
+                 check_copy=None if plan.quant.allow_nonfinite else refuse_nonfinite_copy, times=times,
+                 on_first_compute=on_started)
 
     cfg = output_config(plan)
     tensors: dict[str, Any] = {}
@@ -428,4 +487,5 @@ def _execute(
     )
     if device.type == "cuda":
         summary["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+        summary["items_computed_on_cpu"] = len(on_cpu)  # while the GPU warmed up
     return summary

@@ -339,23 +339,24 @@ def _convert(command: str, source: str, output: Path, *, quant: Any, repack: Any
             if len(doc["tensors"]) > 12:
                 out.print(f"  ... {len(doc['tensors']) - 12} more expert tensors")
         return
-    read_ahead = 0
-
     def start_pipeline():
         """Called by execute() once OUTPUT is ready and the byte copies run in their child process:
         torch is imported here, beside them (mxconv.early_copy)."""
-        nonlocal read_ahead
         dev = device_of(run.device)
         plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
-        # from here the pipeline's readers take over (its first reads hit the page cache)
-        read_ahead = 0 if ahead is None else ahead.stop()
         return dev
+
+    def stop_reading_ahead() -> None:
+        """From the first computed item on, the pipeline's readers have the disk (their first reads
+        hit the page cache); until then the kernels' warm-up may hold the pipeline, not the disk."""
+        ahead.stop()
 
     with progress(plan.bytes_in, progress_label(plan), run.quiet or run.as_json) as advance:
         summary = execute(plan, output, device=start_pipeline, max_shard_size=shard_bytes, overwrite=run.overwrite,
-                          argv=["mxconv", *sys.argv[1:]], on_progress=advance, early_copy=True)
+                          argv=["mxconv", *sys.argv[1:]], on_progress=advance, early_copy=True,
+                          on_started=None if ahead is None else stop_reading_ahead)
     if ahead is not None:
-        summary["bytes_read_ahead"] = read_ahead  # source bytes read while the process started
+        summary["bytes_read_ahead"] = ahead.stop()  # source bytes read while the process started (and warmed up)
     if run.as_json:
         print_json(summary)
     elif not run.quiet:

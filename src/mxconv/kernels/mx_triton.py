@@ -26,7 +26,6 @@ rules); every constant comes from ``mxconv.numerics``. Implementation notes:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -34,6 +33,7 @@ import torch
 from mxconv.errors import BadInput
 from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from mxconv.kernels.triton_import import interpreter_on as _interpreter_on
+from mxconv.kernels.triton_common import _launch
 from mxconv.kernels.triton_import import tl, triton
 from mxconv.numerics import (
     BLOCK_SIZE,
@@ -237,24 +237,24 @@ def quantize_mx_triton(
     p = FORMAT_PARAMS[fmt]
     assert E8M0_MAX_FINITE == 254 and E8M0_BIAS == 127  # baked into the kernel's integer constants
     grid = (triton.cdiv(n_blocks, blocks_per_program * tiles_per_program),)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _mx_quantize_kernel[grid](
-            words,
-            out_words,
-            scales,
-            n_blocks,
-            INPUT_KIND=_INPUT_KINDS[x.dtype],
-            IS_FP4=fmt == "mxfp4",
-            MODE=SCALE_MODE_IDS[scale_rounding],
-            EMAX=p.emax,
-            RCEIL_MANT_T=p.rceil_mant_threshold,
-            RCEIL_MIN_BITS=p.rceil_min_bits_byte1,
-            EVEN_ADD=p.even_round_add,
-            FIX_MAX_BYTE=SUBNORMAL_FIX_MAX_BYTE,
-            BLOCKS=blocks_per_program,
-            ITERS=tiles_per_program,
-            num_warps=num_warps,
-        )
+    _launch(
+        _mx_quantize_kernel, grid, x,
+        words,
+        out_words,
+        scales,
+        n_blocks,
+        INPUT_KIND=_INPUT_KINDS[x.dtype],
+        IS_FP4=fmt == "mxfp4",
+        MODE=SCALE_MODE_IDS[scale_rounding],
+        EMAX=p.emax,
+        RCEIL_MANT_T=p.rceil_mant_threshold,
+        RCEIL_MIN_BITS=p.rceil_min_bits_byte1,
+        EVEN_ADD=p.even_round_add,
+        FIX_MAX_BYTE=SUBNORMAL_FIX_MAX_BYTE,
+        BLOCKS=blocks_per_program,
+        ITERS=tiles_per_program,
+        num_warps=num_warps,
+    )
     return data, scales
 
 

@@ -6,8 +6,11 @@ checks and views the launchers use (:mod:`mxconv.kernels.layout_triton`,
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -87,10 +90,55 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# (kernel, grid, on, args, kwargs) of every launch made under collect_launches(), instead of launching
+_COLLECTED: contextvars.ContextVar[list[tuple[Any, ...]] | None] = contextvars.ContextVar("mxconv_launches", default=None)
+
+
 def _launch(kernel: Any, grid: tuple[int, ...], on: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-    """``kernel[grid](*args, **kwargs)`` on the device of ``on``."""
+    """``kernel[grid](*args, **kwargs)`` on the device of ``on`` (recorded instead, inside
+    :func:`collect_launches`)."""
+    collected = _COLLECTED.get()
+    if collected is not None:
+        collected.append((kernel, grid, on, args, kwargs))
+        return
     with _device_ctx(on):
         kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def collect_launches() -> Iterator[list[tuple[Any, ...]]]:
+    """Within this context (this thread), every launch through :func:`_launch` is recorded in the
+    list yielded instead of run; outputs stay unwritten. :func:`run_collected` runs them later,
+    compiling the kernels side by side: for a warm-up, where only the compiles count."""
+    collected: list[tuple[Any, ...]] = []
+    token = _COLLECTED.set(collected)
+    try:
+        yield collected
+    finally:
+        _COLLECTED.reset(token)
+
+
+def run_collected(launches: list[tuple[Any, ...]], max_threads: int = 8) -> None:
+    """Run launches recorded by :func:`collect_launches`: the first alone (it starts triton's
+    driver, which builds its helpers once), then one thread per kernel function, so that their
+    compiles (LLVM, ptxas and the launcher's C compiler, each seconds on a fresh machine) overlap.
+    Raises the first failure."""
+    if not launches:
+        return
+    groups: dict[int, list[tuple[Any, ...]]] = {}
+    for launch in launches[1:]:
+        groups.setdefault(id(launch[0]), []).append(launch)
+
+    def run(group: list[tuple[Any, ...]]) -> None:
+        for kernel, grid, on, args, kwargs in group:
+            with _device_ctx(on):
+                kernel[grid](*args, **kwargs)
+
+    run(launches[:1])
+    if groups:
+        with ThreadPoolExecutor(max_workers=max(1, min(max_threads, len(groups))), thread_name_prefix="mxconv-compile") as ex:
+            for f in [ex.submit(run, g) for g in groups.values()]:
+                f.result()
 
 
 def _table(tab: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -101,5 +149,5 @@ def _table(tab: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 __all__ = [
     "ENV_SWITCH", "KERNEL_CONFIG", "_check_runnable", "_device_ctx", "_dims", "_launch", "_rows_contiguous", "_table", "_words",
-    "layout_kernels_enabled", "tl", "triton",
+    "collect_launches", "layout_kernels_enabled", "run_collected", "tl", "triton",
 ]
