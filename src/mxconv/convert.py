@@ -348,11 +348,12 @@ def _execute(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         warm = _start_warmup(plan, device)  # CUDA context + kernel compiles overlap the first reads
-        # A layer whose bytes are only laid out (no quantizing) is computed on the CPU while the
+        # A layer whose MX bytes are only laid out (no quantizing) is computed on the CPU while the
         # warm-up runs (seconds on a fresh machine): same bytes (the torch path, tested equal to the
-        # kernels), and the disk gets output to write instead of waiting for the compiles.
-        # (MXCONV_WARMUP_CPU=0: every item on the GPU, as the GPU-vs-CPU byte tests need)
-        cpu_ok = (plan.repack is not None and os.environ.get(WARMUP_CPU_ENV, "1").strip() not in ("0", "false", "no", "off")
+        # kernels for every MX layout), and the disk gets output to write instead of waiting for the
+        # compiles. (MXCONV_WARMUP_CPU=0: every item on the GPU, as the GPU-vs-CPU byte tests need)
+        cpu_ok = (plan.repack is not None and plan.weight_format in ("mxfp4", "mxfp8")
+                  and os.environ.get(WARMUP_CPU_ENV, "1").strip() not in ("0", "false", "no", "off")
                   and _cpu_fits(plan))
         cpu_compute = make_compute(plan, torch.device("cpu"), stats) if cpu_ok else None
 
