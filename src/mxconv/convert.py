@@ -188,14 +188,15 @@ def _start_warmup(plan: Plan, device: torch.device) -> threading.Thread:
 
 def _cpu_fits(plan: Plan) -> bool:
     """Whether a layer item of this (GPU-planned) run may be computed on the CPU within the host
-    budget: a plan for the CPU under the same budget keeps the same expert groups and depths (on
-    the GPU, a layer's temporaries are on the GPU's budget; on the CPU they are the host's)."""
+    budget: a plan for the CPU under the same budget and baseline (the process as the GPU plan saw
+    it, CUDA's host memory included) keeps the same expert groups and depths (on the GPU, a layer's
+    temporaries are on the GPU's budget; on the CPU they are the host's)."""
     mem = plan.memory
     if mem is None or mem.host_budget is None:
         return True
     try:
         cpu = plan_for(plan, MemoryBudget(mem.host_budget, None, "cpu"), default_budget=mem.default_budget,
-                       cuda_started=True)
+                       baseline=mem.baseline)
     except BadInput:
         return False
     E = mem.num_experts

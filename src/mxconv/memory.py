@@ -393,19 +393,18 @@ def whole_item_cost(plan: "Plan", item: "WorkItem") -> ExpertCost:
     return ExpertCost(item.in_bytes, out, QUANTIZE_BYTES * elems, 1, OUTPUT_COPIES["quantize"] * out)
 
 
-def plan_for(plan: "Plan", budget: MemoryBudget, default_budget: bool = False, cuda_started: bool | None = None) -> MemoryPlan:
-    """The :class:`MemoryPlan` of ``plan``'s items under ``budget`` (RSS now as the baseline): MoE
-    layer items by expert, other computed items whole. ``cuda_started``: count CUDA's host memory
-    in the baseline (default: when the budget's device is CUDA; a CPU plan in a process that has
-    started CUDA passes True)."""
+def plan_for(plan: "Plan", budget: MemoryBudget, default_budget: bool = False, baseline: int | None = None) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``plan``'s items under ``budget`` (RSS now as the baseline, unless
+    ``baseline`` gives the bytes held beside the pipeline): MoE layer items by expert, other
+    computed items whole."""
     layers = [i for i in plan.items if i.kind == "layer"]
     costs = {i.payload.layer: expert_cost(plan, i) for i in layers}
     names = {i.payload.layer: i.payload.module_prefix + ".experts" for i in layers}
     whole = {f"the {i.kind} item writing {i.out_names[0][0]}": whole_item_cost(plan, i)
              for i in plan.items if i.kind not in ("copy", "layer") and i.out_names and i.out_names[0]}
-    torch_rss = 0 if "torch" in sys.modules else TORCH_RSS
-    cuda = budget.device_type == "cuda" if cuda_started is None else cuda_started
-    baseline = process_rss() + torch_rss + RESERVE + (CUDA_HOST_RESERVE if cuda else 0)
+    if baseline is None:
+        torch_rss = 0 if "torch" in sys.modules else TORCH_RSS
+        baseline = process_rss() + torch_rss + RESERVE + (CUDA_HOST_RESERVE if budget.device_type == "cuda" else 0)
     return plan_memory(costs, plan.info.num_experts, budget, baseline=baseline, names=names,
                        splittable=plan.reader.reads_expert_ranges, default_budget=default_budget, whole=whole,
                        item_read_cap=ITEM_READ_BYTES)
