@@ -127,6 +127,7 @@ def manifest_layout(plan: Plan) -> dict[str, Any]:
 
 
 WARMUP_CPU_ENV = "MXCONV_WARMUP_CPU"
+_QUANTIZE_INPUT = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # torch dtype names
 
 
 def warmup_launches(plan: Plan, device: torch.device) -> list[tuple[Any, ...]]:
@@ -138,12 +139,17 @@ def warmup_launches(plan: Plan, device: torch.device) -> list[tuple[Any, ...]]:
     from mxconv.kernels.triton_common import collect_launches
 
     with collect_launches() as launches:
-        if any(plan.reader.layer_format(r) not in ("mxfp4", "mxfp8") for r in plan.refs):
+        # the quantizer's input dtype per source format: floats as stored, everything else
+        # (block-FP8, INT4, another MX format) through its fp32 dequantization
+        inputs = {getattr(torch, _QUANTIZE_INPUT.get(f, "float32")) for f in map(plan.reader.layer_format, plan.refs)
+                  if f != plan.weight_format and not (f == "mxfp4" and plan.weight_format == "mxfp8")}
+        if inputs and plan.weight_format in ("mxfp4", "mxfp8"):
             from mxconv.quantizer import quantize_mx
 
-            for k in {plan.info.hidden_size, plan.info.intermediate_size}:
-                quantize_mx(torch.zeros(1, 32, k, dtype=torch.bfloat16, device=device), plan.weight_format,
-                            plan.quant.scale_rounding)
+            for dtype in sorted(inputs, key=str):
+                for k in {plan.info.hidden_size, plan.info.intermediate_size}:
+                    quantize_mx(torch.zeros(1, 32, k, dtype=dtype, device=device), plan.weight_format,
+                                plan.quant.scale_rounding)
         if plan.repack is not None and plan.sizes is not None:
             # one expert at the real per-rank sizes
             layout = get_layout(plan.repack.backend)
@@ -167,13 +173,13 @@ def _start_warmup(plan: Plan, device: torch.device) -> threading.Thread:
     another)."""
     import torch
 
-    from mxconv.kernels.triton_common import run_collected
-
     wanted = os.environ.get("MXCONV_WARMUP_THREADS", "").strip()
     threads = max(1, int(wanted)) if wanted.isdigit() else 8
 
     def work() -> None:
         try:
+            from mxconv.kernels.triton_common import run_collected  # imports triton: off the main thread
+
             with torch.cuda.device(device):
                 torch.zeros(1, device=device)  # the CUDA context
                 run_collected(warmup_launches(plan, device), max_threads=threads)
@@ -353,16 +359,18 @@ def _execute(
         # warm-up runs (seconds on a fresh machine): same bytes (the torch path, tested equal to the
         # kernels for every MX layout), and the disk gets output to write instead of waiting for the
         # compiles. (MXCONV_WARMUP_CPU=0: every item on the GPU, as the GPU-vs-CPU byte tests need)
-        cpu_ok = (plan.repack is not None and plan.weight_format in ("mxfp4", "mxfp8")
-                  and os.environ.get(WARMUP_CPU_ENV, "1").strip() not in ("0", "false", "no", "off")
+        # (not with --allow-nonfinite: a NaN bias cast to bf16 is 0xFFFF on the CPU, 0x7FFF on the GPU)
+        cpu_ok = (plan.repack is not None and plan.weight_format in ("mxfp4", "mxfp8") and not plan.quant.allow_nonfinite
+                  and os.environ.get(WARMUP_CPU_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
                   and _cpu_fits(plan))
         cpu_compute = make_compute(plan, torch.device("cpu"), stats) if cpu_ok else None
 
         def compute_after_warmup(item: WorkItem, layer: MoELayer) -> list[dict[str, torch.Tensor]]:
             if (cpu_compute is not None and warm.is_alive() and item.kind == "layer"
                     and plan.reader.layer_format(item.payload) == plan.weight_format):
+                results = cpu_compute(item, layer)
                 on_cpu.append(1)
-                return cpu_compute(item, layer)
+                return results
             warm.join()  # otherwise the first layer waits for the warm-up instead of racing it
             return compute(item, layer)
 

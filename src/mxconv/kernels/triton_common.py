@@ -9,8 +9,8 @@ import contextlib
 import contextvars
 import functools
 import os
+import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -121,24 +121,50 @@ def collect_launches() -> Iterator[list[tuple[Any, ...]]]:
 def run_collected(launches: list[tuple[Any, ...]], max_threads: int = 8) -> None:
     """Run launches recorded by :func:`collect_launches`: the first alone (it starts triton's
     driver, which builds its helpers once), then one thread per kernel function, so that their
-    compiles (LLVM, ptxas and the launcher's C compiler, each seconds on a fresh machine) overlap.
-    Raises the first failure."""
+    compiles (LLVM, ptxas and the launcher's C compiler, each up to a second or so on a fresh
+    machine) overlap. One after another before triton 3.4 (its JIT hashing of shared helpers
+    was not guarded for threads) or with ``max_threads=1``. The threads are daemons: an
+    interpreter that exits does not wait for a compile. Raises the first failure."""
     if not launches:
         return
     groups: dict[int, list[tuple[Any, ...]]] = {}
     for launch in launches[1:]:
         groups.setdefault(id(launch[0]), []).append(launch)
+    errors: list[BaseException] = []
 
     def run(group: list[tuple[Any, ...]]) -> None:
-        for kernel, grid, on, args, kwargs in group:
-            with _device_ctx(on):
-                kernel[grid](*args, **kwargs)
+        try:
+            for kernel, grid, on, args, kwargs in group:
+                with _device_ctx(on):
+                    kernel[grid](*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+            errors.append(exc)
 
     run(launches[:1])
-    if groups:
-        with ThreadPoolExecutor(max_workers=max(1, min(max_threads, len(groups))), thread_name_prefix="mxconv-compile") as ex:
-            for f in [ex.submit(run, g) for g in groups.values()]:
-                f.result()
+    if max_threads <= 1 or not _threaded_compiles():
+        for g in groups.values():
+            run(g)
+    else:
+        pending = list(groups.values())
+        while pending:
+            batch, pending = pending[:max_threads], pending[max_threads:]
+            threads = [threading.Thread(target=run, args=(g,), name="mxconv-compile", daemon=True) for g in batch]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    if errors:
+        raise errors[0]
+
+
+@functools.lru_cache(maxsize=1)
+def _threaded_compiles() -> bool:
+    """triton >= 3.4 (compiles from several threads)."""
+    try:
+        major, minor = (int(p) for p in str(triton.__version__).split(".")[:2])
+    except (AttributeError, ValueError):
+        return False
+    return (major, minor) >= (3, 4)
 
 
 def _table(tab: torch.Tensor, device: torch.device) -> torch.Tensor:
