@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -373,28 +375,43 @@ def test_cuda_groups_give_the_cpu_bytes(ws: Path, tmp_path: Path, kind: str, q: 
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory) -> Path:
-    """Experts of a few MB each, so that a budget a little above the process's RSS splits layers."""
-    return make_checkpoint(tmp_path_factory.mktemp("big") / "qwen", "qwen3-moe", num_experts=8, hidden_size=1024,
-                           intermediate_size=512).path
+    """Experts of ~12 MB each: whole layers need ~0.9 GB more than one expert, so a budget 150 MB
+    above the smallest splits layers whatever the test process's RSS does between two plans."""
+    return make_checkpoint(tmp_path_factory.mktemp("big") / "qwen", "qwen3-moe", num_experts=8, hidden_size=2048,
+                           intermediate_size=1024).path
+
+
+def mx_process(*args: object) -> tuple[int, str, str]:
+    """``mxconv ARGS...`` in a fresh process: a budget's plan depends on the process's RSS, and the
+    test process's own RSS moves with every run it made before."""
+    r = subprocess.run([sys.executable, "-m", "mxconv.cli", *map(str, args)], capture_output=True, text=True)
+    return r.returncode, r.stdout, r.stderr
+
+
+def _split_budget(big: Path, out: Path, *args: str) -> int:
+    """A --max-memory a third of the way from the smallest that works to what whole layers need
+    (the dry run's estimates): runs split, with hundreds of MB to spare either way."""
+    code, out_text, err = mx_process("quantize", big, out, *args, "--dry-run", "--json")
+    assert code == 0, err
+    mem = json.loads(out_text)["memory"]
+    assert mem["max_memory_default"] and mem["experts_per_group"] == {"0": 8, "1": 8} and mem["prefetch"] == 2
+    smallest, whole = mem["smallest_max_memory"], mem["estimated_peak_host_bytes"]
+    assert whole - smallest > 500 * 10**6, mem
+    return smallest + (whole - smallest) // 3
 
 
 def test_cli_max_memory_groups_experts_and_keeps_the_bytes(big: Path, tmp_path: Path) -> None:
-    code, out, err = mx("quantize", big, tmp_path / "d", "--dry-run", "--json", "--device", "cpu")
-    assert code == 0, err
-    doc = json.loads(out)
-    mem = doc["memory"]
-    assert mem["max_memory_default"] and mem["experts_per_group"] == {"0": 8, "1": 8} and mem["prefetch"] == 2
-    smallest = mem["smallest_max_memory"]
-    budget = smallest + 150 * 10**6  # room for a few experts at a time, whatever the RSS of this process
-    code, out, err = mx("quantize", big, tmp_path / "d", "--dry-run", "--json", "--device", "cpu", "--max-memory", str(budget))
+    budget = _split_budget(big, tmp_path / "d", "--device", "cpu")
+    code, out, err = mx_process("quantize", big, tmp_path / "d", "--dry-run", "--json", "--device", "cpu",
+                                "--max-memory", budget)
     assert code == 0, err
     mem = json.loads(out)["memory"]
     assert mem["max_memory"] == budget and not mem["max_memory_default"]
     assert 1 <= mem["experts_per_group"]["0"] < 8 and mem["estimated_peak_host_bytes"] <= budget
-    code, out, err = mx("quantize", big, tmp_path / "d", "--dry-run", "--device", "cpu", "--max-memory", str(budget))
+    code, out, err = mx_process("quantize", big, tmp_path / "d", "--dry-run", "--device", "cpu", "--max-memory", budget)
     assert code == 0 and "groups of" in out and "experts" in out, out
-    for name, extra in (("whole", []), ("split", ["--max-memory", str(budget)])):
-        code, out, err = mx("quantize", big, tmp_path / name, "--device", "cpu", "--json", "--quiet", *extra)
+    for name, extra in (("whole", []), ("split", ["--max-memory", budget])):
+        code, out, err = mx_process("quantize", big, tmp_path / name, "--device", "cpu", "--json", "--quiet", *extra)
         assert code == 0, err
         assert ("groups of" in json.loads(out)["memory"]) == (name == "split")
     assert _digests(tmp_path / "whole") == _digests(tmp_path / "split")
@@ -412,11 +429,9 @@ def test_cli_budget_too_small_is_a_usage_error(big: Path, tmp_path: Path) -> Non
 def test_cli_max_memory_with_linear_targets(big: Path, tmp_path: Path) -> None:
     """--targets linear: the linears of each layer are converted whole within the same budget."""
     args = ["--format", "mxfp8", "--targets", "linear", "--device", "cpu"]
-    code, out, err = mx("quantize", big, tmp_path / "d", *args, "--dry-run", "--json")
-    assert code == 0, err
-    budget = json.loads(out)["memory"]["smallest_max_memory"] + 150 * 10**6
-    for name, extra in (("whole", []), ("split", ["--max-memory", str(budget)])):
-        code, out, err = mx("quantize", big, tmp_path / name, *args, "--json", "--quiet", *extra)
+    budget = _split_budget(big, tmp_path / "d", *args)
+    for name, extra in (("whole", []), ("split", ["--max-memory", budget])):
+        code, out, err = mx_process("quantize", big, tmp_path / name, *args, "--json", "--quiet", *extra)
         assert code == 0, err
         assert ("groups of" in json.loads(out)["memory"]) == (name == "split")
     assert _digests(tmp_path / "whole") == _digests(tmp_path / "split")
