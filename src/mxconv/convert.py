@@ -141,8 +141,8 @@ def warmup_launches(plan: Plan, device: torch.device) -> list[tuple[Any, ...]]:
     with collect_launches() as launches:
         # the quantizer's input dtype per source format: floats as stored, everything else
         # (block-FP8, INT4, another MX format) through its fp32 dequantization
-        inputs = {getattr(torch, _QUANTIZE_INPUT.get(f, "float32")) for f in map(plan.reader.layer_format, plan.refs)
-                  if f != plan.weight_format and not (f == "mxfp4" and plan.weight_format == "mxfp8")}
+        inputs = {getattr(torch, _QUANTIZE_INPUT.get(plan.reader.layer_format(r), "float32"))
+                  for r in plan.refs if plan.conversion(r) == "quantize"}
         if inputs and plan.weight_format in ("mxfp4", "mxfp8"):
             from mxconv.quantizer import quantize_mx
 
@@ -366,8 +366,7 @@ def _execute(
         cpu_compute = make_compute(plan, torch.device("cpu"), stats) if cpu_ok else None
 
         def compute_after_warmup(item: WorkItem, layer: MoELayer) -> list[dict[str, torch.Tensor]]:
-            if (cpu_compute is not None and warm.is_alive() and item.kind == "layer"
-                    and plan.reader.layer_format(item.payload) == plan.weight_format):
+            if cpu_compute is not None and warm.is_alive() and item.kind == "layer" and plan.conversion(item.payload) == "as_is":
                 results = cpu_compute(item, layer)
                 on_cpu.append(1)
                 return results

@@ -371,11 +371,11 @@ def expert_cost(plan: "Plan", item: "WorkItem") -> ExpertCost:
     H, I = plan.info.hidden_size, plan.info.intermediate_size
     planned = {t.name: t.nbytes for d in plan.dests for t in d if t.role == "expert"}
     out = sum(planned[n] for names in item.out_names for n in names)
-    src = plan.reader.layer_format(ref)
+    conversion = plan.conversion(ref)
     w13 = 2 * I * H
-    if src in ("mxfp4", "mxfp8", "int4") and src == plan.weight_format:
+    if conversion == "as_is":
         work, cap = 0, E  # bytes moved as they are
-    elif src == "mxfp4" and plan.weight_format == "mxfp8":
+    elif conversion == "mxfp4_to_mxfp8":
         work, cap = MXFP4_TO_MXFP8_BYTES * w13, E  # lossless re-coding, the whole item at once
     else:
         work, cap = QUANTIZE_BYTES * w13, max(1, CHUNK_ELEMENTS // w13)

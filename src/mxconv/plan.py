@@ -137,6 +137,17 @@ class Plan:
             return self.sizes.weight_format if self.sizes is not None else "mxfp4"
         return self.quant.fmt
 
+    def conversion(self, ref: MoELayerRef) -> str:
+        """How layer ``ref``'s experts become :attr:`weight_format`: "as_is" (the same MX or INT4
+        format: bytes moved untouched), "mxfp4_to_mxfp8" (lossless re-coding, same scales) or
+        "quantize" (floats, or the fp32 dequantization of block-FP8, INT4 or another MX format)."""
+        src = self.reader.layer_format(ref)
+        if src == self.weight_format:
+            return "as_is"
+        if src == "mxfp4" and self.weight_format == "mxfp8":
+            return "mxfp4_to_mxfp8"
+        return "quantize"
+
 
 def _layer_of(name: str) -> int:
     """Sort key: the tensor's layer, global tensors (embeddings, final norm, head) last."""

@@ -346,15 +346,12 @@ def _convert(command: str, source: str, output: Path, *, quant: Any, repack: Any
         plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
         return dev
 
-    def stop_reading_ahead() -> None:
-        """From the first computed item on, the pipeline's readers have the disk (their first reads
-        hit the page cache); until then the kernels' warm-up may hold the pipeline, not the disk."""
-        ahead.stop()
-
     with progress(plan.bytes_in, progress_label(plan), run.quiet or run.as_json) as advance:
+        # reading ahead stops at the first computed item: from then on the pipeline's readers have the
+        # disk (their first reads hit the page cache); until then the kernels' warm-up may hold them
         summary = execute(plan, output, device=start_pipeline, max_shard_size=shard_bytes, overwrite=run.overwrite,
                           argv=["mxconv", *sys.argv[1:]], on_progress=advance, early_copy=True,
-                          on_started=None if ahead is None else stop_reading_ahead)
+                          on_started=None if ahead is None else ahead.stop)
     if ahead is not None:
         summary["bytes_read_ahead"] = ahead.stop()  # source bytes read while the process started (and warmed up)
     if run.as_json:
