@@ -71,6 +71,15 @@ def test_help_teaches() -> None:
     assert code == 0 and "--backend" in out and "--tp" in out and "Example" in out
 
 
+def test_repack_help_names_the_engines_of_each_trtllm_alignment() -> None:
+    code, out, _ = mx("repack", "--help")
+    text = " ".join(out.split()).replace("- ", "-")  # rich wraps the help text, at hyphens too
+    assert code == 0 and "trtllm: intermediate_align=int (default 128)" in text
+    assert "128 is what vLLM >= 0.27 (0.33 included) allocates for FLASHINFER_TRTLLM_MXFP4_*" in text
+    assert "256 is what vLLM 0.10.2-0.26 and SGLang's FlashInfer MXFP4 MoE allocate" in text
+    assert "later snapshot" not in text
+
+
 def test_inspect_json(ws: Path) -> None:
     code, out, _ = mx("inspect", ws / "gpt", "--json")
     assert code == 0
@@ -78,7 +87,8 @@ def test_inspect_json(ws: Path) -> None:
     assert doc["family"] == "gpt-oss" and doc["kind"] == "canonical"
     assert doc["model"]["row_order"] == "interleaved" and doc["model"]["expert_format"] == "bf16"
     trt = [b for b in doc["backends"] if b["backend"] == "trtllm"][0]
-    assert (trt["padded_hidden_size"], trt["padded_intermediate_size"]) == (256, 256)
+    assert (trt["padded_hidden_size"], trt["padded_intermediate_size"]) == (256, 128)  # I = 64 -> 128, as vLLM 0.33
+    assert trt["vllm_backends"] == ["FLASHINFER_TRTLLM_MXFP4_BF16"]
     code, out, _ = mx("inspect", ws / "gpt-trt", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["kind"] == "kernel" and doc["manifest"]["backend"] == "trtllm"
@@ -116,7 +126,7 @@ def test_repack_output_contract(ws: Path) -> None:
     assert m["layout"]["padded_hidden_size"] == 256 and m["layout"]["hidden_size"] == 160
     assert m["layout"]["kernel_params"] is None
     t = m["tensors"]["model.layers.0.mlp.experts.w13_weight"]
-    assert t["dtype"] == "U8" and t["shape"] == [4, 512, 128] and t["role"] == "expert"
+    assert t["dtype"] == "U8" and t["shape"] == [4, 256, 128] and t["role"] == "expert"  # 2Ip, Ip = roundup(96, 128)
     assert m["tensors"]["model.layers.0.mlp.experts.w13_weight_scale"]["dtype"] == "F8_E4M3"
     assert "model.layers.0.mlp.experts.w13_bias" not in m["tensors"]
 
@@ -453,3 +463,21 @@ def test_repack_says_when_no_vllm_backend_holds_the_bytes(ws: Path, tmp_path: Pa
     assert any("no vLLM 0.33 MXFP4 MoE backend holds these bytes" in n and "TRITON runs swigluoai only" in n for n in notes), notes
     code, out, err = mx("repack", ws / "gpt-q4", tmp_path / "m", "--backend", "marlin", "--device", "cpu", "--json")
     assert code == 0 and not any("no vLLM" in n for n in json.loads(out)["notes"]), out  # MARLIN holds it
+
+
+@pytest.mark.parametrize("act, vllm_backend", [("bf16", "FLASHINFER_TRTLLM_MXFP4_BF16"), ("mxfp8", "FLASHINFER_TRTLLM_MXFP4_MXFP8")])
+def test_repack_trtllm_default_is_what_vllm_033_holds(ws: Path, tmp_path: Path, act: str, vllm_backend: str) -> None:
+    code, out, err = mx("repack", ws / "gpt-q4", tmp_path / "d", "--backend", "trtllm", "--activation", act, "--device", "cpu", "--json")
+    assert code == 0 and not any("no vLLM" in n for n in json.loads(out)["notes"]), out
+    m = json.loads((tmp_path / "d" / "mxconv.json").read_text())
+    assert m["served_vllm_backends"] == [vllm_backend] and m["quant_config"]["not_served"] == {}
+    assert (m["layout"]["padded_intermediate_size"], m["layout"]["intermediate_align"]) == (128, 128)  # I = 64
+    code, out, err = mx("repack", ws / "gpt-q4", tmp_path / "o", "--backend", "trtllm", "--activation", act, "--device", "cpu",
+                        "--layout-option", "intermediate_align=256", "--json")
+    assert code == 0, err
+    notes = [n for n in json.loads(out)["notes"] if "no vLLM 0.33 MXFP4 MoE backend holds these bytes" in n]
+    assert len(notes) == 1 and f"vLLM pads (H, I) = (96, 64) to (256, 128) for {vllm_backend}" in notes[0], out
+    m = json.loads((tmp_path / "o" / "mxconv.json").read_text())
+    assert m["served_vllm_backends"] == [] and m["layout"]["padded_intermediate_size"] == 256
+    code, _, err = mx("verify", tmp_path / "o", "--reference", ws / "gpt-q4", "--device", "cpu")  # the old default still reads back
+    assert code == 0, err

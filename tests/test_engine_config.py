@@ -92,7 +92,7 @@ def outputs(tmp_path_factory) -> dict[str, dict[str, Any]]:
             for act in get_layout(backend).activations:
                 out[f"{kind}/{backend}/{act}"] = _convert(q4, root / f"{kind}-{backend}-{act}", QuantOptions(), RepackOptions(backend, act))
     gpt_q4 = root / "gpt-oss-bf16-mxfp4"
-    out["gpt/trtllm-128"] = _convert(gpt_q4, root / "t128", QuantOptions(), RepackOptions("trtllm", "bf16", 1, {"intermediate_align": 128}))
+    out["gpt/trtllm-256"] = _convert(gpt_q4, root / "t256", QuantOptions(), RepackOptions("trtllm", "mxfp8", 1, {"intermediate_align": 256}))
     out["gpt/marlin-legacy"] = _convert(gpt_q4, root / "ml", QuantOptions(), RepackOptions("marlin", "bf16", 1, {"marlin_scale_layout": "legacy"}))
     out["qwen/deepgemm-tp2"] = _convert(root / "qwen3-moe-mxfp4", root / "dg2", QuantOptions(), RepackOptions("deepgemm", "fp8", 2))
     return out
@@ -187,12 +187,15 @@ def test_kernel_tensors_and_served(outputs: dict[str, dict[str, Any]]) -> None:
     assert gdg["served_vllm_backends"] == [] and gdg["not_served"] == {
         "DEEPGEMM_MXFP4": "DEEPGEMM_MXFP4 runs silu, swiglustep, situ only; the model uses swigluoai"}
     assert gdg["gemm1"]["biases"] == [{"name": p + "w13_bias", "dtype": "BF16", "shape": [4, 256]}]
-    trt = outputs["gpt-oss-bf16/trtllm/mxfp8"]["quant_config"]  # default intermediate_align 256: I 64 -> 256, vLLM 128
-    assert trt["served_vllm_backends"] == [] and trt["not_served"] == {"FLASHINFER_TRTLLM_MXFP4_MXFP8": (
+    trt = outputs["gpt-oss-bf16/trtllm/mxfp8"]["quant_config"]  # default intermediate_align 128: I 64 -> 128, as vLLM 0.33
+    assert trt["served_vllm_backends"] == ["FLASHINFER_TRTLLM_MXFP4_MXFP8"] and trt["not_served"] == {}
+    assert trt["gemm1"]["scales"] == [{"name": p + "w13_weight_scale", "dtype": "F8_E4M3", "shape": [4, 256, 8]}]
+    assert trt["gemm1"]["biases"] == [{"name": p + "w13_bias", "dtype": "F32", "shape": [4, 256]}]
+    assert outputs["gpt-oss-bf16/trtllm/bf16"]["served_vllm_backends"] == ["FLASHINFER_TRTLLM_MXFP4_BF16"]
+    t256 = outputs["gpt/trtllm-256"]["quant_config"]  # intermediate_align 256: I 64 -> 256, vLLM 0.33 128
+    assert t256["served_vllm_backends"] == [] and t256["not_served"] == {"FLASHINFER_TRTLLM_MXFP4_MXFP8": (
         "vLLM pads (H, I) = (96, 64) to (256, 128) for FLASHINFER_TRTLLM_MXFP4_MXFP8; these tensors are padded to (256, 256)")}
-    assert trt["gemm1"]["scales"] == [{"name": p + "w13_weight_scale", "dtype": "F8_E4M3", "shape": [4, 512, 8]}]
-    assert trt["gemm1"]["biases"] == [{"name": p + "w13_bias", "dtype": "F32", "shape": [4, 512]}]
-    assert outputs["gpt/trtllm-128"]["served_vllm_backends"] == ["FLASHINFER_TRTLLM_MXFP4_BF16"]
+    assert t256["gemm1"]["scales"] == [{"name": p + "w13_weight_scale", "dtype": "F8_E4M3", "shape": [4, 512, 8]}]
     assert outputs["gpt-oss-bf16/marlin/fp8"]["served_vllm_backends"] == ["MARLIN", "BATCHED_MARLIN"]
     legacy = outputs["gpt/marlin-legacy"]["quant_config"]
     assert legacy["served_vllm_backends"] == [] and legacy["not_served"]["MARLIN"] == "the layout targets vLLM >=0.10.2,<=0.11.2"
@@ -223,6 +226,20 @@ def test_vllm_padding_table_and_compat() -> None:
     assert {spec: admits_vllm(spec) for spec in cases} == cases
 
 
+def test_inspect_table_at_gpt_oss_20b_sizes_serves_trtllm_by_default() -> None:
+    """``mxconv inspect``'s per-backend rows for gpt-oss-20b (E 32, H = I = 2880, 24 layers, biases):
+    the default trtllm output pads I to 2944, as vLLM 0.33 does, so both TRTLLM backends hold it."""
+    from mxconv.inspect_ckpt import backend_table
+
+    rows = {(r["backend"], r["activation"]): r for r in backend_table(32, 2880, 2880, "interleaved", True, 24, "swigluoai")}
+    for act, vllm_backend in (("bf16", "FLASHINFER_TRTLLM_MXFP4_BF16"), ("mxfp8", "FLASHINFER_TRTLLM_MXFP4_MXFP8")):
+        row = rows[("trtllm", act)]
+        assert (row["padded_hidden_size"], row["padded_intermediate_size"], row["vllm_backends"]) == (3072, 2944, [vllm_backend])
+        # w13 [32, 5888, 1536] + scales [32, 5888, 96] + bias f32 [32, 5888]; w2 [32, 3072, 1472] + [32, 3072, 92] + [32, 3072]
+        per_layer = 32 * (5888 * (1536 + 96 + 4) + 3072 * (1472 + 92 + 4))
+        assert row["expert_bytes"] == 24 * per_layer
+
+
 def test_from_json_refuses_malformed(outputs: dict[str, dict[str, Any]]) -> None:
     good = outputs["qwen3-moe/deepgemm/fp8"]["quant_config"]
     for bad, msg in (
@@ -239,7 +256,8 @@ def test_from_json_refuses_malformed(outputs: dict[str, dict[str, Any]]) -> None
 
 
 def test_only_mxfp4_outputs_serve_mxfp4_backends(outputs: dict[str, dict[str, Any]]) -> None:
-    m = dict(outputs["gpt/trtllm-128"], weight_format="int4")  # e.g. a future MxInt4 trtllm output
+    assert outputs["gpt-oss-bf16/trtllm/bf16"]["served_vllm_backends"] == ["FLASHINFER_TRTLLM_MXFP4_BF16"]
+    m = dict(outputs["gpt-oss-bf16/trtllm/bf16"], weight_format="int4")  # e.g. a future MxInt4 trtllm output
     qc = from_manifest(m)
     assert (qc.served_vllm_backends, qc.not_served, qc.scale_format, qc.weight_dtype) == ((), (), "bf16", "int4")
 
@@ -266,4 +284,6 @@ def test_inspect_prints_quant_config(tmp_path: Path, monkeypatch: pytest.MonkeyP
     r = runner.invoke(app, ["inspect", str(src), "--json"])
     rows = {(b["backend"], b["activation"]): b.get("vllm_backends") for b in json.loads(r.stdout)["backends"]}
     assert rows[("deepgemm", "fp8")] == ["DEEPGEMM_MXFP4"] and rows[("marlin", "bf16")] == ["MARLIN", "BATCHED_MARLIN"]
-    assert rows[("trtllm", "bf16")] == []  # I = 96 -> 256 by default; vLLM 0.33 pads to 128
+    # I = 96 -> 128 by default, as vLLM 0.33 pads it
+    assert rows[("trtllm", "bf16")] == ["FLASHINFER_TRTLLM_MXFP4_BF16"]
+    assert rows[("trtllm", "mxfp8")] == ["FLASHINFER_TRTLLM_MXFP4_MXFP8"]

@@ -165,10 +165,10 @@ def test_layout_option_flag_on_the_cli(tmp_path: Path) -> None:
     assert code == 2 and "expected NAME=VALUE" in err
     code, _, err = mx("repack", src, tmp_path / "c", "--backend", "marlin", "--layout-option", "intermediate_align=128")
     assert code == 2 and "has no option intermediate_align" in err and "marlin_scale_layout" in err
-    code, _, err = mx("repack", src, tmp_path / "d", "--backend", "trtllm", "--layout-option", "intermediate_align=128", "--quiet")
+    code, _, err = mx("repack", src, tmp_path / "d", "--backend", "trtllm", "--layout-option", "intermediate_align=256", "--quiet")
     assert code == 0, err
-    m = json.loads((tmp_path / "d" / "mxconv.json").read_text())
-    assert m["layout"]["options"] == {"intermediate_align": 128} and m["layout"]["padded_intermediate_size"] == 128
+    m = json.loads((tmp_path / "d" / "mxconv.json").read_text())  # I = 96: 256 here, 128 by default
+    assert m["layout"]["options"] == {"intermediate_align": 256} and m["layout"]["padded_intermediate_size"] == 256
     code, stdout, _ = mx("repack", "--help")
     assert code == 0 and "intermediate_align" in stdout and "marlin_scale_layout" in stdout
 

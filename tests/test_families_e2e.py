@@ -206,14 +206,14 @@ def test_repack_cli_has_no_include_ignore() -> None:
 
 
 def test_trtllm_intermediate_align_option_reaches_the_plan(tmp_path: Path) -> None:
-    """Backend options that change padding go through Layout.padded_sizes (128-aligned Ip here)."""
+    """Backend options that change padding go through Layout.padded_sizes (256-aligned Ip here; the default is 128)."""
     src = make_checkpoint(tmp_path / "src", "qwen3-moe").path  # I = 96
     q4 = tmp_path / "q4"
     _convert(src, q4, QuantOptions("mxfp4"))
     k = tmp_path / "k"
-    s = _convert(q4, k, QuantOptions(), RepackOptions("trtllm", "bf16", 1, {"intermediate_align": 128}))
-    assert s["sizes"]["padded_intermediate_size"] == 128
+    s = _convert(q4, k, QuantOptions(), RepackOptions("trtllm", "bf16", 1, {"intermediate_align": 256}))
+    assert s["sizes"]["padded_intermediate_size"] == 256
     m = json.loads((k / "mxconv.json").read_text())
-    assert m["layout"]["padded_intermediate_size"] == 128 and m["layout"]["options"] == {"intermediate_align": 128}
+    assert m["layout"]["padded_intermediate_size"] == 256 and m["layout"]["options"] == {"intermediate_align": 256}
     rep = verify(k, reference=str(q4), tokens=16)
     assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems

@@ -326,27 +326,35 @@ def test_padded_sizes(H: int, I: int, align: int, want: tuple[int, int]) -> None
     for row_order in ("halves", "interleaved"):
         for act in ("bf16", "mxfp8"):
             assert LAYOUT.padded_sizes(H, I, row_order, act, intermediate_align=align) == want
-    if align == 256:
+    if align == 128:  # the default is vLLM 0.33's FLASHINFER_TRTLLM_MXFP4_* padding
         assert LAYOUT.padded_sizes(H, I, "halves", "bf16") == want
+        assert LAYOUT.padded_sizes(H, I, "halves", "bf16", {}) == want
+
+
+def test_default_pads_gpt_oss_20b_intermediate_to_128_not_256() -> None:
+    assert LAYOUT.padded_sizes(2880, 2880, "interleaved", "bf16") == (3072, 2944)
+    assert LAYOUT.padded_sizes(2880, 2880, "interleaved", "bf16", {"intermediate_align": 256}) == (3072, 3072)
+    assert LAYOUT.resolve_options() == {"intermediate_align": 128}
 
 
 @pytest.mark.parametrize("has_bias", [True, False])
-def test_kernel_specs_gpt_oss_20b(has_bias: bool) -> None:
-    sizes = LayoutSizes(32, 2880, 2880, 3072, 3072, "interleaved", has_bias)
-    specs = LAYOUT.kernel_specs(sizes, "bf16", {})
+@pytest.mark.parametrize("options,Ip", [({}, 2944), ({"intermediate_align": 128}, 2944), ({"intermediate_align": 256}, 3072)])
+def test_kernel_specs_gpt_oss_20b(has_bias: bool, options: dict, Ip: int) -> None:
+    sizes = LayoutSizes(32, 2880, 2880, 3072, Ip, "interleaved", has_bias)
+    specs = LAYOUT.kernel_specs(sizes, "bf16", options)
     got = {name: (spec.shape, spec.dtype) for name, spec in specs.items()}
     want = {
-        "w13_weight": ((32, 6144, 1536), torch.uint8),
-        "w13_weight_scale": ((32, 6144, 96), torch.float8_e4m3fn),
-        "w2_weight": ((32, 3072, 1536), torch.uint8),
-        "w2_weight_scale": ((32, 3072, 96), torch.float8_e4m3fn),
+        "w13_weight": ((32, 2 * Ip, 1536), torch.uint8),
+        "w13_weight_scale": ((32, 2 * Ip, 96), torch.float8_e4m3fn),
+        "w2_weight": ((32, 3072, Ip // 2), torch.uint8),
+        "w2_weight_scale": ((32, 3072, Ip // 32), torch.float8_e4m3fn),
     }
     if has_bias:
-        want["w13_bias"] = ((32, 6144), torch.float32)
+        want["w13_bias"] = ((32, 2 * Ip), torch.float32)
         want["w2_bias"] = ((32, 3072), torch.float32)
     assert got == want
-    assert specs["w13_weight"].nbytes == 32 * 6144 * 1536
-    assert LAYOUT.kernel_specs(sizes, "mxfp8", {}) == specs
+    assert specs["w13_weight"].nbytes == 32 * 2 * Ip * 1536
+    assert LAYOUT.kernel_specs(sizes, "mxfp8", options) == specs
 
 
 def test_kernel_specs_tp2_and_align_option() -> None:
@@ -371,13 +379,13 @@ def test_kernel_specs_rejects_sizes_that_disagree_with_the_layout() -> None:
 
 @pytest.mark.parametrize("activation", ["bf16", "mxfp8"])
 def test_describe(activation: str) -> None:
-    sizes = LayoutSizes(32, 2880, 2880, 3072, 3072, "interleaved", True)
+    sizes = LayoutSizes(32, 2880, 2880, 3072, 2944, "interleaved", True)
     d = LAYOUT.describe(sizes, activation, {})
     assert d["name"] == "trtllm" and d["version"] == 1
     assert d["activation"] == activation
     assert d["engine_compat"] == {"vllm": ">=0.10.2", "flashinfer": ">=0.3"}
     assert d["epilogue_tile_m"] == 128 and d["num_elts_per_sf"] == 16
-    assert d["intermediate_align"] == 256 and d["hidden_align"] == 256
+    assert d["intermediate_align"] == 128 and d["hidden_align"] == 256
     assert d["scale_fill"] == 0
     want_backend = {"bf16": "FLASHINFER_TRTLLM_MXFP4_BF16", "mxfp8": "FLASHINFER_TRTLLM_MXFP4_MXFP8"}
     assert d["vllm_moe_backend"] == want_backend[activation]

@@ -28,8 +28,11 @@ Output tensors (E experts, padded sizes):
 
 Options read (a plain dict; other keys are ignored):
 
-* ``intermediate_align`` (int, default 256): multiple the per-rank intermediate size is
-  padded to. Must be a positive multiple of 128 (vLLM releases use 256; a later snapshot 128).
+* ``intermediate_align`` (int, default 128): multiple the per-rank intermediate size is
+  padded to. Must be a positive multiple of 128. 128 is what vLLM 0.33's
+  ``mxfp4_round_up_hidden_size_and_intermediate_size`` allocates for FLASHINFER_TRTLLM_MXFP4_*
+  (so does every vLLM release from 0.27 on); 256 is what vLLM 0.10.2-0.26 and SGLang's FlashInfer
+  MXFP4 MoE (SM100) allocate.
 
 The weights are identical for both activations ("bf16", "mxfp8"); only the manifest differs.
 
@@ -74,7 +77,7 @@ LAYOUT_VERSION = 1
 ACTIVATIONS: tuple[str, ...] = ("bf16", "mxfp8")
 
 HIDDEN_ALIGN = 256  # also what vLLM pads MXFP8 activations to, so it must stay 256
-DEFAULT_INTERMEDIATE_ALIGN = 256
+DEFAULT_INTERMEDIATE_ALIGN = 128  # vLLM 0.33 FLASHINFER_TRTLLM_MXFP4_*: Ip = roundup(I, 128)
 INTERMEDIATE_ALIGN_QUANTUM = 128  # 2Ip % 128 and (Ip/32) % 4 must hold
 MX_BLOCK = 32  # elements per E8M0 scale
 
@@ -93,7 +96,7 @@ VLLM_BACKENDS = {"bf16": "FLASHINFER_TRTLLM_MXFP4_BF16", "mxfp8": "FLASHINFER_TR
 
 
 def intermediate_align_option(options: dict[str, Any] | None) -> int:
-    """``options["intermediate_align"]`` (default 256), checked to be a positive multiple of 128."""
+    """``options["intermediate_align"]`` (default 128), checked to be a positive multiple of 128."""
     align = (options or {}).get("intermediate_align", DEFAULT_INTERMEDIATE_ALIGN)
     if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align % INTERMEDIATE_ALIGN_QUANTUM:
         raise LayoutError(
@@ -120,7 +123,9 @@ class TrtllmLayout(LayoutBase):
     options = (
         LayoutOption(
             "intermediate_align", int, DEFAULT_INTERMEDIATE_ALIGN,
-            "per-rank intermediate size padded to this multiple (vLLM releases 256; a later snapshot 128)",
+            "per-rank intermediate size padded to this multiple: 128 is what vLLM >= 0.27 (0.33 included) "
+            "allocates for FLASHINFER_TRTLLM_MXFP4_*; 256 is what vLLM 0.10.2-0.26 and SGLang's FlashInfer "
+            "MXFP4 MoE allocate",
             check=_align_problem,
         ),
     )
@@ -159,7 +164,7 @@ class TrtllmLayout(LayoutBase):
     ) -> tuple[int, int]:
         """(Hp, Ip) = (roundup(H, 256), roundup(I, intermediate_align)) for one rank.
 
-        ``intermediate_align`` comes from the keyword, else from ``options`` (default 256).
+        ``intermediate_align`` comes from the keyword, else from ``options`` (default 128).
         Raises LayoutError unless H and I are positive multiples of 32 (MXFP4 blocks).
         ``weight_format="int4"``: the MxInt4 rule instead, (H, I) with both multiples of 256.
         """
