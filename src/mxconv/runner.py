@@ -140,6 +140,19 @@ class Comparison:
         return {k: (v if math.isfinite(v) else None) for k, v in self.__dict__.items()}
 
 
+def apart(value: float, bound: float, digits: int = 4) -> tuple[str, str]:
+    """``value`` and the ``bound`` it failed, printed alike with the fewest significant digits (at
+    least ``digits``) that show the bound to 10 digits and tell the two apart, so a failure reads
+    "cosine 0.9999985 < 0.999999", never "cosine 0.999999 < 0.999999". Rounding keeps order, so
+    the printed pair compares as the true pair does."""
+    d = digits
+    while d < 17 and abs(float(f"{bound:.{d}g}") - bound) > 1e-10 * abs(bound):
+        d += 1
+    while d < 17 and f"{value:.{d}g}" == f"{bound:.{d}g}":
+        d += 1
+    return f"{value:.{d}g}", f"{bound:.{d}g}"
+
+
 def compare(out: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor, ref_ids: torch.Tensor) -> Comparison:
     """Error of ``out`` against ``ref`` ([T, H]) and the fraction of top-k choices in common.
 

@@ -28,7 +28,7 @@ import torch
 from mxconv.engines import KERNEL_THRESHOLDS
 from mxconv.errors import BadInput
 from mxconv.layouts import Layout, get_layout
-from mxconv.runner import Comparison, Routing, compare
+from mxconv.runner import Comparison, Routing, apart, compare
 
 @dataclass
 class KernelResult:
@@ -77,9 +77,9 @@ def _bound(threshold: dict[str, float]) -> dict[str, float]:
 def _judge(what: str, cmp: Comparison, bound: dict[str, float]) -> list[str]:
     bad = []
     if not cmp.rel_rms <= bound["rel_rms"]:  # NaN fails
-        bad.append(f"{what}: relative RMS error {cmp.rel_rms:.4g} > {bound['rel_rms']:.4g}")
+        bad.append("{}: relative RMS error {} > {}".format(what, *apart(cmp.rel_rms, bound["rel_rms"])))
     if not cmp.cosine >= bound["cosine"]:
-        bad.append(f"{what}: cosine {cmp.cosine:.6f} < {bound['cosine']:.6f}")
+        bad.append("{}: cosine {} < {}".format(what, *apart(cmp.cosine, bound["cosine"])))
     return bad
 
 

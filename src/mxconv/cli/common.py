@@ -1,7 +1,7 @@
-"""What every ``mxconv`` command shares: the app, consoles, option declarations, error handling.
+"""What every ``mxconv`` command shares: the app, its command class, option declarations, error handling.
 
 Streams: result tables and ``--json`` documents on stdout (:data:`out`); progress, notes, warnings
-and errors on stderr (:data:`err`). Exit codes: 0 success / verification passed, 1 verification
+and errors on stderr (:data:`err`); both from :mod:`mxconv.cli.output`. Exit codes: 0 success / verification passed, 1 verification
 failed, 2 bad usage or bad input (an interruption by SIGINT/SIGTERM included, see
 docs/reliability.md), 3 internal error. Options that several commands take are declared once here
 (``Annotated`` aliases) so the same flag is spelled and documented the same way everywhere; the
@@ -23,15 +23,11 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Iterator, Optional, get_type_hints
 
 import typer
-from rich.console import Console
-from rich.progress import (
-    BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
-from rich.text import Text
+from typer.core import TyperCommand
 
 from mxconv import __version__, sizes
+from mxconv.cli.output import err, out, progress, say, step_progress  # noqa: F401 - the commands import them from here
 from mxconv.errors import MxconvError
 from mxconv.interrupt import Interrupted, stop_signals
 
@@ -47,19 +43,38 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain click help: no <bool>/<str> type columns
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
 )
-# Markup off: messages carry tensor shapes ("[256, 32]") and user paths that rich would otherwise read
-# as markup tags (dropping them, or raising on "[/"). Styles go through :func:`say` / rich Text.
-err = Console(stderr=True, markup=False)
-out = Console(markup=False)
 
 
-def say(console: Console, label: str, style: str, message: str = "") -> None:
-    """Print ``label message`` on one logical line: the label styled, the message exactly as given."""
-    line = Text(label, style=style)
-    if message:
-        line.append(" " + message)
-    console.print(line, highlight=False, soft_wrap=True)
+class Command(TyperCommand):
+    """How every mxconv command parses and presents itself (``@app.command(cls=Command)``): the usage
+    line names arguments as the help does ("SOURCE OUTPUT", where Typer writes "{SOURCE} {OUTPUT}"),
+    and a bad option value is one plain line naming the option, the value and what it accepts
+    (Typer's pydantic conversion would prefix "Value error, ")."""
+
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        pieces = super().collect_usage_pieces(ctx)
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except typer.BadParameter as exc:
+            exc.message = _conversion_message(exc)
+            raise
+
+
+def _conversion_message(exc: typer.BadParameter) -> str:
+    """The reason of a failed conversion of an option's value: the validator's own words for a
+    ValueError ("'tpu' is not one of 'trtllm', ..."), else pydantic's with the value given."""
+    details = getattr(exc.__cause__, "errors", None)  # Typer converts through a pydantic TypeAdapter
+    first = details()[0] if callable(details) and details() else None
+    if first is None:
+        return exc.message
+    if first.get("type") == "value_error" and "error" in first.get("ctx", {}):
+        return str(first["ctx"]["error"])
+    return f"{first['msg']} (got {first['input']!r})" if "input" in first else first["msg"]
 
 
 class Rounding(str, Enum):
@@ -214,43 +229,6 @@ def progress_label(plan: Any) -> str:
     if plan.linears is not None and plan.linears.mx_modules():
         to += " (every linear)"
     return f"{plan.command} {plan.info.family}: {plan.info.expert_format} -> {to}"
-
-
-@contextmanager
-def progress(total: int, label: str, quiet: bool) -> Iterator[Any]:
-    if quiet:
-        yield None
-        return
-    prog = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=False),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=err,
-        transient=False,
-    )
-    with prog:
-        task = prog.add_task(label, total=max(total, 1))
-        yield lambda n: prog.advance(task, n)
-
-
-@contextmanager
-def step_progress(label: str, quiet: bool) -> Iterator[Any]:
-    """A bar over the steps of a long check on stderr: yields ``on_step(what, done, total)`` (None
-    when quiet)."""
-    if quiet:
-        yield None
-        return
-    prog = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=err, transient=False)
-    with prog:
-        task = prog.add_task(label, total=None)
-
-        def on_step(what: str, done: int, total: int) -> None:
-            prog.update(task, description=f"{label}: {what}", completed=done, total=total)
-
-        yield on_step
 
 
 def summary_table(plan_summary: dict[str, Any], title: str) -> Table:

@@ -9,10 +9,10 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from mxconv.cli.common import DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say
+from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say
 
 
-@app.command()
+@app.command(cls=Command)
 def demo(
     workdir: Annotated[Optional[Path], typer.Option("--workdir", metavar="DIR", help="Where to build the demo checkpoints (default: a temporary directory, removed afterwards).")] = None,
     device: DeviceOpt = "auto",

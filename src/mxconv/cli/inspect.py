@@ -8,10 +8,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from mxconv.cli.common import SOURCE_HELP, DebugOpt, JsonOpt, RevisionOpt, app, errors, human_bytes, out, print_json
+from mxconv.cli.common import SOURCE_HELP, Command, DebugOpt, JsonOpt, RevisionOpt, app, errors, human_bytes, out, print_json
 
 
-@app.command()
+@app.command(cls=Command)
 def inspect(
     path: Annotated[str, typer.Argument(metavar="PATH", help=SOURCE_HELP)],
     revision: RevisionOpt = None,

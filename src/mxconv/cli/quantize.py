@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from mxconv.cli.common import (
-    OutputArg, Rounding, RoundingOpt, RunOptions, SourceArg, app, errors, run_convert, run_options,
+    Command, OutputArg, Rounding, RoundingOpt, RunOptions, SourceArg, app, errors, run_convert, run_options,
 )
 
 
@@ -22,7 +22,7 @@ class Targets(str, Enum):
     linear = "linear"
 
 
-@app.command()
+@app.command(cls=Command)
 @run_options
 def quantize(
     source: SourceArg,

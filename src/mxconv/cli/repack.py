@@ -8,9 +8,8 @@ from enum import Enum
 from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperCommand
 
-from mxconv.cli.common import SOURCE_HELP, OutputArg, Rounding, RunOptions, app, errors, run_convert, run_options
+from mxconv.cli.common import SOURCE_HELP, Command, OutputArg, Rounding, RunOptions, app, errors, run_convert, run_options
 from mxconv.layouts import backend_names
 
 Backend = Enum("Backend", {name: name for name in backend_names()}, type=str)  # type: ignore[misc]
@@ -31,7 +30,7 @@ def layout_options(pairs: list[str]) -> dict[str, str]:
     return given
 
 
-class _RepackCommand(TyperCommand):
+class _RepackCommand(Command):
     """The repack command, whose --help ends with every backend's options (read from the layouts
     only when help is shown, so plain --help never imports torch)."""
 

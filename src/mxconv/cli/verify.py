@@ -9,10 +9,10 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from mxconv.cli.common import DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say, step_progress
+from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say, step_progress
 
 
-@app.command()
+@app.command(cls=Command)
 def verify(
     path: Annotated[Path, typer.Argument(metavar="PATH", help="A checkpoint written by mxconv quantize or repack.")],
     reference: Annotated[Optional[str], typer.Option("--reference", metavar="SOURCE", help="The checkpoint the conversion came from (bf16 or MXFP4).")] = None,

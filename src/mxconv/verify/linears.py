@@ -24,6 +24,7 @@ from mxconv.errors import BadInput
 from mxconv.families.quant_config import quantization_dict
 from mxconv.linear_config import config_quantizes
 from mxconv.linears import LINEAR_FORMAT, linear_modules, read_float, tensor_role
+from mxconv.runner import apart
 from mxconv.verify.report import Run
 
 # Relative RMS error bound of one MXFP8 linear weight vs its float source (E4M3: ≈ 0.027 with rceil,
@@ -117,7 +118,7 @@ def _check_one(run: Run, module: str, rounding: str | None) -> LinearReport:
     bound = 0.0 if ref_is_mx else LINEAR_THRESHOLDS["rel_rms"]
     rep.numerics = "ok" if rep.rel_rms <= bound else "FAIL"
     if rep.numerics == "FAIL":
-        rep.problems.append(f"{module} numerics: relative RMS error {rep.rel_rms:.4g} vs the reference > {bound}")
+        rep.problems.append("{} numerics: relative RMS error {} vs the reference > {}".format(module, *apart(rep.rel_rms, bound)))
     if ref_is_mx or rounding:
         if ref_is_mx:
             want_d = run.ref_ckpt.read(f"{module}.weight").view(torch.uint8)

@@ -15,7 +15,7 @@ from mxconv.errors import BadInput
 from mxconv.families import FP8BlockStack, Int4Stack, ModelInfo, MoELayer, MXStack
 from mxconv.families.base import nonfinite_tensors
 from mxconv.layouts.base import CanonicalExperts
-from mxconv.runner import ExpertFn, Routing, compare, hidden_states, moe_forward, route
+from mxconv.runner import ExpertFn, Routing, apart, compare, hidden_states, moe_forward, route
 from mxconv.st_format import read_tensor
 from mxconv.verify.layout import canonical_stack, kernel_nonfinite
 from mxconv.verify.report import THRESHOLDS, LayerReport, Run
@@ -143,11 +143,11 @@ def check_layer_numerics(run: Run, L: int, lay: dict[str, Any], canon: Canonical
     rep.comparison, rep.threshold = cmp, ref_fmt
     bad = [b for b in (_output_nonfinite(out, "converted output"), _output_nonfinite(ref_out, "reference output")) if b]
     if not cmp.rel_rms <= th["rel_rms"]:
-        bad.append(f"relative RMS error {cmp.rel_rms:.4g} > {th['rel_rms']}")
+        bad.append("relative RMS error {} > {}".format(*apart(cmp.rel_rms, th["rel_rms"])))
     if not cmp.cosine >= th["cosine"]:
-        bad.append(f"cosine {cmp.cosine:.6f} < {th['cosine']}")
+        bad.append("cosine {} < {}".format(*apart(cmp.cosine, th["cosine"])))
     if not cmp.topk_agreement >= th["topk_agreement"]:
-        bad.append(f"top-k agreement {cmp.topk_agreement:.3f} < {th['topk_agreement']}")
+        bad.append("top-k agreement {} < {}".format(*apart(cmp.topk_agreement, th["topk_agreement"])))
     rep.numerics = "FAIL" if bad else "ok"
     rep.problems.extend(f"layer {L} numerics: {b}" for b in bad)
     return LayerForward(x, routing, out, (ref_out, ref_ids, th))
