@@ -245,6 +245,37 @@ def test_verify_fails_on_swapped_experts(ws: Path, tmp_path: Path) -> None:
     assert layer0["numerics"] == "FAIL"
 
 
+def test_verify_says_what_a_pass_covers_and_strict_demands_numerics(ws: Path, tmp_path: Path) -> None:
+    """Swapped experts with the manifest hashes recomputed are consistently wrong: integrity and
+    layout cannot see it. Without a reference the verdict says numerics were not checked; --strict
+    fails such a run; with the reference the numerics catch it."""
+    k = _copy(ws / "gpt-trt", tmp_path / "k")
+    _patch_tensor(k, W13, lambda t: t[[1, 0, 2, 3]], fix_manifest=True)
+    code, out, err = mx("verify", k)
+    assert code == 0, err
+    verdict = "PASS (integrity, layout; numerics not checked: no --reference or --reference-outputs given)"
+    assert out.strip().splitlines()[-1] == verdict
+    code, out, err = mx("verify", k, "--json")
+    rep = json.loads(out)
+    assert code == 0 and rep["verdict"] == verdict
+    assert rep["scope"]["checked"] == ["integrity", "layout"]
+    assert rep["scope"]["not_checked"] == {"numerics": "no --reference or --reference-outputs given"}
+    code, out, err = mx("verify", k, "--strict")
+    assert code == 1
+    assert out.strip().splitlines()[-1] == "FAIL " + verdict.removeprefix("PASS ")
+    assert "FAIL --strict: numerics not checked (no --reference or --reference-outputs given); pass --reference SOURCE" in err
+    code, out, _ = mx("verify", k, "--strict", "--reference", ws / "gpt-q4", "--layers", "1")
+    assert code == 0 and out.strip().splitlines()[-1] == (
+        f"PASS (integrity, layout, numerics vs {ws / 'gpt-q4'}; layout, numerics of layers 1 only)")
+    code, out, err = mx("verify", k, "--strict", "--reference", ws / "gpt-q4")
+    assert code == 1 and out.strip().splitlines()[-1] == f"FAIL (integrity, layout, numerics vs {ws / 'gpt-q4'})"
+
+
+def test_verify_help_teaches_strict() -> None:
+    code, out, _ = mx("verify", "--help")
+    assert code == 0 and "--strict" in out and "numerics not checked" in " ".join(out.split())
+
+
 def test_verify_fails_on_swapped_gate_up(ws: Path, tmp_path: Path) -> None:
     # kernel row 32b + 16h + 8t + c holds up (t=0) / gate (t=1): swap the two 8-row groups everywhere
     def swap(t: torch.Tensor) -> torch.Tensor:

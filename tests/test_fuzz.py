@@ -6,7 +6,8 @@ file truncated or extended, metadata retyped), the index, or ``mxconv.json`` (ke
 changed, value changed) — and runs quantize / inspect / verify through the CLI. Every damage that
 breaks a rule must give exit 2 (bad input) or 1 (verification failed) with a one-line message and
 no traceback; nothing may give 3 (internal error), and only harmless edits (a changed value the
-files cannot contradict) may give 0.
+files cannot contradict) may give 0. verify of a damaged output fails it (1); other commands
+refuse it as bad input (2).
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def test_damaged_header(base: Path, tmp_path: Path, seed: int) -> None:
         commands.append(("quantize", d, tmp_path / "out", "--device", "cpu", "--format", "mxfp8"))
     for args in commands:
         code, err = mx(*args)
-        assert_refused(code, err, (2,), f"{what}; mxconv {args[0]}")
+        assert_refused(code, err, (1,) if args[0] == "verify" else (2,), f"{what}; mxconv {args[0]}")
         assert shard.name in err, f"{what}: the message does not name the file\n{err}"
     assert not (tmp_path / "out").exists() or not (tmp_path / "out" / "mxconv.json").exists()
     if " duplicate " not in what:  # serde keeps one of two equal keys; every other rule is the library's too
@@ -288,7 +289,7 @@ def test_damaged_manifest(base: Path, tmp_path: Path, seed: int) -> None:
         else:
             declared = _NULLABLE.get(path[-1], type(parent[key]))  # a null field: its type when set
             parent[key] = rng.choice([w for w in _WRONG if type(w) is not declared] + ([] if path[-1] in _NULLABLE else [None]))
-        allowed = (2,)
+        allowed = (2,)  # 1 for verify: the output's manifest is damaged
         what = f"seed {seed}: {which}: {kind} {list(path)}"
     (d / "mxconv.json").write_text(json.dumps(m))
     commands = [("verify", d), ("inspect", d)]
@@ -296,8 +297,9 @@ def test_damaged_manifest(base: Path, tmp_path: Path, seed: int) -> None:
         commands.append(("quantize", d, tmp_path / "out", "--device", "cpu", "--format", "mxfp8", "--quiet"))
     for args in commands:
         code, err = mx(*args)
-        assert_refused(code, err, allowed, f"{what}; mxconv {args[0]}")
-        if allowed == (2,):
+        damaged = allowed == (2,)
+        assert_refused(code, err, (1,) if damaged and args[0] == "verify" else allowed, f"{what}; mxconv {args[0]}")
+        if damaged:
             assert "mxconv.json" in err and f"'{path[0]}" in err, f"{what}: field not named\n{err}"
 
 
@@ -308,5 +310,5 @@ def test_truncated_and_empty_manifest(base: Path, tmp_path: Path) -> None:
         (d / "mxconv.json").write_text(broken)
         for cmd in ("verify", "inspect"):
             code, err = mx(cmd, d)
-            assert_refused(code, err, (2,), f"manifest {broken[:20]!r}; mxconv {cmd}")
+            assert_refused(code, err, (1,) if cmd == "verify" else (2,), f"manifest {broken[:20]!r}; mxconv {cmd}")
             assert "mxconv.json" in err

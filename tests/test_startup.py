@@ -103,7 +103,7 @@ def test_the_console_entry_point_skips_teardown_but_keeps_output_and_exit_codes(
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tensors_out"] > 0 and (tmp_path / "out" / "mxconv.json").is_file()
     r = run("verify", tmp_path / "out")
-    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), r.stdout + r.stderr
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1].startswith("PASS (integrity, layout;"), r.stdout + r.stderr
     (tmp_path / "out" / "model.safetensors").write_bytes(b"")  # a stray weight file: verify fails (exit 1)
     r = run("verify", tmp_path / "out")
     assert r.returncode == 1 and "FAIL" in r.stdout, r.stdout + r.stderr

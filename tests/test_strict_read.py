@@ -2,7 +2,8 @@
 
 Every header rule is broken once and must give BadInput naming the file, the tensor and the rule;
 the safetensors library (the loaders' parser) is asked for a second opinion on the same bytes; the
-CLI turns each violation into exit 2 with one line for quantize, inspect and verify.
+CLI turns each violation into exit 2 with one line for quantize and inspect, and into a failed
+verification (exit 1, the same line after FAIL) for verify of the damaged output (issue 18, item 8).
 """
 
 from __future__ import annotations
@@ -204,13 +205,15 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_verify_refuses_an_output_with_a_gap_in_a_shard(outs: Path, tmp_path: Path) -> None:
+def test_verify_fails_an_output_with_a_gap_in_a_shard(outs: Path, tmp_path: Path) -> None:
     k = _copy(outs / "k", tmp_path / "k")
     shard = k / sorted(set(_index(k)["weight_map"].values()))[0]
     blob = shard.read_bytes()
     shard.write_bytes(blob + b"\0" * 16)  # trailing bytes after the last tensor
-    code, _, err = mx("verify", k)
-    assert code == 2 and shard.name in err and "16 trailing bytes" in err
+    code, out, err = mx("verify", k)
+    assert code == 1 and f"FAIL {shard}: 16 trailing bytes after the last tensor" in err, err
+    assert out.strip().splitlines()[-1] == (
+        "FAIL (integrity; layout, numerics not checked: the output's own files do not read as a checkpoint)")
 
 
 @pytest.mark.parametrize("cmd", ["inspect", "verify"])
@@ -252,9 +255,9 @@ def test_tampered_manifest_names_the_field(outs: Path, tmp_path: Path, case: str
     _tamper(k / "mxconv.json", edit)
     with pytest.raises(BadInput, match=pattern):
         load_manifest(k)
-    for cmd in ("verify", "inspect"):
+    for cmd, want in (("verify", 2 if case == "newer" else 1), ("inspect", 2)):  # newer: this mxconv cannot judge
         code, _, err = mx(cmd, k)
-        assert code == 2, (cmd, err)
+        assert code == want, (cmd, err)
         assert "mxconv.json" in err and "Traceback" not in err and "internal error" not in err
 
 
@@ -262,7 +265,7 @@ def test_tp_ranges_must_match_tp_size(outs: Path, tmp_path: Path) -> None:
     t = _copy(outs / "tp", tmp_path / "tp")
     _tamper(t / "mxconv.json", lambda m: m["layout"]["tp_ranges"].pop())
     code, _, err = mx("verify", t)
-    assert code == 2 and "field 'layout.tp_ranges' must hold tp_size=2 ranges, got 1" in err
+    assert code == 1 and "field 'layout.tp_ranges' must hold tp_size=2 ranges, got 1" in err
 
 
 def test_every_real_manifest_is_valid(outs: Path) -> None:
@@ -277,7 +280,7 @@ def test_manifest_with_duplicate_key(outs: Path, tmp_path: Path) -> None:
     (k / "mxconv.json").write_text(text.replace('{"format_version"', '{"kind": "canonical", "format_version"', 1)
                                    if text.startswith('{"format_version"') else "{" + '"kind": "canonical", ' + text.lstrip()[1:])
     code, _, err = mx("verify", k)
-    assert code == 2 and "key 'kind' appears twice" in err
+    assert code == 1 and "key 'kind' appears twice" in err
 
 
 # ---- verify: a missing tensor fails (exit 1) naming it; an extra one is reported ----------------
@@ -331,6 +334,75 @@ def test_verify_reports_an_extra_tensor(outs: Path, tmp_path: Path) -> None:
     assert code == 1 and "model.extra.weight: present in the checkpoint but not in the manifest" in err
 
 
+# ---- verify: damage to the output's own files is a failed verification (exit 1), naming it -------
+
+DAMAGED = "FAIL (integrity; layout, numerics not checked: the output's own files do not read as a checkpoint)"
+
+
+def _rewrite_shard(shard: Path, edit) -> None:
+    tensors = load_file(str(shard))
+    edit(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("out, sub, name", [
+    ("q4", "", "model.layers.0.mlp.experts.down_proj_blocks"),
+    ("k", "", "model.layers.1.mlp.experts.w13_weight_scale"),
+    ("tp", "rank-1", "model.layers.0.mlp.experts.w2_weight"),
+])
+def test_verify_fails_on_a_tensor_deleted_from_its_shard(outs: Path, tmp_path: Path, out: str, sub: str, name: str) -> None:
+    """The index (and manifest) still name the tensor; its shard no longer holds it."""
+    d = _copy(outs / out, tmp_path / out)
+    shard = _index(d / sub)["weight_map"][name]
+    _rewrite_shard(d / sub / shard, lambda t: t.pop(name))
+    code, stdout, err = mx("verify", d)
+    assert code == 1, err
+    assert f"FAIL {d / sub / INDEX}: tensor '{name}' is mapped to '{shard}', but that shard does not hold it" in err
+    assert stdout.strip().splitlines() == [DAMAGED]  # no layer table: no layer was read
+    code, stdout, err = mx("verify", d, "--json")
+    rep = json.loads(stdout)
+    assert code == 1 and not rep["passed"] and rep["verdict"] == DAMAGED and rep["layers"] == []
+    assert rep["scope"]["checked"] == ["integrity"] and set(rep["scope"]["not_checked"]) == {"layout", "numerics"}
+    assert any(name in p and shard in p for p in rep["problems"]), rep["problems"]
+
+
+@pytest.mark.parametrize("out, sub", [("k", ""), ("tp", "rank-0")])
+def test_verify_fails_on_a_tensor_in_a_shard_the_index_does_not_name(outs: Path, tmp_path: Path, out: str, sub: str) -> None:
+    d = _copy(outs / out, tmp_path / out)
+    shard = d / sub / sorted(set(_index(d / sub)["weight_map"].values()))[0]
+    _rewrite_shard(shard, lambda t: t.__setitem__("model.sneaked.weight", torch.zeros(3)))
+    code, _, err = mx("verify", d, "--quiet")
+    assert code == 1, err
+    assert (f"FAIL {shard}: tensor 'model.sneaked.weight' is in this shard, but the weight_map does not name it "
+            f"({INDEX})") in err
+
+
+def test_verify_fails_on_a_missing_shard_or_rank(outs: Path, tmp_path: Path) -> None:
+    d = _copy(outs / "k", tmp_path / "k")
+    shard = sorted(set(_index(d)["weight_map"].values()))[-1]
+    (d / shard).unlink()
+    code, _, err = mx("verify", d)
+    assert code == 1 and f"FAIL {d / INDEX}: names shard '{shard}', which does not exist" in err, err
+    t = _copy(outs / "tp", tmp_path / "tp")
+    shutil.rmtree(t / "rank-1")
+    code, _, err = mx("verify", t)
+    assert code == 1 and f"FAIL {t / 'rank-1'}: missing (manifest says tp_size 2)" in err, err
+
+
+def test_verify_exits_2_for_a_reference_it_cannot_read(outs: Path, tmp_path: Path) -> None:
+    """Damage to the other inputs is bad input (2), even where the same damage to PATH fails (1)."""
+    ref = _copy(outs / "q4", tmp_path / "ref")
+    shard = sorted(set(_index(ref)["weight_map"].values()))[0]
+    _rewrite_shard(ref / shard, lambda t: t.__setitem__("model.sneaked.weight", torch.zeros(3)))
+    code, _, err = mx("verify", outs / "k", "--reference", ref)
+    assert code == 2 and f"error: {ref / shard}: tensor 'model.sneaked.weight' is in this shard" in err, err
+    code, _, err = mx("verify", outs / "k", "--reference", tmp_path / "nowhere")
+    assert code == 2 and "nowhere: no such directory" in err, err
+    (tmp_path / "saved.safetensors").write_bytes(b"not safetensors")
+    code, _, err = mx("verify", outs / "k", "--reference-outputs", tmp_path / "saved.safetensors")
+    assert code == 2 and "saved.safetensors" in err, err
+
+
 @pytest.mark.parametrize("stray", ["model.safetensors", "model-00009-of-00009.safetensors", "pytorch_model.bin"])
 @pytest.mark.parametrize("out", ["q4", "k", "tp"])
 def test_verify_fails_on_a_weight_file_the_index_does_not_name(outs: Path, tmp_path: Path, out: str, stray: str) -> None:
@@ -347,7 +419,7 @@ def test_a_manifest_that_lists_no_layer_is_refused(outs: Path, tmp_path: Path) -
     d = _copy(outs / "k", tmp_path / "k")
     _tamper(d / "mxconv.json", lambda m: m.__setitem__("layers", []))
     code, _, err = mx("verify", d)
-    assert code == 2 and "layers" in err and "is empty" in err, err
+    assert code == 1 and "layers" in err and "is empty" in err, err
 
 
 def test_a_manifest_naming_an_unknown_backend_is_refused_once(outs: Path, tmp_path: Path) -> None:

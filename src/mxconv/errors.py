@@ -18,6 +18,12 @@ class BadInput(MxconvError):
     exit_code = 2
 
 
+class Unsupported(BadInput):
+    """Input that may well be sound but that this mxconv cannot read (a manifest format newer than it
+    knows, a backend not registered in this process): exit 2, never "verification failed", since
+    nothing says the files are damaged."""
+
+
 class LayoutError(BadInput):
     """A tensor cannot be put into (or taken out of) a backend layout: wrong shape, size rule, padding."""
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from mxconv import __version__
 from mxconv.checkpoint import CONFIG_NAME, MANIFEST_NAME
-from mxconv.errors import BadInput
+from mxconv.errors import BadInput, Unsupported
 from mxconv.output_dir import IN_PROGRESS, atomic_write_json
 from mxconv.writer import WrittenTensor
 
@@ -307,7 +307,7 @@ def validate_manifest(m: Any, path: Path | str) -> dict[str, Any]:
     if missing:
         raise BadInput(f"{path}: manifest lacks required keys {missing}")
     if _is_int(m["format_version"]) and m["format_version"] > FORMAT_VERSION:
-        raise BadInput(f"{path}: manifest format_version {m['format_version']} is newer than this mxconv understands")
+        raise Unsupported(f"{path}: manifest format_version {m['format_version']} is newer than this mxconv understands")
     try:
         SCHEMA(m, "")
         _consistency(m)

@@ -26,6 +26,9 @@ def verify(
         "Also run the engine's own kernel on the files (triton: triton_kernels matmul_ogs; marlin: vLLM's Marlin MoE "
         "op; SM90 GPU) and compare it with the reference runner. Exit 2 naming what is missing where it cannot run. "
         "Kernels are found in an installed vLLM or triton_kernels, or via MXCONV_TRITON_KERNELS / MXCONV_MARLIN_OPS."))] = False,
+    strict: Annotated[bool, typer.Option("--strict", help=(
+        "Fail (exit 1) unless numerics were checked too: without --reference or --reference-outputs a PASS "
+        "covers integrity and layout only (the verdict line says so), which --strict does not accept."))] = False,
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -33,7 +36,11 @@ def verify(
 ) -> None:
     """Check a converted checkpoint: integrity (sha256), layout (inverse + padding), numerics.
 
-    Exit 0 when everything passes, 1 when a check fails, 2 on bad input. Example:
+    The verdict line says what it covers, e.g. "PASS (integrity, layout; numerics not checked: no
+    --reference or --reference-outputs given)"; --strict fails such a run. Exit 0 when every check
+    passes; 1 when one fails, or when PATH's own files are damaged or disagree (manifest, index,
+    shards: named by file, tensor and rule); 2 on bad usage, a PATH that is no mxconv output, or a
+    --reference / --reference-outputs that cannot be read. Example:
 
         mxconv verify ./gpt-oss-20b-trtllm --reference openai/gpt-oss-20b
     """
@@ -51,13 +58,14 @@ def verify(
                 seed=seed,
                 revision=revision,
                 kernel=kernel,
+                strict=strict,
                 device=device_of(device),
                 on_step=on_step,
             )
         problems = rep.problems + [p for r in rep.layers for p in r.problems] + [p for r in rep.linears for p in r.problems]
         if as_json:
             print_json(rep.to_json())
-        elif not quiet:
+        elif not quiet and rep.layers:
             t = Table(title=f"mxconv verify {rep.path} ({rep.kind}{', ' + rep.backend if rep.backend else ''})")
             with_kernel = any(r.kernel is not None for r in rep.layers)
             for col in ("layer", "integrity", "layout", "numerics", "rel RMS", "cosine", "max abs", "top-k agree"):
@@ -90,8 +98,16 @@ def verify(
                 out.print(lt)
             for n in rep.notes:
                 say(err, n, "dim")
-            say(out, "PASS", "bold green") if rep.passed else say(out, "FAIL", "bold red")
+            _say_verdict(rep)
+        elif not quiet:  # PATH's files do not read as a checkpoint: no layer was checked, no table
+            _say_verdict(rep)
         for p in problems:  # the reasons for a failure: shown with --quiet and --json too
             say(err, "FAIL", "red", p)
         if not rep.passed:
             raise typer.Exit(1)
+
+
+def _say_verdict(rep) -> None:
+    """The last line on stdout: PASS or FAIL, then what the run covered (rep.scope)."""
+    verdict, scope = rep.verdict.split(" ", 1)
+    say(out, verdict, "bold green" if rep.passed else "bold red", scope)

@@ -2,6 +2,8 @@
 
 1. Integrity (:mod:`.integrity`) — every tensor the manifest lists exists with its shape, dtype and
    sha256; no unlisted tensors; every shard the index names exists (header validation included).
+   Damage that keeps the output from reading at all (a malformed manifest, shards and index that
+   disagree, a bad header) fails here too, naming file, tensor and rule: exit 1, not 2.
 2. Layout (:mod:`.layout`) — kernel-layout tensors are inverted with the backend's inverse (padding
    must hold its fill), re-laid-out and compared byte for byte with what is stored; with an MXFP4
    reference the recovered canonical bytes must equal the reference bytes exactly.
@@ -11,7 +13,8 @@
    bias or router (converted or reference, named by tensor and index), or a non-finite layer output.
 
 :func:`verify` orchestrates them: each check fills its part of a :class:`LayerReport` (or the
-report's general problems); :class:`VerifyReport` is the result.
+report's general problems); :class:`VerifyReport` is the result, and its :class:`Scope` says which
+checks ran and why the others did not (numerics need a reference).
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ from typing import Callable
 
 import torch
 
-from mxconv.checkpoint import open_checkpoint
+from mxconv.checkpoint import MANIFEST_NAME, open_checkpoint
 from mxconv.engines import KERNEL_THRESHOLDS
-from mxconv.errors import BadInput
+from mxconv.errors import BadInput, Unsupported
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names
-from mxconv.manifest import load_manifest
+from mxconv.manifest import load_manifest, missing_manifest_message
 from mxconv.runner import hidden_states  # noqa: F401 - part of what verify's API has always offered
 from mxconv.verify.integrity import check_integrity, check_manifest_claims, model_info_of
 from mxconv.verify.layout import kernel_layer_canonical, merge_tp, recover_layer, reference_layer
@@ -34,11 +37,11 @@ from mxconv.verify.linears import LINEAR_THRESHOLDS, LinearReport, check_linears
 from mxconv.verify.numerics import (
     check_layer_numerics, converted_nonfinite, expert_fn, load_reference_outputs, run_layer, save_reference_outputs,
 )
-from mxconv.verify.report import THRESHOLDS, LayerReport, Run, VerifyReport
+from mxconv.verify.report import THRESHOLDS, LayerReport, Run, Scope, VerifyReport
 from mxconv.verify_kernel import KernelResult, check_kernel_layer, kernel_preflight
 
 __all__ = [
-    "LINEAR_THRESHOLDS", "THRESHOLDS", "LayerReport", "LinearReport", "VerifyReport", "check_integrity", "check_manifest_claims", "expert_fn",
+    "LINEAR_THRESHOLDS", "THRESHOLDS", "LayerReport", "LinearReport", "Scope", "VerifyReport", "check_integrity", "check_manifest_claims", "expert_fn",
     "kernel_layer_canonical", "load_reference_outputs", "merge_tp", "parse_layers", "run_layer",
     "save_reference_outputs", "verify",
 ]
@@ -70,13 +73,25 @@ def verify(
     seed: int = 0,
     revision: str | None = None,
     kernel: bool = False,
+    strict: bool = False,
     device: torch.device | str = "cpu",
     on_step: Callable[[str, int, int], None] | None = None,
 ) -> VerifyReport:
     """Run the three checks on ``path``; see the module docstring. ``on_step(what, done, total)`` is
-    called before each long step (the integrity hashes, then each checked layer) and once at the end."""
+    called before each long step (the integrity hashes, then each checked layer) and once at the end.
+    The report's scope says what ran; ``strict`` fails the run when numerics could not (no reference).
+    Damage to ``path``'s own files fails verification (:func:`_unreadable`); bad options, a bad
+    reference and an output this mxconv cannot read raise BadInput."""
     step = on_step or (lambda what, done, total: None)
-    run = _open_run(path, reference, reference_outputs, save_reference, tokens, seed, device)
+    root = _output_dir(path, tokens, reference, reference_outputs, save_reference)
+    manifest = None
+    try:
+        manifest = load_manifest(root)
+        run = _open_run(root, manifest, reference, reference_outputs, save_reference, tokens, seed, device)
+    except Unsupported:
+        raise
+    except BadInput as exc:  # the output's manifest, index, shards or config are damaged or disagree
+        return _unreadable(root, manifest, exc)
     lay_table = {int(l["layer"]): l for l in run.manifest["layers"]}
     chosen = sorted(set(parse_layers(layers, sorted(lay_table))))
     steps = len(chosen) + 1
@@ -112,31 +127,73 @@ def verify(
         notes.append(f"{len(linears)} MXFP8 linear layers checked" + (
             f" against the reference (relative RMS <= {LINEAR_THRESHOLDS['rel_rms']}, bytes = the reference quantized again)"
             if run.ref_ckpt is not None else " (files and config; numerics need --reference)"))
-    return VerifyReport(str(run.root), run.kind, run.manifest.get("backend"), reports, general, notes, linears)
+    scope = _scope(run, chosen if layers else None)
+    if strict and "numerics" in scope.not_checked:
+        general.append(f"--strict: numerics not checked ({scope.not_checked['numerics']}); pass --reference SOURCE "
+                       "(the checkpoint this one was converted from) or --reference-outputs FILE")
+    return VerifyReport(str(run.root), run.kind, run.manifest.get("backend"), reports, general, notes, linears, scope)
 
 
-def _open_run(path: str | Path, reference: str | None, reference_outputs: str | None, save_reference: str | None,
-              tokens: int, seed: int, device: torch.device | str) -> Run:
-    """The output (every TP rank), its manifest and the options, checked against each other."""
-    root = Path(path).expanduser().resolve()
-    if not root.is_dir():
-        raise BadInput(f"{path}: no such directory")
-    manifest = load_manifest(root)
-    if manifest["kind"] == "kernel" and manifest["backend"] not in backend_names():  # a plug-in not registered here
-        raise BadInput(f"{root / 'mxconv.json'}: backend {manifest['backend']!r} is not one this mxconv knows "
-                       f"({', '.join(backend_names())}); a newer mxconv, or a plug-in backend not registered in this process?")
-    tp = int(manifest.get("tp_size") or 1)
-    dirs = [root] if tp == 1 else [root / f"rank-{r}" for r in range(tp)]
-    for d in dirs:
-        if not d.is_dir():
-            raise BadInput(f"{d}: missing (manifest says tp_size {tp})")
-    ckpts = [open_checkpoint(d) for d in dirs]
+NO_REFERENCE = "no --reference or --reference-outputs given"
+
+
+def _scope(run: Run, layers: list[int] | None) -> Scope:
+    """What this run checked: integrity and layout always, numerics against a reference when one was
+    given, the engine kernel with ``--kernel``."""
+    scope = Scope(["integrity", "layout"], layers=layers)
+    if run.ref_reader is not None or run.saved is not None:
+        scope.checked.append("numerics")
+        scope.numerics_against = run.reference or f"saved outputs {run.reference_outputs}"
+    else:
+        scope.not_checked["numerics"] = NO_REFERENCE
+    if run.klayout is not None:
+        scope.checked.append("kernel")
+        scope.kernel = run.manifest["backend"]
+    return scope
+
+
+def _unreadable(root: Path, manifest: dict | None, exc: BadInput) -> VerifyReport:
+    """The report of an output whose own files do not read as a whole: a malformed manifest, a shard
+    the index names missing, a tensor the index maps to a shard that lacks it (or one in a shard the
+    index does not name), a damaged shard header or config. A failed verification (exit 1) naming
+    the file, tensor and rule, not bad usage: the directory claims to be a complete output."""
+    why = "the output's own files do not read as a checkpoint"
+    scope = Scope(["integrity"], {"layout": why, "numerics": why})
+    kind = manifest["kind"] if manifest else "unknown"
+    return VerifyReport(str(root), kind, manifest.get("backend") if manifest else None, [], [str(exc)], [], scope=scope)
+
+
+def _output_dir(path: str | Path, tokens: int, reference: str | None, reference_outputs: str | None,
+                save_reference: str | None) -> Path:
+    """The directory to verify, after the options: BadInput (exit 2) for bad usage, a path that is no
+    directory, or a directory that is no complete mxconv output (no mxconv.json: not one, still being
+    written, or left by an interrupted run)."""
     if tokens < 1:
         raise BadInput("--tokens must be >= 1")
     if reference and reference_outputs:
         raise BadInput("give either --reference or --reference-outputs, not both")
     if save_reference and not reference:
         raise BadInput("--save-reference needs --reference (the outputs saved are the reference's)")
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise BadInput(f"{path}: no such directory")
+    if not (root / MANIFEST_NAME).exists():
+        raise BadInput(missing_manifest_message(root))
+    return root
+
+
+def _open_run(root: Path, manifest: dict, reference: str | None, reference_outputs: str | None, save_reference: str | None,
+              tokens: int, seed: int, device: torch.device | str) -> Run:
+    """The output (every TP rank) and its manifest, checked against each other."""
+    if manifest["kind"] == "kernel" and manifest["backend"] not in backend_names():  # a plug-in not registered here
+        raise Unsupported(f"{root / 'mxconv.json'}: backend {manifest['backend']!r} is not one this mxconv knows "
+                          f"({', '.join(backend_names())}); a newer mxconv, or a plug-in backend not registered in this process?")
+    tp = int(manifest.get("tp_size") or 1)
+    dirs = [root] if tp == 1 else [root / f"rank-{r}" for r in range(tp)]
+    for d in dirs:
+        if not d.is_dir():
+            raise BadInput(f"{d}: missing (manifest says tp_size {tp})")
+    ckpts = [open_checkpoint(d) for d in dirs]
     return Run(root, manifest, ckpts, model_info_of(manifest["model"]), tokens, seed, device,
                reference=reference, reference_outputs=reference_outputs, save_reference=save_reference)
 
@@ -210,6 +267,4 @@ def _finish(run: Run) -> list[str]:
         notes.append(f"--kernel: the {run.manifest['backend']} engine kernel ran on every checked layer "
                      f"(bound vs the converted bytes: relative RMS <= {KERNEL_THRESHOLDS['rel_rms']}, cosine >= "
                      f"{KERNEL_THRESHOLDS['cosine']})")
-    if run.ref_reader is None and run.saved is None:
-        notes.append("numerics skipped: no --reference or --reference-outputs given (integrity and layout checked)")
     return notes

@@ -60,6 +60,38 @@ class LayerReport:
 
 
 @dataclass
+class Scope:
+    """What one verify run covered, and what it did not and why: the verdict line states it, so a
+    PASS never claims more than was checked."""
+
+    checked: list[str]  # "integrity", "layout", "numerics", "kernel"
+    not_checked: dict[str, str] = field(default_factory=dict)  # check -> why it did not run
+    numerics_against: str | None = None  # the --reference SOURCE, or the --reference-outputs FILE
+    kernel: str | None = None  # --kernel: the backend whose engine kernel ran
+    layers: list[int] | None = None  # --layers: the layers layout, numerics and kernel covered (None: all)
+
+    def summary(self) -> str:
+        """e.g. "integrity, layout; numerics not checked: no --reference or --reference-outputs given"."""
+        done = [f"numerics vs {self.numerics_against}" if c == "numerics" and self.numerics_against else c
+                for c in self.checked if c != "kernel"]
+        parts = [", ".join(done)]
+        if self.kernel is not None:
+            parts.append(f"kernel: the {self.kernel} engine kernel")
+        per_layer = [c for c in self.checked if c != "integrity"]  # integrity covers every tensor
+        if self.layers is not None and per_layer:
+            parts.append(f"{', '.join(per_layer)} of layers {','.join(map(str, self.layers))} only")
+        by_reason: dict[str, list[str]] = {}
+        for what, why in self.not_checked.items():
+            by_reason.setdefault(why, []).append(what)
+        parts += [f"{', '.join(whats)} not checked: {why}" for why, whats in by_reason.items()]
+        return "; ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checked": self.checked, "not_checked": self.not_checked, "numerics_against": self.numerics_against,
+                "kernel": self.kernel, "layers": self.layers, "summary": self.summary()}
+
+
+@dataclass
 class VerifyReport:
     path: str
     kind: str
@@ -68,6 +100,12 @@ class VerifyReport:
     problems: list[str]  # not tied to one layer
     notes: list[str]
     linears: list[Any] = field(default_factory=list)  # verify.linears.LinearReport: MXFP8 linear layers
+    scope: Scope = field(default_factory=lambda: Scope([]))
+
+    @property
+    def verdict(self) -> str:
+        """The last line of ``mxconv verify``: PASS or FAIL and what it covers."""
+        return f"{'PASS' if self.passed else 'FAIL'} ({self.scope.summary()})"
 
     @property
     def passed(self) -> bool:
@@ -79,6 +117,8 @@ class VerifyReport:
             "kind": self.kind,
             "backend": self.backend,
             "passed": self.passed,
+            "verdict": self.verdict,
+            "scope": self.scope.to_json(),
             "problems": self.problems,
             "notes": self.notes,
             "layers": [r.to_json() for r in self.layers],
