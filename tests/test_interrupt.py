@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+import mxconv.output_dir as output_dir_mod
 import mxconv.writer as writer_mod
 from mxconv.writer import IN_PROGRESS, STAGING, TMP_SUFFIX
 from support.checkpoints import make_checkpoint
@@ -316,3 +317,105 @@ def test_inspect_and_verify_of_a_directory_being_written_say_so(tmp_path: Path) 
         live.wait()
     code, _, err = mx("verify", out)  # the writer is gone: an interrupted run
     assert code == 2 and "an interrupted mxconv run? rerun it" in err.replace("\n", ""), err
+
+
+# ---- signals at the edges of a run: while mxconv starts, once its output is complete -----------
+
+SRC_DIR = str(Path(__file__).resolve().parents[1] / "src")
+
+# Runs ``python -m mxconv.cli ARGS`` (argv[2:]) with an import finder that, when the CLI's modules
+# import typer, writes the file argv[1] and waits: the test signals the process there, mid start-up.
+_HELD_START = """
+import pathlib, runpy, sys, time
+marker = pathlib.Path(sys.argv[1])
+class HoldTyper:
+    def find_spec(self, name, path=None, target=None):
+        if name == "typer":
+            marker.write_text("importing typer")
+            time.sleep(300)
+        return None
+sys.meta_path.insert(0, HoldTyper())
+sys.argv = ["mxconv", *sys.argv[2:]]
+runpy.run_module("mxconv.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def _cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC_DIR, env.get("PYTHONPATH")) if p)
+    return env
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_while_mxconv_starts_exits_2_without_a_traceback(src: Path, tmp_path: Path, sig: int) -> None:
+    out, marker = tmp_path / "out", tmp_path / "starting"
+    proc = subprocess.Popen([sys.executable, "-c", _HELD_START, str(marker), "quantize", str(src), str(out),
+                             "--device", "cpu", "--quiet"], env=_cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for(tmp_path, marker.name, proc)
+    code, stdout, stderr = stop(proc, sig)
+    name = signal.Signals(sig).name
+    assert code == 2 and "Traceback" not in stderr and stdout == "", (code, stderr)
+    assert stderr == f"error: interrupted by {name}; mxconv was starting and had written nothing\n"
+    assert not out.exists()
+
+
+def _commit_then(sig: int):
+    real = output_dir_mod.OutputTarget.commit
+
+    def commit_then_signal(self) -> None:
+        real(self)
+        os.kill(os.getpid(), sig)  # handled in the main thread, once the output is complete
+
+    return commit_then_signal
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_signal_after_the_output_is_complete_keeps_it_and_exits_0(src: Path, tmp_path: Path, monkeypatch,
+                                                                    overwrite: bool) -> None:
+    out = tmp_path / "out"
+    if overwrite:
+        code, _, err = mx("quantize", src, out, "--quiet", "--device", "cpu")
+        assert code == 0, err
+    monkeypatch.setattr(output_dir_mod.OutputTarget, "commit", _commit_then(signal.SIGINT))
+    code, stdout, err = mx("quantize", src, out, "--format", "mxfp8", "--device", "cpu", "--json",
+                           *(["--overwrite"] if overwrite else []))
+    assert code == 0, err
+    assert "SIGINT arrived after the output was complete; nothing was stopped and the output is kept as written" in err
+    assert "interrupted" not in err and json.loads(stdout)["weight_format"] == "mxfp8"
+    assert json.loads((out / "mxconv.json").read_text())["weight_format"] == "mxfp8" and leftovers(tmp_path) == []
+    monkeypatch.undo()
+    code, _, err = mx("verify", out, "--reference", src, "--quiet")
+    assert code == 0, err
+
+
+def test_sigint_around_the_overwrite_swap_exit_code_agrees_with_the_output(src: Path, tmp_path: Path) -> None:
+    """SIGINT as soon as the new manifest shows in OUTPUT (a real process, no hook): exit 0 with the
+    complete new output, or exit 2 with the old output whole; never exit 2 over a complete new one."""
+    out = tmp_path / "out"
+    code, _, err = mx("quantize", src, out, "--quiet", "--device", "cpu")
+    assert code == 0, err
+    before = snapshot(out)
+    proc = subprocess.Popen([sys.executable, "-m", "mxconv.cli", "quantize", str(src), str(out), "--format", "mxfp8",
+                             "--overwrite", "--device", "cpu", "--quiet"], env=_cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    manifest = out / "mxconv.json"
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if json.loads(manifest.read_text())["weight_format"] == "mxfp8":  # renamed in whole: never partial
+                break
+        except (OSError, ValueError):
+            pass  # moved aside during the swap
+    code, stdout, stderr = stop(proc, signal.SIGINT)
+    assert "Traceback" not in stderr and stdout == ""
+    if code == 0:
+        assert stderr in ("", "note: SIGINT arrived after the output was complete; nothing was stopped and the output "
+                              "is kept as written\n"), stderr
+        assert json.loads(manifest.read_text())["weight_format"] == "mxfp8"
+        code, _, err = mx("verify", out, "--reference", src, "--quiet")
+        assert code == 0, err
+    else:
+        assert code == 2 and "still holds the earlier output, unchanged" in stderr, (code, stderr)
+        assert snapshot(out) == before
+    assert leftovers(tmp_path) == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -449,3 +450,23 @@ def test_process_peak_rss_is_this_process_high_water_mark() -> None:
     assert process_peak_rss() >= process_rss() >= 250 * MB
     del block
     assert process_peak_rss() - process_rss() >= 250 * MB  # the peak stays once the memory is gone
+
+
+def test_cli_budget_counts_what_the_process_holds(tmp_path: Path) -> None:
+    """A 1 MB model converts under --max-memory 400MB, its measured peak within it; a budget below
+    what the process holds is refused naming the RSS it holds (not a projection) apart from the reserve."""
+    src = make_checkpoint(tmp_path / "tiny", "qwen3-moe").path
+    code, out, err = mx_process("quantize", src, tmp_path / "o", "--device", "cpu", "--json", "--quiet",
+                                "--max-memory", "400MB")
+    assert code == 0, err
+    summary = json.loads(out)
+    peak = summary["peak_host_rss_bytes"]
+    assert peak <= 400 * 10**6 and summary["memory"].endswith("of 400.00 MB"), summary
+    code, _, err = mx_process("quantize", src, tmp_path / "r", "--device", "cpu", "--max-memory", "50MB")
+    m = re.search(r"on top of the ([\d.]+) MB the process holds now and ([\d.]+) MB set aside for threads, byte-copy "
+                  r"chunks and freed blocks the allocator keeps; give at least ([\d.]+) MB", err)
+    assert code == 2 and m, err
+    held, aside, least = (float(g) * 10**6 for g in m.groups())
+    assert 0.7 * peak <= held <= peak  # the RSS when it planned: below the whole run's peak, most of it
+    assert aside < 64 * 10**6 and held + aside < least < 400 * 10**6
+    assert not (tmp_path / "r").exists()

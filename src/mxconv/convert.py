@@ -456,11 +456,12 @@ def _execute(
         manifest["output_files"] = sorted({CONFIG_NAME, *(d.name for d in rank_dirs)})
     else:
         manifest["output_files"] = sorted({CONFIG_NAME, "model.safetensors.index.json", *(f.name for f in plan.ckpt.extra_files)})
-    with writing(out_dir, write_dir):
-        if len(rank_dirs) > 1:
-            atomic_write_json(write_dir / CONFIG_NAME, cfg)
-        write_manifest(write_dir, manifest)
-    target.commit()  # a staged --overwrite replaces the old output now
+    with deferred_signals():  # a signal waits for the commit, then stops nothing (interrupt.output_complete)
+        with writing(out_dir, write_dir):
+            if len(rank_dirs) > 1:
+                atomic_write_json(write_dir / CONFIG_NAME, cfg)
+            write_manifest(write_dir, manifest)
+        target.commit()  # a staged --overwrite replaces the old output now
     skipped = plan.linears.unaligned if plan.linears is not None else []
     if skipped:
         notes.append(f"note: {len(skipped)} linear layer(s) left unquantized (input size not a multiple of 32, "

@@ -9,6 +9,13 @@ second Ctrl-C cannot cut the clean-up short and leave temporary files behind (SI
 the process at once). Inside :func:`deferred_signals` (the final swap of an ``--overwrite``, the
 joining of the pipeline's threads) a signal is held until the block ends, then raised.
 
+Once the output is complete (:func:`output_complete`: the manifest is in place, an ``--overwrite``'s
+swap done) a signal stops nothing: the run ends as it would have (exit 0) and the CLI notes the
+signal (:func:`late_signal`). The CLI's entry module installs the same handler for the whole process
+(:func:`process_signals`) before it imports typer, rich and the commands: a signal before a command
+has started exits 2 with one line (nothing was written), and one after the command's block (the
+process is leaving with its result) is ignored.
+
 ``Interrupted`` subclasses ``KeyboardInterrupt``, so code that already stops on Ctrl-C stops on
 SIGTERM the same way.
 """
@@ -16,6 +23,7 @@ SIGTERM the same way.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from types import FrameType
@@ -35,12 +43,18 @@ class Interrupted(KeyboardInterrupt):
 
 
 class _State:
-    """What the installed handler has seen: whether it fired, and a signal held by a deferral."""
+    """What the installed handler has seen and where the run is: whether a signal fired, one held by
+    a deferral, whether a command's block runs (:func:`stop_signals`) or has run, whether its output
+    is complete, and a signal that arrived after that."""
 
-    installed = False
+    process = False  # installed for the whole process by the CLI's entry (process_signals)
+    installed = False  # inside stop_signals: a signal raises Interrupted
+    started = False  # a command's block has begun (under process_signals: before it, a signal exits 2)
     fired = False
     deferring = 0
     pending: int | None = None
+    complete = False  # the output is complete: a signal is only noted
+    late: int | None = None  # the signal that arrived once the output was complete
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
@@ -49,8 +63,35 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     if _State.deferring:
         _State.pending = signum
         return
+    if _State.complete:
+        _State.late = _State.late or signum
+        return
+    if _State.installed:
+        _State.fired = True
+        raise Interrupted(signum)
+    if _State.started:
+        return  # the command's block has ended: the process is leaving with its result
     _State.fired = True
-    raise Interrupted(signum)
+    sys.stderr.write(f"error: interrupted by {signal.Signals(signum).name}; mxconv was starting and had written nothing\n")
+    raise SystemExit(2)
+
+
+@contextmanager
+def process_signals() -> Iterator[None]:
+    """Install the handler for the length of the block, for the whole process (main thread only):
+    the CLI's entry, from before its heavy imports to the exit. Inside it, :func:`stop_signals`
+    marks a command's block instead of installing the handler again."""
+    if threading.current_thread() is not threading.main_thread() or _State.process:
+        yield
+        return
+    previous = {s: signal.signal(s, _handler) for s in STOP_SIGNALS}
+    _State.process, _State.started, _State.fired, _State.complete, _State.late = True, False, False, False, None
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        _State.process = False
 
 
 @contextmanager
@@ -60,14 +101,26 @@ def stop_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread() or _State.installed:
         yield
         return
-    previous = {s: signal.signal(s, _handler) for s in STOP_SIGNALS}
-    _State.installed, _State.fired, _State.deferring, _State.pending = True, False, 0, None
+    previous = None if _State.process else {s: signal.signal(s, _handler) for s in STOP_SIGNALS}
+    _State.installed, _State.started, _State.fired, _State.deferring, _State.pending = True, True, False, 0, None
+    _State.complete, _State.late = False, None
     try:
         yield
     finally:
-        for s, h in previous.items():
+        for s, h in (previous or {}).items():
             signal.signal(s, h)
         _State.installed = False
+
+
+def output_complete() -> None:
+    """The run's output is complete (nothing can undo it now): signals from here on are noted, not
+    raised, and the run ends as it would have."""
+    _State.complete = True
+
+
+def late_signal() -> str | None:
+    """The name of a signal that arrived after :func:`output_complete` in the last command's block."""
+    return None if _State.late is None else signal.Signals(_State.late).name
 
 
 @contextmanager
@@ -82,6 +135,9 @@ def deferred_signals(raise_held: bool = True) -> Iterator[None]:
         _State.deferring -= 1
     if not _State.deferring and _State.pending is not None and not _State.fired:
         signum, _State.pending = _State.pending, None
+        if _State.complete:
+            _State.late = _State.late or signum
+            return
         _State.fired = True
         if raise_held:
             raise Interrupted(signum)

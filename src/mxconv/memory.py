@@ -9,7 +9,7 @@ per expert, so a group is a run of dim-0 rows and the output bytes are the same 
 grouping). This module plans, from headers alone, the pipeline depth and the experts per group of
 every layer so that the estimated peak stays within the budget:
 
-    host peak = RSS already held (torch included) + reserve
+    host peak = RSS now (+ torch's import where not yet loaded) + reserve (see ``beside_items``)
                 + prefetch x read bytes + compute temporaries (CPU device) + (queue_depth + 2) x output bytes
 
 per item, where the per-expert figures are:
@@ -65,11 +65,13 @@ QUANTIZE_BYTES = 16  # host/GPU bytes per w13 element while a float stack is qua
 MXFP4_TO_MXFP8_BYTES = 14  # per w13 element of the lossless MXFP4 -> MXFP8 re-coding
 OUTPUT_COPIES = {"repack": 4, "quantize": 2}  # temporaries of the layout / per-expert split, x output
 PINNED = 2
-# Held beside the items: a byte copy's chunk being written and hashed, the one before it (hashing
-# may lag one chunk) and the next one being read (mxconv.diskio.read_ahead), plus the NaN scan's
-# 8 MiB temporary, in this process or in the early-copy child (mxconv.early_copy, whose interpreter
-# and numpy take ~35 MB more), and what the allocator keeps of freed blocks (see SLACK).
+# Held beside the items (beside_items), at most RESERVE: a byte copy's chunk being written and
+# hashed, the one before it (hashing may lag one chunk) and the next one being read
+# (mxconv.diskio.read_ahead), plus the NaN scan's temporary (at most a chunk), in this process or in
+# the early-copy child; and the freed blocks of earlier items that the allocator keeps (glibc keeps
+# blocks under its 32 MiB mmap threshold: ~90 MB beside 12 MB experts converted one at a time).
 RESERVE = 4 * COPY_CHUNK
+GROWTH = 32 << 20  # what the process adds once the pipeline runs (compute modules, threads): 14-18 MB measured
 SLACK = 0.1
 CUDA_HOST_RESERVE = 1 << 30  # host memory of the CUDA context, Triton and the pinned allocator
 # What importing torch adds to the RSS (measured 186-204 MiB, torch 2.13 CPU build). A plan made in a
@@ -271,6 +273,8 @@ def plan_memory(
     default_budget: bool = False,
     whole: dict[str, ExpertCost] | None = None,
     item_read_cap: int | None = None,
+    held: int | None = None,
+    aside: str = "",
 ) -> MemoryPlan:
     """Pipeline depth and experts per group for layers with per-expert ``costs`` under ``budget``.
 
@@ -280,7 +284,9 @@ def plan_memory(
     name, converted whole (their cost as one "expert"), which must fit the same pipeline. BadInput
     naming the sizes when one expert does not fit (or, where the reader cannot read a range of
     experts, one layer; or one of ``whole``). ``item_read_cap``: where the reader can read expert
-    ranges, groups read at most this many bytes (at least one expert) even where more would fit."""
+    ranges, groups read at most this many bytes (at least one expert) even where more would fit.
+    ``held``: the part of ``baseline`` the process holds now (its RSS), which a refusal names
+    apart from the rest, set aside for ``aside``; None: all of it is held."""
     E = num_experts
     names = names or {}
     whole = whole or {}
@@ -316,6 +322,7 @@ def plan_memory(
         if whole_fit(p, q) and all(fits(c, E, p, q) for c in costs.values()):
             return finish(p, q, {L: E for L in costs})
     p, q = PIPELINE_DEPTHS[-1]
+    beside = _beside(baseline, held, aside)
     if not splittable and whole_fit(p, q):
         if all(fits(c, E, p, q) for c in costs.values()):
             return finish(p, q, {L: E for L in costs})
@@ -323,7 +330,7 @@ def plan_memory(
         raise BadInput(
             f"--max-memory {human_bytes(budget.host or 0)} is too small for {names.get(L, f'layer {L}')}: this family's "
             f"reader reads whole layers, and one layer in flight takes about {human_bytes(_with_slack(host_bytes(c, E, p, q, dev)))} "
-            f"on top of the {human_bytes(baseline)} the process holds; give at least "
+            f"on top of {beside}; give at least "
             f"{human_bytes(baseline + _with_slack(host_bytes(c, E, p, q, dev)))}"
         )
     for p, q in PIPELINE_DEPTHS[1:] if splittable else ():
@@ -346,8 +353,8 @@ def plan_memory(
         raise BadInput(
             f"--max-memory {human_bytes(budget.host or 0)} is too small for {what}: {unit} in flight "
             f"takes about {human_bytes(one)} (read {human_bytes(c.read)}, output {human_bytes(c.out)}, compute "
-            f"{human_bytes(c.compute(1) if dev != 'cuda' else 0)}) on top of the {human_bytes(baseline)} the process holds "
-            f"already; give at least {human_bytes(baseline + one)}"
+            f"{human_bytes(c.compute(1) if dev != 'cuda' else 0)}) on top of {beside}; give at least "
+            f"{human_bytes(baseline + one)}"
         )
     one = _with_slack(gpu_bytes(c, 1))
     raise BadInput(
@@ -360,6 +367,22 @@ def plan_memory(
 # ---------------------------------------------------------------------------------------------
 # a plan's per-expert costs, and its work items cut into groups
 # ---------------------------------------------------------------------------------------------
+
+
+def _beside(baseline: int, held: int | None, aside: str) -> str:
+    """What a refusal says the items come on top of: the process's RSS, and what is set aside."""
+    if held is None or held >= baseline:
+        return f"the {human_bytes(baseline)} the process holds already"
+    return f"the {human_bytes(held)} the process holds now and {human_bytes(baseline - held)} set aside for {aside}"
+
+
+def beside_items(plan: "Plan", costs: list[ExpertCost], device_type: str) -> int:
+    """Host bytes set aside beside the items (RESERVE's comment): GROWTH, and four chunks of the
+    largest byte copy plus one expert (or whole item) in flight, at most RESERVE: a small
+    model's copies and freed blocks are small."""
+    largest = max((plan.ckpt.info(n).nbytes for n in plan.copied_names()), default=0)
+    one = max((host_bytes(c, 1, 1, 1, device_type) for c in costs), default=0)
+    return GROWTH + min(RESERVE, 4 * min(COPY_CHUNK, largest) + one)
 
 
 def expert_cost(plan: "Plan", item: "WorkItem") -> ExpertCost:
@@ -402,12 +425,16 @@ def plan_for(plan: "Plan", budget: MemoryBudget, default_budget: bool = False, b
     names = {i.payload.layer: i.payload.module_prefix + ".experts" for i in layers}
     whole = {f"the {i.kind} item writing {i.out_names[0][0]}": whole_item_cost(plan, i)
              for i in plan.items if i.kind not in ("copy", "layer") and i.out_names and i.out_names[0]}
+    held, aside = None, "threads, byte-copy chunks and freed blocks the allocator keeps"
     if baseline is None:
         torch_rss = 0 if "torch" in sys.modules else TORCH_RSS
-        baseline = process_rss() + torch_rss + RESERVE + (CUDA_HOST_RESERVE if budget.device_type == "cuda" else 0)
+        cuda = CUDA_HOST_RESERVE if budget.device_type == "cuda" else 0
+        held = process_rss()
+        baseline = held + torch_rss + cuda + beside_items(plan, [*costs.values(), *whole.values()], budget.device_type)
+        aside += (", torch's import" if torch_rss else "") + (", the CUDA context" if cuda else "")
     return plan_memory(costs, plan.info.num_experts, budget, baseline=baseline, names=names,
                        splittable=plan.reader.reads_expert_ranges, default_budget=default_budget, whole=whole,
-                       item_read_cap=ITEM_READ_BYTES)
+                       item_read_cap=ITEM_READ_BYTES, held=held, aside=aside)
 
 
 def resolve_budget(host: int | None, gpu: int | None, device: Any) -> tuple[MemoryBudget, bool]:

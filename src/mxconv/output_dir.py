@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 from mxconv.checkpoint import IN_PROGRESS, INDEX_NAME, MANIFEST_NAME
 from mxconv.errors import BadInput
-from mxconv.interrupt import deferred_signals
+from mxconv.interrupt import deferred_signals, output_complete
 from mxconv.sizes import human_bytes
 
 TMP_SUFFIX = ".mxconv-tmp"
@@ -288,9 +288,11 @@ class OutputTarget:
         return self.out
 
     def commit(self) -> None:
-        """The output in :attr:`write_dir` is complete (manifest written): make it OUTPUT."""
+        """The output in :attr:`write_dir` is complete (manifest written): make it OUTPUT. From then
+        on a signal stops nothing (:func:`mxconv.interrupt.output_complete`): the run has succeeded."""
         if not self.staged:
             self.committed = True
+            output_complete()
             return
         out, new = self.out, self.write_dir
         assert new is not None
@@ -326,6 +328,7 @@ class OutputTarget:
                 (out / IN_PROGRESS).unlink(missing_ok=True)
                 raise
             self.committed = True
+            output_complete()  # a signal held during the swap is only noted when the block ends
             (out / IN_PROGRESS).unlink(missing_ok=True)
             shutil.rmtree(new, ignore_errors=True)
             shutil.rmtree(aside, ignore_errors=True)

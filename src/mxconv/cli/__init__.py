@@ -11,8 +11,13 @@ from __future__ import annotations
 import os
 import sys
 
-from mxconv.cli import demo, inspect, quantize, repack, verify  # noqa: F401 - each registers its command
-from mxconv.cli.common import app
+from mxconv.interrupt import process_signals
+
+# A Ctrl-C while the CLI's modules load exits 2 with one line, not a KeyboardInterrupt traceback
+# (docs/reliability.md): the handler is in place before typer, rich and the commands are imported.
+with process_signals():
+    from mxconv.cli import demo, inspect, quantize, repack, verify  # noqa: F401 - each registers its command
+    from mxconv.cli.common import app
 
 
 def main() -> None:
@@ -22,7 +27,15 @@ def main() -> None:
     failure, and every helper thread and child process joined), the process leaves with
     ``os._exit`` after flushing its streams: the interpreter's teardown of torch and CUDA takes
     0.5 s on the CI machine and more with a CUDA context, and has nothing left to do.
+
+    SIGINT and SIGTERM are handled for the whole run (:func:`mxconv.interrupt.process_signals`):
+    before the command starts they exit 2, inside it they stop it cleanly, after it they are ignored.
     """
+    with process_signals():
+        _run()
+
+
+def _run() -> None:
     try:
         app()
     except SystemExit as exc:

@@ -29,7 +29,7 @@ from typer.core import TyperCommand
 from mxconv import __version__, sizes
 from mxconv.cli.output import err, out, progress, say, step_progress  # noqa: F401 - the commands import them from here
 from mxconv.errors import MxconvError
-from mxconv.interrupt import Interrupted, stop_signals
+from mxconv.interrupt import Interrupted, late_signal, stop_signals
 
 app = typer.Typer(
     name="mxconv",
@@ -161,10 +161,15 @@ def _main(
 @contextmanager
 def errors(debug: bool) -> Iterator[None]:
     """Turn expected failures into a one-line message and the contract's exit code; SIGINT and
-    SIGTERM stop the command cleanly (exit 2, see :mod:`mxconv.interrupt`)."""
+    SIGTERM stop the command cleanly (exit 2, see :mod:`mxconv.interrupt`), except once its output
+    is complete: then the command ends as it would have, with a note naming the signal."""
     try:
         with stop_signals():
             yield
+        late = late_signal()
+        if late is not None:
+            say(err, "note:", "bold yellow", f"{late} arrived after the output was complete; "
+                "nothing was stopped and the output is kept as written")
     except typer.Exit:
         raise
     except MxconvError as exc:
