@@ -58,7 +58,7 @@ def test_help_imports_no_torch() -> None:
 
 
 def test_inspect_imports_no_torch(outputs: Path) -> None:
-    dirs = ("qwen", "gpt", "gpt-triton", "qwen-marlin-tp2", "qwen-mxfp8")
+    dirs = ("qwen", "gpt", "gpt-triton", "qwen-marlin-tp2", "qwen-marlin-tp2/rank-1", "qwen-mxfp8")
     r = _probe(*(["inspect", str(outputs / d), *extra] for d in dirs for extra in ([], ["--json"])))
     assert r.returncode == 0, r.stderr
 

@@ -216,11 +216,15 @@ def test_verify_fails_an_output_with_a_gap_in_a_shard(outs: Path, tmp_path: Path
         "FAIL (integrity; layout, numerics not checked: the output's own files do not read as a checkpoint)")
 
 
-@pytest.mark.parametrize("cmd", ["inspect", "verify"])
-def test_rank_dir_and_kernel_output_without_manifest(outs: Path, tmp_path: Path, cmd: str) -> None:
-    code, _, err = mx(cmd, outs / "tp" / "rank-1")
+def test_verify_refuses_a_rank_dir(outs: Path) -> None:
+    # (inspect reads one rank with its output's manifest: tests/test_inspect_tp.py)
+    code, _, err = mx("verify", outs / "tp" / "rank-1")
     assert code == 2 and "no mxconv.json" in err and "one rank of a tensor-parallel mxconv output" in err
     assert str(outs / "tp") in err
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify"])
+def test_kernel_output_without_manifest(outs: Path, tmp_path: Path, cmd: str) -> None:
     k = _copy(outs / "k", tmp_path / "k")
     (k / "mxconv.json").unlink()
     code, _, err = mx(cmd, k)

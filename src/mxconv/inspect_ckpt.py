@@ -6,14 +6,17 @@ second. The memory plan counts the RSS torch will add to the quantize run (``mem
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
-from mxconv.checkpoint import Checkpoint, open_checkpoint
+from mxconv.checkpoint import MANIFEST_NAME, Checkpoint, open_checkpoint
 from mxconv.families import detect_family
 from mxconv.layouts import LayoutSizes, backend_names, get_layout
 from mxconv.engine_config import quant_config_of
 from mxconv.errors import BadInput, LayoutError
+from mxconv.manifest import load_manifest, missing_manifest_message
 from mxconv.vllm_mxfp4 import vllm_refusal
 
 
@@ -107,10 +110,6 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
         "total_bytes": ckpt.total_bytes(),
     }
     m = ckpt.manifest
-    tp = int((m or {}).get("tp_size") or 1)
-    if tp > 1 and ckpt.root.name == "rank-0":  # a TP output: the other ranks' headers are checked too
-        for r in range(1, tp):
-            open_checkpoint(ckpt.root.parent / f"rank-{r}")
     if m is not None:
         out["manifest"] = {k: m.get(k) for k in ("tool_version", "created", "family", "kind", "weight_format", "scale_rounding", "backend", "activation", "tp_size")}
         out["manifest"]["layout"] = m.get("layout")
@@ -122,9 +121,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
         except BadInput as exc:
             out["quant_config_error"] = str(exc)
     if ckpt.kind == "kernel":
-        if m is None:  # a rank-N directory, or an output that lost its manifest
-            from mxconv.manifest import missing_manifest_message
-
+        if m is None:  # an output that lost its manifest (a TP output's rank-N is read with its root's)
             raise BadInput(missing_manifest_message(ckpt.root))
         model = dict(m.get("model", {})) if m else {}
         lay = (m or {}).get("layout") or {}
@@ -168,6 +165,97 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
     if memory is not None:
         out["memory"] = memory
     return out
+
+
+_RANK_DIR = re.compile(r"rank-(0|[1-9][0-9]*)")
+
+
+def inspect_path(source: str, revision: str | None = None) -> dict[str, Any]:
+    """``mxconv inspect SOURCE``: :func:`inspect_checkpoint` of the checkpoint at SOURCE, where a
+    tensor-parallel output is read through its root ``mxconv.json``: at the root the document covers
+    every rank (tensors, shards and bytes summed over the ranks; ``tp_size``; ``ranks``, one entry per
+    rank), at one ``rank-N`` directory that rank alone (``rank``, ``tp_size``, ``output``, ``ranks``
+    holding its entry)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        path = path.resolve()
+        if (m := _tp_manifest(path)) is not None:
+            return _inspect_tp_output(path, m)
+        rank = None if (path / MANIFEST_NAME).exists() else _RANK_DIR.fullmatch(path.name)
+        if rank and (m := _tp_manifest(path.parent)) is not None:
+            return _inspect_tp_rank(path.parent, int(rank.group(1)), m)
+    return inspect_checkpoint(open_checkpoint(source, revision))
+
+
+def _tp_manifest(root: Path) -> dict[str, Any] | None:
+    """The manifest of the tensor-parallel output ``root`` (tp_size > 1, rank-0/ beside it), else None."""
+    if not ((root / MANIFEST_NAME).is_file() and (root / "rank-0").is_dir()):
+        return None
+    m = load_manifest(root)
+    return m if m["tp_size"] > 1 else None
+
+
+def _open_rank(root: Path, rank: int, m: dict[str, Any]) -> Checkpoint:
+    """Rank ``rank`` of the TP output ``root``, its headers validated, read with the root manifest ``m``."""
+    d = root / f"rank-{rank}"
+    if not d.is_dir():
+        raise BadInput(f"{d}: missing; {root / MANIFEST_NAME} says tp_size {m['tp_size']}, so the output "
+                       f"holds one directory per rank, rank-0 to rank-{m['tp_size'] - 1}")
+    ckpt = open_checkpoint(d)
+    ckpt.manifest = m
+    return ckpt
+
+
+def _rank_entry(ckpt: Checkpoint, rank: int, m: dict[str, Any]) -> dict[str, Any]:
+    """One rank of a TP output: its directory, its shard files with their bytes on disk, its slice
+    of the intermediate size (``layout.tp_ranges``) and the padded sizes its tensors are laid out at
+    (every rank shares them: a narrower rank is padded to the widest one's shape)."""
+    lay = m["layout"]
+    span = (lay.get("tp_ranges") or [None] * m["tp_size"])[rank]  # required of kernel outputs with tp_size > 1
+    shards = [{"file": f.name, "bytes": f.stat().st_size} for f in ckpt.shard_files]
+    return {
+        "rank": rank,
+        "dir": ckpt.root.name,
+        "path": str(ckpt.root),
+        "intermediate_range": span,
+        "intermediate_size": span[1] - span[0] if span else None,
+        "padded_hidden_size": lay["padded_hidden_size"],
+        "padded_intermediate_size": lay["padded_intermediate_size"],
+        "tensors": len(ckpt.tensors),
+        "expert_bytes": sum(i.nbytes for n, i in ckpt.tensors.items() if ".experts." in n),
+        "shards": shards,
+        "bytes": sum(s["bytes"] for s in shards),
+    }
+
+
+def _inspect_tp_output(root: Path, m: dict[str, Any]) -> dict[str, Any]:
+    """The whole TP output at ``root``: rank 0's description with counts and bytes over every rank."""
+    ckpts = [_open_rank(root, r, m) for r in range(m["tp_size"])]
+    docs = [inspect_checkpoint(c) for c in ckpts]
+    doc = docs[0]
+    doc["path"] = str(root)
+    for key in ("tensors", "shards", "total_bytes"):
+        doc[key] = sum(d[key] for d in docs)
+    doc["dtypes"] = dict(sorted(sum((Counter(d["dtypes"]) for d in docs), Counter()).items()))
+    doc["bytes"] = {k: sum(d["bytes"][k] for d in docs) for k in doc["bytes"]}
+    roles = doc["bytes_by_role"]
+    roles["after"] = dict(sum((Counter(d["bytes_by_role"]["after"]) for d in docs), Counter()))
+    roles["after_label"] = f"this output, {m['tp_size']} ranks"
+    doc["tp_size"] = m["tp_size"]
+    doc["ranks"] = [_rank_entry(c, r, m) for r, c in enumerate(ckpts)]
+    return doc
+
+
+def _inspect_tp_rank(root: Path, rank: int, m: dict[str, Any]) -> dict[str, Any]:
+    """Rank ``rank`` alone of the TP output at ``root``, saying which rank of how many it is."""
+    if rank >= m["tp_size"]:
+        raise BadInput(f"{root / f'rank-{rank}'}: not a rank of this output; {root / MANIFEST_NAME} says "
+                       f"tp_size {m['tp_size']} (rank-0 to rank-{m['tp_size'] - 1})")
+    ckpt = _open_rank(root, rank, m)
+    doc = inspect_checkpoint(ckpt)
+    doc["bytes_by_role"]["after_label"] = f"rank {rank} of {m['tp_size']}"
+    doc.update({"tp_size": m["tp_size"], "rank": rank, "output": str(root), "ranks": [_rank_entry(ckpt, rank, m)]})
+    return doc
 
 
 def memory_plan(ckpt: Checkpoint, reader: Any) -> dict[str, Any] | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -20,23 +19,15 @@ def inspect(
 ) -> None:
     """What a checkpoint is: family, sizes, formats, bytes, and per-backend padded sizes/overhead.
 
-    Reads headers and the manifest only (no weights). Example:
+    Reads headers and the manifest only (no weights). A tensor-parallel output (repack --tp N) shows
+    every rank's directory, shard files and bytes; OUTPUT/rank-N shows that rank. Example:
 
         mxconv inspect openai/gpt-oss-20b
     """
-    from mxconv.checkpoint import open_checkpoint
-    from mxconv.inspect_ckpt import inspect_checkpoint
+    from mxconv.inspect_ckpt import inspect_path
 
     with errors(debug):
-        root = Path(path)
-        if root.is_dir() and (root / "rank-0").is_dir() and (root / "mxconv.json").exists():
-            from mxconv.manifest import load_manifest
-
-            ckpt = open_checkpoint(root / "rank-0", revision)  # a TP output: ranks share one manifest
-            ckpt.manifest = load_manifest(root)
-        else:
-            ckpt = open_checkpoint(path, revision)
-        doc = inspect_checkpoint(ckpt)
+        doc = inspect_path(path, revision)
         if as_json:
             print_json(doc)
             return
@@ -46,6 +37,9 @@ def inspect(
         model = doc.get("model") or {}
         t.add_row("family", str(doc.get("family_title") or doc.get("family")))
         t.add_row("kind", doc["kind"] + (f" ({doc['manifest']['backend']}, {doc['manifest']['activation']})" if doc["kind"] == "kernel" else ""))
+        if "tp_size" in doc:  # a tensor-parallel output, or one rank of it
+            t.add_row("tensor parallel", f"rank {doc['rank']} of {doc['tp_size']} (output {doc['output']})" if "rank" in doc
+                      else f"tp_size {doc['tp_size']}: " + ", ".join(r["dir"] for r in doc["ranks"]))
         for k in ("num_layers", "num_experts", "top_k", "hidden_size", "intermediate_size", "padded_hidden_size",
                   "padded_intermediate_size", "expert_format", "source_expert_format", "row_order", "routing", "activation"):
             if k in model:
@@ -70,6 +64,8 @@ def inspect(
             mem = doc["memory"]
             t.add_row("memory (quantize, CPU)", f"{mem['plan']}; smallest --max-memory ~{human_bytes(mem['smallest_max_memory'])}")
         out.print(t)
+        if doc.get("ranks"):
+            out.print(_ranks_table(doc["ranks"]))
         roles = doc.get("bytes_by_role")
         if roles and (roles.get("before") or roles.get("after")):
             before, after = roles.get("before") or {}, roles.get("after") or {}
@@ -100,3 +96,16 @@ def inspect(
                     b.add_row(row["backend"], row["activation"], str(row["padded_hidden_size"]), str(row["padded_intermediate_size"]),
                               human_bytes(row["expert_bytes"]), f"{100 * row['padding_overhead']:+.1f}%", ", ".join(row["vllm_backends"]) or "-")
             out.print(b)
+
+
+def _ranks_table(ranks: list[dict]) -> Table:
+    """Per rank of a TP output: directory, intermediate slice, padded sizes, shard files and bytes on disk."""
+    t = Table(title="tensor-parallel ranks")
+    for col in ("rank", "directory", "intermediate", "padded H", "padded I", "shard files", "bytes"):
+        t.add_column(col)
+    for r in ranks:
+        span = r["intermediate_range"]
+        t.add_row(str(r["rank"]), r["dir"] + "/", f"[{span[0]}, {span[1]}) = {r['intermediate_size']}" if span else "-",
+                  str(r["padded_hidden_size"]), str(r["padded_intermediate_size"]),
+                  "\n".join(f"{s['file']} ({human_bytes(s['bytes'])})" for s in r["shards"]), human_bytes(r["bytes"]))
+    return t
