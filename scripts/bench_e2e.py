@@ -156,7 +156,7 @@ def timeline(trace: dict, launched_epoch: float | None = None, wall: float | Non
     """Where the run's time went, from its MXCONV_TRACE file (seconds since mxconv's timer started):
     how long each stage kept at least one thread busy, when writing began and reading ended, and
     the setup before the pipeline (with the CLI: importing torch, starting CUDA) and the finish after
-    it (waiting for the early-copy child, last fsyncs, config, manifest)."""
+    it (last fsyncs, config, manifest)."""
     ev = trace["events"]
     spans = lambda *stages: [(a, b) for s, _, a, b in ev if s in stages]  # noqa: E731
     one = lambda stage: next(((a, b) for s, _, a, b in ev if s == stage), (0.0, 0.0))  # noqa: E731
@@ -168,7 +168,6 @@ def timeline(trace: dict, launched_epoch: float | None = None, wall: float | Non
         "last_load_end_at_s": max((b for _, b in spans("load")), default=None),
         "pipeline_end_at_s": one("finish")[0],
         "finish_s": one("finish")[1] - one("finish")[0],
-        "wait_for_early_copy_s": one("wait_for_early_copy")[1] - one("wait_for_early_copy")[0],
         "busy_load_s": _busy(spans("load")),
         "busy_compute_s": _busy(spans("compute")),
         "busy_write_s": _busy(writes),
@@ -255,15 +254,12 @@ def main() -> None:
         "mxconv_internal_s": summary["seconds"],
         "ratio_to_floor": wall / floor_s,  # includes interpreter + torch start-up (~2-5 s)
         "ratio_internal_to_floor": summary["seconds"] / floor_s,  # execute(): OUTPUT prepared -> manifest
-        "peak_host_rss_bytes": peak_rss,  # mxconv's process (its early-copy/readahead children are smaller)
+        "peak_host_rss_bytes": peak_rss,  # mxconv's process
         "peak_gpu_bytes": summary.get("peak_gpu_bytes"),
         "compute_s": summary.get("compute_seconds"),
         "stage_seconds": summary.get("stage_seconds"),
-        "bytes_read_ahead": summary.get("bytes_read_ahead"),  # during interpreter/torch/CUDA start-up
-        "early_copy_bytes": summary.get("early_copy_bytes"),  # written by the child while torch imported
         "relative_rms_error": summary.get("relative_rms_error"),
         "triton_cache": "default" if args.warm_triton else "empty",
-        "items_computed_on_cpu": summary.get("items_computed_on_cpu"),  # while the GPU warmed up
         "timeline": timeline(json.loads(trace_file.read_text()), t0_epoch, wall) if trace_file.is_file() else None,
     }
     if args.trace_out and trace_file.is_file():

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Does each start-up mechanism pay on a real-sized run? Whole-process wall time of
+"""Did each start-up mechanism pay on a real-sized run? Whole-process wall time of
 ``mxconv repack`` / ``mxconv quantize`` on a gpt-oss-120b-shaped checkpoint, with every mechanism on
 and with each one turned off in turn, same machine, same files, runs interleaved.
 
-The mechanisms (as of main 8cebe6a):
+The mechanisms, as they were at commit 7dfe7d7 (run this script from that commit: none of them
+paid 5 % of wall time on the H200, docs/benchmarks.md "start-up mechanisms", and all were removed
+after it; this script is kept as the record of how they were measured):
 
 * ``readahead``  a child process reads the source into the page cache while torch imports
 * ``early_copy`` a child process writes the byte-copied tensors while torch imports

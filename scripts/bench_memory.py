@@ -6,8 +6,7 @@ The checkpoint has Qwen3-30B-A3B's expert shapes by default (128 experts, hidden
 intermediate 768, bf16; 2 MoE layers = 2.4 GB of experts, small attention and vocabulary), written
 layer by layer into ``--dir`` (never held whole in memory). Each budget runs in its own process;
 its peak host RSS is the run's own high-water mark (``peak_host_rss_bytes`` of its summary, VmHWM;
-``wait4``'s ``ru_maxrss`` would include this script's own peak; the early-copy process it starts
-reports its own, shown beside it), its GPU peak the run's own
+``wait4``'s ``ru_maxrss`` would include this script's own peak), its GPU peak the run's own
 ``peak_gpu_bytes`` (CUDA). The I/O floor is measured in the same session on the same files: read
 every source byte and write as many bytes as mxconv writes, fsync'd. Source files are evicted from
 the page cache (``posix_fadvise(DONTNEED)``) before every timed phase, so every phase reads from the disk.
@@ -225,7 +224,6 @@ def main() -> None:
             "budget": budget,
             "plan": mem,
             "peak_rss_bytes": rss,
-            "early_copy_peak_rss_bytes": summary.get("early_copy_peak_rss_bytes"),  # the byte-copy child, beside it
             "peak_gpu_bytes": summary.get("peak_gpu_bytes"),
             "wall_s": round(wall, 2),
             "internal_s": round(internal, 2),
@@ -238,7 +236,7 @@ def main() -> None:
         })
         if not args.json:
             r = rows[-1]
-            print(f"{budget:>12}  RSS {gb(rss):>8} (+ copy child {gb(r['early_copy_peak_rss_bytes'] or 0)})  GPU {gb(r['peak_gpu_bytes']):>8}  wall {wall:6.1f} s  internal "
+            print(f"{budget:>12}  RSS {gb(rss):>8}  GPU {gb(r['peak_gpu_bytes']):>8}  wall {wall:6.1f} s  internal "
                   f"{internal:6.1f} s  {r['gb_per_s']:.3f} GB/s  floor {floor:5.1f} s  ratio {r['floor_ratio']:.2f}x  "
                   f"same bytes {same}  | {mem}", flush=True)
     doc = {

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mxconv.copy_check import NONFINITE_BITS, first_nonfinite_bytes
+from mxconv.copy_check import NONFINITE_BITS, first_nonfinite_bytes, nonfinite_name
 
 SMALL = {"BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
@@ -63,3 +63,21 @@ def test_the_scan_in_small_steps_finds_the_same_element(monkeypatch: pytest.Monk
         y[pos] = float("nan")
         assert cc.first_nonfinite_bytes(y.view(torch.uint8).numpy().tobytes(), "BF16") == pos
     assert cc.first_nonfinite_bytes(x.view(torch.uint8).numpy().tobytes(), "BF16") is None
+
+
+@pytest.mark.parametrize("st_dtype, value, want", [
+    ("BF16", float("nan"), "nan"), ("BF16", float("inf"), "inf"), ("BF16", float("-inf"), "-inf"),
+    ("F16", float("-inf"), "-inf"), ("F32", float("inf"), "inf"), ("F32", float("nan"), "nan"),
+])
+def test_nonfinite_name_says_which_value(st_dtype: str, value: float, want: str) -> None:
+    """The copy check names the value as the layer readers do (nan / inf / -inf)."""
+    dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[st_dtype]
+    raw = torch.tensor([1.0, value, 2.0], dtype=dtype).view(torch.uint8).numpy().tobytes()
+    assert first_nonfinite_bytes(raw, st_dtype) == 1
+    assert nonfinite_name(raw, st_dtype, 1) == want
+
+
+def test_nonfinite_name_of_fp8_bytes() -> None:
+    assert nonfinite_name(bytes([0x10, 0xFF]), "F8_E4M3", 1) == "nan"  # E4M3 has NaN only (0x7F / 0xFF)
+    assert nonfinite_name(bytes([0x7F, 0xFF]), "F8_E8M0", 1) == "E8M0 NaN scale byte 0xFF"
+    assert nonfinite_name(bytes([0x7C]), "F8_E5M2", 0) == "inf" and nonfinite_name(bytes([0xFC]), "F8_E5M2", 0) == "-inf"

@@ -20,12 +20,6 @@ from support.checkpoints import make_checkpoint
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.fixture(autouse=True)
-def _every_layer_on_the_gpu(monkeypatch) -> None:
-    """No layer computed on the CPU while the GPU warms up: these tests compare the GPU's bytes."""
-    monkeypatch.setenv("MXCONV_WARMUP_CPU", "0")
-
-
 def _run(src: Path, out: Path, device: str, q: QuantOptions, r: RepackOptions | None) -> dict:
     ckpt = open_checkpoint(src)
     plan = build_plan(ckpt, detect_family(ckpt), "repack" if r else "quantize", q, r)

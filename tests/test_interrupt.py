@@ -268,7 +268,7 @@ def test_disk_full_names_the_output_file_and_leaves_nothing(src: Path, tmp_path:
     assert code == 2, err
     line = err.strip()
     assert len(line.splitlines()) == 1 and "Traceback" not in err
-    # the first shard this process writes (the byte copies' shards come first, from the early-copy child)
+    # the first shard written (the byte copies' shards come first)
     assert re.search(rf"disk full \({os.strerror(errno.ENOSPC)}\) while writing {re.escape(str(out.resolve()))}/model-\d{{5}}-of-\d{{5}}\.safetensors;", line), line
     assert str(src) not in line
     assert "free space (or choose an OUTPUT on another disk) and rerun the same command" in line

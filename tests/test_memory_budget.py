@@ -364,7 +364,6 @@ def test_nonfinite_in_a_later_group_names_the_source_expert(ws: Path, tmp_path: 
 def test_cuda_groups_give_the_cpu_bytes(ws: Path, tmp_path: Path, kind: str, q: QuantOptions, r: RepackOptions | None,
                                        monkeypatch) -> None:
     """Groups of experts computed on the GPU (what --max-gpu-memory plans) write the CPU's bytes."""
-    monkeypatch.setenv("MXCONV_WARMUP_CPU", "0")  # every group on the GPU, none while it warms up
     _run(ws / kind, tmp_path / "cpu", q, r, None)
     s = _run(ws / kind, tmp_path / "cuda", q, r, 3, torch.device("cuda"))
     assert s["device"].startswith("cuda")

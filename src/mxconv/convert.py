@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,19 +20,15 @@ from typing import TYPE_CHECKING, Any, Callable
 from mxconv.checkpoint import CONFIG_NAME
 from mxconv.compute import RunStats, make_compute
 from mxconv.copy_check import refuse_nonfinite_copy
-from mxconv.early_copy import EarlyCopy, job_json
-from mxconv.errors import BadInput
-from mxconv.families import MoELayer, MoELayerRef
+from mxconv.families import MoELayerRef
 from mxconv.families.gpt_oss_output import FORMAT_KEY
 from mxconv.interrupt import Interrupted, deferred_signals
-from mxconv.layouts import get_layout
-from mxconv.layouts.base import CanonicalExperts
 from mxconv.linear_config import with_linears
 from mxconv.linears import linear_compute, linear_load, manifest_extras
 from mxconv.manifest import base_manifest, tensor_table, write_manifest
 from mxconv.memory import MemoryBudget, plan_for, process_peak_rss, resolve_budget, work_items
 from mxconv.output_dir import DISK_FULL, OutputTarget, OutputWriteError, atomic_write_json, writing
-from mxconv.pipeline import TRACE_ENV, StageTimes, WorkItem, run_pipeline, write_trace
+from mxconv.pipeline import TRACE_ENV, StageTimes, run_pipeline, write_trace
 from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
 from mxconv.writer import ShardPlan, ShardedWriter, shards_size
 
@@ -126,90 +121,6 @@ def manifest_layout(plan: Plan) -> dict[str, Any]:
     return lay
 
 
-WARMUP_CPU_ENV = "MXCONV_WARMUP_CPU"
-_QUANTIZE_INPUT = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # torch dtype names
-
-
-def warmup_launches(plan: Plan, device: torch.device) -> list[tuple[Any, ...]]:
-    """The Triton launches of one tiny expert through this plan's quantize and layout code, recorded
-    and not run (:func:`~mxconv.kernels.triton_common.collect_launches`): they meet every kernel
-    specialisation the real run will (tests/test_warmup.py checks it on the GPU)."""
-    import torch
-
-    from mxconv.kernels.triton_common import collect_launches
-
-    with collect_launches() as launches:
-        # the quantizer's input dtype per source format: floats as stored, everything else
-        # (block-FP8, INT4, another MX format) through its fp32 dequantization
-        inputs = {getattr(torch, _QUANTIZE_INPUT.get(plan.reader.layer_format(r), "float32"))
-                  for r in plan.refs if plan.conversion(r) == "quantize"}
-        if inputs and plan.weight_format in ("mxfp4", "mxfp8"):
-            from mxconv.quantizer import quantize_mx
-
-            for dtype in sorted(inputs, key=str):
-                for k in {plan.info.hidden_size, plan.info.intermediate_size}:
-                    quantize_mx(torch.zeros(1, 32, k, dtype=dtype, device=device), plan.weight_format,
-                                plan.quant.scale_rounding)
-        if plan.repack is not None and plan.sizes is not None:
-            # one expert at the real per-rank sizes
-            layout = get_layout(plan.repack.backend)
-            H, I = plan.sizes.hidden_size, plan.sizes.intermediate_size
-            z = lambda *shape: torch.zeros(*shape, dtype=torch.uint8, device=device)  # noqa: E731
-            b = plan.sizes.has_bias
-            one = CanonicalExperts(
-                z(1, 2 * I, H // 2), z(1, 2 * I, H // 32), z(1, H, I // 2), z(1, H, I // 32),
-                torch.zeros(1, 2 * I, device=device) if b else None, torch.zeros(1, H, device=device) if b else None,
-                plan.sizes.row_order,
-            )
-            layout.to_kernel(one, plan.repack.activation, plan.repack.layout_options)
-    return launches
-
-
-def _start_warmup(plan: Plan, device: torch.device) -> threading.Thread:
-    """Initialise CUDA and compile the quantize and layout kernels for this plan's shapes on a side thread,
-    so the one-off start-up (seconds) overlaps reading the first layers instead of delaying them.
-    The launches are recorded first (:func:`warmup_launches`), then run with one thread per kernel
-    (:func:`~mxconv.kernels.triton_common.run_collected`; ``MXCONV_WARMUP_THREADS=1``: one after
-    another)."""
-    import torch
-
-    wanted = os.environ.get("MXCONV_WARMUP_THREADS", "").strip()
-    threads = max(1, int(wanted)) if wanted.isdigit() else 8
-
-    def work() -> None:
-        try:
-            from mxconv.kernels.triton_common import run_collected  # imports triton: off the main thread
-
-            with torch.cuda.device(device):
-                torch.zeros(1, device=device)  # the CUDA context
-                run_collected(warmup_launches(plan, device), max_threads=threads)
-                torch.cuda.synchronize(device)
-        except Exception:  # noqa: BLE001 - a failed warm-up only costs the time it would have saved
-            pass
-
-    t = threading.Thread(target=work, name="mxconv-warmup", daemon=True)
-    t.start()
-    return t
-
-
-def _cpu_fits(plan: Plan) -> bool:
-    """Whether a layer item of this (GPU-planned) run may be computed on the CPU within the host
-    budget: a plan for the CPU under the same budget and baseline (the process as the GPU plan saw
-    it, CUDA's host memory included) keeps the same expert groups and depths (on the GPU, a layer's
-    temporaries are on the GPU's budget; on the CPU they are the host's)."""
-    mem = plan.memory
-    if mem is None or mem.host_budget is None:
-        return True
-    try:
-        cpu = plan_for(plan, MemoryBudget(mem.host_budget, None, "cpu"), default_budget=mem.default_budget,
-                       baseline=mem.baseline)
-    except BadInput:
-        return False
-    E = mem.num_experts
-    return (cpu.prefetch >= mem.prefetch and cpu.queue_depth >= mem.queue_depth
-            and all(cpu.groups.get(layer, E) >= mem.groups.get(layer, E) for layer in {*cpu.groups, *mem.groups}))
-
-
 def output_bytes(plan: Plan, shard_plans: list[list[ShardPlan]]) -> int:
     """About what the output takes on disk: the shards with their headers, the copied files per
     rank, and a margin for config, index and manifest (under 1 kB per tensor)."""
@@ -230,63 +141,47 @@ def plan_memory(plan: Plan, budget: MemoryBudget | None, device: torch.device | 
 
 @dataclass
 class _Output:
-    """Where a run writes: OUTPUT's target, its shards per rank, the rank directories, and the
-    child copying the byte-copied tensors (None: copied in process)."""
+    """Where a run writes: OUTPUT's target, its shards per rank and the rank directories."""
 
     target: OutputTarget
     shard_plans: list[list[ShardPlan]]
-    copy_shards: int  # the first shards of every rank, holding the byte copies (Plan.copy_shard_count)
     write_dir: Path
     rank_dirs: list[Path]
-    copier: EarlyCopy | None = None
 
 
 def execute(
     plan: Plan,
     out_dir: Path,
     *,
-    device: torch.device | Callable[[], torch.device],
+    device: torch.device,
     max_shard_size: int,
     overwrite: bool,
     argv: list[str] | None = None,
     on_progress: Callable[[int], None] | None = None,
     memory: MemoryBudget | None = None,
-    early_copy: bool = False,
-    on_started: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``plan`` into ``out_dir``; returns the summary (with timing and error statistics).
 
     Memory: ``plan.memory`` where :func:`plan_memory` planned it for this device, else the plan
     under ``memory`` (default: the machine's default budget, see :mod:`mxconv.memory`).
 
-    ``early_copy``: the tensors copied byte for byte are written by a child process
-    (:mod:`mxconv.early_copy`) from the moment OUTPUT is ready; ``device`` may then be a function,
-    called after that (the CLI imports torch in it, so that the copies overlap the import).
-    ``on_started`` is called once the pipeline has computed its first item (the CLI stops reading
-    ahead there: until then the kernels' warm-up may hold the pipeline, and the disk reads on).
-
     On any failure or interruption everything this run wrote is removed (an ``--overwrite``'s old
     output stays whole) before the exception leaves; an :class:`Interrupted` carries what OUTPUT
     holds now in ``note``, an :class:`OutputWriteError` says it in its message."""
     target = OutputTarget(out_dir, [plan.ckpt.root], overwrite)
     writers: list[ShardedWriter] = []
-    prepared: list[_Output] = []  # filled by _prepare before it starts the child: a failure from then on stops it
     try:
         t0 = time.perf_counter()
-        output = _prepare(plan, target, max_shard_size, early_copy, on_progress, prepared)
-        dev = device() if callable(device) else device
-        if plan.memory is None or memory is not None or plan.memory_device != dev.type:
-            plan_memory(plan, memory, dev)
-        return _execute(plan, output, writers, device=dev, argv=argv, on_progress=on_progress, t0=t0,
-                        on_started=on_started)
+        if plan.memory is None or memory is not None or plan.memory_device != device.type:
+            plan_memory(plan, memory, device)
+        output = _prepare(plan, target, max_shard_size)
+        return _execute(plan, output, writers, device=device, argv=argv, on_progress=on_progress, t0=t0)
     except BaseException as exc:
         if isinstance(exc, OSError) and not isinstance(exc, OutputWriteError) and exc.errno in DISK_FULL:
             # mxconv writes nowhere but OUTPUT: a full disk is the output's, whoever raised it
             shown = next((f for f in (w.current_file() for w in writers) if f is not None), target.out)
             exc = OutputWriteError.from_os_error(exc, shown)
         with deferred_signals(raise_held=False):  # a second Ctrl-C must not cut the clean-up short
-            if prepared and prepared[0].copier is not None:
-                prepared[0].copier.stop()  # before its files are removed: it deletes its unfinished ones
             for w in writers:
                 w.abort()
             left = target.abort()
@@ -302,29 +197,15 @@ def execute(
         raise
 
 
-def _prepare(plan: Plan, target: OutputTarget, max_shard_size: int, early_copy: bool,
-             on_progress: Callable[[int], None] | None, into: list[_Output]) -> _Output:
-    """Make OUTPUT ready (free space, staging, rank directories) and, with ``early_copy``, start the
-    child writing the byte copies' shards; the output is appended to ``into`` before the child
-    starts (signals held until it is on it), so the caller's clean-up always finds it. torch-free."""
+def _prepare(plan: Plan, target: OutputTarget, max_shard_size: int) -> _Output:
+    """Make OUTPUT ready: free space checked, staging directory, rank directories."""
     shard_plans = plan.shard_plans(max_shard_size)
     write_dir = target.prepare(output_bytes(plan, shard_plans))
     rank_dirs = [write_dir] if len(plan.dests) == 1 else [write_dir / f"rank-{r}" for r in range(len(plan.dests))]
     for d in rank_dirs:
         with writing(target.out, write_dir):
             d.mkdir(parents=True, exist_ok=True)
-    output = _Output(target, shard_plans, plan.copy_shard_count(shard_plans[0]), write_dir, rank_dirs)
-    into.append(output)
-    names = plan.copied_names()
-    if early_copy and names:
-        ranks = [(d, target.out / d.relative_to(write_dir), shards[: output.copy_shards])
-                 for d, shards in zip(rank_dirs, shard_plans)]
-        job = job_json(ranks, names, check=not plan.quant.allow_nonfinite)
-        with deferred_signals():  # a Ctrl-C now is raised once output.copier is set
-            output.copier = EarlyCopy.start(job, plan.ckpt.total_bytes(names))
-        if output.copier is not None:
-            output.copier.on_progress = on_progress
-    return output
+    return _Output(target, shard_plans, write_dir, rank_dirs)
 
 
 def _execute(
@@ -336,73 +217,37 @@ def _execute(
     argv: list[str] | None,
     on_progress: Callable[[int], None] | None,
     t0: float,
-    on_started: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """:func:`execute` without the clean-up: fills ``writers`` as it creates them."""
     import torch
 
-    target, write_dir, rank_dirs, copier = output.target, output.write_dir, output.rank_dirs, output.copier
+    target, write_dir, rank_dirs = output.target, output.write_dir, output.rank_dirs
     notes = target.notes
     out_dir = target.out
     for d, shards in zip(rank_dirs, output.shard_plans):
-        # the byte copies' shards are the child's, where one runs
-        external = frozenset(range(output.copy_shards)) if copier else frozenset()
-        writers.append(ShardedWriter(d, shards, display_dir=out_dir / d.relative_to(write_dir), external=external))
+        writers.append(ShardedWriter(d, shards, display_dir=out_dir / d.relative_to(write_dir)))
     stats = RunStats()
     compute = linear_compute(plan, make_compute(plan, device, stats), device, stats)  # + "linear" items
     reader = plan.reader
-    on_cpu: list[int] = []  # items computed on the CPU while the GPU warmed up
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        warm = _start_warmup(plan, device)  # CUDA context + kernel compiles overlap the first reads
-        # A layer whose MX bytes are only laid out (no quantizing) is computed on the CPU while the
-        # warm-up runs (seconds on a fresh machine): same bytes (the torch path, tested equal to the
-        # kernels for every MX layout), and the disk gets output to write instead of waiting for the
-        # compiles. (MXCONV_WARMUP_CPU=0: every item on the GPU, as the GPU-vs-CPU byte tests need)
-        # (not with --allow-nonfinite: a NaN bias cast to bf16 is 0xFFFF on the CPU, 0x7FFF on the GPU)
-        cpu_ok = (plan.repack is not None and plan.weight_format in ("mxfp4", "mxfp8") and not plan.quant.allow_nonfinite
-                  and os.environ.get(WARMUP_CPU_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-                  and _cpu_fits(plan))
-        cpu_compute = make_compute(plan, torch.device("cpu"), stats) if cpu_ok else None
-
-        def compute_after_warmup(item: WorkItem, layer: MoELayer) -> list[dict[str, torch.Tensor]]:
-            if cpu_compute is not None and warm.is_alive() and item.kind == "layer" and plan.conversion(item.payload) == "as_is":
-                results = cpu_compute(item, layer)
-                on_cpu.append(1)
-                return results
-            warm.join()  # otherwise the first layer waits for the warm-up instead of racing it
-            return compute(item, layer)
-
-        run_compute = compute_after_warmup
-    else:
-        run_compute = compute
     # reader threads refuse NaN/Inf biases and routers and 0xFF scales (weights: where quantized)
     load = lambda item: reader.read_checked_layer(item.payload, plan.quant.allow_nonfinite, item.experts)  # noqa: E731
     load = linear_load(plan, load)
     mem = plan.memory
     items = work_items(plan.items, mem)
-    if copier is not None:
-        items = [i for i in items if i.kind != "copy"]  # the child's
-        # a failed child (NaN/Inf in a copied tensor, disk full) stops this side within a chunk;
-        # its error is raised by copier.result() below
-        copier.on_failure = lambda: [w.cancel() for w in writers]
-        if copier.failed:  # it failed while torch loaded: say so now, not after converting
-            copier.result()
     trace_path = os.environ.get(TRACE_ENV)
     times = StageTimes(events=[] if trace_path else None, origin=t0)
     t_pipe = time.perf_counter()
-    run_pipeline(items, writers, load=load, compute=run_compute, on_progress=on_progress,
+    run_pipeline(items, writers, load=load, compute=compute, on_progress=on_progress,
                  prefetch=mem.prefetch, queue_depth=mem.queue_depth, read_threads=min(2, mem.prefetch),
-                 check_copy=None if plan.quant.allow_nonfinite else refuse_nonfinite_copy, times=times,
-                 on_first_compute=on_started)
+                 check_copy=None if plan.quant.allow_nonfinite else refuse_nonfinite_copy, times=times)
 
     cfg = output_config(plan)
     tensors: dict[str, Any] = {}
     t_finish = time.perf_counter()
-    copied = copier.result() if copier is not None else [{} for _ in writers]  # raises what the child reported
-    t_copied = time.perf_counter()
     for r, (d, w) in enumerate(zip(rank_dirs, writers)):
-        written = w.finish(external=copied[r])
+        written = w.finish()
         with writing(out_dir, write_dir):
             atomic_write_json(d / CONFIG_NAME, cfg)
             for f in plan.ckpt.extra_files:
@@ -476,7 +321,6 @@ def _execute(
     if trace_path:
         times.mark("setup", -1, t0, t_pipe)
         times.mark("finish", -1, t_finish, t0 + wall)  # the last shards' fsync, config, manifest
-        times.mark("wait_for_early_copy", -1, t_finish, t_copied)
         write_trace(Path(trace_path), items, times)
     summary = plan.summary()
     summary.update(
@@ -489,13 +333,10 @@ def _execute(
             "relative_rms_error": stats.errors.rel_rms,
             "device": str(device),
             "stage_seconds": times.to_json(),
-            "early_copy_bytes": copier.nbytes if copier is not None else 0,  # written by the child process
             "peak_host_rss_bytes": process_peak_rss(),  # this process's own high-water mark (VmHWM)
-            "early_copy_peak_rss_bytes": copier.peak_rss if copier is not None else 0,  # beside this process's
             "notes": notes,
         }
     )
     if device.type == "cuda":
         summary["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
-        summary["items_computed_on_cpu"] = len(on_cpu)  # while the GPU warmed up
     return summary

@@ -2,10 +2,9 @@
 their raw bytes.
 
 A tensor mxconv copies as is is never decoded, so its NaN/Inf are found from bit patterns:
-every exponent bit set (E4M3: the single NaN pattern 0x7F; E8M0 scales: 0xFF). numpy only, no
-torch: the check runs in the early-copy child (:mod:`mxconv.early_copy`), which must start
-before torch has been imported, and beside the writer's hashing on a 64 MiB chunk at a time
-(an AND and a max per 8 MiB of the chunk: ~7 ms per 64 MiB on the 2-core CI machine).
+every exponent bit set (E4M3: the single NaN pattern 0x7F; E8M0 scales: 0xFF). numpy only: the
+check runs beside the writer's hashing on a 64 MiB chunk at a time (an AND and a max per 8 MiB of
+the chunk: ~7 ms per 64 MiB on the 2-core CI machine).
 """
 
 from __future__ import annotations
@@ -53,6 +52,19 @@ def first_nonfinite_bytes(data: bytes | memoryview, st_dtype: str) -> int | None
     return None
 
 
+def nonfinite_name(data: bytes | memoryview, st_dtype: str, pos: int) -> str:
+    """What the non-finite element ``pos`` of raw ``data`` is, in the words the layer readers use:
+    "nan", "inf", "-inf", or "E8M0 NaN scale byte 0xFF"."""
+    itype, mask, first_bad = NONFINITE_BITS[st_dtype]
+    size = np.dtype(itype).itemsize
+    raw = int.from_bytes(bytes(memoryview(data)[pos * size : (pos + 1) * size]), "little")
+    if st_dtype == "F8_E8M0":
+        return "E8M0 NaN scale byte 0xFF"
+    if st_dtype == "F8_E4M3" or (raw & mask) != first_bad:  # E4M3 has no infinities
+        return "nan"
+    return "-inf" if raw > mask else "inf"
+
+
 def refuse_nonfinite_copy(src: TensorInfo, offset: int, chunk: bytes) -> None:
     """BadInput for a NaN/Inf in bytes [offset, offset + len(chunk)) of ``src``, a tensor copied
     byte for byte; the message names the file, the tensor and the element."""
@@ -61,6 +73,7 @@ def refuse_nonfinite_copy(src: TensorInfo, offset: int, chunk: bytes) -> None:
         flat = offset // element_bytes(src.dtype) + pos
         index = [int(i) for i in np.unravel_index(flat, src.shape)] if src.shape else []
         raise BadInput(
-            f"{src.file}: non-finite value (NaN/Inf) in {src.name} {index} (a tensor mxconv copies as is); "
+            f"{src.file}: non-finite value {nonfinite_name(chunk, src.dtype, pos)} in {src.name} {index} "
+            "(a tensor mxconv copies as is); "
             "fix the source, or pass --allow-nonfinite to carry it over"
         )

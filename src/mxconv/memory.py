@@ -67,8 +67,7 @@ OUTPUT_COPIES = {"repack": 4, "quantize": 2}  # temporaries of the layout / per-
 PINNED = 2
 # Held beside the items (beside_items), at most RESERVE: a byte copy's chunk being written and
 # hashed, the one before it (hashing may lag one chunk) and the next one being read
-# (mxconv.diskio.read_ahead), plus the NaN scan's temporary (at most a chunk), in this process or in
-# the early-copy child; and the freed blocks of earlier items that the allocator keeps (glibc keeps
+# (mxconv.diskio.read_ahead), plus the NaN scan's temporary (at most a chunk); and the freed blocks of earlier items that the allocator keeps (glibc keeps
 # blocks under its 32 MiB mmap threshold: ~90 MB beside 12 MB experts converted one at a time).
 RESERVE = 4 * COPY_CHUNK
 GROWTH = 32 << 20  # what the process adds once the pipeline runs (compute modules, threads): 14-18 MB measured

@@ -92,10 +92,8 @@ def run_pipeline(
     queue_depth: int = 2,
     times: StageTimes | None = None,
     check_copy: Callable[[TensorInfo, int, bytes], None] | None = None,
-    on_first_compute: Callable[[], None] | None = None,
 ) -> StageTimes:
     """Run ``items`` through load (threads) -> compute (this thread) -> write (one thread);
-    ``on_first_compute`` is called (in this thread) once the first item is computed.
 
     Raises the first failure (of this thread, else of the writer) after every thread has stopped."""
     times = times if times is not None else StageTimes()
@@ -183,9 +181,6 @@ def run_pipeline(
                 times.mark("compute", index, t1, t2)
                 del data
                 loaded_ahead -= 1
-                if on_first_compute is not None:
-                    on_first_compute()
-                    on_first_compute = None
             else:
                 results = []
             while nxt < len(items) and (items[nxt].kind == "copy" or loaded_ahead < prefetch):

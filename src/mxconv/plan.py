@@ -90,15 +90,6 @@ class Plan:
         ncopy = len(self.copied_names())
         return [plan_shards(d, max_shard_size, first_group=ncopy) for d in self.dests]
 
-    def copy_shard_count(self, shards: list[ShardPlan]) -> int:
-        """How many of one destination's ``shards`` (:meth:`shard_plans`; the first ones) hold the byte copies."""
-        ncopy, seen = len(self.copied_names()), 0
-        for i, s in enumerate(shards):
-            if seen >= ncopy:
-                return i
-            seen += len(s.tensors)
-        return len(shards)
-
     def expert_bytes_out(self) -> int:
         return sum(t.nbytes for d in self.dests for t in d if t.role == "expert")
 
@@ -320,7 +311,7 @@ def build_plan(
                     d.append(PlannedTensor(n, spec, "expert"))
             item.out_names.append(names_out)
         items.append(item)
-    # Byte copies first, in shards of their own (mxconv.early_copy writes them while torch loads)
+    # Byte copies first, in shards of their own
     items[:] = [i for i in items if i.kind == "copy"] + [i for i in items if i.kind != "copy"]
     copied = set(plan.copied_names())
     for d in dests:

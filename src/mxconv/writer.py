@@ -169,9 +169,6 @@ class ShardedWriter:
     written: dict[str, WrittenTensor] = field(default_factory=dict)
     bytes_written: int = 0
     display_dir: Path | None = None
-    # shards (indices) another writer fills (mxconv.early_copy's child): skipped here, their
-    # entries given to finish() for the index
-    external: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         # sha256 runs on its own thread while the same bytes are being written (hashlib and file
@@ -183,7 +180,7 @@ class ShardedWriter:
         # A byte-for-byte copy reads its next chunk here while this one is written (mxconv.diskio).
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-copy-read")
         self._synced: list[Future] = []
-        self._queue = [(si, t) for si, s in enumerate(self.shards) if si not in self.external for t in s.tensors]
+        self._queue = [(si, t) for si, s in enumerate(self.shards) for t in s.tensors]
         self._pos = 0  # tensors begun
         self._files: dict[int, Any] = {}  # open shard files (temporary names)
         self._fpos: dict[int, int] = {}  # each open file's position (a seek only where a part jumps)
@@ -335,10 +332,9 @@ class ShardedWriter:
         """Copy the next planned tensor byte for byte from its source file; returns bytes copied."""
         return copy_tensor_to([self], name)
 
-    def finish(self, external: dict[str, WrittenTensor] | None = None, write_index: bool = True) -> dict[str, WrittenTensor]:
-        """Check every planned tensor was written (those of :attr:`external` shards: given in
-        ``external``), then write the index (unless ``write_index`` is False: a writer of some
-        shards only). Returns the tensor table, in plan order."""
+    def finish(self) -> dict[str, WrittenTensor]:
+        """Check every planned tensor was written, then write the index. Returns the tensor table,
+        in plan order."""
         self._hasher.shutdown(wait=True)
         self._reader.shutdown(wait=True)
         self._syncer.shutdown(wait=True)
@@ -352,15 +348,8 @@ class ShardedWriter:
                 f"writer: {len(self._parts)} tensors were written in part only, e.g. {name} "
                 f"({part.done} of {part.planned.nbytes} bytes)"
             )
-        given = external or {}
-        missing = [t.name for si in sorted(self.external) for t in self.shards[si].tensors if t.name not in given]
-        if missing:
-            raise RuntimeError(f"writer: {len(missing)} tensors of shards written elsewhere were never reported, e.g. {missing[0]}")
         # in plan order (tensors written in parts complete out of it): same index and table however cut
-        self.written = {t.name: given[t.name] if si in self.external else self.written[t.name]
-                        for si, s in enumerate(self.shards) for t in s.tensors}
-        if not write_index:
-            return self.written
+        self.written = {t.name: self.written[t.name] for s in self.shards for t in s.tensors}
         weight_map = {name: w.file for name, w in self.written.items()}
         total = sum(s.nbytes for s in self.shards)
         with writing(self.display_dir or self.out_dir, self.out_dir):

@@ -262,27 +262,7 @@ def summary_table(plan_summary: dict[str, Any], title: str) -> Table:
     return t
 
 
-def run_convert(
-    command: str,
-    source: str,
-    output: Path,
-    *,
-    quant: Any,
-    repack: Any,
-    run: RunOptions,
-) -> None:
-    from mxconv.readahead import Readahead
-
-    # The disk starts on the source while torch imports and CUDA starts (seconds): see mxconv.readahead.
-    ahead = None if run.dry_run else Readahead.for_source(source)
-    try:
-        _convert(command, source, output, quant=quant, repack=repack, run=run, ahead=ahead)
-    finally:
-        if ahead is not None:
-            ahead.stop()  # a run that fails before converting leaves no reader behind
-
-
-def _convert(command: str, source: str, output: Path, *, quant: Any, repack: Any, run: RunOptions, ahead: Any) -> None:
+def run_convert(command: str, source: str, output: Path, *, quant: Any, repack: Any, run: RunOptions) -> None:
     from mxconv.checkpoint import open_checkpoint
     from mxconv.convert import build_plan, execute, plan_memory
     from mxconv.families import detect_family
@@ -322,21 +302,11 @@ def _convert(command: str, source: str, output: Path, *, quant: Any, repack: Any
             if len(doc["tensors"]) > 12:
                 out.print(f"  ... {len(doc['tensors']) - 12} more expert tensors")
         return
-    def start_pipeline():
-        """Called by execute() once OUTPUT is ready and the byte copies run in their child process:
-        torch is imported here, beside them (mxconv.early_copy)."""
-        dev = device_of(run.device)
-        plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
-        return dev
-
+    dev = device_of(run.device)
+    plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
     with progress(plan.bytes_in, progress_label(plan), run.quiet or run.as_json) as advance:
-        # reading ahead stops at the first computed item: from then on the pipeline's readers have the
-        # disk (their first reads hit the page cache); until then the kernels' warm-up may hold them
-        summary = execute(plan, output, device=start_pipeline, max_shard_size=shard_bytes, overwrite=run.overwrite,
-                          argv=["mxconv", *sys.argv[1:]], on_progress=advance, early_copy=True,
-                          on_started=None if ahead is None else ahead.stop)
-    if ahead is not None:
-        summary["bytes_read_ahead"] = ahead.stop()  # source bytes read while the process started (and warmed up)
+        summary = execute(plan, output, device=dev, max_shard_size=shard_bytes, overwrite=run.overwrite,
+                          argv=["mxconv", *sys.argv[1:]], on_progress=advance)
     if run.as_json:
         print_json(summary)
     elif not run.quiet:

@@ -6,11 +6,8 @@ checks and views the launchers use (:mod:`mxconv.kernels.layout_triton`,
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import os
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -90,71 +87,10 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-# (kernel, grid, on, args, kwargs) of every launch made under collect_launches(), instead of launching
-_COLLECTED: contextvars.ContextVar[list[tuple[Any, ...]] | None] = contextvars.ContextVar("mxconv_launches", default=None)
-
-
 def _launch(kernel: Any, grid: tuple[int, ...], on: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-    """``kernel[grid](*args, **kwargs)`` on the device of ``on`` (recorded instead, inside
-    :func:`collect_launches`)."""
-    collected = _COLLECTED.get()
-    if collected is not None:
-        collected.append((kernel, grid, on, args, kwargs))
-        return
+    """``kernel[grid](*args, **kwargs)`` on the device of ``on``."""
     with _device_ctx(on):
         kernel[grid](*args, **kwargs)
-
-
-@contextlib.contextmanager
-def collect_launches() -> Iterator[list[tuple[Any, ...]]]:
-    """Within this context (this thread), every launch through :func:`_launch` is recorded in the
-    list yielded instead of run; outputs stay unwritten. :func:`run_collected` runs them later,
-    compiling the kernels side by side: for a warm-up, where only the compiles count."""
-    collected: list[tuple[Any, ...]] = []
-    token = _COLLECTED.set(collected)
-    try:
-        yield collected
-    finally:
-        _COLLECTED.reset(token)
-
-
-def run_collected(launches: list[tuple[Any, ...]], max_threads: int = 8) -> None:
-    """Run launches recorded by :func:`collect_launches`: the first alone (it starts triton's
-    driver, which builds its helpers once), then one thread per kernel function, so that their
-    compiles (LLVM, ptxas and the launcher's C compiler, each up to a second or so on a fresh
-    machine) overlap. One after another before triton 3.4 (its JIT hashing of shared helpers
-    was not guarded for threads) or with ``max_threads=1``. The threads are daemons: an
-    interpreter that exits does not wait for a compile. Raises the first failure."""
-    if not launches:
-        return
-    groups: dict[int, list[tuple[Any, ...]]] = {}
-    for launch in launches[1:]:
-        groups.setdefault(id(launch[0]), []).append(launch)
-    errors: list[BaseException] = []
-
-    def run(group: list[tuple[Any, ...]]) -> None:
-        try:
-            for kernel, grid, on, args, kwargs in group:
-                with _device_ctx(on):
-                    kernel[grid](*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
-            errors.append(exc)
-
-    run(launches[:1])
-    if max_threads <= 1 or not _threaded_compiles():
-        for g in groups.values():
-            run(g)
-    else:
-        pending = list(groups.values())
-        while pending:
-            batch, pending = pending[:max_threads], pending[max_threads:]
-            threads = [threading.Thread(target=run, args=(g,), name="mxconv-compile", daemon=True) for g in batch]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-    if errors:
-        raise errors[0]
 
 
 @functools.lru_cache(maxsize=1)
@@ -175,5 +111,5 @@ def _table(tab: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 __all__ = [
     "ENV_SWITCH", "KERNEL_CONFIG", "_check_runnable", "_device_ctx", "_dims", "_launch", "_rows_contiguous", "_table", "_words",
-    "collect_launches", "layout_kernels_enabled", "run_collected", "tl", "triton",
+    "layout_kernels_enabled", "tl", "triton",
 ]
