@@ -116,7 +116,7 @@ def _run(line: str, tmp: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "CUDA_VISIBLE_DEVICES": ""}
     for var in ("FORCE_COLOR", "TTY_COMPATIBLE"):
         env.pop(var, None)
-    return subprocess.run(prog + argv[1:], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+    return subprocess.run(prog + argv[1:], stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
                           env=env, cwd=tmp, timeout=600)
 
 
