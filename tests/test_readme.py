@@ -1,12 +1,21 @@
-"""The README's set-up commands are what CI runs (so a missing step fails CI, not a memory)."""
+"""The README's set-up commands are what CI runs (so a missing step fails CI, not a memory); its
+quick tour runs and its example output is what the tool prints today; its option lists are each
+command's --help."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
+
+import mxconv
+from support.cli import mx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,3 +75,115 @@ def test_pyproject_declares_console_script_and_deps() -> None:
     assert 'mxconv = "mxconv.cli:main"' in text
     for dep in ("typer", "rich", "torch", "safetensors>=0.6", "huggingface-hub", "triton"):
         assert dep in text
+
+
+# --- the quick tour and its example output ------------------------------------------------------
+
+
+def _text_blocks() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```text\n(.+?)\n```", text, flags=re.S)
+
+
+def _tour_and_session() -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """The quick tour's command lines, and the example session after it: each ``$ mxconv`` line with
+    the output lines shown under it (``...`` lines, which mark cuts, left out)."""
+    blocks = _text_blocks()
+    i = next(n for n, b in enumerate(blocks) if "make_checkpoint(" in b)
+    tour = [line[2:] for line in blocks[i].splitlines()]
+    assert tour and all(line.startswith(("python ", "mxconv ")) for line in tour), blocks[i]
+    session: list[tuple[str, list[str]]] = []
+    for line in blocks[i + 1].splitlines():
+        if line.startswith("$ "):
+            session.append((line[2:], []))
+        elif line.strip() != "...":
+            assert session, f"output before the first command of the example session: {line!r}"
+            session[-1][1].append(line)
+    return tour, session
+
+
+def _in(tmp: Path, s: str) -> str:
+    return s.replace("/tmp/", f"{tmp}/")
+
+
+def _run(line: str, tmp: Path) -> subprocess.CompletedProcess:
+    """A README command line, its /tmp/ paths moved into ``tmp``, run as a user would with stdout
+    piped: ``python`` is this interpreter, ``mxconv`` this checkout's CLI; CPU only (the README's
+    numbers are the CPU's)."""
+    argv = [_in(tmp, a) for a in shlex.split(line)]
+    prog = {"python": [sys.executable], "mxconv": [sys.executable, "-m", "mxconv.cli"]}[argv[0]]
+    src = str(Path(mxconv.__file__).parents[1])  # this checkout's package, whatever the venv installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), "CUDA_VISIBLE_DEVICES": ""}
+    for var in ("FORCE_COLOR", "TTY_COMPATIBLE"):
+        env.pop(var, None)
+    return subprocess.run(prog + argv[1:], stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
+                          env=env, cwd=tmp, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tour(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """The quick tour run once, in order, in a fresh directory: each command line -> its result."""
+    tmp = tmp_path_factory.mktemp("tour")
+    return tmp, {line: _run(line, tmp) for line in _tour_and_session()[0]}
+
+
+def test_quick_tour_runs_and_every_command_exits_0(tour) -> None:
+    _, results = tour
+    assert len(results) == len(_tour_and_session()[0]), "a command line appears twice in the tour"
+    for line, r in results.items():
+        assert r.returncode == 0, (line, r.stdout[-2000:], r.stderr[-2000:])
+    assert any(line.startswith("mxconv verify") for line in results)
+
+
+def _norm(line: str) -> str:
+    """A table row or text line compared whatever the column widths (which follow the longest cell,
+    e.g. the temporary directory's path): heavy and light borders alike, cells' spaces collapsed."""
+    line = re.sub(r"([━─])\1+", r"\1", line.replace("┃", "│"))
+    return "│".join(" ".join(cell.split()) for cell in line.split("│")).strip()
+
+
+def test_example_session_is_what_the_tour_prints_today(tour) -> None:
+    """Every output line the README shows is in the real output, in the order shown. A command of the
+    session that is in the tour is not run twice (a second quantize or repack into the same OUT would
+    stop with exit 2): its output is the tour's."""
+    tmp, results = tour
+    _, session = _tour_and_session()
+    assert session and all(line.startswith("mxconv ") for line, _ in session)
+    assert [line for line, _ in session] == [line for line in results if line.startswith("mxconv ")], (
+        "the example session shows the tour's mxconv commands, in the same order")
+    for line, shown in session:
+        r = results[line]
+        assert r.returncode == 0, (line, r.stderr[-2000:])
+        real = [_norm(x) for x in r.stdout.splitlines()]
+        at = 0
+        for want in shown:
+            w = _norm(_in(tmp, want))
+            assert w in real[at:], f"README line under `$ {line}` not in its output (or out of order):\n{want}\n--- real ---\n{r.stdout}"
+            at = real.index(w, at) + 1
+
+
+# --- options per command ------------------------------------------------------------------------
+
+
+def _readme_options() -> dict[str, set[str]]:
+    """The README's "Options, per command" list: command -> the options it names."""
+    text = (ROOT / "README.md").read_text()
+    part = text.split("Options, per command", 1)[1].split("\n\n", 2)[1]
+    items = re.findall(r"^- `(\w+)[^`]*`: (.+?)(?=^- |\Z)", part, flags=re.S | re.M)
+    return {cmd: set(re.findall(r"`(--[a-z][\w-]*)", body)) for cmd, body in items}
+
+
+def _help_options(cmd: str) -> set[str]:
+    code, out, err = mx(cmd, "-h")
+    assert code == 0, err
+    opts = set(re.findall(r"^  (?:-\w, )?(--[a-z][\w-]*)", out, flags=re.M))
+    return opts - {"--help"}
+
+
+def test_readme_lists_exactly_each_commands_options() -> None:
+    listed = _readme_options()
+    assert set(listed) == {"inspect", "quantize", "repack", "verify", "demo"}, listed
+    for cmd, opts in listed.items():
+        real = _help_options(cmd)
+        assert opts - real == set(), f"README lists options that `mxconv {cmd}` does not take"
+        assert real - opts == set(), f"README does not list these `mxconv {cmd}` options"

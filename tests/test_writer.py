@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mxconv import output_dir
 from mxconv.errors import BadInput
 from mxconv.layouts.base import TensorSpec
 from mxconv.pipeline import WorkItem, run_pipeline
@@ -24,6 +26,8 @@ from mxconv.writer import (
     plan_shards,
     prepare_output_dir,
 )
+from support.checkpoints import make_checkpoint
+from support.cli import mx
 
 
 def _pt(name: str, shape: tuple[int, ...], dtype=torch.uint8) -> PlannedTensor:
@@ -197,3 +201,27 @@ def test_refuses_output_another_live_run_is_writing(tmp_path: Path) -> None:
     notes = prepare_output_dir(out, [src], overwrite=False)  # that run is gone: cleaned up as interrupted
     assert "interrupted" in notes[0]
     assert str(os.getpid()) in (out / IN_PROGRESS).read_text()
+
+
+@pytest.mark.parametrize("parent_writable", [True, False])
+def test_cli_overwrite_stages_then_keeps_files_mxconv_did_not_write(tmp_path: Path, monkeypatch, parent_writable: bool) -> None:
+    """README "Output": --overwrite stages beside OUTPUT (inside it, hidden, where the parent is not
+    writable), swaps the new output in, and leaves the user's own files in OUTPUT alone."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_checkpoint(src, "gpt-oss-bf16")
+    code, _, err = mx("quantize", src, out, "--quiet", "--device", "cpu")
+    assert code == 0, err
+    (out / "notes.txt").write_text("mine")
+    real_access = os.access
+    if not parent_writable:
+        def access(path, mode, **kw):  # root writes anywhere, so a chmod would not do
+            return False if Path(path) == tmp_path and mode == os.W_OK else real_access(path, mode, **kw)
+        monkeypatch.setattr(output_dir.os, "access", access)
+    code, _, err = mx("quantize", src, out, "--format", "mxfp8", "--overwrite", "--device", "cpu")
+    assert code == 0, err
+    staging = f"{out}.mxconv-staging-" if parent_writable else f"{out}/.mxconv-staging-"
+    assert f"writing the new output to {staging}" in " ".join(err.split()), err
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "mxconv.json").read_text())["weight_format"] == "mxfp8"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no staging or set-aside dir left
+    assert not [p for p in out.iterdir() if p.name.startswith(".mxconv") or p.name == IN_PROGRESS]
