@@ -102,8 +102,8 @@ def generate(root: Path, mode: str, E: int, H: int, I: int, V: int, layers: int,
 def io_floor(src: Path, out_bytes: int, scratch: Path, writeback: bool) -> float:
     """Seconds to read every source shard and write ``out_bytes`` (fsync'd) with nothing else:
     one reader thread, the main thread writing in step with what has been read (64 MiB chunks).
-    ``writeback``: start each chunk's write-out at once, as mxconv's writer does (mxconv.diskio)."""
-    from mxconv.diskio import start_writeback
+    ``writeback``: start each chunk's write-out at once, as mxconv's writer does (mxconv.source.diskio)."""
+    from mxconv.source.diskio import start_writeback
 
     import queue
     import threading

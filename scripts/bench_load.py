@@ -40,8 +40,8 @@ from mxconv.engines import discover, marlin_moe, triton_moe
 from mxconv.families.base import ModelInfo
 from mxconv.layouts import LayoutSizes, get_layout
 from mxconv.layouts.base import CanonicalExperts, round_up
-from mxconv.loader import load_layer_from_manifest, read_layer_tensors, resolve_layer
-from mxconv.st_format import TORCH_TO_ST
+from mxconv.engines.loader import load_layer_from_manifest, read_layer_tensors, resolve_layer
+from mxconv.source.st_format import TORCH_TO_ST
 
 PREFIX = "model.layers.0.mlp.experts"
 

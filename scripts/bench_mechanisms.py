@@ -48,7 +48,7 @@ MECHANISMS = ("readahead", "early_copy", "cpu_layout", "warmup", "os_exit")
 BOOTSTRAP = r"""
 import os, sys, threading
 off = set(filter(None, sys.argv[1].split(",")))
-import mxconv.convert as convert, mxconv.readahead as readahead
+import mxconv.run.conversion as convert, mxconv.readahead as readahead
 if "readahead" in off:
     readahead.Readahead.for_source = classmethod(lambda cls, *a, **k: None)
 if "early_copy" in off:

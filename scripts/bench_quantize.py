@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from mxconv.kernels import quantize_mx_triton, triton_available  # noqa: E402
-from mxconv.numerics import dequantize_mx, first_nonfinite, quantize_mx_torch  # noqa: E402
+from mxconv.mx.numerics import dequantize_mx, first_nonfinite, quantize_mx_torch  # noqa: E402
 
 FULL_SHAPES = [(128, 5760, 2880), (128, 2880, 2880)]
 SMALL_SHAPES = [(4, 256, 512), (4, 128, 512)]
@@ -153,7 +153,7 @@ def bench_cpu_shape(shape, args) -> dict:
         e["fast"] = entry(time_ms(lambda: quantize_mx_torch(x, fmt, args.mode), x.device, reps, 1), moved)
         e["exact"] = entry(time_ms(lambda: quantize_mx_torch(x, fmt, args.mode, fast=False), x.device,
                                    max(1, min(reps, 2)), 0), moved)
-        from mxconv import numerics
+        from mxconv.mx import numerics
 
         saved = numerics._CHUNK_ELEMS
         numerics._CHUNK_ELEMS = 1 << 23

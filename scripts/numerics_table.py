@@ -7,7 +7,7 @@ bf16, scaled like real checkpoints) with mxconv's own quantizer, dequantizes, an
 * weight error: relative RMS of W_q - W over the whole matrix;
 * layer error: relative RMS of the SwiGLU expert output, y = W2 (silu(W1 x) * (W3 x)), computed in
   fp32 with the quantized vs the original weights on Gaussian inputs of RMS 1 (heavy channels
-  included, as ``mxconv.runner.hidden_states`` makes them).
+  included, as ``mxconv.verify.reference_moe.hidden_states`` makes them).
 
 Ratios are given against the rceil rule measured in the same run. Distributions:
 
@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _args import parser  # noqa: E402
-from mxconv.numerics import FORMATS, SCALE_MODES, dequantize_mx, quantize_mx_torch  # noqa: E402
-from mxconv.runner import hidden_states  # noqa: E402
+from mxconv.mx.numerics import FORMATS, SCALE_MODES, dequantize_mx, quantize_mx_torch  # noqa: E402
+from mxconv.verify.reference_moe import hidden_states  # noqa: E402
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

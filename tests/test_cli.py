@@ -14,7 +14,7 @@ import pytest
 from mxconv.layouts import backend_names
 import torch
 
-from mxconv.st_format import read_header, read_tensor
+from mxconv.source.st_format import read_header, read_tensor
 from support.checkpoints import make_checkpoint
 from support.cli import mx
 
@@ -406,7 +406,7 @@ def test_kill_mid_write_then_rerun(ws: Path, tmp_path: Path) -> None:
     out = tmp_path / "killed"
     script = f"""
 import os, signal, sys
-import mxconv.writer as w
+import mxconv.output.writer as w
 orig = w.ShardedWriter.write_tensor
 count = [0]
 def killer(self, name, tensor):

@@ -14,7 +14,7 @@ import pytest
 
 import mxconv
 from mxconv.layouts import backend_names
-from mxconv.runner import apart
+from mxconv.verify.reference_moe import apart
 from support.checkpoints import make_checkpoint
 from support.cli import mx
 

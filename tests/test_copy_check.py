@@ -1,4 +1,4 @@
-"""mxconv.copy_check finds NaN/Inf from raw bytes (numpy, torch-free): every bit pattern of every
+"""mxconv.source.copy_check finds NaN/Inf from raw bytes (numpy, torch-free): every bit pattern of every
 8- and 16-bit float type agrees with torch.isfinite, wider types on planted values."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mxconv.copy_check import NONFINITE_BITS, first_nonfinite_bytes, nonfinite_name
+from mxconv.source.copy_check import NONFINITE_BITS, first_nonfinite_bytes, nonfinite_name
 
 SMALL = {"BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
@@ -54,7 +54,7 @@ def test_short_and_non_float_data() -> None:
 def test_the_scan_in_small_steps_finds_the_same_element(monkeypatch: pytest.MonkeyPatch) -> None:
     """The scan walks a chunk SCAN_BYTES at a time (one small temporary): positions across step
     boundaries come out the same."""
-    import mxconv.copy_check as cc
+    import mxconv.source.copy_check as cc
 
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     monkeypatch.setattr(cc, "SCAN_BYTES", 64)  # 32 bf16 elements per step

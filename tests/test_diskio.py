@@ -1,4 +1,4 @@
-"""mxconv.diskio: the write-back hint and the one-chunk read-ahead change timing only, never
+"""mxconv.source.diskio: the write-back hint and the one-chunk read-ahead change timing only, never
 bytes or errors."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mxconv.diskio import MIN_WRITEBACK, read_ahead, start_writeback
+from mxconv.source.diskio import MIN_WRITEBACK, read_ahead, start_writeback
 
 
 def test_read_ahead_yields_everything_in_order_one_ahead() -> None:

@@ -1,4 +1,4 @@
-"""Engine quant config (mxconv.engine_config) and served vLLM backends: exact values per output,
+"""Engine quant config (mxconv.output.engine_quant_config) and served vLLM backends: exact values per output,
 every generated config valid against docs/quant-config.schema.json, stored == recomputed, inspect."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mxconv.checkpoint import open_checkpoint
+from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
-from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
-from mxconv.engine_config import EngineQuantConfig, activation_quant, from_manifest, quant_config_of
+from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.output.engine_quant_config import EngineQuantConfig, activation_quant, from_manifest, quant_config_of
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
 from support.checkpoints import make_checkpoint
-from mxconv.vllm_mxfp4 import admits_vllm, vllm_padded_sizes
+from mxconv.layouts.vllm_backends import admits_vllm, vllm_padded_sizes
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "docs" / "quant-config.schema.json").read_text())
 KINDS = ("gpt-oss-bf16", "qwen3-moe", "deepseek-v3-fp8")
@@ -229,7 +229,7 @@ def test_vllm_padding_table_and_compat() -> None:
 def test_inspect_table_at_gpt_oss_20b_sizes_serves_trtllm_by_default() -> None:
     """``mxconv inspect``'s per-backend rows for gpt-oss-20b (E 32, H = I = 2880, 24 layers, biases):
     the default trtllm output pads I to 2944, as vLLM 0.33 does, so both TRTLLM backends hold it."""
-    from mxconv.inspect_ckpt import backend_table
+    from mxconv.inspect import backend_table
 
     rows = {(r["backend"], r["activation"]): r for r in backend_table(32, 2880, 2880, "interleaved", True, 24, "swigluoai")}
     for act, vllm_backend in (("bf16", "FLASHINFER_TRTLLM_MXFP4_BF16"), ("mxfp8", "FLASHINFER_TRTLLM_MXFP4_MXFP8")):

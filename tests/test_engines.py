@@ -1,4 +1,4 @@
-"""The engines' own Hopper kernels on the bytes mxconv writes (mxconv.engines, mxconv.loader).
+"""The engines' own Hopper kernels on the bytes mxconv writes (mxconv.engines, mxconv.engines.loader).
 
 (a) CPU: discovery errors (exit-2 BadInput naming what is missing and how to provide it), GPU
     check messages, manifest/rank resolution and reads of real repack outputs, the Marlin type id
@@ -6,7 +6,7 @@
     triton_kernels' own ``convert_layout`` builds (what vLLM's ``_swizzle_mxfp4`` does).
 (b) GPU (``-m gpu``): tiny gpt-oss-style and Qwen-style layers, quantized and repacked for marlin
     and triton, loaded and run through vLLM's Marlin MoE GEMM / triton_kernels' matmul_ogs, against
-    ``mxconv.runner.moe_forward`` on the canonical MXFP4 weights; planted layout bugs (swapped
+    ``mxconv.verify.reference_moe.moe_forward`` on the canonical MXFP4 weights; planted layout bugs (swapped
     experts, swapped gate/up, permuted scale bytes, one flipped scale byte) must exceed the bound.
     Kernels come from ``MXCONV_TRITON_KERNELS`` / ``MXCONV_MARLIN_OPS``; absent -> skipped.
 """
@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from mxconv.cli import app
 from mxconv.engines import discover, kernel_unavailable, marlin_moe, triton_moe
 from mxconv.errors import BadInput
-from mxconv.loader import read_layer_tensors, resolve_layer
+from mxconv.engines.loader import read_layer_tensors, resolve_layer
 from support.checkpoints import make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

@@ -2,8 +2,8 @@
 
 Tiny gpt-oss-style (interleaved gate/up, SwiGLU-OAI, biases; hidden 160, padded to 192 for triton with
 ``pad_hidden``) and Qwen-style (halves, SiLU, no biases) layers are quantized, repacked for marlin
-and triton (TP 1 and 2), loaded with :mod:`mxconv.loader` and run through vLLM's Marlin MoE GEMM /
-triton_kernels' ``matmul_ogs``; the output must match :func:`mxconv.runner.moe_forward` on the
+and triton (TP 1 and 2), loaded with :mod:`mxconv.engines.loader` and run through vLLM's Marlin MoE GEMM /
+triton_kernels' ``matmul_ogs``; the output must match :func:`mxconv.verify.reference_moe.moe_forward` on the
 canonical MXFP4 weights within :data:`mxconv.engines.KERNEL_THRESHOLDS`, and four planted layout
 bugs must not. Figures go to stdout and, with ``MXCONV_ENGINE_REPORT=FILE``, to FILE (JSON lines).
 """
@@ -20,15 +20,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mxconv.checkpoint import open_checkpoint
+from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
 from mxconv.engines import KERNEL_THRESHOLDS, discover, run_kernel_layer
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts.base import CanonicalExperts
-from mxconv.loader import LayerSource, build_engine_layer, read_layer_tensors, resolve_layer
-from mxconv.manifest import load_manifest
-from mxconv.runner import Routing, compare, hidden_states, moe_forward, route
+from mxconv.engines.loader import LayerSource, build_engine_layer, read_layer_tensors, resolve_layer
+from mxconv.output.manifest import load_manifest
+from mxconv.verify.reference_moe import Routing, compare, hidden_states, moe_forward, route
 from support.checkpoints import make_checkpoint
 from mxconv.verify import expert_fn
 
@@ -174,7 +174,7 @@ def test_forward_from_router_logits(cases: dict[str, Case], family: str, backend
     else:
         w, ids = torch.topk(torch.softmax(lf, dim=-1), info.top_k, dim=-1)
         r = Routing(ids, w / w.sum(dim=-1, keepdim=True) if info.norm_topk_prob else w)
-    from mxconv.numerics import dequantize_mx
+    from mxconv.mx.numerics import dequantize_mx
 
     fn = lambda e: (dequantize_mx(canon.w13[e], canon.w13_scale[e], "mxfp4"), dequantize_mx(canon.w2[e], canon.w2_scale[e], "mxfp4"),  # noqa: E731
                     None if canon.w13_bias is None else canon.w13_bias[e].float(), None if canon.w2_bias is None else canon.w2_bias[e].float())  # fmt: skip

@@ -124,8 +124,8 @@ def test_a_backend_defined_here_round_trips_through_repack_and_verify(toy_backen
     src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=96, intermediate_size=96).path
     out = tmp_path / "k"
     # the --backend choice list of the CLI was built when the CLI was imported; the API sees "toy"
-    from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
-    from mxconv.checkpoint import open_checkpoint
+    from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
+    from mxconv.source.checkpoint import open_checkpoint
     from mxconv.families import detect_family
     from mxconv.verify import verify
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mxconv.checkpoint import open_checkpoint
-from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.source.checkpoint import open_checkpoint
+from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.families.gpt_oss import MODULES_TO_NOT_CONVERT

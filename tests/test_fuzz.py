@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mxconv.cli import app
-from mxconv.st_format import ST_DTYPES
+from mxconv.source.st_format import ST_DTYPES
 from support.checkpoints import make_checkpoint
 from test_strict_read import _library_accepts  # tests/ is on sys.path (pytest rootdir import mode)
 

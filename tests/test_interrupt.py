@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-import mxconv.output_dir as output_dir_mod
-import mxconv.writer as writer_mod
-from mxconv.writer import IN_PROGRESS, STAGING, TMP_SUFFIX
+import mxconv.output.directory as output_dir_mod
+import mxconv.output.writer as writer_mod
+from mxconv.output.writer import IN_PROGRESS, STAGING, TMP_SUFFIX
 from support.checkpoints import make_checkpoint
 from support.cli import mx
 

@@ -75,7 +75,7 @@ def _case_id(case: tuple[str, str, dict]) -> str:
 
 def _interpreter_main() -> None:
     """Runs in the subprocess (TRITON_INTERPRET=1): print a JSON report of every comparison."""
-    from mxconv.kernels import layout_triton as lt
+    from mxconv.kernels import trtllm_aiter as lt
     from mxconv.layouts import aiter, marlin, trtllm
     from mxconv.layouts.base import gather_padded_rows, pad_last
 

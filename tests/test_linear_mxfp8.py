@@ -18,11 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mxconv.checkpoint import open_checkpoint
-from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.source.checkpoint import open_checkpoint
+from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
-from mxconv.st_format import read_tensor
+from mxconv.source.st_format import read_tensor
 from support.checkpoints import make_checkpoint, write_shards
 from mxconv.verify import verify
 

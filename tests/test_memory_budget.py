@@ -20,16 +20,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mxconv.checkpoint import open_checkpoint
+from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
-from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import TensorSpec
-from mxconv.memory import ExpertCost, MemoryBudget, MemoryPlan, balance, plan_memory, work_items
+from mxconv.run.memory import ExpertCost, MemoryBudget, MemoryPlan, balance, plan_memory, work_items
 from support.checkpoints import INT4_KINDS, KINDS, make_checkpoint
-from mxconv.writer import PlannedTensor, ShardedWriter, plan_shards
+from mxconv.output.writer import PlannedTensor, ShardedWriter, plan_shards
 
 from test_cli import _patch_tensor  # tests/ is on sys.path (pytest rootdir import mode)
 
@@ -301,7 +301,7 @@ REPACKS = [(b, a, 1) for b in backend_names() for a in get_layout(b).activations
 def test_default_plan_cuts_items_and_keeps_the_bytes(ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The overlap cap goes through plan_for (as every run plans): with a cap of one expert's read
     every layer item becomes one expert, and the output is the uncut run's, byte for byte."""
-    import mxconv.memory as memory
+    import mxconv.run.memory as memory
 
     src = ws / "gpt-oss-bf16"
     _run(src, tmp_path / "whole", QuantOptions(), None, None)
@@ -440,7 +440,7 @@ def test_cli_max_memory_with_linear_targets(big: Path, tmp_path: Path) -> None:
 def test_process_peak_rss_is_this_process_high_water_mark() -> None:
     """VmHWM: at least the RSS now, and it keeps a peak that is gone (what the summary reports as
     peak_host_rss_bytes; a parent's wait4 ru_maxrss would also count the parent's own peak)."""
-    from mxconv.memory import process_peak_rss, process_rss
+    from mxconv.run.memory import process_peak_rss, process_rss
 
     before = process_peak_rss()
     assert before is not None and before >= process_rss() > 0

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mxconv.checkpoint import open_checkpoint
-from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.source.checkpoint import open_checkpoint
+from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.errors import BadInput, LayoutError
 from mxconv.families import detect_family
-from mxconv.int4 import dequantize_int4, pack_int4, pack_int4_words, to_twos_complement, unpack_int4, words_as_bytes
+from mxconv.mx.int4 import dequantize_int4, pack_int4, pack_int4_words, to_twos_complement, unpack_int4, words_as_bytes
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import CanonicalExperts, LayoutSizes
 from mxconv.layouts.trtllm import LAYOUT
-from mxconv.st_format import read_header, read_tensor
+from mxconv.source.st_format import read_header, read_tensor
 from mxconv.verify import verify
 from support.checkpoints import GroundTruth, make_checkpoint, pack_int4_words_reference, write_shards
 from support.cli import mx
@@ -96,7 +96,7 @@ def int4_sizes(E: int, H: int, I: int) -> LayoutSizes:
 
 
 # ---------------------------------------------------------------------------------------------
-# Packing: mxconv.int4 and the generator against compressed-tensors
+# Packing: mxconv.mx.int4 and the generator against compressed-tensors
 # ---------------------------------------------------------------------------------------------
 
 
@@ -549,8 +549,8 @@ def test_tensor_parallel_ranks(tmp_path: Path) -> None:
 
 def test_quantize_dequantizes_exactly_then_quantizes(kimi: GroundTruth, tmp_path: Path) -> None:
     """quantize of an INT4 source: fp32 q * scale (exact), then the usual MX quantizer."""
-    from mxconv.numerics import resolve_scale_mode
-    from mxconv.quantizer import quantize_mx
+    from mxconv.mx.numerics import resolve_scale_mode
+    from mxconv.kernels.quantize import quantize_mx
 
     ckpt = open_checkpoint(kimi.path)
     plan = build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions("mxfp4"))

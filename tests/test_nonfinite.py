@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-import mxconv.numerics as numerics
+import mxconv.mx.numerics as numerics
 from mxconv.cli import app
-from mxconv.numerics import first_nan_scale, first_nonfinite, first_nonnumber
-from mxconv.runner import compare
-from mxconv.st_format import read_header, read_tensor
+from mxconv.mx.numerics import first_nan_scale, first_nonfinite, first_nonnumber
+from mxconv.verify.reference_moe import compare
+from mxconv.source.st_format import read_header, read_tensor
 from support.checkpoints import make_checkpoint
 from test_cli import _patch_tensor  # tests/ is on sys.path (pytest rootdir import mode)
 

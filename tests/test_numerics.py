@@ -1,7 +1,7 @@
 """MX numerics (torch path) against an independent exact scalar reference and other libraries.
 
 The reference below is plain Python on ``fractions.Fraction`` / ``math.frexp``; it shares no code
-with ``mxconv.numerics`` (spec: ../shared/docs/mx-numerics.md).
+with ``mxconv.mx.numerics`` (spec: ../shared/docs/mx-numerics.md).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from fractions import Fraction
 import pytest
 import torch
 
-from mxconv import numerics as mxn
+from mxconv.mx import numerics as mxn
 from mxconv.errors import BadInput
-from mxconv.numerics import dequantize_mx, first_nonfinite, pack_fp4, quantize_mx_torch, unpack_fp4
-from mxconv.quantizer import quantize_mx, select_impl
+from mxconv.mx.numerics import dequantize_mx, first_nonfinite, pack_fp4, quantize_mx_torch, unpack_fp4
+from mxconv.kernels.quantize import quantize_mx, select_impl
 
 # ---------------------------------------------------------------------------------------------------
 # independent scalar reference

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from mxconv.checkpoint import open_checkpoint
+from mxconv.source.checkpoint import open_checkpoint
 from mxconv.errors import BadInput
 from mxconv.families import FAMILIES, detect_family, reader_class
 from mxconv.families.base import FamilyReader, MoELayer, MoELayerRef, MXStack

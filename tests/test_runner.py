@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mxconv.families.base import ModelInfo
-from mxconv.runner import compare, hidden_states, moe_forward, route
+from mxconv.verify.reference_moe import compare, hidden_states, moe_forward, route
 
 
 def _info(routing: str, activation: str = "silu", **kw) -> ModelInfo:

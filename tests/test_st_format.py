@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mxconv.checkpoint import open_checkpoint
+from mxconv.source.checkpoint import open_checkpoint
 from mxconv.errors import BadInput
-from mxconv.st_format import read_header, read_tensor
+from mxconv.source.st_format import read_header, read_tensor
 
 
 def _raw_file(path: Path, header: dict, data: bytes) -> Path:

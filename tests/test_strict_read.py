@@ -20,11 +20,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from mxconv.checkpoint import open_checkpoint
+from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
 from mxconv.errors import BadInput
-from mxconv.manifest import load_manifest, validate_manifest
-from mxconv.st_format import read_header
+from mxconv.output.manifest import load_manifest, validate_manifest
+from mxconv.source.st_format import read_header
 from support.checkpoints import make_checkpoint
 
 runner = CliRunner()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mxconv.checkpoint import open_checkpoint
+from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
 from support.checkpoints import make_checkpoint
 

@@ -14,7 +14,7 @@ import struct
 import pytest
 import torch
 
-from mxconv.numerics import FORMAT_PARAMS, FORMATS, SCALE_MODES, quantize_mx_torch
+from mxconv.mx.numerics import FORMAT_PARAMS, FORMATS, SCALE_MODES, quantize_mx_torch
 from support.interpreter import print_report, report_fixture
 
 
@@ -210,7 +210,7 @@ def test_gpu_e4m3_saturates_and_rounds_like_the_spec():
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_dispatch_uses_triton_and_handles_views():
-    from mxconv.quantizer import quantize_mx, select_impl
+    from mxconv.kernels.quantize import quantize_mx, select_impl
 
     x = torch.randn(2, 96, 320, device="cuda", dtype=torch.bfloat16)
     assert select_impl(x) == "triton"

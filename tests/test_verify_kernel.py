@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from mxconv.checkpoint import open_checkpoint
+from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts
-from mxconv.manifest import load_manifest
+from mxconv.output.manifest import load_manifest
 from support.checkpoints import make_checkpoint
 from mxconv.verify import kernel_layer_canonical, verify
 

@@ -12,12 +12,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mxconv import output_dir
+from mxconv.output import directory as output_dir
 from mxconv.errors import BadInput
 from mxconv.layouts.base import TensorSpec
-from mxconv.pipeline import WorkItem, run_pipeline
-from mxconv.st_format import read_header
-from mxconv.writer import (
+from mxconv.run.pipeline import WorkItem, run_pipeline
+from mxconv.source.st_format import read_header
+from mxconv.output.writer import (
     IN_PROGRESS,
     TMP_SUFFIX,
     PlannedTensor,

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from mxconv.checkpoint import open_checkpoint
-from mxconv.convert import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.source.checkpoint import open_checkpoint
+from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
 from mxconv.verify import verify

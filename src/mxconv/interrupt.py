@@ -3,7 +3,7 @@
 The CLI wraps every command in :func:`stop_signals`. The first SIGINT or SIGTERM raises
 :class:`Interrupted` in the main thread, wherever it is waiting (a read, the GPU, a full write
 queue); the conversion then cancels its writer, removes what it wrote (see
-:class:`mxconv.output_dir.OutputTarget`) and re-raises, and the CLI prints one line and exits 2, the
+:class:`mxconv.output.directory.OutputTarget`) and re-raises, and the CLI prints one line and exits 2, the
 contract's code for an interrupted write. Signals that arrive after the first are ignored, so a
 second Ctrl-C cannot cut the clean-up short and leave temporary files behind (SIGKILL still stops
 the process at once). Inside :func:`deferred_signals` (the final swap of an ``--overwrite``, the

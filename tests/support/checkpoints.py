@@ -114,7 +114,7 @@ class Int4Builder(Builder):
 
 def pack_int4_words_reference(q: torch.Tensor) -> torch.Tensor:
     """compressed-tensors ``pack-quantized`` int4 words by integer arithmetic (independent of
-    mxconv.int4's byte views): values q [N, K] in [-8, 7] -> int32 [N, K/8], value j stored as
+    mxconv.mx.int4's byte views): values q [N, K] in [-8, 7] -> int32 [N, K/8], value j stored as
     q + 8 in bits 4*(j%8) of word j//8 (two's-complement wrap of the unsigned 32-bit word)."""
     n, k = q.shape
     nib = (q.to(torch.int64) + 8).view(n, k // 8, 8)

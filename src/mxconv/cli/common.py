@@ -263,11 +263,11 @@ def summary_table(plan_summary: dict[str, Any], title: str) -> Table:
 
 
 def run_convert(command: str, source: str, output: Path, *, quant: Any, repack: Any, run: RunOptions) -> None:
-    from mxconv.checkpoint import open_checkpoint
-    from mxconv.convert import build_plan, execute, plan_memory
+    from mxconv.source.checkpoint import open_checkpoint
+    from mxconv.run.conversion import build_plan, execute, plan_memory
     from mxconv.families import detect_family
-    from mxconv.memory import MemoryBudget, parse_memory
-    from mxconv.output_dir import check_output_dir
+    from mxconv.run.memory import MemoryBudget, parse_memory
+    from mxconv.output.directory import check_output_dir
     from mxconv.sizes import parse_size
 
     shard_bytes = parse_size(run.max_shard_size)

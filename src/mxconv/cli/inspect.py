@@ -24,7 +24,7 @@ def inspect(
 
         mxconv inspect openai/gpt-oss-20b
     """
-    from mxconv.inspect_ckpt import inspect_path
+    from mxconv.inspect import inspect_path
 
     with errors(debug):
         doc = inspect_path(path, revision)
@@ -78,7 +78,7 @@ def inspect(
             r.add_row("total", human_bytes(sum(before.values())) if before else "-", human_bytes(sum(after.values())) if after else "-")
             out.print(r)
         if doc.get("quant_config"):
-            from mxconv.engine_config import EngineQuantConfig
+            from mxconv.output.engine_quant_config import EngineQuantConfig
 
             q = Table(title="engine quant config (fused MoE, per layer L)", show_header=False)
             for key, value in EngineQuantConfig.from_json(doc["quant_config"]).summary_rows():

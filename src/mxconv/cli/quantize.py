@@ -62,7 +62,7 @@ def quantize(
 
         mxconv quantize Qwen/Qwen3-30B-A3B ./qwen3-mxfp8 --format mxfp8 --targets linear
     """
-    from mxconv.plan import QuantOptions
+    from mxconv.run.plan import QuantOptions
 
     with errors(run.debug):
         q = QuantOptions(format.value, scale_rounding.value, run.allow_nonfinite, include or None, ignore or None,

@@ -68,11 +68,11 @@ def repack(
     A compressed-tensors INT4 source (Kimi-K2-Thinking style) with --backend trtllm gives
     TRT-LLM-gen MxInt4. Every MoE layer is converted (--include/--ignore are quantize options).
     mxconv.json's quant_config says what each tensor is and which vLLM backends hold the bytes
-    as they are (Python: mxconv.engine_config.quant_config_of). Example:
+    as they are (Python: mxconv.output.engine_quant_config.quant_config_of). Example:
 
         mxconv repack openai/gpt-oss-20b ./gpt-oss-20b-trtllm --backend trtllm
     """
-    from mxconv.plan import QuantOptions, RepackOptions
+    from mxconv.run.plan import QuantOptions, RepackOptions
     from mxconv.errors import BadInput, LayoutError
     from mxconv.layouts import get_layout
 

@@ -5,7 +5,7 @@
   buffers (wrapped, never re-swizzled);
 * :mod:`mxconv.engines.marlin_moe` runs vLLM's ``moe_wna16_marlin_gemm`` on ``--backend marlin``
   tensors as written;
-* :mod:`mxconv.loader` reads one layer of an output into those objects.
+* :mod:`mxconv.engines.loader` reads one layer of an output into those objects.
 
 For ``mxconv verify --kernel``: :func:`kernel_unavailable` says why the kernel cannot run here (or
 None), :func:`run_kernel_layer` returns the kernel's output for one layer, summed over TP ranks,
@@ -69,14 +69,14 @@ def run_kernel_layer(root: Path, manifest: dict[str, Any], layer: int, hidden: "
     """The engine kernel's MoE output for one layer of the kernel-layout output at ``root``.
 
     ``hidden`` [T, H] fp32 (any device; run as bf16 on the GPU); ``routing`` has ``ids`` [T, k]
-    and ``weights`` [T, k] (e.g. :class:`mxconv.runner.Routing`) or is router logits [T, E];
+    and ``weights`` [T, k] (e.g. :class:`mxconv.verify.reference_moe.Routing`) or is router logits [T, E];
     ``info`` (default: the manifest's model) gives activation and routing kind. TP outputs: every
     rank is loaded and run in turn and the partial outputs are summed. Returns [T, H] fp32 on
     ``hidden``'s device. BadInput when the kernel cannot run (see :func:`kernel_unavailable`).
     """
     import torch
 
-    from mxconv.loader import load_layer_from_manifest
+    from mxconv.engines.loader import load_layer_from_manifest
 
     tp = int(manifest.get("tp_size") or 1)
     total: torch.Tensor | None = None

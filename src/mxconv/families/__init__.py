@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mxconv.checkpoint import Checkpoint
+from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, FP8BlockStack, Int4Stack, ModelInfo, MoELayer, MoELayerRef, MXStack
 from mxconv.registry import register, resolve

@@ -20,7 +20,7 @@ Canonical layer (one MoE layer, all experts stacked):
 | w13_mx    | MXStack      | uint8 | instead of w13 for MX sources: data [E, 2I, H/2] (mxfp4) or [E, 2I, H] (mxfp8) + scales [E, 2I, H/32] |
 | w2_mx     | MXStack      | uint8 | data [E, H, I/2] or [E, H, I] + scales [E, H, I/32] |
 | w13_fp8   | FP8BlockStack | float8_e4m3fn + fp32 scale_inv | instead of w13 for block-FP8 sources |
-| w13_int4  | Int4Stack    | uint8 + bf16 | instead of w13 for compressed-tensors INT4 sources: data [E, 2I, H/2] offset-binary + scales [E, 2I, H/32] (mxconv.int4) |
+| w13_int4  | Int4Stack    | uint8 + bf16 | instead of w13 for compressed-tensors INT4 sources: data [E, 2I, H/2] offset-binary + scales [E, 2I, H/32] (mxconv.mx.int4) |
 | w13_bias  | [E, 2I]      | source dtype (bf16) | only gpt-oss |
 | w2_bias   | [E, H]       | source dtype | only gpt-oss |
 
@@ -44,7 +44,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
-from mxconv.checkpoint import Checkpoint
+from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.layouts.base import TensorSpec
 
@@ -132,7 +132,7 @@ class FP8BlockStack:
         """fp32 [e1 - e0, N, K] on ``device``: W = fp32(W_fp8) * scale_inv of its 128x128 tile."""
         import torch
 
-        from mxconv.numerics import dequantize_fp8_block
+        from mxconv.mx.numerics import dequantize_fp8_block
 
         e1 = self.shape[0] if e1 is None else e1
         out = [
@@ -145,7 +145,7 @@ class FP8BlockStack:
 @dataclass
 class Int4Stack:
     """A compressed-tensors INT4 expert stack (symmetric, group 32, bf16 scales) in mxconv's
-    canonical int4 form (:mod:`mxconv.int4`): the checkpoint's bytes, viewed, not converted.
+    canonical int4 form (:mod:`mxconv.mx.int4`): the checkpoint's bytes, viewed, not converted.
 
     ``data`` uint8 [E, N, K/2]: offset-binary nibbles (stored q + 8), low nibble = even k;
     ``scales`` bf16 [E, N, K/32]: w = q * scale.
@@ -162,8 +162,8 @@ class Int4Stack:
         return (int(E), int(N), int(kb) * 2)
 
     def dequantize(self, e0: int = 0, e1: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
-        """Exact fp32 [e1 - e0, N, K] on ``device``: q * scale (see mxconv.int4.dequantize_int4)."""
-        from mxconv.int4 import dequantize_int4
+        """Exact fp32 [e1 - e0, N, K] on ``device``: q * scale (see mxconv.mx.int4.dequantize_int4)."""
+        from mxconv.mx.int4 import dequantize_int4
 
         e1 = self.shape[0] if e1 is None else e1
         return dequantize_int4(self.data[e0:e1].to(device, non_blocking=True), self.scales[e0:e1].to(device, non_blocking=True))
@@ -193,7 +193,7 @@ class MoELayer:
     w13_int4: Int4Stack | None = None  # compressed-tensors INT4 sources: instead of w13
     w2_int4: Int4Stack | None = None
     # Expert index (in the checkpoint's layer) of row 0 of every stack: a layer read as a group of
-    # experts [first_expert, first_expert + E) under a memory budget (mxconv.memory); 0 for a whole layer.
+    # experts [first_expert, first_expert + E) under a memory budget (mxconv.run.memory); 0 for a whole layer.
     first_expert: int = 0
 
     @property
@@ -307,7 +307,7 @@ class FamilyReader(ABC):
         otherwise carry over as they are (or turn into NaN weights named by their element only).
         Float and block-FP8 expert weights are checked where they are quantized (compute).
         """
-        from mxconv.numerics import first_nonnumber
+        from mxconv.mx.numerics import first_nonnumber
 
         first = layer.first_expert  # dim 0 of every stack is the expert, counted from here
         hit = first_nonnumber(
@@ -353,7 +353,7 @@ class FamilyReader(ABC):
 def nonfinite_tensors(ckpt: Checkpoint, names: Sequence[str | None]) -> str | None:
     """Read the named float tensors of ``ckpt`` (None entries skipped) and describe the first
     NaN/Inf, as "non-finite value nan in tensor [index]"; None when all are finite."""
-    from mxconv.numerics import first_nonnumber
+    from mxconv.mx.numerics import first_nonnumber
 
     for name in names:
         if name:

@@ -1,5 +1,5 @@
 """Routed experts stored as compressed-tensors INT4 ``pack-quantized`` (Kimi-K2-Thinking style;
-docs/checkpoint-formats.md section 5), read into mxconv's canonical int4 form (:mod:`mxconv.int4`).
+docs/checkpoint-formats.md section 5), read into mxconv's canonical int4 form (:mod:`mxconv.mx.int4`).
 
 Per routed expert projection ``P`` (N = out, K = in):
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from mxconv.errors import BadInput
 from mxconv.families.base import Int4Stack
-from mxconv.int4 import GROUP_SIZE, VALUES_PER_WORD, words_as_bytes
+from mxconv.mx.int4 import GROUP_SIZE, VALUES_PER_WORD, words_as_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -44,12 +44,12 @@ import re
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-from mxconv.checkpoint import Checkpoint
+from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
 from mxconv.families.gpt_oss_output import _BLOCK_BYTES, MODULES_TO_NOT_CONVERT, GptOssOutput, config_format  # noqa: F401 (re-exported)
 from mxconv.families.quant_config import FLOAT_DTYPES, MX_FORMATS, quantization_dict, unsupported_quantization
-from mxconv.st_format import TensorInfo
+from mxconv.source.st_format import TensorInfo
 
 if TYPE_CHECKING:
     import torch

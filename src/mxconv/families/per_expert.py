@@ -19,7 +19,7 @@ Canonical layer (see :mod:`mxconv.families.base`): ``w13[e] = cat(gate, up)`` ``
 ``w2[e] = down`` ``[E, H, I]``, row order "halves", no biases. Float sources keep their dtype;
 block-FP8 is dequantized **in fp32** (``W = fp32(W_fp8) * scale_inv[i // bn, j // bk]``, one
 rounding-free product per element, never through bf16); MX sources become :class:`MXStack` (mxfp8 data
-as uint8 E4M3 bit patterns); INT4 sources become :class:`Int4Stack` (the words' bytes, see :mod:`mxconv.int4`).
+as uint8 E4M3 bit patterns); INT4 sources become :class:`Int4Stack` (the words' bytes, see :mod:`mxconv.mx.int4`).
 
 Quantized output (``quantize`` command): compressed-tensors per-expert Linear tensors under the
 source names (``...experts.{e}.gate_proj.weight_packed`` / ``.weight_scale`` for mxfp4,
@@ -59,14 +59,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from mxconv.checkpoint import Checkpoint
+from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MoELayerRef, MXStack
 from mxconv.families.ct_int4 import read_int4_stack
 from mxconv.families.ct_output import CompressedTensorsOutput
-from mxconv.families.per_expert_plan import _Plan, PerExpertPlan
+from mxconv.families.per_expert_headers import _Plan, PerExpertPlan
 from mxconv.families.quant_config import FLOAT_DTYPES
-from mxconv.st_format import torch_dtype
+from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
     import torch

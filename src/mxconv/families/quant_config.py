@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from mxconv.checkpoint import Checkpoint
+from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 
 FLOAT_DTYPES: dict[str, str] = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}

@@ -4,7 +4,7 @@
   straight from packed bytes with nibble masks and a 4x4 byte transpose (no unpack to codes);
 * :func:`transpose_rows` - scales: ``out[g, n] = src[tab[n], g] + offset``.
 
-Same contract as :mod:`mxconv.kernels.layout_triton` (which re-exports both): rows of the unpadded
+Same contract as :mod:`mxconv.kernels.trtllm_aiter` (which re-exports both): rows of the unpadded
 canonical stack read through a row table, padding fused in, the same bytes as the torch path.
 """
 

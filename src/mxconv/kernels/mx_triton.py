@@ -3,8 +3,8 @@
 One launch covers a whole stack (e.g. [E, N, K] experts): the input is seen as a flat run of
 32-element blocks; a tile is ``BLOCKS`` consecutive blocks and each program does ``ITERS`` tiles.
 
-The bytes are those of :func:`mxconv.numerics.quantize_mx_torch` (see its module docstring for the
-rules); every constant comes from ``mxconv.numerics``. Implementation notes:
+The bytes are those of :func:`mxconv.mx.numerics.quantize_mx_torch` (see its module docstring for the
+rules); every constant comes from ``mxconv.mx.numerics``. Implementation notes:
 
 * Elements are loaded as *pairs* packed in one machine word (two bf16/fp16 in an int32, two fp32 in an
   int64): element ``2i`` is the low half, ``2i+1`` the high half. Tiles are [BLOCKS, 16] words, so the
@@ -35,7 +35,7 @@ from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR as _TRITON_IMPORT_E
 from mxconv.kernels.triton_import import interpreter_on as _interpreter_on
 from mxconv.kernels.triton_common import _launch
 from mxconv.kernels.triton_import import tl, triton
-from mxconv.numerics import (
+from mxconv.mx.numerics import (
     BLOCK_SIZE,
     E8M0_BIAS,
     E8M0_MAX_FINITE,
@@ -206,7 +206,7 @@ def quantize_mx_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` [..., K] (bf16/fp16/fp32 on CUDA) to MX in one kernel launch.
 
-    Returns ``(data, scales)`` exactly as :func:`mxconv.numerics.quantize_mx_torch`:
+    Returns ``(data, scales)`` exactly as :func:`mxconv.mx.numerics.quantize_mx_torch`:
     mxfp4 data uint8 [..., K/2] (low nibble = even element), mxfp8 data uint8 [..., K] (E4M3 bits),
     scales uint8 [..., K/32] (E8M0). CPU tensors are accepted only under ``TRITON_INTERPRET=1``
     (whose fp32->fp8 cast is not exact: trust its MXFP8 scales, not its MXFP8 elements).

@@ -1,6 +1,6 @@
 """What every layout Triton kernel module shares: triton imported optionally, the switch that turns
 the kernels off (``MXCONV_LAYOUT_TRITON=0``), the launch shapes of the layout kernels, and the
-checks and views the launchers use (:mod:`mxconv.kernels.layout_triton`,
+checks and views the launchers use (:mod:`mxconv.kernels.trtllm_aiter`,
 :mod:`mxconv.kernels.marlin_triton`, :mod:`mxconv.kernels.triton_swizzle`)."""
 
 from __future__ import annotations

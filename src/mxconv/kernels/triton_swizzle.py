@@ -10,7 +10,7 @@ and stored contiguously in buffer order.
 * :func:`hopper_scales` - scales: row gather, column zero padding and the scale permutation.
 
 ``mxconv.layouts.triton`` calls them only for CUDA tensors when
-``mxconv.kernels.layout_triton.layout_kernels_enabled`` says so (``MXCONV_LAYOUT_TRITON=0`` forces
+``mxconv.kernels.trtllm_aiter.layout_kernels_enabled`` says so (``MXCONV_LAYOUT_TRITON=0`` forces
 the torch path); with ``TRITON_INTERPRET=1`` they also run on CPU tensors (tests).
 """
 

@@ -21,7 +21,7 @@ Padding (section 4.1, vLLM 0.33 ROCm table), all zero-filled (weights, scales, b
 Every transform is a reshape/permute of whole bytes, so it runs unchanged on CPU and CUDA tensors
 and over the whole ``[E, ...]`` stack at once. The primitives accept any dtype (tests feed them
 integer id tensors to trace where each byte goes). ``to_kernel`` folds padding, de-interleave and
-GU16 into one row table per tensor; on CUDA the Triton kernels of ``mxconv.kernels.layout_triton``
+GU16 into one row table per tensor; on CUDA the Triton kernels of ``mxconv.kernels.trtllm_aiter``
 apply it together with W16 / S32x8 in one pass.
 
 Options read (``options`` dict, all optional):
@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.aiter_shuffles import (
+from mxconv.layouts.aiter_bytemap import (
     ACTIVATIONS, SCALE_PAD_FILL, _check_a4w4_rows, _check_activation, _need, _w16_bytes, deinterleave_rows,
     deinterleave_source_rows, e8m0_shuffle, e8m0_unshuffle, gu16, gu16_inverse, gu16_source_rows,
     interleave_rows, permute_padded, s32x8, s32x8_dest_offsets, s32x8_inverse, shuffle_scale_a4w4,
@@ -49,7 +49,7 @@ from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
     TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
 )
-from mxconv.st_format import torch_dtype
+from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
     import torch

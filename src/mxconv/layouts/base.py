@@ -106,7 +106,7 @@ class LayoutBase:
     activations: tuple[str, ...] = ()
     options: tuple[LayoutOption, ...] = ()
     # vLLM 0.33 ``Mxfp4MoeBackend`` names (fused_moe/oracle/mxfp4.py) that hold this layout's bytes
-    # after loading, per activation; mxconv.engine_config checks sizes and model against each one.
+    # after loading, per activation; mxconv.output.engine_quant_config checks sizes and model against each one.
     vllm_backends: dict[str, tuple[str, ...]] = {}
     # canonical expert formats (CanonicalExperts.weight_format) this layout takes; plan refuses others
     weight_formats: tuple[str, ...] = ("mxfp4",)

@@ -25,7 +25,7 @@ Canonical (unpadded) MXFP4 expert stack, one MoE layer, one TP rank:
 
 `weight_format` is "mxfp4" (above) or "int4": compressed-tensors INT4, same shapes, w13/w2 bytes
 offset-binary int4 pairs (low nibble = even k) and w13_scale/w2_scale **bf16** group-32 scales
-(see mxconv.int4). A layout lists the formats it takes in ``LayoutBase.weight_formats``.
+(see mxconv.mx.int4). A layout lists the formats it takes in ``LayoutBase.weight_formats``.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.st_format import element_bytes, st_name, torch_dtype
+from mxconv.source.st_format import element_bytes, st_name, torch_dtype
 
 if TYPE_CHECKING:
     import torch

@@ -31,7 +31,7 @@ from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutSizes, TensorSpec,
     pad_canonical, round_up, unpad_canonical,
 )
-from mxconv.st_format import torch_dtype
+from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +42,7 @@ MX_BLOCK = 32
 ALIGN = 128  # mxfp4_round_up_hidden_size_and_intermediate_size: DEEPGEMM_MXFP4 -> H and I to 128
 PACK = 4  # UE8M0 scales per int32 word
 PAD_FILL = 0
-SCALE_DTYPE = "I32"  # safetensors names; mxconv.st_format.torch_dtype gives the torch ones
+SCALE_DTYPE = "I32"  # safetensors names; mxconv.source.st_format.torch_dtype gives the torch ones
 BIAS_DTYPE = "BF16"
 ACTIVATIONS = ("fp8",)  # DeepGemmFP4Experts: FP8 activations, dynamic per token and 128-wide group
 VLLM_BACKEND = "DEEPGEMM_MXFP4"

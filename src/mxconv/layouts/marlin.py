@@ -10,7 +10,7 @@ with w13: N = 2*Ip, K = Hp and w2: N = Hp, K = Ip, after zero padding to Hp = ro
 Ip = round_up(I, 128) (§3). Everything works on the whole [E, ...] stack at once with views,
 permutes and index_select, so CPU and CUDA give the same bytes. ``to_kernel`` fuses the padding
 into one row gather per tensor and builds the weight stream from 32-bit words
-(:func:`marlin_weight_repack_words`); on CUDA the Triton kernels of ``mxconv.kernels.layout_triton``
+(:func:`marlin_weight_repack_words`); on CUDA the Triton kernels of ``mxconv.kernels.trtllm_aiter``
 do each tensor in one pass (the legacy scale weave stays in torch).
 
 Activations: "bf16" (16-bit activations, 16x64 weight tiles, the default) and "fp8" (W4A8-FP8,
@@ -32,7 +32,7 @@ from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
     TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
 )
-from mxconv.layouts.marlin_repack import (
+from mxconv.layouts.marlin_bytemap import (
     ACTIVATIONS, FP8_SCALE_MAX_INPUT, FP8_SCALE_OFFSET, SCALE_LAYOUTS, _check_scale_mode, chunk32_perm,
     inverse_perm, legacy_unweave, legacy_weave, marlin_bias, marlin_scales, marlin_unbias, marlin_unscales,
     marlin_weight_repack, marlin_weight_repack_words, marlin_weight_unrepack, permute_chunks, scale_perm_bf16,

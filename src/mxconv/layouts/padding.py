@@ -102,13 +102,13 @@ def pad_row_source(rows: int, padded_rows: int, row_order: str | None = None) ->
 
 
 def layout_kernels(t: torch.Tensor) -> Any:
-    """The Triton layout-kernel module (``mxconv.kernels.layout_triton``) when ``t`` is a CUDA tensor
+    """The Triton layout-kernel module (``mxconv.kernels.trtllm_aiter``) when ``t`` is a CUDA tensor
     and the kernels are enabled there, else None (use the torch path). Imports triton lazily."""
     if not t.is_cuda:
         return None
-    from mxconv.kernels import layout_triton
+    from mxconv.kernels import trtllm_aiter
 
-    return layout_triton if layout_triton.layout_kernels_enabled(t) else None
+    return trtllm_aiter if trtllm_aiter.layout_kernels_enabled(t) else None
 
 
 _INDEX_CACHE: dict[tuple[Any, ...], torch.Tensor] = {}

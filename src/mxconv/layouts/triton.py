@@ -38,11 +38,11 @@ from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
     TensorSpec, check_fill, gather_padded_rows, layout_kernels, round_up,
 )
-from mxconv.layouts.triton_values import (
+from mxconv.layouts.triton_bytemap import (
     NIBBLE_DEST_BITS, TWIDDLE_GROUPS, UNTWIDDLE_GROUPS, _inverse_rows, _need, permute_scales, permute_values,
     twiddle_words, unpermute_scales, unpermute_values, w13_row_table, w2_row_table,
 )
-from mxconv.st_format import torch_dtype
+from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +60,7 @@ INTERMEDIATE_ALIGN = 64  # vLLM rounds the per-rank intermediate size up to 64 f
 HIDDEN_ALIGN = 64  # matmul_ogs on SM90 needs K % 64 == 0; only applied with pad_hidden
 # (row multiple, row-byte multiple) of the value layout per triton_kernels generation
 VALUE_PADDING = {"3.5": (16, 32), "3.6": (64, 64)}
-BIAS_DTYPE = "F32"  # safetensors name; mxconv.st_format.torch_dtype gives the torch one
+BIAS_DTYPE = "F32"  # safetensors name; mxconv.source.st_format.torch_dtype gives the torch one
 
 _ENGINE_COMPAT = {
     ("3.5", 4): "0.33 (vendored triton_kernels 3.5.1 API, scale K/32 padded to 4 on SM90)",

@@ -13,7 +13,7 @@ Only rows move; bytes inside a row are never touched. Per layer and TP rank:
 
 Steps 1-3 are one row map (:func:`w13_row_table` / :func:`w2_row_table`: kernel row -> source row
 or -1), applied in a single gather with the column padding; on CUDA the Triton kernels of
-``mxconv.kernels.layout_triton`` do the gather (and step C) in one pass per tensor.
+``mxconv.kernels.trtllm_aiter`` do the gather (and step C) in one pass per tensor.
 
 Output tensors (E experts, padded sizes):
 
@@ -54,13 +54,13 @@ from mxconv.layouts.base import (
     CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes, TensorSpec, gather_padded_rows,
     layout_kernels, round_up, unpad_canonical,
 )
-from mxconv.layouts.trtllm_rows import (
+from mxconv.layouts.trtllm_bytemap import (
     EPILOGUE_TILE_M, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, _check_row_order, gate_up_pair_dst,
     gate_up_pair_src, mma_shuffle_dst, mma_shuffle_src, swizzle_128x4, swizzle_offsets, swizzle_slot_coords,
     swizzled_scale_size, unswizzle_128x4, w13_row_dst, w13_row_src, w13_row_table, w2_row_dst, w2_row_src,
     w2_row_table,
 )
-from mxconv.st_format import torch_dtype
+from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +84,7 @@ MX_BLOCK = 32  # elements per E8M0 scale
 NUM_ELTS_PER_SF = 16  # what vLLM passes to FlashInfer for MXFP4 (rows do not depend on it)
 SCALE_FILL = 0x00  # never 0xFF (NaN * 0 = NaN)
 
-KERNEL_SCALE_DTYPE = "F8_E4M3"  # safetensors names; mxconv.st_format.torch_dtype gives the torch ones
+KERNEL_SCALE_DTYPE = "F8_E4M3"  # safetensors names; mxconv.source.st_format.torch_dtype gives the torch ones
 KERNEL_BIAS_DTYPE = "F32"
 ENGINE_COMPAT = {"vllm": ">=0.10.2", "flashinfer": ">=0.3"}
 VLLM_BACKENDS = {"bf16": "FLASHINFER_TRTLLM_MXFP4_BF16", "mxfp8": "FLASHINFER_TRTLLM_MXFP4_MXFP8"}

@@ -2,7 +2,7 @@
 builds for FlashInfer's ``trtllm_mxint4_block_scale_moe`` from compressed-tensors INT4 experts.
 
 Used by :class:`mxconv.layouts.trtllm.TrtllmLayout` when the canonical stack's ``weight_format`` is
-"int4" (one registry entry, two weight formats). Input: a canonical int4 stack (``mxconv.int4``:
+"int4" (one registry entry, two weight formats). Input: a canonical int4 stack (``mxconv.mx.int4``:
 offset-binary bytes ``[E, N, K/2]``, bf16 scales ``[E, N, K/32]``, rows in "halves" order, no bias).
 Per layer and TP rank, with no padding (H and I must be multiples of 256):
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.int4 import GROUP_SIZE, SCALE_DTYPE, to_twos_complement
+from mxconv.mx.int4 import GROUP_SIZE, SCALE_DTYPE, to_twos_complement
 from mxconv.layouts.base import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, gather_padded_rows
 
 if TYPE_CHECKING:

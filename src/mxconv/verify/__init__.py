@@ -24,13 +24,13 @@ from typing import Callable
 
 import torch
 
-from mxconv.checkpoint import MANIFEST_NAME, open_checkpoint
+from mxconv.source.checkpoint import MANIFEST_NAME, open_checkpoint
 from mxconv.engines import KERNEL_THRESHOLDS
 from mxconv.errors import BadInput, Unsupported
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names
-from mxconv.manifest import load_manifest, missing_manifest_message
-from mxconv.runner import hidden_states  # noqa: F401 - part of what verify's API has always offered
+from mxconv.output.manifest import load_manifest, missing_manifest_message
+from mxconv.verify.reference_moe import hidden_states  # noqa: F401 - part of what verify's API has always offered
 from mxconv.verify.integrity import check_integrity, check_manifest_claims, model_info_of
 from mxconv.verify.layout import kernel_layer_canonical, merge_tp, recover_layer, reference_layer
 from mxconv.verify.linears import LINEAR_THRESHOLDS, LinearReport, check_linears
@@ -38,7 +38,7 @@ from mxconv.verify.numerics import (
     check_layer_numerics, converted_nonfinite, expert_fn, load_reference_outputs, run_layer, save_reference_outputs,
 )
 from mxconv.verify.report import THRESHOLDS, LayerReport, Run, Scope, VerifyReport
-from mxconv.verify_kernel import KernelResult, check_kernel_layer, kernel_preflight
+from mxconv.verify.kernel import KernelResult, check_kernel_layer, kernel_preflight
 
 __all__ = [
     "LINEAR_THRESHOLDS", "THRESHOLDS", "LayerReport", "LinearReport", "Scope", "VerifyReport", "check_integrity", "check_manifest_claims", "expert_fn",

@@ -11,11 +11,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mxconv.checkpoint import Checkpoint, layer_index
+from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
 from mxconv.families import FamilyReader, ModelInfo
 from mxconv.layouts import get_layout
-from mxconv.st_format import iter_tensor_chunks
+from mxconv.source.st_format import iter_tensor_chunks
 from mxconv.verify.layout import manifest_sizes
 
 
@@ -104,7 +104,7 @@ def check_manifest_claims(manifest: dict[str, Any], info: ModelInfo, ckpts: list
     * canonical outputs: the output reads back as the model ``model`` describes, and ``layers``
       names the layers' modules and routers as the output's own reader finds them.
     """
-    from mxconv.plan import kernel_params
+    from mxconv.run.plan import kernel_params
 
     problems: list[str] = []
     lay = manifest["layout"]

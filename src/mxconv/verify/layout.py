@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from mxconv.checkpoint import Checkpoint
+from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput, LayoutError
 from mxconv.families import Int4Stack, MoELayer, MXStack
 from mxconv.layouts import LayoutSizes, get_layout
 from mxconv.layouts.base import CanonicalExperts, unpad_canonical
-from mxconv.st_format import read_tensor
+from mxconv.source.st_format import read_tensor
 from mxconv.verify.report import LayerReport, Run
 
 
@@ -149,7 +149,7 @@ def canonical_stack(c: CanonicalExperts, which: str) -> MXStack | Int4Stack:
 def kernel_nonfinite(canon: CanonicalExperts, prefix: str) -> str | None:
     """The first NaN scale byte / non-finite bias of experts recovered from a kernel layout, named
     by the manifest tensor and the canonical (expert, row, block) index."""
-    from mxconv.numerics import first_nonfinite, first_nonnumber
+    from mxconv.mx.numerics import first_nonfinite, first_nonnumber
 
     scales = {"w13_weight_scale": canon.w13_scale, "w2_weight_scale": canon.w2_scale}
     if canon.weight_format == "int4":  # bf16 group scales: NaN/Inf (E8M0 0xFF is an MX rule)

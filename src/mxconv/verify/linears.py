@@ -1,10 +1,10 @@
-"""verify, linear layers (``quantize --targets linear``, :mod:`mxconv.linears`): every MXFP8 linear
+"""verify, linear layers (``quantize --targets linear``, :mod:`mxconv.run.linears`): every MXFP8 linear
 outside the routed experts.
 
 * Files: ``{module}.weight`` F8_E4M3 ``[N, K]`` with ``{module}.weight_scale`` U8 ``[N, K/32]``; no
   E8M0 NaN byte (0xFF), no E4M3 NaN element.
 * Claims: the MXFP8 linears are exactly those the manifest lists, and ``quantization_config``
-  describes exactly them as quantized and every other linear as not (:func:`mxconv.linear_config.config_quantizes`).
+  describes exactly them as quantized and every other linear as not (:func:`mxconv.run.linear_config.config_quantizes`).
 * With ``--reference``: each one against the reference's weight (float, block-FP8 dequantized in
   fp32, or MXFP8): relative RMS error within :data:`LINEAR_THRESHOLDS` (MXFP8 E4M3 weights: ≈ 0.027,
   mx-numerics.md §6; exactly 0 for a linear that was MXFP8 already), and the bytes equal the
@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from mxconv.checkpoint import layer_index
+from mxconv.source.checkpoint import layer_index
 from mxconv.errors import BadInput
 from mxconv.families.quant_config import quantization_dict
-from mxconv.linear_config import config_quantizes
-from mxconv.linears import LINEAR_FORMAT, linear_modules, read_float, tensor_role
-from mxconv.runner import apart
+from mxconv.run.linear_config import config_quantizes
+from mxconv.run.linears import LINEAR_FORMAT, linear_modules, read_float, tensor_role
+from mxconv.verify.reference_moe import apart
 from mxconv.verify.report import Run
 
 # Relative RMS error bound of one MXFP8 linear weight vs its float source (E4M3: ≈ 0.027 with rceil,
@@ -79,7 +79,7 @@ def check_linears(run: Run, layers: set[int] | None) -> tuple[list[LinearReport]
 
 
 def _check_one(run: Run, module: str, rounding: str | None) -> LinearReport:
-    from mxconv.numerics import first_nan_scale, first_nonfinite
+    from mxconv.mx.numerics import first_nan_scale, first_nonfinite
 
     ckpt = run.ckpts[0]
     rep = LinearReport(module, tensor_role(f"{module}.weight"))
@@ -104,7 +104,7 @@ def _check_one(run: Run, module: str, rounding: str | None) -> LinearReport:
         rep.numerics = "FAIL"
         rep.problems.append(f"{module}: no reference weight to compare with ({exc})")
         return rep
-    from mxconv.numerics import dequantize_mx
+    from mxconv.mx.numerics import dequantize_mx
 
     got = dequantize_mx(data.to(run.device), scales.to(run.device), LINEAR_FORMAT)
     if got.shape != ref.shape:
@@ -124,7 +124,7 @@ def _check_one(run: Run, module: str, rounding: str | None) -> LinearReport:
             want_d = run.ref_ckpt.read(f"{module}.weight").view(torch.uint8)
             want_s = run.ref_ckpt.read(f"{module}.weight_scale").view(torch.uint8)
         else:
-            from mxconv.quantizer import quantize_mx
+            from mxconv.kernels.quantize import quantize_mx
 
             want_d, want_s = (t.cpu() for t in quantize_mx(ref, LINEAR_FORMAT, rounding))
         same = torch.equal(want_d, data) and torch.equal(want_s, scales)

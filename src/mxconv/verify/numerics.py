@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from mxconv.checkpoint import Checkpoint
+from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families import FP8BlockStack, Int4Stack, ModelInfo, MoELayer, MXStack
 from mxconv.families.base import nonfinite_tensors
 from mxconv.layouts.base import CanonicalExperts
-from mxconv.runner import ExpertFn, Routing, apart, compare, hidden_states, moe_forward, route
-from mxconv.st_format import read_tensor
+from mxconv.verify.reference_moe import ExpertFn, Routing, apart, compare, hidden_states, moe_forward, route
+from mxconv.source.st_format import read_tensor
 from mxconv.verify.layout import canonical_stack, kernel_nonfinite
 from mxconv.verify.report import THRESHOLDS, LayerReport, Run
 
@@ -41,7 +41,7 @@ def _weights(layer: MoELayer, which: str) -> MXStack | FP8BlockStack | torch.Ten
 def expert_fn(w13: MXStack | FP8BlockStack | torch.Tensor, w2: MXStack | FP8BlockStack | torch.Tensor, b13: torch.Tensor | None,
               b2: torch.Tensor | None, device: torch.device | str = "cpu") -> ExpertFn:
     """Per-expert fp32 weights on ``device``, dequantized there on demand (one expert at a time)."""
-    from mxconv.numerics import dequantize_mx
+    from mxconv.mx.numerics import dequantize_mx
 
     def get(t: MXStack | FP8BlockStack | torch.Tensor, e: int) -> torch.Tensor:
         if isinstance(t, MXStack):
@@ -68,7 +68,7 @@ def _router(ckpt: Checkpoint, lay: dict[str, Any]) -> tuple[torch.Tensor, torch.
 
 def _output_nonfinite(out: torch.Tensor, what: str) -> str | None:
     """Describe the first NaN/Inf of a runner output [tokens, hidden]; None when it is finite."""
-    from mxconv.numerics import first_nonfinite
+    from mxconv.mx.numerics import first_nonfinite
 
     idx = first_nonfinite(out)
     if idx is None:
@@ -190,7 +190,7 @@ def save_reference_outputs(path: Path, tensors: dict[str, torch.Tensor], seed: i
 
 
 def load_reference_outputs(path: Path, seed: int, tokens: int) -> dict[str, torch.Tensor]:
-    from mxconv.st_format import read_header
+    from mxconv.source.st_format import read_header
 
     infos, meta = read_header(path)
     if meta.get("mxconv") != "reference-outputs":

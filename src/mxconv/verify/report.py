@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from mxconv.checkpoint import Checkpoint
+from mxconv.source.checkpoint import Checkpoint
 from mxconv.families import FamilyReader, ModelInfo
-from mxconv.runner import Comparison
-from mxconv.verify_kernel import KernelResult
+from mxconv.verify.reference_moe import Comparison
+from mxconv.verify.kernel import KernelResult
 
 # Pass/fail thresholds of the numerics check, by (converted weight format, reference kind).
 # MX error figures from mx-numerics.md §6: a weight's relative RMS error is ≈ 0.115 (MXFP4) and

@@ -6,7 +6,7 @@ written under a temporary name and renamed into place once complete and fsync'd;
 and the caller writes ``mxconv.json`` last.
 
 Where a run writes, and how what it wrote becomes OUTPUT (staging, cleanup, markers), is
-:mod:`mxconv.output_dir`; its names used here before the split are importable from here too.
+:mod:`mxconv.output.directory`; its names used here before the split are importable from here too.
 
 Test hook: ``MXCONV_TEST_WRITE_DELAY=SECONDS`` makes the writer pause that long after every tensor
 (cancellable), so that tests can interrupt a run mid-write at a predictable point.
@@ -25,16 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from mxconv.checkpoint import INDEX_NAME
-from mxconv.diskio import read_ahead, start_writeback
+from mxconv.source.checkpoint import INDEX_NAME
+from mxconv.source.diskio import read_ahead, start_writeback
 from mxconv.layouts.base import TensorSpec
-from mxconv.output_dir import TMP_SUFFIX, OutputWriteError, atomic_write_json, writing
-from mxconv.output_dir import (  # noqa: F401 - re-exported: these lived here before output_dir.py
+from mxconv.output.directory import TMP_SUFFIX, OutputWriteError, atomic_write_json, writing
+from mxconv.output.directory import (  # noqa: F401 - re-exported: these lived here before output_dir.py
     ASIDE, DISK_FULL, IN_PROGRESS, STAGING, OutputTarget, atomic_write_text, check_free_space, check_output_dir,
     prepare_output_dir,
 )
 from mxconv.sizes import human_bytes, parse_size  # noqa: F401 - re-exported likewise
-from mxconv.st_format import TensorInfo, expected_nbytes, iter_tensor_chunks
+from mxconv.source.st_format import TensorInfo, expected_nbytes, iter_tensor_chunks
 
 if TYPE_CHECKING:
     import torch
@@ -177,7 +177,7 @@ class ShardedWriter:
         # A finished shard is fsync'd and renamed into place on its own thread, so the writer goes
         # straight on with the next shard instead of waiting for the disk to flush this one.
         self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-fsync")
-        # A byte-for-byte copy reads its next chunk here while this one is written (mxconv.diskio).
+        # A byte-for-byte copy reads its next chunk here while this one is written (mxconv.source.diskio).
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-copy-read")
         self._synced: list[Future] = []
         self._queue = [(si, t) for si, s in enumerate(self.shards) for t in s.tensors]

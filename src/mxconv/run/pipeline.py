@@ -5,16 +5,16 @@
 
 Host memory is bounded by ``prefetch`` items being read, one being computed and ``queue_depth``
 waiting to be written (plus the one the writer holds and the one waiting to be queued); the GPU
-holds one item at a time. :mod:`mxconv.memory` plans both numbers and the items themselves from the
+holds one item at a time. :mod:`mxconv.run.memory` plans both numbers and the items themselves from the
 ``--max-memory`` budget: an item is a whole MoE layer, or a group of its experts whose results are
 runs of dim-0 rows of the layer's ``[E, ...]`` tensors (or whole per-expert tensors), written with
-:meth:`~mxconv.writer.ShardedWriter.write_part`. Items keep their order end to end, which is what
+:meth:`~mxconv.output.writer.ShardedWriter.write_part`. Items keep their order end to end, which is what
 lets every shard header be written before its data.
 
 On any failure (an error in a stage, or SIGINT/SIGTERM raised in the main thread as
 :class:`mxconv.interrupt.Interrupted`) the writers are cancelled between chunks, pending reads are
 dropped, every thread is joined and the writers' temporary files are deleted before the exception
-leaves :func:`run_pipeline`; the caller's :class:`mxconv.output_dir.OutputTarget` removes the rest.
+leaves :func:`run_pipeline`; the caller's :class:`mxconv.output.directory.OutputTarget` removes the rest.
 
 torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxconv inspect`` stays torch-free.
 """
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.interrupt import deferred_signals
-from mxconv.st_format import TensorInfo
-from mxconv.writer import ShardedWriter, WriteCancelled, copy_tensor_to
+from mxconv.source.st_format import TensorInfo
+from mxconv.output.writer import ShardedWriter, WriteCancelled, copy_tensor_to
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +43,7 @@ class WorkItem:
     """One unit of work: a group of tensors copied byte for byte, or one MoE layer (or a group of
     its experts)."""
 
-    kind: str  # "copy" | "layer" | "linear" (one layer's linears, mxconv.linears): all but "copy" are loaded and computed
+    kind: str  # "copy" | "layer" | "linear" (one layer's linears, mxconv.run.linears): all but "copy" are loaded and computed
     in_bytes: int
     copy_names: list[str] = field(default_factory=list)  # for "copy": tensor names, in plan order
     payload: Any = None  # for "layer": whatever load/compute need (e.g. a MoELayerRef)

@@ -2,7 +2,7 @@
 
 Public API::
 
-    from mxconv.loader import load_layer
+    from mxconv.engines.loader import load_layer
     layer = load_layer("out/", 3)                      # a TP=1 output, or load_layer("out/rank-1", 3)
     y = layer.forward(hidden, topk_ids, topk_weights)  # hidden [T, H] bf16 on the GPU -> [T, H] bf16
     y = layer.forward(hidden, logits=router_logits)    # or route with the engine's own top-k
@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from mxconv.checkpoint import MANIFEST_NAME
+from mxconv.source.checkpoint import MANIFEST_NAME
 from mxconv.errors import BadInput
 from mxconv.families.base import ModelInfo
-from mxconv.manifest import load_manifest
+from mxconv.output.manifest import load_manifest
 
 ENGINE_BACKENDS = ("triton", "marlin")
 EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
@@ -156,7 +156,7 @@ def read_layer_tensors(src: LayerSource, device: str | torch.device = "cuda") ->
 
 
 def _read_fallback(f: Path, names: dict[str, str], device: str, exc: Exception) -> dict[str, torch.Tensor]:
-    from mxconv.st_format import read_header, read_tensor
+    from mxconv.source.st_format import read_header, read_tensor
 
     infos, _ = read_header(f)
     missing = [n for n in names.values() if n not in infos]

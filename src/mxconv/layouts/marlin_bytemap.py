@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.numerics_format import pack_fp4, unpack_fp4  # numerics imports torch, numerics_format does not
+from mxconv.mx.formats import pack_fp4, unpack_fp4  # numerics imports torch, numerics_format does not
 
 if TYPE_CHECKING:
     import torch

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from mxconv.errors import BadInput
-from mxconv.numerics import check_args, mx_error_sums, quantize_mx_torch
+from mxconv.mx.numerics import check_args, mx_error_sums, quantize_mx_torch
 
 IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 
@@ -38,7 +38,7 @@ def quantize_mx(
     nibble), mxfp8 data uint8 [..., K] (E4M3 bits), scales uint8 [..., K/32] (E8M0).
     ``impl``: "auto" (Triton for CUDA tensors when available, else torch), "torch" or "triton".
     Raises BadInput for an unknown format/mode/impl, a non-float dtype or K % 32 != 0.
-    Does not check for NaN/Inf (use ``mxconv.numerics.first_nonfinite`` first).
+    Does not check for NaN/Inf (use ``mxconv.mx.numerics.first_nonfinite`` first).
     ``error_sums``: a list ``[sq_err, sq_ref]`` to which ``sum((dequantized - x)^2)`` and ``sum(x^2)``
     are added — the error statistic without a full-size dequantized copy (on the torch path it is
     computed chunk by chunk while each chunk is still in the caches).

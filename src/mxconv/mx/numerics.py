@@ -38,7 +38,7 @@ How the bytes are computed (shared with the Triton kernels):
 Non-finite input is not checked here (see :func:`first_nonfinite`); its bytes are unspecified.
 
 The code sits in three modules: the formats' constants, scale rules, element codes and packing in
-:mod:`mxconv.numerics_format`; the fast chunk path and lookup tables in :mod:`mxconv.numerics_fast`;
+:mod:`mxconv.mx.formats`; the fast chunk path and lookup tables in :mod:`mxconv.mx.fast`;
 here the quantize / dequantize entry points, the exact path, the error sums, the non-finite scans
 and the conversions between formats. This module re-exports the other two: import MX numerics from here.
 """
@@ -50,11 +50,11 @@ from typing import Callable
 import torch
 
 from mxconv.errors import BadInput
-from mxconv.numerics_fast import (  # noqa: F401 - used here, and re-exported for the tests
+from mxconv.mx.fast import (  # noqa: F401 - used here, and re-exported for the tests
     _FP8_CAST_SATURATES, _add_error_sums, _dequant_lut, _e2m1_keys, _e2m1_lut, _fp8_cast_saturates,
     _quantize_rows_fast,
 )
-from mxconv.numerics_format import (  # noqa: F401 - used here and re-exported: the one import for MX numerics
+from mxconv.mx.formats import (  # noqa: F401 - used here and re-exported: the one import for MX numerics
     BLOCK_SIZE, DEFAULT_SCALE_MODES, E2M1_EMAX, E2M1_MAX, E2M1_MBITS, E2M1_MIDPOINTS, E2M1_TIE_ROUNDS_UP, E2M1_VALUES,
     E4M3_EMAX, E4M3_MAX, E4M3_MBITS, E8M0_BIAS, E8M0_MAX_FINITE, E8M0_NAN, FORMAT_PARAMS, FORMATS, SCALE_MODE_IDS,
     SCALE_MODES, SUBNORMAL_FIX_MAX_BYTE, _e2m1_codes, _e4m3_bytes, _scaled_blocks, check_args, pack_fp4,

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mxconv import __version__
-from mxconv.checkpoint import CONFIG_NAME, MANIFEST_NAME
+from mxconv.source.checkpoint import CONFIG_NAME, MANIFEST_NAME
 from mxconv.errors import BadInput, Unsupported
-from mxconv.output_dir import IN_PROGRESS, atomic_write_json
-from mxconv.writer import WrittenTensor
+from mxconv.output.directory import IN_PROGRESS, atomic_write_json
+from mxconv.output.writer import WrittenTensor
 
 FORMAT_VERSION = 1
 _RANK_DIR = re.compile(r"rank-\d+")
@@ -235,7 +235,7 @@ _LAYER = _obj(
     {"layer": NONNEG, "module_prefix": NONEMPTY, "router_weight": NONEMPTY},
     {"router_bias": _nullable(NONEMPTY), "correction_bias": _nullable(NONEMPTY)},
 )
-# quantize --targets linear (mxconv.linears.LinearSelection.to_json): what became MXFP8, what stayed and why.
+# quantize --targets linear (mxconv.run.linears.LinearSelection.to_json): what became MXFP8, what stayed and why.
 _LINEARS = _obj(
     {"targets": _enum("experts", "linear"), "format": STR, "quantized": _list(NONEMPTY), "carried_mx": _list(NONEMPTY),
      "left_alone": _map(STR)},
@@ -319,7 +319,7 @@ def validate_manifest(m: Any, path: Path | str) -> dict[str, Any]:
 def missing_manifest_message(root: Path) -> str:
     """Why ``root`` has no usable mxconv.json, and what to run instead (for BadInput)."""
     if (root / IN_PROGRESS).exists():
-        from mxconv.output_dir import live_writer  # (imports this module's neighbours: only on this path)
+        from mxconv.output.directory import live_writer  # (imports this module's neighbours: only on this path)
 
         pid = live_writer(root)
         if pid is not None:
@@ -344,7 +344,7 @@ def missing_manifest_message(root: Path) -> str:
 
 def load_manifest(root: Path) -> dict[str, Any]:
     """Read and validate ``root/mxconv.json`` (BadInput when missing, malformed or off-schema)."""
-    from mxconv.st_format import loads_unique
+    from mxconv.source.st_format import loads_unique
 
     path = root / MANIFEST_NAME
     if not path.exists():

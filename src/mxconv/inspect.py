@@ -11,13 +11,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from mxconv.checkpoint import MANIFEST_NAME, Checkpoint, open_checkpoint
+from mxconv.source.checkpoint import MANIFEST_NAME, Checkpoint, open_checkpoint
 from mxconv.families import detect_family
 from mxconv.layouts import LayoutSizes, backend_names, get_layout
-from mxconv.engine_config import quant_config_of
+from mxconv.output.engine_quant_config import quant_config_of
 from mxconv.errors import BadInput, LayoutError
-from mxconv.manifest import load_manifest, missing_manifest_message
-from mxconv.vllm_mxfp4 import vllm_refusal
+from mxconv.output.manifest import load_manifest, missing_manifest_message
+from mxconv.layouts.vllm_backends import vllm_refusal
 
 
 def canonical_expert_bytes(E: int, H: int, I: int, has_bias: bool, scale_bytes: int = 1) -> int:
@@ -75,10 +75,10 @@ def backend_table(
 
 
 def role_bytes(ckpt: Checkpoint, routers: list[str], reader: Any = None) -> dict[str, Any]:
-    """Bytes per role (mxconv.linears.ROLES) before and after: an mxconv output against its source
+    """Bytes per role (mxconv.run.linears.ROLES) before and after: an mxconv output against its source
     (recorded in the manifest); a source against what ``quantize --format mxfp8 --targets linear``
     would write (planned from the headers; ``after_error`` where it would refuse)."""
-    from mxconv.linears import bytes_by_role
+    from mxconv.run.linears import bytes_by_role
 
     now = bytes_by_role(((n, i.nbytes) for n, i in ckpt.tensors.items()), routers)
     m = ckpt.manifest
@@ -87,7 +87,7 @@ def role_bytes(ckpt: Checkpoint, routers: list[str], reader: Any = None) -> dict
     doc: dict[str, Any] = {"before": now, "before_label": "this checkpoint", "after": None,
                            "after_label": "quantize --format mxfp8 --targets linear"}
     if reader is not None:
-        from mxconv.plan import QuantOptions, build_plan
+        from mxconv.run.plan import QuantOptions, build_plan
 
         try:
             plan = build_plan(ckpt, reader, "quantize", QuantOptions("mxfp8", targets="linear", skip_unaligned=True))
@@ -262,8 +262,8 @@ def memory_plan(ckpt: Checkpoint, reader: Any) -> dict[str, Any] | None:
     """How ``mxconv quantize`` (default options, CPU) would use memory at the default ``--max-memory``:
     experts per group, pipeline depth, estimated peak and the smallest budget that works (None where
     quantize refuses this source)."""
-    from mxconv.convert import plan_memory
-    from mxconv.plan import QuantOptions, build_plan
+    from mxconv.run.conversion import plan_memory
+    from mxconv.run.plan import QuantOptions, build_plan
 
     try:
         plan = build_plan(ckpt, reader, "quantize", QuantOptions())

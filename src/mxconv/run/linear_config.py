@@ -1,4 +1,4 @@
-"""The ``quantization_config`` side of MXFP8 linear layers (:mod:`mxconv.linears`): the config
+"""The ``quantization_config`` side of MXFP8 linear layers (:mod:`mxconv.run.linears`): the config
 names exactly which linears are MXFP8 and which are left alone, so a loader never guesses.
 
 * compressed-tensors (every family but gpt-oss): one more config group, the MXFP8A16 preset's

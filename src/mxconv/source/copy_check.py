@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from mxconv.errors import BadInput
-from mxconv.st_format import TensorInfo, element_bytes
+from mxconv.source.st_format import TensorInfo, element_bytes
 
 SCAN_BYTES = 8 << 20  # the scan's temporary: a 64 MiB chunk is looked at 8 MiB at a time
 

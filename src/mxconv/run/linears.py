@@ -20,7 +20,7 @@ as MXFP8. MX blocks run along K within each row, so a fused projection (``qkv_pr
 
 Output per quantized linear: ``{module}.weight`` F8_E4M3 ``[N, K]`` and ``{module}.weight_scale`` U8
 ``[N, K/32]`` (E8M0), biases copied; same scale rounding and kernels as the experts
-(:func:`mxconv.compute.quantize_stack`). The config side is :mod:`mxconv.linear_config`.
+(:func:`mxconv.run.compute.quantize_stack`). The config side is :mod:`mxconv.run.linear_config`.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
@@ -31,15 +31,15 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-from mxconv.checkpoint import Checkpoint, layer_index
+from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
 
 if TYPE_CHECKING:
     import torch
 
     from mxconv.families import MoELayerRef
-    from mxconv.pipeline import WorkItem
-    from mxconv.writer import PlannedTensor
+    from mxconv.run.pipeline import WorkItem
+    from mxconv.output.writer import PlannedTensor
 
 TARGETS = ("experts", "linear")
 LINEAR_FORMAT = "mxfp8"
@@ -202,7 +202,7 @@ def linear_modules(ckpt: Checkpoint, routers: Iterable[str] = (), experts: Itera
 
 
 def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: Any) -> LinearSelection:
-    """The linear layers of ``ckpt`` and what ``quant`` (a :class:`mxconv.plan.QuantOptions`) does
+    """The linear layers of ``ckpt`` and what ``quant`` (a :class:`mxconv.run.plan.QuantOptions`) does
     with each, from the headers alone. BadInput for a linear ``--targets linear`` cannot take."""
     sel = LinearSelection(quant.targets, quant.scale_rounding)
     experts = {n for r in all_refs for n in r.source_names}
@@ -289,8 +289,8 @@ def fused_part_warnings(sel: LinearSelection) -> list[str]:
 
 def linear_item(ckpt: Checkpoint, refs: list[LinearRef], dests: list[list[PlannedTensor]]) -> WorkItem:
     """The work item of one layer's linears (kind "linear"); its output tensors join ``dests``."""
-    from mxconv.pipeline import WorkItem
-    from mxconv.writer import PlannedTensor
+    from mxconv.run.pipeline import WorkItem
+    from mxconv.output.writer import PlannedTensor
 
     item = WorkItem("linear", ckpt.total_bytes([n for r in refs for n in r.source_names]), payload=refs)
     for d in dests:
@@ -314,7 +314,7 @@ def read_float(ckpt: Checkpoint, module: str, device: torch.device | str = "cpu"
     missing or none of these."""
     import torch
 
-    from mxconv.numerics import dequantize_mx
+    from mxconv.mx.numerics import dequantize_mx
 
     info = ckpt.info(f"{module}.weight")
     n, k = (int(d) for d in info.shape) if len(info.shape) == 2 else (0, 0)
@@ -333,7 +333,7 @@ def read_float(ckpt: Checkpoint, module: str, device: torch.device | str = "cpu"
 def source_float(weight: torch.Tensor, scale_inv: torch.Tensor | None, block: tuple[int, int] | None,
                  device: torch.device | str) -> torch.Tensor:
     """A linear's source weight as floats on ``device``: as stored, or block-FP8 dequantized in fp32."""
-    from mxconv.numerics import dequantize_fp8_block
+    from mxconv.mx.numerics import dequantize_fp8_block
 
     if scale_inv is None:
         return weight.to(device)
@@ -347,7 +347,7 @@ def quantize_linears(refs: list[LinearRef], data: dict[str, tuple[torch.Tensor, 
     host. NaN/Inf are refused (naming weight and index) unless ``quant.allow_nonfinite``."""
     import torch
 
-    from mxconv.compute import quantize_stack, to_host
+    from mxconv.run.compute import quantize_stack, to_host
 
     out: dict[str, torch.Tensor] = {}
     for r in refs:

@@ -11,7 +11,7 @@ in OUTPUT: it never looks complete, and the next run cleans it up. docs/reliabil
 Also here: the checks before a run (:func:`check_output_dir`, :func:`check_free_space`), the
 in-progress marker, :func:`writing` (an OSError reported as :class:`OutputWriteError` naming the
 output file) and atomic writes of small files (:func:`atomic_write_json`). The shards themselves
-are streamed by :mod:`mxconv.writer`.
+are streamed by :mod:`mxconv.output.writer`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from mxconv.checkpoint import IN_PROGRESS, INDEX_NAME, MANIFEST_NAME
+from mxconv.source.checkpoint import IN_PROGRESS, INDEX_NAME, MANIFEST_NAME
 from mxconv.errors import BadInput
 from mxconv.interrupt import deferred_signals, output_complete
 from mxconv.sizes import human_bytes

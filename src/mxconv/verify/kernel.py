@@ -28,7 +28,7 @@ import torch
 from mxconv.engines import KERNEL_THRESHOLDS
 from mxconv.errors import BadInput
 from mxconv.layouts import Layout, get_layout
-from mxconv.runner import Comparison, Routing, apart, compare
+from mxconv.verify.reference_moe import Comparison, Routing, apart, compare
 
 @dataclass
 class KernelResult:

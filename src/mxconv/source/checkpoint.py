@@ -3,7 +3,7 @@
 ``open_checkpoint(SOURCE)`` accepts a local directory or a Hugging Face repo id. For a repo id only
 the config/tokenizer files, the index and the shards the index names are fetched (the local cache
 and ``HF_HUB_OFFLINE=1`` are honoured). Every shard header is validated up front
-(:func:`mxconv.st_format.read_header`), so later reads cannot run off the end of a file.
+(:func:`mxconv.source.st_format.read_header`), so later reads cannot run off the end of a file.
 
 torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxconv inspect`` stays torch-free.
 """
@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
-from mxconv.st_format import TensorInfo, loads_unique, read_header, read_tensor
+from mxconv.source.st_format import TensorInfo, loads_unique, read_header, read_tensor
 
 if TYPE_CHECKING:
     import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "mxconv.json"
-IN_PROGRESS = ".mxconv-in-progress"  # in an output directory while a run writes it (mxconv.output_dir)
+IN_PROGRESS = ".mxconv-in-progress"  # in an output directory while a run writes it (mxconv.output.directory)
 CONFIG_NAME = "config.json"
 # Top-level files we never copy into an output (they are rewritten or are weights).
 _NOT_COPIED = {INDEX_NAME, MANIFEST_NAME, CONFIG_NAME}
@@ -222,7 +222,7 @@ def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoi
     """Open and validate a checkpoint: config.json, index (or shard scan), every shard header."""
     root, sinfo = resolve_source(str(source), revision)
     if (root / IN_PROGRESS).exists() and not (root / MANIFEST_NAME).exists():
-        from mxconv.manifest import missing_manifest_message  # imports this module
+        from mxconv.output.manifest import missing_manifest_message  # imports this module
 
         raise BadInput(missing_manifest_message(root))  # an output being written, or an interrupted run
     config = _load_json(root / CONFIG_NAME, "config.json")
@@ -243,7 +243,7 @@ def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoi
                 tensors[name] = info
     manifest = None
     if (root / MANIFEST_NAME).exists():
-        from mxconv.manifest import load_manifest  # imports this module
+        from mxconv.output.manifest import load_manifest  # imports this module
 
         manifest = load_manifest(root)
     extra = [f for f in sorted(root.iterdir()) if f.is_file() and _copied_along(f.name)]

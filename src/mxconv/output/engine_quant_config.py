@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mxconv.errors import BadInput
-from mxconv.vllm_mxfp4 import CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, VLLM_VERSION, vllm_refusal
+from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, VLLM_VERSION, vllm_refusal
 
 SCHEMA_VERSION = 1
 BLOCK_SHAPE = (1, 32)

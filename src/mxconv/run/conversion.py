@@ -1,7 +1,7 @@
-"""The conversion jobs behind ``quantize`` and ``repack``: plan (:mod:`mxconv.plan`), compute
-(:mod:`mxconv.compute`), then output: ``execute`` runs the plan through the overlapped pipeline,
+"""The conversion jobs behind ``quantize`` and ``repack``: plan (:mod:`mxconv.run.plan`), compute
+(:mod:`mxconv.run.compute`), then output: ``execute`` runs the plan through the overlapped pipeline,
 writes the shards, the config and index files, and the manifest last, through an
-:class:`~mxconv.output_dir.OutputTarget`: a failed or interrupted run removes what it wrote, and an
+:class:`~mxconv.output.directory.OutputTarget`: a failed or interrupted run removes what it wrote, and an
 ``--overwrite`` replaces the old output only once the new one is complete (docs/reliability.md).
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
@@ -17,20 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from mxconv.checkpoint import CONFIG_NAME
-from mxconv.compute import RunStats, make_compute
-from mxconv.copy_check import refuse_nonfinite_copy
+from mxconv.source.checkpoint import CONFIG_NAME
+from mxconv.run.compute import RunStats, make_compute
+from mxconv.source.copy_check import refuse_nonfinite_copy
 from mxconv.families import MoELayerRef
 from mxconv.families.gpt_oss_output import FORMAT_KEY
 from mxconv.interrupt import Interrupted, deferred_signals
-from mxconv.linear_config import with_linears
-from mxconv.linears import linear_compute, linear_load, manifest_extras
-from mxconv.manifest import base_manifest, tensor_table, write_manifest
-from mxconv.memory import MemoryBudget, plan_for, process_peak_rss, resolve_budget, work_items
-from mxconv.output_dir import DISK_FULL, OutputTarget, OutputWriteError, atomic_write_json, writing
-from mxconv.pipeline import TRACE_ENV, StageTimes, run_pipeline, write_trace
-from mxconv.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
-from mxconv.writer import ShardPlan, ShardedWriter, shards_size
+from mxconv.run.linear_config import with_linears
+from mxconv.run.linears import linear_compute, linear_load, manifest_extras
+from mxconv.output.manifest import base_manifest, tensor_table, write_manifest
+from mxconv.run.memory import MemoryBudget, plan_for, process_peak_rss, resolve_budget, work_items
+from mxconv.output.directory import DISK_FULL, OutputTarget, OutputWriteError, atomic_write_json, writing
+from mxconv.run.pipeline import TRACE_ENV, StageTimes, run_pipeline, write_trace
+from mxconv.run.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
+from mxconv.output.writer import ShardPlan, ShardedWriter, shards_size
 
 if TYPE_CHECKING:
     import torch
@@ -64,14 +64,14 @@ def output_config(plan: Plan) -> dict[str, Any]:
             "tp_size": plan.repack.tp,
             "manifest": "mxconv.json",
         }
-        # Kernel-layout experts are for engine integrations (mxconv.loader), never for from_pretrained:
+        # Kernel-layout experts are for engine integrations (mxconv.engines.loader), never for from_pretrained:
         # with a quant_method a loader knows, transformers finds none of its expert tensors and leaves the
         # experts randomly initialised. quant_method null makes transformers and vLLM refuse the directory.
         cfg["quantization_config"] = {
             "quant_method": None,
             FORMAT_KEY: "kernel-layout",  # the key gpt-oss MXFP8 outputs use too
             "mxconv_note": (f"MoE experts in the {plan.repack.backend} kernel layout (mxconv.json); load them with "
-                            "mxconv.loader or an engine integration, not with from_pretrained"),
+                            "mxconv.engines.loader or an engine integration, not with from_pretrained"),
             "mxconv_expert_quantization_config": cfg.get("quantization_config"),
         }
     return cfg
@@ -132,7 +132,7 @@ def output_bytes(plan: Plan, shard_plans: list[list[ShardPlan]]) -> int:
 def plan_memory(plan: Plan, budget: MemoryBudget | None, device: torch.device | str) -> None:
     """Plan ``plan``'s memory (``plan.memory``: pipeline depth, experts per group) for ``device`` (a
     torch.device, or a device type: ``inspect`` plans for "cpu" without torch) under ``budget`` (None
-    fields: the machine's defaults, see :mod:`mxconv.memory`); BadInput when one expert does not fit."""
+    fields: the machine's defaults, see :mod:`mxconv.run.memory`); BadInput when one expert does not fit."""
     budget = budget or MemoryBudget()
     resolved, default = resolve_budget(budget.host, budget.gpu, device)
     plan.memory = plan_for(plan, resolved, default_budget=default)
@@ -163,7 +163,7 @@ def execute(
     """Run ``plan`` into ``out_dir``; returns the summary (with timing and error statistics).
 
     Memory: ``plan.memory`` where :func:`plan_memory` planned it for this device, else the plan
-    under ``memory`` (default: the machine's default budget, see :mod:`mxconv.memory`).
+    under ``memory`` (default: the machine's default budget, see :mod:`mxconv.run.memory`).
 
     On any failure or interruption everything this run wrote is removed (an ``--overwrite``'s old
     output stays whole) before the exception leaves; an :class:`Interrupted` carries what OUTPUT
@@ -288,14 +288,14 @@ def _execute(
     )
     manifest["tensors"] = tensors
     manifest.update(manifest_extras(plan))  # linear layers, source bytes by role
-    from mxconv.engine_config import attach  # quant_config + served_vllm_backends (reads the tensors table)
+    from mxconv.output.engine_quant_config import attach  # quant_config + served_vllm_backends (reads the tensors table)
 
     attach(manifest)
     if manifest["kind"] == "kernel" and not manifest["served_vllm_backends"]:
         why = "; ".join(f"{b}: {r}" for b, r in manifest["quant_config"]["not_served"].items())
         notes.append(f"note: no vLLM {manifest['quant_config']['engine_version']} MXFP4 MoE backend holds these bytes as they are"
                      + (f" ({why})" if why else f" ({manifest['weight_format']} experts)")
-                     + "; mxconv.loader and its kernels read them, and the manifest's quant_config describes them")
+                     + "; mxconv.engines.loader and its kernels read them, and the manifest's quant_config describes them")
     # Top-level names this run wrote (a later --overwrite removes exactly these, and nothing else).
     if len(rank_dirs) > 1:
         manifest["output_files"] = sorted({CONFIG_NAME, *(d.name for d in rank_dirs)})

@@ -1,6 +1,6 @@
 """The memory budget of a conversion (``--max-memory``, ``--max-gpu-memory``).
 
-A run holds, at any moment, the items the pipeline has in flight (:mod:`mxconv.pipeline`):
+A run holds, at any moment, the items the pipeline has in flight (:mod:`mxconv.run.pipeline`):
 ``prefetch`` items read or being read, the one being computed with its temporaries, and up to
 ``queue_depth + 2`` results waiting for or being written. An item is one MoE layer, or, when one
 layer does not fit the budget, one group of its experts: the layer is then read, computed and
@@ -53,11 +53,11 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
 from mxconv.sizes import human_bytes, parse_size
-from mxconv.writer import COPY_CHUNK
+from mxconv.output.writer import COPY_CHUNK
 
 if TYPE_CHECKING:
-    from mxconv.pipeline import WorkItem
-    from mxconv.plan import Plan
+    from mxconv.run.pipeline import WorkItem
+    from mxconv.run.plan import Plan
 
 HOST_FRACTION = 0.75
 GPU_FRACTION = 0.8
@@ -67,7 +67,7 @@ OUTPUT_COPIES = {"repack": 4, "quantize": 2}  # temporaries of the layout / per-
 PINNED = 2
 # Held beside the items (beside_items), at most RESERVE: a byte copy's chunk being written and
 # hashed, the one before it (hashing may lag one chunk) and the next one being read
-# (mxconv.diskio.read_ahead), plus the NaN scan's temporary (at most a chunk); and the freed blocks of earlier items that the allocator keeps (glibc keeps
+# (mxconv.source.diskio.read_ahead), plus the NaN scan's temporary (at most a chunk); and the freed blocks of earlier items that the allocator keeps (glibc keeps
 # blocks under its 32 MiB mmap threshold: ~90 MB beside 12 MB experts converted one at a time).
 RESERVE = 4 * COPY_CHUNK
 GROWTH = 32 << 20  # what the process adds once the pipeline runs (compute modules, threads): 14-18 MB measured
@@ -386,7 +386,7 @@ def beside_items(plan: "Plan", costs: list[ExpertCost], device_type: str) -> int
 
 def expert_cost(plan: "Plan", item: "WorkItem") -> ExpertCost:
     """Per-expert bytes of a layer item of ``plan`` (headers only)."""
-    from mxconv.compute import CHUNK_ELEMENTS
+    from mxconv.run.compute import CHUNK_ELEMENTS
 
     ref = item.payload
     E = plan.info.num_experts

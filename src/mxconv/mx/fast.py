@@ -1,4 +1,4 @@
-"""The fast chunk path of the torch quantizer (:func:`mxconv.numerics.quantize_mx_torch`) and the
+"""The fast chunk path of the torch quantizer (:func:`mxconv.mx.numerics.quantize_mx_torch`) and the
 lookup tables it and the dequantizer share: E2M1 codes per bf16 bit pattern, fp32 values per MX
 byte, whether the device's fp8 cast saturates. Same bytes as the exact path, in fewer passes.
 """
@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from mxconv.numerics_format import (
+from mxconv.mx.formats import (
     BLOCK_SIZE, E2M1_VALUES, E4M3_MAX, SUBNORMAL_FIX_MAX_BYTE, _F32_ABS_MASK, _e2m1_codes, _pow2_from_byte,
     scale_bytes_from_amax_bits, scales_to_float,
 )
 
 # --- the fast chunk path --------------------------------------------------------------------------
 #
-# The same bytes as the exact path (``_quantize_rows_exact`` in ``mxconv.numerics``), in fewer and
+# The same bytes as the exact path (``_quantize_rows_exact`` in ``mxconv.mx.numerics``), in fewer and
 # narrower passes:
 #
 # * the block maximum is taken on the bit patterns: ``bits & 0x7FFF`` (bf16/fp16) or ``& 0x7FFFFFFF``

@@ -16,7 +16,7 @@ from mxconv.families.ct_int4 import int4_proj_specs
 from mxconv.families.quant_config import (
     FLOAT_DTYPES, MX_FORMATS, UNCONVERTED_KEY, QuantScheme, ct_matches, quantization_dict, read_quant_scheme, unsupported_quantization,
 )
-from mxconv.st_format import TensorInfo
+from mxconv.source.st_format import TensorInfo
 
 _EXPERT_PARAMS = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_shape")
 _INT4_PARAMS = frozenset({"weight_packed", "weight_scale", "weight_shape"})

@@ -10,15 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mxconv.checkpoint import Checkpoint, layer_index
+from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
 from mxconv.families import FamilyReader, ModelInfo, MoELayerRef
 from mxconv.layouts import Layout, LayoutSizes, TensorSpec, backend_names, get_layout
 from mxconv.layouts.base import tp_ranges
-from mxconv.linears import TARGETS, LinearSelection, check_patterns, fused_part_warnings, linear_item, name_matches, select_linears
-from mxconv.pipeline import WorkItem
-from mxconv.numerics_format import resolve_scale_mode  # numerics imports torch, numerics_format does not
-from mxconv.writer import PlannedTensor, ShardPlan, plan_shards
+from mxconv.run.linears import TARGETS, LinearSelection, check_patterns, fused_part_warnings, linear_item, name_matches, select_linears
+from mxconv.run.pipeline import WorkItem
+from mxconv.mx.formats import resolve_scale_mode  # numerics imports torch, numerics_format does not
+from mxconv.output.writer import PlannedTensor, ShardPlan, plan_shards
 
 
 @dataclass
@@ -32,7 +32,7 @@ class QuantOptions:
     # names: a regex found anywhere, or compressed-tensors' "re:REGEX" (re.match); see linears.name_matches
     include: str | list[str] | None = None  # default: every MoE layer (and linear)
     ignore: str | list[str] | None = None
-    targets: str = "experts"  # "experts": routed experts only; "linear": every linear layer too, MXFP8 (mxconv.linears)
+    targets: str = "experts"  # "experts": routed experts only; "linear": every linear layer too, MXFP8 (mxconv.run.linears)
     skip_unaligned: bool = False  # targets "linear": leave a linear whose input is not a multiple of 32 alone
 
     def selects(self, ref: MoELayerRef) -> bool:
@@ -69,9 +69,9 @@ class Plan:
     rank_ranges: list[tuple[int, int]] = field(default_factory=list)
     layout_desc: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # sizes the engine takes but computes wrongly
-    memory: Any = None  # mxconv.memory.MemoryPlan: pipeline depth, experts per group (convert.plan_memory)
+    memory: Any = None  # mxconv.run.memory.MemoryPlan: pipeline depth, experts per group (convert.plan_memory)
     memory_device: str | None = None  # the device type it was planned for
-    linears: LinearSelection | None = None  # the model's linear layers (mxconv.linears); None for repack
+    linears: LinearSelection | None = None  # the model's linear layers (mxconv.run.linears); None for repack
 
     @property
     def bytes_in(self) -> int:
@@ -158,7 +158,7 @@ def kernel_params(info: ModelInfo) -> dict[str, float] | None:
 
 
 def _check_quant_options(q: QuantOptions) -> None:
-    from mxconv.numerics_format import FORMATS, SCALE_MODES
+    from mxconv.mx.formats import FORMATS, SCALE_MODES
 
     if q.fmt not in FORMATS:
         raise BadInput(f"--format {q.fmt!r} is not supported; choose one of {', '.join(FORMATS)}")

@@ -17,8 +17,8 @@ from mxconv.errors import BadInput
 from mxconv.families import FP8BlockStack, Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts, slice_tp
-from mxconv.pipeline import WorkItem
-from mxconv.plan import Plan, QuantOptions
+from mxconv.run.pipeline import WorkItem
+from mxconv.run.plan import Plan, QuantOptions
 
 if TYPE_CHECKING:
     import torch
@@ -78,8 +78,8 @@ def quantize_stack(
     experts [e0, e1) as a float tensor on ``device``. NaN/Inf are refused unless allowed."""
     import torch
 
-    from mxconv.numerics import dequantize_mx, first_nonfinite
-    from mxconv.quantizer import quantize_mx
+    from mxconv.mx.numerics import dequantize_mx, first_nonfinite
+    from mxconv.kernels.quantize import quantize_mx
 
     E, N, K = shape
     data = torch.empty((E, N, K // 2 if fmt == "mxfp4" else K), dtype=torch.uint8, device=device)
@@ -134,7 +134,7 @@ def to_format(stack: MXStack | None, float_w: torch.Tensor | FP8BlockStack | Int
     """One expert stack (MX, INT4 or float) -> MXStack in ``fmt`` on ``device``; MX bytes move untouched when
     the format already matches, MXFP4 -> MXFP8 is lossless, anything else re-quantizes (INT4 and block-FP8
     from their exact fp32 dequantization). ``fmt == "int4"`` (a repack of an INT4 source): the Int4Stack as is."""
-    from mxconv.numerics import dequantize_mx, mxfp4_to_mxfp8
+    from mxconv.mx.numerics import dequantize_mx, mxfp4_to_mxfp8
 
     if isinstance(float_w, Int4Stack) and fmt == "int4":
         return float_w.to(device)

@@ -1,10 +1,10 @@
-"""The MX formats themselves (see :mod:`mxconv.numerics`, whose docstring gives the rules): block
+"""The MX formats themselves (see :mod:`mxconv.mx.numerics`, whose docstring gives the rules): block
 size and formats, the E2M1 / E4M3 / E8M0 constants and per-format scale parameters, argument
 checks, the E8M0 scale-byte rules, the exact element scaling, E2M1 / E4M3 codes, FP4 packing and
-E8M0 decoding. The torch quantizer (:mod:`mxconv.numerics`, :mod:`mxconv.numerics_fast`) and the
-Triton kernels are built on these; other modules import them through :mod:`mxconv.numerics`,
-except the ones ``mxconv inspect`` imports (:mod:`mxconv.plan`, :mod:`mxconv.layouts.marlin_repack`):
-:mod:`mxconv.numerics` imports torch, this module imports it lazily, in the functions that compute.
+E8M0 decoding. The torch quantizer (:mod:`mxconv.mx.numerics`, :mod:`mxconv.mx.fast`) and the
+Triton kernels are built on these; other modules import them through :mod:`mxconv.mx.numerics`,
+except the ones ``mxconv inspect`` imports (:mod:`mxconv.run.plan`, :mod:`mxconv.layouts.marlin_bytemap`):
+:mod:`mxconv.mx.numerics` imports torch, this module imports it lazily, in the functions that compute.
 """
 
 from __future__ import annotations
