@@ -9,7 +9,7 @@ tensors in the same run:
   * the load-time way engines do it: one expert at a time in a Python loop, each expert going
     through the torch transform (what vLLM's per-expert index/shuffle calls amount to)
     -> speed-up of batching,
-  * on CUDA also: the batched torch path (``MXCONV_LAYOUT_TRITON=0``: "torch ms") and the
+  * on CUDA also: the batched torch path (``to_kernel(..., KernelChoice.TORCH)``: "torch ms") and the
     per-expert loop through the kernels ("loop-k ms").
 Also checks that batched and per-expert bytes are identical, and (on CUDA) that CUDA == CPU bytes
 on the first and last expert of the stack.
@@ -20,9 +20,7 @@ on the first and last expert of the stack.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import statistics
 import time
 
@@ -31,6 +29,7 @@ import torch
 from _args import parser
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import CanonicalExperts
+from mxconv.layouts.padding import KernelChoice
 
 
 def make_stack(E: int, H: int, I: int, device: torch.device, bias: bool = True) -> CanonicalExperts:
@@ -77,22 +76,6 @@ def expert(c: CanonicalExperts, e: int) -> CanonicalExperts:
                             None if c.w2_bias is None else c.w2_bias[s], c.row_order)
 
 
-@contextlib.contextmanager
-def torch_path(on: bool = True):
-    """Force the torch layout path (no Triton kernels) inside the block when ``on``."""
-    old = os.environ.get("MXCONV_LAYOUT_TRITON")
-    if on:
-        os.environ["MXCONV_LAYOUT_TRITON"] = "0"
-    try:
-        yield
-    finally:
-        if on:
-            if old is None:
-                os.environ.pop("MXCONV_LAYOUT_TRITON", None)
-            else:
-                os.environ["MXCONV_LAYOUT_TRITON"] = old
-
-
 def bench_one(layout, backend: str, act: str, c: CanonicalExperts, in_bytes: int, copy_gbs: float,
               device: torch.device, reps: int, cuda: bool) -> dict:
     out = layout.to_kernel(c, act, {})
@@ -100,16 +83,15 @@ def bench_one(layout, backend: str, act: str, c: CanonicalExperts, in_bytes: int
     t_batched = timeit(lambda: layout.to_kernel(c, act, {}), device, reps)
     t_torch = None
     if cuda:
-        with torch_path():
-            t_torch = timeit(lambda: layout.to_kernel(c, act, {}), device, reps)
+        t_torch = timeit(lambda: layout.to_kernel(c, act, {}, KernelChoice.TORCH), device, reps)
 
-    def loop() -> list[dict[str, torch.Tensor]]:
-        return [layout.to_kernel(expert(c, e), act, {}) for e in range(c.num_experts)]
+    def loop(choice: KernelChoice) -> list[dict[str, torch.Tensor]]:
+        return [layout.to_kernel(expert(c, e), act, {}, choice) for e in range(c.num_experts)]
 
-    with torch_path():  # the engines' way: per-expert torch ops
-        t_loop = timeit(loop, device, max(1, reps // 2))
-        per = loop()
-    t_loop_k = timeit(loop, device, max(1, reps // 2)) if cuda else None
+    # the engines' way: per-expert torch ops
+    t_loop = timeit(lambda: loop(KernelChoice.TORCH), device, max(1, reps // 2))
+    per = loop(KernelChoice.TORCH)
+    t_loop_k = timeit(lambda: loop(KernelChoice.AUTO), device, max(1, reps // 2)) if cuda else None
     same = True
     for k, v in out.items():
         cat = torch.cat([p[k] for p in per], dim=0)  # dim 0 is experts (or E*N rows for 2-D scales)

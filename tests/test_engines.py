@@ -23,6 +23,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from mxconv import environment
 from mxconv.cli import app
 from mxconv.engines import discover, kernel_unavailable, marlin_moe, triton_moe
 from mxconv.errors import BadInput
@@ -42,7 +43,8 @@ def mx(*args: object) -> None:
 
 def _in_fresh_python(code: str, env: dict[str, str | None]) -> dict:
     """Run ``code`` (which prints one JSON line) in a clean interpreter with ``env`` changes;
-    skip when that interpreter finds an installed triton_kernels / vLLM (found before env vars)."""
+    skip when that interpreter finds an installed triton_kernels / vLLM (the messages of a machine
+    without them are what these tests check)."""
     full = dict(os.environ)
     for k, v in env.items():
         if v is None:
@@ -52,7 +54,7 @@ def _in_fresh_python(code: str, env: dict[str, str | None]) -> dict:
     guard = (
         "import importlib.util, json, sys\n"
         "if importlib.util.find_spec('triton_kernels') or importlib.util.find_spec('vllm'):\n"
-        "    print(json.dumps({'skip': 'an installed triton_kernels / vLLM is found before the env var'})); sys.exit(0)\n"
+        "    print(json.dumps({'skip': 'an installed triton_kernels / vLLM is found'})); sys.exit(0)\n"
     )
     r = subprocess.run([sys.executable, "-c", guard + code], capture_output=True, text=True, env=full, cwd=str(REPO), timeout=300)
     assert r.returncode == 0, r.stderr
@@ -85,14 +87,14 @@ def test_triton_kernels_explicit_path_missing(tmp_path: Path) -> None:
     assert err.value.exit_code == 2
     msg = str(err.value)
     assert "no triton_kernels/ package" in msg and str(tmp_path / "nowhere") in msg
-    assert discover.TRITON_KERNELS_ENV in msg and "vLLM" in msg
+    assert environment.TRITON_KERNELS_ENV in msg and "vLLM" in msg
 
 
 @pytest.mark.parametrize("env_value", [None, "/nonexistent/kern"])
 def test_triton_kernels_env(env_value: str | None) -> None:
-    got = _in_fresh_python(_CATCH.format(call="discover.find_triton_kernels()"), {discover.TRITON_KERNELS_ENV: env_value})
+    got = _in_fresh_python(_CATCH.format(call="discover.find_triton_kernels()"), {environment.TRITON_KERNELS_ENV: env_value})
     assert not got["ok"] and got["exit"] == 2
-    assert discover.TRITON_KERNELS_ENV in got["msg"]
+    assert environment.TRITON_KERNELS_ENV in got["msg"]
     if env_value is None:
         assert "not found" in got["msg"] and "unset" in got["msg"]
     else:
@@ -105,16 +107,16 @@ def test_triton_kernels_vendored_copy_imports_on_cpu() -> None:
         "import json; from mxconv.engines import discover\n"
         "tk = discover.find_triton_kernels()\n"
         "print(json.dumps({'origin': tk.origin, 'generation': tk.generation, 'location': tk.location}))",
-        {discover.TRITON_KERNELS_ENV: str(KERN)},
+        {environment.TRITON_KERNELS_ENV: str(KERN)},
     )
     assert got["origin"] == "env" and got["generation"] == "3.5" and got["location"].endswith("triton_kernels")
 
 
 @pytest.mark.parametrize("env_value", [None, "/nonexistent/_moe_C.so"])
 def test_marlin_ops_env(env_value: str | None) -> None:
-    got = _in_fresh_python(_CATCH.format(call="discover.find_marlin_ops()"), {discover.MARLIN_OPS_ENV: env_value})
+    got = _in_fresh_python(_CATCH.format(call="discover.find_marlin_ops()"), {environment.MARLIN_OPS_ENV: env_value})
     assert not got["ok"] and got["exit"] == 2
-    assert discover.MARLIN_OPS_ENV in got["msg"] and "install vLLM" in got["msg"]
+    assert environment.MARLIN_OPS_ENV in got["msg"] and "install vLLM" in got["msg"]
     if env_value:
         assert env_value in got["msg"] and "no such file" in got["msg"]
     else:
@@ -125,7 +127,7 @@ def test_marlin_ops_env(env_value: str | None) -> None:
 @pytest.mark.skipif(not (KERN / "_moe_C_stable_libtorch.abi3.so").is_file(), reason=".kern/_moe_C_stable_libtorch.abi3.so not extracted")
 def test_marlin_ops_library_that_cannot_load() -> None:
     lib = KERN / "_moe_C_stable_libtorch.abi3.so"
-    got = _in_fresh_python(_CATCH.format(call="discover.find_marlin_ops()"), {discover.MARLIN_OPS_ENV: str(lib)})
+    got = _in_fresh_python(_CATCH.format(call="discover.find_marlin_ops()"), {environment.MARLIN_OPS_ENV: str(lib)})
     assert not got["ok"] and got["exit"] == 2
     assert "cannot load" in got["msg"] and str(lib) in got["msg"] and "CUDA" in got["msg"]
 
@@ -236,7 +238,7 @@ def _triton_layout():
 
 def _vendored_triton_kernels() -> discover.TritonKernels:
     try:
-        return discover.find_triton_kernels(os.environ.get(discover.TRITON_KERNELS_ENV) or (KERN if (KERN / "triton_kernels").is_dir() else None))
+        return discover.find_triton_kernels(os.environ.get(environment.TRITON_KERNELS_ENV) or (KERN if (KERN / "triton_kernels").is_dir() else None))
     except BadInput as exc:
         pytest.skip(f"triton_kernels not available: {exc}")
 

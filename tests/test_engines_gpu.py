@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
 from mxconv.engines import KERNEL_THRESHOLDS, discover, run_kernel_layer
+from mxconv.environment import MARLIN_OPS_ENV, TRITON_KERNELS_ENV
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts.base import CanonicalExperts
@@ -71,7 +72,7 @@ def _need_kernels(backend: str) -> None:
             discover.check_gpu("cuda", exact=None, minimum=discover.MARLIN_MIN_CAPABILITY)
             discover.find_marlin_ops()
     except BadInput as exc:
-        pytest.skip(f"{backend} kernel not available (set {discover.TRITON_KERNELS_ENV} / {discover.MARLIN_OPS_ENV}): {exc}")
+        pytest.skip(f"{backend} kernel not available (set {TRITON_KERNELS_ENV} / {MARLIN_OPS_ENV}): {exc}")
 
 
 @dataclass

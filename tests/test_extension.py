@@ -19,6 +19,7 @@ from mxconv.errors import LayoutError
 from mxconv.families import register_family, unregister_family
 from mxconv.families.per_expert import PerExpertReader
 from mxconv.layouts import backend_names, get_layout, register_layout, unregister_layout
+from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
     CanonicalExperts,
     KernelTensors,
@@ -66,7 +67,8 @@ class ToyLayout(LayoutBase):
     def _flip(t: torch.Tensor | None, reverse: bool) -> torch.Tensor | None:
         return None if t is None else (t.flip(1).contiguous() if reverse else t)
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:
         Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
         p = pad_canonical(c, Hp, Ip)
         rev = options["reverse"]

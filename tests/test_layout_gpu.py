@@ -17,6 +17,7 @@ import torch
 from mxconv.errors import LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import CanonicalExperts, LayoutSizes, layout_kernels
+from mxconv.layouts.padding import KernelChoice
 from support.interpreter import kernels_match_torch, print_report, report_fixture, same_bytes
 
 HAS_CUDA = torch.cuda.is_available()
@@ -140,7 +141,7 @@ def test_interpreter_to_kernel_equal_torch_path(interpreter_report: dict[str, bo
 
 
 def test_cpu_tensors_take_the_torch_path() -> None:
-    assert layout_kernels(torch.zeros(1, dtype=torch.uint8)) is None
+    assert layout_kernels(torch.zeros(1, dtype=torch.uint8), KernelChoice.AUTO) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def test_cuda_equals_cpu_and_round_trips(stacks, case, row_order: str, shape: tu
     layout = get_layout(backend)
     c = stacks[(*shape, row_order)]
     cuda = c.to("cuda")
-    assert layout_kernels(cuda.w13) is not None  # the CUDA run goes through the Triton kernels
+    assert layout_kernels(cuda.w13, KernelChoice.AUTO) is not None  # the CUDA run goes through the Triton kernels
     k_gpu = layout.to_kernel(cuda, act, opts)
     assert all(t.is_cuda for t in k_gpu.values())
     k_cpu = layout.to_kernel(c, act, opts)
@@ -182,16 +183,15 @@ def test_cuda_equals_cpu_and_round_trips(stacks, case, row_order: str, shape: tu
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_cuda_without_bias_and_torch_path_on_cuda(case, monkeypatch) -> None:
+def test_cuda_without_bias_and_torch_path_on_cuda(case) -> None:
     backend, act, opts = case
     layout = get_layout(backend)
     c = make_stack(4, 288, 320, "halves", bias=False, seed=5)
     k_cpu = layout.to_kernel(c, act, opts)
     assert "w13_bias" not in k_cpu
     assert not same_bytes(layout.to_kernel(c.to("cuda"), act, opts), k_cpu)
-    monkeypatch.setenv("MXCONV_LAYOUT_TRITON", "0")
-    assert layout_kernels(torch.zeros(1, device="cuda")) is None
-    assert not same_bytes(layout.to_kernel(c.to("cuda"), act, opts), k_cpu)
+    assert layout_kernels(torch.zeros(1, device="cuda"), KernelChoice.TORCH) is None
+    assert not same_bytes(layout.to_kernel(c.to("cuda"), act, opts, KernelChoice.TORCH), k_cpu)
 
 
 @pytest.mark.parametrize("backend", backend_names())

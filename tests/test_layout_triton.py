@@ -20,6 +20,7 @@ import torch
 from mxconv.errors import LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import CanonicalExperts, LayoutSizes, layout_kernels
+from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.triton import (
     LAYOUT,
     TWIDDLE_GROUPS,
@@ -487,7 +488,7 @@ def test_cuda_equals_cpu_and_round_trips(opts: dict, row_order: str, shape: tupl
     o = LAYOUT.resolve_options(opts)
     c = make_stack(*shape, row_order, seed=sum(shape) + len(row_order))
     cuda = c.to("cuda")
-    assert layout_kernels(cuda.w13) is not None  # the Triton kernels run
+    assert layout_kernels(cuda.w13, KernelChoice.AUTO) is not None  # the Triton kernels run
     k_gpu = LAYOUT.to_kernel(cuda, "bf16", o)
     assert all(t.is_cuda for t in k_gpu.values())
     k_cpu = LAYOUT.to_kernel(c, "bf16", o)
@@ -501,15 +502,14 @@ def test_cuda_equals_cpu_and_round_trips(opts: dict, row_order: str, shape: tupl
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("row_order", ["interleaved", "halves"])
-def test_cuda_torch_path_and_no_bias(row_order: str, monkeypatch) -> None:
+def test_cuda_torch_path_and_no_bias(row_order: str) -> None:
     c = make_stack(4, 352, 160, row_order, bias=False, seed=21)
     o = LAYOUT.resolve_options()
     k_cpu = LAYOUT.to_kernel(c, "bf16", o)
     assert "w13_bias" not in k_cpu
     assert not same_bytes(LAYOUT.to_kernel(c.to("cuda"), "bf16", o), k_cpu)
-    monkeypatch.setenv("MXCONV_LAYOUT_TRITON", "0")
-    assert layout_kernels(torch.zeros(1, device="cuda")) is None
-    assert not same_bytes(LAYOUT.to_kernel(c.to("cuda"), "bf16", o), k_cpu)
+    assert layout_kernels(torch.zeros(1, device="cuda"), KernelChoice.TORCH) is None
+    assert not same_bytes(LAYOUT.to_kernel(c.to("cuda"), "bf16", o, KernelChoice.TORCH), k_cpu)
 
 
 @pytest.mark.gpu

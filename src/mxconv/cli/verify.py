@@ -10,6 +10,15 @@ import typer
 from rich.table import Table
 
 from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say, step_progress
+from mxconv.environment import KernelLocations
+from mxconv.errors import BadInput
+
+TritonKernelsOpt = Annotated[Optional[Path], typer.Option("--triton-kernels", metavar="DIR", help=(
+    "With --kernel: the folder that contains triton_kernels/ (e.g. extracted from the vLLM 0.33 wheel); "
+    "overrides MXCONV_TRITON_KERNELS and an installed copy."))]
+MarlinOpsOpt = Annotated[Optional[Path], typer.Option("--marlin-ops", metavar="FILE", help=(
+    "With --kernel: vLLM's compiled MoE ops library (_moe_C_stable_libtorch.abi3.so from the vLLM 0.33 wheel); "
+    "overrides MXCONV_MARLIN_OPS and an installed vLLM."))]
 
 
 @app.command(cls=Command)
@@ -25,7 +34,10 @@ def verify(
     kernel: Annotated[bool, typer.Option("--kernel", help=(
         "Also run the engine's own kernel on the files (triton: triton_kernels matmul_ogs; marlin: vLLM's Marlin MoE "
         "op; SM90 GPU) and compare it with the reference runner. Exit 2 naming what is missing where it cannot run. "
-        "Kernels are found in an installed vLLM or triton_kernels, or via MXCONV_TRITON_KERNELS / MXCONV_MARLIN_OPS."))] = False,
+        "Kernels are found via --triton-kernels / --marlin-ops, else MXCONV_TRITON_KERNELS / MXCONV_MARLIN_OPS, else "
+        "in an installed triton_kernels or vLLM."))] = False,
+    triton_kernels: TritonKernelsOpt = None,
+    marlin_ops: MarlinOpsOpt = None,
     strict: Annotated[bool, typer.Option("--strict", help=(
         "Fail (exit 1) unless numerics were checked too: without --reference or --reference-outputs a PASS "
         "covers integrity and layout only (the verdict line says so), which --strict does not accept."))] = False,
@@ -47,6 +59,7 @@ def verify(
     from mxconv.verify import verify as run_verify
 
     with errors(debug):
+        locations = _kernel_locations(kernel, triton_kernels, marlin_ops)
         with step_progress(f"verify {path}", quiet or as_json) as on_step:
             rep = run_verify(
                 path,
@@ -58,6 +71,7 @@ def verify(
                 seed=seed,
                 revision=revision,
                 kernel=kernel,
+                kernel_locations=locations,
                 strict=strict,
                 device=device_of(device),
                 on_step=on_step,
@@ -105,6 +119,14 @@ def verify(
             say(err, "FAIL", "red", p)
         if not rep.passed:
             raise typer.Exit(1)
+
+
+def _kernel_locations(kernel: bool, triton_kernels: Path | None, marlin_ops: Path | None) -> KernelLocations:
+    """``--triton-kernels`` / ``--marlin-ops`` as :class:`KernelLocations`; BadInput (exit 2) when
+    either is given without ``--kernel``."""
+    if (triton_kernels or marlin_ops) and not kernel:
+        raise BadInput("--triton-kernels / --marlin-ops name the engine kernels for --kernel; add --kernel")
+    return KernelLocations(triton_kernels=triton_kernels, marlin_ops=marlin_ops)
 
 
 def _say_verdict(rep) -> None:

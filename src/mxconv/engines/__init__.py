@@ -20,6 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mxconv.environment import KernelLocations
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -31,21 +33,23 @@ ENGINE_BACKENDS = ("triton", "marlin")
 KERNEL_THRESHOLDS: dict[str, float] = {"rel_rms": 0.02, "cosine": 0.9995, "topk_agreement": 1.0}
 
 
-def kernel_unavailable(manifest: dict[str, Any], device: Any = "cuda") -> str | None:
+def kernel_unavailable(manifest: dict[str, Any], device: Any = "cuda", kernel_locations: KernelLocations | None = None) -> str | None:
     """None when the engine kernel for ``manifest``'s backend can run here, else one line naming
-    what is missing (backend without a runner, GPU, kernels, layout variant)."""
+    what is missing (backend without a runner, GPU, kernels, layout variant). The kernels are looked
+    for at ``kernel_locations`` first (then the environment, then installed copies)."""
     from mxconv.errors import BadInput
 
     backend = manifest.get("backend")
     if backend not in ENGINE_BACKENDS:
         return f"no engine kernel runner in mxconv for backend {backend!r} (runners: {', '.join(ENGINE_BACKENDS)})"
     lay = manifest.get("layout") or {}
+    where_given = kernel_locations or KernelLocations()
     try:
         from mxconv.engines import discover
 
         if backend == "triton":
             discover.check_gpu(device, exact=discover.HOPPER, what="triton_kernels' Hopper MX matmul")
-            discover.require_triton_generation(discover.find_triton_kernels(), str(lay.get("triton_layout", "3.5")))
+            discover.require_triton_generation(discover.find_triton_kernels(where_given.triton_kernels), str(lay.get("triton_layout", "3.5")))
             hp, ip = int(lay.get("padded_hidden_size", 0)), int(lay.get("padded_intermediate_size", 0))
             if hp % 64:
                 return (f"hidden size {hp} is not a multiple of 64: triton_kernels' Hopper matmul "
@@ -54,7 +58,7 @@ def kernel_unavailable(manifest: dict[str, Any], device: Any = "cuda") -> str | 
                 return f"output width {min(hp, 2 * ip)} <= 128: triton_kernels' Hopper matmul (num_warps 8) cannot compile for it"
         else:
             discover.check_gpu(device, exact=None, minimum=discover.MARLIN_MIN_CAPABILITY, what="vLLM's Marlin MoE kernel")
-            discover.find_marlin_ops()
+            discover.find_marlin_ops(where_given.marlin_ops)
             if lay.get("activation", "bf16") != "bf16":
                 return "Marlin with FP8 activations runs on SM89/SM120 only (this output was repacked with --activation fp8)"
             if lay.get("scale_layout", "current") != "current":
@@ -65,14 +69,15 @@ def kernel_unavailable(manifest: dict[str, Any], device: Any = "cuda") -> str | 
 
 
 def run_kernel_layer(root: Path, manifest: dict[str, Any], layer: int, hidden: "torch.Tensor", routing: Any,
-                     info: "ModelInfo | None" = None) -> "torch.Tensor":  # fmt: skip
+                     info: "ModelInfo | None" = None, kernel_locations: KernelLocations | None = None) -> "torch.Tensor":  # fmt: skip
     """The engine kernel's MoE output for one layer of the kernel-layout output at ``root``.
 
     ``hidden`` [T, H] fp32 (any device; run as bf16 on the GPU); ``routing`` has ``ids`` [T, k]
     and ``weights`` [T, k] (e.g. :class:`mxconv.verify.reference_moe.Routing`) or is router logits [T, E];
     ``info`` (default: the manifest's model) gives activation and routing kind. TP outputs: every
     rank is loaded and run in turn and the partial outputs are summed. Returns [T, H] fp32 on
-    ``hidden``'s device. BadInput when the kernel cannot run (see :func:`kernel_unavailable`).
+    ``hidden``'s device. BadInput when the kernel cannot run (see :func:`kernel_unavailable`);
+    ``kernel_locations``: as there.
     """
     import torch
 
@@ -81,7 +86,8 @@ def run_kernel_layer(root: Path, manifest: dict[str, Any], layer: int, hidden: "
     tp = int(manifest.get("tp_size") or 1)
     total: torch.Tensor | None = None
     for rank in range(tp):
-        eng = load_layer_from_manifest(root, manifest, layer, rank=rank if tp > 1 else None, device="cuda")
+        eng = load_layer_from_manifest(root, manifest, layer, rank=rank if tp > 1 else None, device="cuda",
+                                       kernel_locations=kernel_locations)
         if info is not None:
             eng.info = info
         if isinstance(routing, torch.Tensor):

@@ -3,14 +3,17 @@
 Two kernel sources (docs/real-kernels.md):
 
 * **triton_kernels** (pure Python + Triton; ``matmul_ogs``, routing, the Hopper MX layouts). Looked
-  for, in order: an explicit ``path`` argument; ``import triton_kernels`` (a site-packages install,
-  what vLLM itself imports first); vLLM's vendored copy ``vllm/third_party/triton_kernels`` of an
-  installed vLLM; the folder named by ``$MXCONV_TRITON_KERNELS``. A folder given by path or env
-  var is the one that *contains* ``triton_kernels/``.
+  for, in order: an explicit ``path`` argument (``verify --triton-kernels``, the loader's
+  :class:`~mxconv.environment.KernelLocations`); the folder named by ``$MXCONV_TRITON_KERNELS``;
+  ``import triton_kernels`` (a site-packages install, what vLLM itself imports first); vLLM's
+  vendored copy ``vllm/third_party/triton_kernels`` of an installed vLLM. A folder given by path
+  or env var is the one that *contains* ``triton_kernels/``.
 * **vLLM's compiled MoE ops** (``torch.ops._moe_C.moe_wna16_marlin_gemm`` and
-  ``moe_align_block_size``). Looked for, in order: an explicit ``path`` argument; ops already
-  registered in this process; the ``_moe_C*.so`` of an installed vLLM; the ``.so`` named by
-  ``$MXCONV_MARLIN_OPS``.
+  ``moe_align_block_size``). Looked for, in order: an explicit ``path`` argument (``verify
+  --marlin-ops``, ``KernelLocations``); the ``.so`` named by ``$MXCONV_MARLIN_OPS``; ops already
+  registered in this process; the ``_moe_C*.so`` of an installed vLLM.
+
+The environment is read through :mod:`mxconv.environment`.
 
 Anything missing raises :class:`mxconv.errors.BadInput` (exit 2) with a message that names what is
 missing and how to provide it. torch, triton and vLLM are imported only when a function here runs.
@@ -27,10 +30,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from mxconv.environment import MARLIN_OPS_ENV, TRITON_KERNELS_ENV, marlin_ops_file, triton_kernels_dir
 from mxconv.errors import BadInput
 
-TRITON_KERNELS_ENV = "MXCONV_TRITON_KERNELS"
-MARLIN_OPS_ENV = "MXCONV_MARLIN_OPS"
 # The triton_kernels call sequence mxconv runs is the "3.5.1" API (matmul_ogs + routing module),
 # whose Hopper value layout is generation "3.5" of docs/layout-triton.md.
 SUPPORTED_TRITON_GENERATION = "3.5"
@@ -39,13 +41,13 @@ MARLIN_MIN_CAPABILITY = (8, 0)  # Marlin MXFP4 W4A16 (validated on SM90 only)
 MARLIN_OPS = ("moe_wna16_marlin_gemm", "moe_align_block_size")
 
 _HOW_TRITON = (
-    f"install triton_kernels (pip), install vLLM (its vllm/third_party/triton_kernels), or set "
-    f"{TRITON_KERNELS_ENV} to the folder that contains triton_kernels/ (e.g. extracted from the vLLM "
-    f"0.33 wheel)"
+    f"install triton_kernels (pip), install vLLM (its vllm/third_party/triton_kernels), or name the folder "
+    f"that contains triton_kernels/ (e.g. extracted from the vLLM 0.33 wheel) with --triton-kernels DIR or "
+    f"{TRITON_KERNELS_ENV}"
 )
 _HOW_MARLIN = (
-    f"install vLLM (its compiled _moe_C ops), or set {MARLIN_OPS_ENV} to vLLM's "
-    f"_moe_C_stable_libtorch.abi3.so (from the vLLM 0.33 wheel)"
+    f"install vLLM (its compiled _moe_C ops), or name vLLM's _moe_C_stable_libtorch.abi3.so (from the "
+    f"vLLM 0.33 wheel) with --marlin-ops FILE or {MARLIN_OPS_ENV}"
 )
 
 
@@ -146,35 +148,37 @@ def _import_from(folder: Path, origin: str, source: str) -> TritonKernels:
     return TritonKernels(module, origin, str(pkg), _generation(module))
 
 
-def find_triton_kernels(path: str | os.PathLike[str] | None = None) -> TritonKernels:
-    """Locate and import triton_kernels (order in the module docstring); BadInput when absent."""
-    key = str(path) if path else ""
-    if key in _TRITON_CACHE:
-        return _TRITON_CACHE[key]
-    if path:
-        found = _import_from(Path(path).expanduser().resolve(), "path", "triton_kernels path")
-    elif importlib.util.find_spec("triton_kernels") is not None:
+def _installed_triton_kernels() -> TritonKernels:
+    """triton_kernels from site-packages, else vLLM's vendored copy; BadInput when neither exists."""
+    if importlib.util.find_spec("triton_kernels") is not None:
         try:
             module = importlib.import_module("triton_kernels")
         except Exception as exc:
             raise BadInput(f"the installed triton_kernels does not import ({type(exc).__name__}: {exc}); {_HOW_TRITON}") from None
         location = str(Path(module.__file__ or "").parent)
         origin = "vllm" if "third_party" in location else "site-packages"
-        found = TritonKernels(module, origin, location, _generation(module))
+        return TritonKernels(module, origin, location, _generation(module))
+    vllm = importlib.util.find_spec("vllm")
+    for root in (vllm.submodule_search_locations or []) if vllm else []:
+        if (Path(root) / "third_party" / "triton_kernels" / "__init__.py").is_file():
+            return _import_from(Path(root) / "third_party", "vllm", "vLLM's vendored copy")
+    raise BadInput(f"triton_kernels not found (no site-packages triton_kernels, no vLLM, ${TRITON_KERNELS_ENV} unset); {_HOW_TRITON}")
+
+
+def find_triton_kernels(path: str | os.PathLike[str] | None = None) -> TritonKernels:
+    """Locate and import triton_kernels: ``path``, else ``$MXCONV_TRITON_KERNELS``, else an installed
+    copy (module docstring); BadInput when absent."""
+    env_folder = None if path else triton_kernels_dir()
+    folder = Path(path).expanduser().resolve() if path else env_folder
+    key = str(folder) if folder else ""
+    if key in _TRITON_CACHE:
+        return _TRITON_CACHE[key]
+    if path:
+        found = _import_from(folder, "path", "triton_kernels path")
+    elif env_folder is not None:
+        found = _import_from(env_folder, "env", f"${TRITON_KERNELS_ENV}")
     else:
-        vllm = importlib.util.find_spec("vllm")
-        vendored = None
-        for root in (vllm.submodule_search_locations or []) if vllm else []:
-            if (Path(root) / "third_party" / "triton_kernels" / "__init__.py").is_file():
-                vendored = Path(root) / "third_party"
-                break
-        env = os.environ.get(TRITON_KERNELS_ENV)
-        if vendored is not None:
-            found = _import_from(vendored, "vllm", "vLLM's vendored copy")
-        elif env:
-            found = _import_from(Path(env).expanduser().resolve(), "env", f"${TRITON_KERNELS_ENV}")
-        else:
-            raise BadInput(f"triton_kernels not found (no site-packages triton_kernels, no vLLM, ${TRITON_KERNELS_ENV} unset); {_HOW_TRITON}")
+        found = _installed_triton_kernels()
     _TRITON_CACHE[key] = found
     return found
 
@@ -184,13 +188,13 @@ def require_triton_generation(tk: TritonKernels, wanted: str) -> None:
     if tk.generation != SUPPORTED_TRITON_GENERATION:
         raise BadInput(
             f"triton_kernels at {tk.location} is generation {tk.generation}; mxconv runs the {SUPPORTED_TRITON_GENERATION} "
-            f"generation (matmul_ogs + routing, vendored by vLLM 0.12-0.33): point {TRITON_KERNELS_ENV} at that copy"
+            f"generation (matmul_ogs + routing, vendored by vLLM 0.12-0.33): point --triton-kernels or {TRITON_KERNELS_ENV} at that copy"
         )
     if wanted != tk.generation:
         raise BadInput(
             f"the output was laid out for triton_kernels generation {wanted} (manifest layout.triton_layout) but the "
             f"triton_kernels found ({tk.location}) is generation {tk.generation}; repack with --triton-layout "
-            f"{tk.generation} or point {TRITON_KERNELS_ENV} at a {wanted} copy"
+            f"{tk.generation} or point --triton-kernels or {TRITON_KERNELS_ENV} at a {wanted} copy"
         )
 
 
@@ -238,14 +242,15 @@ def _load_library(lib: Path, source: str) -> str:
 
 
 def find_marlin_ops(path: str | os.PathLike[str] | None = None) -> str:
-    """Make ``torch.ops._moe_C.moe_wna16_marlin_gemm`` and ``moe_align_block_size`` available
-    (order in the module docstring); returns where they came from. BadInput when absent."""
-    if path:
-        lib = Path(path).expanduser().resolve()
-        if str(lib) not in _MARLIN_LOADED:
-            _load_library(lib, "Marlin ops path")
-            _MARLIN_LOADED.append(str(lib))
-        return str(lib)
+    """Make ``torch.ops._moe_C.moe_wna16_marlin_gemm`` and ``moe_align_block_size`` available:
+    ``path``, else ``$MXCONV_MARLIN_OPS``, else ops registered already, else an installed vLLM
+    (module docstring); returns where they came from. BadInput when absent."""
+    named, source = (Path(path).expanduser().resolve(), "Marlin ops path") if path else (marlin_ops_file(), f"${MARLIN_OPS_ENV}")
+    if named is not None:
+        if str(named) not in _MARLIN_LOADED:
+            _load_library(named, source)
+            _MARLIN_LOADED.append(str(named))
+        return str(named)
     if _ops_registered():
         return _MARLIN_LOADED[0] if _MARLIN_LOADED else "torch.ops._moe_C (registered already)"
     errors: list[str] = []
@@ -254,10 +259,5 @@ def find_marlin_ops(path: str | os.PathLike[str] | None = None) -> str:
             return _load_library(lib, "installed vLLM")
         except BadInput as exc:
             errors.append(str(exc))
-    env = os.environ.get(MARLIN_OPS_ENV)
-    if env:
-        loaded = _load_library(Path(env).expanduser().resolve(), f"${MARLIN_OPS_ENV}")
-        _MARLIN_LOADED.append(loaded)
-        return loaded
     tried = f" ({'; '.join(errors)})" if errors else " (no installed vLLM, $" + MARLIN_OPS_ENV + " unset)"
     raise BadInput(f"vLLM's compiled Marlin MoE ops (_moe_C::moe_wna16_marlin_gemm) not found{tried}; {_HOW_MARLIN}")

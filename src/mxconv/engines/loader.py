@@ -18,7 +18,10 @@ exactly what the engine's kernel takes:
 * ``--backend marlin``: int32 weights, float8_e8m0fnu scales, bf16 biases and the kernel workspace
   (:class:`mxconv.engines.marlin_moe.MarlinExperts`).
 
-Needs the kernels and an SM90 GPU (see :mod:`mxconv.engines.discover`); reading alone
+Needs the kernels and an SM90 GPU (see :mod:`mxconv.engines.discover`; where they are not
+installed, name them: ``load_layer(..., kernel_locations=KernelLocations(triton_kernels=DIR,
+marlin_ops=FILE))`` from :mod:`mxconv.environment`, else ``$MXCONV_TRITON_KERNELS`` /
+``$MXCONV_MARLIN_OPS`` are used); reading alone
 (:func:`resolve_layer`, :func:`read_layer_tensors`) works anywhere, CPU included.
 """
 
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from mxconv.source.checkpoint import MANIFEST_NAME
+from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.families.base import ModelInfo
 from mxconv.output.manifest import load_manifest
@@ -245,11 +249,14 @@ def check_device(backend: str, device: str | torch.device) -> None:
         discover.check_gpu(device, exact=None, minimum=discover.MARLIN_MIN_CAPABILITY, what="vLLM's Marlin MoE kernel")
 
 
-def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor]) -> EngineLayer:
+def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor],
+                       kernel_locations: KernelLocations | None = None) -> EngineLayer:  # fmt: skip
     """Wrap ``tensors`` (from :func:`read_layer_tensors`, on a CUDA device) for the engine kernel
-    of ``src.backend``, after finding the kernels and checking the GPU (BadInput otherwise)."""
+    of ``src.backend``, after finding the kernels (``kernel_locations`` first, then the environment
+    and installed copies) and checking the GPU (BadInput otherwise)."""
     from mxconv.engines import discover
 
+    where_given = kernel_locations or KernelLocations()
     m, lay = src.manifest, src.manifest["layout"]
     info = model_info(m)
     device = tensors["w13_weight"].device
@@ -259,7 +266,7 @@ def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor]) -> En
                   activation=info.activation, swiglu_alpha=info.swiglu_alpha, swiglu_limit=info.swiglu_limit, name=where)
     if src.backend == "triton":
         check_device(src.backend, device)
-        tk = discover.find_triton_kernels()
+        tk = discover.find_triton_kernels(where_given.triton_kernels)
         discover.require_triton_generation(tk, str(lay.get("triton_layout", "3.5")))
         from mxconv.engines import triton_moe
 
@@ -268,7 +275,7 @@ def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor]) -> En
         experts: Any = triton_moe.build_experts(tk, tensors, padded_intermediate_size=ip, **common)
     else:
         check_device(src.backend, device)
-        discover.find_marlin_ops()
+        discover.find_marlin_ops(where_given.marlin_ops)
         from mxconv.engines import marlin_moe
 
         ip = int(tensors["w2_weight"].shape[1]) * 16  # what vLLM reads it from (Ip = w2.shape[1] * 16)
@@ -276,17 +283,20 @@ def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor]) -> En
     return EngineLayer(src.backend, src.layer, src.rank, src.tp_size, info, experts, tensors)
 
 
-def load_layer(path: str | Path, layer: int, *, device: str | torch.device = "cuda", rank: int | None = None) -> EngineLayer:
+def load_layer(path: str | Path, layer: int, *, device: str | torch.device = "cuda", rank: int | None = None,
+               kernel_locations: KernelLocations | None = None) -> EngineLayer:  # fmt: skip
     """Read layer ``layer`` of the kernel-layout output at ``path`` (root or ``rank-N/``) onto
-    ``device`` and wrap it for the engine kernel. See the module docstring."""
+    ``device`` and wrap it for the engine kernel, found at ``kernel_locations`` where given. See the
+    module docstring."""
     src = resolve_layer(path, layer, rank=rank)
     check_device(src.backend, device)
-    return build_engine_layer(src, read_layer_tensors(src, device))
+    return build_engine_layer(src, read_layer_tensors(src, device), kernel_locations)
 
 
 def load_layer_from_manifest(root: str | Path, manifest: dict[str, Any], layer: int, *, rank: int | None = None,
-                             device: str | torch.device = "cuda") -> EngineLayer:  # fmt: skip
+                             device: str | torch.device = "cuda", kernel_locations: KernelLocations | None = None,
+                             ) -> EngineLayer:  # fmt: skip
     """:func:`load_layer` with the manifest already read (``root`` is the directory holding it)."""
     src = resolve_layer(root, layer, rank=rank, manifest=manifest)
     check_device(src.backend, device)
-    return build_engine_layer(src, read_layer_tensors(src, device))
+    return build_engine_layer(src, read_layer_tensors(src, device), kernel_locations)

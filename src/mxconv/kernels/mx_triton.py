@@ -32,7 +32,7 @@ import torch
 
 from mxconv.errors import BadInput
 from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
-from mxconv.kernels.triton_import import interpreter_on as _interpreter_on
+from mxconv.environment import triton_interpreter_on
 from mxconv.kernels.triton_common import _launch
 from mxconv.kernels.triton_import import tl, triton
 from mxconv.mx.numerics import (
@@ -214,7 +214,7 @@ def quantize_mx_triton(
     check_args(x, fmt, scale_rounding)
     if triton is None:
         raise BadInput(f"triton is not importable: {_TRITON_IMPORT_ERROR}")
-    if not x.is_cuda and not _interpreter_on():
+    if not x.is_cuda and not triton_interpreter_on():
         raise BadInput("the Triton MX quantizer needs a CUDA tensor (or TRITON_INTERPRET=1 for testing)")
     if blocks_per_program <= 0 or blocks_per_program & (blocks_per_program - 1):
         raise BadInput(f"blocks_per_program must be a power of two, got {blocks_per_program}")

@@ -1,22 +1,19 @@
-"""What every layout Triton kernel module shares: triton imported optionally, the switch that turns
-the kernels off (``MXCONV_LAYOUT_TRITON=0``), the launch shapes of the layout kernels, and the
-checks and views the launchers use (:mod:`mxconv.kernels.trtllm_aiter`,
+"""What every layout Triton kernel module shares: triton imported optionally, whether the kernels
+can run on a tensor, the launch shapes of the layout kernels, and the checks and views the
+launchers use (:mod:`mxconv.kernels.trtllm_aiter`,
 :mod:`mxconv.kernels.marlin_triton`, :mod:`mxconv.kernels.triton_swizzle`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Any
 
 import torch
 
+from mxconv.environment import triton_interpreter_on
 from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
-from mxconv.kernels.triton_import import interpreter_on as _interpreter_on
 from mxconv.kernels.triton_import import tl, triton
-
-ENV_SWITCH = "MXCONV_LAYOUT_TRITON"
 
 # Launch shapes per kernel (block sizes are powers of two), picked by a sweep on an H100 at
 # gpt-oss-120b sizes (E=128, H=I=2880).
@@ -47,16 +44,15 @@ def _triton_importable() -> bool:
 
 
 def layout_kernels_enabled(t: torch.Tensor) -> bool:
-    """True when ``t`` is a CUDA tensor, triton imports, and ``MXCONV_LAYOUT_TRITON`` is not "0"."""
-    if not t.is_cuda or not _triton_importable():
-        return False
-    return os.environ.get(ENV_SWITCH, "1").strip() not in ("0", "false", "no", "off")
+    """True when ``t`` is a CUDA tensor and triton imports (the layouts' dispatch,
+    :func:`mxconv.layouts.padding.layout_kernels`, also honours the caller's ``KernelChoice``)."""
+    return t.is_cuda and _triton_importable()
 
 
 def _check_runnable(t: torch.Tensor) -> None:
     if triton is None:
         raise RuntimeError(f"triton is not importable: {_TRITON_IMPORT_ERROR}")
-    if not t.is_cuda and not _interpreter_on():
+    if not t.is_cuda and not triton_interpreter_on():
         raise RuntimeError("the layout kernels need CUDA tensors (or TRITON_INTERPRET=1 for testing)")
 
 
@@ -110,6 +106,6 @@ def _table(tab: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 __all__ = [
-    "ENV_SWITCH", "KERNEL_CONFIG", "_check_runnable", "_device_ctx", "_dims", "_launch", "_rows_contiguous", "_table", "_words",
+    "KERNEL_CONFIG", "_check_runnable", "_device_ctx", "_dims", "_launch", "_rows_contiguous", "_table", "_words",
     "layout_kernels_enabled", "tl", "triton",
 ]

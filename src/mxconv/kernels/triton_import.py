@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-
 try:
     import triton
     import triton.language as tl
@@ -16,9 +14,4 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     TRITON_IMPORT_ERROR = exc
 
 
-def interpreter_on() -> bool:
-    """True under the Triton interpreter (``TRITON_INTERPRET=1``: kernels run on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-__all__ = ["TRITON_IMPORT_ERROR", "interpreter_on", "tl", "triton"]
+__all__ = ["TRITON_IMPORT_ERROR", "tl", "triton"]

@@ -9,9 +9,9 @@ and stored contiguously in buffer order.
 * :func:`hopper_values` - weights: row gather, value permutation and the bit twiddle.
 * :func:`hopper_scales` - scales: row gather, column zero padding and the scale permutation.
 
-``mxconv.layouts.triton`` calls them only for CUDA tensors when
-``mxconv.kernels.trtllm_aiter.layout_kernels_enabled`` says so (``MXCONV_LAYOUT_TRITON=0`` forces
-the torch path); with ``TRITON_INTERPRET=1`` they also run on CPU tensors (tests).
+``mxconv.layouts.triton`` calls them only for CUDA tensors, when triton imports and the caller's
+``KernelChoice`` is AUTO (``KernelChoice.TORCH`` forces the torch path); with ``TRITON_INTERPRET=1``
+they also run on CPU tensors (tests).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The torch code in ``mxconv.layouts`` is the reference and the CPU path; these kernels produce the
 same bytes on CUDA in a single pass over the data (padding fused in, no intermediate copies).
-The layout modules call them only for CUDA tensors when :func:`layout_kernels_enabled` says so.
+The layout modules call them only for CUDA tensors, when triton imports and the caller's
+``KernelChoice`` is AUTO (:func:`mxconv.layouts.padding.layout_kernels`).
 
 Every kernel reads rows of an *unpadded* canonical stack ``src [E, R_in, W_in]`` through a row
 table ``tab`` (int32, one entry per padded/permuted output row: the source row, or -1 for a padding
@@ -21,8 +22,6 @@ Kernels (shapes per expert; E experts on grid axis 2):
   (Both Marlin kernels live in :mod:`mxconv.kernels.marlin_triton`, re-exported here.)
 * :func:`w16_tiles` - AITER weights: 16x16-byte tiles of gathered rows.
 * :func:`s32x8_tiles` - AITER scales: 32x8 scale tiles, two column fills (0 then 0x7F).
-
-Set ``MXCONV_LAYOUT_TRITON=0`` to force the torch path on CUDA (benchmarks, bisecting).
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ import torch
 
 from mxconv.kernels.marlin_triton import marlin_weights, transpose_rows
 from mxconv.kernels.triton_common import (
-    ENV_SWITCH, KERNEL_CONFIG, _dims, _launch, _rows_contiguous, _table, _words, layout_kernels_enabled, tl,
-    triton,
+    KERNEL_CONFIG, _dims, _launch, _rows_contiguous, _table, _words, tl, triton,
 )
 
 if triton is not None:
@@ -199,10 +197,8 @@ def s32x8_tiles(src: torch.Tensor, tab: torch.Tensor, zero_cols: int, cols_out: 
 
 
 __all__ = [
-    "ENV_SWITCH",
     "KERNEL_CONFIG",
     "gather_rows",
-    "layout_kernels_enabled",
     "marlin_weights",
     "s32x8_tiles",
     "swizzle_128x4",

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
 from mxconv.layouts.aiter_bytemap import (
     ACTIVATIONS, SCALE_PAD_FILL, _check_a4w4_rows, _check_activation, _need, _w16_bytes, deinterleave_rows,
@@ -45,6 +46,7 @@ from mxconv.layouts.aiter_bytemap import (
     interleave_rows, permute_padded, s32x8, s32x8_dest_offsets, s32x8_inverse, shuffle_scale_a4w4,
     shuffle_scale_a16w4, unshuffle_scale_a4w4, unshuffle_scale_a16w4, w16, w16_dest_offsets, w16_inverse,
 )
+from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
     TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
@@ -97,9 +99,9 @@ def _row_table(
     return cached_index(("aiter", rows, padded_rows, row_order, deinterleave, gate_up), device, build)
 
 
-def _to_kernel_gathered(c: CanonicalExperts, hp: int, ip: int, activation: str) -> KernelTensors:
+def _to_kernel_gathered(c: CanonicalExperts, hp: int, ip: int, activation: str, kernel_choice: KernelChoice) -> KernelTensors:
     """:func:`permute_padded` of ``pad_canonical(c, hp, ip)``, with padding and row maps fused into
-    one row gather per tensor (Triton kernels on CUDA, torch elsewhere)."""
+    one row gather per tensor (Triton kernels on CUDA unless ``kernel_choice`` is TORCH, torch elsewhere)."""
     import torch
 
     e, h, i = c.num_experts, c.hidden_size, c.intermediate_size
@@ -108,7 +110,7 @@ def _to_kernel_gathered(c: CanonicalExperts, hp: int, ip: int, activation: str) 
     t13 = _row_table(2 * i, 2 * ip, c.row_order, deint, a16w4, c.device)
     t2 = _row_table(h, hp, None, False, False, c.device)
     c13, c2 = round_up(hp // 32, 8), round_up(ip // 32, 8)
-    lt = layout_kernels(c.w13)
+    lt = layout_kernels(c.w13, kernel_choice)
     out: KernelTensors = {}
     if lt is not None:
         out["w13_weight"] = lt.w16_tiles(c.w13, t13, hp // 2)
@@ -155,7 +157,7 @@ class AiterLayout(LayoutBase):
         ),
     )
 
-    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
         """AITER's CK MoE kernels run on ROCm only."""
         return "AITER kernels need a ROCm gfx950 GPU and the aiter package"
 
@@ -196,13 +198,15 @@ class AiterLayout(LayoutBase):
             specs["w2_bias"] = TensorSpec((e, hp), "F32")
         return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
-        """Canonical (unpadded) stack -> AITER kernel tensors on ``c``'s device (padding included)."""
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+        """Canonical (unpadded) stack -> AITER kernel tensors on ``c``'s device (padding included);
+        ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
         c.validate()  # includes: both biases or neither
         hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
         sizes = c.sizes(hp, ip)
         _check_sizes(sizes, activation)
-        return _to_kernel_gathered(c, hp, ip, activation)
+        return _to_kernel_gathered(c, hp, ip, activation, kernel_choice)
 
     def from_kernel(
         self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]

@@ -22,11 +22,13 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, WEIGHT_FORMATS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec,
     round_up,
 )
+from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.padding import (
     cached_index, check_fill, gather_padded_rows, layout_kernels, pad_canonical, pad_last, pad_row_source,
     slice_tp, tp_ranges, unpad_canonical,
@@ -145,19 +147,22 @@ class LayoutBase:
         inspect shows them, ``verify --kernel`` fails on them). None by default."""
         return []
 
-    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
         """None when ``verify --kernel`` can run the engine's kernel on this machine for an output
-        described by ``manifest``; otherwise the reason, naming what is missing."""
+        described by ``manifest`` (kernels looked for at ``kernel_locations`` first); otherwise the
+        reason, naming what is missing."""
         if self.kernel_runner is None:
             return f"no engine kernel runner exists in mxconv for backend {self.name}"
-        return importlib.import_module(self.kernel_runner).kernel_unavailable(manifest)
+        return importlib.import_module(self.kernel_runner).kernel_unavailable(manifest, kernel_locations=kernel_locations)
 
-    def run_kernel(self, root: Any, manifest: dict[str, Any], layer: int, hidden: torch.Tensor, routing: Any) -> torch.Tensor:
+    def run_kernel(self, root: Any, manifest: dict[str, Any], layer: int, hidden: torch.Tensor, routing: Any,
+                   kernel_locations: KernelLocations | None = None) -> torch.Tensor:  # fmt: skip
         """The engine kernel's MoE output [T, H] fp32 for ``hidden`` [T, H] fp32 and ``routing``
         (top-k ``ids``/``weights``), summed over TP ranks (only when :meth:`kernel_unavailable` is None)."""
         if self.kernel_runner is None:
             raise LayoutError(self.kernel_unavailable(manifest) or f"backend {self.name} cannot run a kernel")
-        return importlib.import_module(self.kernel_runner).run_kernel_layer(root, manifest, layer, hidden, routing)
+        runner = importlib.import_module(self.kernel_runner)
+        return runner.run_kernel_layer(root, manifest, layer, hidden, routing, kernel_locations=kernel_locations)
 
 
 class Layout(Protocol):
@@ -174,7 +179,7 @@ class Layout(Protocol):
         """Validated options with defaults filled (LayoutBase provides it)."""
         ...
 
-    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
         """None when the engine kernel can run here, else why not (LayoutBase provides a default)."""
         ...
 
@@ -190,8 +195,11 @@ class Layout(Protocol):
         """Shapes/dtypes of the kernel tensors this backend writes for ``sizes``."""
         ...
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
-        """Canonical (unpadded) stack -> kernel tensors (padded, permuted), on ``c``'s device."""
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+        """Canonical (unpadded) stack -> kernel tensors (padded, permuted), on ``c``'s device.
+        ``kernel_choice``: AUTO lets CUDA stacks go through the Triton layout kernels where the
+        backend has them, TORCH keeps to torch ops; the bytes are the same."""
         ...
 
     def from_kernel(

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
+from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutSizes, TensorSpec,
     pad_canonical, round_up, unpad_canonical,
@@ -84,7 +86,7 @@ class DeepgemmLayout(LayoutBase):
     activations: tuple[str, ...] = ACTIVATIONS
     vllm_backends = {"fp8": (VLLM_BACKEND,)}
 
-    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
         """DeepGEMM's grouped FP8 x FP4 GEMM needs an SM100/SM120 GPU; mxconv does not drive it."""
         import torch
 
@@ -132,9 +134,11 @@ class DeepgemmLayout(LayoutBase):
             specs["w2_bias"] = TensorSpec((E, Hp), BIAS_DTYPE)
         return {n: specs[n] for n in KERNEL_TENSOR_NAMES if n in specs}
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
         """Canonical stack -> stored kernel tensors on ``c``'s device: zero padding to (Hp, Ip),
-        weights as they are, scales packed by :func:`pack_ue8m0`, biases as bfloat16."""
+        weights as they are, scales packed by :func:`pack_ue8m0`, biases as bfloat16 (torch ops only:
+        ``kernel_choice`` has nothing to pick here)."""
         c.validate()
         Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
         p = pad_canonical(c, Hp, Ip, scale_fill=PAD_FILL)

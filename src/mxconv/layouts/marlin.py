@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
+from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
     TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
@@ -112,8 +113,10 @@ class MarlinLayout(LayoutBase):
 
     # -- conversion ----------------------------------------------------------------------------
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
-        """Pad (zero weights, zero scale bytes, zero bias) and lay out the whole stack on c's device."""
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+        """Pad (zero weights, zero scale bytes, zero bias) and lay out the whole stack on c's device;
+        ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
         import torch
 
         scale_layout = _scale_layout(options)
@@ -124,7 +127,7 @@ class MarlinLayout(LayoutBase):
         # Padding is a row map (padded row <- source row, -1 = zero row) plus zero K columns.
         tab13 = _row_table(2 * I, 2 * Ip, c.row_order, None, c.device)
         tab2 = _row_table(H, Hp, None, None, c.device)
-        lt = layout_kernels(c.w13)
+        lt = layout_kernels(c.w13, kernel_choice)
         out: KernelTensors = {}
         if lt is not None:
             out["w13_weight"] = lt.marlin_weights(c.w13, tab13, Hp, activation)

@@ -7,6 +7,7 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 from __future__ import annotations
 
 import math
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.errors import LayoutError
@@ -101,14 +102,22 @@ def pad_row_source(rows: int, padded_rows: int, row_order: str | None = None) ->
     return torch.where(p < rows, p, -1)
 
 
-def layout_kernels(t: torch.Tensor) -> Any:
-    """The Triton layout-kernel module (``mxconv.kernels.trtllm_aiter``) when ``t`` is a CUDA tensor
-    and the kernels are enabled there, else None (use the torch path). Imports triton lazily."""
-    if not t.is_cuda:
+class KernelChoice(Enum):
+    """Which code lays out the kernel tensors in ``Layout.to_kernel``; the bytes are the same either way."""
+
+    AUTO = "auto"  # the Triton layout kernels for CUDA tensors where triton imports, torch ops otherwise
+    TORCH = "torch"  # torch ops everywhere (benchmarks, bisecting a layout bug)
+
+
+def layout_kernels(t: torch.Tensor, choice: KernelChoice) -> Any:
+    """The Triton layout-kernel module (``mxconv.kernels.trtllm_aiter``) when ``choice`` is AUTO, ``t``
+    is a CUDA tensor and triton imports, else None (use the torch path). Imports triton lazily."""
+    if choice is KernelChoice.TORCH or not t.is_cuda:
         return None
     from mxconv.kernels import trtllm_aiter
+    from mxconv.kernels.triton_common import layout_kernels_enabled
 
-    return trtllm_aiter if trtllm_aiter.layout_kernels_enabled(t) else None
+    return trtllm_aiter if layout_kernels_enabled(t) else None
 
 
 _INDEX_CACHE: dict[tuple[Any, ...], torch.Tensor] = {}

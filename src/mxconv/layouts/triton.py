@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
+from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
     TensorSpec, check_fill, gather_padded_rows, layout_kernels, round_up,
@@ -118,9 +119,9 @@ class MatrixGeometry:
         }  # fmt: skip
 
 
-def _kernels(t: torch.Tensor) -> Any:
-    """``mxconv.kernels.triton_swizzle`` when ``t`` is on CUDA and the layout kernels are on, else None."""
-    if layout_kernels(t) is None:
+def _kernels(t: torch.Tensor, kernel_choice: KernelChoice) -> Any:
+    """``mxconv.kernels.triton_swizzle`` when the layout kernels run on ``t`` (:func:`layout_kernels`), else None."""
+    if layout_kernels(t, kernel_choice) is None:
         return None
     from mxconv.kernels import triton_swizzle
 
@@ -200,12 +201,14 @@ class TritonLayout(LayoutBase):
                 specs[f"{w}_bias"] = TensorSpec((g.experts, g.rows), BIAS_DTYPE)
         return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
-        """Canonical stack -> stored kernel buffers on ``c``'s device (table in the module doc)."""
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+        """Canonical stack -> stored kernel buffers on ``c``'s device (table in the module doc);
+        ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
         c.validate()
         opts = self.resolve_options(options)
         hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, opts)
-        kern = _kernels(c.w13)
+        kern = _kernels(c.w13, kernel_choice)
         out: KernelTensors = {}
         for w, g in _geometry(c.num_experts, hp, ip, opts).items():
             weight, scale, bias = getattr(c, w), getattr(c, f"{w}_scale"), getattr(c, f"{w}_bias")

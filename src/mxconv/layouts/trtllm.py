@@ -48,8 +48,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
 from mxconv.layouts import trtllm_mxint4  # imports nothing from this module at import time
+from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
     CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes, TensorSpec, gather_padded_rows,
     layout_kernels, round_up, unpad_canonical,
@@ -130,7 +132,7 @@ class TrtllmLayout(LayoutBase):
         ),
     )
 
-    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
         """FlashInfer's TRT-LLM-gen MoE kernels need an SM100 GPU; mxconv does not drive them yet."""
         import torch
 
@@ -219,8 +221,10 @@ class TrtllmLayout(LayoutBase):
 
     # -- forward -------------------------------------------------------------------------------
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any]) -> KernelTensors:
-        """Canonical stack -> padded, permuted kernel tensors on ``c``'s device (table in module doc)."""
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+        """Canonical stack -> padded, permuted kernel tensors on ``c``'s device (table in module doc);
+        ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
         if c.weight_format == "int4":
             return trtllm_mxint4.to_kernel(c, activation)
         c.validate()  # includes: both biases or neither
@@ -229,7 +233,7 @@ class TrtllmLayout(LayoutBase):
         # Padding and steps A/B are one row gather: kernel row j <- source row tab[j] (-1 = padding).
         tab13 = w13_row_table(I, Ip, c.row_order, c.device)
         tab2 = w2_row_table(H, Hp, c.device)
-        lt = layout_kernels(c.w13)
+        lt = layout_kernels(c.w13, kernel_choice)
         if lt is not None:
             out: KernelTensors = {
                 "w13_weight": lt.gather_rows(c.w13, tab13, Hp // 2),

@@ -208,7 +208,7 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
             results = []
             for rank, (s, e) in enumerate(plan.rank_ranges):
                 part = canon if plan.repack.tp == 1 else slice_tp(canon, s, e, rank, pad_to=plan.sizes.intermediate_size)
-                kt = layout.to_kernel(part, plan.repack.activation, plan.repack.layout_options)
+                kt = layout.to_kernel(part, plan.repack.activation, plan.repack.layout_options, plan.repack.kernel_choice)
                 results.append({f"{ref.module_prefix}.experts.{k}": to_host(v) for k, v in kt.items()})
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -15,6 +15,7 @@ from mxconv.errors import BadInput
 from mxconv.families import FamilyReader, ModelInfo, MoELayerRef
 from mxconv.layouts import Layout, LayoutSizes, TensorSpec, backend_names, get_layout
 from mxconv.layouts.base import tp_ranges
+from mxconv.layouts.padding import KernelChoice
 from mxconv.run.linears import TARGETS, LinearSelection, check_patterns, fused_part_warnings, linear_item, name_matches, select_linears
 from mxconv.run.pipeline import WorkItem
 from mxconv.mx.formats import resolve_scale_mode  # numerics imports torch, numerics_format does not
@@ -50,6 +51,7 @@ class RepackOptions:
     activation: str
     tp: int = 1
     layout_options: dict[str, Any] = field(default_factory=dict)
+    kernel_choice: KernelChoice = KernelChoice.AUTO  # Triton layout kernels on CUDA, or torch ops only (same bytes)
 
 
 @dataclass

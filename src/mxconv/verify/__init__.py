@@ -26,6 +26,7 @@ import torch
 
 from mxconv.source.checkpoint import MANIFEST_NAME, open_checkpoint
 from mxconv.engines import KERNEL_THRESHOLDS
+from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput, Unsupported
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names
@@ -73,6 +74,7 @@ def verify(
     seed: int = 0,
     revision: str | None = None,
     kernel: bool = False,
+    kernel_locations: KernelLocations | None = None,
     strict: bool = False,
     device: torch.device | str = "cpu",
     on_step: Callable[[str, int, int], None] | None = None,
@@ -98,7 +100,8 @@ def verify(
     step("integrity (sha256 of every tensor)", 0, steps)
     integ = check_integrity(run.root, run.manifest, run.ckpts)
     if kernel:
-        run.klayout, run.kernel_size_problems = kernel_preflight(run.manifest)
+        run.kernel_locations = kernel_locations
+        run.klayout, run.kernel_size_problems = kernel_preflight(run.manifest, kernel_locations)
     general: list[str] = list(integ.get(None, []))
     if reference:
         _open_reference(run, reference, revision)
@@ -253,7 +256,8 @@ def _check_layer(run: Run, L: int, lay: dict, rep: LayerReport) -> None:
     if run.kernel_size_problems:
         rep.kernel = KernelResult("FAIL", problems=[f"layer {L} kernel: {p}" for p in run.kernel_size_problems])
     else:
-        rep.kernel = check_kernel_layer(run.klayout, run.root, run.manifest, L, fwd.x, fwd.routing, fwd.out, fwd.reference)
+        rep.kernel = check_kernel_layer(run.klayout, run.root, run.manifest, L, fwd.x, fwd.routing, fwd.out, fwd.reference,
+                                        run.kernel_locations)
     rep.problems.extend(rep.kernel.problems)
 
 

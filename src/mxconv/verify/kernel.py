@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from mxconv.engines import KERNEL_THRESHOLDS
+from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.layouts import Layout, get_layout
 from mxconv.verify.reference_moe import Comparison, Routing, apart, compare
@@ -47,9 +48,10 @@ class KernelResult:
         }
 
 
-def kernel_preflight(manifest: dict[str, Any]) -> tuple[Layout, list[str]]:
+def kernel_preflight(manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> tuple[Layout, list[str]]:
     """The output's layout and the size problems that make its kernel compute wrongly (FAIL).
-    BadInput (exit 2) when the kernel cannot run on this machine, naming what is missing."""
+    BadInput (exit 2) when the kernel cannot run on this machine (its kernels looked for at
+    ``kernel_locations`` first), naming what is missing."""
     backend = manifest.get("backend")
     if not backend:
         raise BadInput("--kernel: a canonical checkpoint has no backend kernel (repack it with --backend triton or marlin)")
@@ -59,7 +61,7 @@ def kernel_preflight(manifest: dict[str, Any]) -> tuple[Layout, list[str]]:
     problems = layout.size_warnings(int(lay.get("hidden_size", 0)), int(lay.get("intermediate_size", 0)), options)
     if problems:
         return layout, problems
-    reason = layout.kernel_unavailable(manifest)
+    reason = layout.kernel_unavailable(manifest, kernel_locations)
     if reason:
         raise BadInput(f"--kernel: cannot run the {backend} engine kernel here: {reason}")
     return layout, []
@@ -92,15 +94,17 @@ def check_kernel_layer(
     routing: Routing,
     converted_out: torch.Tensor,
     reference: tuple[torch.Tensor, torch.Tensor, dict[str, float]] | None,
+    kernel_locations: KernelLocations | None = None,
 ) -> KernelResult:
     """Run the engine kernel on layer ``layer`` and judge it.
 
     x [T, H] fp32 hidden states; ``routing`` the converted router's top-k; ``converted_out`` [T, H]
     the reference runner on the converted bytes; ``reference`` (output [T, H], top-k ids [T, k],
-    the numerics threshold of the pair) when a reference was given.
+    the numerics threshold of the pair) when a reference was given; ``kernel_locations`` where the
+    engine's kernels are when not installed.
     """
     res = KernelResult()
-    out = layout.run_kernel(root, manifest, layer, x, routing).float().cpu()
+    out = layout.run_kernel(root, manifest, layer, x, routing, kernel_locations).float().cpu()
     if not bool(torch.isfinite(out).all()):
         res.problems.append(f"layer {layer} kernel: the engine kernel's output holds NaN/Inf")
     res.vs_converted = compare(out, converted_out, routing.ids, routing.ids)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from mxconv.environment import KernelLocations
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.families import FamilyReader, ModelInfo
 from mxconv.verify.reference_moe import Comparison
@@ -149,6 +150,7 @@ class Run:
     own_refs: dict[int, Any] = field(default_factory=dict)
     own_error: str | None = None
     klayout: Any = None  # --kernel: the layout whose kernel runs
+    kernel_locations: KernelLocations | None = None  # --kernel: --triton-kernels / --marlin-ops
     kernel_size_problems: list[str] = field(default_factory=list)
 
     @property
