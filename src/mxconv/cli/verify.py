@@ -4,15 +4,34 @@ the engine's own kernel on the files)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
 from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say, step_progress
 
+KERNEL_HELP = (
+    "Also run the engine's own kernel on the files (--backend {runners}; the runner's GPU) and compare it with the reference runner. Exit 2 "
+    "naming what is missing where it cannot run. Kernels are found in an installed vLLM or triton_kernels, or via "
+    "MXCONV_TRITON_KERNELS / MXCONV_MARLIN_OPS."
+)
 
-@app.command(cls=Command)
+
+class _VerifyCommand(Command):
+    """The verify command, whose --kernel help names the backends with an engine runner now (read
+    from the layouts, which import no torch, only when help is shown)."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        from mxconv.engines.runner import runner_backends
+
+        for param in self.params:
+            if param.name == "kernel":
+                param.help = KERNEL_HELP.format(runners=" or ".join(runner_backends()))
+        super().format_help(ctx, formatter)
+
+
+@app.command(cls=_VerifyCommand)
 def verify(
     path: Annotated[Path, typer.Argument(metavar="PATH", help="A checkpoint written by mxconv quantize or repack.")],
     reference: Annotated[Optional[str], typer.Option("--reference", metavar="SOURCE", help="The checkpoint the conversion came from (bf16 or MXFP4).")] = None,
@@ -23,9 +42,7 @@ def verify(
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the synthetic hidden states.")] = 0,
     revision: Annotated[Optional[str], typer.Option("--revision", metavar="REV", help="Hub revision of a repo-id --reference.")] = None,
     kernel: Annotated[bool, typer.Option("--kernel", help=(
-        "Also run the engine's own kernel on the files (triton: triton_kernels matmul_ogs; marlin: vLLM's Marlin MoE "
-        "op; SM90 GPU) and compare it with the reference runner. Exit 2 naming what is missing where it cannot run. "
-        "Kernels are found in an installed vLLM or triton_kernels, or via MXCONV_TRITON_KERNELS / MXCONV_MARLIN_OPS."))] = False,
+        KERNEL_HELP.format(runners="with an engine runner")))] = False,
     strict: Annotated[bool, typer.Option("--strict", help=(
         "Fail (exit 1) unless numerics were checked too: without --reference or --reference-outputs a PASS "
         "covers integrity and layout only (the verdict line says so), which --strict does not accept."))] = False,

@@ -1,9 +1,9 @@
 """``mxconv verify --kernel``: the engine's own kernel, fed the files on disk, against the reference.
 
-For every checked layer of a kernel-layout output the backend's engine kernel (triton_kernels
-``matmul_ogs`` for ``triton``, vLLM's ``moe_wna16_marlin_gemm`` for ``marlin``; see
-:mod:`mxconv.engines`) runs the full MoE forward on the same seeded hidden states and routing as the
-reference runner. Its output [T, H] is compared
+For every checked layer of a kernel-layout output the backend's engine kernel (the
+:class:`~mxconv.engines.runner.EngineRunner` its layout points to; see :mod:`mxconv.engines`) runs
+the full MoE forward on the same seeded hidden states and routing as the reference runner.
+Its output [T, H] is compared
 
 * with the reference runner on the converted checkpoint's own (inverted) MXFP4 bytes: does the kernel
   read the bytes the way the layout spec says? Bound: :data:`KERNEL_THRESHOLDS` (bf16 activations,
@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from mxconv.engines import KERNEL_THRESHOLDS
+from mxconv.engines.loader import run_kernel_layer
+from mxconv.engines.runner import KERNEL_THRESHOLDS, engine_runner, kernel_unavailable, runner_backends
 from mxconv.errors import BadInput
 from mxconv.layouts import Layout, get_layout
 from mxconv.verify.reference_moe import Comparison, Routing, apart, compare
@@ -52,14 +53,15 @@ def kernel_preflight(manifest: dict[str, Any]) -> tuple[Layout, list[str]]:
     BadInput (exit 2) when the kernel cannot run on this machine, naming what is missing."""
     backend = manifest.get("backend")
     if not backend:
-        raise BadInput("--kernel: a canonical checkpoint has no backend kernel (repack it with --backend triton or marlin)")
+        choices = " or ".join(runner_backends())
+        raise BadInput(f"--kernel: a canonical checkpoint has no backend kernel (repack it with --backend {choices})")
     layout = get_layout(backend)
     lay = manifest.get("layout") or {}
     options = layout.resolve_options(lay.get("options") or {})
     problems = layout.size_warnings(int(lay.get("hidden_size", 0)), int(lay.get("intermediate_size", 0)), options)
     if problems:
         return layout, problems
-    reason = layout.kernel_unavailable(manifest)
+    reason = layout.kernel_unavailable(manifest) if engine_runner(backend) is None else kernel_unavailable(manifest)
     if reason:
         raise BadInput(f"--kernel: cannot run the {backend} engine kernel here: {reason}")
     return layout, []
@@ -100,7 +102,7 @@ def check_kernel_layer(
     the numerics threshold of the pair) when a reference was given.
     """
     res = KernelResult()
-    out = layout.run_kernel(root, manifest, layer, x, routing).float().cpu()
+    out = run_kernel_layer(root, manifest, layer, x, routing).float().cpu()
     if not bool(torch.isfinite(out).all()):
         res.problems.append(f"layer {layer} kernel: the engine kernel's output holds NaN/Inf")
     res.vs_converted = compare(out, converted_out, routing.ids, routing.ids)
