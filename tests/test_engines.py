@@ -25,7 +25,8 @@ from typer.testing import CliRunner
 
 from mxconv import environment
 from mxconv.cli import app
-from mxconv.engines import discover, kernel_unavailable, marlin_moe, triton_moe
+from mxconv.engines import discover, marlin_moe, triton_moe
+from mxconv.engines.runner import kernel_unavailable
 from mxconv.errors import BadInput
 from mxconv.engines.loader import read_layer_tensors, resolve_layer
 from support.checkpoints import make_checkpoint

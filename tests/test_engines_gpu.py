@@ -4,7 +4,7 @@ Tiny gpt-oss-style (interleaved gate/up, SwiGLU-OAI, biases; hidden 160, padded 
 ``pad_hidden``) and Qwen-style (halves, SiLU, no biases) layers are quantized, repacked for marlin
 and triton (TP 1 and 2), loaded with :mod:`mxconv.engines.loader` and run through vLLM's Marlin MoE GEMM /
 triton_kernels' ``matmul_ogs``; the output must match :func:`mxconv.verify.reference_moe.moe_forward` on the
-canonical MXFP4 weights within :data:`mxconv.engines.KERNEL_THRESHOLDS`, and four planted layout
+canonical MXFP4 weights within :data:`mxconv.engines.runner.KERNEL_THRESHOLDS`, and four planted layout
 bugs must not. Figures go to stdout and, with ``MXCONV_ENGINE_REPORT=FILE``, to FILE (JSON lines).
 """
 
@@ -22,12 +22,13 @@ from typer.testing import CliRunner
 
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
-from mxconv.engines import KERNEL_THRESHOLDS, discover, run_kernel_layer
+from mxconv.engines import discover
 from mxconv.environment import MARLIN_OPS_ENV, TRITON_KERNELS_ENV
+from mxconv.engines.runner import KERNEL_THRESHOLDS
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts.base import CanonicalExperts
-from mxconv.engines.loader import LayerSource, build_engine_layer, read_layer_tensors, resolve_layer
+from mxconv.engines.loader import LayerSource, build_engine_layer, read_layer_tensors, resolve_layer, run_kernel_layer
 from mxconv.output.manifest import load_manifest
 from mxconv.verify.reference_moe import Routing, compare, hidden_states, moe_forward, route
 from support.checkpoints import make_checkpoint

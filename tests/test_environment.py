@@ -101,7 +101,9 @@ def test_verify_triton_kernels_option_reaches_discovery(triton_output: Path, tmp
 
 
 def test_loader_takes_kernel_locations(triton_output: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader, "check_device", lambda *a, **k: None)
+    from mxconv.engines import triton_moe
+
+    monkeypatch.setattr(triton_moe.TritonRunner, "check_device", lambda self, device: None)  # no GPU here
     monkeypatch.setenv(environment.TRITON_KERNELS_ENV, "/nonexistent/from-env")
     src = loader.resolve_layer(triton_output, 0)
     with pytest.raises(BadInput) as err:

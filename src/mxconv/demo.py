@@ -64,9 +64,11 @@ def run_demo(workdir: Path | None, device: torch.device, progress: Callable[[str
                     if res is None:
                         continue
                     record(label, f"verify {backend} ({act}) vs mxfp4", lambda: _verify_step(kdir, canon))
-            tpdir = tmp / f"{kind}-trtllm-tp2"
-            if record(label, "repack trtllm --tp 2", lambda: _repack_step(canon, tpdir, "trtllm", "bf16", device, tp=2)):
-                record(label, "verify trtllm tp2 vs bf16", lambda: _verify_step(tpdir, src))
+            tp_backend = backend_names()[0]  # TP 2 through the first registered backend
+            tp_act = get_layout(tp_backend).activations[0]
+            tpdir = tmp / f"{kind}-{tp_backend}-tp2"
+            if record(label, f"repack {tp_backend} --tp 2", lambda: _repack_step(canon, tpdir, tp_backend, tp_act, device, tp=2)):
+                record(label, f"verify {tp_backend} tp2 vs bf16", lambda: _verify_step(tpdir, src))
     finally:
         if workdir is None:
             shutil.rmtree(tmp, ignore_errors=True)

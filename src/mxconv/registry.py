@@ -17,7 +17,11 @@ def register(table: dict[str, Any], what: str, name: str, entry: Any) -> None:
 
 def resolve(table: dict[str, Any], name: str) -> Any:
     """The object registered under ``name``, importing a ``"module:attribute"`` entry."""
-    entry = table[name]
+    return resolve_entry(table[name])
+
+
+def resolve_entry(entry: Any) -> Any:
+    """``entry`` itself, or the object a ``"module:attribute"`` string names (imported now)."""
     if not isinstance(entry, str):
         return entry
     module, attr = entry.split(":")

@@ -67,7 +67,7 @@ class Command(TyperCommand):
 
 def _conversion_message(exc: typer.BadParameter) -> str:
     """The reason of a failed conversion of an option's value: the validator's own words for a
-    ValueError ("'tpu' is not one of 'trtllm', ..."), else pydantic's with the value given."""
+    ValueError ("'fp3' is not one of 'mxfp4', 'mxfp8'."), else pydantic's with the value given."""
     details = getattr(exc.__cause__, "errors", None)  # Typer converts through a pydantic TypeAdapter
     first = details()[0] if callable(details) and details() else None
     if first is None:

@@ -4,15 +4,38 @@ its load-time processing. Backends and their typed options come from the layout 
 
 from __future__ import annotations
 
-from enum import Enum
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from mxconv.cli.common import SOURCE_HELP, Command, OutputArg, Rounding, RunOptions, app, errors, run_convert, run_options
 from mxconv.layouts import backend_names
 
-Backend = Enum("Backend", {name: name for name in backend_names()}, type=str)  # type: ignore[misc]
+
+
+def registered_backend(name: str) -> str:
+    """``--backend``'s value checked against the layout registry as it is now, so a backend
+    registered after this module was imported is accepted too. ValueError naming the choices."""
+    choices = backend_names()
+    if name not in choices:
+        raise ValueError(f"{name!r} is not one of {', '.join(repr(c) for c in choices)}.")
+    return name
+
+
+ACTIVATION_HELP = "The engine's activation format; the backend's first is the default"
+
+
+def backend_metavar() -> str:
+    """``--backend``'s metavar in ``--help``: the registered backends, e.g. ``<a|b>``."""
+    return "<" + "|".join(backend_names()) + ">"
+
+
+def activation_help() -> str:
+    """``--activation``'s help in ``--help``: each registered backend's activations."""
+    from mxconv.layouts import get_layout
+
+    per_backend = "; ".join(f"{name}: {'|'.join(get_layout(name).activations)}" for name in backend_names())
+    return f"{ACTIVATION_HELP} ({per_backend})."
 
 
 def layout_options(pairs: list[str]) -> dict[str, str]:
@@ -34,6 +57,15 @@ class _RepackCommand(Command):
     """The repack command, whose --help ends with every backend's options (read from the layouts
     only when help is shown, so plain --help never imports torch)."""
 
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        """The help, --backend and --activation listing the backends registered now."""
+        for param in self.params:
+            if param.name == "backend":
+                param.metavar = backend_metavar()
+            elif param.name == "activation":
+                param.help = activation_help()
+        super().format_help(ctx, formatter)
+
     @property
     def epilog(self) -> str:
         from mxconv.layouts import options_help
@@ -51,8 +83,8 @@ class _RepackCommand(Command):
 def repack(
     source: Annotated[str, typer.Argument(metavar="SOURCE", help=SOURCE_HELP + " MXFP4 (moved, never re-quantized) or bf16 (quantized on the way).")],
     output: OutputArg,
-    backend: Annotated[Backend, typer.Option("--backend", help="Engine backend whose kernel layout to write.")],
-    activation: Annotated[Optional[str], typer.Option("--activation", metavar="NAME", help="The engine's activation format; the backend's first is the default (trtllm: bf16|mxfp8; marlin: bf16|fp8; aiter: bf16|mxfp4; triton: bf16; deepgemm: fp8).")] = None,
+    backend: Annotated[str, typer.Option("--backend", parser=registered_backend, metavar="NAME", help="Engine backend whose kernel layout to write.")],
+    activation: Annotated[Optional[str], typer.Option("--activation", metavar="NAME", help=ACTIVATION_HELP + ".")] = None,
     tp: Annotated[int, typer.Option("--tp", metavar="N", min=1, help="Tensor-parallel size: writes OUTPUT/rank-{r}/ per rank.")] = 1,
     layout_option: Annotated[Optional[list[str]], typer.Option("--layout-option", metavar="NAME=VALUE", help="A backend option (repeatable); each backend's options are listed below.")] = None,
     marlin_scale_layout: Annotated[Optional[str], typer.Option("--marlin-scale-layout", metavar="current|legacy", help="Same as --layout-option marlin_scale_layout=VALUE: current (vLLM >= 0.12, the default) | legacy (<= 0.11.2).")] = None,
@@ -77,7 +109,6 @@ def repack(
     from mxconv.layouts import get_layout
 
     with errors(run.debug):
-        backend = backend.value
         layout = get_layout(backend)
         act = activation or layout.activations[0]
         given = layout_options(layout_option or [])

@@ -4,15 +4,20 @@ the engine's own kernel on the files)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
-from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say, step_progress
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
+from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say, step_progress
 
+KERNEL_HELP = (
+    "Also run the engine's own kernel on the files (--backend {runners}; the runner's GPU) and compare it with the reference runner. Exit 2 "
+    "naming what is missing where it cannot run. Kernels are found via --triton-kernels / --marlin-ops, else "
+    "MXCONV_TRITON_KERNELS / MXCONV_MARLIN_OPS, else in an installed triton_kernels or vLLM."
+)
 TritonKernelsOpt = Annotated[Optional[Path], typer.Option("--triton-kernels", metavar="DIR", help=(
     "With --kernel: the folder that contains triton_kernels/ (e.g. extracted from the vLLM 0.33 wheel); "
     "overrides MXCONV_TRITON_KERNELS and an installed copy."))]
@@ -21,7 +26,21 @@ MarlinOpsOpt = Annotated[Optional[Path], typer.Option("--marlin-ops", metavar="F
     "overrides MXCONV_MARLIN_OPS and an installed vLLM."))]
 
 
-@app.command(cls=Command)
+
+class _VerifyCommand(Command):
+    """The verify command, whose --kernel help names the backends with an engine runner now (read
+    from the layouts, which import no torch, only when help is shown)."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        from mxconv.engines.runner import runner_backends
+
+        for param in self.params:
+            if param.name == "kernel":
+                param.help = KERNEL_HELP.format(runners=" or ".join(runner_backends()))
+        super().format_help(ctx, formatter)
+
+
+@app.command(cls=_VerifyCommand)
 def verify(
     path: Annotated[Path, typer.Argument(metavar="PATH", help="A checkpoint written by mxconv quantize or repack.")],
     reference: Annotated[Optional[str], typer.Option("--reference", metavar="SOURCE", help="The checkpoint the conversion came from (bf16 or MXFP4).")] = None,
@@ -32,10 +51,7 @@ def verify(
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the synthetic hidden states.")] = 0,
     revision: Annotated[Optional[str], typer.Option("--revision", metavar="REV", help="Hub revision of a repo-id --reference.")] = None,
     kernel: Annotated[bool, typer.Option("--kernel", help=(
-        "Also run the engine's own kernel on the files (triton: triton_kernels matmul_ogs; marlin: vLLM's Marlin MoE "
-        "op; SM90 GPU) and compare it with the reference runner. Exit 2 naming what is missing where it cannot run. "
-        "Kernels are found via --triton-kernels / --marlin-ops, else MXCONV_TRITON_KERNELS / MXCONV_MARLIN_OPS, else "
-        "in an installed triton_kernels or vLLM."))] = False,
+        KERNEL_HELP.format(runners="with an engine runner")))] = False,
     triton_kernels: TritonKernelsOpt = None,
     marlin_ops: MarlinOpsOpt = None,
     strict: Annotated[bool, typer.Option("--strict", help=(
@@ -80,26 +96,7 @@ def verify(
         if as_json:
             print_json(rep.to_json())
         elif not quiet and rep.layers:
-            t = Table(title=f"mxconv verify {rep.path} ({rep.kind}{', ' + rep.backend if rep.backend else ''})")
-            with_kernel = any(r.kernel is not None for r in rep.layers)
-            for col in ("layer", "integrity", "layout", "numerics", "rel RMS", "cosine", "max abs", "top-k agree"):
-                t.add_column(col)
-            if with_kernel:
-                for col in ("kernel", "kernel rel RMS (vs bytes / vs ref)"):
-                    t.add_column(col)
-            for r in rep.layers:
-                c = r.comparison
-                row = [
-                    str(r.layer), r.integrity, r.layout, r.numerics,
-                    *(("-",) * 4 if c is None else (f"{c.rel_rms:.3g}", f"{c.cosine:.6f}", f"{c.max_abs:.3g}", f"{c.topk_agreement:.3f}")),
-                ]
-                if with_kernel:
-                    k = r.kernel
-                    figs = "-" if k is None or k.vs_converted is None else f"{k.vs_converted.rel_rms:.3g}" + (
-                        "" if k.vs_reference is None else f" / {k.vs_reference.rel_rms:.3g}")
-                    row += ["-" if k is None else k.status, figs]
-                t.add_row(*row)
-            out.print(t)
+            out.print(_layer_table(rep))
             if rep.linears:
                 from mxconv.verify.linears import role_summary
 
@@ -121,6 +118,12 @@ def verify(
             raise typer.Exit(1)
 
 
+def _say_verdict(rep) -> None:
+    """The last line on stdout: PASS or FAIL, then what the run covered (rep.scope)."""
+    verdict, scope = rep.verdict.split(" ", 1)
+    say(out, verdict, "bold green" if rep.passed else "bold red", scope)
+
+
 def _kernel_locations(kernel: bool, triton_kernels: Path | None, marlin_ops: Path | None) -> KernelLocations:
     """``--triton-kernels`` / ``--marlin-ops`` as :class:`KernelLocations`; BadInput (exit 2) when
     either is given without ``--kernel``."""
@@ -133,3 +136,27 @@ def _say_verdict(rep) -> None:
     """The last line on stdout: PASS or FAIL, then what the run covered (rep.scope)."""
     verdict, scope = rep.verdict.split(" ", 1)
     say(out, verdict, "bold green" if rep.passed else "bold red", scope)
+
+
+def _layer_table(rep: Any) -> Table:
+    """One row per checked layer: integrity, layout, numerics and, with --kernel, the kernel's figures."""
+    t = Table(title=f"mxconv verify {rep.path} ({rep.kind}{', ' + rep.backend if rep.backend else ''})")
+    with_kernel = any(r.kernel is not None for r in rep.layers)
+    for col in ("layer", "integrity", "layout", "numerics", "rel RMS", "cosine", "max abs", "top-k agree"):
+        t.add_column(col)
+    if with_kernel:
+        for col in ("kernel", "kernel rel RMS (vs bytes / vs ref)"):
+            t.add_column(col)
+    for r in rep.layers:
+        c = r.comparison
+        row = [
+            str(r.layer), r.integrity, r.layout, r.numerics,
+            *(("-",) * 4 if c is None else (f"{c.rel_rms:.3g}", f"{c.cosine:.6f}", f"{c.max_abs:.3g}", f"{c.topk_agreement:.3f}")),
+        ]
+        if with_kernel:
+            k = r.kernel
+            figs = "-" if k is None or k.vs_converted is None else f"{k.vs_converted.rel_rms:.3g}" + (
+                "" if k.vs_reference is None else f" / {k.vs_reference.rel_rms:.3g}")
+            row += ["-" if k is None else k.status, figs]
+        t.add_row(*row)
+    return t

@@ -10,18 +10,13 @@ Public API::
 ``load_layer`` reads ``mxconv.json`` (at ``path``, or in the parent of a ``rank-N/`` directory of a
 TP output), reads only that layer's expert tensors with safetensors ``safe_open`` straight to the
 device — no re-layout, no copy beyond the read — and returns an :class:`EngineLayer` holding
-exactly what the engine's kernel takes:
+exactly what the engine's kernel takes: the object the backend's
+:class:`~mxconv.engines.runner.EngineRunner` (``Layout.engine_runner``) wraps the tensors in, e.g.
+triton_kernels ``Tensor``s with their ``PrecisionConfig``s, or Marlin's int32 weights, e8m0 scales
+and workspace. :func:`run_kernel_layer` runs every TP rank of one layer and sums them
+(``mxconv verify --kernel``).
 
-* ``--backend triton``: triton_kernels ``Tensor``s (Hopper MX value/scale layouts wrapping the
-  stored buffers as ``buf.mT`` views), their ``PrecisionConfig``s and fp32 biases
-  (:class:`mxconv.engines.triton_moe.TritonExperts`);
-* ``--backend marlin``: int32 weights, float8_e8m0fnu scales, bf16 biases and the kernel workspace
-  (:class:`mxconv.engines.marlin_moe.MarlinExperts`).
-
-Needs the kernels and an SM90 GPU (see :mod:`mxconv.engines.discover`; where they are not
-installed, name them: ``load_layer(..., kernel_locations=KernelLocations(triton_kernels=DIR,
-marlin_ops=FILE))`` from :mod:`mxconv.environment`, else ``$MXCONV_TRITON_KERNELS`` /
-``$MXCONV_MARLIN_OPS`` are used); reading alone
+Needs the kernels and an SM90 GPU (see :mod:`mxconv.engines.discover`); reading alone
 (:func:`resolve_layer`, :func:`read_layer_tensors`) works anywhere, CPU included.
 """
 
@@ -34,13 +29,13 @@ from typing import Any
 
 import torch
 
-from mxconv.source.checkpoint import MANIFEST_NAME
+from mxconv.engines.runner import EngineRunner, require_runner
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.families.base import ModelInfo
 from mxconv.output.manifest import load_manifest
+from mxconv.source.checkpoint import MANIFEST_NAME
 
-ENGINE_BACKENDS = ("triton", "marlin")
 EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 
@@ -100,9 +95,7 @@ def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, mani
     m = manifest if manifest is not None else load_manifest(root)
     if m.get("kind") != "kernel":
         raise BadInput(f"{root}: a {m.get('kind')} checkpoint; load_layer reads kernel-layout outputs (mxconv repack)")
-    backend = m.get("backend")
-    if backend not in ENGINE_BACKENDS:
-        raise BadInput(f"{root}: backend {backend!r} has no engine runner in mxconv (runners: {', '.join(ENGINE_BACKENDS)})")
+    require_runner(m.get("backend"), where=f"{root}: ")
     tp = int(m.get("tp_size") or 1)
     if tp > 1 and rank is None:
         raise BadInput(f"{root}: a TP output with {tp} ranks; pass rank=0..{tp - 1} or the rank-N/ directory")
@@ -173,8 +166,8 @@ def _read_fallback(f: Path, names: dict[str, str], device: str, exc: Exception) 
 class EngineLayer:
     """One rank of one MoE layer, held as the engine's kernel takes it (``experts``), and its forward.
 
-    ``experts`` is a :class:`~mxconv.engines.triton_moe.TritonExperts` or a
-    :class:`~mxconv.engines.marlin_moe.MarlinExperts`; ``tensors`` the stored tensors it wraps.
+    ``experts`` is what ``runner`` (the backend's engine runner) wrapped ``tensors`` (the stored
+    tensors) in.
     """
 
     backend: str
@@ -184,6 +177,7 @@ class EngineLayer:
     info: ModelInfo
     experts: Any
     tensors: dict[str, torch.Tensor] = field(repr=False)
+    runner: EngineRunner = field(repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -215,72 +209,25 @@ class EngineLayer:
             topk_ids, topk_weights = topk_ids.to(self.device), topk_weights.to(self.device)  # type: ignore[union-attr]
         elif logits is not None:
             logits = logits.to(self.device)
-        renormalize = self.info.routing == "topk_softmax" or bool(self.info.norm_topk_prob)
         if logits is not None and topk_ids is None and self.info.routing not in ("topk_softmax", "softmax_topk"):
             raise BadInput(f"forward(logits=...) supports the softmax routings; {self.info.routing!r} needs topk_ids/topk_weights")
-        if self.backend == "triton":
-            route = self.experts.routing(topk_ids, topk_weights, logits, self.info.top_k, renormalize)
-            return self.experts.forward(x, route)
-        if topk_ids is None:
-            topk_ids, topk_weights = _softmax_topk(logits, self.info.top_k, renormalize, self.info.routing)  # type: ignore[arg-type]
-        return self.experts.forward(x, topk_ids, topk_weights)
-
-
-def _softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, routing: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids int32 / weights fp32 from router logits [T, E] (the softmax routings)."""
-    logits = logits.float()
-    if routing == "topk_softmax":
-        vals, ids = torch.topk(logits, k, dim=-1)
-        return ids.to(torch.int32), torch.softmax(vals, dim=-1)
-    w, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return ids.to(torch.int32), w
-
-
-def check_device(backend: str, device: str | torch.device) -> None:
-    """BadInput unless ``device`` is a GPU the ``backend``'s engine kernel runs on (checked before
-    any byte is read)."""
-    from mxconv.engines import discover
-
-    if backend == "triton":
-        discover.check_gpu(device, exact=discover.HOPPER, what="triton_kernels' Hopper MX matmul")
-    else:
-        discover.check_gpu(device, exact=None, minimum=discover.MARLIN_MIN_CAPABILITY, what="vLLM's Marlin MoE kernel")
+        return self.runner.forward(self.experts, x, topk_ids, topk_weights, logits, self.info)
 
 
 def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor],
                        kernel_locations: KernelLocations | None = None) -> EngineLayer:  # fmt: skip
     """Wrap ``tensors`` (from :func:`read_layer_tensors`, on a CUDA device) for the engine kernel
-    of ``src.backend``, after finding the kernels (``kernel_locations`` first, then the environment
-    and installed copies) and checking the GPU (BadInput otherwise)."""
-    from mxconv.engines import discover
-
-    where_given = kernel_locations or KernelLocations()
+    of ``src.backend`` through its runner, which finds the kernels (``kernel_locations`` first, then
+    the environment and installed copies) and checks the GPU (BadInput otherwise)."""
     m, lay = src.manifest, src.manifest["layout"]
     info = model_info(m)
-    device = tensors["w13_weight"].device
-    H, Hp = int(lay["hidden_size"]), int(lay["padded_hidden_size"])
+    runner = require_runner(src.backend, where=f"{src.root}: ")
     where = f"{src.root} layer {src.layer}" + (f" rank {src.rank}" if src.tp_size > 1 else "")
-    common = dict(num_experts=int(info.num_experts), hidden_size=H, padded_hidden_size=Hp, layout=lay,
-                  activation=info.activation, swiglu_alpha=info.swiglu_alpha, swiglu_limit=info.swiglu_limit, name=where)
-    if src.backend == "triton":
-        check_device(src.backend, device)
-        tk = discover.find_triton_kernels(where_given.triton_kernels)
-        discover.require_triton_generation(tk, str(lay.get("triton_layout", "3.5")))
-        from mxconv.engines import triton_moe
-
-        align = int(lay.get("intermediate_align", 64))
-        ip = int(lay["padded_intermediate_size"]) if src.tp_size == 1 else -(-src.intermediate_size // align) * align
-        experts: Any = triton_moe.build_experts(tk, tensors, padded_intermediate_size=ip, **common)
-    else:
-        check_device(src.backend, device)
-        discover.find_marlin_ops(where_given.marlin_ops)
-        from mxconv.engines import marlin_moe
-
-        ip = int(tensors["w2_weight"].shape[1]) * 16  # what vLLM reads it from (Ip = w2.shape[1] * 16)
-        experts = marlin_moe.build_experts(tensors, padded_intermediate_size=ip, row_order=str(lay["w13_row_order"]), **common)
-    return EngineLayer(src.backend, src.layer, src.rank, src.tp_size, info, experts, tensors)
+    common = dict(num_experts=int(info.num_experts), hidden_size=int(lay["hidden_size"]),
+                  padded_hidden_size=int(lay["padded_hidden_size"]), layout=lay, activation=info.activation,
+                  swiglu_alpha=info.swiglu_alpha, swiglu_limit=info.swiglu_limit, name=where)  # fmt: skip
+    experts = runner.wrap(tensors, lay, src.intermediate_size, src.tp_size, kernel_locations=kernel_locations, **common)
+    return EngineLayer(src.backend, src.layer, src.rank, src.tp_size, info, experts, tensors, runner)
 
 
 def load_layer(path: str | Path, layer: int, *, device: str | torch.device = "cuda", rank: int | None = None,
@@ -289,7 +236,7 @@ def load_layer(path: str | Path, layer: int, *, device: str | torch.device = "cu
     ``device`` and wrap it for the engine kernel, found at ``kernel_locations`` where given. See the
     module docstring."""
     src = resolve_layer(path, layer, rank=rank)
-    check_device(src.backend, device)
+    require_runner(src.backend).check_device(device)
     return build_engine_layer(src, read_layer_tensors(src, device), kernel_locations)
 
 
@@ -298,5 +245,34 @@ def load_layer_from_manifest(root: str | Path, manifest: dict[str, Any], layer: 
                              ) -> EngineLayer:  # fmt: skip
     """:func:`load_layer` with the manifest already read (``root`` is the directory holding it)."""
     src = resolve_layer(root, layer, rank=rank, manifest=manifest)
-    check_device(src.backend, device)
+    require_runner(src.backend).check_device(device)
     return build_engine_layer(src, read_layer_tensors(src, device), kernel_locations)
+
+
+def run_kernel_layer(root: Path, manifest: dict[str, Any], layer: int, hidden: torch.Tensor, routing: Any,
+                     info: ModelInfo | None = None, kernel_locations: KernelLocations | None = None) -> torch.Tensor:  # fmt: skip
+    """The engine kernel's MoE output for one layer of the kernel-layout output at ``root``.
+
+    ``hidden`` [T, H] fp32 (any device; run as bf16 on the runner's device); ``routing`` has ``ids`` [T, k]
+    and ``weights`` [T, k] (e.g. :class:`mxconv.verify.reference_moe.Routing`) or is router logits [T, E];
+    ``info`` (default: the manifest's model) gives activation and routing kind. TP outputs: every
+    rank is loaded and run in turn and the partial outputs are summed. Returns [T, H] fp32 on
+    ``hidden``'s device. BadInput when the kernel cannot run (see
+    :func:`mxconv.engines.runner.kernel_unavailable`).
+    """
+    device = require_runner(manifest.get("backend")).device
+    tp = int(manifest.get("tp_size") or 1)
+    total: torch.Tensor | None = None
+    for rank in range(tp):
+        eng = load_layer_from_manifest(root, manifest, layer, rank=rank if tp > 1 else None, device=device,
+                                       kernel_locations=kernel_locations)
+        if info is not None:
+            eng.info = info
+        if isinstance(routing, torch.Tensor):
+            y = eng.forward(hidden, logits=routing)
+        else:
+            y = eng.forward(hidden, routing.ids, routing.weights)
+        total = y.float() if total is None else total + y.float()
+        del eng
+    assert total is not None
+    return total.to(hidden.device)

@@ -22,9 +22,12 @@ other families halves padded per half (SiLU on columns [0, Ip) and [Ip, 2Ip)).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from mxconv.engines import discover
+from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 
 MARLIN_HIDDEN_MULTIPLE = 256
@@ -204,3 +207,56 @@ def build_experts(
         E, hidden_size, Hp, Ip, row_order, activation,
         1.702 if swiglu_alpha is None else float(swiglu_alpha), 7.0 if swiglu_limit is None else float(swiglu_limit),
     )  # fmt: skip
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, routing: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids int32 [T, k] / weights fp32 [T, k] from router logits [T, E] (the softmax routings:
+    ``"topk_softmax"`` = top-k then softmax over the k; else softmax, top-k, renormalised if asked)."""
+    logits = logits.float()
+    if routing == "topk_softmax":
+        vals, ids = torch.topk(logits, k, dim=-1)
+        return ids.to(torch.int32), torch.softmax(vals, dim=-1)
+    w, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), w
+
+
+class MarlinRunner:
+    """The :class:`~mxconv.engines.runner.EngineRunner` of ``--backend marlin``: vLLM's compiled
+    ``moe_wna16_marlin_gemm`` on the tensors as written (the marlin layout points here)."""
+
+    device = "cuda"
+    what = "vLLM's Marlin MoE kernel"
+
+    def check_device(self, device: Any) -> None:
+        discover.check_gpu(device, exact=None, minimum=discover.MARLIN_MIN_CAPABILITY, what=self.what)
+
+    def kernel_unavailable(self, layout_fields: dict[str, Any], device: Any,
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
+        self.check_device(device)
+        discover.find_marlin_ops((kernel_locations or KernelLocations()).marlin_ops)
+        if layout_fields.get("activation", "bf16") != "bf16":
+            return "Marlin with FP8 activations runs on SM89/SM120 only (this output was repacked with --activation fp8)"
+        if layout_fields.get("scale_layout", "current") != "current":
+            return "legacy Marlin scales (vLLM <= 0.11.2) are not read by vLLM 0.33's kernel"
+        return None
+
+    def wrap(self, tensors: dict[str, torch.Tensor], layout_fields: dict[str, Any], rank_intermediate_size: int,
+             tp_size: int, kernel_locations: KernelLocations | None = None, **common: Any) -> MarlinExperts:  # fmt: skip
+        """One rank's tensors checked and held; Ip is read as vLLM reads it (w2.shape[1] * 16)."""
+        self.check_device(tensors["w13_weight"].device)
+        discover.find_marlin_ops((kernel_locations or KernelLocations()).marlin_ops)
+        ip = int(tensors["w2_weight"].shape[1]) * 16
+        return build_experts(tensors, padded_intermediate_size=ip, row_order=str(layout_fields["w13_row_order"]), **common)
+
+    def forward(self, experts: MarlinExperts, x: torch.Tensor, topk_ids: torch.Tensor | None,
+                topk_weights: torch.Tensor | None, logits: torch.Tensor | None, info: Any) -> torch.Tensor:  # fmt: skip
+        """Top-k from ``logits`` in torch when no ids are given, then the two Marlin GEMMs."""
+        if topk_ids is None:
+            renormalize = info.routing == "topk_softmax" or bool(info.norm_topk_prob)
+            topk_ids, topk_weights = softmax_topk(logits, info.top_k, renormalize, info.routing)  # type: ignore[arg-type]
+        return experts.forward(x, topk_ids, topk_weights)  # type: ignore[arg-type]
+
+
+RUNNER = MarlinRunner()

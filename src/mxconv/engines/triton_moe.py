@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
+from mxconv.engines import discover
 from mxconv.engines.discover import TritonKernels
+from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 
 VALUE_PADDING = {"3.5": (16, 32), "3.6": (64, 64)}  # (row multiple, row-byte multiple), layout-triton.md §3
@@ -235,3 +237,48 @@ def build_experts(
         tk, w13, w2, pc13, pc2, b13, b2, E, hidden_size, Hp, Ip, activation,
         1.702 if swiglu_alpha is None else float(swiglu_alpha), 7.0 if swiglu_limit is None else float(swiglu_limit),
     )  # fmt: skip
+
+
+class TritonRunner:
+    """The :class:`~mxconv.engines.runner.EngineRunner` of ``--backend triton``: triton_kernels'
+    Hopper ``matmul_ogs`` on the stored buffers (the triton layout points here)."""
+
+    device = "cuda"
+    what = "triton_kernels' Hopper MX matmul"
+
+    def check_device(self, device: Any) -> None:
+        discover.check_gpu(device, exact=discover.HOPPER, what=self.what)
+
+    def kernel_unavailable(self, layout_fields: dict[str, Any], device: Any,
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
+        self.check_device(device)
+        tk = discover.find_triton_kernels((kernel_locations or KernelLocations()).triton_kernels)
+        discover.require_triton_generation(tk, str(layout_fields.get("triton_layout", "3.5")))
+        hp = int(layout_fields.get("padded_hidden_size", 0))
+        ip = int(layout_fields.get("padded_intermediate_size", 0))
+        if hp % KERNEL_K_MULTIPLE:
+            return (f"hidden size {hp} is not a multiple of {KERNEL_K_MULTIPLE}: triton_kernels' Hopper matmul "
+                    "computes wrong results for it; repack with --layout-option pad_hidden=true")  # fmt: skip
+        if int(layout_fields.get("num_warps", 8)) == 8 and min(hp, 2 * ip) <= 128:
+            return f"output width {min(hp, 2 * ip)} <= 128: triton_kernels' Hopper matmul (num_warps 8) cannot compile for it"
+        return None
+
+    def wrap(self, tensors: dict[str, torch.Tensor], layout_fields: dict[str, Any], rank_intermediate_size: int,
+             tp_size: int, kernel_locations: KernelLocations | None = None, **common: Any) -> TritonExperts:  # fmt: skip
+        """One rank's buffers wrapped per spec §8; a TP rank's Ip is its share rounded up to the
+        layout's ``intermediate_align``."""
+        self.check_device(tensors["w13_weight"].device)
+        tk = discover.find_triton_kernels((kernel_locations or KernelLocations()).triton_kernels)
+        discover.require_triton_generation(tk, str(layout_fields.get("triton_layout", "3.5")))
+        align = int(layout_fields.get("intermediate_align", 64))
+        ip = int(layout_fields["padded_intermediate_size"]) if tp_size == 1 else _round_up(rank_intermediate_size, align)
+        return build_experts(tk, tensors, padded_intermediate_size=ip, **common)
+
+    def forward(self, experts: TritonExperts, x: torch.Tensor, topk_ids: torch.Tensor | None,
+                topk_weights: torch.Tensor | None, logits: torch.Tensor | None, info: Any) -> torch.Tensor:  # fmt: skip
+        """triton_kernels' own routing (top-k given, or fused over ``logits``) then the two GEMMs."""
+        renormalize = info.routing == "topk_softmax" or bool(info.norm_topk_prob)
+        return experts.forward(x, experts.routing(topk_ids, topk_weights, logits, info.top_k, renormalize))
+
+
+RUNNER = TritonRunner()

@@ -18,7 +18,7 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from mxconv.errors import BadInput
 from mxconv.families.base import Int4Stack
@@ -27,7 +27,10 @@ from mxconv.mx.int4 import GROUP_SIZE, VALUES_PER_WORD, words_as_bytes
 if TYPE_CHECKING:
     import torch
 
-    from mxconv.families.per_expert import PerExpertReader
+    from mxconv.source.checkpoint import Checkpoint
+
+# (expert, projection index, parameter e.g. "weight_packed") -> the tensor's name in the checkpoint
+ExpertTensorName = Callable[[int, int, str], str]
 
 ProjSpec = tuple[str, tuple[str, ...], tuple[int, ...], str]
 
@@ -42,17 +45,18 @@ def int4_proj_specs(n: int, k: int, why: str) -> list[ProjSpec]:
     ]
 
 
-def _fail(reader: "PerExpertReader", name: str, problem: str) -> BadInput:
-    info = reader.ckpt.tensors.get(name)
-    where = info.file if info is not None else reader.ckpt.root
+def _fail(ckpt: Checkpoint, name: str, problem: str) -> BadInput:
+    info = ckpt.tensors.get(name)
+    where = info.file if info is not None else ckpt.root
     return BadInput(f"{where}: tensor {name!r} {problem}")
 
 
 def read_int4_stack(
-    reader: "PerExpertReader", prefix: str, projs: tuple[int, ...], n: int, k: int, experts: tuple[int, int] | None = None
+    ckpt: Checkpoint, tensor_name: ExpertTensorName, num_experts: int, projs: tuple[int, ...], n: int, k: int,
+    experts: tuple[int, int] | None = None,
 ) -> Int4Stack:
-    """Read projections ``projs`` (stacked along the rows, gate then up for w13) of every expert of
-    the layer at ``prefix`` (or of experts [e0, e1)) into one canonical :class:`Int4Stack`: data uint8
+    """Read projections ``projs`` (stacked along the rows, gate then up for w13) of every one of the
+    layer's ``num_experts`` experts (or of experts [e0, e1)), named by ``tensor_name``, into one canonical :class:`Int4Stack`: data uint8
     [E, n, k/2] (the words' bytes, offset-binary), scales bf16 [E, n, k/32].
 
     BadInput naming the shard file, the tensor and the rule when a ``weight_shape`` disagrees with
@@ -60,29 +64,29 @@ def read_int4_stack(
     """
     import torch
 
-    e0, e1 = experts or (0, reader._plan().num_experts)
+    e0, e1 = experts or (0, num_experts)
     rows = n // len(projs)
     data = torch.empty((e1 - e0, n, k // 2), dtype=torch.uint8)
     scales = torch.empty((e1 - e0, n, k // GROUP_SIZE), dtype=torch.bfloat16)
     for e in range(e0, e1):
         for j, proj in enumerate(projs):
             part = slice(j * rows, (j + 1) * rows)
-            shape_name = reader.expert_name(prefix, e, proj, "weight_shape")
-            stated = [int(v) for v in reader.ckpt.read(shape_name).tolist()]
+            shape_name = tensor_name(e, proj, "weight_shape")
+            stated = [int(v) for v in ckpt.read(shape_name).tolist()]
             if stated != [rows, k]:
                 raise _fail(
-                    reader, shape_name,
+                    ckpt, shape_name,
                     f"says the weight is {stated}, but its weight_packed/weight_scale headers and config.json give "
                     f"[{rows}, {k}] (weight_shape must equal [rows, columns] of the unpacked weight)",
                 )
-            data[e - e0, part] = words_as_bytes(reader.ckpt.read(reader.expert_name(prefix, e, proj, "weight_packed")))
-            scale_name = reader.expert_name(prefix, e, proj, "weight_scale")
-            s = reader.ckpt.read(scale_name)
+            data[e - e0, part] = words_as_bytes(ckpt.read(tensor_name(e, proj, "weight_packed")))
+            scale_name = tensor_name(e, proj, "weight_scale")
+            s = ckpt.read(scale_name)
             bad = ~torch.isfinite(s)
             if bool(bad.any()):
                 r, c = (int(i) for i in bad.nonzero()[0])
                 raise _fail(
-                    reader, scale_name,
+                    ckpt, scale_name,
                     f"holds {s[r, c].item()} at [{r}, {c}] (INT4 group scales must be finite; w = q * scale)",
                 )
             scales[e - e0, part] = s

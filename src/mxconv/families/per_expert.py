@@ -64,7 +64,7 @@ from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MoELayerRef, MXStack
 from mxconv.families.ct_int4 import read_int4_stack
 from mxconv.families.ct_output import CompressedTensorsOutput
-from mxconv.families.per_expert_headers import _Plan, PerExpertPlan
+from mxconv.families.per_expert_headers import HeaderPlan, PerExpertPlan
 from mxconv.families.quant_config import FLOAT_DTYPES
 from mxconv.source.st_format import torch_dtype
 
@@ -96,7 +96,7 @@ class PerExpertReader(PerExpertPlan, CompressedTensorsOutput, FamilyReader):
 
     def __init__(self, ckpt: Checkpoint) -> None:
         super().__init__(ckpt)
-        self._plan_cache: _Plan | None = None
+        self._plan_cache: HeaderPlan | None = None
         self._refs_cache: list[MoELayerRef] | None = None
 
     # ---- family hooks -----------------------------------------------------------------------
@@ -234,7 +234,9 @@ class PerExpertReader(PerExpertPlan, CompressedTensorsOutput, FamilyReader):
                     parts.append((data, sinv))
                 setattr(layer, key + "_fp8", FP8BlockStack(parts, p.block))
             elif fmt == "int4":
-                setattr(layer, key + "_int4", read_int4_stack(self, prefix, projs, n, k, experts))
+                setattr(layer, key + "_int4", read_int4_stack(
+                    self.ckpt, lambda e, proj, param: self.expert_name(prefix, e, proj, param), self._plan().num_experts,
+                    projs, n, k, experts))
             else:
                 packed = fmt == "mxfp4"
                 data = self._read_stack(prefix, projs, "weight_packed" if packed else "weight", n, k // 2 if packed else k, torch.uint8, experts)

@@ -28,7 +28,9 @@ _INT4_PARAMS = frozenset({"weight_packed", "weight_scale", "weight_shape"})
 
 
 @dataclass(frozen=True)
-class _Plan:
+class HeaderPlan:
+    """What a per-expert checkpoint's headers and config say, checked once: formats, sizes, layers."""
+
     root: str  # tensor-name prefix before "layers.", e.g. "model."
     layers: tuple[int, ...]
     fmt: str  # "float" | "fp8_block" | "mxfp4" | "mxfp8" | "int4": the MX format of a mixed checkpoint
@@ -135,7 +137,7 @@ class PerExpertPlan:
                 )
         return fmt, float_dtype
 
-    def _plan(self) -> _Plan:
+    def _plan(self) -> HeaderPlan:
         if self._plan_cache is not None:
             return self._plan_cache
         ck = self.ckpt
@@ -185,7 +187,7 @@ class PerExpertPlan:
             scale_scheme = "e8m0"
         elif fmt == "int4":
             scale_scheme = "bf16_group32"
-        plan = _Plan(
+        plan = HeaderPlan(
             root=root,
             layers=layers,
             fmt=fmt,
@@ -223,7 +225,7 @@ class PerExpertPlan:
             raise BadInput(f"{self._where()}: tensor {name!r} has shape {list(info.shape)}, expected {list(shape)} ({why})")
         return info
 
-    def _proj_specs(self, plan: _Plan, layer: int, proj: int) -> list[tuple[str, tuple[str, ...], tuple[int, ...], str]]:
+    def _proj_specs(self, plan: HeaderPlan, layer: int, proj: int) -> list[tuple[str, tuple[str, ...], tuple[int, ...], str]]:
         """(param, allowed dtypes, shape, why) of one projection's source tensors in ``layer``."""
         H, I = plan.hidden_size, plan.intermediate_size
         n, k = (I, H) if proj < 2 else (H, I)
@@ -246,7 +248,7 @@ class PerExpertPlan:
             return [("weight_packed", ("U8",), (n, k // 2), why + ", two E2M1 codes per byte"), ("weight_scale", ("U8", "F8_E8M0"), (n, k // 32), swhy)]
         return [("weight", ("F8_E4M3",), (n, k), why), ("weight_scale", ("U8", "F8_E8M0"), (n, k // 32), swhy)]
 
-    def _check_layer(self, plan: _Plan, layer: int, experts: set[int]) -> None:
+    def _check_layer(self, plan: HeaderPlan, layer: int, experts: set[int]) -> None:
         E = plan.num_experts
         prefix = self.layer_prefix(plan.root, layer)
         extra = sorted(e for e in experts if e >= E)

@@ -18,11 +18,9 @@ torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxc
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, WEIGHT_FORMATS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec,
@@ -138,31 +136,20 @@ class LayoutBase:
                 f"{self.name} does not support activation {activation!r}; supported: {', '.join(self.activations)}"
             )
 
-    # module whose kernel_unavailable(manifest) / run_kernel_layer(...) drive the engine's own
-    # kernel for this layout (``verify --kernel``, the loader); None: no runner in mxconv
-    kernel_runner: str | None = None
+    # the engine's own kernel runner for these bytes (``verify --kernel``, the loader): a
+    # "module:attribute" string naming a mxconv.engines.runner.EngineRunner, or the object itself;
+    # resolved by mxconv.engines (never here: the engines sit above the layouts). None: no runner.
+    engine_runner: Any = None
 
     def size_warnings(self, hidden_size: int, intermediate_size: int, options: dict[str, Any] | None = None) -> list[str]:
         """Plain warnings about sizes the engine accepts but computes wrongly (repack prints them,
         inspect shows them, ``verify --kernel`` fails on them). None by default."""
         return []
 
-    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
-        """None when ``verify --kernel`` can run the engine's kernel on this machine for an output
-        described by ``manifest`` (kernels looked for at ``kernel_locations`` first); otherwise the
-        reason, naming what is missing."""
-        if self.kernel_runner is None:
-            return f"no engine kernel runner exists in mxconv for backend {self.name}"
-        return importlib.import_module(self.kernel_runner).kernel_unavailable(manifest, kernel_locations=kernel_locations)
-
-    def run_kernel(self, root: Any, manifest: dict[str, Any], layer: int, hidden: torch.Tensor, routing: Any,
-                   kernel_locations: KernelLocations | None = None) -> torch.Tensor:  # fmt: skip
-        """The engine kernel's MoE output [T, H] fp32 for ``hidden`` [T, H] fp32 and ``routing``
-        (top-k ``ids``/``weights``), summed over TP ranks (only when :meth:`kernel_unavailable` is None)."""
-        if self.kernel_runner is None:
-            raise LayoutError(self.kernel_unavailable(manifest) or f"backend {self.name} cannot run a kernel")
-        runner = importlib.import_module(self.kernel_runner)
-        return runner.run_kernel_layer(root, manifest, layer, hidden, routing, kernel_locations=kernel_locations)
+    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+        """Why ``verify --kernel`` cannot run the engine's kernel for a backend without an
+        :attr:`engine_runner` (backends with one are asked through their runner instead)."""
+        return f"no engine kernel runner exists in mxconv for backend {self.name}"
 
 
 class Layout(Protocol):
@@ -179,8 +166,10 @@ class Layout(Protocol):
         """Validated options with defaults filled (LayoutBase provides it)."""
         ...
 
-    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
-        """None when the engine kernel can run here, else why not (LayoutBase provides a default)."""
+    engine_runner: Any  # "module:attribute" of its mxconv.engines EngineRunner, the runner, or None
+
+    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+        """Why the engine kernel cannot run when there is no engine_runner (LayoutBase provides one)."""
         ...
 
     def padded_sizes(

@@ -68,7 +68,7 @@ class MarlinLayout(LayoutBase):
     activations: tuple[str, ...] = ACTIVATIONS
     # fp8 is the same backends with VLLM_MARLIN_INPUT_DTYPE=fp8 (W4A8-FP8)
     vllm_backends = {"bf16": ("MARLIN", "BATCHED_MARLIN"), "fp8": ("MARLIN", "BATCHED_MARLIN")}
-    kernel_runner = "mxconv.engines"  # vLLM's own kernel runs on these bytes (verify --kernel)
+    engine_runner = "mxconv.engines.marlin_moe:RUNNER"  # the engine's own kernel on these bytes (verify --kernel)
     options = (
         LayoutOption(
             "marlin_scale_layout", str, "current",

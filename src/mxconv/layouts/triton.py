@@ -137,7 +137,7 @@ class TritonLayout(LayoutBase):
     # vLLM 0.33 holds these bytes for gpt-oss (interleaved) sources; for halves sources its TRITON
     # branch interleaves the K axis instead of the rows (spec §5) and its OAI experts run swigluoai only.
     vllm_backends = {"bf16": ("TRITON",)}
-    kernel_runner = "mxconv.engines"  # vLLM's own kernel runs on these bytes (verify --kernel)
+    engine_runner = "mxconv.engines.triton_moe:RUNNER"  # the engine's own kernel on these bytes (verify --kernel)
     options = (
         LayoutOption("triton_layout", str, "3.5", "triton_kernels Hopper value-layout generation: 3.5 (vendored by "
                      "vLLM 0.12-0.33; rows to 16, K/2 to 32) or 3.6 (vLLM 0.20, triton main; both to 64)",

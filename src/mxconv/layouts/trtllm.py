@@ -48,17 +48,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
-from mxconv.layouts import trtllm_mxint4  # imports nothing from this module at import time
+from mxconv.layouts import trtllm_mxint4
 from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
     CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes, TensorSpec, gather_padded_rows,
     layout_kernels, round_up, unpad_canonical,
 )
 from mxconv.layouts.trtllm_bytemap import (
-    EPILOGUE_TILE_M, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, _check_row_order, gate_up_pair_dst,
-    gate_up_pair_src, mma_shuffle_dst, mma_shuffle_src, swizzle_128x4, swizzle_offsets, swizzle_slot_coords,
+    BACKEND_NAME, EPILOGUE_TILE_M, LAYOUT_VERSION, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, check_kernel_tensors,
+    check_row_order, gate_up_pair_dst, gate_up_pair_src, mma_shuffle_dst, mma_shuffle_src, swizzle_128x4, swizzle_offsets, swizzle_slot_coords,
     swizzled_scale_size, unswizzle_128x4, w13_row_dst, w13_row_src, w13_row_table, w2_row_dst, w2_row_src,
     w2_row_table,
 )
@@ -74,8 +73,6 @@ __all__ = [  # the row maps and swizzle are re-exported: tests, tools and trtllm
     "unswizzle_128x4", "w13_row_dst", "w13_row_src", "w13_row_table", "w2_row_dst", "w2_row_src", "w2_row_table",
 ]
 
-BACKEND_NAME = "trtllm"
-LAYOUT_VERSION = 1
 ACTIVATIONS: tuple[str, ...] = ("bf16", "mxfp8")
 
 HIDDEN_ALIGN = 256  # also what vLLM pads MXFP8 activations to, so it must stay 256
@@ -132,7 +129,7 @@ class TrtllmLayout(LayoutBase):
         ),
     )
 
-    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
+    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
         """FlashInfer's TRT-LLM-gen MoE kernels need an SM100 GPU; mxconv does not drive them yet."""
         import torch
 
@@ -172,7 +169,7 @@ class TrtllmLayout(LayoutBase):
         """
         if weight_format == "int4":
             return trtllm_mxint4.padded_sizes(hidden_size, intermediate_size, row_order, activation)
-        _check_row_order(row_order)
+        check_row_order(row_order)
         self._check_activation(activation)
         if intermediate_align is None:
             align = intermediate_align_option(options)
@@ -275,7 +272,7 @@ class TrtllmLayout(LayoutBase):
         if sizes.weight_format == "int4":
             return trtllm_mxint4.from_kernel(k, sizes, activation)
         specs = self.kernel_specs(sizes, activation, options)
-        _check_kernel_tensors(k, specs)
+        check_kernel_tensors(k, specs)
         Hp, Ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
         device = k["w13_weight"].device
         dst13 = w13_row_dst(Ip, sizes.row_order, device)
@@ -331,25 +328,6 @@ def _unswizzled_kernel_scales(kernel_scale: torch.Tensor) -> torch.Tensor:
 
     E, R, C = kernel_scale.shape
     return unswizzle_128x4(kernel_scale.view(torch.uint8).reshape(E, R * C), R, C)
-
-
-def _check_kernel_tensors(k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
-    """LayoutError unless ``k`` holds exactly the tensors of ``specs`` with those shapes/dtypes, on one device."""
-    missing = [name for name in specs if name not in k]
-    if missing:
-        raise LayoutError(f"trtllm kernel tensors missing: {', '.join(missing)}")
-    unexpected = [name for name in k if name not in specs]
-    if unexpected:
-        raise LayoutError(f"unexpected trtllm kernel tensors: {', '.join(unexpected)}")
-    for name, spec in specs.items():
-        t = k[name]
-        if tuple(t.shape) != spec.shape:
-            raise LayoutError(f"trtllm kernel tensor {name} has shape {tuple(t.shape)}, expected {spec.shape}")
-        if t.dtype != spec.dtype:
-            raise LayoutError(f"trtllm kernel tensor {name} has dtype {t.dtype}, expected {spec.dtype}")
-    devices = {str(t.device) for t in k.values()}
-    if len(devices) > 1:
-        raise LayoutError(f"trtllm kernel tensors are on different devices: {sorted(devices)}")
 
 
 LAYOUT = TrtllmLayout()

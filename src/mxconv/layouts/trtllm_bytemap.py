@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.base import ROW_ORDERS, cached_index, pad_row_source, round_up
+from mxconv.layouts.base import ROW_ORDERS, KernelTensors, TensorSpec, cached_index, pad_row_source, round_up
 
 if TYPE_CHECKING:
     import torch
 
+BACKEND_NAME = "trtllm"
+LAYOUT_VERSION = 1  # of both variants (MXFP4, MxInt4); bump when the bytes written change
 EPILOGUE_TILE_M = 128
 SHUFFLE_BLOCK_ROWS = 32  # MMA row-shuffle block for epilogue_tile_m = 128
 SF_TILE_ROWS = 128  # 128x4 scale swizzle tile
@@ -54,7 +56,7 @@ def mma_shuffle_dst(num_rows: int, device: torch.device | str | None = None) -> 
     return (r // 32) * 32 + (r % 4) * 8 + (r % 32) // 4
 
 
-def _check_row_order(row_order: str) -> None:
+def check_row_order(row_order: str) -> None:
     if row_order not in ROW_ORDERS:
         raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
 
@@ -69,7 +71,7 @@ def gate_up_pair_src(
     """
     import torch
 
-    _check_row_order(row_order)
+    check_row_order(row_order)
     Ip = padded_intermediate
     k = torch.arange(2 * Ip, dtype=torch.long, device=device)
     if row_order == "interleaved":
@@ -84,7 +86,7 @@ def gate_up_pair_dst(
     n XOR 1 for interleaved. Returns a LongTensor [2*Ip]."""
     import torch
 
-    _check_row_order(row_order)
+    check_row_order(row_order)
     Ip = padded_intermediate
     n = torch.arange(2 * Ip, dtype=torch.long, device=device)
     if row_order == "interleaved":
@@ -203,3 +205,22 @@ def unswizzle_128x4(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     tiles = buffer.reshape(-1, Rp // SF_TILE_ROWS, Cp // SF_TILE_COLS, 32, 4, SF_TILE_COLS)
     matrix = tiles.permute(0, 1, 4, 3, 2, 5).reshape(*lead, Rp, Cp)
     return matrix[..., :rows, :cols].contiguous()
+
+
+def check_kernel_tensors(k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
+    """LayoutError unless ``k`` holds exactly the tensors of ``specs`` with those shapes/dtypes, on one device."""
+    missing = [name for name in specs if name not in k]
+    if missing:
+        raise LayoutError(f"trtllm kernel tensors missing: {', '.join(missing)}")
+    unexpected = [name for name in k if name not in specs]
+    if unexpected:
+        raise LayoutError(f"unexpected trtllm kernel tensors: {', '.join(unexpected)}")
+    for name, spec in specs.items():
+        t = k[name]
+        if tuple(t.shape) != spec.shape:
+            raise LayoutError(f"trtllm kernel tensor {name} has shape {tuple(t.shape)}, expected {spec.shape}")
+        if t.dtype != spec.dtype:
+            raise LayoutError(f"trtllm kernel tensor {name} has dtype {t.dtype}, expected {spec.dtype}")
+    devices = {str(t.device) for t in k.values()}
+    if len(devices) > 1:
+        raise LayoutError(f"trtllm kernel tensors are on different devices: {sorted(devices)}")

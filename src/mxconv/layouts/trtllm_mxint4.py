@@ -32,6 +32,10 @@ from typing import TYPE_CHECKING, Any
 from mxconv.errors import LayoutError
 from mxconv.mx.int4 import GROUP_SIZE, SCALE_DTYPE, to_twos_complement
 from mxconv.layouts.base import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, gather_padded_rows
+from mxconv.layouts.trtllm_bytemap import (
+    BACKEND_NAME, EPILOGUE_TILE_M, LAYOUT_VERSION, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, check_kernel_tensors,
+    swizzle_128x4, unswizzle_128x4, w13_row_dst, w13_row_table, w2_row_dst, w2_row_table,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -97,15 +101,11 @@ def from_block_major(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _row_tables(H: int, I: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    from mxconv.layouts.trtllm import w13_row_table, w2_row_table
-
     return w13_row_table(I, I, ROW_ORDER, device), w2_row_table(H, H, device)
 
 
 def to_kernel(c: CanonicalExperts, activation: str) -> KernelTensors:
     """Canonical int4 stack -> MxInt4 kernel tensors on ``c``'s device (module table)."""
-    from mxconv.layouts.trtllm import swizzle_128x4
-
     if c.weight_format != WEIGHT_FORMAT:
         raise LayoutError(f"trtllm MxInt4 takes int4 experts, got {c.weight_format}")
     c.validate()
@@ -129,9 +129,7 @@ def from_kernel(k: KernelTensors, sizes: LayoutSizes, activation: str) -> Canoni
     different devices. Every byte and scale element is used, so nothing else can be checked here;
     verify compares the result with the reference.
     """
-    from mxconv.layouts.trtllm import _check_kernel_tensors, unswizzle_128x4, w13_row_dst, w2_row_dst
-
-    _check_kernel_tensors(k, kernel_specs(sizes, activation))
+    check_kernel_tensors(k, kernel_specs(sizes, activation))
     H, I, E = sizes.hidden_size, sizes.intermediate_size, sizes.num_experts
     device = k["w13_weight"].device
     dst13, dst2 = w13_row_dst(I, ROW_ORDER, device), w2_row_dst(H, device)
@@ -155,8 +153,6 @@ def from_kernel(k: KernelTensors, sizes: LayoutSizes, activation: str) -> Canoni
 def describe(sizes: LayoutSizes, activation: str) -> dict[str, Any]:
     """Manifest ``layout`` fields of the MxInt4 variant (kernel_params are added by the caller)."""
     kernel_specs(sizes, activation)
-    from mxconv.layouts.trtllm import BACKEND_NAME, EPILOGUE_TILE_M, LAYOUT_VERSION, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS
-
     return {
         "name": BACKEND_NAME,
         "version": LAYOUT_VERSION,

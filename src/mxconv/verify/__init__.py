@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from mxconv.source.checkpoint import MANIFEST_NAME, open_checkpoint
-from mxconv.engines import KERNEL_THRESHOLDS
+from mxconv.engines.runner import KERNEL_THRESHOLDS
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput, Unsupported
 from mxconv.families import detect_family

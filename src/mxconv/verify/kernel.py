@@ -1,9 +1,9 @@
 """``mxconv verify --kernel``: the engine's own kernel, fed the files on disk, against the reference.
 
-For every checked layer of a kernel-layout output the backend's engine kernel (triton_kernels
-``matmul_ogs`` for ``triton``, vLLM's ``moe_wna16_marlin_gemm`` for ``marlin``; see
-:mod:`mxconv.engines`) runs the full MoE forward on the same seeded hidden states and routing as the
-reference runner. Its output [T, H] is compared
+For every checked layer of a kernel-layout output the backend's engine kernel (the
+:class:`~mxconv.engines.runner.EngineRunner` its layout points to; see :mod:`mxconv.engines`) runs
+the full MoE forward on the same seeded hidden states and routing as the reference runner.
+Its output [T, H] is compared
 
 * with the reference runner on the converted checkpoint's own (inverted) MXFP4 bytes: does the kernel
   read the bytes the way the layout spec says? Bound: :data:`KERNEL_THRESHOLDS` (bf16 activations,
@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from mxconv.engines import KERNEL_THRESHOLDS
+from mxconv.engines.loader import run_kernel_layer
+from mxconv.engines.runner import KERNEL_THRESHOLDS, engine_runner, kernel_unavailable, runner_backends
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.layouts import Layout, get_layout
@@ -50,18 +51,20 @@ class KernelResult:
 
 def kernel_preflight(manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> tuple[Layout, list[str]]:
     """The output's layout and the size problems that make its kernel compute wrongly (FAIL).
-    BadInput (exit 2) when the kernel cannot run on this machine (its kernels looked for at
+    BadInput (exit 2) when the kernel cannot run on this machine (kernels looked for at
     ``kernel_locations`` first), naming what is missing."""
     backend = manifest.get("backend")
     if not backend:
-        raise BadInput("--kernel: a canonical checkpoint has no backend kernel (repack it with --backend triton or marlin)")
+        choices = " or ".join(runner_backends())
+        raise BadInput(f"--kernel: a canonical checkpoint has no backend kernel (repack it with --backend {choices})")
     layout = get_layout(backend)
     lay = manifest.get("layout") or {}
     options = layout.resolve_options(lay.get("options") or {})
     problems = layout.size_warnings(int(lay.get("hidden_size", 0)), int(lay.get("intermediate_size", 0)), options)
     if problems:
         return layout, problems
-    reason = layout.kernel_unavailable(manifest, kernel_locations)
+    reason = (layout.kernel_unavailable(manifest) if engine_runner(backend) is None
+              else kernel_unavailable(manifest, kernel_locations=kernel_locations))
     if reason:
         raise BadInput(f"--kernel: cannot run the {backend} engine kernel here: {reason}")
     return layout, []
@@ -100,11 +103,10 @@ def check_kernel_layer(
 
     x [T, H] fp32 hidden states; ``routing`` the converted router's top-k; ``converted_out`` [T, H]
     the reference runner on the converted bytes; ``reference`` (output [T, H], top-k ids [T, k],
-    the numerics threshold of the pair) when a reference was given; ``kernel_locations`` where the
-    engine's kernels are when not installed.
+    the numerics threshold of the pair) when a reference was given.
     """
     res = KernelResult()
-    out = layout.run_kernel(root, manifest, layer, x, routing, kernel_locations).float().cpu()
+    out = run_kernel_layer(root, manifest, layer, x, routing, kernel_locations=kernel_locations).float().cpu()
     if not bool(torch.isfinite(out).all()):
         res.problems.append(f"layer {layer} kernel: the engine kernel's output holds NaN/Inf")
     res.vs_converted = compare(out, converted_out, routing.ids, routing.ids)

@@ -1,0 +1,92 @@
+"""Which engine kernel runs a backend's bytes: the :class:`EngineRunner` a layout points to.
+
+A backend layout names its runner in ``engine_runner`` (a ``"module:attribute"`` string, imported
+on first use, or the object itself for plug-ins and tests); ``None`` means mxconv cannot run that
+engine's kernel. This module resolves the pointer — the layouts never import the engines, which sit
+above them — so ``verify --kernel`` and the loader ask :func:`engine_runner` and never name a backend.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mxconv.environment import KernelLocations
+from mxconv.errors import BadInput
+from mxconv.layouts import backend_names, get_layout
+from mxconv.registry import resolve_entry
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from mxconv.families.base import ModelInfo
+
+# Engine kernel (bf16 activations, bf16 GEMM outputs) vs the fp32 reference MoE on the same MXFP4
+# weights. bf16 rounding of the input, the intermediate and each GEMM output gives ~2e-3 each.
+# Measured on an H100 (tests/test_engines_gpu.py): triton_kernels 3.9e-3 - 5.1e-3, vLLM's Marlin
+# 5.2e-3 - 5.7e-3 relative RMS; planted layout bugs 0.17 - 0.82.
+KERNEL_THRESHOLDS: dict[str, float] = {"rel_rms": 0.02, "cosine": 0.9995, "topk_agreement": 1.0}
+
+
+class EngineRunner(Protocol):
+    """How one engine's own MoE kernel takes a layer of a backend's output and runs it."""
+
+    device: str  # where the kernel runs and the loader reads the layer to, e.g. "cuda"
+    what: str  # the kernel, in words, for messages
+
+    def check_device(self, device: Any) -> None:
+        """BadInput unless ``device`` is a GPU this kernel runs on (checked before any byte is read)."""
+        ...
+
+    def kernel_unavailable(self, layout_fields: dict[str, Any], device: Any,
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
+        """None when the kernel can run here on an output whose manifest ``layout`` object is
+        ``layout_fields`` (kernels looked for at ``kernel_locations`` first, then the environment
+        and installed copies); else one line naming what is missing (GPU, kernels, layout variant).
+        May raise BadInput instead of returning the line."""
+        ...
+
+    def wrap(self, tensors: dict[str, torch.Tensor], layout_fields: dict[str, Any], rank_intermediate_size: int,
+             tp_size: int, kernel_locations: KernelLocations | None = None, **common: Any) -> Any:  # fmt: skip
+        """The engine's expert object holding one rank's stored tensors (names without prefix, on
+        the GPU) as the kernel takes them (kernels found as for :meth:`kernel_unavailable`). ``common``: num_experts, hidden_size,
+        padded_hidden_size, layout, activation, swiglu_alpha, swiglu_limit, name."""
+        ...
+
+    def forward(self, experts: Any, x: torch.Tensor, topk_ids: torch.Tensor | None, topk_weights: torch.Tensor | None,
+                logits: torch.Tensor | None, info: ModelInfo) -> torch.Tensor:  # fmt: skip
+        """The kernel's MoE output [T, H] bf16 for ``x`` [T, H] bf16 routed by top-k ids/weights
+        [T, k] or by router ``logits`` [T, E] (one of the two is None)."""
+        ...
+
+
+def engine_runner(backend: str) -> EngineRunner | None:
+    """The engine runner of registered backend ``backend``, or None when it has none."""
+    entry = getattr(get_layout(backend), "engine_runner", None)
+    return None if entry is None else resolve_entry(entry)
+
+
+def runner_backends() -> tuple[str, ...]:
+    """The registered backends whose engine kernel mxconv can run, in registration order."""
+    return tuple(name for name in backend_names() if getattr(get_layout(name), "engine_runner", None) is not None)
+
+
+def require_runner(backend: Any, where: str = "") -> EngineRunner:
+    """:func:`engine_runner` of ``backend``; BadInput naming the backends that have one otherwise."""
+    runner = engine_runner(backend) if backend in backend_names() else None
+    if runner is None:
+        raise BadInput(f"{where}backend {backend!r} has no engine runner in mxconv (runners: {', '.join(runner_backends())})")
+    return runner
+
+
+def kernel_unavailable(manifest: dict[str, Any], device: Any = "cuda", kernel_locations: KernelLocations | None = None) -> str | None:
+    """None when the engine kernel for ``manifest``'s backend can run here (kernels looked for at
+    ``kernel_locations`` first), else one line naming what is missing (backend without a runner,
+    GPU, kernels, layout variant)."""
+    backend = manifest.get("backend")
+    runner = engine_runner(backend) if backend in backend_names() else None
+    if runner is None:
+        return f"no engine kernel runner in mxconv for backend {backend!r} (runners: {', '.join(runner_backends())})"
+    try:
+        return runner.kernel_unavailable(manifest.get("layout") or {}, device, kernel_locations)
+    except BadInput as exc:
+        return str(exc)
