@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from mxconv.source.checkpoint import MANIFEST_NAME
+from mxconv.source.file_names import MANIFEST_NAME
 from mxconv.errors import BadInput
 from mxconv.families.base import ModelInfo
-from mxconv.output.manifest import load_manifest
+from mxconv.source.manifest import load_manifest
 
 ENGINE_BACKENDS = ("triton", "marlin")
 EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
