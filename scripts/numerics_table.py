@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _args import parser  # noqa: E402
-from mxconv.mx.numerics import FORMATS, SCALE_MODES, dequantize_mx, quantize_mx_torch  # noqa: E402
+from mxconv.mx.formats import FORMATS, SCALE_MODES  # noqa: E402
+from mxconv.mx.numerics import dequantize_mx, quantize_mx_torch  # noqa: E402
 from mxconv.verify.reference_moe import hidden_states  # noqa: E402
 
 

@@ -29,7 +29,7 @@ from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts.base import CanonicalExperts
 from mxconv.engines.loader import LayerSource, build_engine_layer, read_layer_tensors, resolve_layer, run_kernel_layer
-from mxconv.output.manifest import load_manifest
+from mxconv.source.manifest import load_manifest
 from mxconv.verify.reference_moe import Routing, compare, hidden_states, moe_forward, route
 from support.checkpoints import make_checkpoint
 from mxconv.verify import expert_fn

@@ -1,9 +1,9 @@
 """Interruptions and disk trouble (docs/reliability.md): SIGINT/SIGTERM mid-write, --overwrite that
 keeps the old output whole until the new one is complete, the free-space check, a full disk.
 
-The signal tests run the CLI in a subprocess with ``MXCONV_TEST_WRITE_DELAY`` (the writer pauses
-after every tensor) and signal it once its first temporary shard exists, so the run is always
-mid-write when the signal lands, however slow the machine.
+The signal tests run the CLI in a subprocess whose writer pauses after every tensor
+(``support/slow_write.py`` patches it in) and signal it once its first temporary shard exists, so the
+run is always mid-write when the signal lands, however slow the machine.
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ import pytest
 
 import mxconv.output.directory as output_dir_mod
 import mxconv.output.writer as writer_mod
-from mxconv.output.writer import IN_PROGRESS, STAGING, TMP_SUFFIX
+from mxconv.output.directory import STAGING, TMP_SUFFIX
+from mxconv.source.file_names import IN_PROGRESS
 from support.checkpoints import make_checkpoint
 from support.cli import mx
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
+SLOW_WRITE = Path(__file__).resolve().parent / "support" / "slow_write.py"
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +54,8 @@ def leftovers(root: Path) -> list[str]:
 
 
 def start_slow(args: list[str], delay: float = 1.0) -> subprocess.Popen:
-    env = dict(os.environ, MXCONV_TEST_WRITE_DELAY=str(delay))
-    return subprocess.Popen([sys.executable, "-m", "mxconv.cli", *args], env=env, stdout=subprocess.PIPE,
+    """``mxconv ARGS`` in a subprocess whose writer pauses ``delay`` seconds after every tensor."""
+    return subprocess.Popen([sys.executable, str(SLOW_WRITE), str(delay), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 

@@ -11,7 +11,7 @@ import torch
 from mxconv.errors import LayoutError
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts, LayoutSizes, pad_canonical
-from mxconv.mx.numerics import pack_fp4, unpack_fp4
+from mxconv.mx.formats import pack_fp4, unpack_fp4
 from mxconv.layouts.marlin import (
     LAYOUT,
     chunk32_perm,

@@ -29,7 +29,8 @@ from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import TensorSpec
 from mxconv.run.memory import ExpertCost, MemoryBudget, MemoryPlan, balance, plan_memory, work_items
 from support.checkpoints import INT4_KINDS, KINDS, make_checkpoint
-from mxconv.output.writer import PlannedTensor, ShardedWriter, plan_shards
+from mxconv.output.shards import PlannedTensor, plan_shards
+from mxconv.output.writer import ShardedWriter
 
 from test_cli import _patch_tensor  # tests/ is on sys.path (pytest rootdir import mode)
 

@@ -549,7 +549,7 @@ def test_tensor_parallel_ranks(tmp_path: Path) -> None:
 
 def test_quantize_dequantizes_exactly_then_quantizes(kimi: GroundTruth, tmp_path: Path) -> None:
     """quantize of an INT4 source: fp32 q * scale (exact), then the usual MX quantizer."""
-    from mxconv.mx.numerics import resolve_scale_mode
+    from mxconv.mx.formats import resolve_scale_mode
     from mxconv.kernels.quantize import quantize_mx
 
     ckpt = open_checkpoint(kimi.path)

@@ -14,9 +14,12 @@ from fractions import Fraction
 import pytest
 import torch
 
+from mxconv.mx import fast as mxfast
+from mxconv.mx import formats as mxf
 from mxconv.mx import numerics as mxn
 from mxconv.errors import BadInput
-from mxconv.mx.numerics import dequantize_mx, first_nonfinite, pack_fp4, quantize_mx_torch, unpack_fp4
+from mxconv.mx.formats import pack_fp4, unpack_fp4
+from mxconv.mx.numerics import dequantize_mx, first_nonfinite, quantize_mx_torch
 from mxconv.kernels.quantize import quantize_mx, select_impl
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,20 +165,20 @@ def test_reference_grids_match_spec_and_torch():
 
 
 def test_constants():
-    assert mxn.BLOCK_SIZE == 32
-    assert mxn.FORMATS == ("mxfp4", "mxfp8")
-    assert mxn.SCALE_MODES == ("rceil", "floor", "even")
-    assert (mxn.E2M1_MAX, mxn.E2M1_EMAX, mxn.E4M3_MAX, mxn.E4M3_EMAX) == (6.0, 2, 448.0, 8)
-    assert (mxn.E8M0_BIAS, mxn.E8M0_NAN) == (127, 0xFF)
-    assert list(mxn.E2M1_VALUES) == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
-    assert math.copysign(1, mxn.E2M1_VALUES[8]) == -1
+    assert mxf.BLOCK_SIZE == 32
+    assert mxf.FORMATS == ("mxfp4", "mxfp8")
+    assert mxf.SCALE_MODES == ("rceil", "floor", "even")
+    assert (mxf.E2M1_MAX, mxf.E2M1_EMAX, mxf.E4M3_MAX, mxf.E4M3_EMAX) == (6.0, 2, 448.0, 8)
+    assert (mxf.E8M0_BIAS, mxf.E8M0_NAN) == (127, 0xFF)
+    assert list(mxf.E2M1_VALUES) == [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    assert math.copysign(1, mxf.E2M1_VALUES[8]) == -1
 
 
 def test_e2m1_table_decodes_every_code():
     codes = torch.arange(16, dtype=torch.uint8).repeat(2)  # 32 codes = one block
     data = pack_fp4(codes)
     out = dequantize_mx(data, torch.tensor([127], dtype=torch.uint8), "mxfp4")
-    assert out.tolist() == list(mxn.E2M1_VALUES) * 2
+    assert out.tolist() == list(mxf.E2M1_VALUES) * 2
     assert torch.signbit(out[8])
 
 
@@ -188,7 +191,7 @@ def test_e2m1_every_tie_rounds_to_even_at_several_scales(k):
     vals = [6.0] + ties + [-t for t in ties]
     vals += [0.0] * (32 - len(vals))
     x = torch.tensor(vals, dtype=torch.float32) * scale
-    for mode in mxn.SCALE_MODES:
+    for mode in mxf.SCALE_MODES:
         data, scales = quantize_mx_torch(x.to(torch.bfloat16), "mxfp4", mode)
         assert scales.tolist() == [127 + k]
         deq = dequantize_mx(data, scales, "mxfp4") / scale
@@ -218,7 +221,7 @@ def test_e4m3_ties_and_saturation():
     vals = [448.0] + ties + [-t for t in ties]
     vals += [0.0] * (32 - len(vals))
     x = torch.tensor(vals, dtype=torch.float32)
-    for mode in mxn.SCALE_MODES:
+    for mode in mxf.SCALE_MODES:
         data, scales = quantize_mx_torch(x, "mxfp8", mode)
         assert scales.tolist() == [127]
         got = data.tolist()
@@ -266,8 +269,8 @@ def _boundary_maxima() -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("fmt", mxn.FORMATS)
-@pytest.mark.parametrize("mode", mxn.SCALE_MODES)
+@pytest.mark.parametrize("fmt", mxf.FORMATS)
+@pytest.mark.parametrize("mode", mxf.SCALE_MODES)
 def test_scale_byte_at_and_around_powers_of_two_fp32(fmt, mode):
     maxima = _boundary_maxima()
     x = blocks_with_max(maxima)
@@ -280,10 +283,10 @@ def test_scale_modes_pick_expected_exponents():
     # A = 1.75: floor -> 0-2, rceil(A/6=0.29) -> -1, even (1.75 rounds to 2 at 1 bit) -> 1-2
     x = torch.zeros(32)
     x[0] = 1.75
-    got = {m: quantize_mx_torch(x, "mxfp4", m)[1].item() - 127 for m in mxn.SCALE_MODES}
+    got = {m: quantize_mx_torch(x, "mxfp4", m)[1].item() - 127 for m in mxf.SCALE_MODES}
     assert got == {"floor": -2, "rceil": -1, "even": -1}
     x[0] = 1.7  # even: 1.7 rounds to 1.5 at 1 mantissa bit -> stays in the binade
-    got = {m: quantize_mx_torch(x, "mxfp4", m)[1].item() - 127 for m in mxn.SCALE_MODES}
+    got = {m: quantize_mx_torch(x, "mxfp4", m)[1].item() - 127 for m in mxf.SCALE_MODES}
     assert got == {"floor": -2, "rceil": -1, "even": -2}
 
 
@@ -301,7 +304,7 @@ def test_rceil_one_ulp_above_power_of_two_ratio():
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", mxn.FORMATS)
+@pytest.mark.parametrize("fmt", mxf.FORMATS)
 def test_zero_blocks_and_negative_zero(fmt):
     x = torch.zeros(3, 32)
     x[1] = -0.0
@@ -335,10 +338,10 @@ def test_subnormal_element_results():
     assert data[:11].tolist() == [0x7E, 1, 2, 3, 4, 5, 6, 7, 0, 1, 0x82]
 
 
-@pytest.mark.parametrize("fmt", mxn.FORMATS)
-@pytest.mark.parametrize("mode", mxn.SCALE_MODES)
+@pytest.mark.parametrize("fmt", mxf.FORMATS)
+@pytest.mark.parametrize("mode", mxf.SCALE_MODES)
 def test_tiny_blocks_and_fp32_subnormal_inputs(fmt, mode):
-    p = mxn.FORMAT_PARAMS[fmt]
+    p = mxf.FORMAT_PARAMS[fmt]
     thr = p.rceil_min_bits_byte1
     maxima = [f32_from_bits(b) for b in (thr - 2, thr - 1, thr, thr + 1, 1, 0x3FFFFF, 0x400000, 0x7FFFFF, 0x800000)]
     maxima += [f32_from_bits(b) for b in (0x00C00000, 0x01000000, 0x02000000, 0x04000000, 0x08000000)]
@@ -360,7 +363,7 @@ def test_tiny_blocks_and_fp32_subnormal_inputs(fmt, mode):
 def test_rceil_threshold_constants_match_numpy_division():
     np = pytest.importorskip("numpy")
     for fmt, max_elem in (("mxfp4", 6.0), ("mxfp8", 448.0)):
-        thr = mxn.FORMAT_PARAMS[fmt].rceil_min_bits_byte1
+        thr = mxf.FORMAT_PARAMS[fmt].rceil_min_bits_byte1
         bound = np.float32(2.0**-127)
         below = np.array([thr - 1], dtype=np.uint32).view(np.float32)[0] / np.float32(max_elem)
         at = np.array([thr], dtype=np.uint32).view(np.float32)[0] / np.float32(max_elem)
@@ -370,11 +373,11 @@ def test_rceil_threshold_constants_match_numpy_division():
 def test_results_do_not_depend_on_cpu_flush_denormal():
     x = blocks_with_max([1e-39, 3e-39, 2e-38, 1e-37], others=1.0)
     x[:, 10:20] = torch.tensor([1e-40, -2e-39, 5e-41, 7e-39, -9e-40, 1e-45, 3e-39, -1e-39, 2e-40, 4e-39])
-    expect = {f: quantize_mx_torch(x, f, "rceil") for f in mxn.FORMATS}
+    expect = {f: quantize_mx_torch(x, f, "rceil") for f in mxf.FORMATS}
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")
     try:
-        for f in mxn.FORMATS:
+        for f in mxf.FORMATS:
             got = quantize_mx_torch(x, f, "rceil")
             assert torch.equal(got[0], expect[f][0]) and torch.equal(got[1], expect[f][1])
     finally:
@@ -394,8 +397,8 @@ def _random_mixed(n_blocks: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("fmt", mxn.FORMATS)
-@pytest.mark.parametrize("mode", mxn.SCALE_MODES)
+@pytest.mark.parametrize("fmt", mxf.FORMATS)
+@pytest.mark.parametrize("mode", mxf.SCALE_MODES)
 def test_random_blocks_match_reference(dtype, fmt, mode):
     x = _random_mixed(24, torch.float32, seed=7)
     if dtype == torch.float16:
@@ -456,7 +459,7 @@ def test_pack_unpack_round_trip_and_nibble_order():
         pack_fp4(torch.zeros(3, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("fmt", mxn.FORMATS)
+@pytest.mark.parametrize("fmt", mxf.FORMATS)
 def test_dequant_is_exact(fmt):
     g = torch.Generator().manual_seed(3)
     scales = torch.tensor([0, 1, 2, 60, 127, 128, 200, 240, 255], dtype=torch.uint8)
@@ -464,7 +467,7 @@ def test_dequant_is_exact(fmt):
     if fmt == "mxfp4":
         codes = torch.randint(0, 16, (n, 32), generator=g, dtype=torch.uint8)
         data = pack_fp4(codes)
-        values = [mxn.E2M1_VALUES[c] for c in codes.reshape(-1).tolist()]
+        values = [mxf.E2M1_VALUES[c] for c in codes.reshape(-1).tolist()]
     else:
         data = torch.randint(0, 256, (n, 32), generator=g, dtype=torch.uint8)
         data[data == 0x7F] = 0x7E
@@ -489,8 +492,8 @@ def test_dequant_rejects_mismatched_scales():
         dequantize_mx(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8), "mxfp4")
 
 
-@pytest.mark.parametrize("fmt", mxn.FORMATS)
-@pytest.mark.parametrize("mode", mxn.SCALE_MODES)
+@pytest.mark.parametrize("fmt", mxf.FORMATS)
+@pytest.mark.parametrize("mode", mxf.SCALE_MODES)
 def test_requantizing_dequantized_values_is_value_exact(fmt, mode):
     x = torch.randn(16, 256, dtype=torch.bfloat16)
     d1, s1 = quantize_mx_torch(x, fmt, mode)
@@ -603,8 +606,8 @@ def test_compressed_tensors_decodes_our_bytes():
         assert torch.equal(theirs.to(torch.bfloat16), ours), fmt
 
 
-@pytest.mark.parametrize("fmt", mxn.FORMATS)
-@pytest.mark.parametrize("mode", mxn.SCALE_MODES)
+@pytest.mark.parametrize("fmt", mxf.FORMATS)
+@pytest.mark.parametrize("mode", mxf.SCALE_MODES)
 def test_torchao_to_mx_gives_identical_bytes_on_bf16(fmt, mode):
     try:
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
@@ -655,8 +658,8 @@ def _fast_path_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("fmt", mxn.FORMATS)
-@pytest.mark.parametrize("mode", mxn.SCALE_MODES)
+@pytest.mark.parametrize("fmt", mxf.FORMATS)
+@pytest.mark.parametrize("mode", mxf.SCALE_MODES)
 def test_fast_path_equals_exact_path(dtype, fmt, mode, monkeypatch):
     monkeypatch.setattr(mxn, "_CHUNK_ELEMS", 256)  # several chunks, some of them on the exact path
     for x in _fast_path_inputs(dtype):
@@ -671,34 +674,34 @@ def test_fast_path_falls_back_only_for_tiny_nonzero_blocks():
     x[1] = 0.0
     d = torch.empty(4, 32, dtype=torch.uint8)
     s = torch.empty(4, 2, dtype=torch.uint8)
-    assert mxn._quantize_rows_fast(x, "mxfp4", "rceil", d, s)  # zero blocks (byte 0) stay on it
+    assert mxfast.quantize_rows_fast(x, "mxfp4", "rceil", d, s)  # zero blocks (byte 0) stay on it
     x[2, 40] = 1e-39
     x[2, 32:40] = 0.0
     x[2, 41:] = 0.0
-    assert not mxn._quantize_rows_fast(x, "mxfp4", "rceil", d, s)
+    assert not mxfast.quantize_rows_fast(x, "mxfp4", "rceil", d, s)
 
 
 def test_e2m1_table_with_round_to_odd_keys_equals_threshold_counting():
     # every fp32 value within 64 ulps of each threshold and of each grid value, plus random ones
-    anchors = torch.tensor(list(mxn.E2M1_MIDPOINTS) + [abs(v) for v in mxn.E2M1_VALUES[:8]] + [8.0, 12.0, 2.0**-3])
+    anchors = torch.tensor(list(mxf.E2M1_MIDPOINTS) + [abs(v) for v in mxf.E2M1_VALUES[:8]] + [8.0, 12.0, 2.0**-3])
     offs = torch.arange(-64, 65, dtype=torch.int32)
     y = (anchors.view(torch.int32).unsqueeze(1) + offs).reshape(-1).view(torch.float32)
     g = torch.Generator().manual_seed(5)
     y = torch.cat([y, torch.rand(200_000, generator=g) * 9, torch.rand(1000, generator=g) * 2.0**-120])
     y = torch.cat([y, -y])
-    lut = mxn._e2m1_lut(y.device)
-    got = lut[mxn._e2m1_keys(y).long()]
-    assert torch.equal(got, mxn._e2m1_codes(y))
+    lut = mxfast._e2m1_lut(y.device)
+    got = lut[mxfast._e2m1_keys(y).long()]
+    assert torch.equal(got, mxf.e2m1_codes(y))
     yb = y.to(torch.bfloat16)
-    assert torch.equal(lut[mxn._e2m1_keys(yb).long()], mxn._e2m1_codes(yb.float()))
+    assert torch.equal(lut[mxfast._e2m1_keys(yb).long()], mxf.e2m1_codes(yb.float()))
 
 
 def test_fast_path_without_a_saturating_fp8_cast(monkeypatch):
     x = blocks_with_max([1.9375 * 2.0**k for k in range(-8, 8)], others=1.0)  # floor/even saturate at 448
-    want = {m: quantize_mx_torch(x, "mxfp8", m, fast=False) for m in mxn.SCALE_MODES}
-    assert mxn._fp8_cast_saturates(x.device) == (
+    want = {m: quantize_mx_torch(x, "mxfp8", m, fast=False) for m in mxf.SCALE_MODES}
+    assert mxfast._fp8_cast_saturates(x.device) == (
         torch.tensor([464.0, -1e30]).to(torch.float8_e4m3fn).view(torch.uint8).tolist() == [0x7E, 0xFE])
-    monkeypatch.setitem(mxn._FP8_CAST_SATURATES, str(x.device), False)  # the clamp path
+    monkeypatch.setitem(mxfast._FP8_CAST_SATURATES, str(x.device), False)  # the clamp path
     for m, (d, s) in want.items():
         got = quantize_mx_torch(x, "mxfp8", m)
         assert torch.equal(got[0], d) and torch.equal(got[1], s), m
@@ -707,16 +710,16 @@ def test_fast_path_without_a_saturating_fp8_cast(monkeypatch):
 def test_dequant_tables_match_the_formula():
     every = torch.arange(256, dtype=torch.uint8)
     scales = torch.tensor([0, 1, 100, 127, 200, 254, 255], dtype=torch.uint8)
-    for fmt in mxn.FORMATS:
+    for fmt in mxf.FORMATS:
         per_block = 16 if fmt == "mxfp4" else 32
         data = every.repeat(len(scales) * 2)[: len(scales) * 2 * per_block].view(len(scales), 2 * per_block)
         sc = scales.unsqueeze(1).repeat(1, 2)
         if fmt == "mxfp4":
-            lut = torch.tensor(mxn.E2M1_VALUES)
+            lut = torch.tensor(mxf.E2M1_VALUES)
             vals = lut[unpack_fp4(data).long()]
         else:
             vals = data.view(torch.float8_e4m3fn).float()
-        want = (vals.view(len(scales), 2, 32) * mxn.scales_to_float(sc).unsqueeze(-1)).view(len(scales), 64)
+        want = (vals.view(len(scales), 2, 32) * mxf.scales_to_float(sc).unsqueeze(-1)).view(len(scales), 64)
         for dtype in (torch.float32, torch.bfloat16):
             got = dequantize_mx(data, sc, fmt, dtype)
             w = want.to(dtype)
@@ -744,7 +747,7 @@ def test_first_nonfinite_fast_check(monkeypatch):
     assert first_nonfinite(big) == (3, 7)
 
 
-@pytest.mark.parametrize("fmt", mxn.FORMATS)
+@pytest.mark.parametrize("fmt", mxf.FORMATS)
 def test_error_sums_match_the_dequantized_error(fmt, monkeypatch):
     monkeypatch.setattr(mxn, "_CHUNK_ELEMS", 1000)
     g = torch.Generator().manual_seed(9)

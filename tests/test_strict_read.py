@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
 from mxconv.errors import BadInput
-from mxconv.output.manifest import load_manifest, validate_manifest
+from mxconv.source.manifest import load_manifest, validate_manifest
 from mxconv.source.st_format import read_header
 from support.checkpoints import make_checkpoint
 

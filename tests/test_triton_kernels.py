@@ -14,7 +14,8 @@ import struct
 import pytest
 import torch
 
-from mxconv.mx.numerics import FORMAT_PARAMS, FORMATS, SCALE_MODES, quantize_mx_torch
+from mxconv.mx.formats import FORMAT_PARAMS, FORMATS, SCALE_MODES
+from mxconv.mx.numerics import quantize_mx_torch
 from support.interpreter import print_report, report_fixture
 
 

@@ -23,7 +23,7 @@ from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts
-from mxconv.output.manifest import load_manifest
+from mxconv.source.manifest import load_manifest
 from support.checkpoints import make_checkpoint
 from mxconv.verify import kernel_layer_canonical, verify
 

@@ -17,15 +17,11 @@ from mxconv.errors import BadInput
 from mxconv.layouts.base import TensorSpec
 from mxconv.run.pipeline import WorkItem, run_pipeline
 from mxconv.source.st_format import read_header
-from mxconv.output.writer import (
-    IN_PROGRESS,
-    TMP_SUFFIX,
-    PlannedTensor,
-    ShardedWriter,
-    parse_size,
-    plan_shards,
-    prepare_output_dir,
-)
+from mxconv.output.directory import TMP_SUFFIX, prepare_output_dir
+from mxconv.output.shards import PlannedTensor, plan_shards
+from mxconv.output.writer import ShardedWriter
+from mxconv.sizes import parse_size
+from mxconv.source.file_names import IN_PROGRESS
 from support.checkpoints import make_checkpoint
 from support.cli import mx
 

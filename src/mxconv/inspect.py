@@ -11,12 +11,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from mxconv.source.checkpoint import MANIFEST_NAME, Checkpoint, open_checkpoint
+from mxconv.source.checkpoint import Checkpoint, open_checkpoint
+from mxconv.source.file_names import MANIFEST_NAME
 from mxconv.families import detect_family
 from mxconv.layouts import LayoutSizes, backend_names, get_layout
 from mxconv.output.engine_quant_config import quant_config_of
 from mxconv.errors import BadInput, LayoutError
-from mxconv.output.manifest import load_manifest, missing_manifest_message
+from mxconv.source.manifest import load_manifest, missing_manifest_message
 from mxconv.layouts.vllm_backends import vllm_refusal
 
 

@@ -33,8 +33,8 @@ from mxconv.engines.runner import EngineRunner, require_runner
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.families.base import ModelInfo
-from mxconv.output.manifest import load_manifest
-from mxconv.source.checkpoint import MANIFEST_NAME
+from mxconv.source.file_names import MANIFEST_NAME
+from mxconv.source.manifest import load_manifest
 
 EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
 _RANK_DIR = re.compile(r"^rank-(\d+)$")

@@ -35,7 +35,7 @@ from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR as _TRITON_IMPORT_E
 from mxconv.environment import triton_interpreter_on
 from mxconv.kernels.triton_common import _launch
 from mxconv.kernels.triton_import import tl, triton
-from mxconv.mx.numerics import (
+from mxconv.mx.formats import (
     BLOCK_SIZE,
     E8M0_BIAS,
     E8M0_MAX_FINITE,

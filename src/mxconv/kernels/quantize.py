@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from mxconv.errors import BadInput
-from mxconv.mx.numerics import check_args, mx_error_sums, quantize_mx_torch
+from mxconv.mx.formats import check_args
+from mxconv.mx.numerics import mx_error_sums, quantize_mx_torch
 
 IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 

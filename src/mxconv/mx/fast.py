@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from mxconv.mx.formats import (
-    BLOCK_SIZE, E2M1_VALUES, E4M3_MAX, SUBNORMAL_FIX_MAX_BYTE, _F32_ABS_MASK, _e2m1_codes, _pow2_from_byte,
+    BLOCK_SIZE, E2M1_VALUES, E4M3_MAX, F32_ABS_MASK, SUBNORMAL_FIX_MAX_BYTE, e2m1_codes, pow2_from_byte,
     scale_bytes_from_amax_bits, scales_to_float,
 )
 
@@ -26,7 +26,7 @@ from mxconv.mx.formats import (
 # * E4M3: the scaled value is cast straight into the output (RNE); the clamp to +-448 is only done
 #   where the device's cast does not saturate by itself (probed once per device type);
 # * E2M1: a 65536-entry table maps every bf16 bit pattern of ``y`` to its code (built with
-#   ``_e2m1_codes``, so it is that function's rounding). An fp32 ``y`` is first rounded to bf16
+#   ``e2m1_codes``, so it is that function's rounding). An fp32 ``y`` is first rounded to bf16
 #   *to odd* (truncate, OR-ing any dropped bit into the last kept bit): every E2M1 rounding threshold
 #   is a bf16 value with an even bit pattern, so the rounded key lies on the same side of each
 #   threshold as ``y`` and the table gives ``y``'s own RNE code;
@@ -49,7 +49,7 @@ def _e2m1_lut(device: torch.device) -> torch.Tensor:
     lut = _E2M1_LUT.get(key)
     if lut is None:
         values = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
-        lut = _E2M1_LUT[key] = _e2m1_codes(values).to(device)
+        lut = _E2M1_LUT[key] = e2m1_codes(values).to(device)
     return lut
 
 
@@ -71,7 +71,7 @@ def _fp8_cast_saturates(device: torch.device) -> bool:
 def _block_amax_bits(xb: torch.Tensor) -> torch.Tensor:
     """fp32 bit pattern (int32 [R, nb]) of max |x| per block of xb [R, nb, 32] (contiguous)."""
     if xb.dtype == torch.float32:
-        return (xb.view(torch.int32) & _F32_ABS_MASK).amax(dim=-1)
+        return (xb.view(torch.int32) & F32_ABS_MASK).amax(dim=-1)
     # two 16-bit values per int32: clear both sign bits at once, then reduce as int16
     halves = (xb.view(torch.int32) & 0x7FFF7FFF).view(torch.int16).view(*xb.shape[:-1], 2, BLOCK_SIZE // 2)
     m16 = torch.maximum(halves[..., 0, :], halves[..., 1, :]).amax(dim=-1)
@@ -89,10 +89,10 @@ def _e2m1_keys(y: torch.Tensor) -> torch.Tensor:
     return keys.bitwise_or_((bits & 0xFFFF).ne_(0).to(torch.int32))
 
 
-def _quantize_rows_fast(xc: torch.Tensor, fmt: str, scale_rounding: str, data_out: torch.Tensor,
+def quantize_rows_fast(xc: torch.Tensor, fmt: str, scale_rounding: str, data_out: torch.Tensor,
                         scale_out: torch.Tensor, sums: list[float] | None = None) -> bool:
     """Quantize rows xc [R, K] (contiguous) into data_out / scale_out (uint8 views of the result);
-    with ``sums``, add the chunk's error sums (:func:`_add_error_sums`).
+    with ``sums``, add the chunk's error sums (:func:`add_error_sums`).
 
     Returns False, writing nothing, when the chunk needs the exact path (see above).
     """
@@ -103,7 +103,7 @@ def _quantize_rows_fast(xc: torch.Tensor, fmt: str, scale_rounding: str, data_ou
     byte = scale_bytes_from_amax_bits(amax_bits, fmt, scale_rounding)
     if bool(((byte <= SUBNORMAL_FIX_MAX_BYTE) & (amax_bits != 0)).any()):
         return False
-    inv = _pow2_from_byte(byte, negate=True).unsqueeze(-1)  # 2^-e, exact (byte 0 only for all-zero blocks)
+    inv = pow2_from_byte(byte, negate=True).unsqueeze(-1)  # 2^-e, exact (byte 0 only for all-zero blocks)
     xf = None
     if fmt == "mxfp8":
         # fp32 arithmetic and the fp32 -> E4M3 cast are faster on the CPU than their bf16 forms
@@ -122,17 +122,17 @@ def _quantize_rows_fast(xc: torch.Tensor, fmt: str, scale_rounding: str, data_ou
         torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4, out=data_out)
     scale_out.copy_(byte)
     if sums is not None:
-        _add_error_sums(xc, data_out, scale_out, fmt, sums, xf)
+        add_error_sums(xc, data_out, scale_out, fmt, sums, xf)
     return True
 
 
-def _add_error_sums(xc: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fmt: str, sums: list[float],
+def add_error_sums(xc: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fmt: str, sums: list[float],
                     xf: torch.Tensor | None = None) -> None:
     """Add sum((dequantized - x)^2) and sum(x^2) of one row chunk (xc [R, K], its MX bytes) to ``sums``
     (``xf``: xc in fp32 when the caller has it). fp32 dot products, accumulated in Python floats."""
     rows, k = xc.shape
     nb = k // BLOCK_SIZE
-    vals = torch.index_select(_dequant_lut(fmt, xc.device), 0, data.reshape(-1).to(torch.int32)).view(rows, nb, BLOCK_SIZE)
+    vals = torch.index_select(dequant_lut(fmt, xc.device), 0, data.reshape(-1).to(torch.int32)).view(rows, nb, BLOCK_SIZE)
     vals.mul_(scales_to_float(scales).unsqueeze(-1))
     xf = (xc.to(torch.float32) if xf is None else xf).reshape(-1)
     diff = vals.view(-1).sub_(xf)
@@ -140,7 +140,7 @@ def _add_error_sums(xc: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, 
     sums[1] += float(torch.dot(xf, xf))
 
 
-def _dequant_lut(fmt: str, device: torch.device) -> torch.Tensor:
+def dequant_lut(fmt: str, device: torch.device) -> torch.Tensor:
     """fp32 [256] E4M3 values (mxfp8; NaN at 0x7F/0xFF) or [256, 2] E2M1 values of each packed
     byte's low and high nibble (mxfp4)."""
     key = f"{fmt}:{_device_key(device)}"

@@ -65,7 +65,7 @@ SUBNORMAL_FIX_MAX_BYTE = 10
 
 # fp32 bit-field helpers
 _F32_MANT_MASK = 0x007FFFFF
-_F32_ABS_MASK = 0x7FFFFFFF
+F32_ABS_MASK = 0x7FFFFFFF
 
 
 def _f32_bits(value: float) -> int:
@@ -178,7 +178,7 @@ def scale_bytes_from_amax_bits(amax_bits: torch.Tensor, fmt: str, scale_rounding
     return (e + E8M0_BIAS).clamp_(0, E8M0_MAX_FINITE)
 
 
-def _pow2_from_byte(byte: torch.Tensor, negate: bool) -> torch.Tensor:
+def pow2_from_byte(byte: torch.Tensor, negate: bool) -> torch.Tensor:
     """fp32 2^(s-127) (negate=False) or 2^(127-s) (negate=True) for int32 bytes s in [1, 253] exactly."""
     import torch
 
@@ -191,14 +191,14 @@ def _pow2_from_byte(byte: torch.Tensor, negate: bool) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _scaled_blocks(xb: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
+def scaled_blocks(xb: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
     """y = x * 2^-e exactly, per block.
 
     xb: fp32 [R, nb, 32]; byte: int32 [R, nb] in [0, 253]. Returns fp32 [R, nb, 32].
     """
     import torch
 
-    y = xb * _pow2_from_byte(byte, negate=True).unsqueeze(-1)
+    y = xb * pow2_from_byte(byte, negate=True).unsqueeze(-1)
     low = byte <= SUBNORMAL_FIX_MAX_BYTE
     if bool(low.any()):
         bits = xb.view(torch.int32)
@@ -220,7 +220,7 @@ _E2M1_THRESHOLDS: tuple[float, ...] = tuple(
 )
 
 
-def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8 0..15) of fp32 y (already scaled): RNE, saturating at 6, sign kept.
 
     Counts the rounding thresholds below |y| (exact comparisons, so sticky bits are exact).
@@ -236,7 +236,7 @@ def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     return codes | (torch.signbit(y).to(torch.uint8) << 3)
 
 
-def _e4m3_bytes(y: torch.Tensor) -> torch.Tensor:
+def e4m3_bytes(y: torch.Tensor) -> torch.Tensor:
     """E4M3 bit patterns (uint8) of fp32 y: clamp to +-448 (keeps -0), cast RNE."""
     import torch
 

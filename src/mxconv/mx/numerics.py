@@ -40,7 +40,8 @@ Non-finite input is not checked here (see :func:`first_nonfinite`); its bytes ar
 The code sits in three modules: the formats' constants, scale rules, element codes and packing in
 :mod:`mxconv.mx.formats`; the fast chunk path and lookup tables in :mod:`mxconv.mx.fast`;
 here the quantize / dequantize entry points, the exact path, the error sums, the non-finite scans
-and the conversions between formats. This module re-exports the other two: import MX numerics from here.
+and the conversions between formats. Each name is imported from the module that owns it (the
+formats' constants and :func:`~mxconv.mx.formats.pack_fp4` from :mod:`mxconv.mx.formats`).
 """
 
 from __future__ import annotations
@@ -50,15 +51,10 @@ from typing import Callable
 import torch
 
 from mxconv.errors import BadInput
-from mxconv.mx.fast import (  # noqa: F401 - used here, and re-exported for the tests
-    _FP8_CAST_SATURATES, _add_error_sums, _dequant_lut, _e2m1_keys, _e2m1_lut, _fp8_cast_saturates,
-    _quantize_rows_fast,
-)
-from mxconv.mx.formats import (  # noqa: F401 - used here and re-exported: the one import for MX numerics
-    BLOCK_SIZE, DEFAULT_SCALE_MODES, E2M1_EMAX, E2M1_MAX, E2M1_MBITS, E2M1_MIDPOINTS, E2M1_TIE_ROUNDS_UP, E2M1_VALUES,
-    E4M3_EMAX, E4M3_MAX, E4M3_MBITS, E8M0_BIAS, E8M0_MAX_FINITE, E8M0_NAN, FORMAT_PARAMS, FORMATS, SCALE_MODE_IDS,
-    SCALE_MODES, SUBNORMAL_FIX_MAX_BYTE, _e2m1_codes, _e4m3_bytes, _scaled_blocks, check_args, pack_fp4,
-    resolve_scale_mode, scale_bytes_from_amax_bits, scales_to_float, unpack_fp4,
+from mxconv.mx.fast import add_error_sums, dequant_lut, quantize_rows_fast
+from mxconv.mx.formats import (
+    BLOCK_SIZE, E2M1_VALUES, E8M0_NAN, FORMATS, check_args, e2m1_codes, e4m3_bytes, pack_fp4,
+    scale_bytes_from_amax_bits, scaled_blocks, scales_to_float, unpack_fp4,
 )
 
 # Row chunks of the torch path hold about this many elements on the CPU: the chunk's temporaries
@@ -89,11 +85,11 @@ def _quantize_rows_exact(xc: torch.Tensor, fmt: str, scale_rounding: str, data_o
     xb = xc.to(torch.float32).contiguous().view(-1, nb, BLOCK_SIZE)
     amax = torch.maximum(xb.amax(dim=-1).abs(), xb.amin(dim=-1).abs())  # no full-size |x| temporary
     byte = scale_bytes_from_amax_bits(amax.view(torch.int32), fmt, scale_rounding)
-    y = _scaled_blocks(xb, byte)
+    y = scaled_blocks(xb, byte)
     if fmt == "mxfp4":
-        data_out.copy_(pack_fp4(_e2m1_codes(y)).view(data_out.shape))
+        data_out.copy_(pack_fp4(e2m1_codes(y)).view(data_out.shape))
     else:
-        data_out.copy_(_e4m3_bytes(y).view(data_out.shape))
+        data_out.copy_(e4m3_bytes(y).view(data_out.shape))
     scale_out.copy_(byte)
 
 
@@ -125,10 +121,10 @@ def quantize_mx_torch(
     for r0 in range(0, rows.shape[0], step):
         xc = rows[r0 : r0 + step].contiguous()
         d_out, s_out = data_rows[r0 : r0 + step], scale_rows[r0 : r0 + step]
-        if not (fast and _quantize_rows_fast(xc, fmt, scale_rounding, d_out, s_out, error_sums)):
+        if not (fast and quantize_rows_fast(xc, fmt, scale_rounding, d_out, s_out, error_sums)):
             _quantize_rows_exact(xc, fmt, scale_rounding, d_out, s_out)
             if error_sums is not None:
-                _add_error_sums(xc, d_out, s_out, fmt, error_sums)
+                add_error_sums(xc, d_out, s_out, fmt, error_sums)
     return data, scales
 
 
@@ -142,7 +138,7 @@ def mx_error_sums(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, fmt
     sums = [0.0, 0.0]
     step = _rows_per_chunk(k, x.device)
     for r0 in range(0, rows.shape[0], step):
-        _add_error_sums(rows[r0 : r0 + step], data_rows[r0 : r0 + step], scale_rows[r0 : r0 + step], fmt, sums)
+        add_error_sums(rows[r0 : r0 + step], data_rows[r0 : r0 + step], scale_rows[r0 : r0 + step], fmt, sums)
     return sums[0], sums[1]
 
 
@@ -172,7 +168,7 @@ def dequantize_mx(
     out_rows = out.view(-1, k)
     # a table of fp32 values per byte: E4M3 (the cast's own results), or per packed E2M1 byte the
     # values of its low and high nibble; a lookup is several times faster than the CPU's fp8 cast
-    lut = _dequant_lut(fmt, data.device)
+    lut = dequant_lut(fmt, data.device)
     step = _rows_per_chunk(k, data.device)
     for r0 in range(0, data_rows.shape[0], step):
         d = data_rows[r0 : r0 + step]
@@ -271,31 +267,6 @@ def first_nonnumber(tensors: dict[str, torch.Tensor | None]) -> tuple[str, tuple
     return None
 
 
-__all__ = [
-    "BLOCK_SIZE",
-    "E2M1_EMAX",
-    "E2M1_MAX",
-    "E2M1_MIDPOINTS",
-    "E2M1_VALUES",
-    "E4M3_EMAX",
-    "E4M3_MAX",
-    "E8M0_BIAS",
-    "E8M0_NAN",
-    "FORMATS",
-    "FORMAT_PARAMS",
-    "SCALE_MODES",
-    "SUBNORMAL_FIX_MAX_BYTE",
-    "dequantize_mx",
-    "first_nan_scale",
-    "first_nonfinite",
-    "first_nonnumber",
-    "mx_error_sums",
-    "pack_fp4",
-    "quantize_mx_torch",
-    "scale_bytes_from_amax_bits",
-    "scales_to_float",
-    "unpack_fp4",
-]
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

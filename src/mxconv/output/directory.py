@@ -25,7 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from mxconv.source.checkpoint import IN_PROGRESS, INDEX_NAME, MANIFEST_NAME
+from mxconv.source.file_names import IN_PROGRESS, INDEX_NAME, MANIFEST_NAME
+from mxconv.source.in_progress import live_writer, marker_text, process_alive
 from mxconv.errors import BadInput
 from mxconv.interrupt import deferred_signals, output_complete
 from mxconv.sizes import human_bytes
@@ -91,7 +92,7 @@ def check_output_dir(out: Path, sources: list[Path], overwrite: bool) -> bool:
     if out.exists() and not out.is_dir():
         raise BadInput(f"OUTPUT {out} exists and is not a directory")
     for side, pid in _side_dirs(out):
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and process_alive(pid):
             raise BadInput(f"OUTPUT {out} is being written by another mxconv run (pid {pid}, in {side}); wait for it or choose another directory")
     if not out.exists() or not any(out.iterdir()):
         return False
@@ -103,32 +104,6 @@ def check_output_dir(out: Path, sources: list[Path], overwrite: bool) -> bool:
     if not overwrite and not interrupted:
         raise BadInput(f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
     return interrupted
-
-
-def live_writer(out: Path) -> int | None:
-    """The pid of a running mxconv that is writing ``out`` now (its in-progress marker names a live
-    process), else None."""
-    marker = out / IN_PROGRESS
-    try:
-        pid = _writer_pid(marker) if marker.is_file() else None
-    except OSError:
-        return None
-    return pid if pid is not None and pid != os.getpid() and _alive(pid) else None
-
-
-def _writer_pid(marker: Path) -> int | None:
-    m = re.search(r"\(pid (\d+)\)", marker.read_text(errors="replace"))
-    return int(m.group(1)) if m else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _previous_outputs(out: Path) -> set[str]:
@@ -167,9 +142,7 @@ def _remove(p: Path) -> None:
 
 
 def _write_marker(d: Path) -> None:
-    (d / IN_PROGRESS).write_text(
-        f"an mxconv run (pid {os.getpid()}) is writing this directory; it is incomplete until mxconv.json exists\n"
-    )
+    (d / IN_PROGRESS).write_text(marker_text(os.getpid()))
 
 
 def prepare_output_dir(out: Path, sources: list[Path], overwrite: bool) -> list[str]:

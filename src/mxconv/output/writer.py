@@ -1,15 +1,10 @@
 """Streaming, atomic safetensors output.
 
-The whole output is planned before a byte is written (names, dtypes, shapes, hence sizes), so each
-shard's header is known up front. Tensors then stream into their shard in plan order; each shard is
-written under a temporary name and renamed into place once complete and fsync'd; the index follows,
-and the caller writes ``mxconv.json`` last.
-
-Where a run writes, and how what it wrote becomes OUTPUT (staging, cleanup, markers), is
-:mod:`mxconv.output.directory`; its names used here before the split are importable from here too.
-
-Test hook: ``MXCONV_TEST_WRITE_DELAY=SECONDS`` makes the writer pause that long after every tensor
-(cancellable), so that tests can interrupt a run mid-write at a predictable point.
+The shards are planned up front (:mod:`mxconv.output.shards`), so each shard's header is known
+before a byte is written. Tensors then stream into their shard in plan order; each shard is written
+under a temporary name and renamed into place once complete and fsync'd; the index follows, and the
+caller writes ``mxconv.json`` last (:mod:`mxconv.output.manifest`). Where a run writes, and how what
+it wrote becomes OUTPUT (staging, cleanup, markers), is :mod:`mxconv.output.directory`.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
@@ -17,7 +12,6 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,92 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from mxconv.source.checkpoint import INDEX_NAME
-from mxconv.source.diskio import read_ahead, start_writeback
-from mxconv.layouts.base import TensorSpec
 from mxconv.output.directory import TMP_SUFFIX, OutputWriteError, atomic_write_json, writing
-from mxconv.output.directory import (  # noqa: F401 - re-exported: these lived here before output_dir.py
-    ASIDE, DISK_FULL, IN_PROGRESS, STAGING, OutputTarget, atomic_write_text, check_free_space, check_output_dir,
-    prepare_output_dir,
-)
-from mxconv.sizes import human_bytes, parse_size  # noqa: F401 - re-exported likewise
-from mxconv.source.st_format import TensorInfo, expected_nbytes, iter_tensor_chunks
+from mxconv.output.shards import PlannedTensor, ShardPlan, shard_header
+from mxconv.source.diskio import read_ahead, start_writeback
+from mxconv.source.file_names import INDEX_NAME
+from mxconv.source.st_format import TensorInfo, iter_tensor_chunks
 
 if TYPE_CHECKING:
     import torch
 
 COPY_CHUNK = 64 * 1024 * 1024
-WRITE_DELAY_ENV = "MXCONV_TEST_WRITE_DELAY"
 
 
 class WriteCancelled(Exception):
     """The writer was cancelled (the run is stopping); raised on the writer's thread."""
-
-
-@dataclass
-class PlannedTensor:
-    """One output tensor: its name, spec, role and (for byte copies) the source it comes from."""
-
-    name: str
-    spec: TensorSpec
-    role: str  # "expert" | "router" | "copy"
-    source: TensorInfo | None = None  # set for tensors copied byte for byte
-
-    @property
-    def st_dtype(self) -> str:
-        if self.source is not None:
-            return self.source.dtype
-        return self.spec.st_dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.source.shape if self.source is not None else self.spec.shape
-
-    @property
-    def nbytes(self) -> int:
-        return expected_nbytes(self.st_dtype, self.shape)
-
-
-@dataclass
-class ShardPlan:
-    file: str
-    tensors: list[PlannedTensor]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-
-def plan_shards(tensors: list[PlannedTensor], max_shard_size: int, first_group: int = 0) -> list[ShardPlan]:
-    """Greedy split in plan order; a tensor larger than the limit gets a shard of its own. The
-    first ``first_group`` tensors never share a shard with the others."""
-    groups: list[list[PlannedTensor]] = [[]]
-    size = 0
-    for i, t in enumerate(tensors):
-        if groups[-1] and (size + t.nbytes > max_shard_size or i == first_group):
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes
-    n = len(groups)
-    return [ShardPlan(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
-
-
-def _header_bytes(shard: ShardPlan, metadata: dict[str, str]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": metadata}
-    off = 0
-    for t in shard.tensors:
-        header[t.name] = {"dtype": t.st_dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
-        off += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw
-
-
-def shards_size(shards: list[ShardPlan], metadata: dict[str, str] | None = None) -> int:
-    """Bytes ``shards`` take on disk, headers included (as :class:`ShardedWriter` writes them)."""
-    md = {"format": "pt"} if metadata is None else metadata
-    return sum(len(_header_bytes(s, md)) + s.nbytes for s in shards)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -191,7 +113,6 @@ class ShardedWriter:
         self._last_shard = -1  # the shard written to last (named by errors)
         self._cancelled = threading.Event()
         self._open_at_abort: Path | None = None
-        self._delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)  # test hook (module doc)
 
     def _tmp(self, shard: ShardPlan) -> Path:
         return self.out_dir / f".{shard.file}{TMP_SUFFIX}"
@@ -234,7 +155,7 @@ class ShardedWriter:
             raise OutputWriteError.from_os_error(exc, self._shown(shard)) from exc
         self._fpos[si] = 0
         self._left[si] = len(shard.tensors)
-        header = _header_bytes(shard, self.metadata)
+        header = shard_header(shard, self.metadata)
         off = len(header)
         for t in shard.tensors:
             self._offsets[t.name] = off
@@ -284,8 +205,6 @@ class ShardedWriter:
         self._left[si] -= 1
         if self._left[si] == 0:
             self._finish_shard(si)
-        if self._delay and self._cancelled.wait(self._delay):
-            raise WriteCancelled()
 
     def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Append ``tensor`` (CPU or CUDA) as the next planned tensor ``name``, whole."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from mxconv.source.checkpoint import CONFIG_NAME
+from mxconv.source.file_names import CONFIG_NAME
 from mxconv.run.compute import RunStats, make_compute
 from mxconv.source.copy_check import refuse_nonfinite_copy
 from mxconv.families import MoELayerRef
@@ -30,7 +30,8 @@ from mxconv.run.memory import MemoryBudget, plan_for, process_peak_rss, resolve_
 from mxconv.output.directory import DISK_FULL, OutputTarget, OutputWriteError, atomic_write_json, writing
 from mxconv.run.pipeline import TRACE_ENV, StageTimes, run_pipeline, write_trace
 from mxconv.run.plan import Plan, QuantOptions, RepackOptions, build_plan, kernel_params  # noqa: F401 - the job API
-from mxconv.output.writer import ShardPlan, ShardedWriter, shards_size
+from mxconv.output.shards import ShardPlan, shards_size
+from mxconv.output.writer import ShardedWriter
 
 if TYPE_CHECKING:
     import torch

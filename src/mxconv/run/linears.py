@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from mxconv.families import MoELayerRef
     from mxconv.run.pipeline import WorkItem
-    from mxconv.output.writer import PlannedTensor
+    from mxconv.output.shards import PlannedTensor
 
 TARGETS = ("experts", "linear")
 LINEAR_FORMAT = "mxfp8"
@@ -290,7 +290,7 @@ def fused_part_warnings(sel: LinearSelection) -> list[str]:
 def linear_item(ckpt: Checkpoint, refs: list[LinearRef], dests: list[list[PlannedTensor]]) -> WorkItem:
     """The work item of one layer's linears (kind "linear"); its output tensors join ``dests``."""
     from mxconv.run.pipeline import WorkItem
-    from mxconv.output.writer import PlannedTensor
+    from mxconv.output.shards import PlannedTensor
 
     item = WorkItem("linear", ckpt.total_bytes([n for r in refs for n in r.source_names]), payload=refs)
     for d in dests:

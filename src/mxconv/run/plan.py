@@ -19,7 +19,7 @@ from mxconv.layouts.padding import KernelChoice
 from mxconv.run.linears import TARGETS, LinearSelection, check_patterns, fused_part_warnings, linear_item, name_matches, select_linears
 from mxconv.run.pipeline import WorkItem
 from mxconv.mx.formats import resolve_scale_mode  # numerics imports torch, numerics_format does not
-from mxconv.output.writer import PlannedTensor, ShardPlan, plan_shards
+from mxconv.output.shards import PlannedTensor, ShardPlan, plan_shards
 
 
 @dataclass

@@ -19,15 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
+from mxconv.source.file_names import CONFIG_NAME, IN_PROGRESS, INDEX_NAME, MANIFEST_NAME
+from mxconv.source.manifest import load_manifest, missing_manifest_message
 from mxconv.source.st_format import TensorInfo, loads_unique, read_header, read_tensor
 
 if TYPE_CHECKING:
     import torch
 
-INDEX_NAME = "model.safetensors.index.json"
-MANIFEST_NAME = "mxconv.json"
-IN_PROGRESS = ".mxconv-in-progress"  # in an output directory while a run writes it (mxconv.output.directory)
-CONFIG_NAME = "config.json"
 # Top-level files we never copy into an output (they are rewritten or are weights).
 _NOT_COPIED = {INDEX_NAME, MANIFEST_NAME, CONFIG_NAME}
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
@@ -222,8 +220,6 @@ def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoi
     """Open and validate a checkpoint: config.json, index (or shard scan), every shard header."""
     root, sinfo = resolve_source(str(source), revision)
     if (root / IN_PROGRESS).exists() and not (root / MANIFEST_NAME).exists():
-        from mxconv.output.manifest import missing_manifest_message  # imports this module
-
         raise BadInput(missing_manifest_message(root))  # an output being written, or an interrupted run
     config = _load_json(root / CONFIG_NAME, "config.json")
     if not isinstance(config, dict):
@@ -243,8 +239,6 @@ def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoi
                 tensors[name] = info
     manifest = None
     if (root / MANIFEST_NAME).exists():
-        from mxconv.output.manifest import load_manifest  # imports this module
-
         manifest = load_manifest(root)
     extra = [f for f in sorted(root.iterdir()) if f.is_file() and _copied_along(f.name)]
     if not sinfo.fingerprint:

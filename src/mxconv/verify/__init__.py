@@ -24,13 +24,14 @@ from typing import Callable
 
 import torch
 
-from mxconv.source.checkpoint import MANIFEST_NAME, open_checkpoint
 from mxconv.engines.runner import KERNEL_THRESHOLDS
 from mxconv.environment import KernelLocations
+from mxconv.source.checkpoint import open_checkpoint
+from mxconv.source.file_names import MANIFEST_NAME
 from mxconv.errors import BadInput, Unsupported
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names
-from mxconv.output.manifest import load_manifest, missing_manifest_message
+from mxconv.source.manifest import load_manifest, missing_manifest_message
 from mxconv.verify.reference_moe import hidden_states  # noqa: F401 - part of what verify's API has always offered
 from mxconv.verify.integrity import check_integrity, check_manifest_claims, model_info_of
 from mxconv.verify.layout import kernel_layer_canonical, merge_tp, recover_layer, reference_layer

@@ -1,0 +1,50 @@
+"""The in-progress marker: the file an mxconv run keeps in the directory it is writing.
+
+The marker (:data:`~mxconv.source.file_names.IN_PROGRESS`) names the writing process. A reader of a
+directory (open a source, inspect, verify) asks :func:`live_writer` whether an mxconv run is writing
+it now; :mod:`mxconv.output.directory` writes the marker with :func:`marker_text` and checks other
+runs with the same helpers, so the text's format lives in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from mxconv.source.file_names import IN_PROGRESS
+
+_MARKER_PID = re.compile(r"\(pid (\d+)\)")
+
+
+def marker_text(pid: int) -> str:
+    """The marker's contents for a run of process ``pid`` (read back by :func:`marker_pid`)."""
+    return f"an mxconv run (pid {pid}) is writing this directory; it is incomplete until mxconv.json exists\n"
+
+
+def marker_pid(marker: Path) -> int | None:
+    """The pid a marker file names, None when it names none (OSError when it cannot be read)."""
+    m = _MARKER_PID.search(marker.read_text(errors="replace"))
+    return int(m.group(1)) if m else None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_writer(directory: Path) -> int | None:
+    """The pid of a running mxconv, other than this process, that is writing ``directory`` now (its
+    in-progress marker names a live process), else None."""
+    marker = directory / IN_PROGRESS
+    try:
+        pid = marker_pid(marker) if marker.is_file() else None
+    except OSError:
+        return None
+    return pid if pid is not None and pid != os.getpid() and process_alive(pid) else None
