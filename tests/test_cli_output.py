@@ -17,6 +17,7 @@ from mxconv.layouts import backend_names
 from mxconv.verify.reference_moe import apart
 from support.checkpoints import make_checkpoint
 from support.cli import mx
+from support.tamper import patch_tensor
 
 COMMANDS = ("quantize", "repack", "verify", "inspect", "demo")
 
@@ -149,8 +150,6 @@ def test_failure_figures_differ(value: float, bound: float) -> None:
 def test_near_threshold_failure_line_shows_distinct_figures(ws: Path, tmp_path: Path) -> None:
     """One flipped FP4 code in an aiter w2 (manifest fixed up) gives cosine 0.9999989 against the
     MXFP4 source: below the exact threshold 0.999999, which six decimals printed as equal."""
-    from test_cli import _patch_tensor
-
     k = tmp_path / "k"
     code, _, err = mx("repack", ws / "gpt-q4", k, "--backend", "aiter", "--activation", "mxfp4", "--device", "cpu", "--quiet")
     assert code == 0, err
@@ -159,7 +158,7 @@ def test_near_threshold_failure_line_shows_distinct_figures(ws: Path, tmp_path: 
         t.view(-1)[291] ^= 0x10
         return t
 
-    _patch_tensor(k, "model.layers.0.mlp.experts.w2_weight", flip, fix_manifest=True)
+    patch_tensor(k, "model.layers.0.mlp.experts.w2_weight", flip, fix_manifest=True)
     code, out, _ = mx("verify", k, "--reference", ws / "gpt-q4", "--device", "cpu", "--json")
     cosine = json.loads(out)["layers"][0]["comparison"]["cosine"]
     assert code == 1 and 0.9999985 <= cosine < 0.999999, cosine  # the case this test is about

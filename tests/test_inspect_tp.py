@@ -5,13 +5,13 @@ of how many it is. Damaged TP outputs end in exit 2 naming the directory and the
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from support.checkpoints import make_checkpoint
 from support.cli import mx
+from support.workspace import copy_checkpoint
 
 WIDE = {"COLUMNS": "200"}  # rich wraps long cells at the default 80 columns
 
@@ -84,7 +84,7 @@ def test_inspect_one_rank_says_which_rank_of_how_many(tp_out: Path) -> None:
 
 
 def test_inspect_tp_output_missing_a_rank(tp_out: Path, tmp_path: Path) -> None:
-    k = shutil.copytree(tp_out, tmp_path / "k")
+    k = copy_checkpoint(tp_out, tmp_path / "k")
     (k / "rank-1").rename(k / "rank-2")
     code, _, err = mx("inspect", k)
     assert code == 2 and "Traceback" not in err
