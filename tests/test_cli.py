@@ -18,21 +18,18 @@ from mxconv.source.st_format import read_header, read_tensor
 from support.checkpoints import make_checkpoint
 from support.cli import mx
 from support.tamper import patch_tensor
-from support.workspace import copy_checkpoint
+from support.workspace import copy_checkpoint, link_workspace, MadeCheckpoints
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Path:
+def ws(made: MadeCheckpoints, tmp_path_factory) -> Path:
     """gpt-oss bf16 + qwen3 sources, their MXFP4 quantizations and a trtllm repack of each."""
-    root = tmp_path_factory.mktemp("cli")
-    make_checkpoint(root / "gpt", "gpt-oss-bf16")
-    make_checkpoint(root / "qwen", "qwen3-moe")
-    for name in ("gpt", "qwen"):
-        code, _, err = mx("quantize", root / name, root / f"{name}-q4", "--quiet", "--device", "cpu")
-        assert code == 0, err
-        code, _, err = mx("repack", root / f"{name}-q4", root / f"{name}-trt", "--backend", "trtllm", "--quiet", "--device", "cpu")
-        assert code == 0, err
-    return root
+    checkpoints = {}
+    for name, kind in (("gpt", "gpt-oss-bf16"), ("qwen", "qwen3-moe")):
+        src = made.source(kind).path
+        q4 = made.quantize(src)
+        checkpoints |= {name: src, f"{name}-q4": q4, f"{name}-trt": made.repack(q4, "trtllm")}
+    return link_workspace(tmp_path_factory.mktemp("cli"), checkpoints)
 
 
 # ---- happy paths --------------------------------------------------------------------------------

@@ -18,20 +18,17 @@ from mxconv.verify.reference_moe import apart
 from support.checkpoints import make_checkpoint
 from support.cli import mx
 from support.tamper import patch_tensor
+from support.workspace import MadeCheckpoints, link_workspace
 
 COMMANDS = ("quantize", "repack", "verify", "inspect", "demo")
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Path:
+def ws(made: MadeCheckpoints, tmp_path_factory) -> Path:
     """A gpt-oss bf16 source, its MXFP4 quantization and a marlin repack of that."""
-    root = tmp_path_factory.mktemp("out")
-    make_checkpoint(root / "gpt", "gpt-oss-bf16")
-    code, _, err = mx("quantize", root / "gpt", root / "gpt-q4", "--quiet", "--device", "cpu")
-    assert code == 0, err
-    code, _, err = mx("repack", root / "gpt-q4", root / "gpt-marlin", "--backend", "marlin", "--quiet", "--device", "cpu")
-    assert code == 0, err
-    return root
+    src = made.source("gpt-oss-bf16").path
+    q4 = made.quantize(src)
+    return link_workspace(tmp_path_factory.mktemp("out"), {"gpt": src, "gpt-q4": q4, "gpt-marlin": made.repack(q4, "marlin")})
 
 
 def _piped(*args: object) -> subprocess.CompletedProcess:

@@ -27,15 +27,15 @@ import pytest
 import mxconv.output.directory as output_dir_mod
 import mxconv.output.writer as writer_mod
 from mxconv.output.writer import IN_PROGRESS, STAGING, TMP_SUFFIX
-from support.checkpoints import make_checkpoint
 from support.cli import mx
+from support.workspace import MadeCheckpoints
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("intr") / "qwen", "qwen3-moe").path
+def src(made: MadeCheckpoints) -> Path:
+    return made.source("qwen3-moe").path
 
 
 def snapshot(d: Path) -> dict[str, str]:

@@ -18,9 +18,8 @@ from mxconv.cli import app
 from mxconv.mx.numerics import first_nan_scale, first_nonfinite, first_nonnumber
 from mxconv.verify.reference_moe import compare
 from mxconv.source.st_format import read_header, read_tensor
-from support.checkpoints import make_checkpoint
 from support.tamper import patch_tensor
-from support.workspace import copy_checkpoint
+from support.workspace import copy_checkpoint, link_workspace, MadeCheckpoints
 
 runner = CliRunner()
 NAN, INF = float("nan"), float("inf")
@@ -55,17 +54,14 @@ def setter(index: tuple[int, ...], value: float | int) -> Callable[[torch.Tensor
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("nonfinite")
-    make_checkpoint(root / "gpt", "gpt-oss-bf16")
-    make_checkpoint(root / "qwen", "qwen3-moe")
-    make_checkpoint(root / "ds", "deepseek-v3-fp8", num_layers=2, num_experts=4)
-    for name in ("gpt", "qwen"):
-        code, _, err = mx("quantize", root / name, root / f"{name}-q4", "--quiet", "--device", "cpu")
-        assert code == 0, err
-    code, _, err = mx("repack", root / "gpt-q4", root / "gpt-trt", "--backend", "trtllm", "--quiet", "--device", "cpu")
-    assert code == 0, err
-    return root
+def ws(made: MadeCheckpoints, tmp_path_factory) -> Path:
+    """gpt-oss bf16, qwen3 and two-layer DeepSeek FP8 sources, the MXFP4 quantizations of the first
+    two and a trtllm repack of gpt-oss's."""
+    gpt, qwen = made.source("gpt-oss-bf16").path, made.source("qwen3-moe").path
+    gpt_q4 = made.quantize(gpt)
+    return link_workspace(tmp_path_factory.mktemp("nonfinite"), {
+        "gpt": gpt, "qwen": qwen, "ds": made.source("deepseek-v3-fp8", num_layers=2, num_experts=4).path,
+        "gpt-q4": gpt_q4, "qwen-q4": made.quantize(qwen), "gpt-trt": made.repack(gpt_q4, "trtllm")})
 
 
 # ---- quantize / repack refuse, naming tensor and index ------------------------------------------

@@ -26,7 +26,7 @@ from mxconv.errors import BadInput
 from mxconv.output.manifest import load_manifest, validate_manifest
 from mxconv.source.st_format import read_header
 from support.checkpoints import make_checkpoint
-from support.workspace import copy_checkpoint
+from support.workspace import copy_checkpoint, link_workspace, MadeCheckpoints
 
 runner = CliRunner()
 INDEX = "model.safetensors.index.json"
@@ -191,14 +191,12 @@ def test_damaged_source_shard_refused_by_every_command(src: Path, tmp_path: Path
 
 
 @pytest.fixture(scope="module")
-def outs(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("strict")
-    make_checkpoint(root / "gpt", "gpt-oss-bf16")
-    for args in (("quantize", root / "gpt", root / "q4"), ("repack", root / "q4", root / "k", "--backend", "trtllm"),
-                 ("repack", root / "q4", root / "tp", "--backend", "aiter", "--tp", "2")):
-        code, _, err = mx(*args, "--quiet", "--device", "cpu")
-        assert code == 0, err
-    return root
+def outs(made: MadeCheckpoints, tmp_path_factory) -> Path:
+    """A gpt-oss bf16 source, its MXFP4 quantization, a trtllm repack and a two-rank aiter repack."""
+    src = made.source("gpt-oss-bf16").path
+    q4 = made.quantize(src)
+    return link_workspace(tmp_path_factory.mktemp("strict"), {
+        "gpt": src, "q4": q4, "k": made.repack(q4, "trtllm"), "tp": made.repack(q4, "aiter", "--tp", "2")})
 
 
 def test_verify_fails_an_output_with_a_gap_in_a_shard(outs: Path, tmp_path: Path) -> None:
@@ -216,7 +214,7 @@ def test_verify_refuses_a_rank_dir(outs: Path) -> None:
     # (inspect reads one rank with its output's manifest: tests/test_inspect_tp.py)
     code, _, err = mx("verify", outs / "tp" / "rank-1")
     assert code == 2 and "no mxconv.json" in err and "one rank of a tensor-parallel mxconv output" in err
-    assert str(outs / "tp") in err
+    assert str((outs / "tp").resolve()) in err  # outs / "tp" links to the session's made output
 
 
 @pytest.mark.parametrize("cmd", ["inspect", "verify"])

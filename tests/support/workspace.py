@@ -71,7 +71,7 @@ class MadeCheckpoints:
         """``mxconv COMMAND SRC OUT OPTIONS... --device cpu --quiet``'s OUT, made on first use."""
         key = (command, str(src), *map(str, options))
         if key not in self.outputs:
-            out = self.root / _folder_name(f"{len(self.outputs):02d}", Path(src).name, command)
+            out = self.root / _folder_name(f"{len(self.outputs):02d}", command, *options)
             code, _, err = mx(command, src, out, *options, "--device", "cpu", "--quiet")
             assert code == 0, f"mxconv {' '.join(key)} failed ({code}): {err}"
             self.outputs[key] = out
