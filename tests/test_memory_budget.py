@@ -32,7 +32,7 @@ from support.checkpoints import INT4_KINDS, KINDS, make_checkpoint
 from mxconv.output.writer import PlannedTensor, ShardedWriter, plan_shards
 
 from support.tamper import patch_tensor
-from support.workspace import copy_checkpoint
+from support.workspace import copy_checkpoint, link_workspace, MadeCheckpoints
 
 runner = CliRunner()
 CPU = torch.device("cpu")
@@ -281,11 +281,9 @@ def _same_output(src: Path, tmp_path: Path, q: QuantOptions, r: RepackOptions | 
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("budget")
-    for kind in ("qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4"):
-        make_checkpoint(root / kind, kind, num_experts=E, shards=3)
-    return root
+def ws(made: MadeCheckpoints, tmp_path_factory) -> Path:
+    kinds = ("qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4")
+    return link_workspace(tmp_path_factory.mktemp("budget"), {kind: made.source(kind, num_experts=E, shards=3).path for kind in kinds})
 
 
 @pytest.mark.parametrize("kind", ["qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4"])
