@@ -17,46 +17,19 @@ import torch
 from mxconv.source.st_format import read_header, read_tensor
 from support.checkpoints import make_checkpoint
 from support.cli import mx
+from support.tamper import patch_tensor
+from support.workspace import copy_checkpoint, link_workspace, MadeCheckpoints
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Path:
+def ws(made: MadeCheckpoints, tmp_path_factory) -> Path:
     """gpt-oss bf16 + qwen3 sources, their MXFP4 quantizations and a trtllm repack of each."""
-    root = tmp_path_factory.mktemp("cli")
-    make_checkpoint(root / "gpt", "gpt-oss-bf16")
-    make_checkpoint(root / "qwen", "qwen3-moe")
-    for name in ("gpt", "qwen"):
-        code, _, err = mx("quantize", root / name, root / f"{name}-q4", "--quiet", "--device", "cpu")
-        assert code == 0, err
-        code, _, err = mx("repack", root / f"{name}-q4", root / f"{name}-trt", "--backend", "trtllm", "--quiet", "--device", "cpu")
-        assert code == 0, err
-    return root
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    import shutil
-
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _patch_tensor(ckpt_dir: Path, name: str, fn, fix_manifest: bool) -> None:
-    """Rewrite tensor ``name``'s bytes in place with fn(tensor) (same shape/dtype)."""
-    index = json.loads((ckpt_dir / "model.safetensors.index.json").read_text())
-    f = ckpt_dir / index["weight_map"][name]
-    info = read_header(f)[0][name]
-    t = fn(read_tensor(info).clone())
-    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
-    assert len(raw) == info.nbytes
-    with open(f, "r+b") as fh:
-        fh.seek(info.begin)
-        fh.write(raw)
-    if fix_manifest:
-        import hashlib
-
-        m = json.loads((ckpt_dir / "mxconv.json").read_text())
-        m["tensors"][name]["sha256"] = hashlib.sha256(raw).hexdigest()
-        (ckpt_dir / "mxconv.json").write_text(json.dumps(m))
+    checkpoints = {}
+    for name, kind in (("gpt", "gpt-oss-bf16"), ("qwen", "qwen3-moe")):
+        src = made.source(kind).path
+        q4 = made.quantize(src)
+        checkpoints |= {name: src, f"{name}-q4": q4, f"{name}-trt": made.repack(q4, "trtllm")}
+    return link_workspace(tmp_path_factory.mktemp("cli"), checkpoints)
 
 
 # ---- happy paths --------------------------------------------------------------------------------
@@ -228,15 +201,15 @@ W13 = "model.layers.0.mlp.experts.w13_weight"
 
 
 def test_verify_fails_on_flipped_byte(ws: Path, tmp_path: Path) -> None:
-    k = _copy(ws / "qwen-trt", tmp_path / "k")
-    _patch_tensor(k, W13, lambda t: t.flatten().index_put_((torch.tensor([5]),), t.flatten()[5] ^ 0x10).view_as(t), fix_manifest=False)
+    k = copy_checkpoint(ws / "qwen-trt", tmp_path / "k")
+    patch_tensor(k, W13, lambda t: t.flatten().index_put_((torch.tensor([5]),), t.flatten()[5] ^ 0x10).view_as(t), fix_manifest=False)
     code, _, err = mx("verify", k)
     assert code == 1 and "sha256 mismatch" in err
 
 
 def test_verify_fails_on_swapped_experts(ws: Path, tmp_path: Path) -> None:
-    k = _copy(ws / "gpt-trt", tmp_path / "k")
-    _patch_tensor(k, W13, lambda t: t[[1, 0, 2, 3]], fix_manifest=True)
+    k = copy_checkpoint(ws / "gpt-trt", tmp_path / "k")
+    patch_tensor(k, W13, lambda t: t[[1, 0, 2, 3]], fix_manifest=True)
     code, out, _ = mx("verify", k, "--reference", ws / "gpt-q4", "--json")
     rep = json.loads(out)
     assert code == 1
@@ -249,8 +222,8 @@ def test_verify_says_what_a_pass_covers_and_strict_demands_numerics(ws: Path, tm
     """Swapped experts with the manifest hashes recomputed are consistently wrong: integrity and
     layout cannot see it. Without a reference the verdict says numerics were not checked; --strict
     fails such a run; with the reference the numerics catch it."""
-    k = _copy(ws / "gpt-trt", tmp_path / "k")
-    _patch_tensor(k, W13, lambda t: t[[1, 0, 2, 3]], fix_manifest=True)
+    k = copy_checkpoint(ws / "gpt-trt", tmp_path / "k")
+    patch_tensor(k, W13, lambda t: t[[1, 0, 2, 3]], fix_manifest=True)
     code, out, err = mx("verify", k)
     assert code == 0, err
     verdict = "PASS (integrity, layout; numerics not checked: no --reference or --reference-outputs given)"
@@ -282,8 +255,8 @@ def test_verify_fails_on_swapped_gate_up(ws: Path, tmp_path: Path) -> None:
         v = t.view(t.shape[0], -1, 2, 2, 8, t.shape[-1])
         return v.flip(3).reshape(t.shape).contiguous()
 
-    k = _copy(ws / "qwen-trt", tmp_path / "k")
-    _patch_tensor(k, W13, swap, fix_manifest=True)
+    k = copy_checkpoint(ws / "qwen-trt", tmp_path / "k")
+    patch_tensor(k, W13, swap, fix_manifest=True)
     code, out, _ = mx("verify", k, "--reference", ws / "qwen", "--json")
     rep = json.loads(out)
     assert code == 1 and rep["layers"][0]["numerics"] == "FAIL"
@@ -291,13 +264,13 @@ def test_verify_fails_on_swapped_gate_up(ws: Path, tmp_path: Path) -> None:
 
 
 def test_verify_fails_on_nonzero_padding(ws: Path, tmp_path: Path) -> None:
-    k = _copy(ws / "qwen-trt", tmp_path / "k")  # H = 160 -> 256: w2 kernel rows 192..255 are padding
+    k = copy_checkpoint(ws / "qwen-trt", tmp_path / "k")  # H = 160 -> 256: w2 kernel rows 192..255 are padding
 
     def poke(t: torch.Tensor) -> torch.Tensor:
         t[0, 200, 3] = 0x11
         return t
 
-    _patch_tensor(k, "model.layers.0.mlp.experts.w2_weight", poke, fix_manifest=True)
+    patch_tensor(k, "model.layers.0.mlp.experts.w2_weight", poke, fix_manifest=True)
     code, out, _ = mx("verify", k, "--json")
     rep = json.loads(out)
     assert code == 1 and rep["layers"][0]["layout"] == "FAIL"
@@ -305,7 +278,7 @@ def test_verify_fails_on_nonzero_padding(ws: Path, tmp_path: Path) -> None:
 
 
 def test_verify_fails_when_manifest_lies_about_backend(ws: Path, tmp_path: Path) -> None:
-    k = _copy(ws / "qwen-trt", tmp_path / "k")
+    k = copy_checkpoint(ws / "qwen-trt", tmp_path / "k")
     m = json.loads((k / "mxconv.json").read_text())
     m["backend"] = "marlin"
     (k / "mxconv.json").write_text(json.dumps(m))
@@ -372,13 +345,7 @@ def test_nonfinite_refused_then_allowed(tmp_path: Path) -> None:
         t[3, 7] = float("nan")
         return t
 
-    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    f = src / index[name]
-    info = read_header(f)[0][name]
-    t = nan(read_tensor(info).clone())
-    with open(f, "r+b") as fh:
-        fh.seek(info.begin)
-        fh.write(t.view(torch.uint8).numpy().tobytes())
+    patch_tensor(src, name, nan, fix_manifest=False)
     code, _, err = mx("quantize", src, tmp_path / "o")
     assert code == 2 and "non-finite value nan in model.layers.1.mlp.experts.2.up_proj.weight [3, 7]" in err
     assert not (tmp_path / "o" / "mxconv.json").exists()
@@ -389,14 +356,12 @@ def test_nonfinite_refused_then_allowed(tmp_path: Path) -> None:
 def test_nonfinite_named_in_gpt_oss_source_coordinates(tmp_path: Path) -> None:
     src = make_checkpoint(tmp_path / "s", "gpt-oss-bf16").path
     name = "model.layers.0.mlp.experts.down_proj"  # stored [E, I, H] (in x out)
-    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    f = src / index[name]
-    info = read_header(f)[0][name]
-    t = read_tensor(info).clone()
-    t[1, 5, 9] = float("inf")
-    with open(f, "r+b") as fh:
-        fh.seek(info.begin)
-        fh.write(t.view(torch.uint8).numpy().tobytes())
+
+    def inf(t: torch.Tensor) -> torch.Tensor:
+        t[1, 5, 9] = float("inf")
+        return t
+
+    patch_tensor(src, name, inf, fix_manifest=False)
     code, _, err = mx("quantize", src, tmp_path / "o")
     assert code == 2 and "non-finite value inf in model.layers.0.mlp.experts.down_proj [1, 5, 9]" in err, err
 

@@ -17,20 +17,18 @@ from mxconv.layouts import backend_names
 from mxconv.verify.reference_moe import apart
 from support.checkpoints import make_checkpoint
 from support.cli import mx
+from support.tamper import patch_tensor
+from support.workspace import MadeCheckpoints, link_workspace
 
 COMMANDS = ("quantize", "repack", "verify", "inspect", "demo")
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Path:
+def ws(made: MadeCheckpoints, tmp_path_factory) -> Path:
     """A gpt-oss bf16 source, its MXFP4 quantization and a marlin repack of that."""
-    root = tmp_path_factory.mktemp("out")
-    make_checkpoint(root / "gpt", "gpt-oss-bf16")
-    code, _, err = mx("quantize", root / "gpt", root / "gpt-q4", "--quiet", "--device", "cpu")
-    assert code == 0, err
-    code, _, err = mx("repack", root / "gpt-q4", root / "gpt-marlin", "--backend", "marlin", "--quiet", "--device", "cpu")
-    assert code == 0, err
-    return root
+    src = made.source("gpt-oss-bf16").path
+    q4 = made.quantize(src)
+    return link_workspace(tmp_path_factory.mktemp("out"), {"gpt": src, "gpt-q4": q4, "gpt-marlin": made.repack(q4, "marlin")})
 
 
 def _piped(*args: object) -> subprocess.CompletedProcess:
@@ -149,8 +147,6 @@ def test_failure_figures_differ(value: float, bound: float) -> None:
 def test_near_threshold_failure_line_shows_distinct_figures(ws: Path, tmp_path: Path) -> None:
     """One flipped FP4 code in an aiter w2 (manifest fixed up) gives cosine 0.9999989 against the
     MXFP4 source: below the exact threshold 0.999999, which six decimals printed as equal."""
-    from test_cli import _patch_tensor
-
     k = tmp_path / "k"
     code, _, err = mx("repack", ws / "gpt-q4", k, "--backend", "aiter", "--activation", "mxfp4", "--device", "cpu", "--quiet")
     assert code == 0, err
@@ -159,7 +155,7 @@ def test_near_threshold_failure_line_shows_distinct_figures(ws: Path, tmp_path: 
         t.view(-1)[291] ^= 0x10
         return t
 
-    _patch_tensor(k, "model.layers.0.mlp.experts.w2_weight", flip, fix_manifest=True)
+    patch_tensor(k, "model.layers.0.mlp.experts.w2_weight", flip, fix_manifest=True)
     code, out, _ = mx("verify", k, "--reference", ws / "gpt-q4", "--device", "cpu", "--json")
     cosine = json.loads(out)["layers"][0]["comparison"]["cosine"]
     assert code == 1 and 0.9999985 <= cosine < 0.999999, cosine  # the case this test is about

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from mxconv import environment
 from mxconv.cli import app
@@ -29,17 +28,11 @@ from mxconv.engines import discover, marlin_moe, triton_moe
 from mxconv.engines.runner import kernel_unavailable
 from mxconv.errors import BadInput
 from mxconv.engines.loader import read_layer_tensors, resolve_layer
-from support.checkpoints import make_checkpoint
+from support.workspace import MadeCheckpoints, link_workspace
 
 REPO = Path(__file__).resolve().parents[1]
 KERN = REPO / ".kern"
 HAS_CUDA = torch.cuda.is_available()
-cli = CliRunner()
-
-
-def mx(*args: object) -> None:
-    r = cli.invoke(app, [str(a) for a in args])
-    assert r.exit_code == 0, r.stdout + r.stderr
 
 
 def _in_fresh_python(code: str, env: dict[str, str | None]) -> dict:
@@ -173,13 +166,10 @@ def test_marlin_type_id_and_block_sizes() -> None:
 
 
 @pytest.fixture(scope="module")
-def cpu_outputs(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("engines-cpu")
-    make_checkpoint(root / "src", "gpt-oss-bf16", hidden_size=128, intermediate_size=96)
-    mx("quantize", root / "src", root / "q4", "--quiet", "--device", "cpu")
-    mx("repack", root / "q4", root / "marlin", "--backend", "marlin", "--quiet", "--device", "cpu")
-    mx("repack", root / "q4", root / "marlin-tp2", "--backend", "marlin", "--tp", "2", "--quiet", "--device", "cpu")
-    return root
+def cpu_outputs(made: MadeCheckpoints, tmp_path_factory) -> Path:
+    q4 = made.quantize(made.source("gpt-oss-bf16", hidden_size=128, intermediate_size=96).path)
+    return link_workspace(tmp_path_factory.mktemp("engines-cpu"), {
+        "q4": q4, "marlin": made.repack(q4, "marlin"), "marlin-tp2": made.repack(q4, "marlin", "--tp", "2")})
 
 
 def test_resolve_layer_root_and_rank_dirs(cpu_outputs: Path) -> None:

@@ -34,8 +34,7 @@ from mxconv.verify.reference_moe import Routing, compare, hidden_states, moe_for
 from support.checkpoints import make_checkpoint
 from mxconv.verify import expert_fn
 
-HAS_CUDA = torch.cuda.is_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 TOKENS = 64
 # (kind, hidden size); I = 192 (TP2 ranks 96 -> 128), E = 8, top-2. triton_kernels' Hopper matmul
 # (num_warps 8) needs every output width > 128, hence no smaller sizes.

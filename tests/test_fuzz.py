@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typer.testing import CliRunner
 from mxconv.cli import app
 from mxconv.source.st_format import ST_DTYPES
 from support.checkpoints import make_checkpoint
+from support.workspace import copy_checkpoint
 from test_strict_read import _library_accepts  # tests/ is on sys.path (pytest rootdir import mode)
 
 runner = CliRunner()
@@ -62,11 +62,6 @@ def base(tmp_path_factory) -> Path:
         code, err = mx(*args, "--quiet", "--device", "cpu")
         assert code == 0, err
     return root
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
 
 
 # ---- safetensors headers ------------------------------------------------------------------------
@@ -155,7 +150,7 @@ def _shards(root: Path) -> list[Path]:
 def test_damaged_header(base: Path, tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     which = ["src", "q4", "k", "tp"][seed % 4]
-    d = _copy(base / which, tmp_path / which)
+    d = copy_checkpoint(base / which, tmp_path / which)
     shard = rng.choice(_shards(d))
     what = f"seed {seed}: {which}: " + damage_shard(shard, rng)
     commands = [("inspect", d)] + ([("verify", d)] if which != "src" else [])
@@ -176,7 +171,7 @@ def test_damaged_header(base: Path, tmp_path: Path, seed: int) -> None:
 @pytest.mark.parametrize("seed", INDEX_SEEDS)
 def test_damaged_index(base: Path, tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
-    d = _copy(base / "src", tmp_path / "src")
+    d = copy_checkpoint(base / "src", tmp_path / "src")
     index = json.loads((d / INDEX).read_text())
     wm = index["weight_map"]
     name = rng.choice(sorted(wm))
@@ -267,7 +262,7 @@ def _perturb(v: Any, rng: random.Random) -> Any:
 def test_damaged_manifest(base: Path, tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     which = ["q4", "k", "tp"][seed % 3]
-    d = _copy(base / which, tmp_path / which)
+    d = copy_checkpoint(base / which, tmp_path / which)
     m = json.loads((d / "mxconv.json").read_text())
     kind = ["delete", "retype", "anything"][seed // 3 % 3]
     if kind == "anything":  # any key anywhere, any change: never an internal error
@@ -304,7 +299,7 @@ def test_damaged_manifest(base: Path, tmp_path: Path, seed: int) -> None:
 
 
 def test_truncated_and_empty_manifest(base: Path, tmp_path: Path) -> None:
-    d = _copy(base / "k", tmp_path / "k")
+    d = copy_checkpoint(base / "k", tmp_path / "k")
     text = (d / "mxconv.json").read_text()
     for broken in (text[: len(text) // 2], "", "[]", "null", '{"format_version": 1}'):
         (d / "mxconv.json").write_text(broken)

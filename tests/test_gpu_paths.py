@@ -17,7 +17,7 @@ from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
 from support.checkpoints import make_checkpoint
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu
 
 
 def _run(src: Path, out: Path, device: str, q: QuantOptions, r: RepackOptions | None) -> dict:

@@ -5,25 +5,21 @@ of how many it is. Damaged TP outputs end in exit 2 naming the directory and the
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from support.checkpoints import make_checkpoint
 from support.cli import mx
+from support.workspace import copy_checkpoint, MadeCheckpoints
 
 WIDE = {"COLUMNS": "200"}  # rich wraps long cells at the default 80 columns
 
 
 @pytest.fixture(scope="module")
-def tp_out(tmp_path_factory) -> Path:
+def tp_out(made: MadeCheckpoints) -> Path:
     """A triton --tp 2 output of a source with I = 160: ranks hold [0, 96) and [96, 160), both padded to 128."""
-    root = tmp_path_factory.mktemp("inspect-tp")
-    src = make_checkpoint(root / "src", "qwen3-moe", hidden_size=256, intermediate_size=160).path
-    code, _, err = mx("repack", src, root / "k", "--backend", "triton", "--tp", "2", "--quiet", "--device", "cpu")
-    assert code == 0, err
-    return root / "k"
+    src = made.source("qwen3-moe", hidden_size=256, intermediate_size=160).path
+    return made.repack(src, "triton", "--tp", "2")
 
 
 def _shards_on_disk(rank_dir: Path) -> list[dict[str, object]]:
@@ -84,7 +80,7 @@ def test_inspect_one_rank_says_which_rank_of_how_many(tp_out: Path) -> None:
 
 
 def test_inspect_tp_output_missing_a_rank(tp_out: Path, tmp_path: Path) -> None:
-    k = shutil.copytree(tp_out, tmp_path / "k")
+    k = copy_checkpoint(tp_out, tmp_path / "k")
     (k / "rank-1").rename(k / "rank-2")
     code, _, err = mx("inspect", k)
     assert code == 2 and "Traceback" not in err

@@ -30,14 +30,15 @@ from mxconv.output.directory import STAGING, TMP_SUFFIX
 from mxconv.source.file_names import IN_PROGRESS
 from support.checkpoints import make_checkpoint
 from support.cli import mx
+from support.workspace import MadeCheckpoints
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 SLOW_WRITE = Path(__file__).resolve().parent / "support" / "slow_write.py"
 
 
 @pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("intr") / "qwen", "qwen3-moe").path
+def src(made: MadeCheckpoints) -> Path:
+    return made.source("qwen3-moe").path
 
 
 def snapshot(d: Path) -> dict[str, str]:

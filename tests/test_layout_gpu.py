@@ -20,7 +20,6 @@ from mxconv.layouts.base import CanonicalExperts, LayoutSizes, layout_kernels
 from mxconv.layouts.padding import KernelChoice
 from support.interpreter import kernels_match_torch, print_report, report_fixture, same_bytes
 
-HAS_CUDA = torch.cuda.is_available()
 
 
 def make_stack(E: int, H: int, I: int, row_order: str, bias: bool = True, seed: int = 0) -> CanonicalExperts:
@@ -162,7 +161,6 @@ def stacks() -> dict[tuple[int, int, int, str], CanonicalExperts]:
 @pytest.mark.parametrize("row_order", ["interleaved", "halves"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cuda_equals_cpu_and_round_trips(stacks, case, row_order: str, shape: tuple[int, int, int]) -> None:
     backend, act, opts = case
     layout = get_layout(backend)
@@ -182,7 +180,6 @@ def test_cuda_equals_cpu_and_round_trips(stacks, case, row_order: str, shape: tu
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cuda_without_bias_and_torch_path_on_cuda(case) -> None:
     backend, act, opts = case
     layout = get_layout(backend)
@@ -196,7 +193,6 @@ def test_cuda_without_bias_and_torch_path_on_cuda(case) -> None:
 
 @pytest.mark.parametrize("backend", backend_names())
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cuda_misaligned_and_strided_inputs(backend: str) -> None:
     """Inputs at odd storage offsets (no 8-byte word view) and with padded row strides."""
     layout = get_layout(backend)
@@ -223,7 +219,6 @@ def test_cuda_misaligned_and_strided_inputs(backend: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_cuda_marlin_fp8_scale_range_error_matches_cpu() -> None:
     layout = get_layout("marlin")
     c = make_stack(2, 256, 128, "halves", bias=False, seed=19)

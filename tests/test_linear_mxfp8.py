@@ -9,7 +9,6 @@ and verify against planted bugs.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -22,8 +21,9 @@ from mxconv.source.checkpoint import open_checkpoint
 from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
-from mxconv.source.st_format import read_tensor
 from support.checkpoints import make_checkpoint, write_shards
+from support.tamper import patch_tensor
+from support.workspace import copy_checkpoint
 from mxconv.verify import verify
 
 LINEAR = QuantOptions("mxfp8", targets="linear")
@@ -316,12 +316,12 @@ def test_refusals(tmp_path: Path) -> None:
 
 def test_nonfinite_linear_weight_is_refused_by_name(tmp_path: Path) -> None:
     src_dir = make_checkpoint(tmp_path / "src", "qwen3-moe").path
-    info = open_checkpoint(src_dir).tensors["model.layers.1.self_attn.v_proj.weight"]
-    t = read_tensor(info).clone()
-    t[5, 70] = float("nan")
-    with open(info.file, "r+b") as fh:
-        fh.seek(info.begin)
-        fh.write(t.view(torch.uint8).numpy().tobytes())
+
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        t[5, 70] = float("nan")
+        return t
+
+    patch_tensor(src_dir, "model.layers.1.self_attn.v_proj.weight", nan, fix_manifest=False)
     with pytest.raises(BadInput, match=r"non-finite value nan in model\.layers\.1\.self_attn\.v_proj\.weight \[5, 70\]"):
         _convert(src_dir, tmp_path / "out", LINEAR)
     _convert(src_dir, tmp_path / "out", QuantOptions("mxfp8", targets="linear", allow_nonfinite=True))
@@ -343,24 +343,9 @@ def test_requantizing_an_output_carries_its_mxfp8_linears(qwen, tmp_path: Path) 
 # ---- verify catches what is wrong --------------------------------------------------------------------
 
 
-def _rewrite(out: Path, name: str, fn) -> None:  # noqa: ANN001 - fn(tensor) -> same shape/dtype; manifest sha fixed
-    info = open_checkpoint(out).tensors[name]
-    t = fn(read_tensor(info).clone())
-    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
-    with open(info.file, "r+b") as fh:
-        fh.seek(info.begin)
-        fh.write(raw)
-    m = json.loads((out / "mxconv.json").read_text())
-    m["tensors"][name]["sha256"] = hashlib.sha256(raw).hexdigest()
-    (out / "mxconv.json").write_text(json.dumps(m))
-
-
 def _copy(qwen, tmp_path: Path) -> tuple[Path, Path]:
-    import shutil
-
     src, out, _ = qwen
-    shutil.copytree(out, tmp_path / "out")
-    return src, tmp_path / "out"
+    return src, copy_checkpoint(out, tmp_path / "out")
 
 
 def test_verify_catches_a_changed_byte(qwen, tmp_path: Path) -> None:
@@ -372,7 +357,7 @@ def test_verify_catches_a_changed_byte(qwen, tmp_path: Path) -> None:
         b[3, 5] ^= 0x01
         return t
 
-    _rewrite(out, name, flip)
+    patch_tensor(out, name, flip, fix_manifest=True)
     rep = verify(out, reference=str(src))
     assert not rep.passed
     bad = [r for r in rep.linears if not r.passed]
@@ -381,8 +366,8 @@ def test_verify_catches_a_changed_byte(qwen, tmp_path: Path) -> None:
 
 def test_verify_catches_wrong_scales_and_nan(qwen, tmp_path: Path) -> None:
     src, out = _copy(qwen, tmp_path)
-    _rewrite(out, "model.layers.0.mlp.down_proj.weight_scale", lambda t: t + 1)  # every block twice as large
-    _rewrite(out, "model.layers.2.self_attn.k_proj.weight_scale", lambda t: t.index_fill_(0, torch.tensor([0]), 0xFF))
+    patch_tensor(out, "model.layers.0.mlp.down_proj.weight_scale", lambda t: t + 1, fix_manifest=True)  # every block twice as large
+    patch_tensor(out, "model.layers.2.self_attn.k_proj.weight_scale", lambda t: t.index_fill_(0, torch.tensor([0]), 0xFF), fix_manifest=True)
     rep = verify(out, reference=str(src))
     by = {r.module: r for r in rep.linears}
     assert by["model.layers.0.mlp.down_proj"].numerics == "FAIL" and by["model.layers.0.mlp.down_proj"].rel_rms > 0.5
@@ -405,7 +390,7 @@ def test_verify_catches_a_config_that_does_not_say_what_is_quantized(qwen, tmp_p
 
 def test_verify_catches_a_copied_tensor_that_changed(qwen, tmp_path: Path) -> None:
     src, out = _copy(qwen, tmp_path)
-    _rewrite(out, "model.norm.weight", lambda t: t * 2)
+    patch_tensor(out, "model.norm.weight", lambda t: t * 2, fix_manifest=True)
     rep = verify(out, reference=str(src))
     assert any(p.startswith("model.norm.weight: not the reference's bytes") for p in rep.problems)
 

@@ -32,7 +32,8 @@ from support.checkpoints import INT4_KINDS, KINDS, make_checkpoint
 from mxconv.output.shards import PlannedTensor, plan_shards
 from mxconv.output.writer import ShardedWriter
 
-from test_cli import _patch_tensor  # tests/ is on sys.path (pytest rootdir import mode)
+from support.tamper import patch_tensor
+from support.workspace import copy_checkpoint, link_workspace, MadeCheckpoints
 
 runner = CliRunner()
 CPU = torch.device("cpu")
@@ -281,11 +282,9 @@ def _same_output(src: Path, tmp_path: Path, q: QuantOptions, r: RepackOptions | 
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("budget")
-    for kind in ("qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4"):
-        make_checkpoint(root / kind, kind, num_experts=E, shards=3)
-    return root
+def ws(made: MadeCheckpoints, tmp_path_factory) -> Path:
+    kinds = ("qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4")
+    return link_workspace(tmp_path_factory.mktemp("budget"), {kind: made.source(kind, num_experts=E, shards=3).path for kind in kinds})
 
 
 @pytest.mark.parametrize("kind", ["qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4"])
@@ -327,34 +326,29 @@ def test_repack_of_quantized_on_the_way_sources(ws: Path, tmp_path: Path, src: s
 
 
 def test_nonfinite_in_a_later_group_names_the_source_expert(ws: Path, tmp_path: Path) -> None:
-    import shutil
-
-    src = tmp_path / "src"
-    shutil.copytree(ws / "qwen3-moe", src)
+    src = copy_checkpoint(ws / "qwen3-moe", tmp_path / "src")
     name = "model.layers.1.mlp.experts.6.up_proj.weight"
 
     def plant(t: torch.Tensor) -> torch.Tensor:
         t[2, 5] = float("nan")
         return t
 
-    _patch_tensor(src, name, plant, False)
+    patch_tensor(src, name, plant, False)
     with pytest.raises(BadInput, match=rf"non-finite value nan in {name} \[2, 5\]"):
         _run(src, tmp_path / "o", QuantOptions(), None, 3)
-    gpt = tmp_path / "gpt"
-    shutil.copytree(ws / "gpt-oss-mxfp4", gpt)
+    gpt = copy_checkpoint(ws / "gpt-oss-mxfp4", tmp_path / "gpt")
     scales = "model.layers.0.mlp.experts.down_proj_scales"
 
     def nan_scale(t: torch.Tensor) -> torch.Tensor:
         t.view(torch.uint8)[7, 1, 0] = 0xFF
         return t
 
-    _patch_tensor(gpt, scales, nan_scale, False)
+    patch_tensor(gpt, scales, nan_scale, False)
     with pytest.raises(BadInput, match=rf"E8M0 NaN scale byte 0xFF in {scales} \[7, 1, 0\]"):
         _run(gpt, tmp_path / "o2", QuantOptions(), RepackOptions("trtllm", "bf16"), 3)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind, q, r", [
     ("qwen3-moe", QuantOptions("mxfp4"), None),
     ("gpt-oss-bf16", QuantOptions("mxfp8"), None),

@@ -9,7 +9,6 @@ skipped when flashinfer does not import) re-enacting the vLLM MxInt4 load sequen
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -28,6 +27,8 @@ from mxconv.source.st_format import read_header, read_tensor
 from mxconv.verify import verify
 from support.checkpoints import GroundTruth, make_checkpoint, pack_int4_words_reference, write_shards
 from support.cli import mx
+from support.tamper import patch_tensor
+from support.workspace import copy_checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,22 +449,6 @@ def test_reference_runner_dequantizes_int4_exactly(kimi: GroundTruth, repacked: 
         assert w13.dtype == torch.float32 and torch.equal(w13, kimi.layers[1].w13[e]) and torch.equal(w2, kimi.layers[1].w2[e])
 
 
-def _plant(out: Path, name: str, fn) -> None:  # noqa: ANN001 - fn(tensor) -> tensor of the same shape/dtype
-    """Rewrite tensor ``name`` of a converted output with fn(tensor), fixing its manifest sha256 so
-    that only the layout and numerics checks can catch it."""
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    f = out / index["weight_map"][name]
-    info = read_header(f)[0][name]
-    raw = fn(read_tensor(info).clone()).contiguous().view(torch.uint8).numpy().tobytes()
-    assert len(raw) == info.nbytes
-    with open(f, "r+b") as fh:
-        fh.seek(info.begin)
-        fh.write(raw)
-    m = json.loads((out / "mxconv.json").read_text())
-    m["tensors"][name]["sha256"] = hashlib.sha256(raw).hexdigest()
-    (out / "mxconv.json").write_text(json.dumps(m))
-
-
 def _flip_byte(t: torch.Tensor) -> torch.Tensor:
     t.view(-1)[1000] ^= 0x10
     return t
@@ -483,11 +468,8 @@ def _swap_experts(t: torch.Tensor) -> torch.Tensor:
     ids=["flipped-byte", "swapped-experts", "swapped-scales"],
 )
 def test_planted_bug_fails_verify(kimi: GroundTruth, repacked: Path, tmp_path: Path, tensor: str, bug, where: str) -> None:  # noqa: ANN001
-    import shutil
-
-    out = tmp_path / "bugged"
-    shutil.copytree(repacked, out)
-    _plant(out, f"model.layers.1.mlp.experts.{tensor}", bug)
+    out = copy_checkpoint(repacked, tmp_path / "bugged")
+    patch_tensor(out, f"model.layers.1.mlp.experts.{tensor}", bug, fix_manifest=True)
     rep = verify(out, reference=str(kimi.path), tokens=32)
     assert not rep.passed
     (layer,) = rep.layers
@@ -499,13 +481,10 @@ def test_planted_bug_fails_verify(kimi: GroundTruth, repacked: Path, tmp_path: P
 
 
 def test_flipped_byte_without_manifest_fix_fails_integrity(kimi: GroundTruth, repacked: Path, tmp_path: Path) -> None:
-    import shutil
-
-    out = tmp_path / "corrupt"
-    shutil.copytree(repacked, out)
+    out = copy_checkpoint(repacked, tmp_path / "corrupt")
     name = "model.layers.1.mlp.experts.w2_weight_scale"
     sha = json.loads((out / "mxconv.json").read_text())["tensors"][name]["sha256"]
-    _plant(out, name, lambda t: _flip_byte(t.view(torch.uint8)).view(torch.bfloat16))
+    patch_tensor(out, name, lambda t: _flip_byte(t.view(torch.uint8)).view(torch.bfloat16), fix_manifest=True)
     m = json.loads((out / "mxconv.json").read_text())
     m["tensors"][name]["sha256"] = sha
     (out / "mxconv.json").write_text(json.dumps(m))

@@ -5,7 +5,6 @@ over); verify fails, never passes, on a non-finite reference, converted weight o
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,8 +18,8 @@ from mxconv.cli import app
 from mxconv.mx.numerics import first_nan_scale, first_nonfinite, first_nonnumber
 from mxconv.verify.reference_moe import compare
 from mxconv.source.st_format import read_header, read_tensor
-from support.checkpoints import make_checkpoint
-from test_cli import _patch_tensor  # tests/ is on sys.path (pytest rootdir import mode)
+from support.tamper import patch_tensor
+from support.workspace import copy_checkpoint, link_workspace, MadeCheckpoints
 
 runner = CliRunner()
 NAN, INF = float("nan"), float("inf")
@@ -39,7 +38,7 @@ def patch(root: Path, name: str, fn: Callable[[torch.Tensor], None], *, fix_mani
         fn(t)
         return t
 
-    _patch_tensor(root, name, changed, fix_manifest)
+    patch_tensor(root, name, changed, fix_manifest)
 
 
 def setter(index: tuple[int, ...], value: float | int) -> Callable[[torch.Tensor], None]:
@@ -55,22 +54,14 @@ def setter(index: tuple[int, ...], value: float | int) -> Callable[[torch.Tensor
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("nonfinite")
-    make_checkpoint(root / "gpt", "gpt-oss-bf16")
-    make_checkpoint(root / "qwen", "qwen3-moe")
-    make_checkpoint(root / "ds", "deepseek-v3-fp8", num_layers=2, num_experts=4)
-    for name in ("gpt", "qwen"):
-        code, _, err = mx("quantize", root / name, root / f"{name}-q4", "--quiet", "--device", "cpu")
-        assert code == 0, err
-    code, _, err = mx("repack", root / "gpt-q4", root / "gpt-trt", "--backend", "trtllm", "--quiet", "--device", "cpu")
-    assert code == 0, err
-    return root
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
+def ws(made: MadeCheckpoints, tmp_path_factory) -> Path:
+    """gpt-oss bf16, qwen3 and two-layer DeepSeek FP8 sources, the MXFP4 quantizations of the first
+    two and a trtllm repack of gpt-oss's."""
+    gpt, qwen = made.source("gpt-oss-bf16").path, made.source("qwen3-moe").path
+    gpt_q4 = made.quantize(gpt)
+    return link_workspace(tmp_path_factory.mktemp("nonfinite"), {
+        "gpt": gpt, "qwen": qwen, "ds": made.source("deepseek-v3-fp8", num_layers=2, num_experts=4).path,
+        "gpt-q4": gpt_q4, "qwen-q4": made.quantize(qwen), "gpt-trt": made.repack(gpt_q4, "trtllm")})
 
 
 # ---- quantize / repack refuse, naming tensor and index ------------------------------------------
@@ -91,7 +82,7 @@ SOURCE_CASES = [
 
 @pytest.mark.parametrize("src, name, index, value, what", SOURCE_CASES, ids=[f"{c[0]}:{c[1].split('.', 3)[-1]}" for c in SOURCE_CASES])
 def test_conversion_refuses_naming_tensor_and_index(ws: Path, tmp_path: Path, src: str, name: str, index, value, what: str) -> None:
-    s = _copy(ws / src, tmp_path / "src")
+    s = copy_checkpoint(ws / src, tmp_path / "src")
     patch(s, name, setter(index, value))
     where = f"{what} in {name} [{', '.join(map(str, index))}]"
     code, _, err = mx("quantize", s, tmp_path / "o", "--device", "cpu")
@@ -105,7 +96,7 @@ def test_conversion_refuses_naming_tensor_and_index(ws: Path, tmp_path: Path, sr
 
 
 def test_allowed_nan_scale_is_carried_over_and_then_fails_verify(ws: Path, tmp_path: Path) -> None:
-    s = _copy(ws / "gpt-q4", tmp_path / "src")
+    s = copy_checkpoint(ws / "gpt-q4", tmp_path / "src")
     name = "model.layers.0.mlp.experts.down_proj_scales"
     patch(s, name, setter((1, 2, 0), 0xFF))
     code, _, err = mx("quantize", s, tmp_path / "o", "--format", "mxfp8", "--device", "cpu", "--allow-nonfinite", "--quiet")
@@ -120,7 +111,7 @@ def test_allowed_nan_scale_is_carried_over_and_then_fails_verify(ws: Path, tmp_p
 
 
 def test_verify_fails_on_a_nan_scale_in_a_canonical_output(ws: Path, tmp_path: Path) -> None:
-    q = _copy(ws / "qwen-q4", tmp_path / "q")
+    q = copy_checkpoint(ws / "qwen-q4", tmp_path / "q")
     name = "model.layers.1.mlp.experts.3.down_proj.weight_scale"
     patch(q, name, setter((5, 2), 0xFF), fix_manifest=True)
     code, stdout, _ = mx("verify", q, "--json")
@@ -132,7 +123,7 @@ def test_verify_fails_on_a_nan_scale_in_a_canonical_output(ws: Path, tmp_path: P
 
 
 def test_verify_fails_on_a_nan_scale_in_a_kernel_output(ws: Path, tmp_path: Path) -> None:
-    k = _copy(ws / "gpt-trt", tmp_path / "k")
+    k = copy_checkpoint(ws / "gpt-trt", tmp_path / "k")
     name = "model.layers.0.mlp.experts.w13_weight_scale"
     patch(k, name, setter((0, 0, 0), 0xFF), fix_manifest=True)
     code, _, err = mx("verify", k, "--reference", ws / "gpt-q4")
@@ -141,7 +132,7 @@ def test_verify_fails_on_a_nan_scale_in_a_kernel_output(ws: Path, tmp_path: Path
 
 def test_verify_fails_on_a_nan_bias_or_router_in_the_output(ws: Path, tmp_path: Path) -> None:
     for name, index in (("model.layers.1.mlp.experts.w2_bias", (0, 4)), ("model.layers.0.mlp.router.weight", (1, 1))):
-        k = _copy(ws / "gpt-trt", tmp_path / name)
+        k = copy_checkpoint(ws / "gpt-trt", tmp_path / name)
         patch(k, name, setter(index, NAN), fix_manifest=True)
         code, _, err = mx("verify", k)
         assert code == 1 and "non-finite value nan" in err and name in err, err
@@ -149,7 +140,7 @@ def test_verify_fails_on_a_nan_bias_or_router_in_the_output(ws: Path, tmp_path: 
 
 def test_verify_fails_on_a_nan_reference_weight(ws: Path, tmp_path: Path) -> None:
     """The bug: a NaN reference gave relative RMS 0, cosine 1 and PASS."""
-    ref = _copy(ws / "gpt", tmp_path / "ref")
+    ref = copy_checkpoint(ws / "gpt", tmp_path / "ref")
     patch(ref, "model.layers.0.mlp.experts.gate_up_proj", lambda t: t[:, 0, :].fill_(NAN))
     code, stdout, _ = mx("verify", ws / "gpt-q4", "--reference", ref, "--json")
     rep = json.loads(stdout)
@@ -162,7 +153,7 @@ def test_verify_fails_on_a_nan_reference_weight(ws: Path, tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("name, index", [("model.layers.1.mlp.experts.down_proj_bias", (1, 0)), ("model.layers.1.mlp.router.bias", (0,))])
 def test_verify_fails_on_a_nan_reference_bias_or_router(ws: Path, tmp_path: Path, name: str, index) -> None:
-    ref = _copy(ws / "gpt", tmp_path / "ref")
+    ref = copy_checkpoint(ws / "gpt", tmp_path / "ref")
     patch(ref, name, setter(index, NAN))
     code, _, err = mx("verify", ws / "gpt-q4", "--reference", ref)
     assert code == 1 and f"the reference {ref} holds a value that is not a number" in err
@@ -228,7 +219,7 @@ def test_nonfinite_in_a_copied_tensor_is_refused(ws: Path, tmp_path: Path, src: 
                                                  value: float | int, command: tuple[str, ...]) -> None:
     """Tensors copied byte for byte (attention, embeddings, norms) are scanned too: NaN/Inf never
     reaches an output that says it converted successfully."""
-    d = _copy(ws / src, tmp_path / src)
+    d = copy_checkpoint(ws / src, tmp_path / src)
     patch(d, name, setter(index, value), fix_manifest=(d / "mxconv.json").exists())
     out = tmp_path / "out"
     code, _, err = mx(command[0], d, out, *command[1:], "--device", "cpu", "--quiet")

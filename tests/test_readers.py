@@ -21,6 +21,7 @@ from mxconv.families.base import FamilyReader, MoELayer, MoELayerRef, MXStack
 from mxconv.families.quant_config import SUPPORTED_HINT
 from support.checkpoints import KINDS, GroundTruth, make_checkpoint, write_shards
 from support.hub import make_hub_cache
+from support.workspace import MadeCheckpoints
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -45,14 +46,11 @@ FP8_KINDS = ("deepseek-v3-fp8", "deepseek-v3.1-fp8-ue8m0", "kimi-k2")
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], GroundTruth]:
+def built(made: MadeCheckpoints) -> Callable[[str], GroundTruth]:
     """Shared read-only checkpoints, one per kind (generated on first use)."""
-    cache: dict[str, GroundTruth] = {}
 
     def get(kind: str) -> GroundTruth:
-        if kind not in cache:
-            cache[kind] = make_checkpoint(tmp_path_factory.mktemp(kind.replace(".", "_")), kind, shards=3)
-        return cache[kind]
+        return made.source(kind, shards=3)
 
     return get
 

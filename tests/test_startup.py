@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from support.checkpoints import make_checkpoint
-from support.cli import mx
+from support.workspace import MadeCheckpoints, link_workspace
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -38,18 +37,14 @@ def _probe(*commands: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory) -> Path:
+def outputs(made: MadeCheckpoints, tmp_path_factory) -> Path:
     """Two sources (per-expert bf16, gpt-oss MXFP4), a kernel layout, a TP=2 kernel output and an
     MXFP8-linears output."""
-    root = tmp_path_factory.mktemp("startup")
-    make_checkpoint(root / "qwen", "qwen3-moe")
-    make_checkpoint(root / "gpt", "gpt-oss-mxfp4")
-    for args in (("repack", root / "gpt", root / "gpt-triton", "--backend", "triton"),
-                 ("repack", root / "qwen", root / "qwen-marlin-tp2", "--backend", "marlin", "--tp", "2"),
-                 ("quantize", root / "qwen", root / "qwen-mxfp8", "--format", "mxfp8", "--targets", "linear")):
-        code, _, err = mx(*args, "--device", "cpu", "--quiet")
-        assert code == 0, err
-    return root
+    qwen, gpt = made.source("qwen3-moe").path, made.source("gpt-oss-mxfp4").path
+    return link_workspace(tmp_path_factory.mktemp("startup"), {
+        "qwen": qwen, "gpt": gpt, "gpt-triton": made.repack(gpt, "triton"),
+        "qwen-marlin-tp2": made.repack(qwen, "marlin", "--tp", "2"),
+        "qwen-mxfp8": made.quantize(qwen, "--format", "mxfp8", "--targets", "linear")})
 
 
 def test_help_imports_no_torch() -> None:

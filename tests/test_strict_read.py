@@ -26,6 +26,7 @@ from mxconv.errors import BadInput
 from mxconv.source.manifest import load_manifest, validate_manifest
 from mxconv.source.st_format import read_header
 from support.checkpoints import make_checkpoint
+from support.workspace import copy_checkpoint, link_workspace, MadeCheckpoints
 
 runner = CliRunner()
 INDEX = "model.safetensors.index.json"
@@ -190,23 +191,16 @@ def test_damaged_source_shard_refused_by_every_command(src: Path, tmp_path: Path
 
 
 @pytest.fixture(scope="module")
-def outs(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("strict")
-    make_checkpoint(root / "gpt", "gpt-oss-bf16")
-    for args in (("quantize", root / "gpt", root / "q4"), ("repack", root / "q4", root / "k", "--backend", "trtllm"),
-                 ("repack", root / "q4", root / "tp", "--backend", "aiter", "--tp", "2")):
-        code, _, err = mx(*args, "--quiet", "--device", "cpu")
-        assert code == 0, err
-    return root
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
+def outs(made: MadeCheckpoints, tmp_path_factory) -> Path:
+    """A gpt-oss bf16 source, its MXFP4 quantization, a trtllm repack and a two-rank aiter repack."""
+    src = made.source("gpt-oss-bf16").path
+    q4 = made.quantize(src)
+    return link_workspace(tmp_path_factory.mktemp("strict"), {
+        "gpt": src, "q4": q4, "k": made.repack(q4, "trtllm"), "tp": made.repack(q4, "aiter", "--tp", "2")})
 
 
 def test_verify_fails_an_output_with_a_gap_in_a_shard(outs: Path, tmp_path: Path) -> None:
-    k = _copy(outs / "k", tmp_path / "k")
+    k = copy_checkpoint(outs / "k", tmp_path / "k")
     shard = k / sorted(set(_index(k)["weight_map"].values()))[0]
     blob = shard.read_bytes()
     shard.write_bytes(blob + b"\0" * 16)  # trailing bytes after the last tensor
@@ -220,12 +214,12 @@ def test_verify_refuses_a_rank_dir(outs: Path) -> None:
     # (inspect reads one rank with its output's manifest: tests/test_inspect_tp.py)
     code, _, err = mx("verify", outs / "tp" / "rank-1")
     assert code == 2 and "no mxconv.json" in err and "one rank of a tensor-parallel mxconv output" in err
-    assert str(outs / "tp") in err
+    assert str((outs / "tp").resolve()) in err  # outs / "tp" links to the session's made output
 
 
 @pytest.mark.parametrize("cmd", ["inspect", "verify"])
 def test_kernel_output_without_manifest(outs: Path, tmp_path: Path, cmd: str) -> None:
-    k = _copy(outs / "k", tmp_path / "k")
+    k = copy_checkpoint(outs / "k", tmp_path / "k")
     (k / "mxconv.json").unlink()
     code, _, err = mx(cmd, k)
     assert code == 2 and "no mxconv.json" in err and "kernel-layout output" in err and "Traceback" not in err
@@ -255,7 +249,7 @@ MANIFEST_CASES = [
 
 @pytest.mark.parametrize("case, edit, pattern", MANIFEST_CASES, ids=[c[0] for c in MANIFEST_CASES])
 def test_tampered_manifest_names_the_field(outs: Path, tmp_path: Path, case: str, edit, pattern: str) -> None:
-    k = _copy(outs / "k", tmp_path / "k")
+    k = copy_checkpoint(outs / "k", tmp_path / "k")
     _tamper(k / "mxconv.json", edit)
     with pytest.raises(BadInput, match=pattern):
         load_manifest(k)
@@ -266,7 +260,7 @@ def test_tampered_manifest_names_the_field(outs: Path, tmp_path: Path, case: str
 
 
 def test_tp_ranges_must_match_tp_size(outs: Path, tmp_path: Path) -> None:
-    t = _copy(outs / "tp", tmp_path / "tp")
+    t = copy_checkpoint(outs / "tp", tmp_path / "tp")
     _tamper(t / "mxconv.json", lambda m: m["layout"]["tp_ranges"].pop())
     code, _, err = mx("verify", t)
     assert code == 1 and "field 'layout.tp_ranges' must hold tp_size=2 ranges, got 1" in err
@@ -279,7 +273,7 @@ def test_every_real_manifest_is_valid(outs: Path) -> None:
 
 
 def test_manifest_with_duplicate_key(outs: Path, tmp_path: Path) -> None:
-    k = _copy(outs / "k", tmp_path / "k")
+    k = copy_checkpoint(outs / "k", tmp_path / "k")
     text = (k / "mxconv.json").read_text()
     (k / "mxconv.json").write_text(text.replace('{"format_version"', '{"kind": "canonical", "format_version"', 1)
                                    if text.startswith('{"format_version"') else "{" + '"kind": "canonical", ' + text.lstrip()[1:])
@@ -321,7 +315,7 @@ def _add_tensor(root: Path, name: str) -> None:
     ],
 )
 def test_verify_fails_naming_a_missing_tensor(outs: Path, tmp_path: Path, out: str, name: str) -> None:
-    d = _copy(outs / out, tmp_path / out)
+    d = copy_checkpoint(outs / out, tmp_path / out)
     _drop_tensor(d, name)
     code, stdout, err = mx("verify", d, "--json")
     assert code == 1, err
@@ -332,7 +326,7 @@ def test_verify_fails_naming_a_missing_tensor(outs: Path, tmp_path: Path, out: s
 
 
 def test_verify_reports_an_extra_tensor(outs: Path, tmp_path: Path) -> None:
-    d = _copy(outs / "q4", tmp_path / "q4")
+    d = copy_checkpoint(outs / "q4", tmp_path / "q4")
     _add_tensor(d, "model.extra.weight")
     code, _, err = mx("verify", d)
     assert code == 1 and "model.extra.weight: present in the checkpoint but not in the manifest" in err
@@ -356,7 +350,7 @@ def _rewrite_shard(shard: Path, edit) -> None:
 ])
 def test_verify_fails_on_a_tensor_deleted_from_its_shard(outs: Path, tmp_path: Path, out: str, sub: str, name: str) -> None:
     """The index (and manifest) still name the tensor; its shard no longer holds it."""
-    d = _copy(outs / out, tmp_path / out)
+    d = copy_checkpoint(outs / out, tmp_path / out)
     shard = _index(d / sub)["weight_map"][name]
     _rewrite_shard(d / sub / shard, lambda t: t.pop(name))
     code, stdout, err = mx("verify", d)
@@ -372,7 +366,7 @@ def test_verify_fails_on_a_tensor_deleted_from_its_shard(outs: Path, tmp_path: P
 
 @pytest.mark.parametrize("out, sub", [("k", ""), ("tp", "rank-0")])
 def test_verify_fails_on_a_tensor_in_a_shard_the_index_does_not_name(outs: Path, tmp_path: Path, out: str, sub: str) -> None:
-    d = _copy(outs / out, tmp_path / out)
+    d = copy_checkpoint(outs / out, tmp_path / out)
     shard = d / sub / sorted(set(_index(d / sub)["weight_map"].values()))[0]
     _rewrite_shard(shard, lambda t: t.__setitem__("model.sneaked.weight", torch.zeros(3)))
     code, _, err = mx("verify", d, "--quiet")
@@ -382,12 +376,12 @@ def test_verify_fails_on_a_tensor_in_a_shard_the_index_does_not_name(outs: Path,
 
 
 def test_verify_fails_on_a_missing_shard_or_rank(outs: Path, tmp_path: Path) -> None:
-    d = _copy(outs / "k", tmp_path / "k")
+    d = copy_checkpoint(outs / "k", tmp_path / "k")
     shard = sorted(set(_index(d)["weight_map"].values()))[-1]
     (d / shard).unlink()
     code, _, err = mx("verify", d)
     assert code == 1 and f"FAIL {d / INDEX}: names shard '{shard}', which does not exist" in err, err
-    t = _copy(outs / "tp", tmp_path / "tp")
+    t = copy_checkpoint(outs / "tp", tmp_path / "tp")
     shutil.rmtree(t / "rank-1")
     code, _, err = mx("verify", t)
     assert code == 1 and f"FAIL {t / 'rank-1'}: missing (manifest says tp_size 2)" in err, err
@@ -395,7 +389,7 @@ def test_verify_fails_on_a_missing_shard_or_rank(outs: Path, tmp_path: Path) -> 
 
 def test_verify_exits_2_for_a_reference_it_cannot_read(outs: Path, tmp_path: Path) -> None:
     """Damage to the other inputs is bad input (2), even where the same damage to PATH fails (1)."""
-    ref = _copy(outs / "q4", tmp_path / "ref")
+    ref = copy_checkpoint(outs / "q4", tmp_path / "ref")
     shard = sorted(set(_index(ref)["weight_map"].values()))[0]
     _rewrite_shard(ref / shard, lambda t: t.__setitem__("model.sneaked.weight", torch.zeros(3)))
     code, _, err = mx("verify", outs / "k", "--reference", ref)
@@ -412,7 +406,7 @@ def test_verify_exits_2_for_a_reference_it_cannot_read(outs: Path, tmp_path: Pat
 def test_verify_fails_on_a_weight_file_the_index_does_not_name(outs: Path, tmp_path: Path, out: str, stray: str) -> None:
     """transformers reads model.safetensors before the index: a stray weight file makes a loader read
     something else than what verify checked, so it fails verification naming the file."""
-    d = _copy(outs / out, tmp_path / out)
+    d = copy_checkpoint(outs / out, tmp_path / out)
     save_file({"foo": torch.zeros(3)}, str(d / stray))
     code, _, err = mx("verify", d)
     assert code == 1, err
@@ -420,14 +414,14 @@ def test_verify_fails_on_a_weight_file_the_index_does_not_name(outs: Path, tmp_p
 
 
 def test_a_manifest_that_lists_no_layer_is_refused(outs: Path, tmp_path: Path) -> None:
-    d = _copy(outs / "k", tmp_path / "k")
+    d = copy_checkpoint(outs / "k", tmp_path / "k")
     _tamper(d / "mxconv.json", lambda m: m.__setitem__("layers", []))
     code, _, err = mx("verify", d)
     assert code == 1 and "layers" in err and "is empty" in err, err
 
 
 def test_a_manifest_naming_an_unknown_backend_is_refused_once(outs: Path, tmp_path: Path) -> None:
-    d = _copy(outs / "k", tmp_path / "k")
+    d = copy_checkpoint(outs / "k", tmp_path / "k")
     _tamper(d / "mxconv.json", lambda m: m.__setitem__("backend", "foo"))
     code, _, err = mx("verify", d)
     assert code == 2 and err.count("backend 'foo' is not one this mxconv knows") == 1, err

@@ -142,8 +142,6 @@ def test_adversarial_set_is_adversarial():
 # (b) GPU
 # ---------------------------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def _assert_same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], what: str) -> None:
     a = tuple(t.cpu() for t in a)
@@ -164,7 +162,6 @@ def gpt_oss_20b_stacks() -> dict[tuple[int, int, int], torch.Tensor]:
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("shape", [(32, 5760, 2880), (32, 2880, 2880)])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("mode", SCALE_MODES)
@@ -176,7 +173,6 @@ def test_gpu_triton_equals_torch_at_gpt_oss_20b_sizes(gpt_oss_20b_stacks, shape,
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("mode", SCALE_MODES)
@@ -194,7 +190,6 @@ def test_gpu_adversarial_triton_equals_torch_gpu_and_cpu(dtype, fmt, mode):
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_gpu_e4m3_saturates_and_rounds_like_the_spec():
     """floor: A = 500 -> e = 0 and 500, -479, 464 saturate to +-448; the cast alone must do it."""
     from mxconv.kernels import quantize_mx_triton
@@ -209,7 +204,6 @@ def test_gpu_e4m3_saturates_and_rounds_like_the_spec():
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_gpu_dispatch_uses_triton_and_handles_views():
     from mxconv.kernels.quantize import quantize_mx, select_impl
 
