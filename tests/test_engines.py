@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from mxconv import environment
-from mxconv.cli import app
 from mxconv.engines import discover, marlin_moe, triton_moe
 from mxconv.engines.runner import kernel_unavailable
 from mxconv.errors import BadInput

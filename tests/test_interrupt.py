@@ -28,7 +28,6 @@ import mxconv.output.directory as output_dir_mod
 import mxconv.output.writer as writer_mod
 from mxconv.output.directory import STAGING, TMP_SUFFIX
 from mxconv.source.file_names import IN_PROGRESS
-from support.checkpoints import make_checkpoint
 from support.cli import mx
 from support.workspace import MadeCheckpoints
 
