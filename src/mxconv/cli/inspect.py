@@ -68,15 +68,7 @@ def inspect(
             out.print(_ranks_table(doc["ranks"]))
         roles = doc.get("bytes_by_role")
         if roles and (roles.get("before") or roles.get("after")):
-            before, after = roles.get("before") or {}, roles.get("after") or {}
-            r = Table(title="bytes by role" + (f" (after: {roles['after_error']})" if roles.get("after_error") else ""))
-            for col in ("role", f"before ({roles['before_label']})", f"after ({roles['after_label']})"):
-                r.add_column(col)
-            for role in [*before, *(k for k in after if k not in before)]:
-                r.add_row(role, human_bytes(before.get(role)) if roles.get("before") else "-",
-                          human_bytes(after.get(role)) if roles.get("after") else "-")
-            r.add_row("total", human_bytes(sum(before.values())) if before else "-", human_bytes(sum(after.values())) if after else "-")
-            out.print(r)
+            out.print(_roles_table(roles))
         if doc.get("quant_config"):
             from mxconv.output.engine_quant_config import EngineQuantConfig
 
@@ -109,3 +101,16 @@ def _ranks_table(ranks: list[dict]) -> Table:
                   str(r["padded_hidden_size"]), str(r["padded_intermediate_size"]),
                   "\n".join(f"{s['file']} ({human_bytes(s['bytes'])})" for s in r["shards"]), human_bytes(r["bytes"]))
     return t
+
+
+def _roles_table(roles: dict) -> Table:
+    """Bytes per tensor role before and after the conversion (``inspect``'s bytes_by_role)."""
+    before, after = roles.get("before") or {}, roles.get("after") or {}
+    r = Table(title="bytes by role" + (f" (after: {roles['after_error']})" if roles.get("after_error") else ""))
+    for col in ("role", f"before ({roles['before_label']})", f"after ({roles['after_label']})"):
+        r.add_column(col)
+    for role in [*before, *(k for k in after if k not in before)]:
+        r.add_row(role, human_bytes(before.get(role)) if roles.get("before") else "-",
+                  human_bytes(after.get(role)) if roles.get("after") else "-")
+    r.add_row("total", human_bytes(sum(before.values())) if before else "-", human_bytes(sum(after.values())) if after else "-")
+    return r

@@ -21,10 +21,12 @@ def attention(b: Builder, p: str, H: int, heads: int, kv_heads: int, hd: int, dt
     b.linear(f"{p}.self_attn.o_proj", H, heads * hd, dtype, bias=o_bias)
 
 
-def gpt_oss(b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
-    mx = kind == "gpt-oss-mxfp4"
-    heads, kv_heads, head_dim = 4, 2, 16
-    bf = torch.bfloat16
+GPT_OSS_HEADS, GPT_OSS_KV_HEADS, GPT_OSS_HEAD_DIM = 4, 2, 16
+
+
+def gpt_oss_config(L: int, E: int, H: int, I: int, top_k: int, V: int, mx: bool) -> dict[str, Any]:
+    """config.json of a gpt-oss checkpoint with these sizes (``mx``: the MXFP4 release's quantization_config)."""
+    heads, kv_heads, head_dim = GPT_OSS_HEADS, GPT_OSS_KV_HEADS, GPT_OSS_HEAD_DIM
     config: dict[str, Any] = {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
@@ -70,6 +72,14 @@ def gpt_oss(b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V
             "quant_method": "mxfp4",
             "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
         }
+    return config
+
+
+def gpt_oss(b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
+    mx = kind == "gpt-oss-mxfp4"
+    heads, kv_heads, head_dim = GPT_OSS_HEADS, GPT_OSS_KV_HEADS, GPT_OSS_HEAD_DIM
+    bf = torch.bfloat16
+    config = gpt_oss_config(L, E, H, I, top_k, V, mx)
     truths: dict[int, LayerTruth] = {}
     b.add("model.embed_tokens.weight", b.randn((V, H), 1.0, bf))
     for li in range(L):
@@ -139,10 +149,13 @@ def mlp(b: Builder, prefix: str, H: int, I: int, dtype: torch.dtype) -> None:
         b.dense_linear(f"{prefix}.{proj}", n, k, dtype)
 
 
-def qwen_mixtral(
-    b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int, dtype: torch.dtype, mlp_only: tuple[int, ...]
-) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
-    heads, kv_heads, head_dim = 4, 2, 32
+QWEN_HEADS, QWEN_KV_HEADS, QWEN_HEAD_DIM = 4, 2, 32
+
+
+def qwen_mixtral_config(kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int, dtype: torch.dtype,
+                        mlp_only: tuple[int, ...]) -> tuple[dict[str, Any], str, tuple[str, str, str]]:  # fmt: skip
+    """(config.json, the MoE module's name, the (gate, up, down) projection names) of ``kind``."""
+    heads, kv_heads, head_dim = QWEN_HEADS, QWEN_KV_HEADS, QWEN_HEAD_DIM
     dense_i = 2 * I
     dt_name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
     common = {
@@ -209,6 +222,15 @@ def qwen_mixtral(
             "output_router_logits": False,
         }
         moe, projs = "mlp", ("gate_proj", "up_proj", "down_proj")
+    return config, moe, projs
+
+
+def qwen_mixtral(
+    b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int, dtype: torch.dtype, mlp_only: tuple[int, ...]
+) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
+    heads, kv_heads, head_dim = QWEN_HEADS, QWEN_KV_HEADS, QWEN_HEAD_DIM
+    dense_i = 2 * I
+    config, moe, projs = qwen_mixtral_config(kind, L, E, H, I, top_k, V, dtype, mlp_only)
     hd = head_dim if kind != "qwen2-moe" else H // heads
     qkv_bias = kind == "qwen2-moe"
     truths: dict[int, LayerTruth] = {}
