@@ -124,14 +124,12 @@ def test_a_backend_defined_here_round_trips_through_repack_and_verify(toy_backen
     src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=96, intermediate_size=96).path
     out = tmp_path / "k"
     # the --backend choice list of the CLI was built when the CLI was imported; the API sees "toy"
-    from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
-    from mxconv.source.checkpoint import open_checkpoint
-    from mxconv.families import detect_family
+    from mxconv.run.conversion import Conversion, RunSettings
+    from mxconv.run.options import QuantOptions, RepackOptions
     from mxconv.verify import verify
 
-    ckpt = open_checkpoint(src)
-    plan = build_plan(ckpt, detect_family(ckpt), "repack", QuantOptions(), RepackOptions("toy", "bf16", 2, {"reverse": "false"}))
-    execute(plan, out, device=torch.device("cpu"), max_shard_size=1 << 30, overwrite=False)
+    conversion = Conversion.open(src, QuantOptions(), RepackOptions("toy", "bf16", 2, {"reverse": "false"}))
+    conversion.run(out, device=torch.device("cpu"), settings=RunSettings(1 << 30, False))
     m = json.loads((out / "mxconv.json").read_text())
     assert m["backend"] == "toy" and m["layout"]["options"] == {"reverse": False} and m["layout"]["reverse"] is False
     rep = verify(out, reference=str(src), tokens=8)
