@@ -153,7 +153,7 @@ def _busy(spans: list[tuple[float, float]]) -> float:
 
 
 def timeline(trace: dict, launched_epoch: float | None = None, wall: float | None = None) -> dict:
-    """Where the run's time went, from its MXCONV_TRACE file (seconds since mxconv's timer started):
+    """Where the run's time went, from its --trace file (seconds since mxconv's timer started):
     how long each stage kept at least one thread busy, when writing began and reading ended, and
     the setup before the pipeline (with the CLI: importing torch, starting CUDA) and the finish after
     it (last fsyncs, config, manifest)."""
@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="tiny sizes: a CPU smoke test")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--trace-out", type=Path, default=None, help="also keep mxconv's raw MXCONV_TRACE timeline here")
+    ap.add_argument("--trace-out", type=Path, default=None, help="also keep mxconv's raw --trace timeline here")
     ap.add_argument("--warm-triton", action="store_true",
                     help="let mxconv use the default Triton cache (default: an empty one, as on a fresh machine)")
     args = ap.parse_args()
@@ -223,11 +223,11 @@ def main() -> None:
     trace_file = args.dir / "trace.json"
     out_file, err_file = args.dir / "run.out", args.dir / "run.err"
     with open(out_file, "w") as fo, open(err_file, "w") as fe:
-        env = {**os.environ, "MXCONV_TRACE": str(trace_file)}
+        env = dict(os.environ)
         if not args.warm_triton:  # compile every kernel, as the first run on a fresh machine does
             env["TRITON_CACHE_DIR"] = cold_cache = tempfile.mkdtemp(prefix="mxconv-triton-", dir=args.dir)
         t0, t0_epoch = time.perf_counter(), time.time()
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env)
+        proc = subprocess.Popen(cmd + ["--trace", str(trace_file)], stdout=fo, stderr=fe, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
     if not args.warm_triton:
@@ -253,7 +253,7 @@ def main() -> None:
         "mxconv_wall_s": wall,
         "mxconv_internal_s": summary["seconds"],
         "ratio_to_floor": wall / floor_s,  # includes interpreter + torch start-up (~2-5 s)
-        "ratio_internal_to_floor": summary["seconds"] / floor_s,  # execute(): OUTPUT prepared -> manifest
+        "ratio_internal_to_floor": summary["seconds"] / floor_s,  # Conversion.run(): OUTPUT prepared -> manifest
         "peak_host_rss_bytes": peak_rss,  # mxconv's process
         "peak_gpu_bytes": summary.get("peak_gpu_bytes"),
         "compute_s": summary.get("compute_seconds"),

@@ -14,7 +14,9 @@ from typer.testing import CliRunner
 
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
-from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.run.conversion import Conversion, RunSettings
+from mxconv.run.options import QuantOptions, RepackOptions
+from mxconv.run.plan import build_plan
 from mxconv.output.engine_quant_config import EngineQuantConfig, activation_quant, from_manifest, quant_config_of
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
@@ -73,8 +75,8 @@ def validate(value: Any, schema: dict[str, Any], root: dict[str, Any] = SCHEMA, 
 
 def _convert(src: Path, out: Path, q: QuantOptions, r: RepackOptions | None = None) -> dict[str, Any]:
     ckpt = open_checkpoint(src)
-    plan = build_plan(ckpt, detect_family(ckpt), "repack" if r else "quantize", q, r)
-    execute(plan, out, device=torch.device("cpu"), max_shard_size=10**9, overwrite=True, argv=["test"])
+    plan = build_plan(ckpt, detect_family(ckpt), q, r)
+    Conversion(plan).run(out, device=torch.device("cpu"), settings=RunSettings(10**9, True, argv=("test",)))
     return json.loads((out / "mxconv.json").read_text())
 
 

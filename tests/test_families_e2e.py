@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from mxconv.source.checkpoint import open_checkpoint
-from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.run.conversion import Conversion, RunSettings
+from mxconv.run.options import QuantOptions, RepackOptions
+from mxconv.run.plan import build_plan
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.families.gpt_oss import MODULES_TO_NOT_CONVERT
@@ -21,8 +23,8 @@ import torch
 
 def _convert(src: Path, out: Path, q: QuantOptions, r: RepackOptions | None = None) -> dict:
     ckpt = open_checkpoint(src)
-    plan = build_plan(ckpt, detect_family(ckpt), "repack" if r else "quantize", q, r)
-    return execute(plan, out, device=torch.device("cpu"), max_shard_size=10**9, overwrite=True, argv=["test"])
+    plan = build_plan(ckpt, detect_family(ckpt), q, r)
+    return Conversion(plan).run(out, device=torch.device("cpu"), settings=RunSettings(10**9, True, argv=("test",)))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -160,7 +162,7 @@ def test_partial_quantize_keeps_one_mx_format(tmp_path: Path) -> None:
     src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4").path
     ckpt = open_checkpoint(src)
     with pytest.raises(BadInput, match=r"leave this mxfp4 layer as it is, next to mxfp8 layers"):
-        build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions("mxfp8", ignore=r"layers\.1\."))
+        build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp8", ignore=r"layers\.1\."))
     # Same format: the kept layers already are what the config says.
     _convert(src, tmp_path / "q", QuantOptions("mxfp4", ignore=r"layers\.1\."))
     assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"] == json.loads(
@@ -189,7 +191,7 @@ def test_repack_refuses_include_ignore(option: str, tmp_path: Path) -> None:
     ckpt = open_checkpoint(src)
     q = QuantOptions("mxfp4", **{option: r"layers\.1\."})
     with pytest.raises(BadInput) as ei:
-        build_plan(ckpt, detect_family(ckpt), "repack", q, RepackOptions("marlin", "bf16"))
+        build_plan(ckpt, detect_family(ckpt), q, RepackOptions("marlin", "bf16"))
     assert str(ei.value) == "repack converts every MoE layer; --include/--ignore apply to quantize only"
 
 

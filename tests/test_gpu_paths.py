@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from mxconv.source.checkpoint import open_checkpoint
-from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.run.conversion import Conversion, RunSettings
+from mxconv.run.options import QuantOptions, RepackOptions
+from mxconv.run.plan import build_plan
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
 from support.checkpoints import make_checkpoint
@@ -22,8 +24,8 @@ pytestmark = pytest.mark.gpu
 
 def _run(src: Path, out: Path, device: str, q: QuantOptions, r: RepackOptions | None) -> dict:
     ckpt = open_checkpoint(src)
-    plan = build_plan(ckpt, detect_family(ckpt), "repack" if r else "quantize", q, r)
-    execute(plan, out, device=torch.device(device), max_shard_size=10**9, overwrite=True, argv=["test"])
+    plan = build_plan(ckpt, detect_family(ckpt), q, r)
+    Conversion(plan).run(out, device=torch.device(device), settings=RunSettings(10**9, True, argv=("test",)))
     return json.loads((out / "mxconv.json").read_text())["tensors"]
 
 

@@ -18,7 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from mxconv.source.checkpoint import open_checkpoint
-from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.run.conversion import Conversion, RunSettings
+from mxconv.run.options import QuantOptions, RepackOptions
+from mxconv.run.plan import build_plan
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from support.checkpoints import make_checkpoint, write_shards
@@ -83,8 +85,8 @@ def test_oracle_on_hand_cases() -> None:
 
 def _convert(src: Path, out: Path, q: QuantOptions, r: RepackOptions | None = None) -> dict:
     ckpt = open_checkpoint(src)
-    plan = build_plan(ckpt, detect_family(ckpt), "repack" if r else "quantize", q, r)
-    return execute(plan, out, device=torch.device("cpu"), max_shard_size=10**9, overwrite=True, argv=["test"])
+    plan = build_plan(ckpt, detect_family(ckpt), q, r)
+    return Conversion(plan).run(out, device=torch.device("cpu"), settings=RunSettings(10**9, True, argv=("test",)))
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -263,7 +265,7 @@ def test_ignore_leaves_named_linears_and_the_config_says_so(tmp_path: Path) -> N
     src_dir = make_checkpoint(tmp_path / "src", "qwen3-moe").path
     q = QuantOptions("mxfp8", ignore=[r"re:.*layers\.1\.self_attn\.o_proj$", "layers.0.self_attn.q_proj"], targets="linear")
     ckpt = open_checkpoint(src_dir)
-    plan = build_plan(ckpt, detect_family(ckpt), "quantize", q)
+    plan = build_plan(ckpt, detect_family(ckpt), q)
     assert any("model.layers.0.self_attn.q_proj" in w and "k_proj" in w for w in plan.warnings)  # fused q/k/v split
     _convert(src_dir, tmp_path / "out", q)
     src, got, qc = _tensors(src_dir), _tensors(tmp_path / "out"), _qc(tmp_path / "out")
@@ -289,7 +291,7 @@ def test_unaligned_linear_is_refused_or_skipped(tmp_path: Path) -> None:
     _add_tensor(src_dir, "model.layers.0.self_attn.extra_proj.weight", torch.randn(16, 40).to(torch.bfloat16))
     ckpt = open_checkpoint(src_dir)
     with pytest.raises(BadInput, match=r"linear model\.layers\.0\.self_attn\.extra_proj has input size 40 .*--skip-unaligned"):
-        build_plan(ckpt, detect_family(ckpt), "quantize", LINEAR)
+        build_plan(ckpt, detect_family(ckpt), LINEAR)
     _convert(src_dir, tmp_path / "q8", QuantOptions("mxfp8"))  # --targets experts: not a linear target, fine
     summary = _convert(src_dir, tmp_path / "out", QuantOptions("mxfp8", targets="linear", skip_unaligned=True))
     assert any("left unquantized" in n and "model.layers.0.self_attn.extra_proj" in n for n in summary["notes"]), summary["notes"]
@@ -305,13 +307,13 @@ def test_refusals(tmp_path: Path) -> None:
     src_dir = make_checkpoint(tmp_path / "src", "qwen3-moe").path
     ckpt = open_checkpoint(src_dir)
     with pytest.raises(BadInput, match="pass --format mxfp8"):
-        build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions("mxfp4", targets="linear"))
+        build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp4", targets="linear"))
     with pytest.raises(BadInput, match="--targets 'all'"):
-        build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions("mxfp8", targets="all"))
+        build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp8", targets="all"))
     with pytest.raises(BadInput, match="applies to quantize only"):
-        build_plan(ckpt, detect_family(ckpt), "repack", QuantOptions("mxfp8", targets="linear"), RepackOptions("trtllm", "bf16"))
+        build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp8", targets="linear"), RepackOptions("trtllm", "bf16"))
     with pytest.raises(BadInput, match=r"--ignore: invalid regular expression"):
-        build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions("mxfp8", ignore=["ok", "re:("], targets="linear"))
+        build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp8", ignore=["ok", "re:("], targets="linear"))
 
 
 def test_nonfinite_linear_weight_is_refused_by_name(tmp_path: Path) -> None:
@@ -337,7 +339,7 @@ def test_requantizing_an_output_carries_its_mxfp8_linears(qwen, tmp_path: Path) 
     assert verify(again, reference=str(out)).passed
     ckpt = open_checkpoint(out)
     with pytest.raises(BadInput, match="MXFP8 already; an output holds one MX format"):
-        build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions("mxfp4"))
+        build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp4"))
 
 
 # ---- verify catches what is wrong --------------------------------------------------------------------

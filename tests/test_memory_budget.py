@@ -22,12 +22,15 @@ from typer.testing import CliRunner
 
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
-from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.run.conversion import Conversion, RunSettings
+from mxconv.run.options import QuantOptions, RepackOptions
+from mxconv.run.plan import build_plan
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import TensorSpec
-from mxconv.run.memory import ExpertCost, MemoryBudget, MemoryPlan, balance, plan_memory, work_items
+from mxconv.run.memory import ExpertCost, MemoryBudget, MemoryPlan, balance, plan_memory
+from mxconv.run.plan_costs import work_items
 from support.checkpoints import INT4_KINDS, KINDS, make_checkpoint
 from mxconv.output.shards import PlannedTensor, plan_shards
 from mxconv.output.writer import ShardedWriter
@@ -255,13 +258,13 @@ def _digests(out: Path) -> dict[str, str]:
 
 def _run(src: Path, out: Path, q: QuantOptions, r: RepackOptions | None, group: int | None, device: torch.device = CPU) -> dict:
     ckpt = open_checkpoint(src)
-    plan = build_plan(ckpt, detect_family(ckpt), "repack" if r else "quantize", q, r)
+    plan = build_plan(ckpt, detect_family(ckpt), q, r)
+    memory_plan = None
     if group is not None:  # a fixed grouping, as a small --max-memory plans it
         layers = [i.payload.layer for i in plan.items if i.kind == "layer"]
-        plan.memory = MemoryPlan(None, None, 0, 2, 1, plan.info.num_experts, {L: group for L in layers})
-        plan.memory_device = device.type
-        assert sum(i.kind == "layer" for i in work_items(plan.items, plan.memory)) == len(layers) * -(-plan.info.num_experts // group)
-    return execute(plan, out, device=device, max_shard_size=40_000, overwrite=True, argv=["test"])
+        memory_plan = MemoryPlan(None, None, 0, 2, 1, plan.info.num_experts, {L: group for L in layers})
+        assert sum(i.kind == "layer" for i in work_items(plan.items, memory_plan)) == len(layers) * -(-plan.info.num_experts // group)
+    return Conversion(plan).run(out, device=device, settings=RunSettings(40_000, True, argv=("test",)), memory_plan=memory_plan)
 
 
 def _same_output(src: Path, tmp_path: Path, q: QuantOptions, r: RepackOptions | None = None, groups=(3, 1)) -> None:
@@ -301,17 +304,16 @@ REPACKS = [(b, a, 1) for b in backend_names() for a in get_layout(b).activations
 def test_default_plan_cuts_items_and_keeps_the_bytes(ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The overlap cap goes through plan_for (as every run plans): with a cap of one expert's read
     every layer item becomes one expert, and the output is the uncut run's, byte for byte."""
-    import mxconv.run.memory as memory
+    import mxconv.run.plan_costs as plan_costs
 
     src = ws / "gpt-oss-bf16"
     _run(src, tmp_path / "whole", QuantOptions(), None, None)
     ckpt = open_checkpoint(src)
-    plan = build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions(), None)
-    monkeypatch.setattr(memory, "ITEM_READ_BYTES", 1)
-    mem = memory.plan_for(plan, MemoryBudget())
+    plan = build_plan(ckpt, detect_family(ckpt), QuantOptions(), None)
+    monkeypatch.setattr(plan_costs, "ITEM_READ_BYTES", 1)
+    mem = plan_costs.plan_for(plan, MemoryBudget())
     assert mem.groups and set(mem.groups.values()) == {1} and mem.item_read_cap == 1
-    plan.memory, plan.memory_device = mem, "cpu"
-    execute(plan, tmp_path / "cut", device=CPU, max_shard_size=40_000, overwrite=True, argv=["test"])
+    Conversion(plan).run(tmp_path / "cut", device=CPU, settings=RunSettings(40_000, True, argv=("test",)), memory_plan=mem)
     assert _digests(tmp_path / "cut") == _digests(tmp_path / "whole")
 
 
@@ -435,7 +437,7 @@ def test_cli_max_memory_with_linear_targets(big: Path, tmp_path: Path) -> None:
 def test_process_peak_rss_is_this_process_high_water_mark() -> None:
     """VmHWM: at least the RSS now, and it keeps a peak that is gone (what the summary reports as
     peak_host_rss_bytes; a parent's wait4 ru_maxrss would also count the parent's own peak)."""
-    from mxconv.run.memory import process_peak_rss, process_rss
+    from mxconv.run.machine import process_peak_rss, process_rss
 
     before = process_peak_rss()
     assert before is not None and before >= process_rss() > 0

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from mxconv.source.checkpoint import open_checkpoint
-from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
+from mxconv.run.conversion import Conversion, RunSettings
+from mxconv.run.options import QuantOptions, RepackOptions
+from mxconv.run.plan import build_plan
 from mxconv.errors import BadInput, LayoutError
 from mxconv.families import detect_family
 from mxconv.mx.int4 import dequantize_int4, pack_int4, pack_int4_words, to_twos_complement, unpack_int4, words_as_bytes
@@ -532,8 +534,8 @@ def test_quantize_dequantizes_exactly_then_quantizes(kimi: GroundTruth, tmp_path
     from mxconv.kernels.quantize import quantize_mx
 
     ckpt = open_checkpoint(kimi.path)
-    plan = build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions("mxfp4"))
-    s = execute(plan, tmp_path / "q4", device=torch.device("cpu"), max_shard_size=10**9, overwrite=True, argv=["test"])
+    plan = build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp4"))
+    s = Conversion(plan).run(tmp_path / "q4", device=torch.device("cpu"), settings=RunSettings(10**9, True, argv=("test",)))
     assert 0.05 < s["relative_rms_error"] < 0.2
     data, scales = quantize_mx(kimi.layers[1].w13[:, :kimi.intermediate_size], "mxfp4", resolve_scale_mode("mxfp4", "auto"))
     name = "model.layers.1.mlp.experts.2.gate_proj"
@@ -544,22 +546,21 @@ def test_quantize_dequantizes_exactly_then_quantizes(kimi: GroundTruth, tmp_path
     rep = verify(tmp_path / "q4", reference=str(kimi.path), tokens=16)
     assert rep.passed and rep.layers[0].threshold == "mxfp4"
     # and the MXFP4 result repacks for every backend as usual
-    _ = execute(build_plan(open_checkpoint(tmp_path / "q4"), detect_family(open_checkpoint(tmp_path / "q4")), "repack",
-                           QuantOptions(), RepackOptions("marlin", "bf16")),
-                tmp_path / "marlin", device=torch.device("cpu"), max_shard_size=10**9, overwrite=True, argv=["test"])
+    Conversion.open(tmp_path / "q4", QuantOptions(), RepackOptions("marlin", "bf16")).run(
+        tmp_path / "marlin", device=torch.device("cpu"), settings=RunSettings(10**9, True, argv=("test",)))
     assert verify(tmp_path / "marlin", reference=str(tmp_path / "q4"), tokens=16).passed
 
 
 def test_partial_quantize_of_int4_is_refused(kimi: GroundTruth) -> None:
     ckpt = open_checkpoint(kimi.path)
-    make = lambda: build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions("mxfp4", ignore=r"layers\.1\."))  # noqa: E731
+    make = lambda: build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp4", ignore=r"layers\.1\."))  # noqa: E731
     with pytest.raises(BadInput, match="no MoE layer selected"):
         make()
     # a two-MoE-layer INT4 checkpoint, one layer ignored
     two = make_checkpoint(Path(str(kimi.path) + "-3"), "kimi-k2-int4", num_layers=3)
     ckpt = open_checkpoint(two.path)
     with pytest.raises(BadInput, match=r"layers\.2\.mlp\.experts: --include/--ignore would leave this INT4 layer"):
-        build_plan(ckpt, detect_family(ckpt), "quantize", QuantOptions("mxfp4", ignore=r"layers\.2\."))
+        build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp4", ignore=r"layers\.2\."))
 
 
 def test_inspect_of_an_int4_source_shows_what_repack_does(kimi: GroundTruth) -> None:

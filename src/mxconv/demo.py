@@ -9,10 +9,9 @@ from typing import Any, Callable
 
 import torch
 
-from mxconv.source.checkpoint import open_checkpoint
-from mxconv.run.conversion import QuantOptions, RepackOptions, build_plan, execute
-from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
+from mxconv.run.conversion import Conversion, RunSettings
+from mxconv.run.options import QuantOptions, RepackOptions, WeightFormat
 from mxconv.verify import verify
 
 # (label, generator kind): one gpt-oss-style source with expert biases (interleaved gate/up,
@@ -20,11 +19,10 @@ from mxconv.verify import verify
 DEMO_SOURCES = (("gpt-oss (bf16, biases)", "gpt-oss-bf16"), ("qwen3-moe (bf16)", "qwen3-moe"))
 
 
-def _convert(src: Path, out: Path, command: str, q: QuantOptions, r: RepackOptions | None, device: torch.device) -> dict[str, Any]:
-    ckpt = open_checkpoint(src)
-    plan = build_plan(ckpt, detect_family(ckpt), command, q, r)
-    return execute(plan, out, device=device, max_shard_size=2_000_000, overwrite=True,
-                   argv=["mxconv", command, str(src), str(out)])
+def _convert(src: Path, out: Path, quant: QuantOptions, repack: RepackOptions | None, device: torch.device) -> dict[str, Any]:
+    conversion = Conversion.open(src, quant, repack)
+    argv = ("mxconv", conversion.plan.command, str(src), str(out))
+    return conversion.run(out, device=device, settings=RunSettings(max_shard_size=2_000_000, overwrite=True, argv=argv))
 
 
 def run_demo(workdir: Path | None, device: torch.device, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
@@ -76,12 +74,12 @@ def run_demo(workdir: Path | None, device: torch.device, progress: Callable[[str
 
 
 def _quant_step(src: Path, out: Path, fmt: str, device: torch.device) -> dict[str, Any]:
-    s = _convert(src, out, "quantize", QuantOptions(fmt=fmt), None, device)
+    s = _convert(src, out, QuantOptions(fmt=fmt), None, device)
     return {"ok": True, "rel_rms": s["relative_rms_error"], "detail": f"{s['tensors_out']} tensors, weight rel RMS"}
 
 
 def _repack_step(src: Path, out: Path, backend: str, act: str, device: torch.device, tp: int = 1) -> dict[str, Any]:
-    s = _convert(src, out, "repack", QuantOptions(fmt="mxfp4"), RepackOptions(backend, act, tp), device)
+    s = _convert(src, out, QuantOptions(WeightFormat.MXFP4), RepackOptions(backend, act, tp), device)
     sizes = s.get("sizes", {})
     return {"ok": True, "detail": f"H {sizes.get('hidden_size')}->{sizes.get('padded_hidden_size')}, "
             f"I {sizes.get('intermediate_size_per_rank')}->{sizes.get('padded_intermediate_size')}"}

@@ -88,10 +88,11 @@ def role_bytes(ckpt: Checkpoint, routers: list[str], reader: Any = None) -> dict
     doc: dict[str, Any] = {"before": now, "before_label": "this checkpoint", "after": None,
                            "after_label": "quantize --format mxfp8 --targets linear"}
     if reader is not None:
-        from mxconv.run.plan import QuantOptions, build_plan
+        from mxconv.run.options import QuantOptions, Targets, WeightFormat
+        from mxconv.run.plan import build_plan
 
         try:
-            plan = build_plan(ckpt, reader, "quantize", QuantOptions("mxfp8", targets="linear", skip_unaligned=True))
+            plan = build_plan(ckpt, reader, QuantOptions(WeightFormat.MXFP8, targets=Targets.LINEAR, skip_unaligned=True))
             doc["after"] = bytes_by_role(((t.name, t.nbytes) for t in plan.dests[0]), routers)
         except BadInput as exc:
             doc["after_error"] = str(exc)
@@ -263,12 +264,12 @@ def memory_plan(ckpt: Checkpoint, reader: Any) -> dict[str, Any] | None:
     """How ``mxconv quantize`` (default options, CPU) would use memory at the default ``--max-memory``:
     experts per group, pipeline depth, estimated peak and the smallest budget that works (None where
     quantize refuses this source)."""
-    from mxconv.run.conversion import plan_memory
-    from mxconv.run.plan import QuantOptions, build_plan
+    from mxconv.run.options import QuantOptions
+    from mxconv.run.plan import build_plan
+    from mxconv.run.plan_costs import memory_plan_for
 
     try:
-        plan = build_plan(ckpt, reader, "quantize", QuantOptions())
-        plan_memory(plan, None, "cpu")
+        planned = memory_plan_for(build_plan(ckpt, reader, QuantOptions()), None, "cpu")
     except BadInput:
         return None
-    return {"command": "quantize --device cpu", "plan": plan.memory.describe(), **plan.memory.to_json()}
+    return {"command": "quantize --device cpu", "plan": planned.describe(), **planned.to_json()}

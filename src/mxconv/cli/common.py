@@ -14,11 +14,9 @@ import errno
 import functools
 import inspect
 import json
-import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterator, Optional, get_type_hints
 
@@ -30,6 +28,7 @@ from mxconv import __version__, sizes
 from mxconv.cli.output import err, out, progress, say, step_progress  # noqa: F401 - the commands import them from here
 from mxconv.errors import MxconvError
 from mxconv.interrupt import Interrupted, late_signal, stop_signals
+from mxconv.run.options import ScaleRounding
 
 app = typer.Typer(
     name="mxconv",
@@ -77,13 +76,6 @@ def _conversion_message(exc: typer.BadParameter) -> str:
     return f"{first['msg']} (got {first['input']!r})" if "input" in first else first["msg"]
 
 
-class Rounding(str, Enum):
-    auto = "auto"
-    rceil = "rceil"
-    floor = "floor"
-    even = "even"
-
-
 SOURCE_HELP = "Checkpoint directory or Hugging Face repo id (org/name)."
 
 # ---- options shared by several commands -----------------------------------------------------
@@ -102,10 +94,12 @@ MaxGpuMemoryOpt = Annotated[Optional[str], typer.Option("--max-gpu-memory", meta
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable document on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="No progress bar or tables; reasons for a failure are still shown.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks.")]
-RoundingOpt = Annotated[Rounding, typer.Option("--scale-rounding", help=(
+RoundingOpt = Annotated[ScaleRounding, typer.Option("--scale-rounding", help=(
     "E8M0 scale rule. auto: even for mxfp4, rceil for mxfp8 (least error, docs/numerics.md). rceil matches "
     "NVIDIA hardware/TRT-LLM/vLLM online MXFP8, ModelOpt and llm-compressor; floor is OCP v1.0 and torchao's "
     "default; even matches AMD Quark."))]
+TraceOpt = Annotated[Optional[Path], typer.Option("--trace", metavar="FILE", hidden=True, help=(
+    "Write the run's timeline (every stage of every work item) to FILE as JSON (scripts/bench_e2e.py reads it)."))]
 NonfiniteOpt = Annotated[bool, typer.Option("--allow-nonfinite", help="Carry NaN/Inf over instead of refusing: NaN scales (0xFF) for blocks holding them, and NaN/Inf biases, routers and 0xFF scales of MX sources as they are.")]
 
 
@@ -125,6 +119,7 @@ class RunOptions:
     as_json: JsonOpt = False
     quiet: QuietOpt = False
     debug: DebugOpt = False
+    trace: TraceOpt = None
 
 
 def run_options(command: Callable[..., None]) -> Callable[..., None]:
@@ -227,15 +222,6 @@ def print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
 
 
-def progress_label(plan: Any) -> str:
-    """What a run does, for its progress bar: family, source format -> output format (and backend),
-    e.g. "quantize gpt-oss: bf16 -> mxfp8", "repack mixtral: bf16 -> mxfp4 trtllm"."""
-    to = plan.weight_format + (f" {plan.repack.backend}" if plan.repack is not None else "")
-    if plan.linears is not None and plan.linears.mx_modules():
-        to += " (every linear)"
-    return f"{plan.command} {plan.info.family}: {plan.info.expert_format} -> {to}"
-
-
 def summary_table(plan_summary: dict[str, Any], title: str) -> Table:
     """Two-column summary: bytes human-readable, seconds rounded, nested values compact."""
     t = Table(title=title, show_header=False)
@@ -260,56 +246,3 @@ def summary_table(plan_summary: dict[str, Any], title: str) -> Table:
             v = ", ".join(map(str, v))
         t.add_row(k.replace("_", " "), str(v))
     return t
-
-
-def run_convert(command: str, source: str, output: Path, *, quant: Any, repack: Any, run: RunOptions) -> None:
-    from mxconv.source.checkpoint import open_checkpoint
-    from mxconv.run.conversion import build_plan, execute, plan_memory
-    from mxconv.families import detect_family
-    from mxconv.run.memory import MemoryBudget, parse_memory
-    from mxconv.output.directory import check_output_dir
-    from mxconv.sizes import parse_size
-
-    shard_bytes = parse_size(run.max_shard_size)
-    budget = MemoryBudget(parse_memory(run.max_memory, "--max-memory"), parse_memory(run.max_gpu_memory, "--max-gpu-memory"))
-    if run.dry_run or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", run.device):
-        device_of(run.device)  # a malformed --device is refused before anything is read (torch: now)
-    ckpt = open_checkpoint(source, run.revision)
-    reader = detect_family(ckpt)
-    plan = build_plan(ckpt, reader, command, quant, repack)  # torch-free, like everything up to execute()
-    check_output_dir(output, [ckpt.root], run.overwrite)
-    if not run.as_json:
-        for warning in plan.warnings:  # shown even with --quiet: the output would compute wrongly
-            say(err, "warning:", "bold yellow", warning)
-
-    if run.dry_run:
-        plan_memory(plan, budget, device_of(run.device))
-        doc = plan.summary()
-        doc["dry_run"] = True
-        doc["output"] = str(output)
-        doc["memory"] = plan.memory.to_json()
-        doc["tensors"] = [
-            {"name": t.name, "shape": list(t.shape), "dtype": t.st_dtype, "bytes": t.nbytes, "role": t.role}
-            for t in plan.dests[0]
-            if t.role == "expert"
-        ]
-        if run.as_json:
-            print_json(doc)
-        elif not run.quiet:
-            out.print(summary_table(plan.summary(), f"mxconv {command} --dry-run (nothing written)"))
-            for t in doc["tensors"][:12]:
-                out.print(f"  {t['name']}  {t['dtype']}{t['shape']}", highlight=False)
-            if len(doc["tensors"]) > 12:
-                out.print(f"  ... {len(doc['tensors']) - 12} more expert tensors")
-        return
-    dev = device_of(run.device)
-    plan_memory(plan, budget, dev)  # experts per group, pipeline depth; exit 2 when one expert does not fit
-    with progress(plan.bytes_in, progress_label(plan), run.quiet or run.as_json) as advance:
-        summary = execute(plan, output, device=dev, max_shard_size=shard_bytes, overwrite=run.overwrite,
-                          argv=["mxconv", *sys.argv[1:]], on_progress=advance)
-    if run.as_json:
-        print_json(summary)
-    elif not run.quiet:
-        for n in summary.get("notes", []):
-            say(err, n, "dim")
-        out.print(summary_table({k: v for k, v in summary.items() if k != "notes"}, f"mxconv {command}: done"))

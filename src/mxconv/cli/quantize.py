@@ -7,19 +7,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from mxconv.cli.common import (
-    Command, OutputArg, Rounding, RoundingOpt, RunOptions, SourceArg, app, errors, run_convert, run_options,
-)
+from mxconv.cli.common import Command, OutputArg, RoundingOpt, RunOptions, SourceArg, app, errors, run_options
+from mxconv.cli.conversion import convert
+from mxconv.run.options import QUANTIZE_FORMATS, QuantOptions, ScaleRounding, Targets
 
-
-class Fmt(str, Enum):
-    mxfp4 = "mxfp4"
-    mxfp8 = "mxfp8"
-
-
-class Targets(str, Enum):
-    experts = "experts"
-    linear = "linear"
+Fmt = Enum("Fmt", {str(f): str(f) for f in QUANTIZE_FORMATS}, type=str)  # type: ignore[misc] - --format's choices
 
 
 @app.command(cls=Command)
@@ -28,10 +20,10 @@ def quantize(
     source: SourceArg,
     output: OutputArg,
     format: Annotated[Fmt, typer.Option("--format", help="Expert weight format.")] = Fmt.mxfp4,
-    scale_rounding: RoundingOpt = Rounding.auto,
+    scale_rounding: RoundingOpt = ScaleRounding.AUTO,
     targets: Annotated[Targets, typer.Option("--targets", help=(
         "experts: routed-expert weights only. linear: every linear layer too (attention, dense MLPs, shared experts), "
-        "MXFP8 like vLLM's online MXFP8 method (needs --format mxfp8); embeddings, lm_head, routers and norms stay."))] = Targets.experts,
+        "MXFP8 like vLLM's online MXFP8 method (needs --format mxfp8); embeddings, lm_head, routers and norms stay."))] = Targets.EXPERTS,
     include: Annotated[Optional[list[str]], typer.Option("--include", metavar="PATTERN", help=(
         "Repeatable. Quantize only matching MoE layers ('<module>.experts' names) and, with --targets linear, linear "
         "modules: a regex found anywhere in the name, or compressed-tensors' 're:REGEX' (matched from the start)."))] = None,
@@ -62,9 +54,7 @@ def quantize(
 
         mxconv quantize Qwen/Qwen3-30B-A3B ./qwen3-mxfp8 --format mxfp8 --targets linear
     """
-    from mxconv.run.plan import QuantOptions
-
     with errors(run.debug):
-        q = QuantOptions(format.value, scale_rounding.value, run.allow_nonfinite, include or None, ignore or None,
-                         targets.value, skip_unaligned)
-        run_convert("quantize", source, output, quant=q, repack=None, run=run)
+        quant = QuantOptions(format.value, scale_rounding, run.allow_nonfinite, tuple(include or ()) or None,
+                             tuple(ignore or ()) or None, targets, skip_unaligned)
+        convert(source, output, quant, None, run)

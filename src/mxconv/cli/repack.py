@@ -8,8 +8,10 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from mxconv.cli.common import SOURCE_HELP, Command, OutputArg, Rounding, RunOptions, app, errors, run_convert, run_options
+from mxconv.cli.common import SOURCE_HELP, Command, OutputArg, RunOptions, app, errors, run_options
+from mxconv.cli.conversion import convert
 from mxconv.layouts import backend_names
+from mxconv.run.options import QuantOptions, RepackOptions, ScaleRounding, WeightFormat
 
 
 
@@ -89,7 +91,7 @@ def repack(
     layout_option: Annotated[Optional[list[str]], typer.Option("--layout-option", metavar="NAME=VALUE", help="A backend option (repeatable); each backend's options are listed below.")] = None,
     marlin_scale_layout: Annotated[Optional[str], typer.Option("--marlin-scale-layout", metavar="current|legacy", help="Same as --layout-option marlin_scale_layout=VALUE: current (vLLM >= 0.12, the default) | legacy (<= 0.11.2).")] = None,
     triton_layout: Annotated[Optional[str], typer.Option("--triton-layout", metavar="3.5|3.6", help="Same as --layout-option triton_layout=VALUE: 3.5 (triton_kernels vendored by vLLM 0.12-0.33, the default) | 3.6 (vLLM 0.20, triton main).")] = None,
-    scale_rounding: Annotated[Rounding, typer.Option("--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way (auto = even, the least MXFP4 error; see quantize --help).")] = Rounding.auto,
+    scale_rounding: Annotated[ScaleRounding, typer.Option("--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way (auto = even, the least MXFP4 error; see quantize --help).")] = ScaleRounding.AUTO,
     *,
     run: RunOptions,
 ) -> None:
@@ -104,7 +106,6 @@ def repack(
 
         mxconv repack openai/gpt-oss-20b ./gpt-oss-20b-trtllm --backend trtllm
     """
-    from mxconv.run.plan import QuantOptions, RepackOptions
     from mxconv.errors import BadInput, LayoutError
     from mxconv.layouts import get_layout
 
@@ -124,6 +125,5 @@ def repack(
             opts = layout.resolve_options(given)
         except LayoutError as exc:
             raise BadInput(f"--backend {backend}: {exc}") from None
-        q = QuantOptions("mxfp4", scale_rounding.value, run.allow_nonfinite)
-        r = RepackOptions(backend, act, tp, opts)
-        run_convert("repack", source, output, quant=q, repack=r, run=run)
+        quant = QuantOptions(WeightFormat.MXFP4, scale_rounding, run.allow_nonfinite)
+        convert(source, output, quant, RepackOptions(backend, act, tp, opts), run)

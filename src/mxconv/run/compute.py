@@ -17,11 +17,13 @@ from mxconv.errors import BadInput
 from mxconv.families import FP8BlockStack, Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts, slice_tp
+from mxconv.run.options import QuantOptions
 from mxconv.run.pipeline import WorkItem
-from mxconv.run.plan import Plan, QuantOptions
 
 if TYPE_CHECKING:
     import torch
+
+    from mxconv.run.plan import Plan
 
 
 @dataclass

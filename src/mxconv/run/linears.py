@@ -7,7 +7,7 @@ expert. Left as they are by default (listed in the config as not quantized): emb
 ``lm_head`` (and DeepSeek's MTP ``shared_head.head``), routers (every MoE layer's router and
 Qwen2-MoE's ``shared_expert_gate``), DeepSeek's MTP ``eh_proj`` (a plain ``nn.Linear`` in vLLM);
 norms are 1-D and never candidates. ``--include`` / ``--ignore`` narrow the rest by module name
-(:func:`name_matches`). A linear whose input size K is not a multiple of 32 is refused, naming it,
+(:func:`mxconv.run.options.name_matches`). A linear whose input size K is not a multiple of 32 is refused, naming it,
 or left alone and listed with ``--skip-unaligned``.
 
 Sources: bf16/fp16/fp32 weights, and block-FP8 ones (``weight`` F8_E4M3 + ``weight_scale_inv``,
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
+from mxconv.run.options import QuantOptions, Targets, name_matches
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from mxconv.run.pipeline import WorkItem
     from mxconv.output.shards import PlannedTensor
 
-TARGETS = ("experts", "linear")
 LINEAR_FORMAT = "mxfp8"
 _FLOAT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
@@ -84,32 +84,6 @@ def bytes_by_role(sizes: Iterable[tuple[str, int]], routers: Iterable[str] = ())
 # ---------------------------------------------------------------------------------------------
 # selection
 # ---------------------------------------------------------------------------------------------
-
-
-def patterns(spec: str | Sequence[str] | None) -> list[str]:
-    """``--include`` / ``--ignore`` values as a list (one string, several, or none)."""
-    if not spec:
-        return []
-    return [spec] if isinstance(spec, str) else list(spec)
-
-
-def name_matches(spec: str | Sequence[str] | None, name: str) -> bool:
-    """True when a pattern of ``spec`` matches module ``name``: ``re:REGEX`` as compressed-tensors
-    does (``re.match``), anything else as a regular expression found anywhere in the name
-    (``re.search``, mxconv's ``--include``/``--ignore`` from the start; an exact module name matches
-    itself, and longer names that contain it: anchor it as ``re:NAME$``)."""
-    for p in patterns(spec):
-        if re.match(p[3:], name) if p.startswith("re:") else re.search(p, name):
-            return True
-    return False
-
-
-def check_patterns(flag: str, spec: str | Sequence[str] | None) -> None:
-    for p in patterns(spec):
-        try:
-            re.compile(p[3:] if p.startswith("re:") else p)
-        except re.error as exc:
-            raise BadInput(f"{flag}: invalid regular expression {p!r} ({exc})") from None
 
 
 _DEFAULT_KEPT: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -201,8 +175,8 @@ def linear_modules(ckpt: Checkpoint, routers: Iterable[str] = (), experts: Itera
             yield module, role, info.dtype == "F8_E4M3" and _is_mx8(ckpt, module, n, k)
 
 
-def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: Any) -> LinearSelection:
-    """The linear layers of ``ckpt`` and what ``quant`` (a :class:`mxconv.run.plan.QuantOptions`) does
+def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: QuantOptions) -> LinearSelection:
+    """The linear layers of ``ckpt`` and what ``quant`` does
     with each, from the headers alone. BadInput for a linear ``--targets linear`` cannot take."""
     sel = LinearSelection(quant.targets, quant.scale_rounding)
     experts = {n for r in all_refs for n in r.source_names}
@@ -215,7 +189,7 @@ def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: Any
             sel.carried.append(module)
             continue
         why = "router (kept by default)" if role == "routers" else next((w for w, r in _DEFAULT_KEPT if r.search(module)), None)
-        if why is None and quant.targets != "linear":
+        if why is None and quant.targets != Targets.LINEAR:
             why = "--targets experts"
         if why is None and ((quant.include and not name_matches(quant.include, module)) or name_matches(quant.ignore, module)):
             why = "--include/--ignore"
@@ -303,11 +277,6 @@ def linear_item(ckpt: Checkpoint, refs: list[LinearRef], dests: list[list[Planne
     return item
 
 
-def load_linears(ckpt: Checkpoint, refs: list[LinearRef]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """module -> (weight as stored, fp32 scale_inv or None), on the CPU."""
-    return {r.module: (ckpt.read(r.weight), ckpt.read(r.source_names[1]).float() if r.block else None) for r in refs}
-
-
 def read_float(ckpt: Checkpoint, module: str, device: torch.device | str = "cpu") -> torch.Tensor:
     """Linear ``module`` of ``ckpt`` as fp32 values on ``device``, whatever its format: float,
     block-FP8 (dequantized with the config's tile) or MXFP8 (dequantized). BadInput when it is
@@ -339,48 +308,6 @@ def source_float(weight: torch.Tensor, scale_inv: torch.Tensor | None, block: tu
         return weight.to(device)
     assert block is not None
     return dequantize_fp8_block(weight.to(device), scale_inv.to(device), block)
-
-
-def quantize_linears(refs: list[LinearRef], data: dict[str, tuple[torch.Tensor, torch.Tensor | None]], quant: Any,
-                     stats: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """One layer's linears -> ``{module}.weight`` (float8_e4m3fn) and ``.weight_scale`` (uint8) on the
-    host. NaN/Inf are refused (naming weight and index) unless ``quant.allow_nonfinite``."""
-    import torch
-
-    from mxconv.run.compute import quantize_stack, to_host
-
-    out: dict[str, torch.Tensor] = {}
-    for r in refs:
-        w, sinv = data[r.module]
-        x = source_float(w, sinv, r.block, device).unsqueeze(0)
-        where = (lambda name: lambda idx: f"{name} [{idx[1]}, {idx[2]}]")(r.weight)
-        st = quantize_stack((1, *r.shape), lambda e0, e1, x=x: x[e0:e1], LINEAR_FORMAT, quant, where, stats, device)
-        out[r.weight] = to_host(st.data[0]).view(torch.float8_e4m3fn)
-        out[f"{r.module}.weight_scale"] = to_host(st.scales[0])
-        del x, st
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out
-
-
-def linear_load(plan: Any, load: Any) -> Any:
-    """The pipeline's load step, taking the plan's "linear" items too."""
-    return lambda item: load_linears(plan.ckpt, item.payload) if item.kind == "linear" else load(item)
-
-
-def linear_compute(plan: Any, compute: Any, device: torch.device, stats: Any) -> Any:
-    """The pipeline's compute step, taking the plan's "linear" items too (``stats``: compute.RunStats)."""
-    import time
-
-    def run(item: WorkItem, data: Any) -> list[dict[str, torch.Tensor]]:
-        if item.kind != "linear":
-            return compute(item, data)
-        t0 = time.perf_counter()
-        out = [quantize_linears(item.payload, data, plan.quant, stats.errors, device)]
-        stats.compute_seconds += time.perf_counter() - t0
-        return out
-
-    return run
 
 
 def manifest_extras(plan: Any) -> dict[str, Any]:

@@ -29,7 +29,7 @@ On a CUDA device the temporaries are on the GPU (checked against the GPU budget,
 input and output there too) and the host keeps pinned copies of the results (``PINNED`` x output:
 torch's pinned allocator rounds blocks up to powers of two).
 
-Defaults: ``--max-memory`` = ``HOST_FRACTION`` of the memory available when the run starts
+Defaults (:mod:`mxconv.run.machine`): ``--max-memory`` = ``HOST_FRACTION`` of the memory available when the run starts
 (MemAvailable) plus what the process already holds; ``--max-gpu-memory`` = ``GPU_FRACTION`` of the
 device's free memory. The pipeline keeps two items read ahead and two results queued when whole
 layers fit, one result queued otherwise, and reads one item ahead only when not even one expert
@@ -46,21 +46,14 @@ both ends (``scripts/bench_e2e.py``). The bytes written do not depend on it.
 from __future__ import annotations
 
 import math
-import os
-import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mxconv.errors import BadInput
 from mxconv.sizes import human_bytes, parse_size
 from mxconv.output.writer import COPY_CHUNK
+from mxconv.run.machine import default_gpu_budget, default_host_budget
 
-if TYPE_CHECKING:
-    from mxconv.run.pipeline import WorkItem
-    from mxconv.run.plan import Plan
-
-HOST_FRACTION = 0.75
-GPU_FRACTION = 0.8
 QUANTIZE_BYTES = 16  # host/GPU bytes per w13 element while a float stack is quantized (+ error statistic)
 MXFP4_TO_MXFP8_BYTES = 14  # per w13 element of the lossless MXFP4 -> MXFP8 re-coding
 OUTPUT_COPIES = {"repack": 4, "quantize": 2}  # temporaries of the layout / per-expert split, x output
@@ -78,59 +71,6 @@ CUDA_HOST_RESERVE = 1 << 30  # host memory of the CUDA context, Triton and the p
 TORCH_RSS = 200 << 20
 PIPELINE_DEPTHS = ((2, 2), (2, 1), (1, 1))  # (prefetch, queue_depth), most overlap first
 ITEM_READ_BYTES = 512 << 20  # a layer item reads at most this much where it can be cut (module doc)
-
-
-def _proc_kib(path: str, key: str) -> int | None:
-    """The ``key:`` line of a /proc file (``... kB``) in bytes; None where it cannot be read."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def meminfo_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (free pages where there is no such file, None if unknown)."""
-    avail = _proc_kib("/proc/meminfo", "MemAvailable")
-    if avail is None:
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
-    return avail
-
-
-def process_rss() -> int:
-    """Resident memory of this process now (VmRSS), in bytes; 0 where it cannot be read."""
-    return _proc_kib("/proc/self/status", "VmRSS") or 0
-
-
-def process_peak_rss() -> int | None:
-    """Peak resident memory of this process so far (VmHWM), in bytes; None where it cannot be read.
-
-    Unlike ``ru_maxrss`` seen by a parent through ``wait4``, it is this program's own: on Linux the
-    child of a process that once held N bytes reports at least N there (exec keeps the spawning
-    address space's high-water mark), which made a benchmark's own peak look like mxconv's."""
-    return _proc_kib("/proc/self/status", "VmHWM")
-
-
-def default_host_budget() -> int | None:
-    """``HOST_FRACTION`` of MemAvailable plus this process's RSS (None: unknown, no limit)."""
-    avail = meminfo_available()
-    return None if avail is None else int(HOST_FRACTION * avail) + process_rss()
-
-
-def default_gpu_budget(device: Any) -> int | None:
-    """``GPU_FRACTION`` of the free memory of CUDA ``device`` (None for the CPU)."""
-    if getattr(device, "type", device) != "cuda":
-        return None
-    import torch
-
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(GPU_FRACTION * free)
 
 
 def parse_memory(text: str | None, flag: str) -> int | None:
@@ -261,6 +201,58 @@ def balance(g: int, E: int) -> int:
     return math.ceil(E / n)
 
 
+@dataclass(frozen=True)
+class _Fit:
+    """Whether items fit a budget: the host room beside ``baseline`` and the GPU room (None: no limit)."""
+
+    costs: dict[int, ExpertCost]
+    num_experts: int
+    budget: MemoryBudget
+    baseline: int
+    splittable: bool
+    whole: dict[str, ExpertCost]
+    item_read_cap: int | None
+    default_budget: bool
+
+    @property
+    def room(self) -> int | None:
+        return None if self.budget.host is None else self.budget.host - self.baseline
+
+    @property
+    def gpu_room(self) -> int | None:
+        return self.budget.gpu if self.budget.device_type == "cuda" else None
+
+    def host_fits(self, c: ExpertCost, g: int, p: int, q: int) -> bool:
+        return self.room is None or _with_slack(host_bytes(c, g, p, q, self.budget.device_type)) <= self.room
+
+    def fits(self, c: ExpertCost, g: int, p: int, q: int) -> bool:
+        gpu_room = self.gpu_room
+        return self.host_fits(c, g, p, q) and (gpu_room is None or _with_slack(gpu_bytes(c, g)) <= gpu_room)
+
+    def whole_fit(self, p: int, q: int) -> bool:
+        return all(self.fits(c, 1, p, q) for c in self.whole.values())
+
+    def layers_fit(self, p: int, q: int) -> bool:
+        return self.whole_fit(p, q) and all(self.fits(c, self.num_experts, p, q) for c in self.costs.values())
+
+    def finish(self, p: int, q: int, groups: dict[int, int]) -> MemoryPlan:
+        """The plan for pipeline depth (``p``, ``q``) and ``groups``, cut to ``item_read_cap``."""
+        E, dev, baseline = self.num_experts, self.budget.device_type, self.baseline
+        capped = False
+        if self.splittable and self.item_read_cap is not None:
+            for L, g in groups.items():
+                most = max(1, self.item_read_cap // max(1, self.costs[L].read))
+                if most < g:
+                    groups[L], capped = balance(most, E), True
+        items = [(self.costs[L], g) for L, g in groups.items()] + [(c, 1) for c in self.whole.values()]
+        peak = baseline + max((_with_slack(host_bytes(c, g, p, q, dev)) for c, g in items), default=0)
+        peak_gpu = max((_with_slack(gpu_bytes(c, g)) for c, g in items), default=0) if dev == "cuda" else None
+        least = [(c, 1 if self.splittable else E) for c in self.costs.values()] + [(c, 1) for c in self.whole.values()]
+        smallest = baseline + max((_with_slack(host_bytes(c, g, 1, 1, dev)) for c, g in least), default=0)
+        return MemoryPlan(self.budget.host, self.gpu_room, baseline, p, q, E, groups, peak, peak_gpu, smallest,
+                          self.default_budget, self.item_read_cap if capped else None)
+
+
 def plan_memory(
     costs: dict[int, ExpertCost],
     num_experts: int,
@@ -286,86 +278,59 @@ def plan_memory(
     ranges, groups read at most this many bytes (at least one expert) even where more would fit.
     ``held``: the part of ``baseline`` the process holds now (its RSS), which a refusal names
     apart from the rest, set aside for ``aside``; None: all of it is held."""
-    E = num_experts
-    names = names or {}
-    whole = whole or {}
-    dev = budget.device_type
-    room = None if budget.host is None else budget.host - baseline
-    gpu_room = budget.gpu if dev == "cuda" else None
-
-    def host_fits(c: ExpertCost, g: int, p: int, q: int) -> bool:
-        return room is None or _with_slack(host_bytes(c, g, p, q, dev)) <= room
-
-    def fits(c: ExpertCost, g: int, p: int, q: int) -> bool:
-        return host_fits(c, g, p, q) and (gpu_room is None or _with_slack(gpu_bytes(c, g)) <= gpu_room)
-
-    def whole_fit(p: int, q: int) -> bool:
-        return all(fits(c, 1, p, q) for c in whole.values())
-
-    def finish(p: int, q: int, groups: dict[int, int]) -> MemoryPlan:
-        capped = False
-        if splittable and item_read_cap is not None:
-            for L, g in groups.items():
-                most = max(1, item_read_cap // max(1, costs[L].read))
-                if most < g:
-                    groups[L], capped = balance(most, E), True
-        items = [(costs[L], g) for L, g in groups.items()] + [(c, 1) for c in whole.values()]
-        peak = baseline + max((_with_slack(host_bytes(c, g, p, q, dev)) for c, g in items), default=0)
-        peak_gpu = max((_with_slack(gpu_bytes(c, g)) for c, g in items), default=0) if dev == "cuda" else None
-        least = [(c, 1 if splittable else E) for c in costs.values()] + [(c, 1) for c in whole.values()]
-        smallest = baseline + max((_with_slack(host_bytes(c, g, 1, 1, dev)) for c, g in least), default=0)
-        return MemoryPlan(budget.host, gpu_room, baseline, p, q, E, groups, peak, peak_gpu, smallest, default_budget,
-                          item_read_cap if capped else None)
-
+    fit = _Fit(costs, num_experts, budget, baseline, splittable, whole or {}, item_read_cap, default_budget)
+    E, dev = num_experts, budget.device_type
     for p, q in PIPELINE_DEPTHS[:2]:  # whole layers, the deepest pipeline that fits
-        if whole_fit(p, q) and all(fits(c, E, p, q) for c in costs.values()):
-            return finish(p, q, {L: E for L in costs})
+        if fit.layers_fit(p, q):
+            return fit.finish(p, q, {L: E for L in costs})
     p, q = PIPELINE_DEPTHS[-1]
     beside = _beside(baseline, held, aside)
-    if not splittable and whole_fit(p, q):
-        if all(fits(c, E, p, q) for c in costs.values()):
-            return finish(p, q, {L: E for L in costs})
+    names = names or {}
+    if not splittable and fit.whole_fit(p, q):
+        if fit.layers_fit(p, q):
+            return fit.finish(p, q, {L: E for L in costs})
         L, c = max(costs.items(), key=lambda kv: host_bytes(kv[1], E, p, q, dev))
+        one = _with_slack(host_bytes(c, E, p, q, dev))
         raise BadInput(
             f"--max-memory {human_bytes(budget.host or 0)} is too small for {names.get(L, f'layer {L}')}: this family's "
-            f"reader reads whole layers, and one layer in flight takes about {human_bytes(_with_slack(host_bytes(c, E, p, q, dev)))} "
-            f"on top of {beside}; give at least "
-            f"{human_bytes(baseline + _with_slack(host_bytes(c, E, p, q, dev)))}"
+            f"reader reads whole layers, and one layer in flight takes about {human_bytes(one)} "
+            f"on top of {beside}; give at least {human_bytes(baseline + one)}"
         )
     for p, q in PIPELINE_DEPTHS[1:] if splittable else ():
-        if not whole_fit(p, q):
+        if not fit.whole_fit(p, q):
             continue
-        groups = {L: _largest_group(c, E, room if room is not None else 1 << 62, p, q, dev, gpu_room) for L, c in costs.items()}
+        room = fit.room if fit.room is not None else 1 << 62
+        groups = {L: _largest_group(c, E, room, p, q, dev, fit.gpu_room) for L, c in costs.items()}
         if all(g >= 1 for g in groups.values()):
-            return finish(p, q, {L: balance(g, E) for L, g in groups.items()})
-    # not even one expert (or one item converted whole) fits: name the sizes
+            return fit.finish(p, q, {L: balance(g, E) for L, g in groups.items()})
+    raise _refusal(fit, names, beside)
+
+
+def _refusal(fit: _Fit, names: dict[int, str], beside: str) -> BadInput:
+    """Not even one expert (or one item converted whole) fits: the error naming the sizes."""
     p, q = PIPELINE_DEPTHS[-1]
-    failing = [(n, c) for n, c in whole.items() if not fits(c, 1, p, q)]
+    dev, budget = fit.budget.device_type, fit.budget
+    failing = [(n, c) for n, c in fit.whole.items() if not fit.fits(c, 1, p, q)]
     if failing:
         where, c = max(failing, key=lambda kv: host_bytes(kv[1], 1, p, q, dev))
         what, unit = f"{where} (converted whole)", "it"
     else:
-        L, c = max(costs.items(), key=lambda kv: host_bytes(kv[1], 1, p, q, dev))
+        L, c = max(fit.costs.items(), key=lambda kv: host_bytes(kv[1], 1, p, q, dev))
         what, unit = f"one expert of {names.get(L, f'layer {L}')}", "one expert"
-    if not host_fits(c, 1, p, q):
+    if not fit.host_fits(c, 1, p, q):
         one = _with_slack(host_bytes(c, 1, p, q, dev))
-        raise BadInput(
+        return BadInput(
             f"--max-memory {human_bytes(budget.host or 0)} is too small for {what}: {unit} in flight "
             f"takes about {human_bytes(one)} (read {human_bytes(c.read)}, output {human_bytes(c.out)}, compute "
             f"{human_bytes(c.compute(1) if dev != 'cuda' else 0)}) on top of {beside}; give at least "
-            f"{human_bytes(baseline + one)}"
+            f"{human_bytes(fit.baseline + one)}"
         )
     one = _with_slack(gpu_bytes(c, 1))
-    raise BadInput(
-        f"--max-gpu-memory {human_bytes(gpu_room or 0)} is too small for {what}: computing {unit} "
+    return BadInput(
+        f"--max-gpu-memory {human_bytes(fit.gpu_room or 0)} is too small for {what}: computing {unit} "
         f"takes about {human_bytes(one)} on the GPU (input {human_bytes(c.read)}, temporaries {human_bytes(c.compute(1))}, "
         f"output {human_bytes(c.out)}); give at least {human_bytes(one)}"
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# a plan's per-expert costs, and its work items cut into groups
-# ---------------------------------------------------------------------------------------------
 
 
 def _beside(baseline: int, held: int | None, aside: str) -> str:
@@ -373,67 +338,6 @@ def _beside(baseline: int, held: int | None, aside: str) -> str:
     if held is None or held >= baseline:
         return f"the {human_bytes(baseline)} the process holds already"
     return f"the {human_bytes(held)} the process holds now and {human_bytes(baseline - held)} set aside for {aside}"
-
-
-def beside_items(plan: "Plan", costs: list[ExpertCost], device_type: str) -> int:
-    """Host bytes set aside beside the items (RESERVE's comment): GROWTH, and four chunks of the
-    largest byte copy plus one expert (or whole item) in flight, at most RESERVE: a small
-    model's copies and freed blocks are small."""
-    largest = max((plan.ckpt.info(n).nbytes for n in plan.copied_names()), default=0)
-    one = max((host_bytes(c, 1, 1, 1, device_type) for c in costs), default=0)
-    return GROWTH + min(RESERVE, 4 * min(COPY_CHUNK, largest) + one)
-
-
-def expert_cost(plan: "Plan", item: "WorkItem") -> ExpertCost:
-    """Per-expert bytes of a layer item of ``plan`` (headers only)."""
-    from mxconv.run.compute import CHUNK_ELEMENTS
-
-    ref = item.payload
-    E = plan.info.num_experts
-    H, I = plan.info.hidden_size, plan.info.intermediate_size
-    planned = {t.name: t.nbytes for d in plan.dests for t in d if t.role == "expert"}
-    out = sum(planned[n] for names in item.out_names for n in names)
-    conversion = plan.conversion(ref)
-    w13 = 2 * I * H
-    if conversion == "as_is":
-        work, cap = 0, E  # bytes moved as they are
-    elif conversion == "mxfp4_to_mxfp8":
-        work, cap = MXFP4_TO_MXFP8_BYTES * w13, E  # lossless re-coding, the whole item at once
-    else:
-        work, cap = QUANTIZE_BYTES * w13, max(1, CHUNK_ELEMENTS // w13)
-    copies = OUTPUT_COPIES["repack" if plan.repack is not None else "quantize"]
-    return ExpertCost(-(-item.in_bytes // E), -(-out // E), work, cap, copies * -(-out // E))
-
-
-def whole_item_cost(plan: "Plan", item: "WorkItem") -> ExpertCost:
-    """Bytes of an item converted whole (e.g. one layer's linears, ``--targets linear``): its
-    read and output bytes, quantize temporaries for its largest weight (one at a time)."""
-    planned = {t.name: t.nbytes for d in plan.dests for t in d}
-    out = sum(planned.get(n, 0) for names in item.out_names for n in names)
-    shapes = [getattr(r, "shape", None) for r in (item.payload if isinstance(item.payload, (list, tuple)) else ())]
-    elems = max((math.prod(s) for s in shapes if s), default=item.in_bytes // 2)
-    return ExpertCost(item.in_bytes, out, QUANTIZE_BYTES * elems, 1, OUTPUT_COPIES["quantize"] * out)
-
-
-def plan_for(plan: "Plan", budget: MemoryBudget, default_budget: bool = False, baseline: int | None = None) -> MemoryPlan:
-    """The :class:`MemoryPlan` of ``plan``'s items under ``budget`` (RSS now as the baseline, unless
-    ``baseline`` gives the bytes held beside the pipeline): MoE layer items by expert, other
-    computed items whole."""
-    layers = [i for i in plan.items if i.kind == "layer"]
-    costs = {i.payload.layer: expert_cost(plan, i) for i in layers}
-    names = {i.payload.layer: i.payload.module_prefix + ".experts" for i in layers}
-    whole = {f"the {i.kind} item writing {i.out_names[0][0]}": whole_item_cost(plan, i)
-             for i in plan.items if i.kind not in ("copy", "layer") and i.out_names and i.out_names[0]}
-    held, aside = None, "threads, byte-copy chunks and freed blocks the allocator keeps"
-    if baseline is None:
-        torch_rss = 0 if "torch" in sys.modules else TORCH_RSS
-        cuda = CUDA_HOST_RESERVE if budget.device_type == "cuda" else 0
-        held = process_rss()
-        baseline = held + torch_rss + cuda + beside_items(plan, [*costs.values(), *whole.values()], budget.device_type)
-        aside += (", torch's import" if torch_rss else "") + (", the CUDA context" if cuda else "")
-    return plan_memory(costs, plan.info.num_experts, budget, baseline=baseline, names=names,
-                       splittable=plan.reader.reads_expert_ranges, default_budget=default_budget, whole=whole,
-                       item_read_cap=ITEM_READ_BYTES, held=held, aside=aside)
 
 
 def resolve_budget(host: int | None, gpu: int | None, device: Any) -> tuple[MemoryBudget, bool]:
@@ -444,25 +348,3 @@ def resolve_budget(host: int | None, gpu: int | None, device: Any) -> tuple[Memo
         gpu if gpu is not None else default_gpu_budget(device),
         dev_type,
     ), host is None
-
-
-def work_items(items: list["WorkItem"], mem: MemoryPlan | None) -> list["WorkItem"]:
-    """``items`` with every layer item cut into its groups of experts (in expert order); a group
-    reads a share of the layer's bytes (for the progress bar) and writes the layer's tensor names
-    (whole per-expert tensors, or parts of ``[E, ...]`` stacks)."""
-    from dataclasses import replace
-
-    if mem is None or not mem.split:
-        return list(items)
-    out = []
-    E = mem.num_experts
-    for item in items:
-        g = mem.groups.get(item.payload.layer, E) if item.kind == "layer" else E
-        if item.kind != "layer" or g >= E:
-            out.append(item)
-            continue
-        for e0 in range(0, E, g):
-            e1 = min(E, e0 + g)
-            share = item.in_bytes * e1 // E - item.in_bytes * e0 // E
-            out.append(replace(item, in_bytes=share, experts=(e0, e1)))
-    return out

@@ -21,11 +21,9 @@ torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxc
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
-from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from mxconv.interrupt import deferred_signals
 from mxconv.source.st_format import TensorInfo
 from mxconv.output.writer import ShardedWriter, WriteCancelled, copy_tensor_to
+from mxconv.run.trace import StageTimes
 
 if TYPE_CHECKING:
     import torch
@@ -53,32 +52,143 @@ class WorkItem:
     experts: tuple[int, int] | None = None  # for "layer": experts [e0, e1) only (None: all)
 
 
-TRACE_ENV = "MXCONV_TRACE"  # a file path: the run writes its timeline there (scripts/bench_e2e.py reads it)
-
 LoadFn = Callable[[WorkItem], Any]
 ComputeFn = Callable[[WorkItem, Any], "list[dict[str, torch.Tensor]]"]
 
 
-@dataclass
-class StageTimes:
-    """Seconds spent per stage (load summed over reader threads) and waiting between stages."""
+class _Stages:
+    """The threads and queues of one :func:`run_pipeline` call: reader pool, this thread's compute
+    loop (:meth:`feed`), the writer thread (:meth:`writer_loop`)."""
 
-    load_s: float = 0.0
-    compute_s: float = 0.0
-    write_s: float = 0.0
-    wait_for_load_s: float = 0.0  # main thread idle, waiting for a reader
-    wait_for_writer_s: float = 0.0  # main thread blocked on a full write queue
-    # (stage, item index, start, end) in seconds since ``origin``, when tracing (``MXCONV_TRACE``)
-    events: list[tuple[str, int, float, float]] | None = field(default=None, repr=False)
-    origin: float = field(default=0.0, repr=False)
+    def __init__(self, items: list[WorkItem], writers: list[ShardedWriter], load: LoadFn, compute: ComputeFn,
+                 on_progress: Callable[[int], None] | None, times: StageTimes,
+                 check_copy: Callable[[TensorInfo, int, bytes], None] | None, queue_depth: int, read_threads: int):
+        self.items, self.writers, self.load, self.compute = items, writers, load, compute
+        self.on_progress, self.times, self.check_copy = on_progress, times, check_copy
+        self.q: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+        self.pending: list[tuple[int, WorkItem, Future | None]] = []
+        self.load_lock = threading.Lock()
+        self.writer = threading.Thread(target=self.writer_loop, name="mxconv-writer", daemon=True)
+        self.writer.start()
+        self.pool = ThreadPoolExecutor(max_workers=max(1, read_threads), thread_name_prefix="mxconv-read")
 
-    def to_json(self) -> dict[str, float]:
-        return {k: round(v, 4) for k, v in self.__dict__.items() if k.endswith("_s")}
+    def write(self, item: WorkItem, results: list[dict[str, torch.Tensor]]) -> None:
+        """Write one item's results (a byte copy: its tensors, read and hashed once for all ranks)."""
+        if item.kind == "copy":
+            for name in item.copy_names:
+                copy_tensor_to(self.writers, name, self.check_copy)
+        elif item.experts is None:
+            for w, names, res in zip(self.writers, item.out_names, results):
+                for name in names:
+                    w.write_tensor(name, res[name])
+        else:  # a group of experts: its per-expert tensors whole, its rows of the stacks
+            for w, names, res in zip(self.writers, item.out_names, results):
+                unplanned = set(res).difference(names)
+                if unplanned:
+                    raise RuntimeError(f"compute returned tensors the plan does not hold: {sorted(unplanned)[:3]}")
+                for name in names:
+                    if name in res:
+                        w.write_part(name, res[name])
 
-    def mark(self, stage: str, index: int, t0: float, t1: float) -> None:
-        """Record one stage of item ``index`` (perf_counter times) when tracing."""
-        if self.events is not None:
-            self.events.append((stage, index, round(t0 - self.origin, 4), round(t1 - self.origin, 4)))
+    def writer_loop(self) -> None:
+        while True:
+            got = self.q.get()
+            if got is None:
+                return
+            if self.stop.is_set():  # a failure elsewhere: keep draining so nobody blocks on the queue
+                continue
+            index, item, results = got
+            t0 = time.perf_counter()
+            try:
+                self.write(item, results)
+                t1 = time.perf_counter()
+                self.times.write_s += t1 - t0
+                self.times.mark(item.kind if item.kind == "copy" else "write", index, t0, t1)
+                if self.on_progress:
+                    self.on_progress(item.in_bytes)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                if not isinstance(exc, WriteCancelled):
+                    self.errors.append(exc)
+                self.stop.set()
+            del got, results
+
+    def timed_load(self, i: int, item: WorkItem) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.load(item)
+        finally:
+            t1 = time.perf_counter()
+            with self.load_lock:  # several reader threads add to the same total
+                self.times.load_s += t1 - t0
+                self.times.mark("load", i, t0, t1)
+
+    def submit(self, i: int) -> None:
+        item = self.items[i]
+        self.pending.append((i, item, self.pool.submit(self.timed_load, i, item) if item.kind != "copy" else None))
+
+    def feed(self, prefetch: int) -> None:
+        """This thread's loop: keep ``prefetch`` computed items read ahead, compute each in order and
+        queue its results for the writer."""
+        items, times = self.items, self.times
+        nxt = 0
+        loaded_ahead = 0
+        while nxt < len(items) and loaded_ahead < prefetch:
+            if items[nxt].kind != "copy":
+                loaded_ahead += 1
+            self.submit(nxt)
+            nxt += 1
+        while self.pending:
+            if self.stop.is_set():
+                break
+            index, item, fut = self.pending.pop(0)
+            if fut is not None:
+                t0 = time.perf_counter()
+                data = fut.result()
+                t1 = time.perf_counter()
+                results = self.compute(item, data)
+                t2 = time.perf_counter()
+                times.wait_for_load_s += t1 - t0
+                times.compute_s += t2 - t1
+                times.mark("compute", index, t1, t2)
+                del data
+                loaded_ahead -= 1
+            else:
+                results = []
+            while nxt < len(items) and (items[nxt].kind == "copy" or loaded_ahead < prefetch):
+                if items[nxt].kind != "copy":
+                    loaded_ahead += 1
+                self.submit(nxt)
+                nxt += 1
+            t0 = time.perf_counter()
+            self.q.put((index, item, results))
+            times.wait_for_writer_s += time.perf_counter() - t0
+            del results
+
+    def cancel(self) -> None:
+        """A failure in this thread: the writer thread stops within one chunk, pending reads are dropped."""
+        self.stop.set()
+        for w in self.writers:
+            w.cancel()
+        for _index, _item, fut in self.pending:
+            if fut is not None:
+                fut.cancel()
+
+    def join(self, failed: bool) -> None:
+        """Stop and join every thread; raise the writer's failure when this thread had none.
+
+        A signal is held until the threads are joined, so a Ctrl-C here cannot leave a thread
+        writing; on a failure it is dropped, as the run is stopping already."""
+        with deferred_signals(raise_held=not failed):
+            self.q.put(None)
+            self.writer.join()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            if self.stop.is_set():
+                for w in self.writers:
+                    w.abort()
+        if self.errors and not failed:
+            raise self.errors[0]
 
 
 def run_pipeline(
@@ -97,139 +207,15 @@ def run_pipeline(
 
     Raises the first failure (of this thread, else of the writer) after every thread has stopped."""
     times = times if times is not None else StageTimes()
-    q: queue.Queue = queue.Queue(maxsize=queue_depth)
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def writer_loop() -> None:
-        while True:
-            got = q.get()
-            if got is None:
-                return
-            if stop.is_set():  # a failure elsewhere: keep draining so nobody blocks on the queue
-                continue
-            index, item, results = got
-            t0 = time.perf_counter()
-            try:
-                if item.kind == "copy":
-                    for name in item.copy_names:
-                        copy_tensor_to(writers, name, check_copy)  # read and hashed once for all ranks
-                elif item.experts is None:
-                    for w, names, res in zip(writers, item.out_names, results):
-                        for name in names:
-                            w.write_tensor(name, res[name])
-                else:  # a group of experts: its per-expert tensors whole, its rows of the stacks
-                    for w, names, res in zip(writers, item.out_names, results):
-                        unplanned = set(res).difference(names)
-                        if unplanned:
-                            raise RuntimeError(f"compute returned tensors the plan does not hold: {sorted(unplanned)[:3]}")
-                        for name in names:
-                            if name in res:
-                                w.write_part(name, res[name])
-                t1 = time.perf_counter()
-                times.write_s += t1 - t0
-                times.mark(item.kind if item.kind == "copy" else "write", index, t0, t1)
-                if on_progress:
-                    on_progress(item.in_bytes)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
-                if not isinstance(exc, WriteCancelled):
-                    errors.append(exc)
-                stop.set()
-            del got, results
-
-    wt = threading.Thread(target=writer_loop, name="mxconv-writer", daemon=True)
-    wt.start()
-    pending: list[tuple[int, WorkItem, Future | None]] = []
-    pool = ThreadPoolExecutor(max_workers=max(1, read_threads), thread_name_prefix="mxconv-read")
-
-    load_lock = threading.Lock()
-
-    def timed_load(i: int, item: WorkItem) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return load(item)
-        finally:
-            t1 = time.perf_counter()
-            with load_lock:  # several reader threads add to the same total
-                times.load_s += t1 - t0
-                times.mark("load", i, t0, t1)
-
-    def submit(i: int) -> None:
-        item = items[i]
-        pending.append((i, item, pool.submit(timed_load, i, item) if item.kind != "copy" else None))
-
+    stages = _Stages(items, writers, load, compute, on_progress, times, check_copy, queue_depth, read_threads)
     try:
-        nxt = 0
-        loaded_ahead = 0
-        while nxt < len(items) and loaded_ahead < prefetch:
-            if items[nxt].kind != "copy":
-                loaded_ahead += 1
-            submit(nxt)
-            nxt += 1
-        while pending:
-            if stop.is_set():
-                break
-            index, item, fut = pending.pop(0)
-            if fut is not None:
-                t0 = time.perf_counter()
-                data = fut.result()
-                t1 = time.perf_counter()
-                results = compute(item, data)
-                t2 = time.perf_counter()
-                times.wait_for_load_s += t1 - t0
-                times.compute_s += t2 - t1
-                times.mark("compute", index, t1, t2)
-                del data
-                loaded_ahead -= 1
-            else:
-                results = []
-            while nxt < len(items) and (items[nxt].kind == "copy" or loaded_ahead < prefetch):
-                if items[nxt].kind != "copy":
-                    loaded_ahead += 1
-                submit(nxt)
-                nxt += 1
-            t0 = time.perf_counter()
-            q.put((index, item, results))
-            times.wait_for_writer_s += time.perf_counter() - t0
-            del results
+        stages.feed(prefetch)
     except BaseException:
         failed = True
-        stop.set()
-        for w in writers:
-            w.cancel()  # the writer thread stops within one chunk instead of finishing its item
-        for _index, _item, fut in pending:
-            if fut is not None:
-                fut.cancel()
+        stages.cancel()
         raise
     else:
         failed = False
     finally:
-        # A signal is held until the threads are joined, so a Ctrl-C here cannot leave a thread
-        # writing; on a failure it is dropped, as the run is stopping already.
-        with deferred_signals(raise_held=not failed):
-            q.put(None)
-            wt.join()
-            pool.shutdown(wait=True, cancel_futures=True)
-            if stop.is_set():
-                for w in writers:
-                    w.abort()
-        if errors and not failed:
-            raise errors[0]
+        stages.join(failed)
     return times
-
-
-def write_trace(path: Path, items: list[WorkItem], times: StageTimes) -> None:
-    """Write the run's timeline as JSON: the items (kind, bytes read, layer, experts) and every
-    traced stage as ``[stage, item index, start s, end s]`` (item -1: the run's setup and finish)."""
-    doc = {
-        "items": [
-            {"kind": i.kind, "in_bytes": i.in_bytes, "experts": i.experts,
-             "layer": getattr(i.payload, "layer", None)}
-            for i in items
-        ],
-        "events": times.events or [],
-        "stage_seconds": times.to_json(),
-        # wall-clock time of the timer's start, to place the timeline within the whole process
-        "origin_epoch": time.time() - (time.perf_counter() - times.origin),
-    }
-    path.write_text(json.dumps(doc))

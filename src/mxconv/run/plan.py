@@ -8,60 +8,30 @@ and the shard split of every output directory (one per TP rank).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
 from mxconv.families import FamilyReader, ModelInfo, MoELayerRef
 from mxconv.layouts import Layout, LayoutSizes, TensorSpec, backend_names, get_layout
 from mxconv.layouts.base import tp_ranges
-from mxconv.layouts.padding import KernelChoice
-from mxconv.run.linears import TARGETS, LinearSelection, check_patterns, fused_part_warnings, linear_item, name_matches, select_linears
+from mxconv.run.linears import LinearSelection, fused_part_warnings, linear_item, select_linears
+from mxconv.run.options import ConversionKind, Job, QuantOptions, RepackOptions, Targets, WeightFormat
 from mxconv.run.pipeline import WorkItem
-from mxconv.mx.formats import resolve_scale_mode  # numerics imports torch, numerics_format does not
 from mxconv.output.shards import PlannedTensor, ShardPlan, plan_shards
 
-
-@dataclass
-class QuantOptions:
-    """What `quantize` (and `repack` of a float source) does to expert weights."""
-
-    fmt: str = "mxfp4"
-    scale_rounding: str = "auto"  # "auto" = numerics.DEFAULT_SCALE_MODES[fmt]
-    allow_nonfinite: bool = False
-    # patterns (one or a list) over "<module_prefix>.experts" and, with targets "linear", linear module
-    # names: a regex found anywhere, or compressed-tensors' "re:REGEX" (re.match); see linears.name_matches
-    include: str | list[str] | None = None  # default: every MoE layer (and linear)
-    ignore: str | list[str] | None = None
-    targets: str = "experts"  # "experts": routed experts only; "linear": every linear layer too, MXFP8 (mxconv.run.linears)
-    skip_unaligned: bool = False  # targets "linear": leave a linear whose input is not a multiple of 32 alone
-
-    def selects(self, ref: MoELayerRef) -> bool:
-        target = f"{ref.module_prefix}.experts"
-        if self.include and not name_matches(self.include, target):
-            return False
-        if self.ignore and name_matches(self.ignore, target):
-            return False
-        return True
+if TYPE_CHECKING:
+    from mxconv.run.memory import MemoryPlan
 
 
-@dataclass
-class RepackOptions:
-    backend: str
-    activation: str
-    tp: int = 1
-    layout_options: dict[str, Any] = field(default_factory=dict)
-    kernel_choice: KernelChoice = KernelChoice.AUTO  # Triton layout kernels on CUDA, or torch ops only (same bytes)
-
-
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """Everything a run needs, computed from headers only."""
+    """Everything a run needs, computed from headers only by :func:`build_plan`, and not changed
+    afterwards (the memory plan of a run is made beside it: :mod:`mxconv.run.plan_costs`)."""
 
     ckpt: Checkpoint
     reader: FamilyReader
     info: ModelInfo
-    command: str  # "quantize" | "repack"
     quant: QuantOptions
     repack: RepackOptions | None
     refs: list[MoELayerRef]  # converted MoE layers
@@ -71,9 +41,11 @@ class Plan:
     rank_ranges: list[tuple[int, int]] = field(default_factory=list)
     layout_desc: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # sizes the engine takes but computes wrongly
-    memory: Any = None  # mxconv.run.memory.MemoryPlan: pipeline depth, experts per group (convert.plan_memory)
-    memory_device: str | None = None  # the device type it was planned for
     linears: LinearSelection | None = None  # the model's linear layers (mxconv.run.linears); None for repack
+
+    @property
+    def command(self) -> Job:
+        return Job.REPACK if self.repack is not None else Job.QUANTIZE
 
     @property
     def bytes_in(self) -> int:
@@ -95,7 +67,8 @@ class Plan:
     def expert_bytes_out(self) -> int:
         return sum(t.nbytes for d in self.dests for t in d if t.role == "expert")
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, memory: MemoryPlan | None = None) -> dict[str, Any]:
+        """What the run does, for --dry-run and the run's summary; ``memory``: its memory plan."""
         s: dict[str, Any] = {
             "command": self.command,
             "family": self.info.family,
@@ -110,8 +83,8 @@ class Plan:
         if self.linears is not None and self.linears.mx_modules():
             s["linears_quantized"] = len(self.linears.quantized)
             s["linear_bytes_out"] = sum(t.nbytes for d in self.dests for t in d if t.role == "linear")
-        if self.memory is not None:
-            s["memory"] = self.memory.describe()
+        if memory is not None:
+            s["memory"] = memory.describe()
         if self.warnings:
             s["warnings"] = list(self.warnings)
         if self.sizes is not None:
@@ -124,22 +97,20 @@ class Plan:
         return s
 
     @property
-    def weight_format(self) -> str:
+    def weight_format(self) -> WeightFormat:
         """Format of the written experts: quantize's --format; repack: mxfp4, or int4 (kept) for an INT4 source."""
-        if self.command == "repack":
-            return self.sizes.weight_format if self.sizes is not None else "mxfp4"
+        if self.repack is not None:
+            return WeightFormat(self.sizes.weight_format if self.sizes is not None else WeightFormat.MXFP4)
         return self.quant.fmt
 
-    def conversion(self, ref: MoELayerRef) -> str:
-        """How layer ``ref``'s experts become :attr:`weight_format`: "as_is" (the same MX or INT4
-        format: bytes moved untouched), "mxfp4_to_mxfp8" (lossless re-coding, same scales) or
-        "quantize" (floats, or the fp32 dequantization of block-FP8, INT4 or another MX format)."""
+    def conversion(self, ref: MoELayerRef) -> ConversionKind:
+        """How layer ``ref``'s experts become :attr:`weight_format` (see :class:`ConversionKind`)."""
         src = self.reader.layer_format(ref)
         if src == self.weight_format:
-            return "as_is"
-        if src == "mxfp4" and self.weight_format == "mxfp8":
-            return "mxfp4_to_mxfp8"
-        return "quantize"
+            return ConversionKind.AS_IS
+        if src == WeightFormat.MXFP4 and self.weight_format == WeightFormat.MXFP8:
+            return ConversionKind.MXFP4_TO_MXFP8
+        return ConversionKind.QUANTIZE
 
 
 def _layer_of(name: str) -> int:
@@ -159,37 +130,15 @@ def kernel_params(info: ModelInfo) -> dict[str, float] | None:
     return None
 
 
-def _check_quant_options(q: QuantOptions) -> None:
-    from mxconv.mx.formats import FORMATS, SCALE_MODES
-
-    if q.fmt not in FORMATS:
-        raise BadInput(f"--format {q.fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
-    if q.scale_rounding not in SCALE_MODES + ("auto",):
-        raise BadInput(f"--scale-rounding {q.scale_rounding!r} is not supported; choose auto or one of {', '.join(SCALE_MODES)}")
-    for flag, pat in (("--include", q.include), ("--ignore", q.ignore)):
-        check_patterns(flag, pat)
-    if q.targets not in TARGETS:
-        raise BadInput(f"--targets {q.targets!r} is not supported; choose one of {', '.join(TARGETS)}")
-    if q.targets == "linear" and q.fmt != "mxfp8":
-        raise BadInput("--targets linear quantizes every linear layer to MXFP8 (vLLM's online MXFP8 method); "
-                       "pass --format mxfp8")
 
 
-def build_plan(
-    ckpt: Checkpoint,
-    reader: FamilyReader,
-    command: str,
-    quant: QuantOptions,
-    repack: RepackOptions | None = None,
-) -> Plan:
-    """Plan a quantize (repack=None) or repack run from headers only."""
-    _check_quant_options(quant)
-    quant = replace(quant, scale_rounding=resolve_scale_mode(quant.fmt, quant.scale_rounding))
-    if (command == "repack" or repack is not None) and (quant.include or quant.ignore):
+def _check_request(ckpt: Checkpoint, quant: QuantOptions, repack: RepackOptions | None) -> None:
+    """BadInput for what no plan can do with ``ckpt``, whatever its layers."""
+    if repack is not None and (quant.include or quant.ignore):
         # A kernel-layout output holds kernel tensors for every MoE layer (the output contract);
         # a partial repack would mix them with per-expert source tensors.
         raise BadInput("repack converts every MoE layer; --include/--ignore apply to quantize only")
-    if (command == "repack" or repack is not None) and quant.targets != "experts":
+    if repack is not None and quant.targets != Targets.EXPERTS:
         raise BadInput("--targets linear applies to quantize only (repack lays out the routed experts)")
     if ckpt.kind == "kernel":
         raise BadInput(
@@ -197,88 +146,125 @@ def build_plan(
             f"{(ckpt.manifest or {}).get('backend') or ckpt.config.get('mxconv_layout', {}).get('backend', '?')}); "
             "convert from its canonical source instead"
         )
-    info = reader.model_info()
+
+
+def _check_sizes(ckpt: Checkpoint, info: ModelInfo) -> None:
     for what, size in (("hidden_size", info.hidden_size), ("intermediate_size", info.intermediate_size)):
         if size % 32:
             raise BadInput(
                 f"{ckpt.root}: {what} {size} is not a multiple of 32; MX formats need the reduction "
                 "dimension of every expert weight to split into 32-element blocks"
             )
+
+
+def _select_layers(reader: FamilyReader, quant: QuantOptions) -> list[MoELayerRef]:
+    """The MoE layers ``quant`` converts; BadInput where the layers left out could not stay as they are."""
     all_refs = reader.layer_refs()
-    refs = [r for r in all_refs if quant.selects(r)]
+    refs = [r for r in all_refs if quant.selects(r.module_prefix)]
     if not refs:
         raise BadInput("no MoE layer selected (check --include / --ignore)")
     selected = {r.layer for r in refs}
     for r in all_refs:
         kept = reader.layer_format(r)
-        if r.layer not in selected and kept == "int4":
+        if r.layer not in selected and kept == WeightFormat.INT4:
             raise BadInput(
                 f"{r.module_prefix}.experts: --include/--ignore would leave this INT4 layer as it is next to {quant.fmt} "
                 "layers, which one quantization_config cannot describe; quantize every MoE layer of an INT4 checkpoint"
             )
-        if r.layer not in selected and kept in ("mxfp4", "mxfp8") and kept != quant.fmt:
+        if r.layer not in selected and kept in (WeightFormat.MXFP4, WeightFormat.MXFP8) and kept != quant.fmt:
             raise BadInput(
                 f"{r.module_prefix}.experts: --include/--ignore leave this {kept} layer as it is, next to {quant.fmt} "
                 f"layers; a checkpoint holds one MX format (select every MoE layer, or use --format {kept})"
             )
-    consumed = {n for r in refs for n in r.source_names}
-    ndest = repack.tp if repack else 1
-    dests: list[list[PlannedTensor]] = [[] for _ in range(ndest)]
+    return refs
+
+
+def _select_linears(ckpt: Checkpoint, all_refs: list[MoELayerRef], quant: QuantOptions) -> LinearSelection:
+    """The model's linear layers: quantized with --targets linear, described in the config either way."""
+    linears = select_linears(ckpt, all_refs, quant)
+    if linears.carried and quant.fmt != WeightFormat.MXFP8:
+        raise BadInput(f"{ckpt.root}: linear layers such as {linears.carried[0]} are MXFP8 already; an output holds "
+                       f"one MX format (use --format mxfp8)")
+    return linears
+
+
+@dataclass(frozen=True)
+class _LayoutPlan:
+    """A repack's layout: the options resolved, per-rank sizes and ranges, the kernel tensors' specs."""
+
+    layout: Layout
+    repack: RepackOptions
+    sizes: LayoutSizes
+    rank_ranges: list[tuple[int, int]]
+    specs: dict[str, TensorSpec]
+    desc: dict[str, Any]
+    warnings: list[str]
+
+
+def _layout_weight_format(ckpt: Checkpoint, info: ModelInfo, layout: Layout, backend: str) -> WeightFormat:
+    """The experts' format in the layout: INT4 stays INT4 (layouts that take it), all else MXFP4."""
+    if info.expert_format == WeightFormat.MXFP8:
+        raise BadInput(
+            f"{ckpt.root}: experts are MXFP8; backend layouts take MXFP4 experts "
+            "(repack the bf16 source, or quantize it with --format mxfp4 first)"
+        )
+    wfmt = WeightFormat.INT4 if info.expert_format == WeightFormat.INT4 else WeightFormat.MXFP4
+    takes = getattr(layout, "weight_formats", (WeightFormat.MXFP4,))
+    if wfmt not in takes:
+        others = [n for n in backend_names() if wfmt in getattr(get_layout(n), "weight_formats", (WeightFormat.MXFP4,))]
+        raise BadInput(
+            f"{ckpt.root}: experts are {wfmt} (compressed-tensors INT4, bf16 group scales); backend {backend} "
+            f"takes {', '.join(takes)} experts only (backends that take {wfmt}: {', '.join(others) or 'none'}; "
+            "or quantize the source first: mxconv quantize SRC OUT --format mxfp4)"
+        )
+    return wfmt
+
+
+def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _LayoutPlan:
+    """Check ``repack`` against the model and size its layout (per TP rank, padded)."""
+    layout = get_layout(repack.backend)
+    if repack.activation not in layout.activations:
+        raise BadInput(
+            f"--activation {repack.activation!r} is not valid for backend {repack.backend}; "
+            f"choose one of {', '.join(layout.activations)}"
+        )
+    wfmt = _layout_weight_format(ckpt, info, layout, repack.backend)
+    fmt_kw: dict[str, Any] = {} if wfmt == WeightFormat.MXFP4 else {"weight_format": wfmt}
+    rank_ranges = tp_ranges(info.intermediate_size, repack.tp)
+    widths = {e - s for s, e in rank_ranges}
+    I_rank = max(widths)
+    opts = layout.resolve_options(repack.layout_options)
+    repack = replace(repack, layout_options=opts)
+    Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation, opts, **fmt_kw)
+    for w in widths:  # every rank pads to the same Ip; make sure the smaller ones fit the rule too
+        layout.padded_sizes(info.hidden_size, w, info.row_order, repack.activation, opts, **fmt_kw)
+    if fmt_kw and len(widths) > 1:
+        raise BadInput(
+            f"--tp {repack.tp} splits intermediate size {info.intermediate_size} unevenly "
+            f"({sorted(widths)} per rank); {wfmt} experts are never padded, so every rank needs the same width"
+        )
+    sizes = LayoutSizes(info.num_experts, info.hidden_size, I_rank, Hp, Ip, info.row_order, info.has_expert_bias, wfmt)
+    return _LayoutPlan(layout, repack, sizes, rank_ranges, layout.kernel_specs(sizes, repack.activation, opts),
+                       layout.describe(sizes, repack.activation, opts), layout.size_warnings(info.hidden_size, I_rank, opts))
+
+
+def _expert_specs(reader: FamilyReader, ref: MoELayerRef, quant: QuantOptions, lay: _LayoutPlan | None) -> dict[str, TensorSpec]:
+    """Output tensor name -> spec of one MoE layer's experts."""
+    if lay is None:
+        return reader.quantized_specs(ref, quant.fmt)
+    return {f"{ref.module_prefix}.experts.{k}": spec for k, spec in lay.specs.items()}
+
+
+def _plan_items(ckpt: Checkpoint, reader: FamilyReader, quant: QuantOptions, refs: list[MoELayerRef],
+                linears: LinearSelection | None, lay: _LayoutPlan | None) -> tuple[list[WorkItem], list[list[PlannedTensor]]]:
+    """The work items in write order and, per destination (rank), its tensors: byte copies grouped
+    by layer and MoE layer items interleaved in layer order, then the byte copies moved first (in
+    shards of their own)."""
+    all_refs = reader.layer_refs()
+    consumed = {n for r in refs for n in r.source_names} | (linears.source_names() if linears is not None else set())
+    lin_by_layer = linears.by_layer() if linears is not None else {}
+    dests: list[list[PlannedTensor]] = [[] for _ in range(lay.repack.tp if lay else 1)]
     items: list[WorkItem] = []
-    plan = Plan(ckpt, reader, info, command, quant, repack, refs, items, dests)
-    if repack is None:  # linear layers: quantized with --targets linear, described in the config either way
-        plan.linears = select_linears(ckpt, all_refs, quant)
-        if plan.linears.carried and quant.fmt != "mxfp8":
-            raise BadInput(f"{ckpt.root}: linear layers such as {plan.linears.carried[0]} are MXFP8 already; an output holds "
-                           f"one MX format (use --format mxfp8)")
-        consumed |= plan.linears.source_names()
-        plan.warnings += fused_part_warnings(plan.linears)
-    lin_by_layer = plan.linears.by_layer() if plan.linears is not None else {}
-
-    layout: Layout | None = None
-    if repack is not None:
-        layout = get_layout(repack.backend)
-        if repack.activation not in layout.activations:
-            raise BadInput(
-                f"--activation {repack.activation!r} is not valid for backend {repack.backend}; "
-                f"choose one of {', '.join(layout.activations)}"
-            )
-        if info.expert_format == "mxfp8":
-            raise BadInput(
-                f"{ckpt.root}: experts are MXFP8; backend layouts take MXFP4 experts "
-                "(repack the bf16 source, or quantize it with --format mxfp4 first)"
-            )
-        # INT4 experts stay INT4 (layouts that take them); everything else becomes MXFP4 on the way
-        wfmt = "int4" if info.expert_format == "int4" else "mxfp4"
-        takes = getattr(layout, "weight_formats", ("mxfp4",))
-        if wfmt not in takes:
-            others = [n for n in backend_names() if wfmt in getattr(get_layout(n), "weight_formats", ("mxfp4",))]
-            raise BadInput(
-                f"{ckpt.root}: experts are {wfmt} (compressed-tensors INT4, bf16 group scales); backend {repack.backend} "
-                f"takes {', '.join(takes)} experts only (backends that take {wfmt}: {', '.join(others) or 'none'}; "
-                "or quantize the source first: mxconv quantize SRC OUT --format mxfp4)"
-            )
-        fmt_kw: dict[str, Any] = {} if wfmt == "mxfp4" else {"weight_format": wfmt}
-        plan.rank_ranges = tp_ranges(info.intermediate_size, repack.tp)
-        widths = {e - s for s, e in plan.rank_ranges}
-        I_rank = max(widths)
-        opts = layout.resolve_options(repack.layout_options)
-        repack = plan.repack = replace(repack, layout_options=opts)
-        Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation, opts, **fmt_kw)
-        for w in widths:  # every rank pads to the same Ip; make sure the smaller ones fit the rule too
-            layout.padded_sizes(info.hidden_size, w, info.row_order, repack.activation, opts, **fmt_kw)
-        if fmt_kw and len(widths) > 1:
-            raise BadInput(
-                f"--tp {repack.tp} splits intermediate size {info.intermediate_size} unevenly "
-                f"({sorted(widths)} per rank); {wfmt} experts are never padded, so every rank needs the same width"
-            )
-        plan.sizes = LayoutSizes(info.num_experts, info.hidden_size, I_rank, Hp, Ip, info.row_order, info.has_expert_bias,
-                                 wfmt)
-        specs = layout.kernel_specs(plan.sizes, repack.activation, repack.layout_options)
-        plan.layout_desc = layout.describe(plan.sizes, repack.activation, repack.layout_options)
-        plan.warnings = layout.size_warnings(info.hidden_size, I_rank, opts)
-
-    # group copy tensors by layer, interleave MoE layer items in layer order
     by_layer: dict[int, list[str]] = {}
     for name in ckpt.tensors:
         if name not in consumed:
@@ -300,22 +286,27 @@ def build_plan(
             continue
         item = WorkItem("layer", ckpt.total_bytes(list(ref.source_names)), payload=ref)
         for d in dests:
-            if layout is None:
-                out = reader.quantized_specs(ref, quant.fmt)
-                names_out = list(out)
-                for n, spec in out.items():
-                    d.append(PlannedTensor(n, spec, "expert"))
-            else:
-                names_out = []
-                for k, spec in specs.items():
-                    n = f"{ref.module_prefix}.experts.{k}"
-                    names_out.append(n)
-                    d.append(PlannedTensor(n, spec, "expert"))
-            item.out_names.append(names_out)
+            out = _expert_specs(reader, ref, quant, lay)
+            d.extend(PlannedTensor(n, spec, "expert") for n, spec in out.items())
+            item.out_names.append(list(out))
         items.append(item)
-    # Byte copies first, in shards of their own
-    items[:] = [i for i in items if i.kind == "copy"] + [i for i in items if i.kind != "copy"]
-    copied = set(plan.copied_names())
-    for d in dests:
-        d[:] = [t for t in d if t.name in copied] + [t for t in d if t.name not in copied]
-    return plan
+    items = [i for i in items if i.kind == "copy"] + [i for i in items if i.kind != "copy"]
+    copied = {n for i in items if i.kind == "copy" for n in i.copy_names}
+    dests = [[t for t in d if t.name in copied] + [t for t in d if t.name not in copied] for d in dests]
+    return items, dests
+
+
+def build_plan(ckpt: Checkpoint, reader: FamilyReader, quant: QuantOptions, repack: RepackOptions | None = None) -> Plan:
+    """Plan a quantize (``repack`` None) or repack run of ``ckpt`` from headers only."""
+    _check_request(ckpt, quant, repack)
+    info = reader.model_info()
+    _check_sizes(ckpt, info)
+    refs = _select_layers(reader, quant)
+    linears = _select_linears(ckpt, reader.layer_refs(), quant) if repack is None else None
+    lay = _plan_layout(ckpt, info, repack) if repack is not None else None
+    items, dests = _plan_items(ckpt, reader, quant, refs, linears, lay)
+    if lay is None:
+        return Plan(ckpt, reader, info, quant, None, refs, items, dests, warnings=fused_part_warnings(linears),
+                    linears=linears)
+    return Plan(ckpt, reader, info, quant, lay.repack, refs, items, dests, sizes=lay.sizes, rank_ranges=lay.rank_ranges,
+                layout_desc=lay.desc, warnings=lay.warnings)

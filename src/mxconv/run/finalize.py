@@ -1,0 +1,177 @@
+"""The last phase of a conversion: what the output says about itself. ``config.json`` (the source
+config with the quantization_config of what was written), the manifest ``mxconv.json`` (the
+run's source, numerics, layout, layers and tensor table, with the engines' quant_config), the
+top-level files the run owns, and the notes shown after a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from mxconv.families import MoELayerRef
+from mxconv.families.gpt_oss_output import FORMAT_KEY
+from mxconv.output.engine_quant_config import attach
+from mxconv.output.manifest import base_manifest
+from mxconv.run.linear_config import with_linears
+from mxconv.run.linears import manifest_extras
+from mxconv.run.options import WeightFormat
+from mxconv.run.plan import Plan, kernel_params
+from mxconv.source.file_names import CONFIG_NAME, INDEX_NAME
+
+
+def output_config(plan: Plan) -> dict[str, Any]:
+    """config.json of the output: the source config with the quantization_config for the experts."""
+    cfg = dict(plan.ckpt.config)
+    src_q = cfg.get("quantization_config")
+    reader = plan.reader
+    selected = {r.layer for r in plan.refs}
+    formats = {r.layer: (r, reader.layer_format(r)) for r in reader.layer_refs()}
+    # Layers --include/--ignore left in a format other than the output's (float, block-FP8): the
+    # config lists them as not converted, so that loaders do not take them for MX weights.
+    skipped = [r for L, (r, f) in formats.items() if L not in selected and f != plan.weight_format]
+    if src_q and all(f == plan.weight_format for _, f in formats.values()):
+        pass  # MX source kept as is: its quantization_config already describes the experts
+    else:
+        cfg["quantization_config"] = reader.quantization_config(plan.weight_format, plan.quant.scale_rounding, skipped)
+    if plan.linears is not None and plan.linears.mx_modules():  # MXFP8 linear layers: named exactly, as the rest
+        cfg["quantization_config"] = with_linears(cfg["quantization_config"], plan.linears.mx_modules(), plan.linears.kept)
+    if plan.repack is not None:
+        cfg["mxconv_layout"] = {
+            "backend": plan.repack.backend,
+            "activation": plan.repack.activation,
+            "tp_size": plan.repack.tp,
+            "manifest": "mxconv.json",
+        }
+        # Kernel-layout experts are for engine integrations (mxconv.engines.loader), never for from_pretrained:
+        # with a quant_method a loader knows, transformers finds none of its expert tensors and leaves the
+        # experts randomly initialised. quant_method null makes transformers and vLLM refuse the directory.
+        cfg["quantization_config"] = {
+            "quant_method": None,
+            FORMAT_KEY: "kernel-layout",  # the key gpt-oss MXFP8 outputs use too
+            "mxconv_note": (f"MoE experts in the {plan.repack.backend} kernel layout (mxconv.json); load them with "
+                            "mxconv.engines.loader or an engine integration, not with from_pretrained"),
+            "mxconv_expert_quantization_config": cfg.get("quantization_config"),
+        }
+    return cfg
+
+
+def layer_table(refs: list[MoELayerRef]) -> list[dict[str, Any]]:
+    """The manifest's ``layers``: where each converted MoE layer and its router are."""
+    return [
+        {
+            "layer": r.layer,
+            "module_prefix": r.module_prefix,
+            "router_weight": r.router_weight,
+            "router_bias": r.router_bias,
+            "correction_bias": r.correction_bias,
+        }
+        for r in refs
+    ]
+
+
+def manifest_layout(plan: Plan) -> dict[str, Any]:
+    """The manifest's ``layout``: canonical, or the backend's description with the per-rank sizes."""
+    info = plan.info
+    if plan.sizes is None:
+        lay = {
+            "name": "canonical-gpt-oss" if info.family == "gpt-oss" else "canonical-compressed-tensors",
+            "version": 1,
+            "engine_compat": {"transformers": ">=4.55", "vllm": ">=0.10.2"} if info.family == "gpt-oss" else {"compressed-tensors": ">=0.11", "vllm": ">=0.11"},
+            "hidden_size": info.hidden_size,
+            "intermediate_size": info.intermediate_size,
+            "padded_hidden_size": info.hidden_size,
+            "padded_intermediate_size": info.intermediate_size,
+        }
+    else:
+        lay = dict(plan.layout_desc)
+        lay.update(
+            {
+                "hidden_size": info.hidden_size,
+                "intermediate_size": plan.sizes.intermediate_size,
+                "intermediate_size_total": info.intermediate_size,
+                "padded_hidden_size": plan.sizes.padded_hidden_size,
+                "padded_intermediate_size": plan.sizes.padded_intermediate_size,
+                "tp_ranges": [list(r) for r in plan.rank_ranges],
+            }
+        )
+        if plan.repack:
+            lay["options"] = dict(plan.repack.layout_options)
+    lay["w13_row_order"] = info.row_order
+    lay["kernel_params"] = kernel_params(info)
+    return lay
+
+
+def numerics_of(plan: Plan) -> tuple[dict[str, Any], bool]:
+    """The manifest's ``numerics``, and whether the experts' MX bytes were kept (same format, or the
+    lossless MXFP4 -> MXFP8 re-coding): then no scale rounding was applied."""
+    fmt = plan.weight_format
+    # From the converted layers' own formats (a mixed source holds MX and float layers).
+    src_formats = {plan.reader.layer_format(r) for r in plan.refs}
+    lossless = src_formats == {WeightFormat.MXFP4} and fmt == WeightFormat.MXFP8
+    numerics = {
+        "element_format": {WeightFormat.MXFP4: "e2m1", WeightFormat.INT4: "int4"}.get(fmt, "e4m3"),
+        "scale_format": "bf16" if fmt == WeightFormat.INT4 else "e8m0",
+        "block_size": 32,
+        "block_axis": "input (last dim of [out, in])",
+        "rounding": "rne",
+        "packing": "low_nibble_first" if fmt in (WeightFormat.MXFP4, WeightFormat.INT4) else None,
+        "source_format": plan.info.expert_format,
+        "source_scale_scheme": plan.info.source_scale_scheme,
+        "requantized": any(f in (WeightFormat.MXFP4, WeightFormat.MXFP8) and f != fmt for f in src_formats) and not lossless,
+        "lossless_conversion": "mxfp4 -> mxfp8 (same block scales, E2M1 values are E4M3 values)" if lossless else None,
+    }
+    return numerics, src_formats == {fmt} or lossless
+
+
+def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], argv: list[str] | None) -> dict[str, Any]:
+    """The manifest of ``plan``'s output: ``tensors`` (the written tensor table), the engines'
+    quant_config and served backends, and ``output_files``: the top-level names this run wrote (a
+    later --overwrite removes exactly these, and nothing else)."""
+    numerics, from_mx_untouched = numerics_of(plan)
+    repack = plan.repack
+    manifest = base_manifest(
+        source=plan.ckpt.source.to_json(),
+        family=plan.info.family,
+        kind="kernel" if repack else "canonical",
+        weight_format=plan.weight_format,
+        scale_rounding=None if from_mx_untouched else plan.quant.scale_rounding,
+        backend=repack.backend if repack else None,
+        activation=repack.activation if repack else None,
+        tp_size=repack.tp if repack else 1,
+        layout=manifest_layout(plan),
+        model=plan.info.to_json(),
+        layers=layer_table(plan.refs),
+        numerics=numerics,
+        argv=argv,
+    )
+    manifest["tensors"] = tensors
+    manifest.update(manifest_extras(plan))  # linear layers, source bytes by role
+    attach(manifest)  # quant_config + served_vllm_backends (reads the tensors table)
+    if len(rank_dirs) > 1:
+        manifest["output_files"] = sorted({CONFIG_NAME, *(d.name for d in rank_dirs)})
+    else:
+        manifest["output_files"] = sorted({CONFIG_NAME, INDEX_NAME, *(f.name for f in plan.ckpt.extra_files)})
+    return manifest
+
+
+def served_backends_note(manifest: dict[str, Any]) -> str | None:
+    """A kernel-layout output that no vLLM MXFP4 MoE backend holds as it is: the note that says so."""
+    if manifest["kind"] != "kernel" or manifest["served_vllm_backends"]:
+        return None
+    quant_config = manifest["quant_config"]
+    why = "; ".join(f"{b}: {r}" for b, r in quant_config["not_served"].items())
+    return (f"note: no vLLM {quant_config['engine_version']} MXFP4 MoE backend holds these bytes as they are"
+            + (f" ({why})" if why else f" ({manifest['weight_format']} experts)")
+            + "; mxconv.engines.loader and its kernels read them, and the manifest's quant_config describes them")
+
+
+def run_notes(plan: Plan) -> Iterable[str]:
+    """What a user should know about the written output beyond the summary (shown after the run)."""
+    skipped = plan.linears.unaligned if plan.linears is not None else []
+    if skipped:
+        yield (f"note: {len(skipped)} linear layer(s) left unquantized (input size not a multiple of 32, "
+               f"--skip-unaligned): {', '.join(skipped)}; the config lists them in 'ignore'")
+    if plan.repack is None and any(n.endswith("weight_scale_inv") for d in plan.dests for n in (t.name for t in d)):
+        yield ("note: block-FP8 tensors outside the routed experts (attention, dense and shared MLPs) were copied "
+               "unchanged with their weight_scale_inv scales; the written quantization_config describes the MX "
+               "experts only, so engines that load this checkpoint must be told about those FP8 modules separately")

@@ -1,0 +1,152 @@
+"""The typed options of a conversion, checked and resolved once where they are made (the CLI or a
+Python caller), and read as they are everywhere downstream.
+
+Closed sets are Enums whose members are ``str`` (:class:`enum.StrEnum`): they compare equal to,
+format as and serialize to their value, so a manifest or config written from them holds the same
+bytes as one written from the plain strings.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Sequence
+
+from mxconv.layouts.padding import KernelChoice
+from mxconv.errors import BadInput
+
+
+class WeightFormat(StrEnum):
+    """Format of written expert weights: quantize's ``--format``; repack keeps INT4 sources INT4."""
+
+    MXFP4 = "mxfp4"
+    MXFP8 = "mxfp8"
+    INT4 = "int4"
+
+
+QUANTIZE_FORMATS = (WeightFormat.MXFP4, WeightFormat.MXFP8)
+
+
+class ScaleRounding(StrEnum):
+    """E8M0 scale rule (docs/numerics.md); AUTO stands for the format's default and never leaves
+    :class:`QuantOptions`, which resolves it."""
+
+    AUTO = "auto"
+    RCEIL = "rceil"
+    FLOOR = "floor"
+    EVEN = "even"
+
+
+DEFAULT_SCALE_ROUNDING = {WeightFormat.MXFP4: ScaleRounding.EVEN, WeightFormat.MXFP8: ScaleRounding.RCEIL}
+
+
+class Targets(StrEnum):
+    """What quantize converts: the routed experts, or every linear layer too (MXFP8)."""
+
+    EXPERTS = "experts"
+    LINEAR = "linear"
+
+
+class Job(StrEnum):
+    """The command a plan is for."""
+
+    QUANTIZE = "quantize"
+    REPACK = "repack"
+
+
+class ConversionKind(StrEnum):
+    """How one MoE layer's experts become the output's weight format."""
+
+    AS_IS = "as_is"  # the same MX or INT4 format: bytes moved untouched
+    MXFP4_TO_MXFP8 = "mxfp4_to_mxfp8"  # lossless re-coding, same scales
+    QUANTIZE = "quantize"  # floats, or the fp32 dequantization of block-FP8, INT4 or another MX format
+
+
+def patterns(spec: str | Sequence[str] | None) -> list[str]:
+    """``--include`` / ``--ignore`` values as a list (one string, several, or none)."""
+    if not spec:
+        return []
+    return [spec] if isinstance(spec, str) else list(spec)
+
+
+def name_matches(spec: str | Sequence[str] | None, name: str) -> bool:
+    """True when a pattern of ``spec`` matches module ``name``: ``re:REGEX`` as compressed-tensors
+    does (``re.match``), anything else as a regular expression found anywhere in the name
+    (``re.search``, mxconv's ``--include``/``--ignore`` from the start; an exact module name matches
+    itself, and longer names that contain it: anchor it as ``re:NAME$``)."""
+    for p in patterns(spec):
+        if re.match(p[3:], name) if p.startswith("re:") else re.search(p, name):
+            return True
+    return False
+
+
+def check_patterns(flag: str, spec: str | Sequence[str] | None) -> None:
+    """BadInput naming ``flag`` for a pattern that is not a regular expression."""
+    for p in patterns(spec):
+        try:
+            re.compile(p[3:] if p.startswith("re:") else p)
+        except re.error as exc:
+            raise BadInput(f"{flag}: invalid regular expression {p!r} ({exc})") from None
+
+
+def _member(enum: type[StrEnum], value: Any, flag: str, allowed: Sequence[StrEnum] | None = None) -> Any:
+    """``value`` (a member or its string) as a member of ``enum``, or BadInput naming ``flag``."""
+    choices = list(allowed or enum)
+    try:
+        member = enum(value)
+    except ValueError:
+        member = None
+    if member not in choices:
+        raise BadInput(f"{flag} {str(value)!r} is not supported; choose one of {', '.join(choices)}")
+    return member
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """What ``quantize`` (and ``repack`` of a float source) does to expert weights; strings given
+    for the closed sets are turned into their Enums, and ``scale_rounding`` "auto" into the format's
+    rule (:data:`DEFAULT_SCALE_ROUNDING`), when the options are made: BadInput for a bad value."""
+
+    fmt: WeightFormat = WeightFormat.MXFP4
+    scale_rounding: ScaleRounding = ScaleRounding.AUTO
+    allow_nonfinite: bool = False
+    # patterns (one or a list) over "<module_prefix>.experts" and, with targets "linear", linear
+    # module names: a regex found anywhere, or compressed-tensors' "re:REGEX" (re.match); see name_matches
+    include: str | tuple[str, ...] | None = None  # default: every MoE layer (and linear)
+    ignore: str | tuple[str, ...] | None = None
+    targets: Targets = Targets.EXPERTS  # LINEAR: every linear layer too, MXFP8 (mxconv.run.linears)
+    skip_unaligned: bool = False  # targets LINEAR: leave a linear whose input is not a multiple of 32 alone
+
+    def __post_init__(self) -> None:
+        fmt = _member(WeightFormat, self.fmt, "--format", QUANTIZE_FORMATS)
+        rounding = _member(ScaleRounding, self.scale_rounding, "--scale-rounding")
+        object.__setattr__(self, "fmt", fmt)
+        object.__setattr__(self, "scale_rounding", DEFAULT_SCALE_ROUNDING[fmt] if rounding == ScaleRounding.AUTO else rounding)
+        object.__setattr__(self, "targets", _member(Targets, self.targets, "--targets"))
+        for flag, name in (("--include", "include"), ("--ignore", "ignore")):
+            spec = getattr(self, name)
+            check_patterns(flag, spec)
+            object.__setattr__(self, name, tuple(patterns(spec)) or None)
+        if self.targets == Targets.LINEAR and fmt != WeightFormat.MXFP8:
+            raise BadInput("--targets linear quantizes every linear layer to MXFP8 (vLLM's online MXFP8 method); "
+                           "pass --format mxfp8")
+
+    def selects(self, module_prefix: str) -> bool:
+        """Whether the MoE layer at ``module_prefix`` is converted (``--include`` / ``--ignore``)."""
+        target = f"{module_prefix}.experts"
+        if self.include and not name_matches(self.include, target):
+            return False
+        return not (self.ignore and name_matches(self.ignore, target))
+
+
+@dataclass(frozen=True)
+class RepackOptions:
+    """What ``repack`` writes: the backend's layout for the engine's activation format, per TP rank;
+    ``layout_options``: the backend's own options (checked and typed by its layout)."""
+
+    backend: str
+    activation: str
+    tp: int = 1
+    layout_options: dict[str, Any] = field(default_factory=dict)
+    kernel_choice: KernelChoice = KernelChoice.AUTO  # Triton layout kernels on CUDA, or torch ops only (same bytes)
