@@ -1,0 +1,137 @@
+"""The package's shape is enforced, not described (docs/architecture.md): the import-linter contracts
+of pyproject.toml, no import cycle (in-function imports included), small modules and functions, few
+top-level modules, the environment read in one module, backend names only where backends live."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "src" / "mxconv"
+BACKEND_PACKAGES = ("layouts", "engines", "kernels")  # where a backend's name may be spelled
+BACKEND_NAMES = {"trtllm", "marlin", "aiter", "triton", "deepgemm"}
+ENVIRONMENT_MODULE = "mxconv.environment"
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_LEVEL_MODULES = 400, 80, 12
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def _modules() -> dict[str, tuple[Path, ast.Module]]:
+    return {_module_name(p): (p, ast.parse(p.read_text(), str(p))) for p in sorted(PKG.rglob("*.py"))}
+
+
+def _imported(name: str, path: Path, tree: ast.Module) -> set[str]:
+    """mxconv modules ``name`` imports anywhere in its file (functions included)."""
+    known, found = _modules(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([base] if base else []))
+            # ``from pkg import name`` runs pkg's __init__ as well as the submodule ``name``
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def test_import_linter_contracts_hold() -> None:
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
+    r = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={"PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "BROKEN" not in r.stdout and "0 broken" in r.stdout, r.stdout[-4000:]
+
+
+def test_no_import_cycle() -> None:
+    graph = {name: _imported(name, path, tree) for name, (path, tree) in _modules().items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                cycles.append(sorted([v, *component]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles (in-function imports count): {cycles}"
+
+
+def test_modules_and_functions_are_small() -> None:
+    too_long = []
+    for name, (path, tree) in _modules().items():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {lines} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                if size > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}.{node.name} (line {node.lineno}): {size} lines")
+    assert not too_long, too_long
+
+
+def test_few_top_level_modules() -> None:
+    top = sorted(p.name for p in PKG.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+def test_the_environment_is_read_in_one_module() -> None:
+    readers = set()
+    for name, (_, tree) in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "unsetenv") \
+                    and isinstance(node.value, ast.Name) and node.value.id == "os":
+                readers.add(name)
+    assert readers <= {ENVIRONMENT_MODULE}, sorted(readers - {ENVIRONMENT_MODULE})
+
+
+def test_backend_names_only_where_backends_live() -> None:
+    """No string that is a backend's name (compared, listed, defaulted) outside layouts/engines/kernels."""
+    spelled = []
+    for name, (_, tree) in _modules().items():
+        if name.split(".")[1:2] and name.split(".")[1] in BACKEND_PACKAGES:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in BACKEND_NAMES:
+                spelled.append(f"{name}:{node.lineno} {node.value!r}")
+    assert not spelled, spelled
+
+
+@pytest.mark.parametrize("bad", ["cycle", "upward"])
+def test_the_checks_can_fail(tmp_path: Path, bad: str) -> None:
+    """The import walk sees in-function imports, the way a cycle or an upward import hides."""
+    src = "def f():\n    from mxconv.cli import app\n" if bad == "upward" else "def g():\n    import mxconv.run.plan\n"
+    path = PKG / "source" / "checkpoint.py"
+    tree = ast.parse(src)
+    assert _imported("mxconv.source.checkpoint", path, tree) == {"mxconv.cli" if bad == "upward" else "mxconv.run.plan"}
