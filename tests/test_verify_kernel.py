@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -218,3 +219,24 @@ def test_verify_kernel_on_a_gpt_oss_120b_sized_layer(tmp_path_factory, backend: 
     r = rep.layers[0]
     print("VERIFY-KERNEL-120B", json.dumps({"backend": backend, "vs_bytes": r.kernel.vs_converted.to_json(),
                                             "vs_ref": r.kernel.vs_reference.to_json()}))
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["absent", "broken-import"])
+def test_trtllm_kernel_reason_tells_a_missing_flashinfer_from_a_broken_one(tmp_path: Path, monkeypatch, broken: bool) -> None:
+    """"not installed" only when flashinfer itself is missing; an installed flashinfer whose import
+    fails (a dependency its --no-deps install left out) is named with what its import raised."""
+    from mxconv.layouts import get_layout
+
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    if broken:
+        pkg = tmp_path / "site" / "flashinfer"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text("import mxconv_test_missing_dependency\n")
+        monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    else:
+        monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ModuleNotFoundError('flashinfer')
+    reason = get_layout("trtllm").kernel_unavailable({"weight_format": "mxfp4"})
+    if broken:
+        assert "installed but cannot be imported" in reason and "mxconv_test_missing_dependency" in reason, reason
+    else:
+        assert reason == "flashinfer is not installed (pip install 'mxconv[flashinfer]')", reason

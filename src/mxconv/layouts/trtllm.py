@@ -135,8 +135,12 @@ class TrtllmLayout(LayoutBase):
 
         try:
             import flashinfer  # noqa: F401
-        except Exception:
-            return "flashinfer is not installed (pip install 'mxconv[flashinfer]')"
+        except ModuleNotFoundError as exc:
+            if exc.name == "flashinfer":
+                return "flashinfer is not installed (pip install 'mxconv[flashinfer]')"
+            return f"flashinfer is installed but cannot be imported: {exc}"
+        except Exception as exc:  # noqa: BLE001 - whatever its import raises is the reason
+            return f"flashinfer is installed but cannot be imported: {type(exc).__name__}: {exc}"
         if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
             kind = "MxInt4" if manifest.get("weight_format") == "int4" else "MXFP4"
             return f"FlashInfer TRT-LLM-gen {kind} MoE kernels need an SM100 (Blackwell) GPU"
