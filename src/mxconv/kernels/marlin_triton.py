@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mxconv.kernels.triton_common import KERNEL_CONFIG, as_words, kernel_dims, launch, rows_contiguous, row_table
+from mxconv.kernels.triton_common import KERNEL_CONFIG, as_words, gather_operands, kernel_dims, launch
 from mxconv.kernels.triton_import import tl, triton
 
 if triton is not None:
@@ -163,11 +163,10 @@ def marlin_weights(src: torch.Tensor, tab: torch.Tensor, K: int, activation: str
         raise ValueError(f"unknown Marlin activation {activation!r}")
     if N % n_tile or K % kt_size or K_in % kt_size:
         raise ValueError(f"Marlin {activation} tiles need N % {n_tile} == 0 and K % {kt_size} == 0")
-    out = torch.empty((E, K // 16, 2 * N), dtype=torch.int32, device=src.device)
+    out, src, tab = gather_operands(src, tab, (E, K // 16, 2 * N), torch.int32)
     if out.numel() == 0:
         return out
     s = as_words(src, torch.int32)
-    tab = row_table(tab, src.device)
     cfg = KERNEL_CONFIG[f"marlin_{activation}"]
     kt_in, kt_out = K_in // kt_size, K // kt_size
     grid = (N // n_tile, triton.cdiv(kt_out, cfg["BK"]), E)
@@ -180,11 +179,9 @@ def transpose_rows(src: torch.Tensor, tab: torch.Tensor, rows_out: int, offset: 
     """uint8 [E, R_in, G_in] -> [E, rows_out, len(tab)]: out[e, g, n] = src[e, tab[n], g] (0 for
     padding rows/columns) plus ``offset`` (mod 256)."""
     E, G_in, N = kernel_dims(src, tab)
-    out = torch.empty((E, rows_out, N), dtype=torch.uint8, device=src.device)
+    out, src, tab = gather_operands(src, tab, (E, rows_out, N))
     if out.numel() == 0:
         return out
-    src = rows_contiguous(src)
-    tab = row_table(tab, src.device)
     cfg = KERNEL_CONFIG["transpose_rows"]
     grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(rows_out, cfg["BG"]), E)
     launch(

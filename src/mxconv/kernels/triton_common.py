@@ -105,5 +105,18 @@ def row_table(tab: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tab.contiguous()
 
 
+def gather_operands(
+    src: torch.Tensor, tab: torch.Tensor, out_shape: tuple[int, ...], dtype: torch.dtype = torch.uint8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every layout launcher starts with: ``(out, src, tab)`` with ``out`` a new uninitialised
+    ``dtype`` tensor of ``out_shape`` on ``src``'s device. When ``out`` is empty there is nothing to
+    launch and ``src``, ``tab`` come back as given; otherwise ``src`` has its last dim contiguous
+    (:func:`rows_contiguous`) and ``tab`` is the kernels' int32 row table (:func:`row_table`)."""
+    out = torch.empty(out_shape, dtype=dtype, device=src.device)
+    if out.numel() == 0:
+        return out, src, tab
+    return out, rows_contiguous(src), row_table(tab, src.device)
+
+
 # (load_rows, defined only when triton imports, is left out)
-__all__ = ["KERNEL_CONFIG", "as_words", "kernel_dims", "launch", "layout_kernels_enabled", "row_table", "rows_contiguous"]
+__all__ = ["KERNEL_CONFIG", "as_words", "gather_operands", "kernel_dims", "launch", "layout_kernels_enabled", "row_table", "rows_contiguous"]

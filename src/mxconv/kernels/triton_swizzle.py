@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mxconv.kernels.triton_common import as_words, kernel_dims, launch, rows_contiguous, row_table
+from mxconv.kernels.triton_common import as_words, gather_operands, kernel_dims, launch
 from mxconv.kernels.triton_import import tl, triton
 
 # Launch shapes (powers of two): BR1 = 32-byte column blocks per value program, BK0 = scale
@@ -113,11 +113,10 @@ def hopper_values(src: torch.Tensor, tab: torch.Tensor, row_bytes: int) -> torch
     E, kb_in, n = kernel_dims(src, tab)
     if n % 16 or row_bytes % 32 or kb_in % 4:
         raise ValueError(f"Hopper value layout needs rows % 16, bytes % 32 and source bytes % 4 == 0, got {n}, {row_bytes}, {kb_in}")
-    out = torch.empty((E, n // 4, 4 * row_bytes), dtype=torch.uint8, device=src.device)
+    out, src, tab = gather_operands(src, tab, (E, n // 4, 4 * row_bytes))
     if out.numel() == 0:
         return out
     s, d = as_words(src, torch.int32), out.view(torch.int32)
-    tab = row_table(tab, src.device)
     cfg = KERNEL_CONFIG["hopper_values"]
     grid = (n // 16, triton.cdiv(row_bytes // 32, cfg["BR1"]), E)
     launch(
@@ -135,11 +134,9 @@ def hopper_scales(src: torch.Tensor, tab: torch.Tensor, cols: int, num_warps: in
     W = int(num_warps)
     if n % (32 * W) or cols % 2:
         raise ValueError(f"Hopper scale layout needs rows % {32 * W} == 0 and even columns, got [{n}, {cols}]")
-    out = torch.empty((E, n // 32, 32 * cols), dtype=torch.uint8, device=src.device)
+    out, src, tab = gather_operands(src, tab, (E, n // 32, 32 * cols))
     if out.numel() == 0:
         return out
-    src = rows_contiguous(src)
-    tab = row_table(tab, src.device)
     cfg = KERNEL_CONFIG["hopper_scales"]
     grid = (2 * n // (32 * W), triton.cdiv(cols // 2, cfg["BK0"]), E)
     launch(

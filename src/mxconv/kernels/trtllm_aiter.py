@@ -26,10 +26,12 @@ Kernels (shapes per expert; E experts on grid axis 2):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mxconv.kernels.marlin_triton import marlin_weights, transpose_rows  # noqa: F401 (the layouts call them through this module)
-from mxconv.kernels.triton_common import KERNEL_CONFIG, as_words, kernel_dims, launch, rows_contiguous, row_table
+from mxconv.kernels.triton_common import KERNEL_CONFIG, as_words, gather_operands, kernel_dims, launch
 from mxconv.kernels.triton_import import tl, triton
 
 if triton is not None:
@@ -115,13 +117,12 @@ def gather_rows(src: torch.Tensor, tab: torch.Tensor, cols_out: int) -> torch.Te
     """uint8 [E, R_in, C_in] -> [E, len(tab), cols_out]: row r = src row tab[r] (zeros for -1),
     columns beyond C_in zero. C_in and cols_out must be multiples of 8."""
     E, C_in, R_out = kernel_dims(src, tab)
-    out = torch.empty((E, R_out, cols_out), dtype=torch.uint8, device=src.device)
+    out, src, tab = gather_operands(src, tab, (E, R_out, cols_out))
     if out.numel() == 0:
         return out
     if C_in % 8 or cols_out % 8:
         raise ValueError(f"gather_rows needs byte widths that are multiples of 8, got {C_in} -> {cols_out}")
     s, d = as_words(src, torch.int64), out.view(torch.int64)
-    tab = row_table(tab, src.device)
     cfg = KERNEL_CONFIG["gather_rows"]
     grid = (triton.cdiv(R_out, cfg["BR"]), triton.cdiv(cols_out // 8, cfg["BW"]), E)
     launch(
@@ -135,22 +136,12 @@ def swizzle_128x4(src: torch.Tensor, tab: torch.Tensor, cols_out: int, fill: int
     """uint8 [E, R_in, C_in] -> [E, len(tab) * cols_out]: rows gathered through ``tab``, columns
     padded to ``cols_out`` with ``fill``, each expert's matrix in 128x4 swizzled order.
     len(tab) % 128 == 0 and cols_out % 4 == 0."""
-    E, C_in, R_out = kernel_dims(src, tab)
+    E, _, R_out = kernel_dims(src, tab)
     if R_out % 128 or cols_out % 4:
         raise ValueError(f"128x4 swizzle needs rows % 128 == 0 and columns % 4 == 0, got [{R_out}, {cols_out}]")
-    out = torch.empty((E, R_out * cols_out), dtype=torch.uint8, device=src.device)
-    if out.numel() == 0:
-        return out
-    src = rows_contiguous(src)
-    tab = row_table(tab, src.device)
-    cfg = KERNEL_CONFIG["swizzle_128x4"]
-    groups = cols_out // 4
-    grid = (R_out // 128, triton.cdiv(groups, cfg["BG"]), E)
-    launch(
-        _swizzle128x4_kernel, grid, src,
-        src, out, tab, C_in, groups, src.stride(0), src.stride(1), out.stride(0), FILL=int(fill), **cfg
+    return _scale_tiles(
+        _swizzle128x4_kernel, ("swizzle_128x4", "BG"), src, tab, (E, R_out * cols_out), 128, cols_out // 4, FILL=int(fill)
     )
-    return out
 
 
 def w16_tiles(src: torch.Tensor, tab: torch.Tensor, cols_out: int) -> torch.Tensor:
@@ -160,11 +151,10 @@ def w16_tiles(src: torch.Tensor, tab: torch.Tensor, cols_out: int) -> torch.Tens
     E, B_in, R_out = kernel_dims(src, tab)
     if R_out % 16 or B_in % 16 or cols_out % 16:
         raise ValueError(f"W16 needs rows and byte widths that are multiples of 16, got {R_out}, {B_in}, {cols_out}")
-    out = torch.empty((E, R_out, cols_out), dtype=torch.uint8, device=src.device)
+    out, src, tab = gather_operands(src, tab, (E, R_out, cols_out))
     if out.numel() == 0:
         return out
     s, d = as_words(src, torch.int64), out.view(torch.int64)
-    tab = row_table(tab, src.device)
     cfg = KERNEL_CONFIG["w16_tiles"]
     cb_out = cols_out // 16
     grid = (R_out // 16, triton.cdiv(cb_out, cfg["BC"]), E)
@@ -177,20 +167,31 @@ def s32x8_tiles(src: torch.Tensor, tab: torch.Tensor, zero_cols: int, cols_out: 
     c < C_in of gathered rows keep their bytes, other columns below ``zero_cols`` are 0 (as are
     padding rows there), columns from ``zero_cols`` on are ``pad``. len(tab) % 32 == 0,
     cols_out % 8 == 0."""
-    E, C_in, R_out = kernel_dims(src, tab)
+    E, _, R_out = kernel_dims(src, tab)
     if R_out % 32 or cols_out % 8:
         raise ValueError(f"S32x8 needs rows % 32 == 0 and columns % 8 == 0, got [{R_out}, {cols_out}]")
-    out = torch.empty((E, R_out, cols_out), dtype=torch.uint8, device=src.device)
+    return _scale_tiles(
+        _s32x8_kernel, ("s32x8_tiles", "BT"), src, tab, (E, R_out, cols_out), 32, cols_out // 8, zero_cols, PAD=int(pad)
+    )
+
+
+def _scale_tiles(
+    kernel: Any, config: tuple[str, str], src: torch.Tensor, tab: torch.Tensor, out_shape: tuple[int, ...],
+    tile_rows: int, groups: int, *args: Any, **consts: Any,
+) -> torch.Tensor:
+    """Launch a scale-tile kernel (:func:`swizzle_128x4`, :func:`s32x8_tiles`) and return its
+    ``out`` (uint8 ``out_shape``): one program per ``tile_rows`` rows x a block of the ``groups``
+    column groups x expert (``config``: the ``KERNEL_CONFIG`` entry and its block-size key), called
+    as ``kernel(src, out, tab, C_in, *args, groups, src.stride(0), src.stride(1), out.stride(0), **consts)``."""
+    out, src, tab = gather_operands(src, tab, out_shape)
     if out.numel() == 0:
         return out
-    src = rows_contiguous(src)
-    tab = row_table(tab, src.device)
-    cfg = KERNEL_CONFIG["s32x8_tiles"]
-    tiles = cols_out // 8
-    grid = (R_out // 32, triton.cdiv(tiles, cfg["BT"]), E)
+    name, block = config
+    cfg = KERNEL_CONFIG[name]
+    grid = (tab.numel() // tile_rows, triton.cdiv(groups, cfg[block]), src.shape[0])
     launch(
-        _s32x8_kernel, grid, src,
-        src, out, tab, C_in, zero_cols, tiles, src.stride(0), src.stride(1), out.stride(0), PAD=int(pad), **cfg
+        kernel, grid, src,
+        src, out, tab, src.shape[2], *args, groups, src.stride(0), src.stride(1), out.stride(0), **consts, **cfg
     )
     return out
 
