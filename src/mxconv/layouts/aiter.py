@@ -51,6 +51,7 @@ from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
     TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
 )
+from mxconv.layouts.canonical import bias_specs, in_kernel_order
 from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ def _to_kernel_gathered(c: CanonicalExperts, hp: int, ip: int, activation: str, 
         out["w13_bias"] = gather_padded_rows(c.w13_bias.to(torch.float32), b13)
     if c.w2_bias is not None:
         out["w2_bias"] = gather_padded_rows(c.w2_bias.to(torch.float32), t2)
-    return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
+    return in_kernel_order(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,16 +188,13 @@ class AiterLayout(LayoutBase):
             s13, s2 = (e * 2 * ip, c13), (e * hp, c2)
         else:
             s13, s2 = (e, 2 * ip, c13), (e, hp, c2)
-        specs = {
+        return in_kernel_order({
             "w13_weight": TensorSpec((e, 2 * ip, hp // 2), u8),
             "w13_weight_scale": TensorSpec(s13, u8),
             "w2_weight": TensorSpec((e, hp, ip // 2), u8),
             "w2_weight_scale": TensorSpec(s2, u8),
-        }
-        if sizes.has_bias:
-            specs["w13_bias"] = TensorSpec((e, 2 * ip), "F32")
-            specs["w2_bias"] = TensorSpec((e, hp), "F32")
-        return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
+            **bias_specs(sizes, hp, ip, "F32"),
+        })
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip

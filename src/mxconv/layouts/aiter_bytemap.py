@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.base import KERNEL_TENSOR_NAMES, CanonicalExperts, KernelTensors, pad_last, round_up
+from mxconv.layouts.base import CanonicalExperts, KernelTensors, pad_last, round_up
+from mxconv.layouts.canonical import in_kernel_order
 
 if TYPE_CHECKING:
     import torch
@@ -248,7 +249,7 @@ def permute_padded(c: CanonicalExperts, activation: str) -> KernelTensors:
         out["w13_bias"] = b13.to(torch.float32).contiguous()
     if c.w2_bias is not None:
         out["w2_bias"] = c.w2_bias.to(torch.float32).contiguous()
-    return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
+    return in_kernel_order(out)
 
 
 def w16_bytes(x: torch.Tensor) -> torch.Tensor:

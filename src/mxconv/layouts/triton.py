@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING, Any
 from mxconv.errors import LayoutError
 from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
-    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
-    TensorSpec, check_fill, gather_padded_rows, layout_kernels, round_up,
+    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes, TensorSpec, check_fill,
+    gather_padded_rows, layout_kernels, round_up,
 )
+from mxconv.layouts.canonical import in_kernel_order
 from mxconv.layouts.triton_bytemap import (
     NIBBLE_DEST_BITS, TWIDDLE_GROUPS, UNTWIDDLE_GROUPS, inverse_rows, need, permute_scales, permute_values,
     twiddle_words, unpermute_scales, unpermute_values, w13_row_table, w2_row_table,
@@ -199,7 +200,7 @@ class TritonLayout(LayoutBase):
             specs[f"{w}_weight_scale"] = TensorSpec(g.scale_shape, "U8")
             if sizes.has_bias:
                 specs[f"{w}_bias"] = TensorSpec((g.experts, g.rows), BIAS_DTYPE)
-        return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
+        return in_kernel_order(specs)
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
@@ -222,7 +223,7 @@ class TritonLayout(LayoutBase):
                 out[f"{w}_weight_scale"] = permute_scales(gather_padded_rows(scale, tab_s, g.scale_padded_cols), g.num_warps)
             if bias is not None:
                 out[f"{w}_bias"] = gather_padded_rows(bias.to(torch_dtype(BIAS_DTYPE)), tab_v[: g.rows])
-        return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
+        return in_kernel_order(out)
 
     def from_kernel(
         self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
