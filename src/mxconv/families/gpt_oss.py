@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
-from mxconv.families.gpt_oss_output import _BLOCK_BYTES, MODULES_TO_NOT_CONVERT, GptOssOutput, config_format  # noqa: F401 (re-exported)
+from mxconv.families.gpt_oss_output import BLOCK_BYTES, MODULES_TO_NOT_CONVERT, GptOssOutput, config_format  # noqa: F401 (re-exported)
 from mxconv.families.quant_config import FLOAT_DTYPES, MX_FORMATS, quantization_dict, unsupported_quantization
 from mxconv.source.st_format import TensorInfo
 
@@ -231,7 +231,7 @@ class GptOssReader(GptOssOutput, FamilyReader):
         for proj, n, k in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
             if fmt in MX_FORMATS:
                 blocks, scales = f"{p}.{proj}_blocks", f"{p}.{proj}_scales"
-                nb = _BLOCK_BYTES[fmt]
+                nb = BLOCK_BYTES[fmt]
                 info = self._expect_present(blocks, cfg)
                 if info.dtype != _BLOCK_DTYPE[fmt]:
                     raise BadInput(

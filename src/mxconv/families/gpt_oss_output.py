@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 # Bytes per 32-element block in the blocks tensors.
-_BLOCK_BYTES = {"mxfp4": 16, "mxfp8": 32}
+BLOCK_BYTES = {"mxfp4": 16, "mxfp8": 32}
 # mxconv's key for the MX format of a gpt-oss config whose quant_method is null (MXFP8, see above).
 FORMAT_KEY = "mxconv_quant_method"
 
@@ -54,7 +54,7 @@ class GptOssOutput:
         E, H, I = plan["E"], plan["H"], plan["I"]
         p = ref.module_prefix + ".experts"
         data_dtype = "U8" if fmt == "mxfp4" else "F8_E4M3"
-        nb = _BLOCK_BYTES[fmt]
+        nb = BLOCK_BYTES[fmt]
         specs: dict[str, TensorSpec] = {}
         for proj, n, k in (("gate_up_proj", 2 * I, H), ("down_proj", H, I)):
             specs[f"{p}.{proj}_blocks"] = TensorSpec((E, n, k // 32, nb), data_dtype)
@@ -83,7 +83,7 @@ class GptOssOutput:
             if stack.fmt not in MX_FORMATS:
                 raise ValueError(f"unknown MX format {stack.fmt!r}")
             E, n, kb = stack.data.shape
-            nb = _BLOCK_BYTES[stack.fmt]
+            nb = BLOCK_BYTES[stack.fmt]
             data = stack.data.contiguous().reshape(E, n, kb // nb, nb)
             if stack.fmt == "mxfp8":
                 data = data.view(torch.float8_e4m3fn)

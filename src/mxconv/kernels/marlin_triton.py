@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from mxconv.kernels.triton_common import KERNEL_CONFIG, _dims, _launch, _rows_contiguous, _table, _words, tl, triton
+from mxconv.kernels.triton_common import KERNEL_CONFIG, as_words, gather_operands, kernel_dims, launch
+from mxconv.kernels.triton_import import tl, triton
 
 if triton is not None:
-    from mxconv.kernels.triton_common import _load_rows
+    from mxconv.kernels.triton_common import load_rows
 
     # 32-bit masks, written as signed int32 values (Triton and numpy keep int32 arithmetic in int32).
     _LO_NIBBLES = tl.constexpr(0x0F0F0F0F)
@@ -26,7 +27,7 @@ if triton is not None:
     _HIGH_HALF = tl.constexpr(-0x00010000)  # 0xFFFF0000
 
     @triton.jit
-    def _byte_transpose4(p, q, r, s):
+    def byte_transpose4(p, q, r, s):
         """4x4 byte transpose of int32 words: returns (o0, o1, o2, o3), byte k of o_t = byte t of
         the k-th argument."""
         t0 = (p & _EVEN_BYTES) | ((q << 8) & _ODD_BYTES)  # p0 q0 p2 q2
@@ -84,7 +85,7 @@ if triton is not None:
         q = (c & _LO_NIBBLES) | ((d << 4) & _HI_NIBBLES)  # C.lo | D.lo << 4
         r = ((a >> 4) & _LO_NIBBLES) | (b & _HI_NIBBLES)  # A.hi | B.hi << 4
         s = ((c >> 4) & _LO_NIBBLES) | (d & _HI_NIBBLES)  # C.hi | D.hi << 4
-        o0, o1, o2, o3 = _byte_transpose4(p, q, r, s)
+        o0, o1, o2, o3 = byte_transpose4(p, q, r, s)
         _store_stream(dst + e * d_e, o0, o1, o2, o3, kt, nt, 2 * N, KT_out, BK)
 
     @triton.jit
@@ -137,7 +138,7 @@ if triton is not None:
         g = tl.program_id(1) * BG + tl.arange(0, BG)
         e = tl.program_id(2).to(tl.int64)
         n_ok = n < N
-        x = _load_rows(src, e, s_e, s_r, tl.load(tab + n, mask=n_ok, other=-1), g, G_in, 0)
+        x = load_rows(src, e, s_e, s_r, tl.load(tab + n, mask=n_ok, other=-1), g, G_in, 0)
         if OFFSET != 0:
             x = (x + OFFSET).to(tl.uint8)
         x = tl.trans(x)  # [g, n]
@@ -154,7 +155,7 @@ def marlin_weights(src: torch.Tensor, tab: torch.Tensor, K: int, activation: str
     """uint8 [E, N_in, K_in/2] -> Marlin int32 [E, K/16, 2N] with N = len(tab) rows gathered through
     ``tab`` and the K axis zero-padded to ``K``. bf16: N % 64, K % 16; fp8: N % 32, K % 32
     (and K_in likewise)."""
-    E, half_k_in, N = _dims(src, tab)
+    E, half_k_in, N = kernel_dims(src, tab)
     K_in = 2 * half_k_in
     kt_size = 16 if activation == "bf16" else 32
     n_tile = 64 if activation == "bf16" else 32
@@ -162,31 +163,28 @@ def marlin_weights(src: torch.Tensor, tab: torch.Tensor, K: int, activation: str
         raise ValueError(f"unknown Marlin activation {activation!r}")
     if N % n_tile or K % kt_size or K_in % kt_size:
         raise ValueError(f"Marlin {activation} tiles need N % {n_tile} == 0 and K % {kt_size} == 0")
-    out = torch.empty((E, K // 16, 2 * N), dtype=torch.int32, device=src.device)
+    out, src, tab = gather_operands(src, tab, (E, K // 16, 2 * N), torch.int32)
     if out.numel() == 0:
         return out
-    s = _words(src, torch.int32)
-    tab = _table(tab, src.device)
+    s = as_words(src, torch.int32)
     cfg = KERNEL_CONFIG[f"marlin_{activation}"]
     kt_in, kt_out = K_in // kt_size, K // kt_size
     grid = (N // n_tile, triton.cdiv(kt_out, cfg["BK"]), E)
     kernel = _marlin_bf16_kernel if activation == "bf16" else _marlin_fp8_kernel
-    _launch(kernel, grid, src, s, out, tab, kt_in, kt_out, N, s.stride(0), s.stride(1), out.stride(0), **cfg)
+    launch(kernel, grid, src, s, out, tab, kt_in, kt_out, N, s.stride(0), s.stride(1), out.stride(0), **cfg)
     return out
 
 
 def transpose_rows(src: torch.Tensor, tab: torch.Tensor, rows_out: int, offset: int = 0) -> torch.Tensor:
     """uint8 [E, R_in, G_in] -> [E, rows_out, len(tab)]: out[e, g, n] = src[e, tab[n], g] (0 for
     padding rows/columns) plus ``offset`` (mod 256)."""
-    E, G_in, N = _dims(src, tab)
-    out = torch.empty((E, rows_out, N), dtype=torch.uint8, device=src.device)
+    E, G_in, N = kernel_dims(src, tab)
+    out, src, tab = gather_operands(src, tab, (E, rows_out, N))
     if out.numel() == 0:
         return out
-    src = _rows_contiguous(src)
-    tab = _table(tab, src.device)
     cfg = KERNEL_CONFIG["transpose_rows"]
     grid = (triton.cdiv(N, cfg["BN"]), triton.cdiv(rows_out, cfg["BG"]), E)
-    _launch(
+    launch(
         _transpose_rows_kernel, grid, src,
         src, out, tab, N, G_in, rows_out, src.stride(0), src.stride(1), out.stride(0),
         OFFSET=int(offset) % 256, **cfg,

@@ -31,10 +31,9 @@ import functools
 import torch
 
 from mxconv.errors import BadInput
-from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
 from mxconv.environment import triton_interpreter_on
-from mxconv.kernels.triton_common import _launch
-from mxconv.kernels.triton_import import tl, triton
+from mxconv.kernels.triton_common import launch
+from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR, tl, triton
 from mxconv.mx.formats import (
     BLOCK_SIZE,
     E8M0_BIAS,
@@ -54,7 +53,7 @@ DEFAULT_TILES_PER_PROGRAM = 1
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     """True when triton imports and a CUDA device is present (the kernels' production target)."""
-    return _TRITON_IMPORT_ERROR is None and torch.cuda.is_available()
+    return TRITON_IMPORT_ERROR is None and torch.cuda.is_available()
 
 
 if triton is not None:
@@ -213,7 +212,7 @@ def quantize_mx_triton(
     """
     check_args(x, fmt, scale_rounding)
     if triton is None:
-        raise BadInput(f"triton is not importable: {_TRITON_IMPORT_ERROR}")
+        raise BadInput(f"triton is not importable: {TRITON_IMPORT_ERROR}")
     if not x.is_cuda and not triton_interpreter_on():
         raise BadInput("the Triton MX quantizer needs a CUDA tensor (or TRITON_INTERPRET=1 for testing)")
     if blocks_per_program <= 0 or blocks_per_program & (blocks_per_program - 1):
@@ -237,7 +236,7 @@ def quantize_mx_triton(
     p = FORMAT_PARAMS[fmt]
     assert E8M0_MAX_FINITE == 254 and E8M0_BIAS == 127  # baked into the kernel's integer constants
     grid = (triton.cdiv(n_blocks, blocks_per_program * tiles_per_program),)
-    _launch(
+    launch(
         _mx_quantize_kernel, grid, x,
         words,
         out_words,

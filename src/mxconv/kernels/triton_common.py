@@ -12,8 +12,7 @@ from typing import Any
 import torch
 
 from mxconv.environment import triton_interpreter_on
-from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR as _TRITON_IMPORT_ERROR
-from mxconv.kernels.triton_import import tl, triton
+from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR, tl, triton
 
 # Launch shapes per kernel (block sizes are powers of two), picked by a sweep on an H100 at
 # gpt-oss-120b sizes (E=128, H=I=2880).
@@ -31,7 +30,7 @@ KERNEL_CONFIG: dict[str, dict[str, int]] = {
 if triton is not None:
 
     @triton.jit
-    def _load_rows(src, e, s_e, s_r, s, c, C_in, other):
+    def load_rows(src, e, s_e, s_r, s, c, C_in, other):
         """Tile ``src[e, s, c]`` ([len(s), len(c)]): ``other`` where the source row ``s`` is -1
         (padding) or ``c >= C_in``."""
         m = (s >= 0)[:, None] & (c < C_in)[None, :]
@@ -40,7 +39,7 @@ if triton is not None:
 
 @functools.lru_cache(maxsize=1)
 def _triton_importable() -> bool:
-    return _TRITON_IMPORT_ERROR is None
+    return TRITON_IMPORT_ERROR is None
 
 
 def layout_kernels_enabled(t: torch.Tensor) -> bool:
@@ -51,12 +50,12 @@ def layout_kernels_enabled(t: torch.Tensor) -> bool:
 
 def _check_runnable(t: torch.Tensor) -> None:
     if triton is None:
-        raise RuntimeError(f"triton is not importable: {_TRITON_IMPORT_ERROR}")
+        raise RuntimeError(f"triton is not importable: {TRITON_IMPORT_ERROR}")
     if not t.is_cuda and not triton_interpreter_on():
         raise RuntimeError("the layout kernels need CUDA tensors (or TRITON_INTERPRET=1 for testing)")
 
 
-def _dims(src: torch.Tensor, tab: torch.Tensor) -> tuple[int, int, int]:
+def kernel_dims(src: torch.Tensor, tab: torch.Tensor) -> tuple[int, int, int]:
     """(experts, last dim of ``src`` [E, R_in, W_in], rows of the row table ``tab``), once the
     kernels can run on ``src`` (:func:`_check_runnable`)."""
     _check_runnable(src)
@@ -64,7 +63,7 @@ def _dims(src: torch.Tensor, tab: torch.Tensor) -> tuple[int, int, int]:
     return E, width, int(tab.numel())
 
 
-def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` (uint8, last dim contiguous) viewed as ``dtype`` words; copies only when misaligned."""
     if t.stride(-1) != 1:
         t = t.contiguous()
@@ -78,12 +77,12 @@ def _device_ctx(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` with its last dim contiguous (a copy only where it is not)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(kernel: Any, grid: tuple[int, ...], on: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+def launch(kernel: Any, grid: tuple[int, ...], on: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)`` on the device of ``on``."""
     with _device_ctx(on):
         kernel[grid](*args, **kwargs)
@@ -99,13 +98,25 @@ def _threaded_compiles() -> bool:
     return (major, minor) >= (3, 4)
 
 
-def _table(tab: torch.Tensor, device: torch.device) -> torch.Tensor:
+def row_table(tab: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The row table ``tab`` as contiguous int32 on ``device`` (a copy only where it is not)."""
     if tab.dtype != torch.int32 or tab.device != device:
         tab = tab.to(device=device, dtype=torch.int32)
     return tab.contiguous()
 
 
-__all__ = [
-    "KERNEL_CONFIG", "_check_runnable", "_device_ctx", "_dims", "_launch", "_rows_contiguous", "_table", "_words",
-    "layout_kernels_enabled", "tl", "triton",
-]
+def gather_operands(
+    src: torch.Tensor, tab: torch.Tensor, out_shape: tuple[int, ...], dtype: torch.dtype = torch.uint8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every layout launcher starts with: ``(out, src, tab)`` with ``out`` a new uninitialised
+    ``dtype`` tensor of ``out_shape`` on ``src``'s device. When ``out`` is empty there is nothing to
+    launch and ``src``, ``tab`` come back as given; otherwise ``src`` has its last dim contiguous
+    (:func:`rows_contiguous`) and ``tab`` is the kernels' int32 row table (:func:`row_table`)."""
+    out = torch.empty(out_shape, dtype=dtype, device=src.device)
+    if out.numel() == 0:
+        return out, src, tab
+    return out, rows_contiguous(src), row_table(tab, src.device)
+
+
+# (load_rows, defined only when triton imports, is left out)
+__all__ = ["KERNEL_CONFIG", "as_words", "gather_operands", "kernel_dims", "launch", "layout_kernels_enabled", "row_table", "rows_contiguous"]

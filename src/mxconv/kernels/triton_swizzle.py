@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from mxconv.kernels.triton_common import _dims, _launch, _rows_contiguous, _table, _words, tl, triton
+from mxconv.kernels.triton_common import as_words, gather_operands, kernel_dims, launch
+from mxconv.kernels.triton_import import tl, triton
 
 # Launch shapes (powers of two): BR1 = 32-byte column blocks per value program, BK0 = scale
 # column pairs per scale program.
@@ -28,7 +29,7 @@ KERNEL_CONFIG: dict[str, dict[str, int]] = {
 }
 
 if triton is not None:
-    from mxconv.kernels.marlin_triton import _byte_transpose4
+    from mxconv.kernels.marlin_triton import byte_transpose4
 
     @triton.jit
     def _twiddle(w):
@@ -75,7 +76,7 @@ if triton is not None:
         x1 = tl.load(base + sr1[:, None, None] * s_r + u[None, :, :], mask=(sr1 >= 0)[:, None, None] & u_ok, other=0)
         a, b = tl.split(x0)  # [(t0, s0), (r1, a1)]: w0 = 0, w1 = 0 / 1
         c, d = tl.split(x1)  # w0 = 1
-        o0, o1, o2, o3 = _byte_transpose4(a, c, b, d)  # o_t1 = bytes t1 of (a, c, b, d)
+        o0, o1, o2, o3 = byte_transpose4(a, c, b, d)  # o_t1 = bytes t1 of (a, c, b, d)
         o0, o1, o2, o3 = _twiddle(o0), _twiddle(o1), _twiddle(o2), _twiddle(o3)
         words = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (4, 2, BR1, 4, 4))  # t0 s0 r1 a1 t1
         words = tl.reshape(tl.permute(words, (0, 2, 1, 4, 3)), (4, BR1 * 32))  # t0, (r1 s0 t1 a1)
@@ -109,17 +110,16 @@ def hopper_values(src: torch.Tensor, tab: torch.Tensor, row_bytes: int) -> torch
     """uint8 [E, R_in, Kb_in] -> value buffer uint8 [E, Np/4, 4*row_bytes] with Np = len(tab):
     kernel row n is source row tab[n] (-1 = zeros), bytes beyond Kb_in zero, then the value
     permutation and the bit twiddle. Np % 16 == 0, row_bytes % 32 == 0, Kb_in % 4 == 0."""
-    E, kb_in, n = _dims(src, tab)
+    E, kb_in, n = kernel_dims(src, tab)
     if n % 16 or row_bytes % 32 or kb_in % 4:
         raise ValueError(f"Hopper value layout needs rows % 16, bytes % 32 and source bytes % 4 == 0, got {n}, {row_bytes}, {kb_in}")
-    out = torch.empty((E, n // 4, 4 * row_bytes), dtype=torch.uint8, device=src.device)
+    out, src, tab = gather_operands(src, tab, (E, n // 4, 4 * row_bytes))
     if out.numel() == 0:
         return out
-    s, d = _words(src, torch.int32), out.view(torch.int32)
-    tab = _table(tab, src.device)
+    s, d = as_words(src, torch.int32), out.view(torch.int32)
     cfg = KERNEL_CONFIG["hopper_values"]
     grid = (n // 16, triton.cdiv(row_bytes // 32, cfg["BR1"]), E)
-    _launch(
+    launch(
         _hopper_value_kernel, grid, src,
         s, d, tab, kb_in // 4, row_bytes, s.stride(0), s.stride(1), d.stride(0), d.stride(1), **cfg
     )
@@ -130,18 +130,16 @@ def hopper_scales(src: torch.Tensor, tab: torch.Tensor, cols: int, num_warps: in
     """uint8 [E, R_in, C_in] -> scale buffer uint8 [E, Ns/32, 32*cols] with Ns = len(tab): kernel
     row n is source row tab[n] (-1 = zeros), columns beyond C_in zero, then the scale permutation
     for ``num_warps``. Ns % (32 * num_warps) == 0, cols even."""
-    E, c_in, n = _dims(src, tab)
+    E, c_in, n = kernel_dims(src, tab)
     W = int(num_warps)
     if n % (32 * W) or cols % 2:
         raise ValueError(f"Hopper scale layout needs rows % {32 * W} == 0 and even columns, got [{n}, {cols}]")
-    out = torch.empty((E, n // 32, 32 * cols), dtype=torch.uint8, device=src.device)
+    out, src, tab = gather_operands(src, tab, (E, n // 32, 32 * cols))
     if out.numel() == 0:
         return out
-    src = _rows_contiguous(src)
-    tab = _table(tab, src.device)
     cfg = KERNEL_CONFIG["hopper_scales"]
     grid = (2 * n // (32 * W), triton.cdiv(cols // 2, cfg["BK0"]), E)
-    _launch(
+    launch(
         _hopper_scale_kernel, grid, src,
         src, out, tab, c_in, cols // 2, src.stride(0), src.stride(1), out.stride(0), out.stride(1), W=W, **cfg
     )

@@ -26,15 +26,16 @@ Kernels (shapes per expert; E experts on grid axis 2):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from mxconv.kernels.marlin_triton import marlin_weights, transpose_rows
-from mxconv.kernels.triton_common import (
-    KERNEL_CONFIG, _dims, _launch, _rows_contiguous, _table, _words, tl, triton,
-)
+from mxconv.kernels.marlin_triton import marlin_weights, transpose_rows  # noqa: F401 (the layouts call them through this module)
+from mxconv.kernels.triton_common import KERNEL_CONFIG, as_words, gather_operands, kernel_dims, launch
+from mxconv.kernels.triton_import import tl, triton
 
 if triton is not None:
-    from mxconv.kernels.triton_common import _load_rows
+    from mxconv.kernels.triton_common import load_rows
 
     @triton.jit
     def _gather_rows_kernel(
@@ -45,7 +46,7 @@ if triton is not None:
         w = tl.program_id(1) * BW + tl.arange(0, BW)
         e = tl.program_id(2).to(tl.int64)
         r_ok = r < R_out
-        x = _load_rows(src, e, s_e, s_r, tl.load(tab + r, mask=r_ok, other=-1), w, W_in, 0)
+        x = load_rows(src, e, s_e, s_r, tl.load(tab + r, mask=r_ok, other=-1), w, W_in, 0)
         tl.store(dst + e * d_e + r[:, None] * d_r + w[None, :], x, mask=r_ok[:, None] & (w < W_out)[None, :])
 
     @triton.jit
@@ -59,7 +60,7 @@ if triton is not None:
         e = tl.program_id(2).to(tl.int64)
         s = tl.load(tab + rt * 128 + tl.arange(0, 128))
         c = pg * (4 * BG) + tl.arange(0, 4 * BG)
-        x = _load_rows(src, e, s_e, s_r, s, c, C_in, FILL)
+        x = load_rows(src, e, s_e, s_r, s, c, C_in, FILL)
         # [r%128//32, r%32, c//4, c%4] -> [c//4, r%32, r%128//32, c%4]
         x = tl.reshape(x, (4, 32, BG, 4))
         x = tl.permute(x, (2, 1, 0, 3))
@@ -96,7 +97,7 @@ if triton is not None:
         e = tl.program_id(2).to(tl.int64)
         s = tl.load(tab + rt * 32 + tl.arange(0, 32))
         c = pt * (8 * BT) + tl.arange(0, 8 * BT)
-        x = _load_rows(src, e, s_e, s_r, s, c, C_in, 0)
+        x = load_rows(src, e, s_e, s_r, s, c, C_in, 0)
         x = tl.where((c < C_zero)[None, :], x, PAD).to(tl.uint8)
         x = tl.reshape(x, (2, 16, BT, 2, 4))  # [b, i, t, f, g]
         x = tl.permute(x, (2, 4, 1, 3, 0))  # [t, g, i, f, b]
@@ -115,17 +116,16 @@ if triton is not None:
 def gather_rows(src: torch.Tensor, tab: torch.Tensor, cols_out: int) -> torch.Tensor:
     """uint8 [E, R_in, C_in] -> [E, len(tab), cols_out]: row r = src row tab[r] (zeros for -1),
     columns beyond C_in zero. C_in and cols_out must be multiples of 8."""
-    E, C_in, R_out = _dims(src, tab)
-    out = torch.empty((E, R_out, cols_out), dtype=torch.uint8, device=src.device)
+    E, C_in, R_out = kernel_dims(src, tab)
+    out, src, tab = gather_operands(src, tab, (E, R_out, cols_out))
     if out.numel() == 0:
         return out
     if C_in % 8 or cols_out % 8:
         raise ValueError(f"gather_rows needs byte widths that are multiples of 8, got {C_in} -> {cols_out}")
-    s, d = _words(src, torch.int64), out.view(torch.int64)
-    tab = _table(tab, src.device)
+    s, d = as_words(src, torch.int64), out.view(torch.int64)
     cfg = KERNEL_CONFIG["gather_rows"]
     grid = (triton.cdiv(R_out, cfg["BR"]), triton.cdiv(cols_out // 8, cfg["BW"]), E)
-    _launch(
+    launch(
         _gather_rows_kernel, grid, src,
         s, d, tab, R_out, C_in // 8, cols_out // 8, s.stride(0), s.stride(1), d.stride(0), d.stride(1), **cfg
     )
@@ -136,40 +136,29 @@ def swizzle_128x4(src: torch.Tensor, tab: torch.Tensor, cols_out: int, fill: int
     """uint8 [E, R_in, C_in] -> [E, len(tab) * cols_out]: rows gathered through ``tab``, columns
     padded to ``cols_out`` with ``fill``, each expert's matrix in 128x4 swizzled order.
     len(tab) % 128 == 0 and cols_out % 4 == 0."""
-    E, C_in, R_out = _dims(src, tab)
+    E, _, R_out = kernel_dims(src, tab)
     if R_out % 128 or cols_out % 4:
         raise ValueError(f"128x4 swizzle needs rows % 128 == 0 and columns % 4 == 0, got [{R_out}, {cols_out}]")
-    out = torch.empty((E, R_out * cols_out), dtype=torch.uint8, device=src.device)
-    if out.numel() == 0:
-        return out
-    src = _rows_contiguous(src)
-    tab = _table(tab, src.device)
-    cfg = KERNEL_CONFIG["swizzle_128x4"]
-    groups = cols_out // 4
-    grid = (R_out // 128, triton.cdiv(groups, cfg["BG"]), E)
-    _launch(
-        _swizzle128x4_kernel, grid, src,
-        src, out, tab, C_in, groups, src.stride(0), src.stride(1), out.stride(0), FILL=int(fill), **cfg
+    return _scale_tiles(
+        _swizzle128x4_kernel, ("swizzle_128x4", "BG"), src, tab, (E, R_out * cols_out), 128, cols_out // 4, FILL=int(fill)
     )
-    return out
 
 
 def w16_tiles(src: torch.Tensor, tab: torch.Tensor, cols_out: int) -> torch.Tensor:
     """uint8 [E, R_in, B_in] -> [E, len(tab), cols_out] in AITER's W16 order (16x16-byte tiles,
     row-block-major) of the rows gathered through ``tab`` (zero padding). len(tab) % 16 == 0,
     B_in and cols_out multiples of 16."""
-    E, B_in, R_out = _dims(src, tab)
+    E, B_in, R_out = kernel_dims(src, tab)
     if R_out % 16 or B_in % 16 or cols_out % 16:
         raise ValueError(f"W16 needs rows and byte widths that are multiples of 16, got {R_out}, {B_in}, {cols_out}")
-    out = torch.empty((E, R_out, cols_out), dtype=torch.uint8, device=src.device)
+    out, src, tab = gather_operands(src, tab, (E, R_out, cols_out))
     if out.numel() == 0:
         return out
-    s, d = _words(src, torch.int64), out.view(torch.int64)
-    tab = _table(tab, src.device)
+    s, d = as_words(src, torch.int64), out.view(torch.int64)
     cfg = KERNEL_CONFIG["w16_tiles"]
     cb_out = cols_out // 16
     grid = (R_out // 16, triton.cdiv(cb_out, cfg["BC"]), E)
-    _launch(_w16_kernel, grid, src, s, d, tab, B_in // 16, cb_out, s.stride(0), s.stride(1), d.stride(0), **cfg)
+    launch(_w16_kernel, grid, src, s, d, tab, B_in // 16, cb_out, s.stride(0), s.stride(1), d.stride(0), **cfg)
     return out
 
 
@@ -178,30 +167,33 @@ def s32x8_tiles(src: torch.Tensor, tab: torch.Tensor, zero_cols: int, cols_out: 
     c < C_in of gathered rows keep their bytes, other columns below ``zero_cols`` are 0 (as are
     padding rows there), columns from ``zero_cols`` on are ``pad``. len(tab) % 32 == 0,
     cols_out % 8 == 0."""
-    E, C_in, R_out = _dims(src, tab)
+    E, _, R_out = kernel_dims(src, tab)
     if R_out % 32 or cols_out % 8:
         raise ValueError(f"S32x8 needs rows % 32 == 0 and columns % 8 == 0, got [{R_out}, {cols_out}]")
-    out = torch.empty((E, R_out, cols_out), dtype=torch.uint8, device=src.device)
+    return _scale_tiles(
+        _s32x8_kernel, ("s32x8_tiles", "BT"), src, tab, (E, R_out, cols_out), 32, cols_out // 8, zero_cols, PAD=int(pad)
+    )
+
+
+def _scale_tiles(
+    kernel: Any, config: tuple[str, str], src: torch.Tensor, tab: torch.Tensor, out_shape: tuple[int, ...],
+    tile_rows: int, groups: int, *args: Any, **consts: Any,
+) -> torch.Tensor:
+    """Launch a scale-tile kernel (:func:`swizzle_128x4`, :func:`s32x8_tiles`) and return its
+    ``out`` (uint8 ``out_shape``): one program per ``tile_rows`` rows x a block of the ``groups``
+    column groups x expert (``config``: the ``KERNEL_CONFIG`` entry and its block-size key), called
+    as ``kernel(src, out, tab, C_in, *args, groups, src.stride(0), src.stride(1), out.stride(0), **consts)``."""
+    out, src, tab = gather_operands(src, tab, out_shape)
     if out.numel() == 0:
         return out
-    src = _rows_contiguous(src)
-    tab = _table(tab, src.device)
-    cfg = KERNEL_CONFIG["s32x8_tiles"]
-    tiles = cols_out // 8
-    grid = (R_out // 32, triton.cdiv(tiles, cfg["BT"]), E)
-    _launch(
-        _s32x8_kernel, grid, src,
-        src, out, tab, C_in, zero_cols, tiles, src.stride(0), src.stride(1), out.stride(0), PAD=int(pad), **cfg
+    name, block = config
+    cfg = KERNEL_CONFIG[name]
+    grid = (tab.numel() // tile_rows, triton.cdiv(groups, cfg[block]), src.shape[0])
+    launch(
+        kernel, grid, src,
+        src, out, tab, src.shape[2], *args, groups, src.stride(0), src.stride(1), out.stride(0), **consts, **cfg
     )
     return out
 
 
-__all__ = [
-    "KERNEL_CONFIG",
-    "gather_rows",
-    "marlin_weights",
-    "s32x8_tiles",
-    "swizzle_128x4",
-    "transpose_rows",
-    "w16_tiles",
-]
+__all__ = ["gather_rows", "s32x8_tiles", "swizzle_128x4", "w16_tiles"]

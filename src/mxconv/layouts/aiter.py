@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
 from mxconv.layouts.aiter_bytemap import (
-    ACTIVATIONS, SCALE_PAD_FILL, _check_a4w4_rows, _check_activation, _need, _w16_bytes, deinterleave_rows,
+    ACTIVATIONS, SCALE_PAD_FILL, check_a4w4_rows, check_activation, need, w16_bytes, deinterleave_rows,
     deinterleave_source_rows, e8m0_shuffle, e8m0_unshuffle, gu16, gu16_inverse, gu16_source_rows,
     interleave_rows, permute_padded, s32x8, s32x8_dest_offsets, s32x8_inverse, shuffle_scale_a4w4,
     shuffle_scale_a16w4, unshuffle_scale_a4w4, unshuffle_scale_a16w4, w16, w16_dest_offsets, w16_inverse,
@@ -51,6 +51,7 @@ from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
     TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
 )
+from mxconv.layouts.canonical import bias_specs, in_kernel_order
 from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
@@ -118,8 +119,8 @@ def _to_kernel_gathered(c: CanonicalExperts, hp: int, ip: int, activation: str, 
         out["w2_weight"] = lt.w16_tiles(c.w2, t2, ip // 2)
         s2 = lt.s32x8_tiles(c.w2_scale, t2, ip // 32, c2, SCALE_PAD_FILL)
     else:
-        out["w13_weight"] = _w16_bytes(gather_padded_rows(c.w13, t13, hp // 2, VLLM_PAD_FILL))
-        out["w2_weight"] = _w16_bytes(gather_padded_rows(c.w2, t2, ip // 2, VLLM_PAD_FILL))
+        out["w13_weight"] = w16_bytes(gather_padded_rows(c.w13, t13, hp // 2, VLLM_PAD_FILL))
+        out["w2_weight"] = w16_bytes(gather_padded_rows(c.w2, t2, ip // 2, VLLM_PAD_FILL))
         g13 = gather_padded_rows(c.w13_scale, t13, hp // 32, VLLM_PAD_FILL)
         g2 = gather_padded_rows(c.w2_scale, t2, ip // 32, VLLM_PAD_FILL)
         if a16w4:  # GU16 is already in the row table
@@ -135,7 +136,7 @@ def _to_kernel_gathered(c: CanonicalExperts, hp: int, ip: int, activation: str, 
         out["w13_bias"] = gather_padded_rows(c.w13_bias.to(torch.float32), b13)
     if c.w2_bias is not None:
         out["w2_bias"] = gather_padded_rows(c.w2_bias.to(torch.float32), t2)
-    return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
+    return in_kernel_order(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ class AiterLayout(LayoutBase):
         options: dict[str, Any] | None = None,
     ) -> tuple[int, int]:
         """(Hp, Ip) per vLLM 0.33's ROCm table (module docstring). LayoutError if impossible."""
-        _check_activation(activation)
+        check_activation(activation)
         _check_row_order(row_order)
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
             if size <= 0 or size % 32:
@@ -187,16 +188,13 @@ class AiterLayout(LayoutBase):
             s13, s2 = (e * 2 * ip, c13), (e * hp, c2)
         else:
             s13, s2 = (e, 2 * ip, c13), (e, hp, c2)
-        specs = {
+        return in_kernel_order({
             "w13_weight": TensorSpec((e, 2 * ip, hp // 2), u8),
             "w13_weight_scale": TensorSpec(s13, u8),
             "w2_weight": TensorSpec((e, hp, ip // 2), u8),
             "w2_weight_scale": TensorSpec(s2, u8),
-        }
-        if sizes.has_bias:
-            specs["w13_bias"] = TensorSpec((e, 2 * ip), "F32")
-            specs["w2_bias"] = TensorSpec((e, hp), "F32")
-        return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
+            **bias_specs(sizes, hp, ip, "F32"),
+        })
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
@@ -317,24 +315,24 @@ def _check_row_order(row_order: str) -> None:
 
 def _check_sizes(sizes: LayoutSizes, activation: str) -> None:
     """Raise LayoutError unless the padded sizes satisfy the shuffle rules of ``activation``."""
-    _check_activation(activation)
+    check_activation(activation)
     _check_row_order(sizes.row_order)
     e, h, i = sizes.num_experts, sizes.hidden_size, sizes.intermediate_size
     hp, ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
-    _need(e >= 1, f"need at least one expert, got {e}")
-    _need(h % 32 == 0 and i % 32 == 0, f"hidden ({h}) and intermediate ({i}) sizes must be multiples of 32")
-    _need(hp >= h and ip >= i, f"padded sizes ({hp}, {ip}) smaller than ({h}, {i})")
-    _need(hp % 32 == 0 and ip % 32 == 0, f"padded sizes ({hp}, {ip}) must be multiples of 32")
+    need(e >= 1, f"need at least one expert, got {e}")
+    need(h % 32 == 0 and i % 32 == 0, f"hidden ({h}) and intermediate ({i}) sizes must be multiples of 32")
+    need(hp >= h and ip >= i, f"padded sizes ({hp}, {ip}) smaller than ({h}, {i})")
+    need(hp % 32 == 0 and ip % 32 == 0, f"padded sizes ({hp}, {ip}) must be multiples of 32")
     if activation == "bf16":
         # shuffle_weight_a16w4 reshapes K into 64-byte groups: K % 128 for both GEMMs.
-        _need(hp % 128 == 0, f"a16w4 needs the padded hidden size % 128 == 0 (w13 K), got {hp}")
-        _need(ip % 128 == 0, f"a16w4 needs the padded intermediate size % 128 == 0 (w2 K), got {ip}")
+        need(hp % 128 == 0, f"a16w4 needs the padded hidden size % 128 == 0 (w13 K), got {hp}")
+        need(ip % 128 == 0, f"a16w4 needs the padded intermediate size % 128 == 0 (w2 K), got {ip}")
     else:
         # shuffle_weight (16, 16) asserts bytes % 32, i.e. K % 64.
-        _need(hp % 64 == 0, f"a4w4 needs the padded hidden size % 64 == 0 (w13 K), got {hp}")
-        _need(ip % 64 == 0, f"a4w4 needs the padded intermediate size % 64 == 0 (w2 K), got {ip}")
-        _check_a4w4_rows("w13_weight_scale", e, 2 * ip)
-        _check_a4w4_rows("w2_weight_scale", e, hp)
+        need(hp % 64 == 0, f"a4w4 needs the padded hidden size % 64 == 0 (w13 K), got {hp}")
+        need(ip % 64 == 0, f"a4w4 needs the padded intermediate size % 64 == 0 (w2 K), got {ip}")
+        check_a4w4_rows("w13_weight_scale", e, 2 * ip)
+        check_a4w4_rows("w2_weight_scale", e, hp)
 
 
 def _validated_inputs(k: KernelTensors, specs: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.base import KERNEL_TENSOR_NAMES, CanonicalExperts, KernelTensors, pad_last, round_up
+from mxconv.layouts.base import CanonicalExperts, KernelTensors, pad_last, round_up
+from mxconv.layouts.canonical import in_kernel_order
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +41,7 @@ def w16(x: torch.Tensor) -> torch.Tensor:
     x: ``[..., N, B]`` (any dtype), ``N % 16 == 0``, ``B % 16 == 0``. Returns the same shape, contiguous.
     """
     *lead, n, b = x.shape
-    _need(n % 16 == 0 and b % 16 == 0, f"W16 needs rows and bytes multiples of 16, got [{n}, {b}]")
+    need(n % 16 == 0 and b % 16 == 0, f"W16 needs rows and bytes multiples of 16, got [{n}, {b}]")
     t = x.reshape(*lead, n // 16, 16, b // 16, 16)
     return _swap_axes(t, len(lead), (0, 2, 1, 3)).reshape(*lead, n, b)
 
@@ -48,7 +49,7 @@ def w16(x: torch.Tensor) -> torch.Tensor:
 def w16_inverse(x: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`w16` (same shape contract)."""
     *lead, n, b = x.shape
-    _need(n % 16 == 0 and b % 16 == 0, f"W16 needs rows and bytes multiples of 16, got [{n}, {b}]")
+    need(n % 16 == 0 and b % 16 == 0, f"W16 needs rows and bytes multiples of 16, got [{n}, {b}]")
     t = x.reshape(*lead, n // 16, b // 16, 16, 16)
     return _swap_axes(t, len(lead), (0, 2, 1, 3)).reshape(*lead, n, b)
 
@@ -60,7 +61,7 @@ def gu16(x: torch.Tensor) -> torch.Tensor:
     x: ``[E, N, *rest]`` (any dtype), ``N % 32 == 0``. Returns the same shape, contiguous.
     """
     e, n, *rest = x.shape
-    _need(n % 32 == 0, f"GU16 needs a row count that is a multiple of 32, got {n}")
+    need(n % 32 == 0, f"GU16 needs a row count that is a multiple of 32, got {n}")
     t = x.reshape(e, 2, n // 32, 16, *rest)
     return t.transpose(1, 2).reshape(e, n, *rest)
 
@@ -68,7 +69,7 @@ def gu16(x: torch.Tensor) -> torch.Tensor:
 def gu16_inverse(x: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`gu16`: back to ``[gate; up]`` (same shape contract)."""
     e, n, *rest = x.shape
-    _need(n % 32 == 0, f"GU16 needs a row count that is a multiple of 32, got {n}")
+    need(n % 32 == 0, f"GU16 needs a row count that is a multiple of 32, got {n}")
     t = x.reshape(e, n // 32, 2, 16, *rest)
     return t.transpose(1, 2).reshape(e, n, *rest)
 
@@ -80,7 +81,7 @@ def s32x8(x: torch.Tensor) -> torch.Tensor:
     x: ``[..., R, C]`` (any dtype), ``R % 32 == 0``, ``C % 8 == 0``. Returns the same shape, contiguous.
     """
     *lead, r, c = x.shape
-    _need(r % 32 == 0 and c % 8 == 0, f"S32x8 needs rows % 32 == 0 and columns % 8 == 0, got [{r}, {c}]")
+    need(r % 32 == 0 and c % 8 == 0, f"S32x8 needs rows % 32 == 0 and columns % 8 == 0, got [{r}, {c}]")
     # axes: (row tile, b, c, col tile, f, g) -> (row tile, col tile, g, c, f, b)
     t = x.reshape(*lead, r // 32, 2, 16, c // 8, 2, 4)
     return _swap_axes(t, len(lead), (0, 3, 5, 2, 4, 1)).reshape(*lead, r, c)
@@ -89,7 +90,7 @@ def s32x8(x: torch.Tensor) -> torch.Tensor:
 def s32x8_inverse(x: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`s32x8` (same shape contract)."""
     *lead, r, c = x.shape
-    _need(r % 32 == 0 and c % 8 == 0, f"S32x8 needs rows % 32 == 0 and columns % 8 == 0, got [{r}, {c}]")
+    need(r % 32 == 0 and c % 8 == 0, f"S32x8 needs rows % 32 == 0 and columns % 8 == 0, got [{r}, {c}]")
     # axes: (row tile, col tile, g, c, f, b) -> (row tile, b, c, col tile, f, g)
     t = x.reshape(*lead, r // 32, c // 8, 4, 16, 2, 2)
     return _swap_axes(t, len(lead), (0, 5, 3, 1, 4, 2)).reshape(*lead, r, c)
@@ -101,14 +102,14 @@ def deinterleave_rows(x: torch.Tensor) -> torch.Tensor:
     x: ``[E, 2I, *rest]`` (any dtype). Dest row ``d < I`` <- ``2d``; dest ``I + j`` <- ``2j + 1``.
     """
     e, n, *rest = x.shape
-    _need(n % 2 == 0, f"de-interleave needs an even row count, got {n}")
+    need(n % 2 == 0, f"de-interleave needs an even row count, got {n}")
     return x.reshape(e, n // 2, 2, *rest).transpose(1, 2).reshape(e, n, *rest)
 
 
 def interleave_rows(x: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`deinterleave_rows`: dest ``2m`` <- ``m``, dest ``2m+1`` <- ``I + m``."""
     e, n, *rest = x.shape
-    _need(n % 2 == 0, f"re-interleave needs an even row count, got {n}")
+    need(n % 2 == 0, f"re-interleave needs an even row count, got {n}")
     return x.reshape(e, 2, n // 2, *rest).transpose(1, 2).reshape(e, n, *rest)
 
 
@@ -158,14 +159,14 @@ def shuffle_scale_a4w4(s: torch.Tensor) -> torch.Tensor:
     view back to ``[E, N, -1]`` cleanly upstream). Returns ``[E, N, round_up(C, 8)]``.
     """
     e, n, c = s.shape
-    _check_a4w4_rows("scale", e, n)
+    check_a4w4_rows("scale", e, n)
     return e8m0_shuffle(s.reshape(e * n, c)).reshape(e, n, -1)
 
 
 def unshuffle_scale_a4w4(s: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`shuffle_scale_a4w4` without cropping: ``[E, N, Cp]`` -> ``[E, N, Cp]``."""
     e, n, cp = s.shape
-    _check_a4w4_rows("scale", e, n)
+    check_a4w4_rows("scale", e, n)
     return e8m0_unshuffle(s.reshape(e * n, cp)).reshape(e, n, cp)
 
 
@@ -227,7 +228,7 @@ def permute_padded(c: CanonicalExperts, activation: str) -> KernelTensors:
     """
     import torch
 
-    _check_activation(activation)
+    check_activation(activation)
     out: KernelTensors = {}
     if activation == "bf16":
         w13, s13, b13 = c.w13, c.w13_scale, c.w13_bias
@@ -248,15 +249,15 @@ def permute_padded(c: CanonicalExperts, activation: str) -> KernelTensors:
         out["w13_bias"] = b13.to(torch.float32).contiguous()
     if c.w2_bias is not None:
         out["w2_bias"] = c.w2_bias.to(torch.float32).contiguous()
-    return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
+    return in_kernel_order(out)
 
 
-def _w16_bytes(x: torch.Tensor) -> torch.Tensor:
+def w16_bytes(x: torch.Tensor) -> torch.Tensor:
     """:func:`w16` of a contiguous uint8 ``[E, N, B]``, moving 8-byte words (same bytes)."""
     import torch
 
     e, n, b = x.shape
-    _need(n % 16 == 0 and b % 16 == 0, f"W16 needs rows and bytes multiples of 16, got [{n}, {b}]")
+    need(n % 16 == 0 and b % 16 == 0, f"W16 needs rows and bytes multiples of 16, got [{n}, {b}]")
     words = x.view(torch.int64).reshape(e, n // 16, 16, b // 16, 2)
     return words.permute(0, 1, 3, 2, 4).reshape(e, n, b // 8).view(torch.uint8)
 
@@ -266,17 +267,20 @@ def _w16_bytes(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def _need(ok: bool, msg: str) -> None:
+def need(ok: bool, msg: str) -> None:
+    """Raise ``LayoutError("aiter: " + msg)`` unless ``ok``."""
     if not ok:
         raise LayoutError(f"aiter: {msg}")
 
 
-def _check_activation(activation: str) -> None:
+def check_activation(activation: str) -> None:
+    """Raise ``LayoutError`` unless ``activation`` is one of :data:`ACTIVATIONS`."""
     if activation not in ACTIVATIONS:
         raise LayoutError(f"aiter: unknown activation {activation!r} (expected one of {ACTIVATIONS})")
 
 
-def _check_a4w4_rows(what: str, num_experts: int, rows: int) -> None:
+def check_a4w4_rows(what: str, num_experts: int, rows: int) -> None:
+    """Raise ``LayoutError`` unless an a4w4 scale tensor of ``num_experts`` x ``rows`` rows can be shuffled."""
     if (num_experts * rows) % 256:
         raise LayoutError(
             f"aiter a4w4: {what} needs E*N % 256 == 0 for e8m0_shuffle to view back to [E, N, -1], "

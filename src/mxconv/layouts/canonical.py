@@ -34,13 +34,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from mxconv.errors import LayoutError
 from mxconv.source.st_format import element_bytes, st_name, torch_dtype
 
 if TYPE_CHECKING:
     import torch
+
+_V = TypeVar("_V")
 
 ROW_ORDERS = ("interleaved", "halves")
 WEIGHT_FORMATS = ("mxfp4", "int4")
@@ -201,4 +203,19 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * element_bytes(self.st_dtype)
+
+
+def bias_specs(sizes: LayoutSizes, hp: int, ip: int, st_dtype: str) -> dict[str, TensorSpec]:
+    """The bias specs of a layout padded to (``hp``, ``ip``): ``w13_bias [E, 2*ip]`` and
+    ``w2_bias [E, hp]`` of ``st_dtype``, or none when ``sizes.has_bias`` is false."""
+    if not sizes.has_bias:
+        return {}
+    E = sizes.num_experts
+    return {"w13_bias": TensorSpec((E, 2 * ip), st_dtype), "w2_bias": TensorSpec((E, hp), st_dtype)}
+
+
+def in_kernel_order(tensors: dict[str, _V]) -> dict[str, _V]:
+    """``tensors`` (kernel tensors or their specs, by name) in :data:`KERNEL_TENSOR_NAMES` order;
+    other names are dropped."""
+    return {name: tensors[name] for name in KERNEL_TENSOR_NAMES if name in tensors}
 

@@ -30,9 +30,10 @@ from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
 from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
-    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutSizes, TensorSpec,
-    pad_canonical, round_up, unpad_canonical,
+    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutSizes, TensorSpec, pad_canonical, round_up,
+    unpad_canonical,
 )
+from mxconv.layouts.canonical import bias_specs, in_kernel_order
 from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
@@ -123,16 +124,13 @@ class DeepgemmLayout(LayoutBase):
         """Shapes/dtypes of the stored tensors (table in the module docstring)."""
         Hp, Ip = self._checked(sizes, activation)
         E = sizes.num_experts
-        specs = {
+        return in_kernel_order({
             "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), "U8"),
             "w13_weight_scale": TensorSpec((E, Hp // (MX_BLOCK * PACK), 2 * Ip), SCALE_DTYPE),
             "w2_weight": TensorSpec((E, Hp, Ip // 2), "U8"),
             "w2_weight_scale": TensorSpec((E, Ip // (MX_BLOCK * PACK), Hp), SCALE_DTYPE),
-        }
-        if sizes.has_bias:
-            specs["w13_bias"] = TensorSpec((E, 2 * Ip), BIAS_DTYPE)
-            specs["w2_bias"] = TensorSpec((E, Hp), BIAS_DTYPE)
-        return {n: specs[n] for n in KERNEL_TENSOR_NAMES if n in specs}
+            **bias_specs(sizes, Hp, Ip, BIAS_DTYPE),
+        })
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip

@@ -33,8 +33,9 @@ from mxconv.layouts.base import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
     TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
 )
+from mxconv.layouts.canonical import bias_specs, in_kernel_order
 from mxconv.layouts.marlin_bytemap import (
-    ACTIVATIONS, FP8_SCALE_MAX_INPUT, FP8_SCALE_OFFSET, SCALE_LAYOUTS, _check_scale_mode, chunk32_perm,
+    ACTIVATIONS, FP8_SCALE_MAX_INPUT, FP8_SCALE_OFFSET, SCALE_LAYOUTS, check_scale_mode, chunk32_perm,
     inverse_perm, legacy_unweave, legacy_weave, marlin_bias, marlin_scales, marlin_unbias, marlin_unscales,
     marlin_weight_repack, marlin_weight_repack_words, marlin_weight_unrepack, permute_chunks, scale_perm_bf16,
     scale_regroup_perm, scale_transpose_perm, weight_source_index,
@@ -98,18 +99,15 @@ class MarlinLayout(LayoutBase):
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
         """w13_weight int32 [E, Hp/16, 4Ip], w13_weight_scale e8m0 [E, Hp/32, 2Ip], w13_bias bf16 [E, 2Ip],
         w2_weight int32 [E, Ip/16, 2Hp], w2_weight_scale e8m0 [E, Ip/32, Hp], w2_bias bf16 [E, Hp]."""
-        _check_scale_mode(activation, _scale_layout(options))
+        check_scale_mode(activation, _scale_layout(options))
         E, Hp, Ip = sizes.num_experts, sizes.padded_hidden_size, sizes.padded_intermediate_size
-        specs = {
+        return in_kernel_order({
             "w13_weight": TensorSpec((E, Hp // 16, 4 * Ip), "I32"),
             "w13_weight_scale": TensorSpec((E, Hp // 32, 2 * Ip), "F8_E8M0"),
             "w2_weight": TensorSpec((E, Ip // 16, 2 * Hp), "I32"),
             "w2_weight_scale": TensorSpec((E, Ip // 32, Hp), "F8_E8M0"),
-        }
-        if sizes.has_bias:
-            specs["w13_bias"] = TensorSpec((E, 2 * Ip), "BF16")
-            specs["w2_bias"] = TensorSpec((E, Hp), "BF16")
-        return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
+            **bias_specs(sizes, Hp, Ip, "BF16"),
+        })
 
     # -- conversion ----------------------------------------------------------------------------
 
@@ -120,7 +118,7 @@ class MarlinLayout(LayoutBase):
         import torch
 
         scale_layout = _scale_layout(options)
-        _check_scale_mode(activation, scale_layout)
+        check_scale_mode(activation, scale_layout)
         c.validate()  # includes: both biases or neither
         Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
         H, I = c.hidden_size, c.intermediate_size
@@ -155,7 +153,7 @@ class MarlinLayout(LayoutBase):
         if too_big is not None and bool(too_big):
             for name, s, rows, padded_rows, cols, order in scale_jobs:  # the torch path names the byte
                 _kernel_scales(None, s, rows, padded_rows, cols, order, activation, scale_layout, name)
-        return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
+        return in_kernel_order(out)
 
     def from_kernel(
         self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
@@ -198,7 +196,7 @@ class MarlinLayout(LayoutBase):
     def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
         """Manifest `layout` fields: name, version, engine_compat, activation, tile and scale layout."""
         scale_layout = _scale_layout(options)
-        _check_scale_mode(activation, scale_layout)
+        check_scale_mode(activation, scale_layout)
         compat = {"vllm": ">=0.12"} if scale_layout == "current" else {"vllm": ">=0.10.2,<=0.11.2"}
         info: dict[str, Any] = {
             "name": self.name,

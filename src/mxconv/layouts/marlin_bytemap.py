@@ -268,7 +268,7 @@ def marlin_scales(
 
     fp8: bytes above 249 raise LayoutError naming ``name``; every byte gets +6.
     """
-    _check_scale_mode(activation, scale_layout)
+    check_scale_mode(activation, scale_layout)
     g_n = s.transpose(-1, -2)
     if activation == "fp8":
         too_big = s > FP8_SCALE_MAX_INPUT
@@ -293,7 +293,7 @@ def marlin_unscales(
 
     fp8: bytes below 6 cannot come out of the forward map and raise LayoutError naming ``name``.
     """
-    _check_scale_mode(activation, scale_layout)
+    check_scale_mode(activation, scale_layout)
     if activation == "fp8":
         too_small = m < FP8_SCALE_OFFSET
         if bool(too_small.any()):
@@ -325,7 +325,8 @@ def marlin_unbias(b: torch.Tensor) -> torch.Tensor:
     return permute_chunks(b, chunk32_perm(b.device)).to(torch.float32).contiguous()
 
 
-def _check_scale_mode(activation: str, scale_layout: str) -> None:
+def check_scale_mode(activation: str, scale_layout: str) -> None:
+    """Raise ``LayoutError`` unless ``activation`` and ``scale_layout`` are known and go together."""
     if activation not in ACTIVATIONS:
         raise LayoutError(f"unknown Marlin activation {activation!r} (expected one of {ACTIVATIONS})")
     if scale_layout not in SCALE_LAYOUTS:

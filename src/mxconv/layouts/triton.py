@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 from mxconv.errors import LayoutError
 from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
-    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
-    TensorSpec, check_fill, gather_padded_rows, layout_kernels, round_up,
+    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes, TensorSpec, check_fill,
+    gather_padded_rows, layout_kernels, round_up,
 )
+from mxconv.layouts.canonical import in_kernel_order
 from mxconv.layouts.triton_bytemap import (
-    NIBBLE_DEST_BITS, TWIDDLE_GROUPS, UNTWIDDLE_GROUPS, _inverse_rows, _need, permute_scales, permute_values,
+    NIBBLE_DEST_BITS, TWIDDLE_GROUPS, UNTWIDDLE_GROUPS, inverse_rows, need, permute_scales, permute_values,
     twiddle_words, unpermute_scales, unpermute_values, w13_row_table, w2_row_table,
 )
 from mxconv.source.st_format import torch_dtype
@@ -158,9 +159,9 @@ class TritonLayout(LayoutBase):
         LayoutError unless H and I are positive multiples of 32."""
         opts = self.resolve_options(options)
         self.check_activation(activation)
-        _need(row_order in ROW_ORDERS, f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
+        need(row_order in ROW_ORDERS, f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
-            _need(size > 0 and size % MX_BLOCK == 0, f"triton: {what} size {size} must be a positive multiple of {MX_BLOCK}")
+            need(size > 0 and size % MX_BLOCK == 0, f"triton: {what} size {size} must be a positive multiple of {MX_BLOCK}")
         hp = round_up(hidden_size, HIDDEN_ALIGN) if opts["pad_hidden"] else hidden_size
         return hp, round_up(intermediate_size, INTERMEDIATE_ALIGN)
 
@@ -186,7 +187,7 @@ class TritonLayout(LayoutBase):
         opts = self.resolve_options(options)
         hp, ip = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, self.activations[0], opts)
         got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
-        _need(got == (hp, ip), f"triton: padded sizes (Hp, Ip) = {got} do not match the layout's {(hp, ip)} for "
+        need(got == (hp, ip), f"triton: padded sizes (Hp, Ip) = {got} do not match the layout's {(hp, ip)} for "
               f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} (Ip = roundup(I, 64); Hp = H unless pad_hidden)")
         return _geometry(sizes.num_experts, hp, ip, opts)
 
@@ -199,7 +200,7 @@ class TritonLayout(LayoutBase):
             specs[f"{w}_weight_scale"] = TensorSpec(g.scale_shape, "U8")
             if sizes.has_bias:
                 specs[f"{w}_bias"] = TensorSpec((g.experts, g.rows), BIAS_DTYPE)
-        return {name: specs[name] for name in KERNEL_TENSOR_NAMES if name in specs}
+        return in_kernel_order(specs)
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
@@ -222,7 +223,7 @@ class TritonLayout(LayoutBase):
                 out[f"{w}_weight_scale"] = permute_scales(gather_padded_rows(scale, tab_s, g.scale_padded_cols), g.num_warps)
             if bias is not None:
                 out[f"{w}_bias"] = gather_padded_rows(bias.to(torch_dtype(BIAS_DTYPE)), tab_v[: g.rows])
-        return {name: out[name] for name in KERNEL_TENSOR_NAMES if name in out}
+        return in_kernel_order(out)
 
     def from_kernel(
         self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
@@ -239,7 +240,7 @@ class TritonLayout(LayoutBase):
         parts: dict[str, torch.Tensor | None] = {}
         for w, g in self.geometry(sizes, opts).items():
             rows, kk = (2 * I, H) if w == "w13" else (H, I)  # the unpadded matrix [N, K]
-            inv = _inverse_rows(_row_table(w, I, H, sizes.row_order, g.rows, dev), rows)
+            inv = inverse_rows(_row_table(w, I, H, sizes.row_order, g.rows, dev), rows)
             values = unpermute_values(twiddle_words(k[f"{w}_weight"], inverse=True))
             parts[w] = _crop(f"{w}_weight", values, rows, kk // 2, inv)
             scales = unpermute_scales(k[f"{w}_weight_scale"], g.num_warps)
@@ -311,14 +312,14 @@ def _crop(name: str, x: torch.Tensor, rows: int, cols: int | None, inv: torch.Te
 def _check_tensors(k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
     """LayoutError unless ``k`` holds exactly ``specs``' tensors (shape, dtype) on one device."""
     extra = sorted(set(k) - set(specs))
-    _need(not extra, f"triton: unexpected kernel tensors: {', '.join(extra)}")
+    need(not extra, f"triton: unexpected kernel tensors: {', '.join(extra)}")
     for name, spec in specs.items():
         t = k.get(name)
-        _need(t is not None, f"triton: kernel tensor {name} is missing")
-        _need(tuple(t.shape) == spec.shape and t.dtype == spec.dtype,
+        need(t is not None, f"triton: kernel tensor {name} is missing")
+        need(tuple(t.shape) == spec.shape and t.dtype == spec.dtype,
               f"triton: {name} has shape {tuple(t.shape)} dtype {t.dtype}, expected {spec.shape} {spec.dtype}")
     devices = sorted({str(t.device) for t in k.values()})
-    _need(len(devices) <= 1, f"triton: kernel tensors are on different devices: {devices}")
+    need(len(devices) <= 1, f"triton: kernel tensors are on different devices: {devices}")
 
 
 LAYOUT = TritonLayout()

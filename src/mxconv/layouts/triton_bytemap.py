@@ -73,7 +73,8 @@ def twiddle_words(buf: torch.Tensor, inverse: bool = False) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def _need(ok: bool, msg: str) -> None:
+def need(ok: bool, msg: str) -> None:
+    """Raise ``LayoutError(msg)`` unless ``ok``."""
     if not ok:
         raise LayoutError(msg)
 
@@ -81,7 +82,7 @@ def _need(ok: bool, msg: str) -> None:
 def permute_values(x: torch.Tensor) -> torch.Tensor:
     """[E, Np, Kbp] (Np % 16 == 0, Kbp % 32 == 0, any dtype) -> [E, Np/4, 4*Kbp], permutation only."""
     E, n, kb = x.shape
-    _need(n % 16 == 0 and kb % 32 == 0, f"Hopper value layout needs rows % 16 and bytes % 32 == 0, got [{n}, {kb}]")
+    need(n % 16 == 0 and kb % 32 == 0, f"Hopper value layout needs rows % 16 and bytes % 32 == 0, got [{n}, {kb}]")
     t = x.reshape(E, n // 16, 2, 4, 2, kb // 32, 4, 2, 4)  # r0 w0 t0 s0 r1 a1 w1 t1
     return t.permute(0, 1, 3, 5, 4, 8, 6, 7, 2).reshape(E, n // 4, 4 * kb)
 
@@ -89,7 +90,7 @@ def permute_values(x: torch.Tensor) -> torch.Tensor:
 def unpermute_values(buf: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`permute_values`: [E, Np/4, 4*Kbp] -> [E, Np, Kbp]."""
     E, rows, cols = buf.shape
-    _need(rows % 4 == 0 and cols % 128 == 0, f"Hopper value buffer [{rows}, {cols}] is not [Np/4, 4*Kbp]")
+    need(rows % 4 == 0 and cols % 128 == 0, f"Hopper value buffer [{rows}, {cols}] is not [Np/4, 4*Kbp]")
     t = buf.reshape(E, rows // 4, 4, cols // 128, 2, 4, 4, 2, 2)  # r0 t0 r1 s0 t1 a1 w1 w0
     return t.permute(0, 1, 8, 2, 4, 3, 6, 7, 5).reshape(E, 4 * rows, cols // 4)
 
@@ -98,7 +99,7 @@ def permute_scales(x: torch.Tensor, num_warps: int) -> torch.Tensor:
     """[E, Ns, Cp] (Ns % (32 W) == 0, Cp even, any dtype) -> [E, Ns/32, 32*Cp], permutation only."""
     E, n, c = x.shape
     W = num_warps
-    _need(n % (32 * W) == 0 and c % 2 == 0, f"Hopper scale layout (num_warps {W}) needs rows % {32 * W} == 0 and even columns, got [{n}, {c}]")
+    need(n % (32 * W) == 0 and c % 2 == 0, f"Hopper scale layout (num_warps {W}) needs rows % {32 * W} == 0 and even columns, got [{n}, {c}]")
     t = x.reshape(E, n // (32 * W), 2, W, 2, 8, c // 2, 2)  # m0 i1 w i3 i4 k0 k1
     return t.permute(0, 1, 3, 6, 2, 5, 7, 4).reshape(E, n // 32, 32 * c)
 
@@ -107,7 +108,7 @@ def unpermute_scales(buf: torch.Tensor, num_warps: int) -> torch.Tensor:
     """Inverse of :func:`permute_scales`: [E, Ns/32, 32*Cp] -> [E, Ns, Cp]."""
     E, rows, cols = buf.shape
     W = num_warps
-    _need(rows % W == 0 and cols % 64 == 0, f"Hopper scale buffer [{rows}, {cols}] does not fit num_warps {W}")
+    need(rows % W == 0 and cols % 64 == 0, f"Hopper scale buffer [{rows}, {cols}] does not fit num_warps {W}")
     t = buf.reshape(E, rows // W, W, cols // 64, 2, 8, 2, 2)  # m0 w k0 i1 i4 k1 i3
     return t.permute(0, 1, 4, 2, 7, 5, 3, 6).reshape(E, 32 * rows, cols // 32)
 
@@ -121,7 +122,7 @@ def w13_row_table(intermediate: int, row_order: str, rows: int, device: torch.de
     """
     import torch
 
-    _need(row_order in ROW_ORDERS, f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
+    need(row_order in ROW_ORDERS, f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
 
     def build() -> torch.Tensor:
         j = torch.arange(rows, dtype=torch.long)
@@ -136,7 +137,7 @@ def w2_row_table(hidden: int, rows: int, device: torch.device | str | None = Non
     return cached_index(("triton-w2", hidden, rows), device, lambda: pad_row_source(hidden, rows))
 
 
-def _inverse_rows(tab: torch.Tensor, real: int) -> torch.Tensor:
+def inverse_rows(tab: torch.Tensor, real: int) -> torch.Tensor:
     """Kernel row of each source row: ``inv[tab[j]] = j`` for the ``real`` leading kernel rows
     (which hold every source row once; the rest are padding). LongTensor [real] on tab's device."""
     import torch

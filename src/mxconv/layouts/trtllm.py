@@ -55,6 +55,7 @@ from mxconv.layouts.base import (
     CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes, TensorSpec, gather_padded_rows,
     layout_kernels, round_up, unpad_canonical,
 )
+from mxconv.layouts.canonical import bias_specs
 from mxconv.layouts.trtllm_bytemap import (
     BACKEND_NAME, EPILOGUE_TILE_M, LAYOUT_VERSION, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, check_kernel_tensors,
     check_row_order, gate_up_pair_dst, gate_up_pair_src, mma_shuffle_dst, mma_shuffle_src, swizzle_128x4, swizzle_offsets, swizzle_slot_coords,
@@ -209,16 +210,13 @@ class TrtllmLayout(LayoutBase):
             return trtllm_mxint4.kernel_specs(sizes, activation)
         Hp, Ip = self._checked_padding(sizes, activation, options)
         E = sizes.num_experts
-        specs = {
+        return {  # weights and scales, then biases (the manifest keeps this order)
             "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), "U8"),
             "w13_weight_scale": TensorSpec((E, 2 * Ip, Hp // MX_BLOCK), KERNEL_SCALE_DTYPE),
             "w2_weight": TensorSpec((E, Hp, Ip // 2), "U8"),
             "w2_weight_scale": TensorSpec((E, Hp, Ip // MX_BLOCK), KERNEL_SCALE_DTYPE),
+            **bias_specs(sizes, Hp, Ip, KERNEL_BIAS_DTYPE),
         }
-        if sizes.has_bias:
-            specs["w13_bias"] = TensorSpec((E, 2 * Ip), KERNEL_BIAS_DTYPE)
-            specs["w2_bias"] = TensorSpec((E, Hp), KERNEL_BIAS_DTYPE)
-        return specs
 
     # -- forward -------------------------------------------------------------------------------
 
