@@ -25,7 +25,6 @@ from mxconv.families.base import Int4Stack
 from mxconv.mx.int4 import GROUP_SIZE, VALUES_PER_WORD, words_as_bytes
 
 if TYPE_CHECKING:
-    import torch
 
     from mxconv.source.checkpoint import Checkpoint
 

@@ -88,16 +88,6 @@ def launch(kernel: Any, grid: tuple[int, ...], on: torch.Tensor, *args: Any, **k
         kernel[grid](*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=1)
-def _threaded_compiles() -> bool:
-    """triton >= 3.4 (compiles from several threads)."""
-    try:
-        major, minor = (int(p) for p in str(triton.__version__).split(".")[:2])
-    except (AttributeError, ValueError):
-        return False
-    return (major, minor) >= (3, 4)
-
-
 def row_table(tab: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The row table ``tab`` as contiguous int32 on ``device`` (a copy only where it is not)."""
     if tab.dtype != torch.int32 or tab.device != device:

@@ -7,10 +7,13 @@ Each entry names a :class:`~mxconv.layouts.base.LayoutBase` instance, imported o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
 from mxconv.registry import register, resolve
+
+if TYPE_CHECKING:
+    from mxconv.layouts.base import Layout
 
 # The registry itself imports no torch (``mxconv --help`` lists the backends without it); the
 # shared types of ``base`` are re-exported lazily.

@@ -33,7 +33,7 @@ from mxconv.layouts.padding import (
 )
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 __all__ = [
     "KERNEL_TENSOR_NAMES", "ROW_ORDERS", "WEIGHT_FORMATS", "CanonicalExperts", "KernelTensors", "Layout",
