@@ -198,6 +198,6 @@ def test_python_api_example_runs_and_prints_what_it_says(tmp_path: Path) -> None
     make = "from mxconv.examples import make_checkpoint; make_checkpoint('/tmp/src', 'gpt-oss-bf16')"
     script = tmp_path / "api.py"
     script.write_text(_in(tmp_path, make + "\n" + code))
-    r = _run(f"python {script}", tmp_path)
+    r = _run(f"python {script.name}", tmp_path)  # cwd is tmp_path; its own /tmp/... path must not be rewritten
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == _in(tmp_path, shown), r.stdout
