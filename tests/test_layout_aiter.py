@@ -363,7 +363,7 @@ def test_a4w4_refuses_rows_not_multiple_of_256() -> None:
         shuffle_scale_a4w4(rand_u8(3, 32, 8, seed=1))
     sizes = LayoutSizes(1, 320, 128, 320, 128, "halves", False)
     with pytest.raises(LayoutError, match=r"E\*N % 256.*E=1, N=320"):
-        LAYOUT.kernel_specs(sizes, "mxfp4", {})
+        LAYOUT.kernel_specs(sizes, "mxfp4", None)
 
 
 def test_primitive_shape_errors() -> None:
@@ -391,11 +391,11 @@ CASES = [
 @pytest.mark.parametrize("activation,row_order,bias,E,H,I", CASES)
 def test_to_kernel_bytes_match_spec(activation: str, row_order: str, bias: bool, E: int, H: int, I: int) -> None:
     c = make_stack(E, H, I, row_order, bias, seed=E + H + I)
-    got = LAYOUT.to_kernel(c, activation, {})
+    got = LAYOUT.to_kernel(c, activation, None)
     want = expected_kernel(c, activation)
     order = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
     assert list(got) == [n for n in order if n in want]
-    specs = LAYOUT.kernel_specs(sizes_for(c, activation), activation, {})
+    specs = LAYOUT.kernel_specs(sizes_for(c, activation), activation, None)
     for name, tensor in got.items():
         assert tensor.is_contiguous(), name
         assert tensor.device == c.device
@@ -418,7 +418,7 @@ ROUND_TRIPS = [
 def test_round_trip(activation: str, row_order: str, bias: bool, E: int, H: int, I: int) -> None:
     c = make_stack(E, H, I, row_order, bias, seed=7)
     sizes = sizes_for(c, activation)
-    back = LAYOUT.from_kernel(LAYOUT.to_kernel(c, activation, {}), sizes, activation, {})
+    back = LAYOUT.from_kernel(LAYOUT.to_kernel(c, activation, None), sizes, activation, None)
     assert back.row_order == row_order
     for f in ("w13", "w13_scale", "w2", "w2_scale"):
         assert torch.equal(getattr(back, f), getattr(c, f)), f
@@ -435,8 +435,8 @@ def test_round_trip_medium_gptoss_like() -> None:
     c = make_stack(8, 704, 448, "interleaved", True, seed=21)
     for activation in LAYOUT.activations:
         sizes = sizes_for(c, activation)
-        k = LAYOUT.to_kernel(c, activation, {})
-        back = LAYOUT.from_kernel(k, sizes, activation, {})
+        k = LAYOUT.to_kernel(c, activation, None)
+        back = LAYOUT.from_kernel(k, sizes, activation, None)
         assert torch.equal(back.w13, c.w13) and torch.equal(back.w2_scale, c.w2_scale)
         assert torch.equal(back.w13_bias.to(torch.bfloat16), c.w13_bias)
 
@@ -445,14 +445,14 @@ def test_to_kernel_is_device_agnostic() -> None:
     """No tensor is created on a fixed device: the whole forward path runs on 'meta'."""
     c = make_stack(2, 96, 96, "interleaved", True).to("meta")
     for activation in LAYOUT.activations:
-        out = LAYOUT.to_kernel(c, activation, {})
+        out = LAYOUT.to_kernel(c, activation, None)
         assert all(t.device.type == "meta" for t in out.values())
 
 
 def test_to_kernel_needs_both_biases_or_none() -> None:
     c = dataclasses.replace(make_stack(1, 128, 128, "halves", True), w2_bias=None)
     with pytest.raises(LayoutError, match="both be present or both absent"):
-        LAYOUT.to_kernel(c, "bf16", {})
+        LAYOUT.to_kernel(c, "bf16", None)
 
 
 def test_registry_returns_this_layout() -> None:
@@ -486,7 +486,7 @@ def spec_shapes(specs: dict) -> dict[str, tuple]:
 
 def test_gptoss_20b_shapes_a16w4_interleaved() -> None:
     u8, f32 = torch.uint8, torch.float32
-    got = spec_shapes(LAYOUT.kernel_specs(gptoss20b_sizes("interleaved", "bf16"), "bf16", {}))
+    got = spec_shapes(LAYOUT.kernel_specs(gptoss20b_sizes("interleaved", "bf16"), "bf16", None))
     assert got == {
         "w13_weight": ((32, 6144, 1536), u8),
         "w13_weight_scale": ((32 * 6144, 96), u8),
@@ -495,21 +495,21 @@ def test_gptoss_20b_shapes_a16w4_interleaved() -> None:
         "w2_weight_scale": ((32 * 3072, 96), u8),
         "w2_bias": ((32, 3072), f32),
     }
-    specs = LAYOUT.kernel_specs(gptoss20b_sizes("interleaved", "bf16"), "bf16", {})
+    specs = LAYOUT.kernel_specs(gptoss20b_sizes("interleaved", "bf16"), "bf16", None)
     assert specs["w13_weight"].nbytes == 32 * 6144 * 1536
 
 
 def test_gptoss_120b_shapes_a16w4() -> None:
     """Spec 4.1 example: 120b TP1, w13 [128, 6144, 1536], scale 3-D [128, 6144, 96] stored 2-D."""
     sizes = LayoutSizes(128, 2880, 2880, 3072, 3072, "interleaved", True)
-    got = spec_shapes(LAYOUT.kernel_specs(sizes, "bf16", {}))
+    got = spec_shapes(LAYOUT.kernel_specs(sizes, "bf16", None))
     assert got["w13_weight"][0] == (128, 6144, 1536)
     assert got["w13_weight_scale"][0] == (128 * 6144, 96)
     assert got["w2_weight"][0] == (128, 3072, 1536) and got["w2_weight_scale"][0] == (128 * 3072, 96)
 
 
 def test_gptoss_20b_shapes_a16w4_halves() -> None:
-    got = spec_shapes(LAYOUT.kernel_specs(gptoss20b_sizes("halves", "bf16"), "bf16", {}))
+    got = spec_shapes(LAYOUT.kernel_specs(gptoss20b_sizes("halves", "bf16"), "bf16", None))
     assert got["w13_weight"][0] == (32, 5888, 1472)
     assert got["w13_weight_scale"][0] == (32 * 5888, 96)  # 92 scale columns -> 96
     assert got["w2_weight"][0] == (32, 2944, 1472)
@@ -518,7 +518,7 @@ def test_gptoss_20b_shapes_a16w4_halves() -> None:
 
 @pytest.mark.parametrize("row_order", ["interleaved", "halves"])
 def test_gptoss_20b_shapes_a4w4(row_order: str) -> None:
-    got = spec_shapes(LAYOUT.kernel_specs(gptoss20b_sizes(row_order, "mxfp4"), "mxfp4", {}))
+    got = spec_shapes(LAYOUT.kernel_specs(gptoss20b_sizes(row_order, "mxfp4"), "mxfp4", None))
     assert got == {
         "w13_weight": ((32, 5888, 1536), torch.uint8),
         "w13_weight_scale": ((32, 5888, 96), torch.uint8),
@@ -531,7 +531,7 @@ def test_gptoss_20b_shapes_a4w4(row_order: str) -> None:
 
 def test_kernel_specs_without_bias() -> None:
     sizes = LayoutSizes(2, 128, 128, 128, 128, "halves", False)
-    assert set(LAYOUT.kernel_specs(sizes, "bf16", {})) == {
+    assert set(LAYOUT.kernel_specs(sizes, "bf16", None)) == {
         "w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"
     }
 
@@ -539,11 +539,11 @@ def test_kernel_specs_without_bias() -> None:
 def test_kernel_specs_rejects_unshufflable_padding() -> None:
     sizes = LayoutSizes(2, 2880, 2880, 2880, 2880, "halves", False)  # 2880 % 128 != 0
     with pytest.raises(LayoutError, match=r"a16w4 needs the padded hidden size % 128 == 0"):
-        LAYOUT.kernel_specs(sizes, "bf16", {})
+        LAYOUT.kernel_specs(sizes, "bf16", None)
 
 
 def test_describe() -> None:
-    d = LAYOUT.describe(gptoss20b_sizes("interleaved", "bf16"), "bf16", {})
+    d = LAYOUT.describe(gptoss20b_sizes("interleaved", "bf16"), "bf16", None)
     assert d["name"] == "aiter" and d["version"] == 1 and d["activation"] == "bf16"
     assert d["engine_compat"]["vllm"] == ">=0.33"
     assert d["engine_compat"]["aiter"] == ">=c4be416761"  # 96 scale columns: no K padding needed
@@ -553,8 +553,8 @@ def test_describe() -> None:
     assert d["torch_dtype"]["w13_bias"] == "float32"
     assert d["padding"] == {"hidden_align": 256, "intermediate_align": 256, "fill": 0}
     small = LayoutSizes(2, 128, 128, 128, 128, "halves", False)  # 4 scale columns -> 8
-    assert LAYOUT.describe(small, "bf16", {})["engine_compat"]["aiter"] == ">=c2b69b9b87"
-    d4 = LAYOUT.describe(gptoss20b_sizes("interleaved", "mxfp4"), "mxfp4", {})
+    assert LAYOUT.describe(small, "bf16", None)["engine_compat"]["aiter"] == ">=c2b69b9b87"
+    d4 = LAYOUT.describe(gptoss20b_sizes("interleaved", "mxfp4"), "mxfp4", None)
     assert d4["vllm_backend"] == "AITER_MXFP4_MXFP4" and d4["scale_shuffle"] == "e8m0_shuffle"
     assert d4["w13_kernel_row_order"] == "interleaved"
     assert d4["scale_pad_defined_upstream"] is False  # 92 -> 96 columns come from torch.empty
@@ -568,23 +568,23 @@ def test_describe() -> None:
 
 def kernel_of(activation: str, row_order: str, bias: bool, E: int = 2, H: int = 96, I: int = 96):
     c = make_stack(E, H, I, row_order, bias, seed=3)
-    return c, LAYOUT.to_kernel(c, activation, {}), sizes_for(c, activation)
+    return c, LAYOUT.to_kernel(c, activation, None), sizes_for(c, activation)
 
 
 def test_from_kernel_rejects_bad_shape_dtype_and_missing() -> None:
     c, k, sizes = kernel_of("bf16", "interleaved", True)
     bad = dict(k, w13_weight_scale=k["w13_weight_scale"].view(2, 512, -1))
     with pytest.raises(LayoutError, match=r"w13_weight_scale has shape \(2, 512, 8\), expected \(1024, 8\)"):
-        LAYOUT.from_kernel(bad, sizes, "bf16", {})
+        LAYOUT.from_kernel(bad, sizes, "bf16", None)
     bad = dict(k, w2_bias=k["w2_bias"].to(torch.bfloat16))
     with pytest.raises(LayoutError, match=r"w2_bias has dtype torch.bfloat16, expected torch.float32"):
-        LAYOUT.from_kernel(bad, sizes, "bf16", {})
+        LAYOUT.from_kernel(bad, sizes, "bf16", None)
     bad = {n: t for n, t in k.items() if n != "w2_weight"}
     with pytest.raises(LayoutError, match="w2_weight is missing"):
-        LAYOUT.from_kernel(bad, sizes, "bf16", {})
+        LAYOUT.from_kernel(bad, sizes, "bf16", None)
     no_bias = dataclasses.replace(sizes, has_bias=False)
     with pytest.raises(LayoutError, match="unexpected kernel tensor"):
-        LAYOUT.from_kernel(k, no_bias, "bf16", {})
+        LAYOUT.from_kernel(k, no_bias, "bf16", None)
 
 
 def test_from_kernel_accepts_vllm_dtype_views() -> None:
@@ -594,7 +594,7 @@ def test_from_kernel_accepts_vllm_dtype_views() -> None:
         views[n] = k[n].view(torch.float4_e2m1fn_x2)
     for n in ("w13_weight_scale", "w2_weight_scale"):
         views[n] = k[n].view(torch.float8_e8m0fnu)
-    back = LAYOUT.from_kernel(views, sizes, "mxfp4", {})
+    back = LAYOUT.from_kernel(views, sizes, "mxfp4", None)
     assert torch.equal(back.w13, c.w13) and torch.equal(back.w2_scale, c.w2_scale)
 
 
@@ -615,7 +615,7 @@ def test_scale_column_padding_checked_a16w4() -> None:
     where = re.escape(str([off // 8, off % 8]))
     msg = rf"w13_weight_scale at stored index {where} \(expert 1, row 40, scale column 6\) holds 0, expected 127"
     with pytest.raises(LayoutError, match=msg):
-        LAYOUT.from_kernel(bad, sizes, "bf16", {})
+        LAYOUT.from_kernel(bad, sizes, "bf16", None)
 
 
 def test_scale_column_padding_checked_a16w4_interleaved_rows() -> None:
@@ -630,8 +630,8 @@ def test_scale_column_padding_checked_a16w4_interleaved_rows() -> None:
     bad = dict(k, w13_weight_scale=poke(k["w13_weight_scale"], off, 3))
     msg = rf"stored index \[{off // 8}, {off % 8}\] \(expert 0, row 5, scale column 5\)"
     with pytest.raises(LayoutError, match=msg):
-        LAYOUT.from_kernel(bad, sizes, "bf16", {})
-    assert torch.equal(LAYOUT.from_kernel(k, sizes, "bf16", {}).w13, c.w13)
+        LAYOUT.from_kernel(bad, sizes, "bf16", None)
+    assert torch.equal(LAYOUT.from_kernel(k, sizes, "bf16", None).w13, c.w13)
 
 
 def test_scale_column_padding_checked_a4w4_and_option() -> None:
@@ -643,8 +643,8 @@ def test_scale_column_padding_checked_a4w4_and_option() -> None:
     e, rem = divmod(off, Hp * 8)
     msg = rf"w2_weight_scale at stored index \[{e}, {rem // 8}, {rem % 8}\] \(expert 1, row 3, scale column 7\) holds 171"
     with pytest.raises(LayoutError, match=msg):
-        LAYOUT.from_kernel(bad, sizes, "mxfp4", {})
-    back = LAYOUT.from_kernel(bad, sizes, "mxfp4", {"check_undefined_scale_padding": False})
+        LAYOUT.from_kernel(bad, sizes, "mxfp4", None)
+    back = LAYOUT.from_kernel(bad, sizes, "mxfp4", LAYOUT.resolve_options({"check_undefined_scale_padding": False}))
     assert torch.equal(back.w2_scale, c.w2_scale)
 
 
@@ -654,24 +654,24 @@ def test_vllm_zero_padding_checked() -> None:
     # w2 row 200 (>= H) is padding: W16 offset of (200, 0) in expert 0.
     bad = dict(k, w2_weight=poke(k["w2_weight"], w16_offset(200, 0, Ip // 2), 1))
     with pytest.raises(LayoutError, match=r"w2_weight at index \[0, 200, 0\]"):
-        LAYOUT.from_kernel(bad, sizes, "bf16", {})
+        LAYOUT.from_kernel(bad, sizes, "bf16", None)
     # w13 K padding: concat row 0, byte 60 (>= H/2 = 48).
     off = w16_offset(gu16_dest_of(2 * Ip)[0], 60, Hp // 2)
     bad = dict(k, w13_weight=poke(k["w13_weight"], off, 9))
     with pytest.raises(LayoutError, match=r"w13_weight at index \[0, 0, 60\]"):
-        LAYOUT.from_kernel(bad, sizes, "bf16", {})
+        LAYOUT.from_kernel(bad, sizes, "bf16", None)
     # w13 scale of a padded gate row (concat row 100 >= I), real column 0: vLLM fill is 0.
     off = s32x8_offset(gu16_dest_of(2 * Ip)[100], 0, 8)
     bad = dict(k, w13_weight_scale=poke(k["w13_weight_scale"], off, 1))
     with pytest.raises(LayoutError, match=r"w13_weight_scale at index \[0, 200, 0\]"):
-        LAYOUT.from_kernel(bad, sizes, "bf16", {})
+        LAYOUT.from_kernel(bad, sizes, "bf16", None)
     # w13 bias: concat row Ip + 100 is up row 100 (padding) -> interleaved row 201.
     bad = dict(k, w13_bias=poke(k["w13_bias"], Ip + 100, 0.5))
     with pytest.raises(LayoutError, match=r"w13_bias at index \[0, 201\]"):
-        LAYOUT.from_kernel(bad, sizes, "bf16", {})
+        LAYOUT.from_kernel(bad, sizes, "bf16", None)
     # a real byte changes nothing structurally: round trip still reports it faithfully.
     real = dict(k, w2_weight=poke(k["w2_weight"], w16_offset(5, 3, Ip // 2), 0))
-    assert int(LAYOUT.from_kernel(real, sizes, "bf16", {}).w2[0, 5, 3]) == 0
+    assert int(LAYOUT.from_kernel(real, sizes, "bf16", None).w2[0, 5, 3]) == 0
 
 
 def test_a4w4_halves_padding_rows_checked() -> None:
@@ -679,4 +679,4 @@ def test_a4w4_halves_padding_rows_checked() -> None:
     B = sizes.padded_hidden_size // 2
     bad = dict(k, w13_weight=poke(k["w13_weight"], w16_offset(110, 2, B), 4))
     with pytest.raises(LayoutError, match=r"w13_weight at index \[0, 110, 2\]"):
-        LAYOUT.from_kernel(bad, sizes, "mxfp4", {})
+        LAYOUT.from_kernel(bad, sizes, "mxfp4", None)

@@ -93,10 +93,10 @@ def test_pack_word_values() -> None:
 @pytest.mark.parametrize("bias", [True, False])
 def test_to_kernel_bytes(row_order: str, bias: bool) -> None:
     c = stack(3, 96, 160, row_order, bias)  # Hp = 128, Ip = 256
-    k = LAYOUT.to_kernel(c, "fp8", {})
+    k = LAYOUT.to_kernel(c, "fp8", None)
     Hp, Ip, I = 128, 256, 160
     assert {n: (tuple(t.shape), t.dtype) for n, t in k.items()} == {
-        n: (s.shape, s.dtype) for n, s in LAYOUT.kernel_specs(sizes_of(c), "fp8", {}).items()}
+        n: (s.shape, s.dtype) for n, s in LAYOUT.kernel_specs(sizes_of(c), "fp8", None).items()}
     assert list(k) == [n for n in ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias") if n in k]
     for e in range(3):
         for r in range(2 * Ip):
@@ -120,7 +120,7 @@ def test_engine_view_is_mn_major() -> None:
     """vLLM holds stored.transpose(1, 2): shape [E, N, K/128], strides (N*K/128, 1, N), as DeepGEMM's
     get_mn_major_tma_aligned_packed_ue8m0_tensor returns it (tma-aligned N = N, since N % 4 == 0)."""
     c = stack(2, 256, 128, "halves", False)
-    k = LAYOUT.to_kernel(c, "fp8", {})
+    k = LAYOUT.to_kernel(c, "fp8", None)
     view = k["w13_weight_scale"].transpose(1, 2)
     assert view.shape == (2, 256, 2) and view.stride() == (512, 1, 256)
     b = view.contiguous().view(torch.uint8).reshape(2, 256, 2, 4)  # [e, n, j, q]: K block 4j + q
@@ -129,20 +129,20 @@ def test_engine_view_is_mn_major() -> None:
 
 def test_gpt_oss_20b_specs() -> None:
     sizes = LayoutSizes(32, 2880, 2880, 2944, 2944, "interleaved", True)
-    got = {n: (s.shape, s.dtype) for n, s in LAYOUT.kernel_specs(sizes, "fp8", {}).items()}
+    got = {n: (s.shape, s.dtype) for n, s in LAYOUT.kernel_specs(sizes, "fp8", None).items()}
     assert got == {
         "w13_weight": ((32, 5888, 1472), torch.uint8), "w13_weight_scale": ((32, 23, 5888), torch.int32),
         "w13_bias": ((32, 5888), torch.bfloat16), "w2_weight": ((32, 2944, 1472), torch.uint8),
         "w2_weight_scale": ((32, 23, 2944), torch.int32), "w2_bias": ((32, 2944), torch.bfloat16),
     }
     with pytest.raises(LayoutError, match=r"do not match the layout's \(2944, 2944\)"):
-        LAYOUT.kernel_specs(LayoutSizes(32, 2880, 2880, 3072, 2944, "interleaved", True), "fp8", {})
+        LAYOUT.kernel_specs(LayoutSizes(32, 2880, 2880, 3072, 2944, "interleaved", True), "fp8", None)
 
 
 @pytest.mark.parametrize("row_order", ["halves", "interleaved"])
 def test_round_trip(row_order: str) -> None:
     c = stack(4, 160, 96, row_order, True, seed=3)
-    back = LAYOUT.from_kernel(LAYOUT.to_kernel(c, "fp8", {}), sizes_of(c), "fp8", {})
+    back = LAYOUT.from_kernel(LAYOUT.to_kernel(c, "fp8", None), sizes_of(c), "fp8", None)
     for f in ("w13", "w13_scale", "w2", "w2_scale", "w13_bias", "w2_bias"):
         assert torch.equal(getattr(back, f), getattr(c, f)), f
     assert back.row_order == row_order
@@ -151,7 +151,7 @@ def test_round_trip(row_order: str) -> None:
 def test_from_kernel_refuses() -> None:
     c = stack(2, 96, 160, "halves", True)
     sizes = sizes_of(c)
-    good = LAYOUT.to_kernel(c, "fp8", {})
+    good = LAYOUT.to_kernel(c, "fp8", None)
 
     def bad(name: str, fn) -> dict[str, torch.Tensor]:
         k = {n: t.clone() for n, t in good.items()}
@@ -178,11 +178,11 @@ def test_from_kernel_refuses() -> None:
     ]
     for k, msg in cases:
         with pytest.raises(LayoutError, match=msg):
-            LAYOUT.from_kernel(k, sizes, "fp8", {})
+            LAYOUT.from_kernel(k, sizes, "fp8", None)
 
 
 def test_describe() -> None:
     c = stack(2, 96, 160, "halves", False)
-    d = LAYOUT.describe(sizes_of(c), "fp8", {})
+    d = LAYOUT.describe(sizes_of(c), "fp8", None)
     assert (d["name"], d["version"], d["vllm_moe_backend"], d["engine_compat"]["vllm"]) == ("deepgemm", 1, "DEEPGEMM_MXFP4", ">=0.33")
     assert d["padding"] == {"hidden_align": 128, "intermediate_align": 128, "fill": 0} and d["w13_kernel_row_order"] == "halves"

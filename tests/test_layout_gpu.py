@@ -16,7 +16,7 @@ import torch
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.base import CanonicalExperts, LayoutSizes, layout_kernels
+from mxconv.layouts.base import CanonicalExperts, LayoutOptions, LayoutSizes, layout_kernels
 from mxconv.layouts.padding import KernelChoice
 from support.interpreter import kernels_match_torch, print_report, report_fixture, same_bytes
 
@@ -40,12 +40,9 @@ def make_stack(E: int, H: int, I: int, row_order: str, bias: bool = True, seed: 
     )
 
 
-def sizes_for(backend: str, c: CanonicalExperts, activation: str, options: dict) -> LayoutSizes:
+def sizes_for(backend: str, c: CanonicalExperts, activation: str, options: LayoutOptions) -> LayoutSizes:
     layout = get_layout(backend)
-    kwargs = {}
-    if backend == "trtllm" and "intermediate_align" in options:
-        kwargs["intermediate_align"] = options["intermediate_align"]
-    return c.sizes(*layout.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, **kwargs))
+    return c.sizes(*layout.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, options))
 
 
 # (backend, activation, options) for every activation plus the options that change bytes
@@ -117,9 +114,10 @@ def _interpreter_main() -> None:
     modules = {"trtllm": trtllm, "marlin": marlin, "aiter": aiter}
     for backend, act, opts in CASES:
         mod, layout = modules[backend], get_layout(backend)
+        key_opts, opts = opts, layout.resolve_options(opts)
         for row_order in ("interleaved", "halves"):
             c = make_stack(2, 96, 160, row_order, seed=len(report))
-            key = f"to_kernel-{_case_id((backend, act, opts))}-{row_order}"
+            key = f"to_kernel-{_case_id((backend, act, key_opts))}-{row_order}"
             report[key] = kernels_match_torch(mod, lt, lambda: layout.to_kernel(c, act, opts))
     print_report(report)
 
@@ -164,6 +162,7 @@ def stacks() -> dict[tuple[int, int, int, str], CanonicalExperts]:
 def test_cuda_equals_cpu_and_round_trips(stacks, case, row_order: str, shape: tuple[int, int, int]) -> None:
     backend, act, opts = case
     layout = get_layout(backend)
+    opts = layout.resolve_options(opts)
     c = stacks[(*shape, row_order)]
     cuda = c.to("cuda")
     assert layout_kernels(cuda.w13, KernelChoice.AUTO) is not None  # the CUDA run goes through the Triton kernels
@@ -183,6 +182,7 @@ def test_cuda_equals_cpu_and_round_trips(stacks, case, row_order: str, shape: tu
 def test_cuda_without_bias_and_torch_path_on_cuda(case) -> None:
     backend, act, opts = case
     layout = get_layout(backend)
+    opts = layout.resolve_options(opts)
     c = make_stack(4, 288, 320, "halves", bias=False, seed=5)
     k_cpu = layout.to_kernel(c, act, opts)
     assert "w13_bias" not in k_cpu
@@ -210,12 +210,12 @@ def test_cuda_misaligned_and_strided_inputs(backend: str) -> None:
         return buf[..., : t.shape[-1]]
 
     act = layout.activations[0]
-    k_cpu = layout.to_kernel(c, act, {})
+    k_cpu = layout.to_kernel(c, act, None)
     for f in (odd_offset, wide_rows):
         g = CanonicalExperts(
             f(c.w13), f(c.w13_scale), f(c.w2), f(c.w2_scale), c.w13_bias.cuda(), c.w2_bias.cuda(), c.row_order
         )
-        assert not same_bytes(layout.to_kernel(g, act, {}), k_cpu), f.__name__
+        assert not same_bytes(layout.to_kernel(g, act, None), k_cpu), f.__name__
 
 
 @pytest.mark.gpu
@@ -225,6 +225,6 @@ def test_cuda_marlin_fp8_scale_range_error_matches_cpu() -> None:
     c.w2_scale[1, 7, 2] = 250
     msg = r"w2_weight_scale at index \[1, 7, 2\] holds E8M0 byte 250"
     with pytest.raises(LayoutError, match=msg):
-        layout.to_kernel(c, "fp8", {})
+        layout.to_kernel(c, "fp8", None)
     with pytest.raises(LayoutError, match=msg):
-        layout.to_kernel(c.to("cuda"), "fp8", {})
+        layout.to_kernel(c.to("cuda"), "fp8", None)

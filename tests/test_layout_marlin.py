@@ -274,7 +274,7 @@ def test_padded_sizes_and_rules() -> None:
 @pytest.mark.parametrize("activation,scale_layout", MODES)
 def test_kernel_specs_gpt_oss_20b(activation: str, scale_layout: str) -> None:
     sizes = LayoutSizes(32, 2880, 2880, 3072, 2944, "interleaved", True)
-    specs = LAYOUT.kernel_specs(sizes, activation, {"marlin_scale_layout": scale_layout})
+    specs = LAYOUT.kernel_specs(sizes, activation, LAYOUT.resolve_options({"marlin_scale_layout": scale_layout}))
     got = {name: (spec.shape, spec.dtype) for name, spec in specs.items()}
     assert got == {
         "w13_weight": ((32, 192, 11776), torch.int32),
@@ -284,19 +284,19 @@ def test_kernel_specs_gpt_oss_20b(activation: str, scale_layout: str) -> None:
         "w2_weight_scale": ((32, 92, 3072), torch.float8_e8m0fnu),
         "w2_bias": ((32, 3072), torch.bfloat16),
     }
-    no_bias = LAYOUT.kernel_specs(LayoutSizes(32, 2880, 2880, 3072, 2944, "halves", False), activation, {})
+    no_bias = LAYOUT.kernel_specs(LayoutSizes(32, 2880, 2880, 3072, 2944, "halves", False), activation, None)
     assert set(no_bias) == {"w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"}
 
 
 def test_describe() -> None:
     sizes = LayoutSizes(4, 320, 160, 512, 256, "interleaved", True)
-    cur = LAYOUT.describe(sizes, "bf16", {})
+    cur = LAYOUT.describe(sizes, "bf16", None)
     assert cur["name"] == "marlin" and cur["version"] == 1 and cur["activation"] == "bf16"
     assert cur["engine_compat"] == {"vllm": ">=0.12"}
     assert cur["scale_layout"] == "current" and cur["weight_tile"] == {"k": 16, "n": 64}
-    legacy = LAYOUT.describe(sizes, "bf16", {"marlin_scale_layout": "legacy"})
+    legacy = LAYOUT.describe(sizes, "bf16", LAYOUT.resolve_options({"marlin_scale_layout": "legacy"}))
     assert legacy["engine_compat"] == {"vllm": ">=0.10.2,<=0.11.2"} and legacy["scale_layout"] == "legacy"
-    fp8 = LAYOUT.describe(sizes, "fp8", {})
+    fp8 = LAYOUT.describe(sizes, "fp8", None)
     assert fp8["engine_compat"] == {"vllm": ">=0.12"}
     assert fp8["weight_tile"] == {"k": 32, "n": 32} and fp8["scale_offset"] == 6
 
@@ -304,12 +304,12 @@ def test_describe() -> None:
 def test_option_errors() -> None:
     sizes = LayoutSizes(1, 256, 128, 256, 128, "halves", False)
     with pytest.raises(LayoutError, match="legacy"):
-        LAYOUT.kernel_specs(sizes, "fp8", {"marlin_scale_layout": "legacy"})
+        LAYOUT.kernel_specs(sizes, "fp8", LAYOUT.resolve_options({"marlin_scale_layout": "legacy"}))
     with pytest.raises(LayoutError, match="marlin_scale_layout"):
-        LAYOUT.describe(sizes, "bf16", {"marlin_scale_layout": "v2"})
+        LAYOUT.describe(sizes, "bf16", LAYOUT.resolve_options({"marlin_scale_layout": "v2"}))
     c = random_stack(1, 256, 128, "halves", False)
     with pytest.raises(LayoutError, match="legacy"):
-        LAYOUT.to_kernel(c, "fp8", {"marlin_scale_layout": "legacy"})
+        LAYOUT.to_kernel(c, "fp8", LAYOUT.resolve_options({"marlin_scale_layout": "legacy"}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,7 +329,7 @@ ROUND_TRIP_CASES = [
 @pytest.mark.parametrize("E,H,I,row_order,bias", ROUND_TRIP_CASES)
 def test_round_trip(E: int, H: int, I: int, row_order: str, bias: bool, activation: str, scale_layout: str) -> None:
     c = random_stack(E, H, I, row_order, bias, seed=H + I)
-    opts = {"marlin_scale_layout": scale_layout}
+    opts = LAYOUT.resolve_options({"marlin_scale_layout": scale_layout})
     sizes = sizes_of(c, activation)
     k = LAYOUT.to_kernel(c, activation, opts)
     specs = LAYOUT.kernel_specs(sizes, activation, opts)
@@ -352,7 +352,7 @@ def test_round_trip(E: int, H: int, I: int, row_order: str, bias: bool, activati
 def test_to_kernel_matches_padded_helpers_and_per_expert() -> None:
     """Padding location and vectorisation over E: expert e of the stack == that expert on its own."""
     c = random_stack(3, 320, 160, "halves", True, seed=7)
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    k = LAYOUT.to_kernel(c, "bf16", None)
     p = pad_canonical(c, 512, 256)
     # halves: gate rows at 0..I-1, up rows at Ip..Ip+I-1 of the padded matrix
     assert torch.equal(p.w13[:, 256 : 256 + 160, :160], c.w13[:, 160:, :])
@@ -375,10 +375,10 @@ def test_medium_interleaved_fp8() -> None:
     c = random_stack(4, 640, 608, "interleaved", True, seed=11)
     sizes = sizes_of(c, "fp8")
     assert (sizes.padded_hidden_size, sizes.padded_intermediate_size) == (768, 640)
-    k = LAYOUT.to_kernel(c, "fp8", {})
+    k = LAYOUT.to_kernel(c, "fp8", None)
     # padded scale bytes are 0 + 6
     assert int(k["w2_weight_scale"].view(torch.uint8).min()) >= 6
-    back = LAYOUT.from_kernel(k, sizes, "fp8", {})
+    back = LAYOUT.from_kernel(k, sizes, "fp8", None)
     assert torch.equal(back.w13, c.w13) and torch.equal(back.w2_scale, c.w2_scale)
 
 
@@ -416,7 +416,7 @@ def test_nonzero_padding_is_rejected(field: str, index: tuple[int, ...], name: s
     getattr(p, field)[index] = 1
     k = _kernel_from_padded(p)
     with pytest.raises(LayoutError, match=re.escape(f"padding of {name} at index {list(index)}")):
-        LAYOUT.from_kernel(k, sizes, "bf16", {})
+        LAYOUT.from_kernel(k, sizes, "bf16", None)
 
 
 def test_halves_padding_is_rejected() -> None:
@@ -425,49 +425,49 @@ def test_halves_padding_is_rejected() -> None:
     p = pad_canonical(c, 256, 128)
     p.w13[1, 100, 3] = 0x20  # gate-half padding (gate units I..Ip-1 = rows 96..127)
     with pytest.raises(LayoutError, match=r"padding of w13_weight at index \[1, 100, 3\]"):
-        LAYOUT.from_kernel(_kernel_from_padded(p), sizes, "bf16", {})
+        LAYOUT.from_kernel(_kernel_from_padded(p), sizes, "bf16", None)
 
 
 def test_fp8_scale_errors() -> None:
     c = random_stack(2, 256, 128, "halves", False, seed=19)
     c.w2_scale[1, 7, 2] = 250
     with pytest.raises(LayoutError, match=r"w2_weight_scale at index \[1, 7, 2\] holds E8M0 byte 250"):
-        LAYOUT.to_kernel(c, "fp8", {})
+        LAYOUT.to_kernel(c, "fp8", None)
     c.w2_scale[1, 7, 2] = 249
-    k = LAYOUT.to_kernel(c, "fp8", {})
+    k = LAYOUT.to_kernel(c, "fp8", None)
     assert int(k["w2_weight_scale"].view(torch.uint8).max()) == 255
     sizes = sizes_of(c, "fp8")
     bad = k["w13_weight_scale"].view(torch.uint8).clone()
     bad[0, 0, 0] = 5
     with pytest.raises(LayoutError, match="w13_weight_scale"):
-        LAYOUT.from_kernel({**k, "w13_weight_scale": bad.view(torch.float8_e8m0fnu)}, sizes, "fp8", {})
+        LAYOUT.from_kernel({**k, "w13_weight_scale": bad.view(torch.float8_e8m0fnu)}, sizes, "fp8", None)
     # padded fp8 scales must hold exactly 6 (= 0 + 6)
     c2 = random_stack(1, 96, 96, "halves", False, seed=23)
-    k2 = LAYOUT.to_kernel(c2, "fp8", {})
+    k2 = LAYOUT.to_kernel(c2, "fp8", None)
     s2 = k2["w2_weight_scale"].view(torch.uint8).clone()  # [1, Ip/32 = 4, Hp = 256]
     assert int(s2[0, 3, 0]) == 6  # group 3 is padding (I/32 = 3)
     s2[0, 3, 0] = 7
     with pytest.raises(LayoutError, match="padding of w2_weight_scale"):
-        LAYOUT.from_kernel({**k2, "w2_weight_scale": s2.view(torch.float8_e8m0fnu)}, sizes_of(c2, "fp8"), "fp8", {})
+        LAYOUT.from_kernel({**k2, "w2_weight_scale": s2.view(torch.float8_e8m0fnu)}, sizes_of(c2, "fp8"), "fp8", None)
 
 
 def test_from_kernel_validates_shapes_and_dtypes() -> None:
     c = random_stack(2, 96, 96, "interleaved", True, seed=29)
     sizes = sizes_of(c)
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    k = LAYOUT.to_kernel(c, "bf16", None)
     with pytest.raises(LayoutError, match=r"w2_weight_scale has shape .* dtype torch.uint8, expected .*float8_e8m0fnu"):
-        LAYOUT.from_kernel({**k, "w2_weight_scale": k["w2_weight_scale"].view(torch.uint8)}, sizes, "bf16", {})
+        LAYOUT.from_kernel({**k, "w2_weight_scale": k["w2_weight_scale"].view(torch.uint8)}, sizes, "bf16", None)
     with pytest.raises(LayoutError, match=r"w13_weight has shape \(2, 16, 255\)"):
-        LAYOUT.from_kernel({**k, "w13_weight": k["w13_weight"][..., :255]}, sizes, "bf16", {})
+        LAYOUT.from_kernel({**k, "w13_weight": k["w13_weight"][..., :255]}, sizes, "bf16", None)
     with pytest.raises(LayoutError, match="w13_bias has shape"):
-        LAYOUT.from_kernel({**k, "w13_bias": k["w13_bias"].float()}, sizes, "bf16", {})
+        LAYOUT.from_kernel({**k, "w13_bias": k["w13_bias"].float()}, sizes, "bf16", None)
     missing = {n: t for n, t in k.items() if n != "w2_bias"}
     with pytest.raises(LayoutError, match="w2_bias is missing"):
-        LAYOUT.from_kernel(missing, sizes, "bf16", {})
+        LAYOUT.from_kernel(missing, sizes, "bf16", None)
     # a kernel tensor set from another activation mode has the same shapes but other bytes: padding check trips
-    k_fp8 = LAYOUT.to_kernel(c, "fp8", {})
+    k_fp8 = LAYOUT.to_kernel(c, "fp8", None)
     with pytest.raises(LayoutError):
-        LAYOUT.from_kernel(k_fp8, sizes, "bf16", {})
+        LAYOUT.from_kernel(k_fp8, sizes, "bf16", None)
 
 
 def test_weight_repack_size_rules() -> None:

@@ -24,6 +24,7 @@ from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.triton import (
     LAYOUT,
     TWIDDLE_GROUPS,
+    TritonOptions,
     permute_scales,
     permute_values,
     twiddle_words,
@@ -40,7 +41,7 @@ from test_layout_gpu import make_stack, same_bytes  # noqa: E402
 GENERATIONS = ("3.5", "3.6")
 
 
-def sizes_of(c: CanonicalExperts, opts: dict) -> LayoutSizes:
+def sizes_of(c: CanonicalExperts, opts: TritonOptions) -> LayoutSizes:
     return c.sizes(*LAYOUT.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, "bf16", opts))
 
 
@@ -204,14 +205,14 @@ def test_gpt_oss_sizes_table(I: int, gen: str, align: int, w13, w2, s13, s2) -> 
 
 
 def test_options_and_padded_sizes() -> None:
-    assert LAYOUT.resolve_options() == {"triton_layout": "3.5", "num_warps": 8, "scale_k_align": 4, "pad_hidden": False}
+    assert LAYOUT.resolve_options().to_json() == {"triton_layout": "3.5", "num_warps": 8, "scale_k_align": 4, "pad_hidden": False}
     got = LAYOUT.resolve_options({"triton_layout": "3.6", "num_warps": "4", "scale_k_align": "1", "pad_hidden": "true"})
-    assert got == {"triton_layout": "3.6", "num_warps": 4, "scale_k_align": 1, "pad_hidden": True}
+    assert got.to_json() == {"triton_layout": "3.6", "num_warps": 4, "scale_k_align": 1, "pad_hidden": True}
     for bad in ({"triton_layout": "3.4"}, {"num_warps": 16}, {"scale_k_align": 2}, {"intermediate_align": 64}):
         with pytest.raises(LayoutError):
             LAYOUT.resolve_options(bad)
     assert LAYOUT.padded_sizes(352, 160, "halves", "bf16") == (352, 192)
-    assert LAYOUT.padded_sizes(352, 160, "halves", "bf16", {"pad_hidden": True}) == (384, 192)
+    assert LAYOUT.padded_sizes(352, 160, "halves", "bf16", LAYOUT.resolve_options({"pad_hidden": True})) == (384, 192)
     with pytest.raises(LayoutError, match="multiple of 32"):
         LAYOUT.padded_sizes(350, 160, "halves", "bf16")
     with pytest.raises(LayoutError, match="activation"):
@@ -222,7 +223,7 @@ def test_options_and_padded_sizes() -> None:
 def test_hidden_warning_and_manifest() -> None:
     msg = LAYOUT.hidden_warning(352)
     assert msg and "352" in msg and "multiple of 64" in msg and "pad_hidden=true" in msg and "384" in msg
-    assert LAYOUT.hidden_warning(352, {"pad_hidden": True}) is None and LAYOUT.hidden_warning(2880) is None
+    assert LAYOUT.hidden_warning(352, LAYOUT.resolve_options({"pad_hidden": True})) is None and LAYOUT.hidden_warning(2880) is None
     c = make_stack(3, 352, 160, "halves", seed=2)
     for opts in ({}, {"pad_hidden": True, "triton_layout": "3.6", "num_warps": 4, "scale_k_align": 1}):
         o = LAYOUT.resolve_options(opts)
@@ -230,9 +231,9 @@ def test_hidden_warning_and_manifest() -> None:
         d = LAYOUT.describe(sizes, "bf16", o)
         json.dumps(d)
         assert d["name"] == "triton" and d["vllm_moe_backend"] == "TRITON" and d["activation"] == "bf16"
-        assert (d["triton_layout"], d["num_warps"], d["scale_k_align"]) == (o["triton_layout"], o["num_warps"], o["scale_k_align"])
+        assert (d["triton_layout"], d["num_warps"], d["scale_k_align"]) == (o.triton_layout, o.num_warps, o.scale_k_align)
         assert d["w13_kernel_row_order"] == "interleaved" and d["w13_source_row_order"] == "halves"
-        assert d["hidden_padded"] is o["pad_hidden"] and (d["hidden_warning"] is None) is o["pad_hidden"]
+        assert d["hidden_padded"] is o.pad_hidden and (d["hidden_warning"] is None) is o.pad_hidden
         k = LAYOUT.to_kernel(c, "bf16", o)
         hp, ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
         for w, n, kk in (("w13", 2 * ip, hp), ("w2", hp, ip)):
@@ -241,8 +242,8 @@ def test_hidden_warning_and_manifest() -> None:
             assert v["buffer_shape"] == list(k[f"{w}_weight"].shape)
             mt = k[f"{w}_weight"].mT
             assert v["data_shape"] == list(mt.shape) and v["data_strides"] == list(mt.stride())
-            c_logical = -(-kk // 32 // o["scale_k_align"]) * o["scale_k_align"]
-            assert s["shape"] == [3, c_logical, n] and s["num_warps"] == o["num_warps"]
+            c_logical = -(-kk // 32 // o.scale_k_align) * o.scale_k_align
+            assert s["shape"] == [3, c_logical, n] and s["num_warps"] == o.num_warps
             assert s["buffer_shape"] == list(k[f"{w}_weight_scale"].shape)
             assert s["data_strides"] == list(k[f"{w}_weight_scale"].mT.stride())
 
@@ -322,9 +323,9 @@ def test_padding_checks_name_tensor_and_index(name: str, index: tuple[int, ...],
     c = make_stack(2, 352, 160, "halves", seed=7)
     o = LAYOUT.resolve_options(opts)
     k = LAYOUT.to_kernel(c, "bf16", o)
-    view = _kernel_view(k, name, o["num_warps"]).clone()
+    view = _kernel_view(k, name, o.num_warps).clone()
     view[index] = 1
-    _restore(k, name, view, o["num_warps"])
+    _restore(k, name, view, o.num_warps)
     with pytest.raises(LayoutError, match=rf"triton: padding of {name} at index \[{', '.join(map(str, index))}\]"):
         LAYOUT.from_kernel(k, sizes_of(c, o), "bf16", o)
 
@@ -384,7 +385,7 @@ def oracle_layouts() -> tuple[type, type]:
     return HopperMXValueLayout, HopperMXScaleLayout
 
 
-def oracle_buffers(c: CanonicalExperts, opts: dict, device: str = "cpu") -> dict[str, torch.Tensor]:
+def oracle_buffers(c: CanonicalExperts, opts: TritonOptions, device: str = "cpu") -> dict[str, torch.Tensor]:
     """What vLLM's ``_swizzle_mxfp4`` stores (``data.mT``) for ``c``: vLLM's zero padding of I (and
     of H with pad_hidden), gate/up row interleave for halves, K/32 pre-pad, then triton_kernels."""
     value_cls, scale_cls = oracle_layouts()
@@ -396,15 +397,15 @@ def oracle_buffers(c: CanonicalExperts, opts: dict, device: str = "cpu") -> dict
         if w == "w13" and c.row_order == "halves":
             order = torch.arange(2 * I).reshape(2, I).t().reshape(-1)
             src_w, src_s = src_w[:, order], src_s[:, order]
-        m = 64 if opts["triton_layout"] == "3.6" else 1  # 3.6 sees N and K/2 already padded to 64
+        m = 64 if opts.triton_layout == "3.6" else 1  # 3.6 sees N and K/2 already padded to 64
         wp = torch.zeros(c.num_experts, -(-n // m) * m, -(-kk // 2 // m) * m, dtype=torch.uint8)
         wp[:, :n_real, : src_w.shape[2]] = src_w
-        c_logical = -(-kk // 32 // opts["scale_k_align"]) * opts["scale_k_align"]
+        c_logical = -(-kk // 32 // opts.scale_k_align) * opts.scale_k_align
         sp = torch.zeros(c.num_experts, n, c_logical, dtype=torch.uint8)
         sp[:, :n_real, : src_s.shape[2]] = src_s
         wp, sp = wp.to(device), sp.to(device)
         vl = value_cls(list(wp.mT.shape), mx_axis=1)
-        sl = scale_cls(list(sp.mT.shape), mx_axis=1, num_warps=opts["num_warps"])
+        sl = scale_cls(list(sp.mT.shape), mx_axis=1, num_warps=opts.num_warps)
         out[f"{w}_weight"] = vl.swizzle_data(wp.mT).mT.contiguous()
         out[f"{w}_weight_scale"] = sl.swizzle_data(sp.mT).mT.contiguous()
         assert torch.equal(vl.unswizzle_data(out[f"{w}_weight"].mT).mT, wp)  # their inverse of our bytes

@@ -17,6 +17,7 @@ from mxconv.layouts import get_layout
 from mxconv.layouts.base import CanonicalExperts, LayoutSizes
 from mxconv.layouts.trtllm import (
     LAYOUT,
+    TrtllmOptions,
     gate_up_pair_dst,
     gate_up_pair_src,
     mma_shuffle_dst,
@@ -199,7 +200,7 @@ def test_kernel_scales_of_worked_example_stack() -> None:
     """w2 scales of a [1, 256, 8] stack (H=256, I=256): each slot holds the spec's (row, col)."""
     E, H, I = 1, 256, 256
     c = make_stack(E, H, I, "halves", bias=False)
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    k = LAYOUT.to_kernel(c, "bf16", None)
     flat = k["w2_weight_scale"].view(torch.uint8).reshape(-1)
     for p in list(range(40)) + list(range(512, 517)):
         r, col = slot_scalar(p, 8)
@@ -328,19 +329,20 @@ def test_padded_sizes(H: int, I: int, align: int, want: tuple[int, int]) -> None
             assert LAYOUT.padded_sizes(H, I, row_order, act, intermediate_align=align) == want
     if align == 128:  # the default is vLLM 0.33's FLASHINFER_TRTLLM_MXFP4_* padding
         assert LAYOUT.padded_sizes(H, I, "halves", "bf16") == want
-        assert LAYOUT.padded_sizes(H, I, "halves", "bf16", {}) == want
+        assert LAYOUT.padded_sizes(H, I, "halves", "bf16", None) == want
 
 
 def test_default_pads_gpt_oss_20b_intermediate_to_128_not_256() -> None:
     assert LAYOUT.padded_sizes(2880, 2880, "interleaved", "bf16") == (3072, 2944)
-    assert LAYOUT.padded_sizes(2880, 2880, "interleaved", "bf16", {"intermediate_align": 256}) == (3072, 3072)
-    assert LAYOUT.resolve_options() == {"intermediate_align": 128}
+    assert LAYOUT.padded_sizes(2880, 2880, "interleaved", "bf16", LAYOUT.resolve_options({"intermediate_align": 256})) == (3072, 3072)
+    assert LAYOUT.resolve_options().to_json() == {"intermediate_align": 128}
 
 
 @pytest.mark.parametrize("has_bias", [True, False])
 @pytest.mark.parametrize("options,Ip", [({}, 2944), ({"intermediate_align": 128}, 2944), ({"intermediate_align": 256}, 3072)])
 def test_kernel_specs_gpt_oss_20b(has_bias: bool, options: dict, Ip: int) -> None:
     sizes = LayoutSizes(32, 2880, 2880, 3072, Ip, "interleaved", has_bias)
+    options = LAYOUT.resolve_options(options)
     specs = LAYOUT.kernel_specs(sizes, "bf16", options)
     got = {name: (spec.shape, spec.dtype) for name, spec in specs.items()}
     want = {
@@ -359,12 +361,12 @@ def test_kernel_specs_gpt_oss_20b(has_bias: bool, options: dict, Ip: int) -> Non
 
 def test_kernel_specs_tp2_and_align_option() -> None:
     sizes = LayoutSizes(32, 2880, 1440, 3072, 1536, "interleaved", True)
-    specs = LAYOUT.kernel_specs(sizes, "bf16", {})
+    specs = LAYOUT.kernel_specs(sizes, "bf16", None)
     assert specs["w13_weight"].shape == (32, 3072, 1536)
     assert specs["w2_weight"].shape == (32, 3072, 768)
     assert specs["w2_weight_scale"].shape == (32, 3072, 48)
     sizes128 = LayoutSizes(8, 2880, 2880, 3072, 2944, "halves", False)
-    specs128 = LAYOUT.kernel_specs(sizes128, "bf16", {"intermediate_align": 128})
+    specs128 = LAYOUT.kernel_specs(sizes128, "bf16", LAYOUT.resolve_options({"intermediate_align": 128}))
     assert specs128["w13_weight_scale"].shape == (8, 5888, 96)
     assert specs128["w2_weight"].shape == (8, 3072, 1472)
 
@@ -372,15 +374,15 @@ def test_kernel_specs_tp2_and_align_option() -> None:
 def test_kernel_specs_rejects_sizes_that_disagree_with_the_layout() -> None:
     sizes = LayoutSizes(2, 320, 96, 512, 256, "halves", False)
     with pytest.raises(LayoutError, match=r"\(Hp, Ip\) = \(512, 256\) do not match the layout's \(512, 128\)"):
-        LAYOUT.kernel_specs(sizes, "bf16", {"intermediate_align": 128})
+        LAYOUT.kernel_specs(sizes, "bf16", LAYOUT.resolve_options({"intermediate_align": 128}))
     with pytest.raises(LayoutError, match=r"do not match the layout's \(512, 256\)"):
-        LAYOUT.kernel_specs(LayoutSizes(2, 320, 160, 320, 256, "halves", False), "bf16", {})
+        LAYOUT.kernel_specs(LayoutSizes(2, 320, 160, 320, 256, "halves", False), "bf16", None)
 
 
 @pytest.mark.parametrize("activation", ["bf16", "mxfp8"])
 def test_describe(activation: str) -> None:
     sizes = LayoutSizes(32, 2880, 2880, 3072, 2944, "interleaved", True)
-    d = LAYOUT.describe(sizes, activation, {})
+    d = LAYOUT.describe(sizes, activation, None)
     assert d["name"] == "trtllm" and d["version"] == 1
     assert d["activation"] == activation
     assert d["engine_compat"] == {"vllm": ">=0.10.2", "flashinfer": ">=0.3"}
@@ -390,7 +392,7 @@ def test_describe(activation: str) -> None:
     want_backend = {"bf16": "FLASHINFER_TRTLLM_MXFP4_BF16", "mxfp8": "FLASHINFER_TRTLLM_MXFP4_MXFP8"}
     assert d["vllm_moe_backend"] == want_backend[activation]
     with pytest.raises(LayoutError, match="activation"):
-        LAYOUT.describe(sizes, "fp8", {})
+        LAYOUT.describe(sizes, "fp8", None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,9 +412,9 @@ def test_describe(activation: str) -> None:
 def test_to_kernel_bytes_match_spec_formulas(E: int, H: int, I: int, row_order: str, bias: bool, align: int) -> None:
     c = make_stack(E, H, I, row_order, bias, seed=E + H + I)
     Hp, Ip = round_up(H, 256), round_up(I, align)
-    k = LAYOUT.to_kernel(c, "bf16", {"intermediate_align": align})
+    k = LAYOUT.to_kernel(c, "bf16", LAYOUT.resolve_options({"intermediate_align": align}))
     ref = vllm_padded(c, Hp, Ip)
-    assert set(k) == set(LAYOUT.kernel_specs(sizes_of(c, Hp, Ip), "bf16", {"intermediate_align": align}))
+    assert set(k) == set(LAYOUT.kernel_specs(sizes_of(c, Hp, Ip), "bf16", LAYOUT.resolve_options({"intermediate_align": align})))
     for name, t in k.items():
         assert t.is_contiguous(), name
     for j in range(2 * Ip):
@@ -452,7 +454,7 @@ def test_to_kernel_bytes_match_spec_formulas(E: int, H: int, I: int, row_order: 
 )
 def test_round_trip(E: int, H: int, I: int, row_order: str, bias: bool, align: int) -> None:
     c = make_stack(E, H, I, row_order, bias, seed=7 * E + H)
-    opts = {"intermediate_align": align}
+    opts = LAYOUT.resolve_options({"intermediate_align": align})
     Hp, Ip = LAYOUT.padded_sizes(H, I, row_order, "bf16", intermediate_align=align)
     k = LAYOUT.to_kernel(c, "bf16", opts)
     sizes = sizes_of(c, Hp, Ip)
@@ -464,15 +466,15 @@ def test_round_trip(E: int, H: int, I: int, row_order: str, bias: bool, align: i
 
 def test_activations_give_identical_bytes() -> None:
     c = make_stack(2, 320, 160, "interleaved", True, seed=3)
-    a, b = LAYOUT.to_kernel(c, "bf16", {}), LAYOUT.to_kernel(c, "mxfp8", {})
+    a, b = LAYOUT.to_kernel(c, "bf16", None), LAYOUT.to_kernel(c, "mxfp8", None)
     assert set(a) == set(b)
     for name in a:
         assert a[name].dtype == b[name].dtype
         assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
     sizes = sizes_of(c, 512, 256)
-    assert_same_canonical(c, LAYOUT.from_kernel(b, sizes, "mxfp8", {}))
+    assert_same_canonical(c, LAYOUT.from_kernel(b, sizes, "mxfp8", None))
     with pytest.raises(LayoutError, match="activation 'fp8'"):
-        LAYOUT.to_kernel(c, "fp8", {})
+        LAYOUT.to_kernel(c, "fp8", None)
 
 
 def test_scales_are_viewed_not_value_cast() -> None:
@@ -480,7 +482,7 @@ def test_scales_are_viewed_not_value_cast() -> None:
     c = make_stack(1, 256, 256, "halves", False)
     special = torch.tensor([0x00, 0x7F, 0x80, 0xFF, 0x7E, 0x01], dtype=torch.uint8)
     c.w13_scale = special.repeat(c.w13_scale.numel() // 6 + 1)[: c.w13_scale.numel()].reshape(c.w13_scale.shape)
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    k = LAYOUT.to_kernel(c, "bf16", None)
     assert k["w13_weight_scale"].dtype == torch.float8_e4m3fn
     got = k["w13_weight_scale"].view(torch.uint8).reshape(-1).sort().values
     assert torch.equal(got, c.w13_scale.reshape(-1).sort().values)
@@ -489,7 +491,7 @@ def test_scales_are_viewed_not_value_cast() -> None:
 def test_to_kernel_keeps_the_input_device() -> None:
     """Index tensors are made on the input's device (meta: no data, but any device mix-up raises)."""
     c = make_stack(2, 320, 160, "halves", True).to("meta")
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    k = LAYOUT.to_kernel(c, "bf16", None)
     assert all(t.device.type == "meta" for t in k.values())
     assert k["w13_weight_scale"].shape == (2, 512, 16)
 
@@ -498,13 +500,13 @@ def test_to_kernel_input_errors() -> None:
     c = make_stack(1, 256, 256, "halves", True)
     c.w2_bias = None
     with pytest.raises(LayoutError, match="both w13_bias and w2_bias"):
-        LAYOUT.to_kernel(c, "bf16", {})
+        LAYOUT.to_kernel(c, "bf16", None)
     bad = make_stack(1, 256, 256, "halves", False)
     bad.w2 = bad.w2[:, :100]
     with pytest.raises(LayoutError, match="w2 has shape"):
-        LAYOUT.to_kernel(bad, "bf16", {})
+        LAYOUT.to_kernel(bad, "bf16", None)
     with pytest.raises(LayoutError, match="intermediate_align='256'"):
-        LAYOUT.to_kernel(make_stack(1, 256, 256, "halves", False), "bf16", {"intermediate_align": "256"})
+        LAYOUT.to_kernel(make_stack(1, 256, 256, "halves", False), "bf16", TrtllmOptions(intermediate_align="256"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,7 +516,7 @@ def test_to_kernel_input_errors() -> None:
 
 def _kernel_and_sizes(row_order: str, bias: bool) -> tuple[dict[str, torch.Tensor], LayoutSizes]:
     c = make_stack(2, 320, 160, row_order, bias, seed=11)
-    return LAYOUT.to_kernel(c, "bf16", {}), sizes_of(c, 512, 256)
+    return LAYOUT.to_kernel(c, "bf16", None), sizes_of(c, 512, 256)
 
 
 def test_from_kernel_rejects_nonzero_weight_padding() -> None:
@@ -525,23 +527,23 @@ def test_from_kernel_rejects_nonzero_weight_padding() -> None:
     k1 = dict(k, w13_weight=k["w13_weight"].clone())
     k1["w13_weight"][1, row, 3] = 0x10
     with pytest.raises(LayoutError, match=r"padding of w13_weight at index \[1, 160, 3\]"):
-        LAYOUT.from_kernel(k1, sizes, "bf16", {})
+        LAYOUT.from_kernel(k1, sizes, "bf16", None)
     # Row Ip + I: first padding row of the up half.
     row = int(w13_row_dst(Ip, "halves")[Ip + I])
     k1 = dict(k, w13_weight=k["w13_weight"].clone())
     k1["w13_weight"][0, row, 0] = 1
     with pytest.raises(LayoutError, match=r"padding of w13_weight at index \[0, 416, 0\]"):
-        LAYOUT.from_kernel(k1, sizes, "bf16", {})
+        LAYOUT.from_kernel(k1, sizes, "bf16", None)
     # Column padding of w2 (bytes I/2 onwards) in canonical row 5.
     k2 = dict(k, w2_weight=k["w2_weight"].clone())
     k2["w2_weight"][1, int(w2_row_dst(512)[5]), I // 2] = 7
     with pytest.raises(LayoutError, match=r"padding of w2_weight at index \[1, 5, 80\]"):
-        LAYOUT.from_kernel(k2, sizes, "bf16", {})
+        LAYOUT.from_kernel(k2, sizes, "bf16", None)
     # Row padding of w2 (rows H onwards).
     k3 = dict(k, w2_weight=k["w2_weight"].clone())
     k3["w2_weight"][0, int(w2_row_dst(512)[H]), 0] = 7
     with pytest.raises(LayoutError, match=r"padding of w2_weight at index \[0, 320, 0\]"):
-        LAYOUT.from_kernel(k3, sizes, "bf16", {})
+        LAYOUT.from_kernel(k3, sizes, "bf16", None)
 
 
 def test_from_kernel_rejects_nonzero_scale_padding() -> None:
@@ -554,14 +556,14 @@ def test_from_kernel_rejects_nonzero_scale_padding() -> None:
     s13.view(-1)[1 * 2 * Ip * C13 + off_scalar(kernel_row, H // 32, C13)] = 0x7F
     k1 = dict(k, w13_weight_scale=s13.view(torch.float8_e4m3fn))
     with pytest.raises(LayoutError, match=r"padding of w13_weight_scale at index \[1, 4, 10\]"):
-        LAYOUT.from_kernel(k1, sizes, "bf16", {})
+        LAYOUT.from_kernel(k1, sizes, "bf16", None)
     # Canonical w2 scale (e=0, n=H, c=0) is a row-padding byte.
     C2 = Ip // 32
     s2 = k["w2_weight_scale"].view(torch.uint8).clone()
     s2.view(-1)[off_scalar(d_scalar(H), 0, C2)] = 0xFF
     k2 = dict(k, w2_weight_scale=s2.view(torch.float8_e4m3fn))
     with pytest.raises(LayoutError, match=r"padding of w2_weight_scale at index \[0, 320, 0\]"):
-        LAYOUT.from_kernel(k2, sizes, "bf16", {})
+        LAYOUT.from_kernel(k2, sizes, "bf16", None)
 
 
 def test_from_kernel_rejects_nonzero_bias_padding() -> None:
@@ -570,39 +572,39 @@ def test_from_kernel_rejects_nonzero_bias_padding() -> None:
     b13 = k["w13_bias"].clone()
     b13[0, int(w13_row_dst(Ip, "interleaved")[2 * I + 1])] = 0.5
     with pytest.raises(LayoutError, match=r"padding of w13_bias at index \[0, 321\]"):
-        LAYOUT.from_kernel(dict(k, w13_bias=b13), sizes, "bf16", {})
+        LAYOUT.from_kernel(dict(k, w13_bias=b13), sizes, "bf16", None)
     b2 = k["w2_bias"].clone()
     b2[1, int(w2_row_dst(512)[H + 3])] = -1.0
     with pytest.raises(LayoutError, match=r"padding of w2_bias at index \[1, 323\]"):
-        LAYOUT.from_kernel(dict(k, w2_bias=b2), sizes, "bf16", {})
+        LAYOUT.from_kernel(dict(k, w2_bias=b2), sizes, "bf16", None)
 
 
 def test_from_kernel_shape_dtype_and_name_errors() -> None:
     k, sizes = _kernel_and_sizes("interleaved", True)
     wrong_dtype = dict(k, w13_weight_scale=k["w13_weight_scale"].view(torch.uint8))
     with pytest.raises(LayoutError, match="w13_weight_scale has dtype torch.uint8, expected torch.float8_e4m3fn"):
-        LAYOUT.from_kernel(wrong_dtype, sizes, "bf16", {})
+        LAYOUT.from_kernel(wrong_dtype, sizes, "bf16", None)
     wrong_shape = dict(k, w2_weight=k["w2_weight"][:, :256])
     with pytest.raises(LayoutError, match=r"w2_weight has shape \(2, 256, 128\), expected \(2, 512, 128\)"):
-        LAYOUT.from_kernel(wrong_shape, sizes, "bf16", {})
+        LAYOUT.from_kernel(wrong_shape, sizes, "bf16", None)
     bf16_bias = dict(k, w2_bias=k["w2_bias"].to(torch.bfloat16))
     with pytest.raises(LayoutError, match="w2_bias has dtype torch.bfloat16, expected torch.float32"):
-        LAYOUT.from_kernel(bf16_bias, sizes, "bf16", {})
+        LAYOUT.from_kernel(bf16_bias, sizes, "bf16", None)
     missing = {name: t for name, t in k.items() if name != "w2_bias"}
     with pytest.raises(LayoutError, match="missing: w2_bias"):
-        LAYOUT.from_kernel(missing, sizes, "bf16", {})
+        LAYOUT.from_kernel(missing, sizes, "bf16", None)
     no_bias_sizes = LayoutSizes(2, 320, 160, 512, 256, "interleaved", False)
     with pytest.raises(LayoutError, match="unexpected trtllm kernel tensors: w13_bias, w2_bias"):
-        LAYOUT.from_kernel(k, no_bias_sizes, "bf16", {})
+        LAYOUT.from_kernel(k, no_bias_sizes, "bf16", None)
     with pytest.raises(LayoutError, match="do not match"):
-        LAYOUT.from_kernel(k, sizes, "bf16", {"intermediate_align": 512})
+        LAYOUT.from_kernel(k, sizes, "bf16", LAYOUT.resolve_options({"intermediate_align": 512}))
 
 
 def test_from_kernel_with_wrong_row_order_is_not_silently_identical() -> None:
     """Decoding with the other row order must not reproduce the canonical stack (roles matter)."""
     c = make_stack(1, 256, 256, "halves", False, seed=5)
-    k = LAYOUT.to_kernel(c, "bf16", {})
-    other = LAYOUT.from_kernel(k, LayoutSizes(1, 256, 256, 256, 256, "interleaved", False), "bf16", {})
+    k = LAYOUT.to_kernel(c, "bf16", None)
+    other = LAYOUT.from_kernel(k, LayoutSizes(1, 256, 256, 256, 256, "interleaved", False), "bf16", None)
     assert not torch.equal(other.w13, c.w13)
     assert torch.equal(other.w2, c.w2)
 
@@ -644,7 +646,7 @@ def _oracle_case(row_order: str, seed: int) -> tuple[int, int, int, dict[str, to
     E, H, I = 2, 320, 160
     Hp, Ip = 512, 256
     c = make_stack(E, H, I, row_order, True, seed=seed)
-    return E, Hp, Ip, vllm_padded(c, Hp, Ip), LAYOUT.to_kernel(c, "bf16", {})
+    return E, Hp, Ip, vllm_padded(c, Hp, Ip), LAYOUT.to_kernel(c, "bf16", None)
 
 
 def test_oracle_flashinfer_standard_sequence_halves() -> None:

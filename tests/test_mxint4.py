@@ -264,7 +264,7 @@ def test_hand_built_example() -> None:
     s13[0, 256, 0] = -2.5
     c = CanonicalExperts(pack_int4(q13), s13, pack_int4(q2), s2, row_order="halves", weight_format="int4")
     assert int(c.w13[1, 0, 150]) == 0x58  # offset-binary: low nibble 0 + 8, high nibble -3 + 8
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    k = LAYOUT.to_kernel(c, "bf16", None)
     assert tuple(k["w13_weight"].shape) == (E, 2, 2 * I, 128) and k["w13_weight"].dtype == torch.uint8
     assert tuple(k["w2_weight"].shape) == (E, 1, H, 128)
     assert tuple(k["w13_weight_scale"].shape) == (E, 2 * I * H // 32) and k["w13_weight_scale"].dtype == torch.bfloat16
@@ -281,12 +281,12 @@ def test_hand_built_example() -> None:
 @pytest.mark.parametrize("E,H,I", [(2, 256, 256), (3, 512, 256), (1, 256, 768)])
 def test_bytes_equal_the_spec_formulas(E: int, H: int, I: int) -> None:
     c = int4_stack(E, H, I, seed=E + H + I)
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    k = LAYOUT.to_kernel(c, "bf16", None)
     want = spec_kernel(c)
     assert set(k) == set(want)
     for name in want:
         assert bits_equal(k[name], want[name]), name
-    specs = LAYOUT.kernel_specs(int4_sizes(E, H, I), "bf16", {})
+    specs = LAYOUT.kernel_specs(int4_sizes(E, H, I), "bf16", None)
     assert {n: (s.shape, s.dtype) for n, s in specs.items()} == {n: (tuple(t.shape), t.dtype) for n, t in k.items()}
 
 
@@ -302,7 +302,7 @@ def test_oracle_flashinfer_mxint4_sequence() -> None:
 
     E, H, I = 2, 512, 256
     c = int4_stack(E, H, I, seed=9)
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    k = LAYOUT.to_kernel(c, "bf16", None)
     rows13 = unswizzle_128x4(k["w13_weight_scale"], 2 * I, H // 32)
     rows2 = unswizzle_128x4(k["w2_weight_scale"], H, I // 32)
     for e in range(E):
@@ -322,7 +322,7 @@ def test_oracle_flashinfer_mxint4_sequence() -> None:
 @pytest.mark.parametrize("E,H,I", [(2, 256, 256), (3, 512, 768)])
 def test_inverse_round_trip_is_bit_exact(E: int, H: int, I: int) -> None:
     c = int4_stack(E, H, I, seed=H * I)
-    back = LAYOUT.from_kernel(LAYOUT.to_kernel(c, "bf16", {}), int4_sizes(E, H, I), "bf16", {})
+    back = LAYOUT.from_kernel(LAYOUT.to_kernel(c, "bf16", None), int4_sizes(E, H, I), "bf16", None)
     assert back.weight_format == "int4" and back.row_order == "halves" and back.w13_bias is None
     for name in ("w13", "w13_scale", "w2", "w2_scale"):
         assert bits_equal(getattr(back, name), getattr(c, name)), name
@@ -330,19 +330,19 @@ def test_inverse_round_trip_is_bit_exact(E: int, H: int, I: int) -> None:
 
 def test_sizes_not_multiples_of_256_are_refused() -> None:
     with pytest.raises(LayoutError, match=r"trtllm MxInt4: hidden size 288 is not a positive multiple of 256"):
-        LAYOUT.padded_sizes(288, 256, "halves", "bf16", {}, weight_format="int4")
+        LAYOUT.padded_sizes(288, 256, "halves", "bf16", None, weight_format="int4")
     with pytest.raises(LayoutError, match=r"intermediate \(per TP rank\) size 384 is not a positive multiple of 256"):
-        LAYOUT.padded_sizes(256, 384, "halves", "bf16", {}, weight_format="int4")
-    assert LAYOUT.padded_sizes(512, 768, "halves", "bf16", {}, weight_format="int4") == (512, 768)
+        LAYOUT.padded_sizes(256, 384, "halves", "bf16", None, weight_format="int4")
+    assert LAYOUT.padded_sizes(512, 768, "halves", "bf16", None, weight_format="int4") == (512, 768)
     c = int4_stack(1, 256, 256, seed=3)
     odd = CanonicalExperts(c.w13[:, :192], c.w13_scale[:, :192], c.w2[:, :, :48], c.w2_scale[:, :, :3],
                            row_order="halves", weight_format="int4")  # I = 96
     with pytest.raises(LayoutError, match="size 96 is not a positive multiple of 256"):
-        LAYOUT.to_kernel(odd, "bf16", {})
+        LAYOUT.to_kernel(odd, "bf16", None)
     with pytest.raises(LayoutError, match="takes bf16 activations only, not --activation 'mxfp8'"):
-        LAYOUT.to_kernel(c, "mxfp8", {})
+        LAYOUT.to_kernel(c, "mxfp8", None)
     with pytest.raises(LayoutError, match="takes no expert biases"):
-        LAYOUT.kernel_specs(LayoutSizes(1, 256, 256, 256, 256, "halves", True, "int4"), "bf16", {})
+        LAYOUT.kernel_specs(LayoutSizes(1, 256, 256, 256, 256, "halves", True, "int4"), "bf16", None)
     with pytest.raises(LayoutError, match="w13_scale has dtype torch.uint8, expected torch.bfloat16"):
         CanonicalExperts(c.w13, c.w13_scale.view(torch.uint8)[..., ::2].contiguous(), c.w2, c.w2_scale,
                          weight_format="int4").validate()
@@ -350,17 +350,17 @@ def test_sizes_not_multiples_of_256_are_refused() -> None:
 
 def test_from_kernel_checks_shapes_and_dtypes() -> None:
     c = int4_stack(2, 256, 256, seed=4)
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    k = LAYOUT.to_kernel(c, "bf16", None)
     sizes = int4_sizes(2, 256, 256)
     with pytest.raises(LayoutError, match=r"w13_weight_scale has dtype torch.float32, expected torch.bfloat16"):
-        LAYOUT.from_kernel(dict(k, w13_weight_scale=k["w13_weight_scale"].float()), sizes, "bf16", {})
+        LAYOUT.from_kernel(dict(k, w13_weight_scale=k["w13_weight_scale"].float()), sizes, "bf16", None)
     with pytest.raises(LayoutError, match=r"w2_weight has shape \(2, 256, 128\), expected \(2, 1, 256, 128\)"):
-        LAYOUT.from_kernel(dict(k, w2_weight=k["w2_weight"][:, 0]), sizes, "bf16", {})
+        LAYOUT.from_kernel(dict(k, w2_weight=k["w2_weight"][:, 0]), sizes, "bf16", None)
     with pytest.raises(LayoutError, match="missing: w2_weight_scale"):
-        LAYOUT.from_kernel({n: t for n, t in k.items() if n != "w2_weight_scale"}, sizes, "bf16", {})
+        LAYOUT.from_kernel({n: t for n, t in k.items() if n != "w2_weight_scale"}, sizes, "bf16", None)
     # an MXFP4 reading of the same sizes wants other tensors: the format is part of the sizes
     with pytest.raises(LayoutError):
-        LAYOUT.from_kernel(k, LayoutSizes(2, 256, 256, 256, 256, "halves", False), "bf16", {})
+        LAYOUT.from_kernel(k, LayoutSizes(2, 256, 256, 256, 256, "halves", False), "bf16", None)
 
 
 def test_mxfp4_paths_unchanged_by_the_format_field() -> None:
@@ -374,9 +374,9 @@ def test_mxfp4_paths_unchanged_by_the_format_field() -> None:
         torch.randint(100, 130, (E, H, I // 32), generator=g, dtype=torch.uint8),
     )
     assert c.weight_format == "mxfp4"
-    k = LAYOUT.to_kernel(c, "bf16", {})
+    k = LAYOUT.to_kernel(c, "bf16", None)
     assert k["w13_weight"].shape == (E, 2 * I, H // 2) and k["w13_weight_scale"].dtype == torch.float8_e4m3fn
-    back = LAYOUT.from_kernel(k, LayoutSizes(E, H, I, H, I, "halves", False), "bf16", {})
+    back = LAYOUT.from_kernel(k, LayoutSizes(E, H, I, H, I, "halves", False), "bf16", None)
     assert back.weight_format == "mxfp4" and torch.equal(back.w13, c.w13) and torch.equal(back.w2_scale, c.w2_scale)
 
 

@@ -50,12 +50,13 @@ def backend_table(
                     f"takes {', '.join(formats)} experts, not {weight_format}: quantize the source to mxfp4 first")})
                 continue
             try:
-                Hp, Ip = layout.padded_sizes(H, I, row_order, act, layout.resolve_options(), **fmt_kw)
+                opts = layout.resolve_options()
+                Hp, Ip = layout.padded_sizes(H, I, row_order, act, opts, **fmt_kw)
                 sizes = LayoutSizes(E, H, I, Hp, Ip, row_order, has_bias, weight_format)
-                nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, layout.resolve_options()).values()) * layers
+                nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, opts).values()) * layers
                 served: list[str] = []
                 if weight_format == "mxfp4":  # the vLLM backends a layout lists are MXFP4 ones
-                    compat = layout.describe(sizes, act, layout.resolve_options()).get("engine_compat", {}).get("vllm")
+                    compat = layout.describe(sizes, act, opts).get("engine_compat", {}).get("vllm")
                     model = {"activation": model_activation, "has_expert_bias": has_bias}
                     served = [b for b in getattr(layout, "vllm_backends", {}).get(act, ())
                               if vllm_refusal(b, (H, I, Hp, Ip), model, compat) is None]

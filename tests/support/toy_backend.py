@@ -64,18 +64,18 @@ class ToyLayout(LayoutBase):
         p = pad_canonical(c, Hp, Ip)
         out = {"w13_weight": p.w13, "w13_weight_scale": p.w13_scale, "w2_weight": p.w2, "w2_weight_scale": p.w2_scale,
                "w13_bias": p.w13_bias, "w2_bias": p.w2_bias}  # fmt: skip
-        rev = options["reverse"]
+        rev = options.reverse
         return {k: _flip(v if "bias" not in k else v.float(), rev) for k, v in out.items() if v is not None}
 
     def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: Any) -> CanonicalExperts:
-        g = {name: _flip(t, options["reverse"]) for name, t in k.items()}
+        g = {name: _flip(t, options.reverse) for name, t in k.items()}
         padded = CanonicalExperts(g["w13_weight"], g["w13_weight_scale"], g["w2_weight"], g["w2_weight_scale"],
                                   g.get("w13_bias"), g.get("w2_bias"), sizes.row_order)  # fmt: skip
         return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size)
 
     def describe(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "engine_compat": {"toy-engine": ">=1"},
-                "activation": activation, "reverse": options["reverse"]}  # fmt: skip
+                "activation": activation, "reverse": options.reverse}  # fmt: skip
 
 
 class ToyRunner:

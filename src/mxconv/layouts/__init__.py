@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 # The registry itself imports no torch (``mxconv --help`` lists the backends without it); the
 # shared types of ``base`` are re-exported lazily.
-_BASE_NAMES = ("CanonicalExperts", "Layout", "LayoutBase", "LayoutOption", "LayoutSizes", "TensorSpec")
+_BASE_NAMES = ("CanonicalExperts", "EmptyOptions", "Layout", "LayoutBase", "LayoutOption", "LayoutOptions", "LayoutSizes",
+               "TensorSpec")
 
 
 def __getattr__(name: str) -> Any:
@@ -72,6 +73,6 @@ def options_help() -> str:
 
 
 __all__ = [
-    "CanonicalExperts", "Layout", "LayoutBase", "LayoutOption", "LayoutSizes", "TensorSpec",
+    "CanonicalExperts", "EmptyOptions", "Layout", "LayoutBase", "LayoutOption", "LayoutOptions", "LayoutSizes", "TensorSpec",
     "backend_names", "get_layout", "options_help", "register_layout", "unregister_layout",
 ]

@@ -24,18 +24,14 @@ integer id tensors to trace where each byte goes). ``to_kernel`` folds padding, 
 GU16 into one row table per tensor; on CUDA the Triton kernels of ``mxconv.kernels.trtllm_aiter``
 apply it together with W16 / S32x8 in one pass.
 
-Options read (``options`` dict, all optional):
-
-* ``"check_undefined_scale_padding"`` (bool, default True): in :meth:`AiterLayout.from_kernel`
-  for ``mxfp4``, require the scale column padding (bytes upstream leaves uninitialised) to hold
-  0x7F. Set False to read scales dumped from a live vLLM process. The a16w4 scale padding is
-  defined upstream (0x7F) and is always checked.
+Options: :class:`AiterOptions`.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.environment import KernelLocations
@@ -48,8 +44,8 @@ from mxconv.layouts.aiter_bytemap import (
 )
 from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
-    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
-    TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
+    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutOptions,
+    LayoutSizes, TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
 )
 from mxconv.layouts.canonical import bias_specs, in_kernel_order
 from mxconv.source.st_format import torch_dtype
@@ -58,7 +54,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [  # the shuffles are re-exported: tests and tools name them as aiter.<name>
-    "ACTIVATIONS", "KERNEL_KINDS", "LAYOUT", "SCALE_PAD_FILL", "VLLM_BACKENDS", "VLLM_PAD_FILL", "AiterLayout",
+    "ACTIVATIONS", "KERNEL_KINDS", "LAYOUT", "SCALE_PAD_FILL", "VLLM_BACKENDS", "VLLM_PAD_FILL", "AiterLayout", "AiterOptions",
     "deinterleave_rows", "deinterleave_source_rows", "e8m0_shuffle", "e8m0_unshuffle", "gu16", "gu16_inverse",
     "gu16_source_rows", "interleave_rows", "permute_padded", "s32x8", "s32x8_dest_offsets", "s32x8_inverse",
     "shuffle_scale_a4w4", "shuffle_scale_a16w4", "unshuffle_scale_a4w4", "unshuffle_scale_a16w4", "w16",
@@ -144,6 +140,16 @@ def _to_kernel_gathered(c: CanonicalExperts, hp: int, ip: int, activation: str, 
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class AiterOptions(LayoutOptions):
+    """The aiter layout's resolved options. ``check_undefined_scale_padding`` (default True): in
+    :meth:`AiterLayout.from_kernel` for ``mxfp4``, require the scale column padding (bytes upstream
+    leaves uninitialised) to hold 0x7F; False reads scales dumped from a live vLLM process. The
+    a16w4 scale padding is defined upstream (0x7F) and is always checked."""
+
+    check_undefined_scale_padding: bool = True
+
+
 class AiterLayout(LayoutBase):
     """AITER MXFP4 MoE layout (vLLM ROCm ``AITER_MXFP4_BF16`` / ``AITER_MXFP4_MXFP4``)."""
 
@@ -151,6 +157,7 @@ class AiterLayout(LayoutBase):
     version = 1
     activations: tuple[str, ...] = ACTIVATIONS
     vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
+    options_type = AiterOptions
     options = (
         LayoutOption(
             "check_undefined_scale_padding", bool, True,
@@ -164,7 +171,7 @@ class AiterLayout(LayoutBase):
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: dict[str, Any] | None = None,
+        options: AiterOptions | None = None,
     ) -> tuple[int, int]:
         """(Hp, Ip) per vLLM 0.33's ROCm table (module docstring). LayoutError if impossible."""
         check_activation(activation)
@@ -177,7 +184,7 @@ class AiterLayout(LayoutBase):
         h_align, i_align = _ALIGN[(activation, row_order)]
         return round_up(hidden_size, h_align), round_up(intermediate_size, i_align)
 
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: AiterOptions) -> dict[str, TensorSpec]:
         """Output shapes/dtypes. a16w4: scales 2-D ``[E*N, round_up(K/32, 8)]``; a4w4: 3-D
         ``[E, N, round_up(K/32, 8)]``; weights ``[E, N, K/2]`` uint8; biases float32."""
         _check_sizes(sizes, activation)
@@ -196,7 +203,7 @@ class AiterLayout(LayoutBase):
             **bias_specs(sizes, hp, ip, "F32"),
         })
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: AiterOptions,
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
         """Canonical (unpadded) stack -> AITER kernel tensors on ``c``'s device (padding included);
         ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
@@ -207,12 +214,11 @@ class AiterLayout(LayoutBase):
         return _to_kernel_gathered(c, hp, ip, activation, kernel_choice)
 
     def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: AiterOptions
     ) -> CanonicalExperts:
         """Exact inverse of :meth:`to_kernel`. Checks shapes/dtypes, the 0x7F scale column padding
         and vLLM's zero padding (LayoutError naming the tensor and the first offending index).
         Biases come back as float32."""
-        options = options or {}
         specs = self.kernel_specs(sizes, activation, options)
         t = _validated_inputs(k, specs)
         e, h, i = sizes.num_experts, sizes.hidden_size, sizes.intermediate_size
@@ -236,7 +242,7 @@ class AiterLayout(LayoutBase):
             s13 = unshuffle_scale_a4w4(t["w13_weight_scale"])
             w2 = w16_inverse(t["w2_weight"])
             s2 = unshuffle_scale_a4w4(t["w2_weight_scale"])
-            check_pad = bool(options.get("check_undefined_scale_padding", True))
+            check_pad = self.options_of(options).check_undefined_scale_padding
             fwd13 = fwd2 = shuffle_scale_a4w4
 
         if check_pad:
@@ -259,7 +265,7 @@ class AiterLayout(LayoutBase):
                 f"[E, N, K] view with {sizes.row_order} w13 rows)"
             ) from err
 
-    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+    def describe(self, sizes: LayoutSizes, activation: str, options: AiterOptions) -> dict[str, Any]:
         """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
         _check_sizes(sizes, activation)
         hp, ip = sizes.padded_hidden_size, sizes.padded_intermediate_size

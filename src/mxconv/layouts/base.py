@@ -18,8 +18,8 @@ torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from dataclasses import dataclass, fields, make_dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import (
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     pass
 
 __all__ = [
-    "KERNEL_TENSOR_NAMES", "ROW_ORDERS", "WEIGHT_FORMATS", "CanonicalExperts", "KernelTensors", "Layout",
-    "LayoutBase", "LayoutOption", "LayoutSizes", "TensorSpec", "cached_index", "check_fill", "gather_padded_rows",
+    "KERNEL_TENSOR_NAMES", "ROW_ORDERS", "WEIGHT_FORMATS", "CanonicalExperts", "EmptyOptions", "KernelTensors",
+    "Layout", "LayoutBase", "LayoutOption", "LayoutOptions", "LayoutSizes", "TensorSpec", "cached_index", "check_fill", "gather_padded_rows",
     "layout_kernels", "pad_canonical", "pad_last", "pad_row_source", "round_up", "slice_tp", "tp_ranges",
     "unpad_canonical",
 ]
@@ -94,11 +94,42 @@ class LayoutOption:
         return f"{self.name}={values} (default {self.default}): {self.help}"
 
 
+@dataclass(frozen=True)
+class LayoutOptions:
+    """A backend's options after :meth:`LayoutBase.resolve_options`: one frozen field per declared
+    :class:`LayoutOption`, named as it and in its order. The layout methods read its attributes."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's layout ``options``: every option by name, in declaration order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class EmptyOptions(LayoutOptions):
+    """The options of a backend that declares none."""
+
+
+def _options_type(cls: type) -> type[LayoutOptions]:
+    """``cls.options_type`` checked against ``cls.options``; one made from them when not declared."""
+    names = [o.name for o in cls.options]
+    declared = cls.options_type
+    if [f.name for f in fields(declared)] == names:
+        return declared
+    if "options_type" in cls.__dict__:
+        raise TypeError(f"{cls.__name__}.options_type fields must be its options {names}, in that order")
+    made = make_dataclass(f"{cls.__name__}Options", [(o.name, o.kind) for o in cls.options],
+                          bases=(LayoutOptions,), frozen=True)  # fmt: skip
+    made.__module__ = cls.__module__
+    return made
+
+
 class LayoutBase:
     """Shared behaviour of every backend layout (subclass it and declare the class attributes).
 
-    ``options`` declares the backend's typed options; :meth:`resolve_options` turns what a user or a
-    manifest gave into a complete, validated dict (defaults filled), which every other method takes.
+    ``options`` declares the backend's typed options and ``options_type`` the frozen
+    :class:`LayoutOptions` holding them (made from ``options`` when a subclass declares none);
+    :meth:`resolve_options` turns what a user or a manifest gave into one, validated with defaults
+    filled, once at the edge; every other method takes that object (None: the defaults).
     """
 
     name: str = ""
@@ -110,11 +141,19 @@ class LayoutBase:
     vllm_backends: dict[str, tuple[str, ...]] = {}
     # canonical expert formats (CanonicalExperts.weight_format) this layout takes; plan refuses others
     weight_formats: tuple[str, ...] = ("mxfp4",)
+    options_type: type[LayoutOptions] = EmptyOptions
 
-    def resolve_options(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``given`` (values, or strings to parse) validated, unknown names refused, defaults filled."""
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.options_type = _options_type(cls)
+
+    def resolve_options(self, given: LayoutOptions | Mapping[str, Any] | None = None) -> LayoutOptions:
+        """``given`` (values, or strings to parse) validated, unknown names refused, defaults filled,
+        as this backend's :attr:`options_type`; an object of that type already is returned as is."""
+        if isinstance(given, self.options_type):
+            return given
         known = {o.name: o for o in self.options}
-        given = dict(given or {})
+        given = dict(given.to_json() if isinstance(given, LayoutOptions) else given or {})
         unknown = sorted(set(given) - set(known))
         if unknown:
             listed = ", ".join(known) if known else "none"
@@ -127,7 +166,17 @@ class LayoutBase:
                 out[name] = opt.parse(given[name])
             else:
                 out[name] = opt.validate(given[name])
-        return out
+        return self.options_type(**out)
+
+    def options_of(self, options: LayoutOptions | None) -> Any:
+        """``options`` as resolved by :meth:`resolve_options` (None: the defaults); TypeError for
+        anything else (a dict: resolve it once first)."""
+        if options is None:
+            return self.resolve_options()
+        if not isinstance(options, self.options_type):
+            raise TypeError(f"backend {self.name} takes {self.options_type.__name__} options (resolve_options), "
+                            f"not {type(options).__name__}")
+        return options
 
     def check_activation(self, activation: str) -> None:
         """LayoutError unless ``activation`` is one this backend serves."""
@@ -141,7 +190,7 @@ class LayoutBase:
     # resolved by mxconv.engines (never here: the engines sit above the layouts). None: no runner.
     engine_runner: Any = None
 
-    def size_warnings(self, hidden_size: int, intermediate_size: int, options: dict[str, Any] | None = None) -> list[str]:
+    def size_warnings(self, hidden_size: int, intermediate_size: int, options: LayoutOptions | None = None) -> list[str]:
         """Plain warnings about sizes the engine accepts but computes wrongly (repack prints them,
         inspect shows them, ``verify --kernel`` fails on them). None by default."""
         return []
@@ -161,9 +210,10 @@ class Layout(Protocol):
     options: tuple[LayoutOption, ...]  # typed options (--layout-option NAME=VALUE)
     vllm_backends: dict[str, tuple[str, ...]]  # activation -> vLLM Mxfp4MoeBackend names served
     weight_formats: tuple[str, ...]  # canonical weight formats taken (LayoutBase: ("mxfp4",))
+    options_type: type[LayoutOptions]  # the frozen dataclass resolve_options makes (LayoutBase: from options)
 
-    def resolve_options(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Validated options with defaults filled (LayoutBase provides it)."""
+    def resolve_options(self, given: LayoutOptions | Mapping[str, Any] | None = None) -> LayoutOptions:
+        """Validated options with defaults filled, as ``options_type`` (LayoutBase provides it)."""
         ...
 
     engine_runner: Any  # "module:attribute" of its mxconv.engines EngineRunner, the runner, or None
@@ -174,17 +224,17 @@ class Layout(Protocol):
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: dict[str, Any] | None = None,
+        options: LayoutOptions | None = None,
     ) -> tuple[int, int]:
-        """(Hp, Ip) for one rank's (already TP-sliced) sizes under ``options`` (the same dict
+        """(Hp, Ip) for one rank's (already TP-sliced) sizes under ``options`` (the same object
         kernel_specs/to_kernel get; e.g. trtllm's ``intermediate_align``). LayoutError if impossible."""
         ...
 
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the kernel tensors this backend writes for ``sizes``."""
         ...
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: LayoutOptions,
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
         """Canonical (unpadded) stack -> kernel tensors (padded, permuted), on ``c``'s device.
         ``kernel_choice``: AUTO lets CUDA stacks go through the Triton layout kernels where the
@@ -192,13 +242,13 @@ class Layout(Protocol):
         ...
 
     def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: LayoutOptions
     ) -> CanonicalExperts:
         """Kernel tensors -> canonical stack. Raise LayoutError if a padding region holds other
         than its defined fill (name the tensor and the first offending index)."""
         ...
 
-    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+    def describe(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, Any]:
         """Manifest `layout` fields owned by the backend: `name`, `version`, `engine_compat`,
         `kernel_params` (filled by the caller for the activation function) and any extras."""
         ...

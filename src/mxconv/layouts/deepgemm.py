@@ -30,8 +30,8 @@ from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
 from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
-    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutSizes, TensorSpec, pad_canonical, round_up,
-    unpad_canonical,
+    ROW_ORDERS, CanonicalExperts, EmptyOptions, KernelTensors, LayoutBase, LayoutSizes, TensorSpec, pad_canonical,
+    round_up, unpad_canonical,
 )
 from mxconv.layouts.canonical import bias_specs, in_kernel_order
 from mxconv.source.st_format import torch_dtype
@@ -97,7 +97,7 @@ class DeepgemmLayout(LayoutBase):
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: dict[str, Any] | None = None,
+        options: EmptyOptions | None = None,
     ) -> tuple[int, int]:
         """(Hp, Ip) = (roundup(H, 128), roundup(I, 128)) for one rank; LayoutError unless H and I
         are positive multiples of 32 and the row order and activation are known."""
@@ -120,7 +120,7 @@ class DeepgemmLayout(LayoutBase):
             )
         return want
 
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the stored tensors (table in the module docstring)."""
         Hp, Ip = self._checked(sizes, activation)
         E = sizes.num_experts
@@ -132,7 +132,7 @@ class DeepgemmLayout(LayoutBase):
             **bias_specs(sizes, Hp, Ip, BIAS_DTYPE),
         })
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: EmptyOptions,
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
         """Canonical stack -> stored kernel tensors on ``c``'s device: zero padding to (Hp, Ip),
         weights as they are, scales packed by :func:`pack_ue8m0`, biases as bfloat16 (torch ops only:
@@ -149,7 +149,7 @@ class DeepgemmLayout(LayoutBase):
         return out
 
     def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: EmptyOptions
     ) -> CanonicalExperts:
         """Stored tensors -> canonical (unpadded) stack; biases come back as bfloat16.
 
@@ -180,7 +180,7 @@ class DeepgemmLayout(LayoutBase):
         )
         return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size, scale_fill=PAD_FILL, check=True)
 
-    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+    def describe(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, Any]:
         """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
         self._checked(sizes, activation)
         return {

@@ -25,13 +25,14 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
-    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes,
-    TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
+    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutOptions,
+    LayoutSizes, TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
 )
 from mxconv.layouts.canonical import bias_specs, in_kernel_order
 from mxconv.layouts.marlin_bytemap import (
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [  # the byte maps are re-exported: tests and tools name them as marlin.<name>
     "ACTIVATIONS", "FP8_SCALE_MAX_INPUT", "FP8_SCALE_OFFSET", "HIDDEN_MULTIPLE", "INTERMEDIATE_MULTIPLE", "LAYOUT",
-    "SCALE_LAYOUTS", "MarlinLayout", "chunk32_perm", "inverse_perm", "legacy_unweave", "legacy_weave", "marlin_bias",
+    "SCALE_LAYOUTS", "MarlinLayout", "MarlinOptions", "chunk32_perm", "inverse_perm", "legacy_unweave", "legacy_weave", "marlin_bias",
     "marlin_scales", "marlin_unbias", "marlin_unscales", "marlin_weight_repack", "marlin_weight_repack_words",
     "marlin_weight_unrepack", "permute_chunks", "scale_perm_bf16", "scale_regroup_perm", "scale_transpose_perm",
     "weight_source_index",
@@ -61,6 +62,13 @@ INTERMEDIATE_MULTIPLE = 128  # Ip = round_up(I, 128)
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class MarlinOptions(LayoutOptions):
+    """The marlin layout's resolved options: ``marlin_scale_layout``, one of SCALE_LAYOUTS."""
+
+    marlin_scale_layout: str = "current"
+
+
 class MarlinLayout(LayoutBase):
     """vLLM Marlin MXFP4 MoE backend (see module docstring for options)."""
 
@@ -70,6 +78,7 @@ class MarlinLayout(LayoutBase):
     # fp8 is the same backends with VLLM_MARLIN_INPUT_DTYPE=fp8 (W4A8-FP8)
     vllm_backends = {"bf16": ("MARLIN", "BATCHED_MARLIN"), "fp8": ("MARLIN", "BATCHED_MARLIN")}
     engine_runner = "mxconv.engines.marlin_moe:RUNNER"  # the engine's own kernel on these bytes (verify --kernel)
+    options_type = MarlinOptions
     options = (
         LayoutOption(
             "marlin_scale_layout", str, "current",
@@ -82,7 +91,7 @@ class MarlinLayout(LayoutBase):
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: dict[str, Any] | None = None,
+        options: MarlinOptions | None = None,
     ) -> tuple[int, int]:
         """(Hp, Ip) = (round_up(H, 256), round_up(I, 128)); H and I must be positive multiples of 32."""
         self._check_activation(activation)
@@ -96,10 +105,10 @@ class MarlinLayout(LayoutBase):
                 )
         return round_up(hidden_size, HIDDEN_MULTIPLE), round_up(intermediate_size, INTERMEDIATE_MULTIPLE)
 
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: MarlinOptions) -> dict[str, TensorSpec]:
         """w13_weight int32 [E, Hp/16, 4Ip], w13_weight_scale e8m0 [E, Hp/32, 2Ip], w13_bias bf16 [E, 2Ip],
         w2_weight int32 [E, Ip/16, 2Hp], w2_weight_scale e8m0 [E, Ip/32, Hp], w2_bias bf16 [E, Hp]."""
-        check_scale_mode(activation, _scale_layout(options))
+        check_scale_mode(activation, self.options_of(options).marlin_scale_layout)
         E, Hp, Ip = sizes.num_experts, sizes.padded_hidden_size, sizes.padded_intermediate_size
         return in_kernel_order({
             "w13_weight": TensorSpec((E, Hp // 16, 4 * Ip), "I32"),
@@ -111,13 +120,13 @@ class MarlinLayout(LayoutBase):
 
     # -- conversion ----------------------------------------------------------------------------
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: MarlinOptions,
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
         """Pad (zero weights, zero scale bytes, zero bias) and lay out the whole stack on c's device;
         ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
         import torch
 
-        scale_layout = _scale_layout(options)
+        scale_layout = self.options_of(options).marlin_scale_layout
         check_scale_mode(activation, scale_layout)
         c.validate()  # includes: both biases or neither
         Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
@@ -156,13 +165,13 @@ class MarlinLayout(LayoutBase):
         return in_kernel_order(out)
 
     def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: MarlinOptions
     ) -> CanonicalExperts:
         """Exact inverse of :meth:`to_kernel`; LayoutError on wrong shapes/dtypes or non-zero padding.
         Biases come back as float32."""
         import torch
 
-        scale_layout = _scale_layout(options)
+        scale_layout = self.options_of(options).marlin_scale_layout
         specs = self.kernel_specs(sizes, activation, options)
         for name in KERNEL_TENSOR_NAMES:
             if name not in specs:
@@ -193,9 +202,9 @@ class MarlinLayout(LayoutBase):
 
     # -- manifest ------------------------------------------------------------------------------
 
-    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+    def describe(self, sizes: LayoutSizes, activation: str, options: MarlinOptions) -> dict[str, Any]:
         """Manifest `layout` fields: name, version, engine_compat, activation, tile and scale layout."""
-        scale_layout = _scale_layout(options)
+        scale_layout = self.options_of(options).marlin_scale_layout
         check_scale_mode(activation, scale_layout)
         compat = {"vllm": ">=0.12"} if scale_layout == "current" else {"vllm": ">=0.10.2,<=0.11.2"}
         info: dict[str, Any] = {
@@ -265,14 +274,6 @@ def _kernel_scales(
         tab = _row_table(rows, padded_rows, row_order, None, s.device)
         out = marlin_scales(gather_padded_rows(s, tab, cols, 0), activation, scale_layout, name)
     return out.view(torch.float8_e8m0fnu)
-
-
-def _scale_layout(options: dict[str, Any] | None) -> str:
-    """The `marlin_scale_layout` option ("current" when absent or None)."""
-    value = (options or {}).get("marlin_scale_layout") or "current"
-    if value not in SCALE_LAYOUTS:
-        raise LayoutError(f"unknown marlin_scale_layout {value!r} (expected one of {SCALE_LAYOUTS})")
-    return str(value)
 
 
 LAYOUT = MarlinLayout()

@@ -31,13 +31,14 @@ torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
-    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes, TensorSpec, check_fill,
-    gather_padded_rows, layout_kernels, round_up,
+    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutOptions, LayoutSizes, TensorSpec,
+    check_fill, gather_padded_rows, layout_kernels, round_up,
 )
 from mxconv.layouts.canonical import in_kernel_order
 from mxconv.layouts.triton_bytemap import (
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [  # the byte maps are re-exported: tests and tools name them as triton.<name>
     "BACKEND_NAME", "LAYOUT", "LAYOUT_VERSION", "NIBBLE_DEST_BITS", "TWIDDLE_GROUPS", "UNTWIDDLE_GROUPS",
-    "MatrixGeometry", "TritonLayout", "permute_scales", "permute_values", "twiddle_words", "unpermute_scales",
+    "MatrixGeometry", "TritonLayout", "TritonOptions", "permute_scales", "permute_values", "twiddle_words", "unpermute_scales",
     "unpermute_values", "w13_row_table", "w2_row_table",
 ]
 
@@ -77,17 +78,27 @@ _ENGINE_COMPAT = {
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TritonOptions(LayoutOptions):
+    """The triton layout's resolved options (declared in :attr:`TritonLayout.options`, same order)."""
+
+    triton_layout: str = "3.5"  # triton_kernels value-layout generation, a key of VALUE_PADDING
+    num_warps: int = 8
+    scale_k_align: int = 4
+    pad_hidden: bool = False
+
+
 class MatrixGeometry:
     """Kernel geometry of one expert matrix [N, K] (w13: N = 2Ip, K = Hp; w2: N = Hp, K = Ip)
     under resolved options: the padded sizes and the shapes spec §8 needs to rebuild the
     triton_kernels tensors. Value buffer rows/bytes (Np, Kbp) pad N and K/2 per generation; the
     scale's logical width C' = roundup(K/32, scale_k_align), its buffer pads N to 32 W, C' to 2."""
 
-    def __init__(self, experts: int, rows: int, k: int, options: dict[str, Any]) -> None:
-        row_mult, byte_mult = VALUE_PADDING[options["triton_layout"]]
-        self.experts, self.rows, self.k, self.num_warps = experts, rows, k, int(options["num_warps"])
+    def __init__(self, experts: int, rows: int, k: int, options: TritonOptions) -> None:
+        row_mult, byte_mult = VALUE_PADDING[options.triton_layout]
+        self.experts, self.rows, self.k, self.num_warps = experts, rows, k, options.num_warps
         self.value_rows, self.value_row_bytes = round_up(rows, row_mult), round_up(k // 2, byte_mult)
-        self.scale_cols = round_up(k // MX_BLOCK, int(options["scale_k_align"]))
+        self.scale_cols = round_up(k // MX_BLOCK, options.scale_k_align)
         self.scale_rows, self.scale_padded_cols = round_up(rows, 32 * self.num_warps), round_up(self.scale_cols, 2)
 
     @property
@@ -139,6 +150,7 @@ class TritonLayout(LayoutBase):
     # branch interleaves the K axis instead of the rows (spec §5) and its OAI experts run swigluoai only.
     vllm_backends = {"bf16": ("TRITON",)}
     engine_runner = "mxconv.engines.triton_moe:RUNNER"  # the engine's own kernel on these bytes (verify --kernel)
+    options_type = TritonOptions
     options = (
         LayoutOption("triton_layout", str, "3.5", "triton_kernels Hopper value-layout generation: 3.5 (vendored by "
                      "vLLM 0.12-0.33; rows to 16, K/2 to 32) or 3.6 (vLLM 0.20, triton main; both to 64)",
@@ -153,27 +165,27 @@ class TritonLayout(LayoutBase):
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: dict[str, Any] | None = None,
+        options: TritonOptions | None = None,
     ) -> tuple[int, int]:
         """(Hp, Ip) = (H, or roundup(H, 64) with pad_hidden; roundup(I, 64)) for one rank.
         LayoutError unless H and I are positive multiples of 32."""
-        opts = self.resolve_options(options)
+        opts = self.options_of(options)
         self.check_activation(activation)
         need(row_order in ROW_ORDERS, f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
             need(size > 0 and size % MX_BLOCK == 0, f"triton: {what} size {size} must be a positive multiple of {MX_BLOCK}")
-        hp = round_up(hidden_size, HIDDEN_ALIGN) if opts["pad_hidden"] else hidden_size
+        hp = round_up(hidden_size, HIDDEN_ALIGN) if opts.pad_hidden else hidden_size
         return hp, round_up(intermediate_size, INTERMEDIATE_ALIGN)
 
-    def size_warnings(self, hidden_size: int, intermediate_size: int, options: dict[str, Any] | None = None) -> list[str]:
+    def size_warnings(self, hidden_size: int, intermediate_size: int, options: TritonOptions | None = None) -> list[str]:
         """The hidden-size warning (:meth:`hidden_warning`) when it applies."""
         warning = self.hidden_warning(hidden_size, options)
         return [warning] if warning else []
 
-    def hidden_warning(self, hidden_size: int, options: dict[str, Any] | None = None) -> str | None:
+    def hidden_warning(self, hidden_size: int, options: TritonOptions | None = None) -> str | None:
         """A plain warning when the kernel would reduce over a hidden size that is not a multiple
         of 64 (Hopper matmul_ogs computes wrong results then); None when it will not."""
-        if hidden_size % HIDDEN_ALIGN == 0 or self.resolve_options(options)["pad_hidden"]:
+        if hidden_size % HIDDEN_ALIGN == 0 or self.options_of(options).pad_hidden:
             return None
         return (
             f"hidden size {hidden_size} is not a multiple of {HIDDEN_ALIGN}: vLLM's TRITON MoE path on Hopper "
@@ -182,16 +194,16 @@ class TritonLayout(LayoutBase):
             f"pad_hidden=true (hidden padded to {round_up(hidden_size, HIDDEN_ALIGN)} with zeros)"
         )
 
-    def geometry(self, sizes: LayoutSizes, options: dict[str, Any] | None = None) -> dict[str, MatrixGeometry]:
+    def geometry(self, sizes: LayoutSizes, options: TritonOptions | None = None) -> dict[str, MatrixGeometry]:
         """{"w13": ..., "w2": ...} kernel geometry for ``sizes`` (its padded sizes checked against the rule)."""
-        opts = self.resolve_options(options)
+        opts = self.options_of(options)
         hp, ip = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, self.activations[0], opts)
         got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
         need(got == (hp, ip), f"triton: padded sizes (Hp, Ip) = {got} do not match the layout's {(hp, ip)} for "
               f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} (Ip = roundup(I, 64); Hp = H unless pad_hidden)")
         return _geometry(sizes.num_experts, hp, ip, opts)
 
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: TritonOptions) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the stored tensors (biases only when ``sizes.has_bias``)."""
         self.check_activation(activation)
         specs: dict[str, TensorSpec] = {}
@@ -202,12 +214,12 @@ class TritonLayout(LayoutBase):
                 specs[f"{w}_bias"] = TensorSpec((g.experts, g.rows), BIAS_DTYPE)
         return in_kernel_order(specs)
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: TritonOptions,
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
         """Canonical stack -> stored kernel buffers on ``c``'s device (table in the module doc);
         ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
         c.validate()
-        opts = self.resolve_options(options)
+        opts = self.options_of(options)
         hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, opts)
         kern = _kernels(c.w13, kernel_choice)
         out: KernelTensors = {}
@@ -226,7 +238,7 @@ class TritonLayout(LayoutBase):
         return in_kernel_order(out)
 
     def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: TritonOptions
     ) -> CanonicalExperts:
         """Stored buffers -> canonical (unpadded) stack in the source's row order; biases float32.
 
@@ -234,7 +246,7 @@ class TritonLayout(LayoutBase):
         devices, or a non-zero padding byte/value (tensor and index named; the index is in the
         un-swizzled [E, rows, K/2 bytes or K/32] view with w13 rows as gate/up pairs).
         """
-        opts = self.resolve_options(options)
+        opts = self.options_of(options)
         _check_tensors(k, self.kernel_specs(sizes, activation, opts))
         H, I, dev = sizes.hidden_size, sizes.intermediate_size, k["w13_weight"].device
         parts: dict[str, torch.Tensor | None] = {}
@@ -248,14 +260,14 @@ class TritonLayout(LayoutBase):
             parts[f"{w}_bias"] = _crop(f"{w}_bias", k[f"{w}_bias"], rows, None, inv) if sizes.has_bias else None
         return CanonicalExperts(row_order=sizes.row_order, **parts)  # type: ignore[arg-type]
 
-    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+    def describe(self, sizes: LayoutSizes, activation: str, options: TritonOptions) -> dict[str, Any]:
         """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller):
         options, kernel/source w13 row order, hidden padding and warning, and per matrix (w13, w2)
         the triton_kernels layout objects' shapes and the stored buffers (spec §8)."""
         self.check_activation(activation)
-        opts = self.resolve_options(options)
+        opts = self.options_of(options)
         geo = self.geometry(sizes, opts)
-        gen, align = opts["triton_layout"], opts["scale_k_align"]
+        gen, align = opts.triton_layout, opts.scale_k_align
         return {
             "name": self.name,
             "version": self.version,
@@ -266,10 +278,10 @@ class TritonLayout(LayoutBase):
             "triton_layout": gen,
             "value_padding": dict(zip(("rows", "row_bytes"), VALUE_PADDING[gen])),
             "bit_twiddle": True,
-            "num_warps": opts["num_warps"],
+            "num_warps": opts.num_warps,
             "scale_k_align": align,
             "split_k": 1,
-            "pad_hidden": opts["pad_hidden"],
+            "pad_hidden": opts.pad_hidden,
             "hidden_padded": sizes.padded_hidden_size != sizes.hidden_size,
             "hidden_warning": self.hidden_warning(sizes.hidden_size, opts),
             "intermediate_align": INTERMEDIATE_ALIGN,
@@ -285,7 +297,7 @@ class TritonLayout(LayoutBase):
         }  # fmt: skip
 
 
-def _geometry(experts: int, hp: int, ip: int, opts: dict[str, Any]) -> dict[str, MatrixGeometry]:
+def _geometry(experts: int, hp: int, ip: int, opts: TritonOptions) -> dict[str, MatrixGeometry]:
     return {"w13": MatrixGeometry(experts, 2 * ip, hp, opts), "w2": MatrixGeometry(experts, hp, ip, opts)}
 
 

@@ -46,14 +46,15 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import trtllm_mxint4
 from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.base import (
-    CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes, TensorSpec, gather_padded_rows,
-    layout_kernels, round_up, unpad_canonical,
+    CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutOptions, LayoutSizes, TensorSpec,
+    gather_padded_rows, layout_kernels, round_up, unpad_canonical,
 )
 from mxconv.layouts.canonical import bias_specs
 from mxconv.layouts.trtllm_bytemap import (
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
 
 __all__ = [  # the row maps and swizzle are re-exported: tests, tools and trtllm_mxint4 use trtllm.<name>
     "ACTIVATIONS", "BACKEND_NAME", "EPILOGUE_TILE_M", "LAYOUT", "LAYOUT_VERSION", "SF_TILE_COLS", "SF_TILE_ROWS",
-    "SHUFFLE_BLOCK_ROWS", "TrtllmLayout", "gate_up_pair_dst", "gate_up_pair_src", "mma_shuffle_dst",
+    "SHUFFLE_BLOCK_ROWS", "TrtllmLayout", "TrtllmOptions", "gate_up_pair_dst", "gate_up_pair_src", "mma_shuffle_dst",
     "mma_shuffle_src", "swizzle_128x4", "swizzle_offsets", "swizzle_slot_coords", "swizzled_scale_size",
     "unswizzle_128x4", "w13_row_dst", "w13_row_src", "w13_row_table", "w2_row_dst", "w2_row_src", "w2_row_table",
 ]
@@ -95,15 +96,20 @@ VLLM_BACKENDS = {"bf16": "FLASHINFER_TRTLLM_MXFP4_BF16", "mxfp8": "FLASHINFER_TR
 # ---------------------------------------------------------------------------------------------
 
 
-def intermediate_align_option(options: dict[str, Any] | None) -> int:
-    """``options["intermediate_align"]`` (default 128), checked to be a positive multiple of 128."""
-    align = (options or {}).get("intermediate_align", DEFAULT_INTERMEDIATE_ALIGN)
-    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align % INTERMEDIATE_ALIGN_QUANTUM:
-        raise LayoutError(
-            f"trtllm option intermediate_align={align!r} must be a positive multiple of "
-            f"{INTERMEDIATE_ALIGN_QUANTUM} (the 128x4 scale swizzle needs Ip % 128 == 0)"
-        )
-    return align
+@dataclass(frozen=True)
+class TrtllmOptions(LayoutOptions):
+    """The trtllm layout's resolved options; ``intermediate_align`` is checked to be a positive
+    multiple of 128 when made (LayoutError otherwise)."""
+
+    intermediate_align: int = DEFAULT_INTERMEDIATE_ALIGN
+
+    def __post_init__(self) -> None:
+        align = self.intermediate_align
+        if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align % INTERMEDIATE_ALIGN_QUANTUM:
+            raise LayoutError(
+                f"trtllm option intermediate_align={align!r} must be a positive multiple of "
+                f"{INTERMEDIATE_ALIGN_QUANTUM} (the 128x4 scale swizzle needs Ip % 128 == 0)"
+            )
 
 
 def _align_problem(align: int) -> str | None:
@@ -120,6 +126,7 @@ class TrtllmLayout(LayoutBase):
     activations = ACTIVATIONS
     vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
     weight_formats = ("mxfp4", "int4")  # int4: the MxInt4 variant (trtllm_mxint4)
+    options_type = TrtllmOptions
     options = (
         LayoutOption(
             "intermediate_align", int, DEFAULT_INTERMEDIATE_ALIGN,
@@ -161,7 +168,7 @@ class TrtllmLayout(LayoutBase):
         intermediate_size: int,
         row_order: str,
         activation: str,
-        options: dict[str, Any] | None = None,
+        options: TrtllmOptions | None = None,
         *,
         intermediate_align: int | None = None,
         weight_format: str = "mxfp4",
@@ -177,9 +184,9 @@ class TrtllmLayout(LayoutBase):
         check_row_order(row_order)
         self._check_activation(activation)
         if intermediate_align is None:
-            align = intermediate_align_option(options)
+            align = self.options_of(options).intermediate_align
         else:
-            align = intermediate_align_option({"intermediate_align": intermediate_align})
+            align = TrtllmOptions(intermediate_align).intermediate_align
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
             if size <= 0 or size % MX_BLOCK:
                 raise LayoutError(
@@ -187,11 +194,11 @@ class TrtllmLayout(LayoutBase):
                 )
         return round_up(hidden_size, HIDDEN_ALIGN), round_up(intermediate_size, align)
 
-    def _padded(self, H: int, I: int, row_order: str, activation: str, options: dict[str, Any] | None) -> tuple[int, int]:
+    def _padded(self, H: int, I: int, row_order: str, activation: str, options: TrtllmOptions | None) -> tuple[int, int]:
         """:meth:`padded_sizes` with the ``intermediate_align`` of ``options``."""
-        return self.padded_sizes(H, I, row_order, activation, intermediate_align=intermediate_align_option(options))
+        return self.padded_sizes(H, I, row_order, activation, options)
 
-    def _checked_padding(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> tuple[int, int]:
+    def _checked_padding(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> tuple[int, int]:
         """(Hp, Ip) for ``sizes``; LayoutError if sizes' padded values disagree with this layout."""
         Hp, Ip = self._padded(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options)
         got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
@@ -200,11 +207,11 @@ class TrtllmLayout(LayoutBase):
                 f"trtllm: padded sizes (Hp, Ip) = {got} do not match the layout's {(Hp, Ip)} for "
                 f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} "
                 f"(Hp = roundup(H, {HIDDEN_ALIGN}), Ip = roundup(I, intermediate_align = "
-                f"{intermediate_align_option(options)}))"
+                f"{self.options_of(options).intermediate_align}))"
             )
         return Hp, Ip
 
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, TensorSpec]:
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the kernel tensors (biases only when ``sizes.has_bias``)."""
         if sizes.weight_format == "int4":
             return trtllm_mxint4.kernel_specs(sizes, activation)
@@ -220,7 +227,7 @@ class TrtllmLayout(LayoutBase):
 
     # -- forward -------------------------------------------------------------------------------
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: dict[str, Any],
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: TrtllmOptions,
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
         """Canonical stack -> padded, permuted kernel tensors on ``c``'s device (table in module doc);
         ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
@@ -263,7 +270,7 @@ class TrtllmLayout(LayoutBase):
     # -- inverse -------------------------------------------------------------------------------
 
     def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: dict[str, Any]
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: TrtllmOptions
     ) -> CanonicalExperts:
         """Kernel tensors -> canonical (unpadded) stack; biases come back as float32.
 
@@ -292,7 +299,7 @@ class TrtllmLayout(LayoutBase):
 
     # -- manifest ------------------------------------------------------------------------------
 
-    def describe(self, sizes: LayoutSizes, activation: str, options: dict[str, Any]) -> dict[str, Any]:
+    def describe(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, Any]:
         """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
         if sizes.weight_format == "int4":
             return trtllm_mxint4.describe(sizes, activation)
@@ -312,7 +319,7 @@ class TrtllmLayout(LayoutBase):
             "bias_dtype": "float32",
             "w13_kernel_row_order": "up_gate_pairs",
             "hidden_align": HIDDEN_ALIGN,
-            "intermediate_align": intermediate_align_option(options),
+            "intermediate_align": self.options_of(options).intermediate_align,
         }
 
 

@@ -95,7 +95,7 @@ def manifest_layout(plan: Plan) -> dict[str, Any]:
             }
         )
         if plan.repack:
-            lay["options"] = dict(plan.repack.layout_options)
+            lay["options"] = plan.repack.layout_options.to_json()
     lay["w13_row_order"] = info.row_order
     lay["kernel_params"] = kernel_params(info)
     return lay

@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from mxconv.layouts.base import LayoutOptions
 from mxconv.layouts.padding import KernelChoice
 from mxconv.errors import BadInput
 
@@ -143,10 +144,12 @@ class QuantOptions:
 @dataclass(frozen=True)
 class RepackOptions:
     """What ``repack`` writes: the backend's layout for the engine's activation format, per TP rank;
-    ``layout_options``: the backend's own options (checked and typed by its layout)."""
+    ``layout_options``: the backend's own options, as given (a mapping of values or strings) or
+    already resolved; the plan resolves them once (``Layout.resolve_options``) and holds the
+    resolved :class:`~mxconv.layouts.base.LayoutOptions` from then on."""
 
     backend: str
     activation: str
     tp: int = 1
-    layout_options: dict[str, Any] = field(default_factory=dict)
+    layout_options: LayoutOptions | Mapping[str, Any] = field(default_factory=dict)
     kernel_choice: KernelChoice = KernelChoice.AUTO  # Triton layout kernels on CUDA, or torch ops only (same bytes)
