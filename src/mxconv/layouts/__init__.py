@@ -16,16 +16,7 @@ if TYPE_CHECKING:
     from mxconv.layouts.base import Layout
 
 # The registry itself imports no torch (``mxconv --help`` lists the backends without it); the
-# shared types of ``base`` are re-exported lazily.
-_BASE_NAMES = ("CanonicalExperts", "Layout", "LayoutBase", "LayoutOption", "LayoutSizes", "TensorSpec")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _BASE_NAMES:
-        from mxconv.layouts import base
-
-        return getattr(base, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# shared types live in ``base``, ``canonical`` and ``padding``: import them from there.
 
 # backend name -> "module:attribute" of its Layout instance (imported lazily), or the instance.
 _REGISTRY: dict[str, Any] = {
@@ -71,7 +62,4 @@ def options_help() -> str:
     return "\n".join(lines)
 
 
-__all__ = [
-    "CanonicalExperts", "Layout", "LayoutBase", "LayoutOption", "LayoutSizes", "TensorSpec",
-    "backend_names", "get_layout", "options_help", "register_layout", "unregister_layout",
-]
+__all__ = ["backend_names", "get_layout", "options_help", "register_layout", "unregister_layout"]
