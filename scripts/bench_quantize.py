@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from mxconv.kernels import quantize_mx_triton, triton_available  # noqa: E402
+from mxconv.kernels.mx_triton import quantize_mx_triton, triton_available  # noqa: E402
 from mxconv.mx.numerics import dequantize_mx, first_nonfinite, quantize_mx_torch  # noqa: E402
 
 FULL_SHAPES = [(128, 5760, 2880), (128, 2880, 2880)]

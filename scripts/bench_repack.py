@@ -28,7 +28,7 @@ import torch
 
 from _args import parser
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.base import CanonicalExperts
+from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.padding import KernelChoice
 
 

@@ -27,12 +27,12 @@ from mxconv.environment import MARLIN_OPS_ENV, TRITON_KERNELS_ENV
 from mxconv.engines.runner import KERNEL_THRESHOLDS
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
-from mxconv.layouts.base import CanonicalExperts
+from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.engines.loader import LayerSource, build_engine_layer, read_layer_tensors, resolve_layer, run_kernel_layer
 from mxconv.source.manifest import load_manifest
 from mxconv.verify.reference_moe import Routing, compare, hidden_states, moe_forward, route
 from support.checkpoints import make_checkpoint
-from mxconv.verify import expert_fn
+from mxconv.verify.numerics import expert_fn
 
 pytestmark = pytest.mark.gpu
 TOKENS = 64

@@ -16,8 +16,8 @@ from mxconv.engines import discover, loader
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.base import CanonicalExperts, layout_kernels
-from mxconv.layouts.padding import KernelChoice
+from mxconv.layouts.canonical import CanonicalExperts
+from mxconv.layouts.padding import KernelChoice, layout_kernels
 from mxconv.run.options import RepackOptions
 from support.checkpoints import make_checkpoint
 

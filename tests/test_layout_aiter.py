@@ -15,28 +15,14 @@ import torch
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import get_layout
-from mxconv.layouts.aiter import (
-    LAYOUT,
-    SCALE_PAD_FILL,
-    deinterleave_rows,
-    deinterleave_source_rows,
-    e8m0_shuffle,
-    e8m0_unshuffle,
-    gu16,
-    gu16_inverse,
-    gu16_source_rows,
-    interleave_rows,
-    permute_padded,
-    s32x8,
-    s32x8_dest_offsets,
-    s32x8_inverse,
-    shuffle_scale_a4w4,
-    shuffle_scale_a16w4,
-    w16,
-    w16_dest_offsets,
-    w16_inverse,
+from mxconv.layouts.aiter import LAYOUT
+from mxconv.layouts.aiter_bytemap import (
+    SCALE_PAD_FILL, deinterleave_rows, deinterleave_source_rows, e8m0_shuffle, e8m0_unshuffle, gu16, gu16_inverse,
+    gu16_source_rows, interleave_rows, permute_padded, s32x8, s32x8_dest_offsets, s32x8_inverse, shuffle_scale_a16w4,
+    shuffle_scale_a4w4, w16, w16_dest_offsets, w16_inverse,
 )
-from mxconv.layouts.base import CanonicalExperts, LayoutSizes, pad_canonical, round_up
+from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes, round_up
+from mxconv.layouts.padding import pad_canonical
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ import torch
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.base import CanonicalExperts, LayoutOptions, LayoutSizes, layout_kernels
-from mxconv.layouts.padding import KernelChoice
+from mxconv.layouts.base import LayoutOptions
+from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
+from mxconv.layouts.padding import KernelChoice, layout_kernels
 from support.interpreter import kernels_match_torch, print_report, report_fixture, same_bytes
 
 
@@ -74,7 +75,10 @@ def _interpreter_main() -> None:
     """Runs in the subprocess (TRITON_INTERPRET=1): print a JSON report of every comparison."""
     from mxconv.kernels import trtllm_aiter as lt
     from mxconv.layouts import aiter, marlin, trtllm
-    from mxconv.layouts.base import gather_padded_rows, pad_last
+    from mxconv.layouts import aiter_bytemap
+    from mxconv.layouts import marlin_bytemap
+    from mxconv.layouts import trtllm_bytemap
+    from mxconv.layouts.padding import gather_padded_rows, pad_last
 
     g = torch.Generator().manual_seed(0)
 
@@ -93,21 +97,21 @@ def _interpreter_main() -> None:
     report["gather_rows"] = torch.equal(lt.gather_rows(src, tab, 64), gather_padded_rows(src, tab, 64))
     src, tab = u8(E, 200, 9), table(200, 256)
     for cols, fill in ((12, 0), (40, 5)):
-        ref = trtllm.swizzle_128x4(gather_padded_rows(src, tab, cols, fill))
+        ref = trtllm_bytemap.swizzle_128x4(gather_padded_rows(src, tab, cols, fill))
         report[f"swizzle_128x4-{cols}-{fill}"] = torch.equal(lt.swizzle_128x4(src, tab, cols, fill), ref)
     for act, n_in, n, k_in, k in (("bf16", 100, 128, 32, 96), ("bf16", 64, 64, 512, 512), ("fp8", 50, 64, 64, 128), ("fp8", 96, 128, 96, 96)):
         src, tab = u8(E, n_in, k_in // 2), table(n_in, n)
-        ref = marlin.marlin_weight_repack(gather_padded_rows(src, tab, k // 2), act)
+        ref = marlin_bytemap.marlin_weight_repack(gather_padded_rows(src, tab, k // 2), act)
         report[f"marlin_weights-{act}-{n}x{k}"] = torch.equal(lt.marlin_weights(src, tab, k, act), ref)
     src, tab = u8(E, 70, 5), table(70, 192)
     for rows, off in ((7, 6), (40, 0)):
         ref = (gather_padded_rows(src, tab, rows, 0).transpose(1, 2) + off).contiguous()
         report[f"transpose_rows-{rows}-{off}"] = torch.equal(lt.transpose_rows(src, tab, rows, off), ref)
     src, tab = u8(E, 50, 48), table(50, 64)
-    report["w16_tiles"] = torch.equal(lt.w16_tiles(src, tab, 80), aiter.w16(gather_padded_rows(src, tab, 80)))
+    report["w16_tiles"] = torch.equal(lt.w16_tiles(src, tab, 80), aiter_bytemap.w16(gather_padded_rows(src, tab, 80)))
     for r_in, r_out, c_in, zero, cols in ((60, 96, 5, 6, 16), (64, 64, 90, 96, 96)):
         src, tab = u8(E, r_in, c_in), table(r_in, r_out)
-        ref = aiter.s32x8(pad_last(gather_padded_rows(src, tab, zero, 0), cols, 0x7F))
+        ref = aiter_bytemap.s32x8(pad_last(gather_padded_rows(src, tab, zero, 0), cols, 0x7F))
         report[f"s32x8_tiles-{c_in}-{cols}"] = torch.equal(lt.s32x8_tiles(src, tab, zero, cols, 0x7F), ref)
 
     # whole to_kernel calls with the kernels forced on for CPU tensors vs the torch path

@@ -10,22 +10,13 @@ import torch
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import get_layout
-from mxconv.layouts.base import CanonicalExperts, LayoutSizes, pad_canonical
+from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
+from mxconv.layouts.padding import pad_canonical
 from mxconv.mx.formats import pack_fp4, unpack_fp4
-from mxconv.layouts.marlin import (
-    LAYOUT,
-    chunk32_perm,
-    inverse_perm,
-    legacy_unweave,
-    legacy_weave,
-    marlin_bias,
-    marlin_scales,
-    marlin_unscales,
-    marlin_weight_repack,
-    marlin_weight_unrepack,
-    scale_perm_bf16,
-    scale_regroup_perm,
-    scale_transpose_perm,
+from mxconv.layouts.marlin import LAYOUT
+from mxconv.layouts.marlin_bytemap import (
+    chunk32_perm, inverse_perm, legacy_unweave, legacy_weave, marlin_bias, marlin_scales, marlin_unscales,
+    marlin_weight_repack, marlin_weight_unrepack, scale_perm_bf16, scale_regroup_perm, scale_transpose_perm,
     weight_source_index,
 )
 

@@ -14,22 +14,11 @@ import torch
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import get_layout
-from mxconv.layouts.base import CanonicalExperts, LayoutSizes
-from mxconv.layouts.trtllm import (
-    LAYOUT,
-    TrtllmOptions,
-    gate_up_pair_dst,
-    gate_up_pair_src,
-    mma_shuffle_dst,
-    mma_shuffle_src,
-    swizzle_128x4,
-    swizzle_offsets,
-    swizzle_slot_coords,
-    unswizzle_128x4,
-    w13_row_dst,
-    w13_row_src,
-    w2_row_dst,
-    w2_row_src,
+from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
+from mxconv.layouts.trtllm import LAYOUT, TrtllmOptions
+from mxconv.layouts.trtllm_bytemap import (
+    gate_up_pair_dst, gate_up_pair_src, mma_shuffle_dst, mma_shuffle_src, swizzle_128x4, swizzle_offsets,
+    swizzle_slot_coords, unswizzle_128x4, w13_row_dst, w13_row_src, w2_row_dst, w2_row_src,
 )
 
 

@@ -28,7 +28,7 @@ from mxconv.run.plan import build_plan
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.base import TensorSpec
+from mxconv.layouts.canonical import TensorSpec
 from mxconv.run.memory import ExpertCost, MemoryBudget, MemoryPlan, balance, plan_memory
 from mxconv.run.plan_costs import work_items
 from support.checkpoints import INT4_KINDS, KINDS, make_checkpoint

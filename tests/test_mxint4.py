@@ -23,7 +23,7 @@ from mxconv.errors import BadInput, LayoutError
 from mxconv.families import detect_family
 from mxconv.mx.int4 import dequantize_int4, pack_int4, pack_int4_words, to_twos_complement, unpack_int4, words_as_bytes
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.base import CanonicalExperts, LayoutSizes
+from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.trtllm import LAYOUT
 from mxconv.source.st_format import read_header, read_tensor
 from mxconv.verify import verify
@@ -298,7 +298,7 @@ def test_oracle_flashinfer_mxint4_sequence() -> None:
         from flashinfer.fused_moe import convert_to_block_layout
     except Exception as exc:  # noqa: BLE001 - any import failure means "oracle unavailable"
         pytest.skip(f"flashinfer not importable on this machine: {exc}")
-    from mxconv.layouts.trtllm import unswizzle_128x4
+    from mxconv.layouts.trtllm_bytemap import unswizzle_128x4
 
     E, H, I = 2, 512, 256
     c = int4_stack(E, H, I, seed=9)
@@ -441,7 +441,7 @@ def test_verify_passes_bit_exact_and_exact_numerics(kimi: GroundTruth, repacked:
 
 def test_reference_runner_dequantizes_int4_exactly(kimi: GroundTruth, repacked: Path) -> None:
     """verify's reference output of the INT4 source equals a float64 MoE over the truth's q * scale."""
-    from mxconv.verify import expert_fn
+    from mxconv.verify.numerics import expert_fn
 
     r = detect_family(open_checkpoint(kimi.path))
     layer = r.read_layer(r.layer_refs()[0])

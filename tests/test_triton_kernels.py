@@ -166,7 +166,7 @@ def gpt_oss_20b_stacks() -> dict[tuple[int, int, int], torch.Tensor]:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("mode", SCALE_MODES)
 def test_gpu_triton_equals_torch_at_gpt_oss_20b_sizes(gpt_oss_20b_stacks, shape, fmt, mode):
-    from mxconv.kernels import quantize_mx_triton
+    from mxconv.kernels.mx_triton import quantize_mx_triton
 
     x = gpt_oss_20b_stacks[shape]
     _assert_same(quantize_mx_triton(x, fmt, mode), quantize_mx_torch(x, fmt, mode), f"{shape} {fmt} {mode}")
@@ -177,7 +177,7 @@ def test_gpu_triton_equals_torch_at_gpt_oss_20b_sizes(gpt_oss_20b_stacks, shape,
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("mode", SCALE_MODES)
 def test_gpu_adversarial_triton_equals_torch_gpu_and_cpu(dtype, fmt, mode):
-    from mxconv.kernels import quantize_mx_triton
+    from mxconv.kernels.mx_triton import quantize_mx_triton
 
     x = adversarial_blocks(dtype)
     cpu = quantize_mx_torch(x, fmt, mode)
@@ -192,7 +192,7 @@ def test_gpu_adversarial_triton_equals_torch_gpu_and_cpu(dtype, fmt, mode):
 @pytest.mark.gpu
 def test_gpu_e4m3_saturates_and_rounds_like_the_spec():
     """floor: A = 500 -> e = 0 and 500, -479, 464 saturate to +-448; the cast alone must do it."""
-    from mxconv.kernels import quantize_mx_triton
+    from mxconv.kernels.mx_triton import quantize_mx_triton
 
     x = torch.zeros(2, 32)
     x[0, :4] = torch.tensor([500.0, -479.0, 464.0, 272.0])  # 272: tie 256/288 -> 256 (0x78)

@@ -23,10 +23,11 @@ from typer.testing import CliRunner
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
 from mxconv.layouts import get_layout
-from mxconv.layouts.base import CanonicalExperts
+from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.source.manifest import load_manifest
 from support.checkpoints import make_checkpoint
-from mxconv.verify import kernel_layer_canonical, verify
+from mxconv.verify import verify
+from mxconv.verify.layout import kernel_layer_canonical
 
 cli = CliRunner()
 

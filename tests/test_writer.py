@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from mxconv.output import directory as output_dir
 from mxconv.errors import BadInput
-from mxconv.layouts.base import TensorSpec
+from mxconv.layouts.canonical import TensorSpec
 from mxconv.run.pipeline import WorkItem, run_pipeline
 from mxconv.source.st_format import read_header
 from mxconv.output.directory import TMP_SUFFIX, prepare_output_dir

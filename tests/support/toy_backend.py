@@ -12,12 +12,10 @@ from typing import Any
 
 import torch
 
-from mxconv.layouts.padding import KernelChoice
+from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.errors import LayoutError
-from mxconv.layouts.base import (
-    CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutSizes, TensorSpec, pad_canonical, round_up,
-    unpad_canonical,
-)
+from mxconv.layouts.base import LayoutBase, LayoutOption
+from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, round_up
 from mxconv.mx.numerics import dequantize_mx
 from mxconv.verify.reference_moe import Routing, moe_forward
 

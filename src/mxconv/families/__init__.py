@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
-from mxconv.families.base import FamilyReader, FP8BlockStack, Int4Stack, ModelInfo, MoELayer, MoELayerRef, MXStack
+from mxconv.families.base import FamilyReader
 from mxconv.registry import register, resolve
 
 # family name -> "module:ReaderClass", in detection order (most specific first).
@@ -50,4 +50,4 @@ def detect_family(ckpt: Checkpoint) -> FamilyReader:
     )
 
 
-__all__ = ["FAMILIES", "register_family", "unregister_family", "FamilyReader", "FP8BlockStack", "Int4Stack", "ModelInfo", "MoELayer", "MoELayerRef", "MXStack", "detect_family", "reader_class"]
+__all__ = ["FAMILIES", "register_family", "unregister_family", "detect_family", "reader_class"]

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
-from mxconv.layouts.base import TensorSpec
+from mxconv.layouts.canonical import TensorSpec
 
 if TYPE_CHECKING:
     import torch

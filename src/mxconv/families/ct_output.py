@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from mxconv.families.base import MoELayer, MoELayerRef
 from mxconv.families.quant_config import CT_FORMATS, MX_FORMATS, UNCONVERTED_KEY, ct_matches, quantization_dict
-from mxconv.layouts.base import TensorSpec
+from mxconv.layouts.canonical import TensorSpec
 
 if TYPE_CHECKING:
     import torch

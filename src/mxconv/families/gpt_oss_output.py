@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from mxconv.families.base import MoELayer, MoELayerRef
 from mxconv.families.quant_config import MX_FORMATS
-from mxconv.layouts.base import TensorSpec
+from mxconv.layouts.canonical import TensorSpec
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ def select_impl(x: torch.Tensor, impl: str = "auto") -> str:
     if impl != "auto":
         return impl
     if x.is_cuda:
-        from mxconv.kernels import triton_available
+        from mxconv.kernels.mx_triton import triton_available
 
         if triton_available():
             return "triton"
@@ -47,7 +47,7 @@ def quantize_mx(
     check_args(x, fmt, scale_rounding)
     chosen = select_impl(x, impl)
     if chosen == "triton":
-        from mxconv.kernels import quantize_mx_triton
+        from mxconv.kernels.mx_triton import quantize_mx_triton
 
         data, scales = quantize_mx_triton(x, fmt, scale_rounding)
         if error_sums is not None:

@@ -38,28 +38,24 @@ from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
 from mxconv.layouts.aiter_bytemap import (
     ACTIVATIONS, SCALE_PAD_FILL, check_a4w4_rows, check_activation, need, w16_bytes, deinterleave_rows,
-    deinterleave_source_rows, e8m0_shuffle, e8m0_unshuffle, gu16, gu16_inverse, gu16_source_rows,
-    interleave_rows, permute_padded, s32x8, s32x8_dest_offsets, s32x8_inverse, shuffle_scale_a4w4,
-    shuffle_scale_a16w4, unshuffle_scale_a4w4, unshuffle_scale_a16w4, w16, w16_dest_offsets, w16_inverse,
+    deinterleave_source_rows, gu16_inverse, gu16_source_rows,
+    interleave_rows, shuffle_scale_a4w4,
+    shuffle_scale_a16w4, unshuffle_scale_a4w4, unshuffle_scale_a16w4, w16_inverse,
 )
-from mxconv.layouts.padding import KernelChoice
-from mxconv.layouts.base import (
-    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutOptions,
-    LayoutSizes, TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
+from mxconv.layouts.padding import (
+    KernelChoice, cached_index, gather_padded_rows, layout_kernels, pad_row_source, unpad_canonical,
 )
-from mxconv.layouts.canonical import bias_specs, in_kernel_order
+from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
+from mxconv.layouts.canonical import (
+    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs,
+    in_kernel_order, round_up,
+)
 from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = [  # the shuffles are re-exported: tests and tools name them as aiter.<name>
-    "ACTIVATIONS", "KERNEL_KINDS", "LAYOUT", "SCALE_PAD_FILL", "VLLM_BACKENDS", "VLLM_PAD_FILL", "AiterLayout", "AiterOptions",
-    "deinterleave_rows", "deinterleave_source_rows", "e8m0_shuffle", "e8m0_unshuffle", "gu16", "gu16_inverse",
-    "gu16_source_rows", "interleave_rows", "permute_padded", "s32x8", "s32x8_dest_offsets", "s32x8_inverse",
-    "shuffle_scale_a4w4", "shuffle_scale_a16w4", "unshuffle_scale_a4w4", "unshuffle_scale_a16w4", "w16",
-    "w16_dest_offsets", "w16_inverse",
-]
+__all__ = ["KERNEL_KINDS", "LAYOUT", "VLLM_BACKENDS", "VLLM_PAD_FILL", "AiterLayout", "AiterOptions"]
 
 # Fill of the padding vLLM allocates before any shuffle (gpt-oss Mxfp4MoEMethod zero-inits).
 VLLM_PAD_FILL = 0

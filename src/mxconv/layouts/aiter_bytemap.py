@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.base import CanonicalExperts, KernelTensors, pad_last, round_up
-from mxconv.layouts.canonical import in_kernel_order
+from mxconv.layouts.padding import pad_last
+from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, in_kernel_order, round_up
 
 if TYPE_CHECKING:
     import torch

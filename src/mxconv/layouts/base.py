@@ -10,8 +10,7 @@ Everything is torch tensor arithmetic (index gathers, views, reshapes), so the s
 bytes on CPU and on CUDA. No per-expert Python loops in the hot path.
 
 The canonical stack and sizes live in :mod:`mxconv.layouts.canonical`, padding, the shared gathers
-and TP slicing in :mod:`mxconv.layouts.padding`; both are re-exported here, where the backends and
-the rest of mxconv import them from.
+and TP slicing in :mod:`mxconv.layouts.padding`; import them from there (this module re-exports nothing).
 
 torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxconv inspect`` stays torch-free.
 """
@@ -19,28 +18,16 @@ torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxc
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, make_dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import (
-    KERNEL_TENSOR_NAMES, ROW_ORDERS, WEIGHT_FORMATS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec,
-    round_up,
+    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec,
 )
 from mxconv.layouts.padding import KernelChoice
-from mxconv.layouts.padding import (
-    cached_index, check_fill, gather_padded_rows, layout_kernels, pad_canonical, pad_last, pad_row_source,
-    slice_tp, tp_ranges, unpad_canonical,
-)
 
-if TYPE_CHECKING:
-    pass
 
-__all__ = [
-    "KERNEL_TENSOR_NAMES", "ROW_ORDERS", "WEIGHT_FORMATS", "CanonicalExperts", "EmptyOptions", "KernelTensors",
-    "Layout", "LayoutBase", "LayoutOption", "LayoutOptions", "LayoutSizes", "TensorSpec", "cached_index", "check_fill", "gather_padded_rows",
-    "layout_kernels", "pad_canonical", "pad_last", "pad_row_source", "round_up", "slice_tp", "tp_ranges",
-    "unpad_canonical",
-]
+__all__ = ["EmptyOptions", "Layout", "LayoutBase", "LayoutOption", "LayoutOptions"]
 
 
 @dataclass(frozen=True)

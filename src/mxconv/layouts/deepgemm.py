@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
-from mxconv.layouts.padding import KernelChoice
-from mxconv.layouts.base import (
-    ROW_ORDERS, CanonicalExperts, EmptyOptions, KernelTensors, LayoutBase, LayoutSizes, TensorSpec, pad_canonical,
-    round_up, unpad_canonical,
+from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
+from mxconv.layouts.base import EmptyOptions, LayoutBase
+from mxconv.layouts.canonical import (
+    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, in_kernel_order, round_up,
 )
-from mxconv.layouts.canonical import bias_specs, in_kernel_order
 from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:

@@ -29,29 +29,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.padding import KernelChoice
-from mxconv.layouts.base import (
-    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutOptions,
-    LayoutSizes, TensorSpec, cached_index, gather_padded_rows, layout_kernels, pad_row_source, round_up, unpad_canonical,
+from mxconv.layouts.padding import (
+    KernelChoice, cached_index, gather_padded_rows, layout_kernels, pad_row_source, unpad_canonical,
 )
-from mxconv.layouts.canonical import bias_specs, in_kernel_order
+from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
+from mxconv.layouts.canonical import (
+    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs,
+    in_kernel_order, round_up,
+)
 from mxconv.layouts.marlin_bytemap import (
     ACTIVATIONS, FP8_SCALE_MAX_INPUT, FP8_SCALE_OFFSET, SCALE_LAYOUTS, check_scale_mode, chunk32_perm,
-    inverse_perm, legacy_unweave, legacy_weave, marlin_bias, marlin_scales, marlin_unbias, marlin_unscales,
-    marlin_weight_repack, marlin_weight_repack_words, marlin_weight_unrepack, permute_chunks, scale_perm_bf16,
-    scale_regroup_perm, scale_transpose_perm, weight_source_index,
+    marlin_scales, marlin_unbias, marlin_unscales,
+    marlin_weight_repack_words, marlin_weight_unrepack, permute_chunks, scale_perm_bf16,
 )
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = [  # the byte maps are re-exported: tests and tools name them as marlin.<name>
-    "ACTIVATIONS", "FP8_SCALE_MAX_INPUT", "FP8_SCALE_OFFSET", "HIDDEN_MULTIPLE", "INTERMEDIATE_MULTIPLE", "LAYOUT",
-    "SCALE_LAYOUTS", "MarlinLayout", "MarlinOptions", "chunk32_perm", "inverse_perm", "legacy_unweave", "legacy_weave", "marlin_bias",
-    "marlin_scales", "marlin_unbias", "marlin_unscales", "marlin_weight_repack", "marlin_weight_repack_words",
-    "marlin_weight_unrepack", "permute_chunks", "scale_perm_bf16", "scale_regroup_perm", "scale_transpose_perm",
-    "weight_source_index",
-]
+__all__ = ["HIDDEN_MULTIPLE", "INTERMEDIATE_MULTIPLE", "LAYOUT", "MarlinLayout", "MarlinOptions"]
 
 HIDDEN_MULTIPLE = 256  # Hp = round_up(H, 256)
 INTERMEDIATE_MULTIPLE = 128  # Ip = round_up(I, 128)

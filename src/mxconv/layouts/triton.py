@@ -35,14 +35,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.padding import KernelChoice
-from mxconv.layouts.base import (
-    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutOptions, LayoutSizes, TensorSpec,
-    check_fill, gather_padded_rows, layout_kernels, round_up,
+from mxconv.layouts.padding import KernelChoice, check_fill, gather_padded_rows, layout_kernels
+from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
+from mxconv.layouts.canonical import (
+    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, in_kernel_order, round_up,
 )
-from mxconv.layouts.canonical import in_kernel_order
 from mxconv.layouts.triton_bytemap import (
-    NIBBLE_DEST_BITS, TWIDDLE_GROUPS, UNTWIDDLE_GROUPS, inverse_rows, need, permute_scales, permute_values,
+    inverse_rows, need, permute_scales, permute_values,
     twiddle_words, unpermute_scales, unpermute_values, w13_row_table, w2_row_table,
 )
 from mxconv.source.st_format import torch_dtype
@@ -50,11 +49,7 @@ from mxconv.source.st_format import torch_dtype
 if TYPE_CHECKING:
     import torch
 
-__all__ = [  # the byte maps are re-exported: tests and tools name them as triton.<name>
-    "BACKEND_NAME", "LAYOUT", "LAYOUT_VERSION", "NIBBLE_DEST_BITS", "TWIDDLE_GROUPS", "UNTWIDDLE_GROUPS",
-    "MatrixGeometry", "TritonLayout", "TritonOptions", "permute_scales", "permute_values", "twiddle_words", "unpermute_scales",
-    "unpermute_values", "w13_row_table", "w2_row_table",
-]
+__all__ = ["BACKEND_NAME", "LAYOUT", "LAYOUT_VERSION", "MatrixGeometry", "TritonLayout", "TritonOptions"]
 
 BACKEND_NAME = "triton"
 LAYOUT_VERSION = 1

@@ -51,29 +51,19 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import trtllm_mxint4
-from mxconv.layouts.padding import KernelChoice
-from mxconv.layouts.base import (
-    CanonicalExperts, KernelTensors, LayoutBase, LayoutOption, LayoutOptions, LayoutSizes, TensorSpec,
-    gather_padded_rows, layout_kernels, round_up, unpad_canonical,
-)
-from mxconv.layouts.canonical import bias_specs
+from mxconv.layouts.padding import KernelChoice, gather_padded_rows, layout_kernels, unpad_canonical
+from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
+from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, round_up
 from mxconv.layouts.trtllm_bytemap import (
     BACKEND_NAME, EPILOGUE_TILE_M, LAYOUT_VERSION, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, check_kernel_tensors,
-    check_row_order, gate_up_pair_dst, gate_up_pair_src, mma_shuffle_dst, mma_shuffle_src, swizzle_128x4, swizzle_offsets, swizzle_slot_coords,
-    swizzled_scale_size, unswizzle_128x4, w13_row_dst, w13_row_src, w13_row_table, w2_row_dst, w2_row_src,
-    w2_row_table,
+    check_row_order, swizzle_128x4, swizzled_scale_size, unswizzle_128x4, w13_row_dst, w13_row_table, w2_row_dst, w2_row_table,
 )
 from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = [  # the row maps and swizzle are re-exported: tests, tools and trtllm_mxint4 use trtllm.<name>
-    "ACTIVATIONS", "BACKEND_NAME", "EPILOGUE_TILE_M", "LAYOUT", "LAYOUT_VERSION", "SF_TILE_COLS", "SF_TILE_ROWS",
-    "SHUFFLE_BLOCK_ROWS", "TrtllmLayout", "TrtllmOptions", "gate_up_pair_dst", "gate_up_pair_src", "mma_shuffle_dst",
-    "mma_shuffle_src", "swizzle_128x4", "swizzle_offsets", "swizzle_slot_coords", "swizzled_scale_size",
-    "unswizzle_128x4", "w13_row_dst", "w13_row_src", "w13_row_table", "w2_row_dst", "w2_row_src", "w2_row_table",
-]
+__all__ = ["ACTIVATIONS", "LAYOUT", "TrtllmLayout", "TrtllmOptions"]
 
 ACTIVATIONS: tuple[str, ...] = ("bf16", "mxfp8")
 

@@ -234,7 +234,8 @@ def _gemm_tensors(named: list[TensorRef], prefix: str) -> tuple[GemmTensors, Gem
 
 def _kernel_refs(m: dict[str, Any], pattern: str) -> list[TensorRef] | None:
     """A kernel output's tensors from its layout's kernel_specs; None if the layout cannot say."""
-    from mxconv.layouts import LayoutSizes, get_layout
+    from mxconv.layouts import get_layout
+    from mxconv.layouts.canonical import LayoutSizes
 
     lay, model = m["layout"], m["model"]
     try:

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from mxconv.errors import BadInput
-from mxconv.families import FP8BlockStack, Int4Stack, MoELayer, MXStack
+from mxconv.families.base import FP8BlockStack, Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
-from mxconv.layouts.base import CanonicalExperts, slice_tp
+from mxconv.layouts.canonical import CanonicalExperts
+from mxconv.layouts.padding import slice_tp
 from mxconv.run.options import QuantOptions
 from mxconv.run.pipeline import WorkItem
 

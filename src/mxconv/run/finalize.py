@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from mxconv.families import MoELayerRef
+from mxconv.families.base import MoELayerRef
 from mxconv.families.gpt_oss_output import FORMAT_KEY
 from mxconv.output.engine_quant_config import attach
 from mxconv.output.manifest import base_manifest

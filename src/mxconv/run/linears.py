@@ -38,7 +38,7 @@ from mxconv.run.options import QuantOptions, Targets, name_matches
 if TYPE_CHECKING:
     import torch
 
-    from mxconv.families import MoELayerRef
+    from mxconv.families.base import MoELayerRef
     from mxconv.run.pipeline import WorkItem
     from mxconv.output.shards import PlannedTensor
 
@@ -112,7 +112,7 @@ class LinearRef:
         return (self.weight, f"{self.module}.weight_scale_inv") if self.source_format == "fp8_block" else (self.weight,)
 
     def out_specs(self) -> dict[str, Any]:
-        from mxconv.layouts.base import TensorSpec
+        from mxconv.layouts.canonical import TensorSpec
 
         n, k = self.shape
         return {self.weight: TensorSpec((n, k), "F8_E4M3"), f"{self.module}.weight_scale": TensorSpec((n, k // 32), "U8")}

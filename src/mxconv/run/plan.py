@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
-from mxconv.families import FamilyReader, ModelInfo, MoELayerRef
-from mxconv.layouts import Layout, LayoutSizes, TensorSpec, backend_names, get_layout
-from mxconv.layouts.base import tp_ranges
+from mxconv.families.base import FamilyReader, ModelInfo, MoELayerRef
+from mxconv.layouts import backend_names, get_layout
+from mxconv.layouts.base import Layout
+from mxconv.layouts.canonical import LayoutSizes, TensorSpec
+from mxconv.layouts.padding import tp_ranges
 from mxconv.run.linears import LinearSelection, fused_part_warnings, linear_item, select_linears
 from mxconv.run.options import ConversionKind, Job, QuantOptions, RepackOptions, Targets, WeightFormat
 from mxconv.run.pipeline import WorkItem

@@ -32,21 +32,16 @@ from mxconv.errors import BadInput, Unsupported
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names
 from mxconv.source.manifest import load_manifest, missing_manifest_message
-from mxconv.verify.reference_moe import hidden_states  # noqa: F401 - part of what verify's API has always offered
 from mxconv.verify.integrity import check_integrity, check_manifest_claims, model_info_of
-from mxconv.verify.layout import kernel_layer_canonical, merge_tp, recover_layer, reference_layer
-from mxconv.verify.linears import LINEAR_THRESHOLDS, LinearReport, check_linears
+from mxconv.verify.layout import recover_layer, reference_layer
+from mxconv.verify.linears import LINEAR_THRESHOLDS, check_linears
 from mxconv.verify.numerics import (
-    check_layer_numerics, converted_nonfinite, expert_fn, load_reference_outputs, run_layer, save_reference_outputs,
+    check_layer_numerics, converted_nonfinite, load_reference_outputs, save_reference_outputs,
 )
-from mxconv.verify.report import THRESHOLDS, LayerReport, Run, Scope, VerifyReport
+from mxconv.verify.report import LayerReport, Run, Scope, VerifyReport
 from mxconv.verify.kernel import KernelResult, check_kernel_layer, kernel_preflight
 
-__all__ = [
-    "LINEAR_THRESHOLDS", "THRESHOLDS", "LayerReport", "LinearReport", "Scope", "VerifyReport", "check_integrity", "check_manifest_claims", "expert_fn",
-    "kernel_layer_canonical", "load_reference_outputs", "merge_tp", "parse_layers", "run_layer",
-    "save_reference_outputs", "verify",
-]
+__all__ = ["parse_layers", "verify"]
 
 
 def parse_layers(spec: str | None, available: list[int]) -> list[int]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
-from mxconv.families import FamilyReader, ModelInfo
+from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.layouts import get_layout
 from mxconv.source.st_format import iter_tensor_chunks
 from mxconv.verify.layout import manifest_sizes

@@ -29,7 +29,8 @@ from mxconv.engines.loader import run_kernel_layer
 from mxconv.engines.runner import KERNEL_THRESHOLDS, engine_runner, kernel_unavailable, runner_backends
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
-from mxconv.layouts import Layout, get_layout
+from mxconv.layouts import get_layout
+from mxconv.layouts.base import Layout
 from mxconv.verify.reference_moe import Comparison, Routing, apart, compare
 
 @dataclass

@@ -11,9 +11,10 @@ import torch
 
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput, LayoutError
-from mxconv.families import Int4Stack, MoELayer, MXStack
-from mxconv.layouts import LayoutSizes, get_layout
-from mxconv.layouts.base import CanonicalExperts, unpad_canonical
+from mxconv.families.base import Int4Stack, MoELayer, MXStack
+from mxconv.layouts import get_layout
+from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
+from mxconv.layouts.padding import unpad_canonical
 from mxconv.source.st_format import read_tensor
 from mxconv.verify.report import LayerReport, Run
 

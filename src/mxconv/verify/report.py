@@ -11,7 +11,7 @@ import torch
 
 from mxconv.environment import KernelLocations
 from mxconv.source.checkpoint import Checkpoint
-from mxconv.families import FamilyReader, ModelInfo
+from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.verify.reference_moe import Comparison
 from mxconv.verify.kernel import KernelResult
 
