@@ -153,7 +153,7 @@ def write_output(root: Path, backend: str, c: CanonicalExperts, options: dict[st
     del kern
     lay = dict(layout.describe(sizes, "bf16", opts))
     lay.update(hidden_size=H, intermediate_size=I, padded_hidden_size=Hp, padded_intermediate_size=Ip, tp_ranges=[[0, I]],
-               options=opts, w13_row_order=c.row_order)  # fmt: skip
+               options=opts.to_json(), w13_row_order=c.row_order)  # fmt: skip
     info = ModelInfo("gpt-oss", 1, (0,), E, 4, H, I, "mxfp4", c.row_order, True, "topk_softmax", activation="swigluoai",
                      swiglu_alpha=1.702, swiglu_limit=7.0)  # fmt: skip
     names = [f"{PREFIX}.{k}" for k in ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")]

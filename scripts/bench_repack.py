@@ -78,15 +78,15 @@ def expert(c: CanonicalExperts, e: int) -> CanonicalExperts:
 
 def bench_one(layout, backend: str, act: str, c: CanonicalExperts, in_bytes: int, copy_gbs: float,
               device: torch.device, reps: int, cuda: bool) -> dict:
-    out = layout.to_kernel(c, act, {})
+    out = layout.to_kernel(c, act, None)
     out_bytes = nbytes(out.values())
-    t_batched = timeit(lambda: layout.to_kernel(c, act, {}), device, reps)
+    t_batched = timeit(lambda: layout.to_kernel(c, act, None), device, reps)
     t_torch = None
     if cuda:
-        t_torch = timeit(lambda: layout.to_kernel(c, act, {}, KernelChoice.TORCH), device, reps)
+        t_torch = timeit(lambda: layout.to_kernel(c, act, None, KernelChoice.TORCH), device, reps)
 
     def loop(choice: KernelChoice) -> list[dict[str, torch.Tensor]]:
-        return [layout.to_kernel(expert(c, e), act, {}, choice) for e in range(c.num_experts)]
+        return [layout.to_kernel(expert(c, e), act, None, choice) for e in range(c.num_experts)]
 
     # the engines' way: per-expert torch ops
     t_loop = timeit(lambda: loop(KernelChoice.TORCH), device, max(1, reps // 2))
@@ -102,10 +102,10 @@ def bench_one(layout, backend: str, act: str, c: CanonicalExperts, in_bytes: int
         cpu_same = True
         for e in sorted({0, c.num_experts - 1}):
             sub = expert(c, e)
-            k_gpu = layout.to_kernel(sub, act, {})
+            k_gpu = layout.to_kernel(sub, act, None)
             sub_cpu = sub.to("cpu")  # non-blocking device->host copy: wait for it before reading
             torch.cuda.synchronize()
-            k_cpu = layout.to_kernel(sub_cpu, act, {})
+            k_cpu = layout.to_kernel(sub_cpu, act, None)
             cpu_same &= all(torch.equal(k_gpu[k].cpu().view(torch.uint8), k_cpu[k].view(torch.uint8)) for k in k_cpu)
     gbs = (in_bytes + out_bytes) / t_batched / 1e9
     return {
