@@ -55,3 +55,12 @@ def test_trace_option_writes_the_timeline(tmp_path: Path) -> None:
     Conversion.open(src, QuantOptions()).run(tmp_path / "api", device=torch.device("cpu"),
                                              settings=RunSettings(trace=tmp_path / "api.json"))
     assert json.loads((tmp_path / "api.json").read_text())["stage_seconds"]["write_s"] >= 0
+
+
+def test_a_trace_that_cannot_be_written_leaves_the_complete_output_and_exit_0(tmp_path: Path) -> None:
+    """The trace is written after the commit: failing to write it is a note, never 'nothing was kept'."""
+    src = make_checkpoint(tmp_path / "src", "qwen3-moe").path
+    code, _, err = mx("quantize", src, tmp_path / "q", "--device", "cpu", "--trace", tmp_path / "no-such-dir" / "t.json")
+    assert code == 0, err
+    assert (tmp_path / "q" / "mxconv.json").is_file()
+    assert "--trace file" in err and "could not be written" in err and "the output is complete" in err, err

@@ -421,3 +421,29 @@ def test_sigint_around_the_overwrite_swap_exit_code_agrees_with_the_output(src: 
         assert code == 2 and "still holds the earlier output, unchanged" in stderr, (code, stderr)
         assert snapshot(out) == before
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("next_work", ["conversion", "verify"])
+def test_a_signal_after_one_output_is_complete_stops_the_next_step_of_the_same_command(
+        src: Path, tmp_path: Path, next_work: str) -> None:  # fmt: skip
+    """A command that runs several conversions (``mxconv demo``): a signal noted once the first
+    output is complete stops the next conversion or verification before it writes or reads anything,
+    instead of being noted for the rest of the command."""
+    import torch
+
+    from mxconv.interrupt import Interrupted, late_signal, stop_signals
+    from mxconv.run.conversion import Conversion
+    from mxconv.run.options import QuantOptions
+    from mxconv.verify import verify
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    with pytest.raises(Interrupted) as stopped, stop_signals():
+        Conversion.open(src, QuantOptions("mxfp4")).run(first, device=torch.device("cpu"))
+        os.kill(os.getpid(), signal.SIGINT)  # after the commit: noted, not raised
+        assert late_signal() == "SIGINT"
+        if next_work == "conversion":
+            Conversion.open(src, QuantOptions("mxfp8")).run(second, device=torch.device("cpu"))
+        else:
+            verify(first)
+    assert stopped.value.signame == "SIGINT"
+    assert (first / "mxconv.json").is_file() and not second.exists()

@@ -241,3 +241,17 @@ def test_trtllm_kernel_reason_tells_a_missing_flashinfer_from_a_broken_one(tmp_p
         assert "installed but cannot be imported" in reason and "mxconv_test_missing_dependency" in reason, reason
     else:
         assert reason == "flashinfer is not installed (pip install 'mxconv[flashinfer]')", reason
+
+
+def test_kernel_check_of_damaged_layout_options_is_a_failure_not_bad_usage(tmp_path: Path) -> None:
+    """Invalid layout options in the verified output's own manifest fail it (exit 1), with or without --kernel."""
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=128).path
+    out = tmp_path / "k"
+    code, text = mx("repack", src, out, "--backend", "triton", "--quiet", "--device", "cpu")
+    assert code == 0, text
+    manifest = json.loads((out / "mxconv.json").read_text())
+    manifest["layout"]["options"]["triton_layout"] = "9.9"
+    (out / "mxconv.json").write_text(json.dumps(manifest))
+    for extra in ([], ["--kernel"]):
+        code, text = mx("verify", out, *extra)
+        assert code == 1 and "9.9" in text and "Traceback" not in text, (extra, text)

@@ -118,6 +118,17 @@ def output_complete() -> None:
     _State.complete = True
 
 
+def next_step() -> None:
+    """A new piece of work begins inside the command's block (an output is prepared, a verification
+    starts): signals raise again, and one noted since an earlier output was complete (a command that
+    runs several conversions, ``mxconv demo``) stops the block now, before anything is written."""
+    _State.complete = False
+    if _State.late is not None and _State.installed and not _State.fired:
+        signum, _State.late = _State.late, None
+        _State.fired = True
+        raise Interrupted(signum)
+
+
 def late_signal() -> str | None:
     """The name of a signal that arrived after :func:`output_complete` in the last command's block."""
     return None if _State.late is None else signal.Signals(_State.late).name

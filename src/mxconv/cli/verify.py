@@ -132,12 +132,6 @@ def _kernel_locations(kernel: bool, triton_kernels: Path | None, marlin_ops: Pat
     return KernelLocations(triton_kernels=triton_kernels, marlin_ops=marlin_ops)
 
 
-def _say_verdict(rep) -> None:
-    """The last line on stdout: PASS or FAIL, then what the run covered (rep.scope)."""
-    verdict, scope = rep.verdict.split(" ", 1)
-    say(out, verdict, "bold green" if rep.passed else "bold red", scope)
-
-
 def _layer_table(rep: Any) -> Table:
     """One row per checked layer: integrity, layout, numerics and, with --kernel, the kernel's figures."""
     t = Table(title=f"mxconv verify {rep.path} ({rep.kind}{', ' + rep.backend if rep.backend else ''})")

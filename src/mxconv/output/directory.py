@@ -28,7 +28,7 @@ from typing import Any, Iterator
 from mxconv.source.file_names import IN_PROGRESS, INDEX_NAME, MANIFEST_NAME
 from mxconv.source.in_progress import live_writer, marker_text, process_alive
 from mxconv.errors import BadInput
-from mxconv.interrupt import deferred_signals, output_complete
+from mxconv.interrupt import deferred_signals, next_step, output_complete
 from mxconv.sizes import human_bytes
 
 TMP_SUFFIX = ".mxconv-tmp"
@@ -233,7 +233,9 @@ class OutputTarget:
         return self.write_dir is not None and self.write_dir != self.out
 
     def prepare(self, needed_bytes: int) -> Path:
-        """Make :attr:`write_dir` ready (see the class doc) for about ``needed_bytes``; returns it."""
+        """Make :attr:`write_dir` ready (see the class doc) for about ``needed_bytes``; returns it.
+        A signal noted after an earlier output of this command was complete stops it here."""
+        next_step()
         interrupted = check_output_dir(self.out, self.sources, self.overwrite)
         for side, _pid in _side_dirs(self.out):  # a dead run's (check_output_dir refused live ones)
             with writing(side):

@@ -132,7 +132,11 @@ class Conversion:
         if settings.trace:
             times.mark("setup", -1, t0, t_pipe)
             times.mark("finish", -1, t_finish, t0 + wall)  # the last shards' fsync, config, manifest
-            write_trace(settings.trace, items, times)
+            try:  # the output is committed: a trace that cannot be written is a note, not a failure
+                write_trace(settings.trace, items, times)
+            except OSError as exc:
+                output.target.notes.append(f"note: the --trace file {settings.trace} could not be written "
+                                           f"({exc.strerror or exc}); the output is complete")
         return self.summary(output, memory_plan, stats, times, device, wall)
 
     def summary(self, output: _Output, memory_plan: MemoryPlan, stats: RunStats, times: StageTimes,

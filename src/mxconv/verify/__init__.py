@@ -29,6 +29,7 @@ from mxconv.environment import KernelLocations
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.source.file_names import MANIFEST_NAME
 from mxconv.errors import BadInput, Unsupported
+from mxconv.interrupt import next_step
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names
 from mxconv.source.manifest import load_manifest, missing_manifest_message
@@ -80,6 +81,7 @@ def verify(
     The report's scope says what ran; ``strict`` fails the run when numerics could not (no reference).
     Damage to ``path``'s own files fails verification (:func:`_unreadable`); bad options, a bad
     reference and an output this mxconv cannot read raise BadInput."""
+    next_step()  # a signal noted after an earlier output of this command was complete stops it here
     step = on_step or (lambda what, done, total: None)
     root = _output_dir(path, tokens, reference, reference_outputs, save_reference)
     manifest = None

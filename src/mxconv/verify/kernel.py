@@ -28,7 +28,7 @@ import torch
 from mxconv.engines.loader import run_kernel_layer
 from mxconv.engines.runner import KERNEL_THRESHOLDS, engine_runner, kernel_unavailable, runner_backends
 from mxconv.environment import KernelLocations
-from mxconv.errors import BadInput
+from mxconv.errors import BadInput, LayoutError
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import Layout
 from mxconv.verify.reference_moe import Comparison, Routing, apart, compare
@@ -60,7 +60,10 @@ def kernel_preflight(manifest: dict[str, Any], kernel_locations: KernelLocations
         raise BadInput(f"--kernel: a canonical checkpoint has no backend kernel (repack it with --backend {choices})")
     layout = get_layout(backend)
     lay = manifest.get("layout") or {}
-    options = layout.resolve_options(lay.get("options") or {})
+    try:
+        options = layout.resolve_options(lay.get("options") or {})
+    except LayoutError as exc:  # the output's own manifest is damaged: a verification failure (exit 1)
+        return layout, [f"the manifest's layout options: {exc}"]
     problems = layout.size_warnings(int(lay.get("hidden_size", 0)), int(lay.get("intermediate_size", 0)), options)
     if problems:
         return layout, problems
