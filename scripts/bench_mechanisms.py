@@ -44,11 +44,12 @@ from bench_e2e import GPT_OSS, _evict, generate  # scripts/ is sys.path[0] when 
 MECHANISMS = ("readahead", "early_copy", "cpu_layout", "warmup", "os_exit")
 
 # Runs in the child: turns off the mechanisms named in argv[1] (comma-separated), then runs the CLI
-# with argv[2:]. A mechanism whose entry point no longer exists is reported and left alone.
+# with argv[2:]. It names the modules of commit 7dfe7d7 (mxconv.convert, mxconv.readahead): later
+# trees have none of these mechanisms, and the script fails there on its first import.
 BOOTSTRAP = r"""
 import os, sys, threading
 off = set(filter(None, sys.argv[1].split(",")))
-import mxconv.run.conversion as convert, mxconv.readahead as readahead
+import mxconv.convert as convert, mxconv.readahead as readahead
 if "readahead" in off:
     readahead.Readahead.for_source = classmethod(lambda cls, *a, **k: None)
 if "early_copy" in off:
