@@ -25,7 +25,7 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from mxconv import __version__, sizes
-from mxconv.cli.output import err, out, progress, say, step_progress  # noqa: F401 - the commands import them from here
+from mxconv.cli.output import err, out, say
 from mxconv.errors import MxconvError
 from mxconv.interrupt import Interrupted, late_signal, stop_signals
 from mxconv.run.options import ScaleRounding

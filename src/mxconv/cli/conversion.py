@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mxconv.cli.common import RunOptions, device_of, err, out, print_json, progress, say, summary_table
+from mxconv.cli.common import RunOptions, device_of, print_json, summary_table
+from mxconv.cli.output import err, out, progress, say
 from mxconv.run.options import QuantOptions, RepackOptions
 
 if TYPE_CHECKING:  # imported when a command runs, so that --help stays light

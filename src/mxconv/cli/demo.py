@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, err, errors, out, print_json, say
+from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, errors, print_json
+from mxconv.cli.output import err, out, say
 
 
 @app.command(cls=Command)
