@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mxconv.source.checkpoint import Checkpoint, open_checkpoint
-from mxconv.source.file_names import MANIFEST_NAME
+from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import LayoutSizes
@@ -201,7 +201,7 @@ def _tp_manifest(root: Path) -> dict[str, Any] | None:
 
 def _open_rank(root: Path, rank: int, m: dict[str, Any]) -> Checkpoint:
     """Rank ``rank`` of the TP output ``root``, its headers validated, read with the root manifest ``m``."""
-    d = root / f"rank-{rank}"
+    d = root / rank_dir_name(rank)
     if not d.is_dir():
         raise BadInput(f"{d}: missing; {root / MANIFEST_NAME} says tp_size {m['tp_size']}, so the output "
                        f"holds one directory per rank, rank-0 to rank-{m['tp_size'] - 1}")
@@ -253,7 +253,7 @@ def _inspect_tp_output(root: Path, m: dict[str, Any]) -> dict[str, Any]:
 def _inspect_tp_rank(root: Path, rank: int, m: dict[str, Any]) -> dict[str, Any]:
     """Rank ``rank`` alone of the TP output at ``root``, saying which rank of how many it is."""
     if rank >= m["tp_size"]:
-        raise BadInput(f"{root / f'rank-{rank}'}: not a rank of this output; {root / MANIFEST_NAME} says "
+        raise BadInput(f"{root / rank_dir_name(rank)}: not a rank of this output; {root / MANIFEST_NAME} says "
                        f"tp_size {m['tp_size']} (rank-0 to rank-{m['tp_size'] - 1})")
     ckpt = _open_rank(root, rank, m)
     doc = inspect_checkpoint(ckpt)

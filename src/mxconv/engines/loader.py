@@ -33,7 +33,7 @@ from mxconv.engines.runner import EngineRunner, require_runner
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.families.base import ModelInfo
-from mxconv.source.file_names import MANIFEST_NAME
+from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
 from mxconv.source.manifest import load_manifest
 
 EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
@@ -107,7 +107,7 @@ def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, mani
         have = sorted(int(l["layer"]) for l in m.get("layers", []))
         raise BadInput(f"{root}: no MoE layer {layer} in the manifest (layers: {have})")
     prefix = str(entry["module_prefix"])
-    key_prefix = f"rank-{rank}/" if tp > 1 else ""
+    key_prefix = f"{rank_dir_name(rank)}/" if tp > 1 else ""
     table = m.get("tensors", {})
     files: dict[str, Path] = {}
     names: dict[str, str] = {}

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from mxconv.source.file_names import IN_PROGRESS, INDEX_NAME, MANIFEST_NAME
+from mxconv.source.file_names import IN_PROGRESS, INDEX_NAME, MANIFEST_NAME, RANK_DIR
 from mxconv.source.in_progress import live_writer, marker_text, process_alive
 from mxconv.errors import BadInput
 from mxconv.interrupt import deferred_signals, next_step, output_complete
@@ -52,7 +52,6 @@ class OutputWriteError(BadInput):
 
 
 _OUR_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_OUR_RANK_DIR = re.compile(r"^rank-\d+$")
 # Weight files of a checkpoint; loaders read model.safetensors in preference to an index, so one
 # left behind by an old output would shadow the new shards: an overwrite never keeps either.
 _WEIGHT_FILES = {INDEX_NAME, "model.safetensors"}
@@ -125,7 +124,7 @@ def _is_ours(p: Path, previous: set[str]) -> bool:
     if p.is_dir() and not p.is_symlink():
         if _SIDE_DIR.match(name) and name.startswith("."):
             return True
-        if not _OUR_RANK_DIR.match(name):
+        if not RANK_DIR.fullmatch(name):
             return False
         inner = [q.name for q in p.iterdir()]
         return name in previous or not inner or any(

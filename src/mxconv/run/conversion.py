@@ -40,7 +40,7 @@ from mxconv.run.plan import Plan, build_plan
 from mxconv.run.plan_costs import memory_plan_for, work_items
 from mxconv.run.trace import StageTimes, write_trace
 from mxconv.source.checkpoint import Checkpoint, open_checkpoint
-from mxconv.source.file_names import CONFIG_NAME
+from mxconv.source.file_names import CONFIG_NAME, rank_dir_name, rank_dirs
 from mxconv.source.copy_check import refuse_nonfinite_copy
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ def _prepare(plan: Plan, output: _Output, max_shard_size: int) -> None:
     target = output.target
     shard_plans = plan.shard_plans(max_shard_size)
     write_dir = output.write_dir = target.prepare(output_bytes(plan, shard_plans))
-    output.rank_dirs = [write_dir] if len(plan.dests) == 1 else [write_dir / f"rank-{r}" for r in range(len(plan.dests))]
+    output.rank_dirs = rank_dirs(write_dir, len(plan.dests))
     for d in output.rank_dirs:
         with writing(target.out, write_dir):
             d.mkdir(parents=True, exist_ok=True)
@@ -211,7 +211,7 @@ def _finalize(plan: Plan, output: _Output, argv: tuple[str, ...] | None) -> None
             atomic_write_json(d / CONFIG_NAME, cfg)
             for f in plan.ckpt.extra_files:
                 shutil.copyfile(f, d / f.name)
-        prefix = "" if len(output.writers) == 1 else f"rank-{r}/"
+        prefix = "" if len(output.writers) == 1 else f"{rank_dir_name(r)}/"
         for name, entry in tensor_table(written, prefix).items():
             tensors[prefix + name if prefix else name] = entry
     manifest = build_manifest(plan, tensors, rank_dirs, list(argv) if argv is not None else None)

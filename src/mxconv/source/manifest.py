@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any, Callable
 
 from mxconv.errors import BadInput, Unsupported
-from mxconv.source.file_names import CONFIG_NAME, IN_PROGRESS, MANIFEST_NAME
+from mxconv.source.file_names import CONFIG_NAME, IN_PROGRESS, MANIFEST_NAME, RANK_DIR
 from mxconv.source.in_progress import live_writer
 from mxconv.source.st_format import loads_unique
 
 FORMAT_VERSION = 1  # the newest manifest format this mxconv reads (and the one it writes)
-_RANK_DIR = re.compile(r"rank-\d+")
 REQUIRED_KEYS = (
     "format_version",
     "tool_version",
@@ -270,7 +268,7 @@ def missing_manifest_message(root: Path) -> str:
         if pid is not None:
             return f"{root}: no {MANIFEST_NAME} yet; mxconv (pid {pid}) is writing this output now: wait for it to finish"
         return f"{root}: no {MANIFEST_NAME}; not a complete mxconv output (an interrupted mxconv run? rerun it)"
-    if _RANK_DIR.fullmatch(root.name) and (root.parent / MANIFEST_NAME).exists():
+    if RANK_DIR.fullmatch(root.name) and (root.parent / MANIFEST_NAME).exists():
         return (
             f"{root}: no {MANIFEST_NAME}; this is one rank of a tensor-parallel mxconv output: "
             f"pass the output directory {root.parent} (its {MANIFEST_NAME} describes every rank)"

@@ -27,7 +27,7 @@ import torch
 from mxconv.engines.runner import KERNEL_THRESHOLDS
 from mxconv.environment import KernelLocations
 from mxconv.source.checkpoint import open_checkpoint
-from mxconv.source.file_names import MANIFEST_NAME
+from mxconv.source.file_names import MANIFEST_NAME, rank_dirs
 from mxconv.errors import BadInput, Unsupported
 from mxconv.interrupt import next_step
 from mxconv.families import detect_family
@@ -190,7 +190,7 @@ def _open_run(root: Path, manifest: dict, reference: str | None, reference_outpu
         raise Unsupported(f"{root / 'mxconv.json'}: backend {manifest['backend']!r} is not one this mxconv knows "
                           f"({', '.join(backend_names())}); a newer mxconv, or a plug-in backend not registered in this process?")
     tp = int(manifest.get("tp_size") or 1)
-    dirs = [root] if tp == 1 else [root / f"rank-{r}" for r in range(tp)]
+    dirs = rank_dirs(root, tp)
     for d in dirs:
         if not d.is_dir():
             raise BadInput(f"{d}: missing (manifest says tp_size {tp})")

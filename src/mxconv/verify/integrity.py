@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mxconv.source.checkpoint import Checkpoint, layer_index
+from mxconv.source.file_names import rank_dir_name
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.layouts import get_layout
@@ -59,7 +60,7 @@ def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint
             where.append(f"{key}: sha256 mismatch (corrupted or modified bytes)")
     for r, ckpt in enumerate(ckpts):
         for name in ckpt.tensors:
-            key = name if tp == 1 else f"rank-{r}/{name}"
+            key = name if tp == 1 else f"{rank_dir_name(r)}/{name}"
             if key not in seen:
                 problems.setdefault(layer_index(name), []).append(f"{key}: present in the checkpoint but not in the manifest")
         problems.setdefault(None, []).extend(stray_weight_files(root, ckpt.root, ckpt.shard_files))
