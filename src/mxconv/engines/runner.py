@@ -59,8 +59,10 @@ class EngineRunner(Protocol):
         ...
 
 
-def engine_runner(backend: str) -> EngineRunner | None:
-    """The engine runner of registered backend ``backend``, or None when it has none."""
+def engine_runner(backend: Any) -> EngineRunner | None:
+    """The engine runner of backend ``backend``, or None when it has none or is not registered."""
+    if backend not in backend_names():
+        return None
     entry = getattr(get_layout(backend), "engine_runner", None)
     return None if entry is None else resolve_entry(entry)
 
@@ -72,7 +74,7 @@ def runner_backends() -> tuple[str, ...]:
 
 def require_runner(backend: Any, where: str = "") -> EngineRunner:
     """:func:`engine_runner` of ``backend``; BadInput naming the backends that have one otherwise."""
-    runner = engine_runner(backend) if backend in backend_names() else None
+    runner = engine_runner(backend)
     if runner is None:
         raise BadInput(f"{where}backend {backend!r} has no engine runner in mxconv (runners: {', '.join(runner_backends())})")
     return runner
@@ -83,7 +85,7 @@ def kernel_unavailable(manifest: dict[str, Any], device: Any = "cuda", kernel_lo
     ``kernel_locations`` first), else one line naming what is missing (backend without a runner,
     GPU, kernels, layout variant)."""
     backend = manifest.get("backend")
-    runner = engine_runner(backend) if backend in backend_names() else None
+    runner = engine_runner(backend)
     if runner is None:
         return f"no engine kernel runner in mxconv for backend {backend!r} (runners: {', '.join(runner_backends())})"
     try:

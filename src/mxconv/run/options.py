@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 from mxconv.layouts.base import LayoutOptions
 from mxconv.layouts.padding import KernelChoice
 from mxconv.errors import BadInput
+from mxconv.mx.formats import resolve_scale_mode
 
 
 class WeightFormat(StrEnum):
@@ -37,9 +38,6 @@ class ScaleRounding(StrEnum):
     RCEIL = "rceil"
     FLOOR = "floor"
     EVEN = "even"
-
-
-DEFAULT_SCALE_ROUNDING = {WeightFormat.MXFP4: ScaleRounding.EVEN, WeightFormat.MXFP8: ScaleRounding.RCEIL}
 
 
 class Targets(StrEnum):
@@ -107,7 +105,7 @@ def _member(enum: type[StrEnum], value: Any, flag: str, allowed: Sequence[StrEnu
 class QuantOptions:
     """What ``quantize`` (and ``repack`` of a float source) does to expert weights; strings given
     for the closed sets are turned into their Enums, and ``scale_rounding`` "auto" into the format's
-    rule (:data:`DEFAULT_SCALE_ROUNDING`), when the options are made: BadInput for a bad value."""
+    rule (:func:`mxconv.mx.formats.resolve_scale_mode`, where the per-format defaults live), when the options are made: BadInput for a bad value."""
 
     fmt: WeightFormat = WeightFormat.MXFP4
     scale_rounding: ScaleRounding = ScaleRounding.AUTO
@@ -123,7 +121,7 @@ class QuantOptions:
         fmt = _member(WeightFormat, self.fmt, "--format", QUANTIZE_FORMATS)
         rounding = _member(ScaleRounding, self.scale_rounding, "--scale-rounding")
         object.__setattr__(self, "fmt", fmt)
-        object.__setattr__(self, "scale_rounding", DEFAULT_SCALE_ROUNDING[fmt] if rounding == ScaleRounding.AUTO else rounding)
+        object.__setattr__(self, "scale_rounding", ScaleRounding(resolve_scale_mode(fmt, rounding)))
         object.__setattr__(self, "targets", _member(Targets, self.targets, "--targets"))
         for flag, name in (("--include", "include"), ("--ignore", "ignore")):
             spec = getattr(self, name)
