@@ -16,6 +16,7 @@ from mxconv.errors import LayoutError
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.trtllm import LAYOUT, TrtllmOptions
+from mxconv.layouts.vllm_backends import admits_vllm
 from mxconv.layouts.trtllm_bytemap import (
     gate_up_pair_dst, gate_up_pair_src, mma_shuffle_dst, mma_shuffle_src, swizzle_128x4, swizzle_offsets,
     swizzle_slot_coords, unswizzle_128x4, w13_row_dst, w13_row_src, w2_row_dst, w2_row_src,
@@ -374,7 +375,7 @@ def test_describe(activation: str) -> None:
     d = LAYOUT.describe(sizes, activation, None)
     assert d["name"] == "trtllm" and d["version"] == 1
     assert d["activation"] == activation
-    assert d["engine_compat"] == {"vllm": ">=0.10.2", "flashinfer": ">=0.3"}
+    assert d["engine_compat"] == {"vllm": ">=0.27", "flashinfer": ">=0.3"}
     assert d["epilogue_tile_m"] == 128 and d["num_elts_per_sf"] == 16
     assert d["intermediate_align"] == 128 and d["hidden_align"] == 256
     assert d["scale_fill"] == 0
@@ -382,6 +383,17 @@ def test_describe(activation: str) -> None:
     assert d["vllm_moe_backend"] == want_backend[activation]
     with pytest.raises(LayoutError, match="activation"):
         LAYOUT.describe(sizes, "fp8", None)
+
+
+@pytest.mark.parametrize(("align", "vllm"), [(128, ">=0.27"), (256, "0.10.2-0.26"), (384, None)])
+def test_describe_engine_compat_follows_padding(align: int, vllm: str | None) -> None:
+    """Each intermediate_align names the vLLM releases that allocate it; 0.33 admits only 128."""
+    Ip = -(-2880 // align) * align
+    d = LAYOUT.describe(LayoutSizes(32, 2880, 2880, 3072, Ip, "interleaved", True), "bf16",
+                        LAYOUT.resolve_options({"intermediate_align": align}))
+    assert d["engine_compat"].get("vllm") == vllm and d["engine_compat"]["flashinfer"] == ">=0.3"
+    if vllm is not None:
+        assert admits_vllm(vllm) is (align == 128)
 
 
 # ---------------------------------------------------------------------------------------------

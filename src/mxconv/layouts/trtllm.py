@@ -77,7 +77,10 @@ SCALE_FILL = 0x00  # never 0xFF (NaN * 0 = NaN)
 
 KERNEL_SCALE_DTYPE = "F8_E4M3"  # safetensors names; mxconv.source.st_format.torch_dtype gives the torch ones
 KERNEL_BIAS_DTYPE = "F32"
-ENGINE_COMPAT = {"vllm": ">=0.10.2", "flashinfer": ">=0.3"}
+# vLLM releases whose FLASHINFER_TRTLLM_MXFP4_* allocation matches each intermediate_align (other
+# multiples of 128 are held by no vLLM release: the entry names FlashInfer alone).
+VLLM_RELEASES_BY_ALIGN = {128: ">=0.27", 256: "0.10.2-0.26"}
+FLASHINFER_COMPAT = ">=0.3"
 VLLM_BACKENDS = {"bf16": "FLASHINFER_TRTLLM_MXFP4_BF16", "mxfp8": "FLASHINFER_TRTLLM_MXFP4_MXFP8"}
 
 
@@ -297,7 +300,7 @@ class TrtllmLayout(LayoutBase):
         return {
             "name": self.name,
             "version": self.version,
-            "engine_compat": dict(ENGINE_COMPAT),
+            "engine_compat": _engine_compat(self.options_of(options).intermediate_align),
             "activation": activation,
             "vllm_moe_backend": VLLM_BACKENDS[activation],
             "epilogue_tile_m": EPILOGUE_TILE_M,
@@ -311,6 +314,12 @@ class TrtllmLayout(LayoutBase):
             "hidden_align": HIDDEN_ALIGN,
             "intermediate_align": self.options_of(options).intermediate_align,
         }
+
+
+def _engine_compat(intermediate_align: int) -> dict[str, str]:
+    """The manifest's ``engine_compat`` for this padding: the vLLM releases that allocate it, FlashInfer."""
+    vllm = VLLM_RELEASES_BY_ALIGN.get(intermediate_align)
+    return {"vllm": vllm, "flashinfer": FLASHINFER_COMPAT} if vllm else {"flashinfer": FLASHINFER_COMPAT}
 
 
 def _swizzled_kernel_scales(row_permuted: torch.Tensor) -> torch.Tensor:
