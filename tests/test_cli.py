@@ -437,7 +437,7 @@ def test_messages_are_printed_verbatim_never_as_markup(tmp_path, name):
 def test_verify_shows_progress_on_stderr_and_quiet_hides_it(ws: Path) -> None:
     code, out, err = mx("verify", ws / "qwen-trt", "--device", "cpu")
     assert code == 0, err
-    assert "integrity (sha256" not in out and "layer 1 (" not in out  # results only on stdout, steps on stderr
+    assert "integrity (files" not in out and "layer 1 (" not in out  # results only on stdout, steps on stderr
     assert f"verify {ws / 'qwen-trt'}" in err.replace("\n", "")  # the bar, on stderr
     code, out, err = mx("verify", ws / "qwen-trt", "--device", "cpu", "--quiet")
     assert code == 0 and err == "", err
@@ -448,7 +448,7 @@ def test_verify_reports_each_step_in_order(ws: Path) -> None:
 
     steps: list[tuple[str, int, int]] = []
     verify(ws / "qwen-trt", on_step=lambda what, done, total: steps.append((what, done, total)))
-    assert steps[0] == ("integrity (sha256 of every tensor)", 0, 3)
+    assert steps[0] == ("integrity (files, headers)", 0, 3)
     assert [s[0] for s in steps[1:]] == ["layer 0", "layer 1", "done"] and steps[-1][1:] == (3, 3)
 
 

@@ -60,7 +60,7 @@ def test_piped_verify_table_and_progress_lines(ws: Path) -> None:
         assert col in header
     path = ws / "gpt-marlin"
     assert r.stderr.splitlines() == [
-        f"verify {path}: integrity (sha256 of every tensor) (0/3)",
+        f"verify {path}: integrity (files, headers) (0/3)",
         f"verify {path}: layer 0 (1/3)",
         f"verify {path}: layer 1 (2/3)",
         f"verify {path}: done (3/3)",

@@ -27,12 +27,13 @@ import torch
 from mxconv.engines.runner import KERNEL_THRESHOLDS
 from mxconv.environment import KernelLocations
 from mxconv.source.checkpoint import open_checkpoint
-from mxconv.source.file_names import MANIFEST_NAME, rank_dirs
+from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name, rank_dirs
 from mxconv.errors import BadInput, Unsupported
 from mxconv.interrupt import next_step
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names
 from mxconv.source.manifest import load_manifest, missing_manifest_message
+from mxconv.verify.hashing import TensorHashes
 from mxconv.verify.integrity import check_integrity, check_manifest_claims, model_info_of
 from mxconv.verify.layout import recover_layer, reference_layer
 from mxconv.verify.linears import LINEAR_THRESHOLDS, check_linears
@@ -95,8 +96,24 @@ def verify(
     lay_table = {int(l["layer"]): l for l in run.manifest["layers"]}
     chosen = sorted(set(parse_layers(layers, sorted(lay_table))))
     steps = len(chosen) + 1
-    step("integrity (sha256 of every tensor)", 0, steps)
-    integ = check_integrity(run.root, run.manifest, run.ckpts)
+    step("integrity (files, headers)", 0, steps)
+    integ, expected = check_integrity(run.root, run.manifest, run.ckpts)
+    with TensorHashes(expected) as run.hashes:
+        return _verify_layers(run, kernel, kernel_locations, reference, reference_outputs, revision, layers, strict,
+                              lay_table, chosen, integ, step)
+
+
+def _verify_layers(run: Run, kernel: bool, kernel_locations: KernelLocations | None, reference: str | None,
+                   reference_outputs: str | None, revision: str | None, layers: str | None, strict: bool,
+                   lay_table: dict[int, dict], chosen: list[int], integ: dict[int | None, list[str]],
+                   step: Callable[[str, int, int], None]) -> VerifyReport:
+    """The checks after the headers: layers (their bytes hashed as they are read; the other tensors
+    hashed on the pool meanwhile), then the hash verdicts, the linears and the report."""
+    steps = len(chosen) + 1
+    if run.kind == "kernel":  # the layout check reads the chosen layers' expert tensors: hashed from memory
+        run.hashes.start_rest(_expert_keys(run, [lay_table[L] for L in chosen]))
+    else:
+        run.hashes.start_rest(set())
     if kernel:
         run.kernel_locations = kernel_locations
         run.klayout, run.kernel_size_problems = kernel_preflight(run.manifest, kernel_locations)
@@ -108,18 +125,19 @@ def verify(
     _read_back(run, general)
     if run.own_error is None:
         general.extend(check_manifest_claims(run.manifest, run.info, run.ckpts, run.own_reader))
-    reports: list[LayerReport] = []
-    for L in sorted(lay_table):
-        rep = LayerReport(L)
-        probs = integ.get(L, [])
-        if probs:
-            rep.integrity = "FAIL"
-            rep.problems.extend(probs)
-        if L in chosen:
-            step(f"layer {L}", 1 + chosen.index(L), steps)
-            _check_layer(run, L, lay_table[L], rep)
-        if L in chosen or probs:
-            reports.append(rep)
+    reports: dict[int, LayerReport] = {}
+    for L in chosen:
+        step(f"layer {L}", 1 + chosen.index(L), steps)
+        run.hashes.settle()  # the previous layer's bytes are hashed before this one's are read
+        reports[L] = LayerReport(L)
+        _check_layer(run, L, lay_table[L], reports[L])
+    for where, probs in _merged({k: v for k, v in integ.items() if k is not None}, run.hashes.problems()).items():
+        if where is None:
+            general.extend(probs)
+            continue
+        rep = reports.setdefault(where, LayerReport(where))
+        rep.integrity = "FAIL"
+        rep.problems[:0] = probs
     linears, lin_problems = check_linears(run, set(chosen) if layers else None)
     general.extend(lin_problems)
     notes = _finish(run)
@@ -132,7 +150,30 @@ def verify(
     if strict and "numerics" in scope.not_checked:
         general.append(f"--strict: numerics not checked ({scope.not_checked['numerics']}); pass --reference SOURCE "
                        "(the checkpoint this one was converted from) or --reference-outputs FILE")
-    return VerifyReport(str(run.root), run.kind, run.manifest.get("backend"), reports, general, notes, linears, scope)
+    return VerifyReport(str(run.root), run.kind, run.manifest.get("backend"), [reports[L] for L in sorted(reports)],
+                        general, notes, linears, scope)
+
+
+def _merged(*by_layer: dict[int | None, list[str]]) -> dict[int | None, list[str]]:
+    """Problem lists by layer, concatenated in argument order (empty lists dropped)."""
+    out: dict[int | None, list[str]] = {}
+    for d in by_layer:
+        for where, probs in d.items():
+            if probs:
+                out.setdefault(where, []).extend(probs)
+    return out
+
+
+def _expert_keys(run: Run, lays: list[dict]) -> set[str]:
+    """Manifest keys of the expert tensors the layout check reads (and hands to the hasher)."""
+    tp = len(run.ckpts)
+    keys = set()
+    for lay in lays:
+        for r, ckpt in enumerate(run.ckpts):
+            for name in ckpt.tensors:
+                if name.startswith(f"{lay['module_prefix']}.experts."):
+                    keys.add(name if tp == 1 else f"{rank_dir_name(r)}/{name}")
+    return keys
 
 
 NO_REFERENCE = "no --reference or --reference-outputs given"

@@ -5,7 +5,6 @@ layout is what the files hold."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -16,20 +15,17 @@ from mxconv.source.file_names import rank_dir_name
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.layouts import get_layout
-from mxconv.source.st_format import iter_tensor_chunks
+from mxconv.verify.hashing import Expected
 from mxconv.verify.layout import manifest_sizes
 
 
-def sha256_of(ckpt: Checkpoint, name: str) -> str:
-    h = hashlib.sha256()
-    for chunk in iter_tensor_chunks(ckpt.tensors[name]):
-        h.update(chunk)
-    return h.hexdigest()
-
-
-def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint]) -> dict[int | None, list[str]]:
-    """Problems by layer (None = not in a layer)."""
+def check_integrity(root: Path, manifest: dict[str, Any],
+                    ckpts: list[Checkpoint]) -> tuple[dict[int | None, list[str]], list[Expected]]:
+    """Problems by layer (None = not in a layer) that the headers show — a listed tensor missing, in
+    another file, of another shape or dtype, an unlisted tensor or weight file — and the tensors
+    whose sha256 is still to be checked (:class:`~mxconv.verify.hashing.TensorHashes`)."""
     problems: dict[int | None, list[str]] = {}
+    expected: list[Expected] = []
     tp = len(ckpts)
     seen: set[str] = set()
     for key, entry in manifest["tensors"].items():
@@ -56,8 +52,7 @@ def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint
         if list(info.shape) != list(entry["shape"]) or info.dtype != entry["dtype"]:
             where.append(f"{key}: {info.dtype}{list(info.shape)} on disk, manifest says {entry['dtype']}{entry['shape']}")
             continue
-        if sha256_of(ckpt, name) != entry["sha256"]:
-            where.append(f"{key}: sha256 mismatch (corrupted or modified bytes)")
+        expected.append(Expected(key, ckpt, name, entry["sha256"]))
     for r, ckpt in enumerate(ckpts):
         for name in ckpt.tensors:
             key = name if tp == 1 else f"{rank_dir_name(r)}/{name}"
@@ -66,7 +61,7 @@ def check_integrity(root: Path, manifest: dict[str, Any], ckpts: list[Checkpoint
         problems.setdefault(None, []).extend(stray_weight_files(root, ckpt.root, ckpt.shard_files))
     if tp > 1:  # the top of a TP output holds no weights at all
         problems.setdefault(None, []).extend(stray_weight_files(root, root, []))
-    return problems
+    return problems, expected
 
 
 _WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|gguf)$")

@@ -16,6 +16,7 @@ from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.padding import unpad_canonical
 from mxconv.source.st_format import read_tensor
+from mxconv.verify.hashing import TensorHashes
 from mxconv.verify.report import LayerReport, Run
 
 
@@ -58,9 +59,11 @@ def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: in
 
 
 def kernel_layer_canonical(
-    manifest: dict[str, Any], ckpts: list[Checkpoint], prefix: str, problems: list[str]
+    manifest: dict[str, Any], ckpts: list[Checkpoint], prefix: str, problems: list[str],
+    device: torch.device | str = "cpu", hashes: TensorHashes | None = None,
 ) -> CanonicalExperts | None:
-    """Invert one layer's kernel tensors (all ranks), check the round trip; None on failure."""
+    """Invert one layer's kernel tensors (all ranks) on ``device``, check the round trip; None on
+    failure. The bytes read are handed to ``hashes`` (each tensor is read from disk once)."""
     backend = manifest["backend"]
     try:
         layout = get_layout(backend)
@@ -78,7 +81,13 @@ def kernel_layer_canonical(
     parts: list[CanonicalExperts] = []
     for rank, ckpt in enumerate(ckpts):
         names = {k: f"{prefix}.experts.{k}" for k in ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")}
-        tensors = {k: read_tensor(ckpt.tensors[n]) for k, n in names.items() if n in ckpt.tensors}
+        tensors = {}
+        for k, n in names.items():
+            if n in ckpt.tensors:
+                stored = read_tensor(ckpt.tensors[n])
+                if hashes is not None:
+                    hashes.feed(ckpt, n, stored)
+                tensors[k] = stored.to(device)
         s, e = ranges[rank]
         # every rank was laid out at the widest rank's width (slice_tp's pad_to), then padded
         rank_sizes = LayoutSizes(sizes.num_experts, sizes.hidden_size, sizes.intermediate_size, sizes.padded_hidden_size,
@@ -112,7 +121,7 @@ def kernel_layer_canonical(
 
 def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
     for name in ("w13", "w13_scale", "w2", "w2_scale"):
-        x, y = getattr(a, name), getattr(b, name)
+        x, y = getattr(a, name), getattr(b, name).to(getattr(a, name).device)
         if x.shape != y.shape:
             return f"{name}: shape {tuple(x.shape)} vs reference {tuple(y.shape)}"
         if x.is_floating_point():  # bf16 INT4 scales: compare bit patterns (-0.0 is not +0.0)
@@ -125,8 +134,8 @@ def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
         x, y = getattr(a, name), getattr(b, name)
         if (x is None) != (y is None):
             return f"{name}: present on one side only"
-        if x is not None and not torch.equal(x.float(), y.float()):
-            e, r = (x.float() != y.float()).nonzero()[0][:2].tolist()
+        if x is not None and not torch.equal(x.float(), y.float().to(x.device)):
+            e, r = (x.float() != y.float().to(x.device)).nonzero()[0][:2].tolist()
             return f"{name}: first difference at expert {e}, row {r}"
     return None
 
@@ -176,7 +185,7 @@ def recover_layer(run: Run, L: int, lay: dict[str, Any], rep: LayerReport) -> tu
         lprobs: list[str] = []
         canon = None
         try:
-            canon = kernel_layer_canonical(run.manifest, run.ckpts, prefix, lprobs)
+            canon = kernel_layer_canonical(run.manifest, run.ckpts, prefix, lprobs, run.device, run.hashes)
         except KeyError as exc:
             lprobs.append(f"{prefix}.experts: kernel tensor {exc} missing")
         rep.layout = "FAIL" if lprobs else "ok"

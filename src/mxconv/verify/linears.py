@@ -138,7 +138,7 @@ def _check_one(run: Run, module: str, rounding: str | None) -> LinearReport:
 def _copies_differ(run: Run, mx_names: set[str]) -> list[str]:
     """Tensors the output copied (not quantized; MXFP8 linears carried over are checked as linears)
     whose bytes are not the reference's."""
-    from mxconv.verify.integrity import sha256_of
+    from mxconv.verify.hashing import sha256_of
 
     assert run.ref_ckpt is not None
     out = []
