@@ -87,6 +87,12 @@ def _find_root(path: Path, rank: int | None) -> tuple[Path, int | None]:
     raise BadInput(f"{path}: no {MANIFEST_NAME} here or in its parent (not an mxconv kernel-layout output or one of its rank-N/ directories)")
 
 
+def output_root(path: str | Path, rank: int | None = None) -> tuple[Path, int | None]:
+    """(directory holding ``mxconv.json``, rank) for an output root or one of its ``rank-N/``
+    directories (the rank of the directory; ``rank`` when given must agree with it)."""
+    return _find_root(Path(path).expanduser().resolve(), rank)
+
+
 def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, manifest: dict[str, Any] | None = None) -> LayerSource:
     """Find layer ``layer``'s expert tensors (of ``rank`` for a TP output) from the manifest.
 
