@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.toy_backend import ToyLayout
+from support.workspace import MadeCheckpoints, link_workspace
 
 from mxconv.engines.loader import EngineLayer
 from mxconv.engines.model_load import LoadProgress, load_model, stderr_progress
@@ -19,8 +21,6 @@ from mxconv.errors import BadInput
 from mxconv.layouts import register_layout, unregister_layout
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.source.st_format import read_tensor
-from support.toy_backend import ToyLayout
-from support.workspace import MadeCheckpoints, link_workspace
 
 
 @pytest.fixture(scope="module")

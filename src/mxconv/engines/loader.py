@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -192,6 +193,8 @@ class EngineLayer:
     experts: Any
     tensors: dict[str, torch.Tensor] = field(repr=False)
     runner: EngineRunner = field(repr=False)
+    layout: dict[str, Any] = field(default_factory=dict, repr=False)  # the manifest's ``layout`` object
+    rewrap: Callable[[dict[str, torch.Tensor]], Any] | None = field(default=None, repr=False)  # tensors -> experts
 
     @property
     def device(self) -> torch.device:
@@ -240,8 +243,11 @@ def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor],
     common = dict(num_experts=int(info.num_experts), hidden_size=int(lay["hidden_size"]),
                   padded_hidden_size=int(lay["padded_hidden_size"]), layout=lay, activation=info.activation,
                   swiglu_alpha=info.swiglu_alpha, swiglu_limit=info.swiglu_limit, name=where)  # fmt: skip
-    experts = runner.wrap(tensors, lay, src.intermediate_size, src.tp_size, kernel_locations=kernel_locations, **common)
-    return EngineLayer(src.backend, src.layer, src.rank, src.tp_size, info, experts, tensors, runner)
+    def rewrap(held: dict[str, torch.Tensor]) -> Any:
+        return runner.wrap(held, lay, src.intermediate_size, src.tp_size, kernel_locations=kernel_locations, **common)
+
+    return EngineLayer(src.backend, src.layer, src.rank, src.tp_size, info, rewrap(tensors), tensors, runner,
+                       dict(lay), rewrap)  # fmt: skip
 
 
 def load_layer(path: str | Path, layer: int, *, device: str | torch.device = "cuda", rank: int | None = None,
