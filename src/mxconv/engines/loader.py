@@ -24,9 +24,9 @@ Needs the kernels and an SM90 GPU (see :mod:`mxconv.engines.discover`); reading 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
