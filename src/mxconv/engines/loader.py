@@ -8,8 +8,9 @@ Public API::
     y = layer.forward(hidden, logits=router_logits)    # or route with the engine's own top-k
 
 ``load_layer`` reads ``mxconv.json`` (at ``path``, or in the parent of a ``rank-N/`` directory of a
-TP output), reads only that layer's expert tensors with safetensors ``safe_open`` straight to the
-device — no re-layout, no copy beyond the read — and returns an :class:`EngineLayer` holding
+TP output), reads only that layer's expert tensors straight from the files through bounded pinned
+staging buffers onto the device (:mod:`mxconv.engines.staged_read`: reads overlap the host-to-device
+copies; no re-layout, nothing built in pageable memory) and returns an :class:`EngineLayer` holding
 exactly what the engine's kernel takes: the object the backend's
 :class:`~mxconv.engines.runner.EngineRunner` (``Layout.engine_runner``) wraps the tensors in, e.g.
 triton_kernels ``Tensor``s with their ``PrecisionConfig``s, or Marlin's int32 weights, e8m0 scales
@@ -23,6 +24,7 @@ Needs the kernels and an SM90 GPU (see :mod:`mxconv.engines.discover`); reading 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,11 +32,13 @@ from typing import Any
 import torch
 
 from mxconv.engines.runner import EngineRunner, require_runner
+from mxconv.engines.staged_read import StagedReader, StagingOptions, read_tensors
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.families.base import ModelInfo
 from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
 from mxconv.source.manifest import load_manifest
+from mxconv.source.st_format import TensorInfo, read_header
 
 EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
@@ -84,6 +88,12 @@ def _find_root(path: Path, rank: int | None) -> tuple[Path, int | None]:
     raise BadInput(f"{path}: no {MANIFEST_NAME} here or in its parent (not an mxconv kernel-layout output or one of its rank-N/ directories)")
 
 
+def output_root(path: str | Path, rank: int | None = None) -> tuple[Path, int | None]:
+    """(directory holding ``mxconv.json``, rank) for an output root or one of its ``rank-N/``
+    directories (the rank of the directory; ``rank`` when given must agree with it)."""
+    return _find_root(Path(path).expanduser().resolve(), rank)
+
+
 def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, manifest: dict[str, Any] | None = None) -> LayerSource:
     """Find layer ``layer``'s expert tensors (of ``rank`` for a TP output) from the manifest.
 
@@ -129,37 +139,42 @@ def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, mani
     return LayerSource(root, m, int(layer), rank, prefix, files, names, end - start)
 
 
-def read_layer_tensors(src: LayerSource, device: str | torch.device = "cuda") -> dict[str, torch.Tensor]:
-    """The stored expert tensors of ``src`` (keys of :data:`EXPERT_TENSORS`) read with safetensors
-    ``safe_open`` onto ``device``, dtypes and shapes as written (mxconv's own reader + one copy
-    when the installed safetensors cannot read a dtype, e.g. F8_E8M0 before 0.8)."""
-    from safetensors import safe_open
-
-    by_file: dict[Path, list[str]] = {}
+def layer_infos(src: LayerSource, headers: dict[Path, dict[str, TensorInfo]] | None = None) -> dict[str, TensorInfo]:
+    """Where each stored expert tensor of ``src`` lives (file, dtype, shape, byte range), from the
+    validated headers of its files (``headers``: a cache of them, filled as files are read)."""
+    headers = {} if headers is None else headers
+    out: dict[str, TensorInfo] = {}
     for key, f in src.files.items():
-        by_file.setdefault(f, []).append(key)
-    out: dict[str, torch.Tensor] = {}
-    dev = str(torch.device(device))
-    for f, keys in by_file.items():
-        if not f.is_file():
-            raise BadInput(f"{f}: missing (named by {src.root / MANIFEST_NAME})")
-        try:
-            with safe_open(str(f), framework="pt", device=dev) as handle:
-                for key in keys:
-                    out[key] = handle.get_tensor(src.names[key])
-        except Exception as exc:  # safetensors' own error type, or a dtype it cannot read
-            out.update(_read_fallback(f, {k: src.names[k] for k in keys}, dev, exc))
+        if f not in headers:
+            if not f.is_file():
+                raise BadInput(f"{f}: missing (named by {src.root / MANIFEST_NAME})")
+            headers[f] = read_header(f)[0]
+        info = headers[f].get(src.names[key])
+        if info is None:
+            raise BadInput(f"{f}: does not hold {src.names[key]} (named by {src.root / MANIFEST_NAME})")
+        out[key] = info
     return out
 
 
-def _read_fallback(f: Path, names: dict[str, str], device: str, exc: Exception) -> dict[str, torch.Tensor]:
-    from mxconv.source.st_format import read_header, read_tensor
+def layer_hashes(src: LayerSource) -> dict[str, str]:
+    """The manifest's sha256 of each stored expert tensor of ``src`` (what ``mxconv verify`` checks)."""
+    prefix = f"{rank_dir_name(src.rank)}/" if src.tp_size > 1 else ""
+    table = src.manifest.get("tensors", {})
+    return {key: str(table[prefix + name]["sha256"]) for key, name in src.names.items() if "sha256" in table.get(prefix + name, {})}
 
-    infos, _ = read_header(f)
-    missing = [n for n in names.values() if n not in infos]
-    if missing:
-        raise BadInput(f"{f}: does not hold {missing} ({type(exc).__name__}: {exc})")
-    return {key: read_tensor(infos[name]).to(device) for key, name in names.items()}
+
+def read_layer_tensors(src: LayerSource, device: str | torch.device = "cuda", *,
+                       staging: StagingOptions | None = None, reader: StagedReader | None = None,
+                       check_hashes: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The stored expert tensors of ``src`` (keys of :data:`EXPERT_TENSORS`) on ``device``, dtypes
+    and shapes as written, read straight from the files through bounded pinned staging buffers
+    (:mod:`mxconv.engines.staged_read`; ``reader``: one kept across layers, else a fresh one with
+    ``staging``). ``check_hashes``: each tensor's sha256 against the manifest's."""
+    infos = layer_infos(src)
+    hashes = layer_hashes(src) if check_hashes else None
+    if reader is not None:
+        return reader.read(infos, hashes)
+    return read_tensors(infos, device, staging, hashes)
 
 
 @dataclass
@@ -178,6 +193,8 @@ class EngineLayer:
     experts: Any
     tensors: dict[str, torch.Tensor] = field(repr=False)
     runner: EngineRunner = field(repr=False)
+    layout: dict[str, Any] = field(default_factory=dict, repr=False)  # the manifest's ``layout`` object
+    rewrap: Callable[[dict[str, torch.Tensor]], Any] | None = field(default=None, repr=False)  # tensors -> experts
 
     @property
     def device(self) -> torch.device:
@@ -226,8 +243,11 @@ def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor],
     common = dict(num_experts=int(info.num_experts), hidden_size=int(lay["hidden_size"]),
                   padded_hidden_size=int(lay["padded_hidden_size"]), layout=lay, activation=info.activation,
                   swiglu_alpha=info.swiglu_alpha, swiglu_limit=info.swiglu_limit, name=where)  # fmt: skip
-    experts = runner.wrap(tensors, lay, src.intermediate_size, src.tp_size, kernel_locations=kernel_locations, **common)
-    return EngineLayer(src.backend, src.layer, src.rank, src.tp_size, info, experts, tensors, runner)
+    def rewrap(held: dict[str, torch.Tensor]) -> Any:
+        return runner.wrap(held, lay, src.intermediate_size, src.tp_size, kernel_locations=kernel_locations, **common)
+
+    return EngineLayer(src.backend, src.layer, src.rank, src.tp_size, info, rewrap(tensors), tensors, runner,
+                       dict(lay), rewrap)  # fmt: skip
 
 
 def load_layer(path: str | Path, layer: int, *, device: str | torch.device = "cuda", rank: int | None = None,

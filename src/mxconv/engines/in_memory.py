@@ -1,0 +1,162 @@
+"""In-memory conversion: one MoE layer's experts, already in (GPU or CPU) memory, into a backend's
+kernel layout, and into a live :class:`~mxconv.engines.loader.EngineLayer` — no file is touched.
+
+The pattern of an RL weight sync (a trainer pushes new bf16 weights into an inference engine every
+step)::
+
+    from mxconv.engines.in_memory import ConvertOptions, convert_layer, update_layer
+    kernel = convert_layer({"w13": w13, "w2": w2, "w13_bias": b13, "w2_bias": b2},
+                           ConvertOptions(backend="triton"), row_order="interleaved")
+    update_layer(engine_layer, {"gate_up_proj": gu, "down_proj": dn, ...})   # in place
+
+Input names (:func:`canonical_experts`), one layer, TP=1:
+
+* canonical, float (any float dtype): ``w13`` [E, 2I, H] (rows in ``row_order``), ``w2`` [E, H, I];
+* canonical, MXFP4: ``w13`` uint8 [E, 2I, H/2] + ``w13_scale`` uint8 [E, 2I, H/32], ``w2`` + ``w2_scale``;
+* gpt-oss source names: ``gate_up_proj`` [E, H, 2I] / ``down_proj`` [E, I, H] (bf16, interleaved
+  rows), or ``gate_up_proj_blocks`` / ``_scales`` and ``down_proj_blocks`` / ``_scales`` (MXFP4);
+* biases, optional: ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H] (``gate_up_proj_bias`` / ``down_proj_bias``).
+
+The work is the conversion's own: float experts are quantized by ``mxconv.run.compute.to_format``
+(the kernels and expert chunks ``quantize`` / ``repack`` use; MX bytes move untouched) and laid out
+by the backend's ``to_kernel``, so the bytes equal the files ``repack`` writes from the same source
+(tests/test_in_memory.py). Everything runs on the tensors' device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mxconv.engines.loader import EngineLayer
+from mxconv.errors import BadInput
+from mxconv.families.base import MXStack
+from mxconv.layouts import get_layout
+from mxconv.layouts.base import LayoutOptions
+from mxconv.layouts.canonical import CanonicalExperts
+from mxconv.layouts.padding import KernelChoice
+from mxconv.run.compute import to_format
+from mxconv.run.options import QuantOptions
+
+# gpt-oss source name -> (canonical name, transpose the last two dims?)
+_SOURCE_NAMES = {
+    "gate_up_proj": ("w13", True),
+    "down_proj": ("w2", True),
+    "gate_up_proj_blocks": ("w13", False),
+    "gate_up_proj_scales": ("w13_scale", False),
+    "down_proj_blocks": ("w2", False),
+    "down_proj_scales": ("w2_scale", False),
+    "gate_up_proj_bias": ("w13_bias", False),
+    "down_proj_bias": ("w2_bias", False),
+}
+_CANONICAL = ("w13", "w13_scale", "w2", "w2_scale", "w13_bias", "w2_bias")
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What :func:`convert_layer` writes: ``backend`` (a registered layout), its ``activation``
+    (None: the backend's default), its ``layout_options`` (as for ``repack --layout-option``), the
+    quantization of float experts (``quant``, as ``repack`` of a float source) and whether CUDA
+    stacks may use the Triton layout kernels (``kernel_choice``; the bytes are the same)."""
+
+    backend: str
+    activation: str | None = None
+    layout_options: LayoutOptions | Mapping[str, Any] = field(default_factory=dict)
+    quant: QuantOptions = field(default_factory=QuantOptions)
+    kernel_choice: KernelChoice = KernelChoice.AUTO
+
+
+def _rename(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Canonical names for ``tensors`` and the row order the names imply (gpt-oss: interleaved)."""
+    out: dict[str, torch.Tensor] = {}
+    implied = None
+    for name, t in tensors.items():
+        if name in _CANONICAL:
+            out[name] = t
+        elif name in _SOURCE_NAMES:
+            canon, transpose = _SOURCE_NAMES[name]
+            if name.endswith("_blocks"):
+                t = t.reshape(*t.shape[:-2], t.shape[-2] * t.shape[-1])
+            out[canon] = t.transpose(-1, -2) if transpose else t
+            implied = "interleaved"
+        else:
+            raise BadInput(f"in-memory conversion: unknown expert tensor {name!r} "
+                           f"(canonical: {', '.join(_CANONICAL)}; gpt-oss: {', '.join(_SOURCE_NAMES)})")  # fmt: skip
+    for need in ("w13", "w2"):
+        if need not in out:
+            raise BadInput(f"in-memory conversion: no {need} (or its gpt-oss name) among {sorted(tensors)}")
+    return out, implied
+
+
+def _stack(t: dict[str, torch.Tensor], which: str, fmt: str, quant: QuantOptions, device: torch.device) -> MXStack:
+    """One canonical stack in ``fmt``: MXFP4 bytes (uint8 with a ``*_scale``) as they are, floats quantized."""
+    w, scale = t[which], t.get(f"{which}_scale")
+    if w.dim() != 3:
+        raise BadInput(f"in-memory conversion: {which} must be [E, N, K], got {list(w.shape)}")
+    if scale is not None:
+        if w.dtype != torch.uint8:
+            raise BadInput(f"in-memory conversion: {which} with {which}_scale must be uint8 MXFP4 pairs, got {w.dtype}")
+        got = to_format(MXStack("mxfp4", w, scale.view(torch.uint8)), None, fmt, quant, which, None, device)
+    elif not w.dtype.is_floating_point:
+        raise BadInput(f"in-memory conversion: {which} is {w.dtype}: give floats, or MXFP4 bytes with {which}_scale")
+    else:
+        got = to_format(None, w, fmt, quant, f"in-memory {which}", None, device)
+    assert isinstance(got, MXStack)
+    return got
+
+
+def canonical_experts(tensors: Mapping[str, torch.Tensor], *, row_order: str | None = None,
+                      quant: QuantOptions | None = None) -> CanonicalExperts:  # fmt: skip
+    """The canonical MX stack of one layer's experts given under the names of the module docstring,
+    on their device (float experts quantized per ``quant``, MXFP4 bytes moved untouched).
+    ``row_order``: of the w13 rows, "interleaved" or "halves" (default: what the names imply,
+    "halves" for canonical names)."""
+    t, implied = _rename(tensors)
+    q = quant or QuantOptions()
+    device = t["w13"].device
+    w13, w2 = _stack(t, "w13", q.fmt, q, device), _stack(t, "w2", q.fmt, q, device)
+    bias = {k: None if t.get(k) is None else t[k].to(device) for k in ("w13_bias", "w2_bias")}
+    canon = CanonicalExperts(w13=w13.data, w13_scale=w13.scales, w2=w2.data, w2_scale=w2.scales,
+                             row_order=row_order or implied or "halves", weight_format=q.fmt, **bias)  # fmt: skip
+    canon.validate()
+    return canon
+
+
+def convert_layer(tensors: Mapping[str, torch.Tensor], options: ConvertOptions, *,
+                  row_order: str | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """One layer's experts (names of the module docstring) -> the backend's kernel tensors
+    (``w13_weight``, ``w13_weight_scale``, ``w2_weight``, ``w2_weight_scale``, biases where given),
+    padded as ``repack`` pads them, on the input's device; bytes equal to ``repack``'s files."""
+    layout = get_layout(options.backend)
+    activation = options.activation or layout.activations[0]
+    layout.check_activation(activation)
+    layout_options = layout.resolve_options(options.layout_options)
+    canon = canonical_experts(tensors, row_order=row_order, quant=options.quant)
+    return dict(layout.to_kernel(canon, activation, layout_options, options.kernel_choice))
+
+
+def update_layer(layer: EngineLayer, tensors: Mapping[str, torch.Tensor], *, quant: QuantOptions | None = None,
+                 row_order: str | None = None) -> EngineLayer:  # fmt: skip
+    """Convert ``tensors`` for ``layer``'s backend, activation and layout options (its manifest's)
+    and copy the result into the layer's stored buffers, in place (no buffer is reallocated), then
+    re-wrap ``layer.experts`` from them (cheap: the triton and marlin runners hold those very
+    buffers, as views, so an engine keeping the old objects sees the new weights too; a runner that
+    copies, like the test suite's toy, gets fresh objects). The sizes must be the layer's (BadInput
+    naming the tensor otherwise). Returns ``layer``."""
+    lay = layer.layout
+    opts = ConvertOptions(layer.backend, activation=lay.get("activation"), layout_options=lay.get("options") or {},
+                          quant=quant or QuantOptions())  # fmt: skip
+    new = convert_layer({k: v.to(layer.device) for k, v in tensors.items()}, opts,
+                        row_order=row_order or lay.get("w13_row_order"))  # fmt: skip
+    for key, held in layer.tensors.items():
+        got = new.get(key)
+        if got is None or got.shape != held.shape or got.element_size() != held.element_size():
+            shown = "absent" if got is None else f"{got.dtype}{list(got.shape)}"
+            raise BadInput(f"update_layer: {key} converts to {shown}, the layer holds {held.dtype}{list(held.shape)}")
+        held.copy_(got.view(held.dtype) if got.dtype != held.dtype else got)
+    if layer.rewrap is not None:
+        layer.experts = layer.rewrap(layer.tensors)
+    return layer

@@ -1,0 +1,248 @@
+"""Reading safetensors tensors onto a device at the speed of the host-to-device copy.
+
+A layer's tensors are read straight from their files at their byte offsets (``os.preadv`` on several
+threads; the page cache or the disk behind it) into a few bounded **pinned staging buffers**, and
+each full buffer is copied to the GPU on a side stream while the next one is read: reads overlap
+copies, and nothing of the layer is ever built in pageable host memory. Host memory is the staging
+buffers (``buffers x buffer_bytes``, :class:`StagingOptions`); GPU memory is the tensors themselves.
+
+On a CPU destination (or a machine without CUDA, where pinned memory does not exist) the same reads
+go straight into the destination tensors, cut into the same staging-sized fills, so both paths read
+the same bytes from the same offsets (:func:`plan_fills`).
+
+Every file's header is validated first (:func:`mxconv.source.st_format.read_header`): a truncated or
+edited shard is refused naming the file and the tensor before a byte of data is used; a file that
+shrinks while it is read is refused the same way. Optionally each tensor's sha256 is computed from
+the bytes as they pass (the hashes the manifest lists, the ones ``mxconv verify`` checks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxconv.errors import BadInput
+from mxconv.source.st_format import TensorInfo
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class StagingOptions:
+    """How much host memory a read may stage and how it reads.
+
+    ``buffer_bytes``: one pinned staging buffer (default 128 MiB); ``buffers``: how many (2: double
+    buffering); ``read_threads``: parallel ``preadv`` calls filling one buffer; ``piece_bytes``: the
+    largest single read."""
+
+    buffer_bytes: int = 128 * MIB
+    buffers: int = 2
+    read_threads: int = 8
+    piece_bytes: int = 16 * MIB
+
+    def __post_init__(self) -> None:
+        for name in ("buffer_bytes", "buffers", "read_threads", "piece_bytes"):
+            if int(getattr(self, name)) < 1:
+                raise BadInput(f"StagingOptions.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def host_bytes(self) -> int:
+        """The pinned host memory the staging buffers take."""
+        return self.buffer_bytes * self.buffers
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes [start, start + nbytes) of tensor ``key`` (``info``), at ``buffer_offset`` in its fill."""
+
+    key: str
+    info: TensorInfo
+    start: int
+    nbytes: int
+    buffer_offset: int
+
+    @property
+    def file_offset(self) -> int:
+        return self.info.begin + self.start
+
+
+def plan_fills(infos: Iterable[tuple[str, TensorInfo]], buffer_bytes: int) -> list[list[Segment]]:
+    """Cut the tensors (read in the order given) into fills of at most ``buffer_bytes``: small
+    tensors share a fill, a tensor larger than one buffer spans several."""
+    fills: list[list[Segment]] = []
+    current: list[Segment] = []
+    used = 0
+    for key, info in infos:
+        start = 0
+        while start < info.nbytes:
+            if used == buffer_bytes:
+                fills.append(current)
+                current, used = [], 0
+            n = min(info.nbytes - start, buffer_bytes - used)
+            current.append(Segment(key, info, start, n, used))
+            start += n
+            used += n
+    if current:
+        fills.append(current)
+    return fills
+
+
+def storage_shape(info: TensorInfo) -> tuple[int, ...]:
+    """The torch shape of a stored tensor (F4: two values a byte, so the last dimension halves)."""
+    if info.dtype == "F4" and info.shape:
+        return (*info.shape[:-1], info.shape[-1] // 2)
+    return tuple(info.shape)
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor (same storage)."""
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
+def _read_exact(fd: int, target: memoryview, offset: int, seg: Segment) -> None:
+    """Fill ``target`` from ``fd`` at ``offset``; BadInput naming file and tensor on a short read."""
+    got = 0
+    while got < len(target):
+        n = os.preadv(fd, [target[got:]], offset + got)
+        if n <= 0:
+            info = seg.info
+            raise BadInput(f"{info.file}: tensor {info.name!r} is truncated (the file ends at byte {offset + got}, "
+                           f"the tensor needs bytes up to {info.end})")  # fmt: skip
+        got += n
+
+
+def _check_sizes(fds: dict[Path, int], infos: list[tuple[str, TensorInfo]]) -> None:
+    """Refuse a file shorter than a tensor it should hold before anything is read."""
+    sizes = {f: os.fstat(fd).st_size for f, fd in fds.items()}
+    for _, info in infos:
+        if info.end > sizes[info.file]:
+            raise BadInput(f"{info.file}: tensor {info.name!r} is truncated (the file has {sizes[info.file]} bytes, "
+                           f"the tensor needs bytes {info.begin}..{info.end})")  # fmt: skip
+
+
+class StagedReader:
+    """Reads tensors of safetensors files onto one device; keeps its threads, pinned buffers and
+    copy stream between reads (use as a context manager, or call :meth:`close`)."""
+
+    def __init__(self, device: str | torch.device = "cuda", staging: StagingOptions | None = None) -> None:
+        self.device = torch.device(device)
+        self.staging = staging = staging or StagingOptions()
+        self._pool = ThreadPoolExecutor(max_workers=staging.read_threads, thread_name_prefix="mxconv-read")
+        self._buffers: list[torch.Tensor] = []
+        self._stream: Any = None
+        self.bytes_read = 0
+
+    def __enter__(self) -> StagedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._buffers = []
+
+    def read(self, infos: dict[str, TensorInfo], hashes: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+        """``{key: tensor}`` for ``{key: where it lives}``, dtypes and shapes as stored, on the
+        reader's device. ``hashes`` ({key: sha256 hex}) checks each tensor's bytes as they pass:
+        BadInput naming the file and tensor on a mismatch."""
+        ordered = sorted(infos.items(), key=lambda kv: (str(kv[1].file), kv[1].begin))
+        out = {key: torch.empty(storage_shape(info), dtype=info.torch_dtype, device=self.device) for key, info in ordered}
+        views = {key: byte_view(t) for key, t in out.items()}
+        hashers = {key: hashlib.sha256() for key in infos} if hashes is not None else None
+        fds: dict[Path, int] = {}
+        try:
+            for _, info in ordered:
+                if info.file not in fds:
+                    fds[info.file] = os.open(info.file, os.O_RDONLY)
+            _check_sizes(fds, ordered)
+            fills = plan_fills(ordered, self.staging.buffer_bytes)
+            if self.device.type == "cuda":
+                self._read_staged(fills, fds, views, hashers)
+            else:
+                self._read_direct(fills, fds, views, hashers)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        if hashes is not None and hashers is not None:
+            for key, info in ordered:
+                if key in hashes and hashers[key].hexdigest() != hashes[key]:
+                    raise BadInput(f"{info.file}: tensor {info.name!r}: sha256 mismatch with the manifest (corrupted or modified bytes)")
+        self.bytes_read += sum(info.nbytes for _, info in ordered)
+        return out
+
+    def _jobs(self, fill: list[Segment], fds: dict[Path, int], target: Any) -> list[tuple[int, memoryview, int, Segment]]:
+        """(fd, destination memoryview, file offset, segment) reads of at most ``piece_bytes``;
+        ``target(seg)`` is the memoryview a segment lands in."""
+        step = self.staging.piece_bytes
+        jobs = []
+        for seg in fill:
+            mv = target(seg)
+            for at in range(0, seg.nbytes, step):
+                jobs.append((fds[seg.info.file], mv[at:at + step], seg.file_offset + at, seg))
+        return jobs
+
+    def _run(self, jobs: list[tuple[int, memoryview, int, Segment]]) -> None:
+        if len(jobs) == 1:
+            _read_exact(*jobs[0])
+            return
+        for _ in self._pool.map(lambda j: _read_exact(*j), jobs):
+            pass
+
+    def _read_direct(self, fills: list[list[Segment]], fds: dict[Path, int], views: dict[str, torch.Tensor],
+                     hashers: dict[str, Any] | None) -> None:  # fmt: skip
+        """CPU destination: each fill read straight into the tensors."""
+        mvs = {key: memoryview(v.numpy()) for key, v in views.items()}
+        for fill in fills:
+            self._run(self._jobs(fill, fds, lambda s: mvs[s.key][s.start:s.start + s.nbytes]))
+            if hashers is not None:
+                for s in fill:
+                    hashers[s.key].update(mvs[s.key][s.start:s.start + s.nbytes])
+
+    def _staging_buffers(self) -> list[torch.Tensor]:
+        if not self._buffers:
+            n, size = self.staging.buffers, self.staging.buffer_bytes
+            self._buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
+            self._stream = torch.cuda.Stream(self.device)
+        return self._buffers
+
+    def _read_staged(self, fills: list[list[Segment]], fds: dict[Path, int], views: dict[str, torch.Tensor],
+                     hashers: dict[str, Any] | None) -> None:  # fmt: skip
+        """GPU destination: fill a pinned buffer (threads), queue its copies on the side stream,
+        fill the next buffer while they run; a buffer is refilled once its copies are done."""
+        buffers = self._staging_buffers()
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # the destinations were allocated there
+        events: list[Any] = [None] * len(buffers)
+        mvs = [memoryview(b.numpy()) for b in buffers]
+        for i, fill in enumerate(fills):
+            b = i % len(buffers)
+            if events[b] is not None:
+                events[b].synchronize()
+            mv = mvs[b]
+            self._run(self._jobs(fill, fds, lambda s, mv=mv: mv[s.buffer_offset:s.buffer_offset + s.nbytes]))
+            if hashers is not None:
+                for s in fill:
+                    hashers[s.key].update(mv[s.buffer_offset:s.buffer_offset + s.nbytes])
+            with torch.cuda.stream(stream):
+                for s in fill:
+                    src = buffers[b][s.buffer_offset:s.buffer_offset + s.nbytes]
+                    views[s.key][s.start:s.start + s.nbytes].copy_(src, non_blocking=True)
+                events[b] = stream.record_event()
+        stream.synchronize()
+
+
+def read_tensors(infos: dict[str, TensorInfo], device: str | torch.device = "cuda",
+                 staging: StagingOptions | None = None, hashes: dict[str, str] | None = None,
+                 ) -> dict[str, torch.Tensor]:  # fmt: skip
+    """One-shot :meth:`StagedReader.read` (a fresh reader: threads and buffers for this call only)."""
+    with StagedReader(device, staging) as reader:
+        return reader.read(infos, hashes)

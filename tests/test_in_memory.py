@@ -1,0 +1,106 @@
+"""In-memory conversion (mxconv.engines.in_memory) against the files ``repack`` writes, on CPU.
+
+A gpt-oss bf16 source and its MXFP4 quantization are repacked for triton and marlin with the CLI;
+the same experts, read raw from the source files (not through the family reader) and handed over in
+gpt-oss source names or in canonical names, must convert to exactly the bytes of those files. A live
+layer of the toy backend (its engine runs on CPU) is updated in place and its forward follows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.toy_backend import ToyLayout
+from support.workspace import MadeCheckpoints
+
+from mxconv.engines.in_memory import (
+    ConvertOptions,
+    canonical_experts,
+    convert_layer,
+    update_layer,
+)
+from mxconv.engines.model_load import load_model
+from mxconv.engines.staged_read import byte_view
+from mxconv.errors import BadInput
+from mxconv.layouts import register_layout, unregister_layout
+from mxconv.source.checkpoint import open_checkpoint
+from mxconv.source.st_format import read_tensor
+
+H, I = 128, 96
+EXPERTS = "model.layers.1.mlp.experts"
+
+
+def _layer(directory, prefix: str = EXPERTS) -> dict[str, torch.Tensor]:
+    ckpt = open_checkpoint(str(directory))
+    return {n[len(prefix) + 1:]: read_tensor(i) for n, i in ckpt.tensors.items() if n.startswith(prefix + ".")}
+
+
+@pytest.fixture(scope="module")
+def sources(made: MadeCheckpoints):
+    bf16 = made.source("gpt-oss-bf16", hidden_size=H, intermediate_size=I).path
+    return bf16, made.quantize(bf16)
+
+
+def _assert_equal_files(got: dict[str, torch.Tensor], files: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(files)
+    for key, want in files.items():
+        assert got[key].shape == want.shape and got[key].element_size() == want.element_size(), key
+        assert torch.equal(byte_view(got[key].contiguous()), byte_view(want)), key
+
+
+@pytest.mark.parametrize("backend", ["triton", "marlin"])
+@pytest.mark.parametrize("source", ["bf16", "mxfp4"])
+def test_bytes_equal_repack(made: MadeCheckpoints, sources, backend: str, source: str) -> None:
+    bf16, q4 = sources
+    src = bf16 if source == "bf16" else q4
+    files = _layer(made.repack(src, backend))
+    raw = _layer(src)
+    got = convert_layer(raw, ConvertOptions(backend))  # gpt-oss source names: interleaved rows implied
+    _assert_equal_files(got, files)
+    if source == "bf16":  # the same experts under canonical names
+        canon = {"w13": raw["gate_up_proj"].transpose(1, 2), "w2": raw["down_proj"].transpose(1, 2),
+                 "w13_bias": raw["gate_up_proj_bias"], "w2_bias": raw["down_proj_bias"]}  # fmt: skip
+        _assert_equal_files(convert_layer(canon, ConvertOptions(backend), row_order="interleaved"), files)
+
+
+def test_mxfp4_bytes_move_untouched(sources) -> None:
+    _, q4 = sources
+    raw = _layer(q4)
+    c = canonical_experts(raw)
+    assert c.row_order == "interleaved"
+    assert torch.equal(c.w13, raw["gate_up_proj_blocks"].reshape(4, 2 * I, H // 2))
+    assert torch.equal(c.w2_scale, raw["down_proj_scales"])
+
+
+def test_refusals() -> None:
+    w = torch.zeros(2, 64, 64)
+    with pytest.raises(BadInput, match="unknown expert tensor 'up'"):
+        convert_layer({"w13": w, "up": w}, ConvertOptions("triton"))
+    with pytest.raises(BadInput, match="no w2"):
+        convert_layer({"w13": w}, ConvertOptions("triton"))
+    with pytest.raises(BadInput, match="w2 is torch.int32"):
+        convert_layer({"w13": w, "w2": torch.zeros(2, 64, 32, dtype=torch.int32)}, ConvertOptions("triton"))
+
+
+def test_update_layer_in_place(made: MadeCheckpoints, sources) -> None:
+    register_layout("toy", ToyLayout())
+    try:
+        bf16, _ = sources
+        layer = load_model(made.repack(bf16, "toy"), device="cpu", layers=[1]).layers[1]
+        held = {k: t.data_ptr() for k, t in layer.tensors.items()}
+        x = torch.randn(5, H, generator=torch.Generator().manual_seed(1))
+        ids, weights = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]]), torch.full((5, 2), 0.5)
+        before = layer.forward(x, ids, weights)
+        raw = _layer(bf16)
+        update_layer(layer, raw)  # the same weights: same output
+        assert torch.equal(layer.forward(x, ids, weights), before)
+        raw["down_proj"] = raw["down_proj"] * 2  # w2 doubled, biases kept: the output moves
+        update_layer(layer, raw)
+        after = layer.forward(x, ids, weights)
+        assert {k: t.data_ptr() for k, t in layer.tensors.items()} == held  # the same buffers, rewritten
+        assert not torch.equal(after, before)
+        with pytest.raises(BadInput, match="w13_weight converts to"):
+            update_layer(layer, {**raw, "gate_up_proj": raw["gate_up_proj"][:, :, :64], "down_proj": raw["down_proj"][:, :32],
+                                 "gate_up_proj_bias": raw["gate_up_proj_bias"][:, :64]})  # fmt: skip
+    finally:
+        unregister_layout("toy")

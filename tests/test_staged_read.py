@@ -1,0 +1,137 @@
+"""The staged reader (mxconv.engines.staged_read) against safetensors' own reader, on CPU.
+
+Shards written by hand with tensors at odd byte offsets (a 1-byte tensor first, an odd-length header),
+several shards at once, staging buffers smaller than one tensor (reads cut into pieces), the sha256
+check, and truncated shards (refused naming the file and the tensor). The GPU path (pinned buffers,
+copies on a side stream) is the same plan of fills; tests/test_loader_gpu.py compares its bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mxconv.engines.staged_read import (
+    StagedReader,
+    StagingOptions,
+    byte_view,
+    plan_fills,
+    read_tensors,
+)
+from mxconv.errors import BadInput
+from mxconv.source.st_format import TORCH_TO_ST, read_header
+
+
+def write_unaligned(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file whose tensors sit back to back (no alignment) after a header of odd length."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": TORCH_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    if len(raw) % 2 == 0:  # an odd header length: every data offset is shifted by one
+        raw += b" "
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for t in tensors.values():
+            f.write(byte_view(t.contiguous()).numpy().tobytes())
+
+
+def _shards(tmp_path: Path) -> dict[str, Path]:
+    g = torch.Generator().manual_seed(3)
+    a = {
+        "tiny": torch.tensor([7], dtype=torch.uint8),
+        "bf16": torch.randn(33, 17, generator=g).to(torch.bfloat16),
+        "scales": torch.randint(0, 256, (5, 3, 9), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu),
+        "i32": torch.randint(-1000, 1000, (7, 13), generator=g, dtype=torch.int32),
+    }
+    b = {
+        "odd": torch.randint(0, 256, (3,), generator=g, dtype=torch.uint8),
+        "big": torch.randn(4, 257, generator=g),
+        "empty": torch.empty(0, 4, dtype=torch.bfloat16),
+    }
+    write_unaligned(tmp_path / "a.safetensors", a)
+    write_unaligned(tmp_path / "b.safetensors", b)
+    return {"a": tmp_path / "a.safetensors", "b": tmp_path / "b.safetensors"}
+
+
+def _infos(files: dict[str, Path]) -> dict[str, object]:
+    out = {}
+    for tag, f in files.items():
+        for name, info in read_header(f)[0].items():
+            out[f"{tag}.{name}"] = info
+    return out
+
+
+def _reference(files: dict[str, Path]) -> dict[str, torch.Tensor]:
+    out = {}
+    for tag, f in files.items():
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():  # noqa: SIM118 - a safe_open handle, not a dict
+                out[f"{tag}.{name}"] = h.get_tensor(name)
+    return out
+
+
+@pytest.mark.parametrize("staging", [StagingOptions(), StagingOptions(buffer_bytes=100, buffers=2, read_threads=3, piece_bytes=7),
+                                     StagingOptions(buffer_bytes=1, buffers=1, read_threads=1)])
+def test_bytes_equal_safe_open(tmp_path: Path, staging: StagingOptions) -> None:
+    files = _shards(tmp_path)
+    infos = _infos(files)
+    assert any(i.begin % 2 for i in infos.values())  # odd offsets really occur
+    got = read_tensors(infos, "cpu", staging)
+    want = _reference(files)
+    assert set(got) == set(want)
+    for key, t in want.items():
+        assert got[key].dtype == t.dtype and got[key].shape == t.shape, key
+        assert torch.equal(byte_view(got[key]), byte_view(t.contiguous())), key
+
+
+def test_plan_fills_cuts_and_packs() -> None:
+    from mxconv.source.st_format import TensorInfo
+
+    f = Path("x")
+    infos = [("a", TensorInfo("a", f, "U8", (10,), 100, 110)), ("b", TensorInfo("b", f, "U8", (3,), 110, 113)),
+             ("c", TensorInfo("c", f, "U8", (0,), 113, 113))]
+    fills = plan_fills(infos, 4)
+    assert [[(s.key, s.start, s.nbytes, s.buffer_offset) for s in fill] for fill in fills] == [
+        [("a", 0, 4, 0)], [("a", 4, 4, 0)], [("a", 8, 2, 0), ("b", 0, 2, 2)], [("b", 2, 1, 0)]]
+    assert sum(s.nbytes for fill in fills for s in fill) == 13
+    assert all(sum(s.nbytes for s in fill) <= 4 for fill in fills)
+
+
+def test_hash_check(tmp_path: Path) -> None:
+    files = _shards(tmp_path)
+    infos = _infos(files)
+    want = _reference(files)
+    hashes = {k: hashlib.sha256(byte_view(t.contiguous()).numpy().tobytes()).hexdigest() for k, t in want.items()}
+    with StagedReader("cpu", StagingOptions(buffer_bytes=64, piece_bytes=16)) as reader:
+        reader.read(infos, hashes)  # all match
+        assert reader.bytes_read == sum(i.nbytes for i in infos.values())
+        hashes["a.bf16"] = "0" * 64
+        with pytest.raises(BadInput, match=r"a\.safetensors: tensor 'bf16': sha256 mismatch"):
+            reader.read(infos, hashes)
+
+
+def test_truncated_shard_names_file_and_tensor(tmp_path: Path) -> None:
+    files = _shards(tmp_path)
+    infos = _infos(files)  # headers read while the file was whole
+    size = files["a"].stat().st_size
+    os.truncate(files["a"], size - 5)  # cut into the last tensor of a.safetensors
+    with pytest.raises(BadInput, match=r"a\.safetensors: tensor 'i32' is truncated"):
+        read_tensors(infos, "cpu")
+    with pytest.raises(BadInput, match=r"a\.safetensors: tensor 'i32'"):  # a fresh header read refuses it too
+        read_header(files["a"])
+
+
+def test_staging_options_refuse_zero() -> None:
+    with pytest.raises(BadInput, match="buffer_bytes must be >= 1"):
+        StagingOptions(buffer_bytes=0)
+    assert StagingOptions(buffer_bytes=64 << 20, buffers=3).host_bytes == 192 << 20
