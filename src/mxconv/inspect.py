@@ -275,3 +275,57 @@ def memory_plan(ckpt: Checkpoint, reader: Any) -> dict[str, Any] | None:
     except BadInput:
         return None
     return {"command": "quantize --device cpu", "plan": planned.describe(), **planned.to_json()}
+
+
+def engine_forms(ckpt: Checkpoint, family: str | None) -> tuple[list[tuple[str, Any]], dict[str, Any] | None]:
+    """``inspect --engine``: the forms an engine may see, (label, engine_picks.SourceKind or None), the
+    checkpoint as it is first, then each quantize output it can become; for a kernel output, the
+    canonical form it was made from. Also that output's served backends (None for a checkpoint)."""
+    from mxconv.families.quant_config import quantization_dict
+    from mxconv.layouts.engine_picks import SourceKind
+    from mxconv.layouts.engine_report import source_kind
+
+    m = ckpt.manifest or {}
+    gpt_oss = family == "gpt-oss"
+    if m.get("kind") == "kernel":
+        fmt = m.get("weight_format")
+        kind = SourceKind.CT_INT4 if fmt == "int4" else (SourceKind.GPT_OSS_MXFP4 if gpt_oss else SourceKind.CT_MXFP4)
+        label = f"its canonical {fmt} form (this output: repack --backend {m.get('backend')} --activation {m.get('activation')})"
+        return [(label, kind)], {"served_vllm_backends": list(m.get("served_vllm_backends") or [])}
+    as_is = source_kind(quantization_dict(ckpt), ckpt.config.get("model_type"))
+    forms: list[tuple[str, Any]] = [("as is", as_is)]
+    if m.get("kind") != "canonical":
+        mx4, mx8 = (SourceKind.GPT_OSS_MXFP4, SourceKind.MXCONV_MXFP8) if gpt_oss else (SourceKind.CT_MXFP4, SourceKind.CT_MXFP8)
+        forms += [(f"quantize --format {f}", k) for f, k in (("mxfp4", mx4), ("mxfp8", mx8)) if k != as_is]
+    return forms, None
+
+
+def inspect_engine(source: str, engine: str, gpus: tuple[str, ...] | None, revision: str | None = None) -> dict[str, Any]:
+    """``mxconv inspect SRC --engine E [--gpu G]``: :func:`inspect_path`'s document plus ``engine``: per
+    GPU (all of engine_picks.Gpu when ``gpus`` is None), what the engine picks for each form of the
+    checkpoint, which mxconv outputs hold those bytes and the padding each implies."""
+    from mxconv.layouts.engine_picks import Gpu
+    from mxconv.layouts.engine_report import engine_report
+
+    doc = inspect_path(source, revision)
+    if "ranks" in doc:  # a TP output (or one rank of it): rank 0 read with the root manifest
+        root = Path(doc.get("output") or doc["path"])
+        ckpt = _open_rank(root, 0, load_manifest(root))
+    else:
+        ckpt = open_checkpoint(doc["path"])
+    try:
+        chosen = tuple(Gpu(g) for g in gpus) if gpus else tuple(Gpu)
+    except ValueError:
+        raise BadInput(f"unknown --gpu {', '.join(gpus or ())}; choose from {', '.join(g.value for g in Gpu)}") from None
+    forms, served = engine_forms(ckpt, doc.get("family"))
+    model = dict(doc.get("model") or {})
+    lay = ((ckpt.manifest or {}).get("layout") or {})
+    for k in ("hidden_size", "intermediate_size"):
+        model[k] = lay.get(k, model.get(k))
+    report = engine_report(engine, chosen, forms, model)
+    if served is not None:
+        for g in report["gpus"]:
+            for row in g["rows"]:
+                row["this_output_holds_it"] = row.get("backend") in served["served_vllm_backends"]
+    doc["engine"] = report
+    return doc

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -10,11 +10,20 @@ from rich.table import Table
 from mxconv.cli.common import SOURCE_HELP, Command, DebugOpt, JsonOpt, RevisionOpt, app, errors, human_bytes, print_json
 from mxconv.cli.output import out
 
+EngineOpt = Annotated[Optional[str], typer.Option("--engine", metavar="ENGINE", help=(
+    "vllm-0.33 | sglang-0.5.23: per GPU, the MoE backend the engine picks by default for the checkpoint "
+    "as it is and for each output it can become, the mxconv output holding those bytes, the padding."))]
+GpuOpt = Annotated[Optional[str], typer.Option("--gpu", metavar="GPU", help=(
+    "sm90 | sm100 | sm120 | gfx950 | cpu: the device --engine reports on (default: every one; "
+    "--gpu alone means --engine vllm-0.33)."))]
+
 
 @app.command(cls=Command)
 def inspect(
     path: Annotated[str, typer.Argument(metavar="PATH", help=SOURCE_HELP)],
     revision: RevisionOpt = None,
+    engine: EngineOpt = None,
+    gpu: GpuOpt = None,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -25,10 +34,8 @@ def inspect(
 
         mxconv inspect openai/gpt-oss-20b
     """
-    from mxconv.inspect import inspect_path
-
     with errors(debug):
-        doc = inspect_path(path, revision)
+        doc = _document(path, revision, engine, gpu)
         if as_json:
             print_json(doc)
             return
@@ -89,6 +96,8 @@ def inspect(
                     b.add_row(row["backend"], row["activation"], str(row["padded_hidden_size"]), str(row["padded_intermediate_size"]),
                               human_bytes(row["expert_bytes"]), f"{100 * row['padding_overhead']:+.1f}%", ", ".join(row["vllm_backends"]) or "-")
             out.print(b)
+        for table in _engine_tables(doc["engine"]) if doc.get("engine") else ():
+            out.print(table)
 
 
 def _ranks_table(ranks: list[dict]) -> Table:
@@ -115,3 +124,33 @@ def _roles_table(roles: dict) -> Table:
                   human_bytes(after.get(role)) if roles.get("after") else "-")
     r.add_row("total", human_bytes(sum(before.values())) if before else "-", human_bytes(sum(after.values())) if after else "-")
     return r
+
+
+def _document(path: str, revision: str | None, engine: str | None, gpu: str | None) -> dict:
+    """inspect's document; with --engine or --gpu, :func:`mxconv.inspect.inspect_engine`'s."""
+    from mxconv.inspect import inspect_engine, inspect_path
+
+    if engine is None and gpu is None:
+        return inspect_path(path, revision)
+    return inspect_engine(path, engine or "vllm-0.33", (gpu,) if gpu else None, revision)
+
+
+def _engine_tables(report: dict) -> list[Table]:
+    """``inspect --engine``: one table per GPU: each form of the checkpoint, the engine's pick, the padding
+    it allocates (H, I per rank), the mxconv outputs holding those bytes (and why one does not)."""
+    tables = []
+    for g in report["gpus"]:
+        t = Table(title=f"{report['engine']} on {g['gpu']}: default MoE backend")
+        for col in ("form", "engine sees", "picks", "engine pads (H, I)", "mxconv output holding it"):
+            t.add_column(col)
+        for r in g["rows"]:
+            held = [h["output"] + (f" (pads to {tuple(h['padded'])})" if h.get("padded") else "")
+                    + (f": not as is, {h['refusal']}" if h.get("refusal") else "") for h in r.get("held_by", [])]
+            if "this_output_holds_it" in r:
+                held.insert(0, "this output: " + ("yes" if r["this_output_holds_it"] else "no, it holds other bytes"))
+            notes = [n for n in (r.get("note"), None if r.get("backend") else r.get("why")) if n]
+            pad = r.get("engine_padding")
+            t.add_row(r["form"], str(r.get("kind") or "-"), str(r.get("backend") or "none"),
+                      str(tuple(pad)) if pad else "-", "\n".join(held + notes) or "-")
+        tables.append(t)
+    return tables

@@ -1,0 +1,126 @@
+"""``mxconv inspect --engine E --gpu G``: the engine picks of :mod:`mxconv.layouts.engine_picks` joined with
+the mxconv outputs that hold their bytes (each registered layout's ``vllm_backends``, the canonical
+outputs' ``CANONICAL_VLLM_BACKENDS``) and the padding vLLM allocates (``vllm_padded_sizes``).
+
+A backend registered later (``register_layout``) is joined as soon as it declares ``vllm_backends``.
+Plain dicts in and out; no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mxconv.errors import BadInput, LayoutError
+from mxconv.layouts import backend_names, get_layout
+from mxconv.layouts.canonical import LayoutSizes
+from mxconv.layouts.engine_picks import (
+    CANONICAL_LAYOUT, ENGINES, MXFP4_BACKENDS, MXFP4_ORACLE, ORACLE, VLLM, Gpu, Pick, SourceKind, picks,
+)
+from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, vllm_padded_sizes, vllm_refusal
+
+# compressed-tensors "format" -> kind (mxconv's own CT_FORMATS names and compressed-tensors' INT4 one)
+_CT_KINDS = {"mxfp4-pack-quantized": SourceKind.CT_MXFP4, "mxfp8-quantized": SourceKind.CT_MXFP8,
+             "pack-quantized": SourceKind.CT_INT4}
+
+
+def source_kind(quant: dict[str, Any] | None, model_type: str | None) -> SourceKind | None:
+    """What the engine sees in a ``quantization_config`` (None: unquantized or a kind the data lacks)."""
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method == "mxfp4":
+        return SourceKind.GPT_OSS_MXFP4 if model_type == "gpt_oss" else SourceKind.MXFP4
+    if method is None and quant.get("mxconv_quant_method") == "mxfp8":
+        return SourceKind.MXCONV_MXFP8
+    if method == "compressed-tensors":
+        groups = quant.get("config_groups") or {}
+        formats = {quant.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
+        kinds = {_CT_KINDS[f] for f in formats if f in _CT_KINDS}
+        return kinds.pop() if len(kinds) == 1 else None
+    return None
+
+
+def holders(backend: str) -> list[dict[str, Any]]:
+    """The mxconv outputs whose bytes ``backend`` (a vLLM Mxfp4MoeBackend name) holds as is: every
+    registered layout/activation whose ``vllm_backends`` names it, then the canonical outputs."""
+    out: list[dict[str, Any]] = []
+    for name in backend_names():
+        for act, names in getattr(get_layout(name), "vllm_backends", {}).items():
+            if backend in names:
+                out.append({"output": f"repack --backend {name} --activation {act}", "backend": name, "activation": act})
+    out += [{"output": f"canonical ({lay})", "layout": lay} for lay, names in CANONICAL_VLLM_BACKENDS.items() if backend in names]
+    return out
+
+
+def engine_padding(pick: Pick, hidden: int, intermediate: int, activation: str) -> tuple[int, int] | None:
+    """(H, I) per rank vLLM allocates for ``pick``; None where vllm_padded_sizes does not say (other
+    oracles, other engines, unknown backends)."""
+    if pick.engine != VLLM or pick.backend is None or ORACLE[pick.source] != MXFP4_ORACLE:
+        return None
+    if CANONICAL_LAYOUT[pick.source] in UNPADDED_LAYOUTS:  # CompressedTensorsW4A4Mxfp4MoEMethod pads nothing
+        return hidden, intermediate
+    return vllm_padded_sizes(pick.backend, hidden, intermediate, activation)
+
+
+def _check_holder(h: dict[str, Any], pick: Pick, model: dict[str, Any]) -> dict[str, Any]:
+    """``h`` with the sizes its output is padded to and why vLLM would not hold it as is (None: it does)."""
+    H, I, act = int(model["hidden_size"]), int(model["intermediate_size"]), str(model.get("activation", "silu"))
+    padded_by_engine = CANONICAL_LAYOUT[pick.source] not in UNPADDED_LAYOUTS
+    if "layout" in h:  # a canonical output: its tensors are the checkpoint's
+        return {**h, "padded": [H, I], "refusal": vllm_refusal(str(pick.backend), (H, I, H, I), model, None, False)}
+    layout = get_layout(h["backend"])
+    try:
+        opts = layout.resolve_options()
+        Hp, Ip = layout.padded_sizes(H, I, str(model.get("row_order", "halves")), h["activation"], opts)
+        sizes = LayoutSizes(int(model.get("num_experts", 1)), H, I, Hp, Ip, str(model.get("row_order", "halves")),
+                            bool(model.get("has_expert_bias")), "mxfp4")
+        compat = layout.describe(sizes, h["activation"], opts).get("engine_compat", {}).get("vllm")
+    except LayoutError as exc:
+        return {**h, "padded": None, "refusal": f"repack refuses these sizes: {exc}"}
+    return {**h, "padded": [Hp, Ip], "refusal": vllm_refusal(str(pick.backend), (H, I, Hp, Ip), model, compat, padded_by_engine)}
+
+
+def pick_row(engine: str, kind: SourceKind, gpu: Gpu, model: dict[str, Any]) -> dict[str, Any]:
+    """One line of the report: what ``engine`` picks for a ``kind`` checkpoint of ``model`` (its
+    ``hidden_size``, ``intermediate_size``, ``activation``, ...) on ``gpu``, which outputs hold it."""
+    p = picks(engine, kind, gpu)
+    row: dict[str, Any] = {"kind": str(kind), "gpu": str(gpu)}
+    if p is None:
+        fallback = picks(VLLM, kind, gpu) if engine != VLLM else None
+        row.update(backend=None, note=f"not in the {engine} data" + (f"; no different pick from {VLLM} recorded" if fallback else ""))
+        if fallback is not None:
+            p = fallback
+        else:
+            return row
+    row.update(engine=p.engine, backend=p.backend, cite=p.cite, why=p.why)
+    if p.backend is None:
+        return row
+    H, I = int(model["hidden_size"]), int(model["intermediate_size"])
+    padded = engine_padding(p, H, I, str(model.get("activation", "silu")))
+    row["engine_padding"] = list(padded) if padded else None
+    if p.engine != VLLM or ORACLE[kind] != MXFP4_ORACLE:
+        row["held_by"] = []
+        row["note"] = f"no mxconv output records holding {p.engine}'s {p.backend} bytes (layouts name vLLM Mxfp4MoeBackend names)"
+        return row
+    row["held_by"] = [_check_holder(h, p, model) for h in holders(p.backend)]
+    if not row["held_by"]:
+        row["note"] = f"no mxconv output holds {p.backend} bytes yet" + (
+            f": {MXFP4_BACKENDS[p.backend]}" if MXFP4_BACKENDS.get(p.backend) else "")
+    return row
+
+
+def engine_report(engine: str, gpus: tuple[Gpu, ...], forms: list[tuple[str, SourceKind | None]],
+                  model: dict[str, Any]) -> dict[str, Any]:
+    """``inspect --engine``: for every GPU, one row per (form, kind) in ``forms`` (the source as it is,
+    then each output it can become; kind None: the engine data has nothing for it)."""
+    if engine not in ENGINES:
+        raise BadInput(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    per_gpu = []
+    for gpu in gpus:
+        rows = []
+        for form, kind in forms:
+            r = pick_row(engine, kind, gpu, model) if kind is not None else {"kind": None, "backend": None,
+                                                                             "note": "not in the engine data (unquantized or block-FP8 experts)"}
+            rows.append({"form": form, **r})
+        per_gpu.append({"gpu": str(gpu), "rows": rows})
+    return {"engine": engine, "gpus": per_gpu}

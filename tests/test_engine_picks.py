@@ -1,0 +1,175 @@
+"""``mxconv inspect --engine``: the engine picks data (one assertion per row), its join with the
+registered layouts' ``vllm_backends`` (a toy backend registered here is picked up), every vLLM 0.33
+``Mxfp4MoeBackend`` value accounted for, and the CLI's table and JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from mxconv.examples import make_checkpoint
+from mxconv.layouts import register_layout, unregister_layout
+from mxconv.layouts.engine_picks import MXFP4_BACKENDS, PICKS, SGLANG, VLLM, Gpu, SourceKind, picks
+from mxconv.layouts.engine_report import engine_padding, holders, pick_row, source_kind
+from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, vllm_padded_sizes
+from support.cli import mx
+from support.toy_backend import ToyLayout
+
+K, G = SourceKind, Gpu
+# (engine, kind, gpu) -> backend, read off vLLM 0.33.0 / SGLang 0.5.23 by hand (module docstring of engine_picks)
+EXPECTED = {
+    (VLLM, K.GPT_OSS_MXFP4, G.SM90): "TRITON", (VLLM, K.GPT_OSS_MXFP4, G.SM100): "FLASHINFER_TRTLLM_MXFP4_BF16",
+    (VLLM, K.GPT_OSS_MXFP4, G.SM120): "MARLIN", (VLLM, K.GPT_OSS_MXFP4, G.GFX950): "TRITON",
+    (VLLM, K.GPT_OSS_MXFP4, G.CPU): "CPU",
+    (VLLM, K.MXFP4, G.SM90): "HUMMING", (VLLM, K.MXFP4, G.SM100): "FLASHINFER_TRTLLM_MXFP4_MXFP8",
+    (VLLM, K.MXFP4, G.SM120): "MARLIN", (VLLM, K.MXFP4, G.GFX950): "EMULATION", (VLLM, K.MXFP4, G.CPU): "CPU",
+    (VLLM, K.CT_MXFP4, G.SM90): "MARLIN", (VLLM, K.CT_MXFP4, G.SM100): "CUTLASS_MXFP4_MXFP4",
+    (VLLM, K.CT_MXFP4, G.SM120): "CUTLASS_MXFP4_MXFP4", (VLLM, K.CT_MXFP4, G.GFX950): None, (VLLM, K.CT_MXFP4, G.CPU): None,
+    (VLLM, K.CT_INT4, G.SM90): "HUMMING", (VLLM, K.CT_INT4, G.SM100): "FLASHINFER_TRTLLM", (VLLM, K.CT_INT4, G.SM120): "MARLIN",
+    (VLLM, K.CT_INT4, G.GFX950): "TRITON",
+    (VLLM, K.CT_MXFP8, G.SM90): "HUMMING", (VLLM, K.CT_MXFP8, G.SM100): "FLASHINFER_TRTLLM", (VLLM, K.CT_MXFP8, G.SM120): "MARLIN",
+    **{(VLLM, K.MXCONV_MXFP8, g): None for g in G},
+    (SGLANG, K.GPT_OSS_MXFP4, G.SM100): "flashinfer_mxfp4 (trtllm_sm100)",
+    (SGLANG, K.GPT_OSS_MXFP4, G.SM120): "flashinfer_mxfp4 (cutlass_sm120)",
+}
+# Mxfp4MoeBackend values of vLLM 0.33.0 (fused_moe/oracle/mxfp4.py), checked in
+VLLM_MXFP4_ENUM = (
+    "None", "B12X_MXFP4_MXFP8", "B12X_MXFP4_BF16", "DEEPGEMM_MXFP4", "FLASHINFER_TRTLLM_MXFP4_MXFP8",
+    "FLASHINFER_TRTLLM_MXFP4_BF16", "FLASHINFER_CUTLASS_MXFP4_MXFP8", "FLASHINFER_CUTLASS_MXFP4_BF16", "CUTLASS_MXFP4_MXFP4",
+    "BATCHED_MARLIN", "MARLIN", "AITER_MXFP4_BF16", "AITER_TRITON_MXFP4_BF16", "AITER_MXFP4_FP8", "AITER_MXFP4_MXFP4",
+    "AITER_TRITON_MXFP4_MXFP4", "TRITON", "TRITON_UNFUSED", "XPU", "CPU", "EMULATION", "HUMMING",
+    "FLASHINFER_MOE_EP_CUTEDSL", "FLASHINFER_MOE_EP_DEEP_GEMM",
+)
+MODEL = {"hidden_size": 2880, "intermediate_size": 2880, "activation": "swigluoai", "has_expert_bias": True,
+         "num_experts": 4, "row_order": "interleaved"}
+
+
+def test_the_data_has_exactly_the_expected_rows() -> None:
+    keys = [(p.engine, p.source, p.gpu) for p in PICKS]
+    assert len(keys) == len(set(keys)), "one row per (engine, kind, gpu)"
+    assert set(keys) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("key", list(EXPECTED), ids=lambda k: "-".join(map(str, k)))
+def test_each_row_pick(key: tuple) -> None:
+    p = picks(*key)
+    assert p is not None and p.backend == EXPECTED[key]
+    assert p.cite and p.why  # every row says where it comes from and why
+
+
+def test_every_vllm_mxfp4_backend_is_held_or_has_a_reason() -> None:
+    assert set(MXFP4_BACKENDS) == set(VLLM_MXFP4_ENUM)
+    for name in VLLM_MXFP4_ENUM:
+        assert holders(name) or MXFP4_BACKENDS[name], f"{name}: neither held by an mxconv output nor explained"
+    # the canonical outputs hold XPU and EMULATION as is (issue 23 item 4)
+    assert {h["output"] for h in holders("XPU")} == {f"canonical ({lay})" for lay in CANONICAL_VLLM_BACKENDS}
+    assert [h["output"] for h in holders("EMULATION")] == ["canonical (canonical-gpt-oss)"]
+    assert ("repack --backend triton --activation bf16") in {h["output"] for h in holders("TRITON")}
+
+
+def test_a_backend_registered_later_is_joined_by_its_vllm_backends() -> None:
+    before = pick_row(VLLM, K.MXFP4, G.SM90, MODEL)
+    assert before["backend"] == "HUMMING" and before["held_by"] == []
+    assert before["note"].startswith("no mxconv output holds HUMMING bytes yet")
+
+    class HummingToy(ToyLayout):
+        name = "humtoy"
+        vllm_backends = {"bf16": ("HUMMING",)}
+
+    register_layout("humtoy", HummingToy())
+    try:
+        after = pick_row(VLLM, K.MXFP4, G.SM90, MODEL)
+    finally:
+        unregister_layout("humtoy")
+    assert [h["output"] for h in after["held_by"]] == ["repack --backend humtoy --activation bf16"]
+    assert after["held_by"][0]["padded"] == [2880, 2880] and after["held_by"][0]["refusal"] is None and "note" not in after
+
+
+def test_padding_is_vllm_padded_sizes_and_compressed_tensors_pads_nothing() -> None:
+    trt = picks(VLLM, K.GPT_OSS_MXFP4, G.SM100)
+    assert engine_padding(trt, 2880, 1440, "swigluoai") == vllm_padded_sizes(trt.backend, 2880, 1440, "swigluoai") == (3072, 1536)
+    ct = picks(VLLM, K.CT_MXFP4, G.SM90)
+    assert engine_padding(ct, 2880, 1440, "silu") == (2880, 1440)
+    assert engine_padding(picks(VLLM, K.CT_INT4, G.SM90), 7168, 2048, "silu") is None  # not an MXFP4 oracle
+
+
+def test_a_holder_padded_otherwise_says_why() -> None:
+    row = pick_row(VLLM, K.GPT_OSS_MXFP4, G.SM100, dict(MODEL, hidden_size=96, intermediate_size=64))
+    trt = {h["output"]: h for h in row["held_by"]}["repack --backend trtllm --activation bf16"]
+    assert row["engine_padding"] == [256, 128] and trt["padded"] == [256, 128] and trt["refusal"] is None
+
+
+def test_source_kind_from_quantization_config() -> None:
+    assert source_kind({"quant_method": "mxfp4"}, "gpt_oss") is K.GPT_OSS_MXFP4
+    assert source_kind({"quant_method": "mxfp4"}, "qwen3_moe") is K.MXFP4
+    assert source_kind({"quant_method": None, "mxconv_quant_method": "mxfp8"}, "gpt_oss") is K.MXCONV_MXFP8
+    ct = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"format": "pack-quantized"}}}
+    assert source_kind(ct, "kimi_k2") is K.CT_INT4
+    assert source_kind({"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}, "qwen3_moe") is K.CT_MXFP4
+    assert source_kind(None, "qwen3_moe") is None and source_kind({"quant_method": "fp8"}, "deepseek_v3") is None
+
+
+def test_cli_gpt_oss_source_on_sm90_json(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4")
+    code, out, err = mx("inspect", str(tmp_path / "src"), "--gpu", "sm90", "--json")
+    assert code == 0, err
+    eng = json.loads(out)["engine"]
+    assert eng["engine"] == VLLM and [g["gpu"] for g in eng["gpus"]] == ["sm90"]
+    rows = {r["form"]: r for r in eng["gpus"][0]["rows"]}
+    assert rows["as is"]["backend"] == "TRITON" and rows["as is"]["engine_padding"] == [96, 64]
+    assert rows["as is"]["held_by"][0]["output"] == "repack --backend triton --activation bf16"
+    assert rows["quantize --format mxfp8"]["backend"] is None
+
+
+def test_cli_qwen_source_table_and_a_repacked_output(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "src", "qwen3-moe")
+    code, out, err = mx("inspect", str(tmp_path / "src"), "--engine", "vllm-0.33", "--gpu", "sm100")
+    assert code == 0, err
+    assert "vllm-0.33 on sm100" in out and "CUTLASS_MXFP4_MXFP4" in out
+    assert "no mxconv output holds" in out
+    code, _, err = mx("quantize", str(tmp_path / "src"), str(tmp_path / "q"), "--format", "mxfp4", "--quiet")
+    assert code == 0, err
+    code, _, err = mx("repack", str(tmp_path / "q"), str(tmp_path / "m"), "--backend", "marlin", "--quiet")
+    assert code == 0, err
+    code, out, err = mx("inspect", str(tmp_path / "m"), "--gpu", "sm90", "--json")
+    assert code == 0, err
+    (row,) = json.loads(out)["engine"]["gpus"][0]["rows"]
+    assert row["kind"] == "ct-mxfp4" and row["backend"] == "MARLIN" and row["form"].startswith("its canonical mxfp4 form")
+    assert isinstance(row["this_output_holds_it"], bool)
+
+
+def test_cli_refuses_an_unknown_gpu_or_engine(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4")
+    code, _, err = mx("inspect", str(tmp_path / "src"), "--gpu", "sm80")
+    assert code == 2 and "sm90, sm100, sm120, gfx950, cpu" in err
+    code, _, err = mx("inspect", str(tmp_path / "src"), "--engine", "trt-llm")
+    assert code == 2 and "vllm-0.33, sglang-0.5.23" in err
+
+
+def test_sglang_entry_differs_where_recorded_and_falls_back_elsewhere() -> None:
+    row = pick_row(SGLANG, K.GPT_OSS_MXFP4, G.SM100, MODEL)
+    assert row["backend"] == "flashinfer_mxfp4 (trtllm_sm100)" and row["held_by"] == []
+    same = pick_row(SGLANG, K.GPT_OSS_MXFP4, G.SM90, MODEL)
+    assert same["backend"] == "TRITON" and same["engine"] == VLLM and "no different pick" in same["note"]
+
+
+def _vllm_wheel() -> Path | None:
+    found = sorted((Path(__file__).resolve().parents[1] / ".whl").glob("vllm-0.33.0-*.whl"))
+    return found[0] if found else None
+
+
+@pytest.mark.skipif(_vllm_wheel() is None, reason="the vLLM 0.33.0 wheel is not in .whl/")
+def test_cites_name_functions_of_the_vllm_wheel() -> None:
+    z = zipfile.ZipFile(_vllm_wheel())  # type: ignore[arg-type]
+    for p in (p for p in PICKS if p.engine == VLLM):
+        for part in p.cite.split("; "):
+            path, funcs = part.split(": ")
+            src = z.read(f"vllm/model_executor/layers/{path}").decode()
+            for fn in funcs.split(", "):
+                assert re.search(rf"(def|class) {fn.split('.')[-1]}\b|^{fn}\s*=", src, re.M), (p, fn)
+    body = z.read("vllm/model_executor/layers/fused_moe/oracle/mxfp4.py").decode().split("class Mxfp4MoeBackend(Enum):")[1]
+    assert set(re.findall(r'^\s+\w+ = "(\w+)"', body.split("\n\n\n")[0], re.M)) == set(VLLM_MXFP4_ENUM)
