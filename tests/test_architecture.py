@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "mxconv"
 BACKEND_PACKAGES = ("layouts", "engines", "kernels")  # where a backend's name may be spelled
-BACKEND_NAMES = {"trtllm", "marlin", "aiter", "triton", "deepgemm"}
+BACKEND_NAMES = {"trtllm", "marlin", "aiter", "triton", "deepgemm", "cutlass"}
 ENVIRONMENT_MODULE = "mxconv.environment"
 MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_LEVEL_MODULES = 400, 80, 12
 

@@ -22,6 +22,7 @@ GIVEN = {
     "triton": ({"pad_hidden": "yes", "num_warps": "4"},
                {"triton_layout": "3.5", "num_warps": 4, "scale_k_align": 4, "pad_hidden": True}),
     "deepgemm": ({}, {}),
+    "cutlass": ({}, {}),
 }
 
 

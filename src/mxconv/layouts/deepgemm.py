@@ -31,7 +31,7 @@ from mxconv.errors import LayoutError
 from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.layouts.base import EmptyOptions, LayoutBase
 from mxconv.layouts.canonical import (
-    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, in_kernel_order, round_up,
+    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, check_block_sizes, check_kernel_tensors, in_kernel_order, round_up,
 )
 from mxconv.source.st_format import torch_dtype
 
@@ -101,11 +101,7 @@ class DeepgemmLayout(LayoutBase):
         """(Hp, Ip) = (roundup(H, 128), roundup(I, 128)) for one rank; LayoutError unless H and I
         are positive multiples of 32 and the row order and activation are known."""
         self.check_activation(activation)
-        if row_order not in ROW_ORDERS:
-            raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
-        for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
-            if size <= 0 or size % MX_BLOCK:
-                raise LayoutError(f"deepgemm: {what} size {size} must be a positive multiple of {MX_BLOCK}")
+        check_block_sizes(BACKEND_NAME, hidden_size, intermediate_size, row_order, MX_BLOCK)
         return round_up(hidden_size, ALIGN), round_up(intermediate_size, ALIGN)
 
     def _checked(self, sizes: LayoutSizes, activation: str) -> tuple[int, int]:
@@ -157,17 +153,7 @@ class DeepgemmLayout(LayoutBase):
         [E, rows, K/2 or K/32] view).
         """
         specs = self.kernel_specs(sizes, activation, options)
-        missing = [n for n in specs if n not in k]
-        unexpected = [n for n in k if n not in specs]
-        if missing or unexpected:
-            raise LayoutError(f"deepgemm kernel tensors: missing {missing}, unexpected {unexpected}")
-        for n, spec in specs.items():
-            if tuple(k[n].shape) != spec.shape or k[n].dtype != spec.dtype:
-                raise LayoutError(
-                    f"deepgemm kernel tensor {n} is {tuple(k[n].shape)} {k[n].dtype}, expected {spec.shape} {spec.dtype}"
-                )
-        if len({str(t.device) for t in k.values()}) > 1:
-            raise LayoutError(f"deepgemm kernel tensors are on different devices: {sorted({str(t.device) for t in k.values()})}")
+        check_kernel_tensors(BACKEND_NAME, k, specs)
         padded = CanonicalExperts(
             w13=k["w13_weight"],
             w13_scale=unpack_ue8m0(k["w13_weight_scale"]),

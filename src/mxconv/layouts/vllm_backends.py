@@ -28,9 +28,9 @@ CANONICAL_VLLM_BACKENDS = {"canonical-gpt-oss": ("EMULATION", "XPU"), "canonical
 UNPADDED_LAYOUTS = {"canonical-compressed-tensors"}
 # Expert classes that run only some activations (vLLM MoEActivation values): DeepGemmFP4Experts and
 # OAITritonExperts / OAITritonMxfp4ExpertsMonolithic ``_supports_activation``. DeepGemmFP4Experts.apply
-# never reads the expert biases.
+# and run_cutlass_moe_mxfp4 (fused_moe/experts/cutlass_moe.py) never read the expert biases.
 EXPERT_ACTIVATIONS = {"DEEPGEMM_MXFP4": ("silu", "swiglustep", "situ"), "TRITON": ("swigluoai",)}
-NO_BIAS = {"DEEPGEMM_MXFP4"}
+NO_BIAS = {"DEEPGEMM_MXFP4", "CUTLASS_MXFP4_MXFP4"}
 
 
 def _up(x: int, m: int) -> int:
