@@ -289,3 +289,14 @@ def test_inspect_prints_quant_config(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # I = 96 -> 128 by default, as vLLM 0.33 pads it
     assert rows[("trtllm", "bf16")] == ["FLASHINFER_TRTLLM_MXFP4_BF16"]
     assert rows[("trtllm", "mxfp8")] == ["FLASHINFER_TRTLLM_MXFP4_MXFP8"]
+
+
+def test_unpadded_cutlass_needs_whole_scale_tiles() -> None:
+    """The compressed-tensors method pads nothing; its CUTLASS branch needs H and I multiples of 128."""
+    from mxconv.layouts.vllm_backends import vllm_refusal
+
+    model = {"activation": "silu", "has_expert_bias": False}
+    assert vllm_refusal("CUTLASS_MXFP4_MXFP4", (256, 128, 256, 128), model, None, False) is None
+    why = vllm_refusal("CUTLASS_MXFP4_MXFP4", (256, 96, 256, 96), model, None, False)
+    assert why is not None and "multiples of 128; these are (256, 96)" in why
+    assert vllm_refusal("MARLIN", (256, 96, 256, 96), model, None, False) is None

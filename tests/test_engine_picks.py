@@ -130,7 +130,8 @@ def test_cli_qwen_source_table_and_a_repacked_output(tmp_path: Path) -> None:
     code, out, err = mx("inspect", str(tmp_path / "src"), "--engine", "vllm-0.33", "--gpu", "sm100")
     assert code == 0, err
     assert "vllm-0.33 on sm100" in out and "CUTLASS_MXFP4_MXFP4" in out
-    assert "no mxconv output holds" in out
+    # the toy qwen has H=160, I=96: vLLM's compressed-tensors CUTLASS branch cannot load them
+    assert "repack --backend cutlass" in out and "multiples of 128; these are (160, 96)" in " ".join(out.split())
     code, _, err = mx("quantize", str(tmp_path / "src"), str(tmp_path / "q"), "--format", "mxfp4", "--quiet")
     assert code == 0, err
     code, _, err = mx("repack", str(tmp_path / "q"), str(tmp_path / "m"), "--backend", "marlin", "--quiet")

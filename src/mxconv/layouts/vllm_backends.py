@@ -24,8 +24,12 @@ VLLM_VERSION = (0, 33)
 
 # Canonical outputs, by manifest layout name: backends whose load-time conversion is a no-op.
 CANONICAL_VLLM_BACKENDS = {"canonical-gpt-oss": ("EMULATION", "XPU"), "canonical-compressed-tensors": ("XPU",)}
-# CompressedTensorsW4A4Mxfp4MoEMethod has no maybe_roundup_sizes: nothing is padded.
-UNPADDED_LAYOUTS = {"canonical-compressed-tensors"}
+# Layouts only CompressedTensorsW4A4Mxfp4MoEMethod loads; it has no maybe_roundup_sizes: nothing is padded.
+UNPADDED_LAYOUTS = {"canonical-compressed-tensors", "cutlass"}
+# Backends that method reaches only for per-rank (H, I) multiples of this: its CUTLASS branch
+# (process_weights_after_loading) reshapes the swizzled [roundup(N, 128), roundup(K/32, 4)] scales
+# back to [N, K/32], which fails unless N and K/32 are already whole tiles.
+UNPADDED_ALIGN = {"CUTLASS_MXFP4_MXFP4": 128}
 # Expert classes that run only some activations (vLLM MoEActivation values): DeepGemmFP4Experts and
 # OAITritonExperts / OAITritonMxfp4ExpertsMonolithic ``_supports_activation``. DeepGemmFP4Experts.apply
 # and run_cutlass_moe_mxfp4 (fused_moe/experts/cutlass_moe.py) never read the expert biases.
@@ -86,6 +90,10 @@ def vllm_refusal(backend: str, sizes: tuple[int, int, int, int], model: dict[str
     H, I, Hp, Ip = sizes
     act = str(model.get("activation", "silu"))
     want = vllm_padded_sizes(backend, H, I, act) if padded_by_engine else (H, I)
+    align = UNPADDED_ALIGN.get(backend, 1)
+    if not padded_by_engine and (H % align or I % align):
+        return (f"vLLM's compressed-tensors MXFP4 method pads nothing and loads {backend} only for H and I per rank "
+                f"multiples of {align}; these are ({H}, {I})")
     if want is not None and want != (Hp, Ip):
         return f"vLLM pads (H, I) = ({H}, {I}) to {want} for {backend}; these tensors are padded to {(Hp, Ip)}"
     if act not in EXPERT_ACTIVATIONS.get(backend, (act,)):
