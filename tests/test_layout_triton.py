@@ -198,9 +198,9 @@ def test_gpt_oss_sizes_table(I: int, gen: str, align: int, w13, w2, s13, s2) -> 
 
 
 def test_options_and_padded_sizes() -> None:
-    assert LAYOUT.resolve_options().to_json() == {"triton_layout": "3.5", "num_warps": 8, "scale_k_align": 4, "pad_hidden": False}
+    assert LAYOUT.resolve_options().to_json() == {"triton_layout": "3.5", "num_warps": 8, "scale_k_align": 4, "pad_hidden": False, "arch": "sm90"}
     got = LAYOUT.resolve_options({"triton_layout": "3.6", "num_warps": "4", "scale_k_align": "1", "pad_hidden": "true"})
-    assert got.to_json() == {"triton_layout": "3.6", "num_warps": 4, "scale_k_align": 1, "pad_hidden": True}
+    assert got.to_json() == {"triton_layout": "3.6", "num_warps": 4, "scale_k_align": 1, "pad_hidden": True, "arch": "sm90"}
     for bad in ({"triton_layout": "3.4"}, {"num_warps": 16}, {"scale_k_align": 2}, {"intermediate_align": 64}):
         with pytest.raises(LayoutError):
             LAYOUT.resolve_options(bad)

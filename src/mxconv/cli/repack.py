@@ -90,7 +90,7 @@ def repack(
     tp: Annotated[int, typer.Option("--tp", metavar="N", min=1, help="Tensor-parallel size: writes OUTPUT/rank-{r}/ per rank.")] = 1,
     layout_option: Annotated[Optional[list[str]], typer.Option("--layout-option", metavar="NAME=VALUE", help="A backend option (repeatable); each backend's options are listed below.")] = None,
     marlin_scale_layout: Annotated[Optional[str], typer.Option("--marlin-scale-layout", metavar="current|legacy", help="Same as --layout-option marlin_scale_layout=VALUE: current (vLLM >= 0.12, the default) | legacy (<= 0.11.2).")] = None,
-    triton_layout: Annotated[Optional[str], typer.Option("--triton-layout", metavar="3.5|3.6", help="Same as --layout-option triton_layout=VALUE: 3.5 (triton_kernels vendored by vLLM 0.12-0.33, the default) | 3.6 (vLLM 0.20, triton main).")] = None,
+    triton_layout: Annotated[Optional[str], typer.Option("--triton-layout", metavar="3.5|3.6|3.8", help="Same as --layout-option triton_layout=VALUE: 3.5 (triton_kernels vendored by vLLM 0.12-0.33, the default) | 3.6 (vLLM 0.20) | 3.8 (matmul API; the 3.6 bytes).")] = None,
     scale_rounding: Annotated[ScaleRounding, typer.Option("--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way (auto = even, the least MXFP4 error; see quantize --help).")] = ScaleRounding.AUTO,
     *,
     run: RunOptions,

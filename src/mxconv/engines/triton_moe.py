@@ -251,6 +251,10 @@ class TritonRunner:
 
     def kernel_unavailable(self, layout_fields: dict[str, Any], device: Any,
                            kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
+        arch = str(layout_fields.get("arch", "sm90"))
+        if arch != "sm90":
+            return (f"the output holds the {arch} storage (manifest layout.arch); mxconv runs triton_kernels' Hopper "
+                    "matmul only: repack with --layout-option arch=sm90 to run it here")  # fmt: skip
         self.check_device(device)
         tk = discover.find_triton_kernels((kernel_locations or KernelLocations()).triton_kernels)
         discover.require_triton_generation(tk, str(layout_fields.get("triton_layout", "3.5")))

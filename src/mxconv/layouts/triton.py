@@ -35,14 +35,28 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.padding import KernelChoice, check_fill, gather_padded_rows, layout_kernels
 from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
 from mxconv.layouts.canonical import (
-    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, in_kernel_order, round_up,
+    ROW_ORDERS,
+    CanonicalExperts,
+    KernelTensors,
+    LayoutSizes,
+    TensorSpec,
+    in_kernel_order,
+    round_up,
 )
+from mxconv.layouts.padding import (
+    KernelChoice,
+    check_fill,
+    gather_padded_rows,
+    layout_kernels,
+)
+from mxconv.layouts.triton_arch import Arch, decode, encode, spec_of
 from mxconv.layouts.triton_bytemap import (
-    inverse_rows, need, permute_scales, permute_values,
-    twiddle_words, unpermute_scales, unpermute_values, w13_row_table, w2_row_table,
+    inverse_rows,
+    need,
+    w2_row_table,
+    w13_row_table,
 )
 from mxconv.source.st_format import torch_dtype
 
@@ -54,10 +68,9 @@ __all__ = ["BACKEND_NAME", "LAYOUT", "LAYOUT_VERSION", "MatrixGeometry", "Triton
 BACKEND_NAME = "triton"
 LAYOUT_VERSION = 1
 MX_BLOCK = 32
-INTERMEDIATE_ALIGN = 64  # vLLM rounds the per-rank intermediate size up to 64 for TRITON
 HIDDEN_ALIGN = 64  # matmul_ogs on SM90 needs K % 64 == 0; only applied with pad_hidden
 # (row multiple, row-byte multiple) of the value layout per triton_kernels generation
-VALUE_PADDING = {"3.5": (16, 32), "3.6": (64, 64)}
+VALUE_PADDING = {"3.5": (16, 32), "3.6": (64, 64), "3.8": (64, 64)}  # 3.8: the same bytes as 3.6 (spec §0)
 BIAS_DTYPE = "F32"  # safetensors name; mxconv.source.st_format.torch_dtype gives the torch one
 
 _ENGINE_COMPAT = {
@@ -65,6 +78,8 @@ _ENGINE_COMPAT = {
     ("3.5", 1): "0.12-0.14 (vendored triton_kernels 3.5.1 API, no scale K/32 pad)",
     ("3.6", 1): "0.20 (vendored triton_kernels 3.6 generation, no scale K/32 pad)",
     ("3.6", 4): "0.33 with a site-packages triton_kernels of the 3.6 generation (not validated)",
+    ("3.8", 4): "triton_kernels 3.8 (matmul API): the 3.6 bytes; vLLM 0.33 runs 3.8 on ROCm only (spec §0)",
+    ("3.8", 1): "triton_kernels 3.8 (matmul API): the 3.6 bytes, no scale K/32 pad (spec §0)",
 }
 
 
@@ -81,6 +96,7 @@ class TritonOptions(LayoutOptions):
     num_warps: int = 8
     scale_k_align: int = 4
     pad_hidden: bool = False
+    arch: str = "sm90"  # a value of triton_arch.Arch: the GPU whose _swizzle_mxfp4 storage is written
 
 
 class MatrixGeometry:
@@ -90,21 +106,28 @@ class MatrixGeometry:
     scale's logical width C' = roundup(K/32, scale_k_align), its buffer pads N to 32 W, C' to 2."""
 
     def __init__(self, experts: int, rows: int, k: int, options: TritonOptions) -> None:
-        row_mult, byte_mult = VALUE_PADDING[options.triton_layout]
+        self.arch, spec = options.arch, spec_of(options.arch)
+        row_mult, byte_mult = VALUE_PADDING[options.triton_layout] if spec.value_byte_multiple is None else (1, spec.value_byte_multiple)
         self.experts, self.rows, self.k, self.num_warps = experts, rows, k, options.num_warps
         self.value_rows, self.value_row_bytes = round_up(rows, row_mult), round_up(k // 2, byte_mult)
-        self.scale_cols = round_up(k // MX_BLOCK, options.scale_k_align)
-        self.scale_rows, self.scale_padded_cols = round_up(rows, 32 * self.num_warps), round_up(self.scale_cols, 2)
+        self.value_group, self.scale_group = spec.value_group, spec.scale_group
+        self.value_layout, self.scale_layout = spec.value_layout, spec.scale_layout
+        # vLLM pads the scale's K/32 axis to scale_k_align on SM90 only
+        self.scale_cols = round_up(k // MX_BLOCK, options.scale_k_align if self.arch == Arch.SM90.value else 1)
+        row_multiple = 32 * self.num_warps if spec.scale_row_multiple is None else spec.scale_row_multiple
+        self.scale_rows, self.scale_padded_cols = round_up(rows, row_multiple), round_up(self.scale_cols, spec.scale_col_multiple)
 
     @property
     def value_shape(self) -> tuple[int, int, int]:
-        """Stored weight buffer [E, Np/4, 4*Kbp] (uint8)."""
-        return (self.experts, self.value_rows // 4, 4 * self.value_row_bytes)
+        """Stored weight buffer (uint8): [E, Np/4, 4*Kbp] on SM90, [E, N, Kbp] elsewhere."""
+        g = self.value_group
+        return (self.experts, self.value_rows // g, g * self.value_row_bytes)
 
     @property
     def scale_shape(self) -> tuple[int, int, int]:
-        """Stored scale buffer [E, Ns/32, 32*Cp] (uint8)."""
-        return (self.experts, self.scale_rows // 32, 32 * self.scale_padded_cols)
+        """Stored scale buffer (uint8): [E, Ns/g, g*Cp], g = 32 (SM90, gfx950) or 128 (Blackwell)."""
+        g = self.scale_group
+        return (self.experts, self.scale_rows // g, g * self.scale_padded_cols)
 
     def describe(self) -> dict[str, Any]:
         """Manifest entry: layout objects, logical shapes, buffers and the ``buf.mT`` views."""
@@ -117,9 +140,9 @@ class MatrixGeometry:
         return {
             "rows": N,
             "k": K,
-            "value": {"layout": "HopperMXValueLayout", "mx_axis": 1, "mma_version": 3, "initial_shape": [E, K // 2, N],
+            "value": {"layout": self.value_layout, "mx_axis": 1, "mma_version": 3, "initial_shape": [E, K // 2, N],
                       "shape": [E, K, N], "dtype": "FP4", **buffer(self.value_shape)},
-            "scale": {"layout": "HopperMXScaleLayout", "mx_axis": 1, "num_warps": self.num_warps,
+            "scale": {"layout": self.scale_layout, "mx_axis": 1, "num_warps": self.num_warps,
                       "initial_shape": [E, self.scale_cols, N], "shape": [E, self.scale_cols, N], "dtype": "uint8",
                       **buffer(self.scale_shape)},
             "bias_shape": [E, N],
@@ -148,7 +171,8 @@ class TritonLayout(LayoutBase):
     options_type = TritonOptions
     options = (
         LayoutOption("triton_layout", str, "3.5", "triton_kernels Hopper value-layout generation: 3.5 (vendored by "
-                     "vLLM 0.12-0.33; rows to 16, K/2 to 32) or 3.6 (vLLM 0.20, triton main; both to 64)",
+                     "vLLM 0.12-0.33; rows to 16, K/2 to 32), 3.6 (vLLM 0.20; both to 64) or 3.8 (matmul API; "
+                     "the 3.6 bytes)",
                      choices=tuple(VALUE_PADDING)),
         LayoutOption("num_warps", int, 8, "HopperMXScaleLayout num_warps, also matmul_ogs' launch (vLLM 0.20/0.33: "
                      "8; 0.10-0.14 used 4 with expert parallelism)", choices=(8, 4)),
@@ -156,6 +180,9 @@ class TritonLayout(LayoutBase):
                      "(4: vLLM 0.33 on SM90; 1: vLLM 0.12-0.20, no pad)", choices=(4, 1)),
         LayoutOption("pad_hidden", bool, False, "pad the hidden size to a multiple of 64 with zeros (vLLM does not; "
                      "for loaders that pad activations)"),
+        LayoutOption("arch", str, Arch.SM90.value, "GPU whose _swizzle_mxfp4 storage is written: sm90 (Hopper), "
+                     "sm100/sm120 (Blackwell value/scale layouts), gfx950 (strided values, CDNA4 scales; H and I "
+                     "padded to 256)", choices=tuple(a.value for a in Arch)),
     )  # fmt: skip
 
     def padded_sizes(
@@ -169,8 +196,9 @@ class TritonLayout(LayoutBase):
         need(row_order in ROW_ORDERS, f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
             need(size > 0 and size % MX_BLOCK == 0, f"triton: {what} size {size} must be a positive multiple of {MX_BLOCK}")
-        hp = round_up(hidden_size, HIDDEN_ALIGN) if opts.pad_hidden else hidden_size
-        return hp, round_up(intermediate_size, INTERMEDIATE_ALIGN)
+        spec = spec_of(opts.arch)
+        hp = round_up(hidden_size, max(HIDDEN_ALIGN if opts.pad_hidden else 1, spec.hidden_align))
+        return hp, round_up(intermediate_size, spec.intermediate_align)
 
     def size_warnings(self, hidden_size: int, intermediate_size: int, options: TritonOptions | None = None) -> list[str]:
         """The hidden-size warning (:meth:`hidden_warning`) when it applies."""
@@ -180,7 +208,8 @@ class TritonLayout(LayoutBase):
     def hidden_warning(self, hidden_size: int, options: TritonOptions | None = None) -> str | None:
         """A plain warning when the kernel would reduce over a hidden size that is not a multiple
         of 64 (Hopper matmul_ogs computes wrong results then); None when it will not."""
-        if hidden_size % HIDDEN_ALIGN == 0 or self.options_of(options).pad_hidden:
+        opts = self.options_of(options)
+        if hidden_size % HIDDEN_ALIGN == 0 or opts.pad_hidden or opts.arch != Arch.SM90.value:
             return None
         return (
             f"hidden size {hidden_size} is not a multiple of {HIDDEN_ALIGN}: vLLM's TRITON MoE path on Hopper "
@@ -195,7 +224,8 @@ class TritonLayout(LayoutBase):
         hp, ip = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, self.activations[0], opts)
         got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
         need(got == (hp, ip), f"triton: padded sizes (Hp, Ip) = {got} do not match the layout's {(hp, ip)} for "
-              f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} (Ip = roundup(I, 64); Hp = H unless pad_hidden)")
+              f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} (arch {opts.arch}: Ip = roundup(I, "
+              f"{spec_of(opts.arch).intermediate_align}); Hp = H unless pad_hidden or gfx950)")
         return _geometry(sizes.num_experts, hp, ip, opts)
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: TritonOptions) -> dict[str, TensorSpec]:
@@ -216,7 +246,7 @@ class TritonLayout(LayoutBase):
         c.validate()
         opts = self.options_of(options)
         hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, opts)
-        kern = _kernels(c.w13, kernel_choice)
+        kern = _kernels(c.w13, kernel_choice) if opts.arch == Arch.SM90.value else None  # Hopper gathers only
         out: KernelTensors = {}
         for w, g in _geometry(c.num_experts, hp, ip, opts).items():
             weight, scale, bias = getattr(c, w), getattr(c, f"{w}_scale"), getattr(c, f"{w}_bias")
@@ -226,8 +256,9 @@ class TritonLayout(LayoutBase):
                 out[f"{w}_weight"] = kern.hopper_values(weight, tab_v, g.value_row_bytes)
                 out[f"{w}_weight_scale"] = kern.hopper_scales(scale, tab_s, g.scale_padded_cols, g.num_warps)
             else:
-                out[f"{w}_weight"] = twiddle_words(permute_values(gather_padded_rows(weight, tab_v, g.value_row_bytes)))
-                out[f"{w}_weight_scale"] = permute_scales(gather_padded_rows(scale, tab_s, g.scale_padded_cols), g.num_warps)
+                out[f"{w}_weight"], out[f"{w}_weight_scale"] = encode(
+                    opts.arch, gather_padded_rows(weight, tab_v, g.value_row_bytes),
+                    gather_padded_rows(scale, tab_s, g.scale_padded_cols), g.num_warps)
             if bias is not None:
                 out[f"{w}_bias"] = gather_padded_rows(bias.to(torch_dtype(BIAS_DTYPE)), tab_v[: g.rows])
         return in_kernel_order(out)
@@ -248,9 +279,8 @@ class TritonLayout(LayoutBase):
         for w, g in self.geometry(sizes, opts).items():
             rows, kk = (2 * I, H) if w == "w13" else (H, I)  # the unpadded matrix [N, K]
             inv = inverse_rows(_row_table(w, I, H, sizes.row_order, g.rows, dev), rows)
-            values = unpermute_values(twiddle_words(k[f"{w}_weight"], inverse=True))
+            values, scales = decode(opts.arch, k[f"{w}_weight"], k[f"{w}_weight_scale"], g.num_warps)
             parts[w] = _crop(f"{w}_weight", values, rows, kk // 2, inv)
-            scales = unpermute_scales(k[f"{w}_weight_scale"], g.num_warps)
             parts[f"{w}_scale"] = _crop(f"{w}_weight_scale", scales, rows, kk // MX_BLOCK, inv)
             parts[f"{w}_bias"] = _crop(f"{w}_bias", k[f"{w}_bias"], rows, None, inv) if sizes.has_bias else None
         return CanonicalExperts(row_order=sizes.row_order, **parts)  # type: ignore[arg-type]
@@ -262,24 +292,30 @@ class TritonLayout(LayoutBase):
         self.check_activation(activation)
         opts = self.options_of(options)
         geo = self.geometry(sizes, opts)
-        gen, align = opts.triton_layout, opts.scale_k_align
+        gen, align, spec = opts.triton_layout, opts.scale_k_align, spec_of(opts.arch)
+        hopper = opts.arch == Arch.SM90.value
         return {
             "name": self.name,
             "version": self.version,
-            "engine_compat": {"vllm": _ENGINE_COMPAT[(gen, align)], "triton_kernels": f"{gen} generation (matmul_ogs)",
-                              "gpu": "SM90 (Hopper)", "torch": ">=2.8.1 (older: vLLM does not swizzle on SM90)"},
+            "engine_compat": {"vllm": _ENGINE_COMPAT[(gen, align)] if hopper else f"0.33 on {spec.gpu}",
+                              "triton_kernels": f"{gen} generation" if hopper else "3.5, 3.6 and 3.8 store these bytes",
+                              "gpu": spec.gpu, "torch": ">=2.8.1 (older: vLLM does not swizzle on SM90)"},
+            "arch": opts.arch,
+            "vllm_moe_backends_on_arch": list(spec.vllm_backends),
             "activation": activation,
             "vllm_moe_backend": "TRITON",
             "triton_layout": gen,
-            "value_padding": dict(zip(("rows", "row_bytes"), VALUE_PADDING[gen])),
-            "bit_twiddle": True,
+            "value_padding": dict(zip(("rows", "row_bytes"), VALUE_PADDING[gen] if hopper
+                                      else (1, spec.value_byte_multiple))),
+            "bit_twiddle": hopper,
             "num_warps": opts.num_warps,
-            "scale_k_align": align,
-            "split_k": 1,
+            "scale_k_align": align if hopper else 1,
+            "split_k": 1 if hopper else None,
             "pad_hidden": opts.pad_hidden,
             "hidden_padded": sizes.padded_hidden_size != sizes.hidden_size,
             "hidden_warning": self.hidden_warning(sizes.hidden_size, opts),
-            "intermediate_align": INTERMEDIATE_ALIGN,
+            "intermediate_align": spec.intermediate_align,
+            "hidden_align": spec.hidden_align,
             "w13_kernel_row_order": "interleaved",
             "w13_source_row_order": sizes.row_order,
             "gate_up_transform": "none" if sizes.row_order == "interleaved" else "row interleave 2m <- m, 2m+1 <- I+m",

@@ -1,0 +1,130 @@
+"""Per-GPU storage of the triton_kernels MXFP4 layout (docs/layout-triton.md §10): which value and
+scale layout vLLM 0.33's ``_swizzle_mxfp4`` picks on each platform, the sizes they pad to, and
+their byte maps (Hopper's live in :mod:`mxconv.layouts.triton_bytemap`).
+
+| arch   | value layout (stored buffer)                  | scale layout (stored buffer)                          |
+|--------|-----------------------------------------------|-------------------------------------------------------|
+| sm90   | HopperMXValueLayout [E, Np/4, 4*Kbp]          | HopperMXScaleLayout [E, Ns/32, 32*Cp]                 |
+| sm100  | BlackwellMXValueLayout [E, N, roundup(K/2, 128)] | BlackwellMXScaleLayout [E, Ns/128, 128*Cp], Ns = roundup(N, 128), Cp = roundup(C, 8) |
+| sm120  | same as sm100 (triton_kernels picks by capability >= 10) | same as sm100                              |
+| gfx950 | StridedLayout [E, N, K/2] (canonical bytes)   | CDNA4MXScaleLayout [E, N/32, 32*C] (N % 32 == 0, C % 8 == 0) |
+
+Engines wrap ``buf.mT`` (and Blackwell's scale as ``buf.view(1, E*Ns/128, Cp/4, 2, 256)``).
+torch is imported lazily, so ``mxconv inspect`` stays torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from mxconv.layouts.triton_bytemap import (
+    need,
+    permute_scales,
+    permute_values,
+    twiddle_words,
+    unpermute_scales,
+    unpermute_values,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Arch(str, Enum):
+    """GPU whose ``_swizzle_mxfp4`` storage an output holds (``--layout-option arch=``)."""
+
+    SM90 = "sm90"
+    SM100 = "sm100"
+    SM120 = "sm120"
+    GFX950 = "gfx950"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What vLLM 0.33 builds for the TRITON backends on one GPU family."""
+
+    gpu: str  # for the manifest
+    value_layout: str  # triton_kernels class names
+    scale_layout: str
+    value_group: int  # stored value buffer = [E, rows / value_group, value_group * row bytes]
+    value_byte_multiple: int | None  # None: the triton_kernels generation decides (Hopper)
+    scale_group: int  # stored scale buffer = [E, scale rows / scale_group, scale_group * cols]
+    scale_row_multiple: int | None  # None: 32 * num_warps (Hopper)
+    scale_col_multiple: int
+    intermediate_align: int  # vLLM's mxfp4_round_up_hidden_size_and_intermediate_size for TRITON
+    hidden_align: int  # 1: hidden size kept as is
+    vllm_backends: tuple[str, ...]
+
+
+ARCHS: dict[Arch, ArchSpec] = {
+    Arch.SM90: ArchSpec("SM90 (Hopper)", "HopperMXValueLayout", "HopperMXScaleLayout", 4, None, 32, None, 2, 64, 1,
+                        ("TRITON",)),
+    Arch.SM100: ArchSpec("SM100/SM103 (datacenter Blackwell)", "BlackwellMXValueLayout", "BlackwellMXScaleLayout",
+                         1, 128, 128, 128, 8, 64, 1, ("TRITON",)),
+    Arch.SM120: ArchSpec("SM120/SM121 (consumer Blackwell; vLLM ranks TRITON after Marlin there)",
+                         "BlackwellMXValueLayout", "BlackwellMXScaleLayout", 1, 128, 128, 128, 8, 64, 1, ("TRITON",)),
+    # ROCm: vLLM rounds H and I up to 256 for TRITON (fused_moe/oracle/mxfp4.py); the CDNA4 scale
+    # swizzle is used at TP <= 2 only (should_use_cdna4_mx_scale_swizzle). AITER_TRITON_MXFP4_BF16
+    # shares the format and interleaves gate/up rows as mxconv does.
+    Arch.GFX950: ArchSpec("gfx950 (MI350/MI355, TP <= 2)", "StridedLayout", "CDNA4MXScaleLayout", 1, 1, 32, 32, 8,
+                          256, 256, ("TRITON", "AITER_TRITON_MXFP4_BF16")),
+}  # fmt: skip
+
+
+def spec_of(arch: str) -> ArchSpec:
+    return ARCHS[Arch(arch)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte maps of already padded stacks: [E, N, Kbp] values, [E, Ns, Cp] scales -> stored buffers.
+# Blackwell scale: source row 128 n0 + 32 r4 + r32, column 4 k0 + k4 -> buffer row n0,
+#                  column ((k0*32 + r32)*4 + r4)*4 + k4.
+# CDNA4 scale:     source row 32 n0 + 16 n1 + n2, column 8 c0 + 4 c1 + c2 -> buffer row n0,
+#                  column (((c0*4 + c2)*16 + n2)*2 + c1)*2 + n1.
+# ---------------------------------------------------------------------------------------------
+
+
+def _blackwell_scales(x: torch.Tensor) -> torch.Tensor:
+    E, n, c = x.shape
+    need(n % 128 == 0 and c % 4 == 0, f"Blackwell scale layout needs rows % 128 == 0 and columns % 4 == 0, got [{n}, {c}]")
+    t = x.reshape(E, n // 128, 4, 32, c // 4, 4)  # n0 r4 r32 k0 k4
+    return t.permute(0, 1, 4, 3, 2, 5).reshape(E, n // 128, 128 * c)
+
+
+def _unblackwell_scales(buf: torch.Tensor) -> torch.Tensor:
+    E, rows, cols = buf.shape
+    need(cols % 512 == 0, f"Blackwell scale buffer [{rows}, {cols}] is not [Ns/128, 128*Cp]")
+    t = buf.reshape(E, rows, cols // 512, 32, 4, 4)  # n0 k0 r32 r4 k4
+    return t.permute(0, 1, 4, 3, 2, 5).reshape(E, rows * 128, cols // 128)
+
+
+def _cdna4_scales(x: torch.Tensor) -> torch.Tensor:
+    E, n, c = x.shape
+    need(n % 32 == 0 and c % 8 == 0, f"CDNA4 scale layout needs rows % 32 == 0 and columns % 8 == 0, got [{n}, {c}]")
+    t = x.reshape(E, n // 32, 2, 16, c // 8, 2, 4)  # n0 n1 n2 c0 c1 c2
+    return t.permute(0, 1, 4, 6, 3, 5, 2).reshape(E, n // 32, 32 * c)
+
+
+def _uncdna4_scales(buf: torch.Tensor) -> torch.Tensor:
+    E, rows, cols = buf.shape
+    need(cols % 256 == 0, f"CDNA4 scale buffer [{rows}, {cols}] is not [N/32, 32*C]")
+    t = buf.reshape(E, rows, cols // 256, 4, 16, 2, 2)  # n0 c0 c2 n2 c1 n1
+    return t.permute(0, 1, 6, 4, 2, 5, 3).reshape(E, rows * 32, cols // 32)
+
+
+def encode(arch: str, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded canonical [E, Np, Kbp] values and [E, Ns, Cp] scales -> the stored buffers of ``arch``."""
+    a = Arch(arch)
+    if a is Arch.SM90:
+        return twiddle_words(permute_values(values)), permute_scales(scales, num_warps)
+    return values.contiguous(), (_cdna4_scales(scales) if a is Arch.GFX950 else _blackwell_scales(scales))
+
+
+def decode(arch: str, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`encode`: stored buffers -> padded [E, Np, Kbp] values, [E, Ns, Cp] scales."""
+    a = Arch(arch)
+    if a is Arch.SM90:
+        return unpermute_values(twiddle_words(values, inverse=True)), unpermute_scales(scales, num_warps)
+    return values, (_uncdna4_scales(scales) if a is Arch.GFX950 else _unblackwell_scales(scales))
