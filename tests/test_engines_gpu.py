@@ -248,13 +248,18 @@ def _bugs(src, canon: CanonicalExperts, hot: tuple[int, int]) -> dict[str, Calla
 @pytest.mark.parametrize("backend", ["marlin", "triton"])
 def test_planted_bugs_exceed_the_bound(cases: dict[str, Case], family: str, backend: str) -> None:
     case, src = _layer0(cases, family, backend)
+    run_planted_bugs(case, src, f"{family}/{backend}")
+
+
+def run_planted_bugs(case: Case, src: LayerSource, tag: str) -> None:
+    """Layer 0 of ``src`` clean within the bound, each planted bug of :func:`_bugs` outside it."""
     x, r, ref, canon, _ = _reference(case.q4, 0)
     counts = torch.bincount(r.ids.flatten(), minlength=canon.num_experts)
     hot = tuple(int(e) for e in counts.argsort(descending=True)[:2])
     clean = build_engine_layer(src, read_layer_tensors(src, "cuda"))
-    _check(f"{family}/{backend}/clean", clean.forward(x.cuda(), r.ids, r.weights), ref, r, True)
+    _check(f"{tag}/clean", clean.forward(x.cuda(), r.ids, r.weights), ref, r, True)
     for bug, plant in _bugs(src, canon, hot).items():
         tensors = read_layer_tensors(src, "cuda")
         plant(tensors)
         eng = build_engine_layer(src, tensors)
-        _check(f"{family}/{backend}/{bug}", eng.forward(x.cuda(), r.ids, r.weights), ref, r, False, experts=list(hot))
+        _check(f"{tag}/{bug}", eng.forward(x.cuda(), r.ids, r.weights), ref, r, False, experts=list(hot))

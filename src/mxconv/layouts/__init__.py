@@ -36,6 +36,7 @@ _REGISTRY: dict[str, Any] = {
     "triton": "mxconv.layouts.triton:LAYOUT",
     "deepgemm": "mxconv.layouts.deepgemm:LAYOUT",
     "cutlass": "mxconv.layouts.cutlass:LAYOUT",
+    "humming": "mxconv.layouts.humming:LAYOUT",
 }
 
 

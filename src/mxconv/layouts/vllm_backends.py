@@ -59,7 +59,7 @@ def vllm_padded_sizes(backend: str, hidden: int, intermediate: int, activation: 
         return _up(hidden, align), _up(intermediate, align)
     if backend == "CPU":
         return _up(hidden, 32), _up(intermediate, 32)
-    if backend in ("TRITON", "TRITON_UNFUSED", "XPU"):
+    if backend in ("TRITON", "TRITON_UNFUSED", "XPU", "HUMMING"):  # HUMMING: the CUDA default branch
         return hidden, _up(intermediate, 64)
     return None
 

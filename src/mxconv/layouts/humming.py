@@ -1,0 +1,247 @@
+"""vLLM 0.33 HUMMING MoE layout (humming-kernels 0.1.19) for MXFP4 experts on SM90, bf16 activations
+(spec: docs/layout-humming.md).
+
+What vLLM holds after ``convert_to_humming_moe_kernel_format`` (``quantization/utils/humming/moe.py``)
+-> humming ``prepare_and_transform_humming_tensors`` with ``pad_n_to_multiple=256``,
+``pad_k_to_multiple=128``, per layer and TP rank:
+
+1. vLLM's own padding (``mxfp4_round_up_hidden_size_and_intermediate_size``: HUMMING takes the CUDA
+   default) Ip = roundup(I, 64), H unchanged; w13 rows keep the source order (gpt-oss "interleaved",
+   others "halves", each half padded on its own), zero weights, zero scale bytes, zero bias;
+2. humming's padding of each GEMM (N rows, K inputs): N to a multiple of 256 and K to 128, appended
+   at the end: zero weights, E8M0 scale byte 127 (``F.pad(value=1)``), zero bias;
+3. weights -> int32 [E, K/16, 2N] (``humming_bytemap.repack_weights``), scales -> E8M0 [E, K/32, N]
+   (transpose + 8x8 transpose per 64 columns), bias -> bf16 [E, N] (32-chunk permutation).
+
+| name             | shape                  | dtype |
+|------------------|------------------------|-------|
+| w13_weight       | [E, K13/16, 2*N13]     | int32, N13 = roundup(2Ip, 256), K13 = roundup(H, 128) |
+| w13_weight_scale | [E, K13/32, N13]       | float8_e8m0fnu |
+| w13_bias         | [E, N13]               | bfloat16 |
+| w2_weight        | [E, K2/16, 2*N2]       | int32, N2 = roundup(H, 256), K2 = roundup(Ip, 128) |
+| w2_weight_scale  | [E, K2/32, N2]         | float8_e8m0fnu |
+| w2_bias          | [E, N2]                | bfloat16 |
+
+The layer configs humming's forward needs (``humming.config.LayerConfig`` fields, SM90) are
+recorded in the manifest (``describe()["layer_configs"]``); the runner refuses another SM.
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mxconv.errors import LayoutError
+from mxconv.layouts.base import LayoutBase, LayoutOptions
+from mxconv.layouts.canonical import (
+    ROW_ORDERS,
+    CanonicalExperts,
+    KernelTensors,
+    LayoutSizes,
+    TensorSpec,
+    in_kernel_order,
+    round_up,
+)
+from mxconv.layouts.humming_bytemap import (
+    K_MULTIPLE,
+    N_MULTIPLE,
+    SCALE_PAD_BYTE,
+    lay_out_bias,
+    lay_out_scales,
+    pad_matrix,
+    pad_vector,
+    repack_weights,
+    unlay_bias,
+    unlay_scales,
+    unrepack_weights,
+)
+from mxconv.layouts.padding import (
+    KernelChoice,
+    check_fill,
+    gather_padded_rows,
+    pad_row_source,
+    unpad_canonical,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["LAYOUT", "HummingLayout", "gemm_shapes", "layer_configs"]
+
+BACKEND_NAME = "humming"
+LAYOUT_VERSION = 1
+MX_BLOCK = 32
+INTERMEDIATE_ALIGN = 64  # vLLM 0.33 rounds the per-rank intermediate size up to 64 for HUMMING
+SM_VERSION = 90  # the layout is humming's for this SM (SM100+ uses native dequant: other bytes)
+HUMMING_VERSION = "0.1.19"
+# (activation, w13 row order) -> humming's activation kind (vLLM humming/activation.py)
+ACTIVATION_TYPES = {"interleaved": "binary_interleaved", "halves": "binary_split"}
+
+
+def gemm_shapes(hidden: int, padded_intermediate: int) -> dict[str, tuple[int, int, int, int]]:
+    """Per GEMM ("w13", "w2"): (N, K) before humming's padding and (N_pad, K_pad) after it."""
+    n13, k13 = 2 * padded_intermediate, hidden
+    n2, k2 = hidden, padded_intermediate
+    return {
+        "w13": (n13, k13, round_up(n13, N_MULTIPLE), round_up(k13, K_MULTIPLE)),
+        "w2": (n2, k2, round_up(n2, N_MULTIPLE), round_up(k2, K_MULTIPLE)),
+    }
+
+
+def layer_configs(sizes: LayoutSizes) -> dict[str, dict[str, Any]]:
+    """humming ``LayerConfig`` keyword arguments per GEMM, as vLLM 0.33 builds them on SM90 with bf16
+    activations and no input quantization (``transform.prepare_layer_config``)."""
+    out = {}
+    for w, (n, k, n_pad, k_pad) in gemm_shapes(sizes.hidden_size, sizes.padded_intermediate_size).items():
+        out[w] = {
+            "sm_version": SM_VERSION, "shape_n": n_pad, "shape_k": k_pad, "pad_shape_n": n_pad - n,
+            "pad_shape_k": k_pad - k, "num_experts": sizes.num_experts, "a_dtype": "bfloat16",
+            "b_dtype": "float4e2m1", "c_dtype": "bfloat16", "bs_dtype": "float8e8m0", "as_dtype": None,
+            "input_quant_mode": "none", "input_scale_group_size": 0, "weight_scale_group_size": MX_BLOCK,
+            "weight_scale_group_size_n": 0, "weight_scale_type": "group", "weight_scale_2_type": "none",
+            "has_zero_point": False, "is_fp_zero_point": False, "has_bias": sizes.has_bias,
+        }  # fmt: skip
+    return out
+
+
+class HummingLayout(LayoutBase):
+    """vLLM 0.33 HUMMING MoE backend (humming-kernels 0.1.19), MXFP4 weights, bf16 activations, SM90."""
+
+    name = BACKEND_NAME
+    version = LAYOUT_VERSION
+    activations: tuple[str, ...] = ("bf16",)
+    vllm_backends = {"bf16": ("HUMMING",)}
+    engine_runner = "mxconv.engines.humming_moe:RUNNER"
+
+    def padded_sizes(
+        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+        options: LayoutOptions | None = None,
+    ) -> tuple[int, int]:
+        """(Hp, Ip) = (H, roundup(I, 64)): the layer vLLM allocates for HUMMING (humming's own
+        GEMM padding is inside the kernel tensors). LayoutError unless H, I are multiples of 32."""
+        self.check_activation(activation)
+        if row_order not in ROW_ORDERS:
+            raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
+        for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
+            if size <= 0 or size % MX_BLOCK:
+                raise LayoutError(f"humming: {what} size {size} must be a positive multiple of {MX_BLOCK}")
+        return hidden_size, round_up(intermediate_size, INTERMEDIATE_ALIGN)
+
+    def _shapes(self, sizes: LayoutSizes) -> dict[str, tuple[int, int, int, int]]:
+        want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, "bf16")
+        got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
+        if got != want:
+            raise LayoutError(f"humming: padded sizes (Hp, Ip) = {got} do not match the layout's {want} "
+                              f"(Hp = H, Ip = roundup(I, {INTERMEDIATE_ALIGN}))")  # fmt: skip
+        return gemm_shapes(sizes.hidden_size, sizes.padded_intermediate_size)
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, TensorSpec]:
+        """Shapes/dtypes of the stored tensors (module table)."""
+        self.check_activation(activation)
+        E, specs = sizes.num_experts, {}
+        for w, (_n, _k, n_pad, k_pad) in self._shapes(sizes).items():
+            specs[f"{w}_weight"] = TensorSpec((E, k_pad // 16, 2 * n_pad), "I32")
+            specs[f"{w}_weight_scale"] = TensorSpec((E, k_pad // MX_BLOCK, n_pad), "F8_E8M0")
+            if sizes.has_bias:
+                specs[f"{w}_bias"] = TensorSpec((E, n_pad), "BF16")
+        return in_kernel_order(specs)
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: LayoutOptions,
+                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+        """Canonical stack -> stored tensors on ``c``'s device (module table); torch ops only."""
+        import torch
+
+        c.validate()
+        if c.weight_format != "mxfp4":
+            raise LayoutError(f"humming takes mxfp4 experts here, got {c.weight_format}")
+        H, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
+        shapes = gemm_shapes(H, Ip)
+        tabs = {"w13": pad_row_source(2 * c.intermediate_size, 2 * Ip, c.row_order).to(c.device),
+                "w2": pad_row_source(H, H).to(c.device)}  # fmt: skip
+        out: KernelTensors = {}
+        for w, (_n, k, n_pad, k_pad) in shapes.items():
+            # vLLM's layer (zeros, w2's K axis padded to Ip too), then humming's own padding
+            weight = pad_matrix(gather_padded_rows(getattr(c, w), tabs[w], k // 2), n_pad, k_pad // 2, 0)
+            out[f"{w}_weight"] = repack_weights(weight, f"{w}_weight")
+            scale = gather_padded_rows(getattr(c, f"{w}_scale"), tabs[w], k // MX_BLOCK)
+            scale = pad_matrix(scale, n_pad, k_pad // MX_BLOCK, SCALE_PAD_BYTE)
+            out[f"{w}_weight_scale"] = lay_out_scales(scale).view(torch.float8_e8m0fnu)
+            bias = getattr(c, f"{w}_bias")
+            if bias is not None:
+                out[f"{w}_bias"] = lay_out_bias(pad_vector(gather_padded_rows(bias.to(torch.bfloat16), tabs[w]), n_pad))
+        return in_kernel_order(out)
+
+    def from_kernel(
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: LayoutOptions
+    ) -> CanonicalExperts:
+        """Exact inverse of :meth:`to_kernel` (biases as bf16); LayoutError for a wrong tensor set,
+        shape or dtype, or a padding byte other than its fill (tensor and index named)."""
+        import torch
+
+        specs = self.kernel_specs(sizes, activation, options)
+        _check_tensors(k, specs)
+        H, Ip = sizes.hidden_size, sizes.padded_intermediate_size
+        parts: dict[str, Any] = {}
+        for w, (n, kk, _n_pad, _k_pad) in self._shapes(sizes).items():
+            weight = unrepack_weights(k[f"{w}_weight"], f"{w}_weight")
+            parts[w] = _crop(f"{w}_weight", weight, n, kk // 2, 0)
+            scale = unlay_scales(k[f"{w}_weight_scale"].view(torch.uint8))
+            parts[f"{w}_scale"] = _crop(f"{w}_weight_scale", scale, n, kk // MX_BLOCK, SCALE_PAD_BYTE)
+            if sizes.has_bias:
+                bias = unlay_bias(k[f"{w}_bias"])
+                check_fill(f"{w}_bias", bias[:, n:], 0, (0, n))
+                parts[f"{w}_bias"] = bias[:, :n].contiguous()
+        padded = CanonicalExperts(row_order=sizes.row_order, **parts)
+        if padded.intermediate_size != Ip or padded.hidden_size != H:
+            raise LayoutError("humming: kernel tensors do not match the declared sizes")
+        return unpad_canonical(padded, H, sizes.intermediate_size, scale_fill=0, check=True)
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, Any]:
+        """Manifest ``layout`` fields: versions, device, padding, row order and humming's layer configs."""
+        self.check_activation(activation)
+        shapes = self._shapes(sizes)
+        return {
+            "name": self.name,
+            "version": self.version,
+            "engine_compat": {"vllm": "0.33", "humming_kernels": HUMMING_VERSION, "gpu": f"SM{SM_VERSION} (Hopper)"},
+            "activation": activation,
+            "vllm_moe_backend": "HUMMING",
+            "sm_version": SM_VERSION,
+            "intermediate_align": INTERMEDIATE_ALIGN,
+            "gemm_padding": {"n_multiple": N_MULTIPLE, "k_multiple": K_MULTIPLE,
+                             "w13": list(shapes["w13"]), "w2": list(shapes["w2"])},
+            "w13_kernel_row_order": sizes.row_order,
+            "activation_type": ACTIVATION_TYPES[sizes.row_order],
+            "scale_pad_byte": SCALE_PAD_BYTE,
+            "weight_dtype": "int32 words of eight E2M1 nibbles (humming weight_repack_nk, interleave_mode 3)",
+            "scale_dtype": "float8_e8m0fnu",
+            "bias_dtype": "bfloat16",
+            "layer_configs": layer_configs(sizes),
+        }  # fmt: skip
+
+
+def _crop(name: str, x: torch.Tensor, rows: int, cols: int, fill: int) -> torch.Tensor:
+    """[E, R, C] -> [E, rows, cols] after checking humming's padding region holds ``fill``."""
+    check_fill(name, x[:, rows:], fill, (0, rows, 0))
+    check_fill(name, x[:, :rows, cols:], fill, (0, 0, cols))
+    return x[:, :rows, :cols].contiguous()
+
+
+def _check_tensors(k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
+    """LayoutError unless ``k`` holds exactly ``specs``' tensors (shape, dtype) on one device."""
+    extra = sorted(set(k) - set(specs))
+    if extra:
+        raise LayoutError(f"humming: unexpected kernel tensors: {', '.join(extra)}")
+    for name, spec in specs.items():
+        t = k.get(name)
+        if t is None:
+            raise LayoutError(f"humming: kernel tensor {name} is missing")
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise LayoutError(f"humming: {name} has shape {tuple(t.shape)} dtype {t.dtype}, "
+                              f"expected {spec.shape} {spec.dtype}")  # fmt: skip
+    if len({str(t.device) for t in k.values()}) > 1:
+        raise LayoutError("humming: kernel tensors are on different devices")
+
+
+LAYOUT = HummingLayout()

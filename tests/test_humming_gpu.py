@@ -1,0 +1,166 @@
+"""``--backend humming`` against humming-kernels 0.1.19 itself, on an SM90 GPU (``-m gpu``).
+
+1. Bytes: the canonical stack laid out the way vLLM 0.33 holds it before the conversion (Ip =
+   roundup(I, 64), halves padded per half, zeros) goes through humming's own ``Mxfp4WeightSchema``
+   / ``GptOssMxfp4WeightSchema.convert_humming`` and ``prepare_and_transform_humming_tensors``
+   (pad N to 256, K to 128, bf16, default input schema); mxconv's CPU and CUDA bytes must equal it,
+   and its LayerConfig must equal the one the manifest records.
+2. Kernel: outputs repacked from the quantized test checkpoints (TP 1 and 2) run through humming's
+   GEMMs (``mxconv.engines.humming_moe``) within the kernel bound of the reference; ``verify
+   --kernel --reference`` passes; planted layout bugs fail the bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.checkpoints import make_checkpoint
+from test_engines_gpu import (
+    INTERMEDIATE,
+    KINDS,
+    Case,
+    _check,
+    _reference,
+    mx,
+    run_planted_bugs,
+)
+
+from mxconv.engines.loader import resolve_layer, run_kernel_layer
+from mxconv.layouts import get_layout
+from mxconv.layouts.canonical import CanonicalExperts
+from mxconv.source.manifest import load_manifest
+
+pytestmark = pytest.mark.gpu
+
+
+def _humming():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("humming's layout here is SM90's; needs an H100/H200")
+    try:
+        import humming.transform
+    except ImportError as exc:
+        pytest.skip(f"humming-kernels not importable: {exc}")
+    import humming
+
+    return humming
+
+
+def _canonical(E: int, H: int, I: int, order: str, bias: bool, seed: int) -> CanonicalExperts:
+    g = torch.Generator().manual_seed(seed)
+    u8 = lambda *s, lo=0, hi=256: torch.randint(lo, hi, s, dtype=torch.uint8, generator=g)
+    return CanonicalExperts(
+        u8(E, 2 * I, H // 2), u8(E, 2 * I, H // 32, lo=112, hi=136), u8(E, H, I // 2), u8(E, H, I // 32, lo=112, hi=136),
+        torch.randn(E, 2 * I, generator=g).to(torch.bfloat16) if bias else None,
+        torch.randn(E, H, generator=g).to(torch.bfloat16) if bias else None, order,
+    )  # fmt: skip
+
+
+def _vllm_layer(c: CanonicalExperts, Ip: int) -> dict[str, dict[str, torch.Tensor]]:
+    """What vLLM's Mxfp4 quant method holds before the conversion: zero-initialised [E, 2Ip, ...]
+    parameters the checkpoint was copied into (halves: each half at its own offset)."""
+    E, H, I = c.num_experts, c.hidden_size, c.intermediate_size
+
+    def rows13(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((E, 2 * Ip, *t.shape[2:]), dtype=t.dtype)
+        if c.row_order == "halves":
+            out[:, :I], out[:, Ip : Ip + I] = t[:, :I], t[:, I:]
+        else:
+            out[:, : 2 * I] = t
+        return out
+
+    def cols2(t: torch.Tensor, per: int) -> torch.Tensor:
+        out = torch.zeros((E, H, Ip // per), dtype=t.dtype)
+        out[..., : I // per] = t
+        return out
+
+    w13 = {"weight": rows13(c.w13), "weight_scale": rows13(c.w13_scale)}
+    w2 = {"weight": cols2(c.w2, 2), "weight_scale": cols2(c.w2_scale, 32)}
+    if c.w13_bias is not None:
+        w13["bias"], w2["bias"] = rows13(c.w13_bias), c.w2_bias.clone()
+    return {"w13": w13, "w2": w2}
+
+
+def _humming_transform(tensors: dict[str, torch.Tensor], w: str, n: int, k: int, E: int, quant_method: str, bias: bool):
+    from humming.schema import BaseWeightSchema, HummingInputSchema
+    from humming.transform import prepare_and_transform_humming_tensors
+
+    schema = BaseWeightSchema.from_config({"quant_method": quant_method})
+    gated = [n // 2, n // 2] if w == "w13" else [n]
+    wschema, conv = schema.convert_humming(tensors={k_: v.cuda() for k_, v in tensors.items()}, shape_n_stacks=gated,
+                                           shape_k_stacks=[k], param_dtype=torch.bfloat16, num_experts=E)  # fmt: skip
+    return prepare_and_transform_humming_tensors(
+        tensors=conv, shape_n=n, shape_k=k, pad_n_to_multiple=256, pad_k_to_multiple=128,
+        input_schema=HummingInputSchema().to_humming_schema(torch.bfloat16), weight_schema=wschema, has_bias=bias,
+        num_experts=E, torch_dtype=torch.bfloat16, device=torch.device("cuda"),
+    )  # fmt: skip
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().cpu().view(torch.uint8)
+
+
+@pytest.mark.parametrize("order,bias,H,I", [("halves", False, 192, 96), ("interleaved", True, 160, 224),
+                                            ("halves", True, 1440, 352)])  # fmt: skip
+def test_bytes_equal_hummings_own_transform(order: str, bias: bool, H: int, I: int) -> None:
+    _humming()
+    from humming.config import LayerConfig
+
+    layout = get_layout("humming")
+    c = _canonical(4, H, I, order, bias, seed=H + I)
+    opts = layout.resolve_options()
+    Hp, Ip = layout.padded_sizes(H, I, order, "bf16")
+    sizes = c.sizes(Hp, Ip)
+    cpu = layout.to_kernel(c, "bf16", opts)
+    gpu = layout.to_kernel(c.to("cuda"), "bf16", opts)
+    configs = layout.describe(sizes, "bf16", opts)["layer_configs"]
+    method = "gpt_oss_mxfp4" if order == "interleaved" else "mxfp4"
+    for w, tensors in _vllm_layer(c, Ip).items():
+        n, k = (2 * Ip, H) if w == "w13" else (H, Ip)
+        config, theirs = _humming_transform(tensors, w, n, k, c.num_experts, method, bias)
+        assert config == LayerConfig(**configs[w]), (config, configs[w])
+        assert sorted(theirs) == sorted(x.removeprefix(f"{w}_") for x in cpu if x.startswith(f"{w}_"))
+        for name, t in theirs.items():
+            ours = cpu[f"{w}_{name}"]
+            assert tuple(t.shape) == tuple(ours.shape) and t.dtype == ours.dtype, (w, name, t.shape, t.dtype, ours.shape)
+            assert torch.equal(_bytes(t), _bytes(ours)), f"{w}_{name}: bytes differ from humming's transform"
+            assert torch.equal(_bytes(gpu[f"{w}_{name}"]), _bytes(ours)), f"{w}_{name}: CUDA path differs"
+
+
+@pytest.fixture(scope="module")
+def humming_cases(tmp_path_factory) -> dict[str, Case]:
+    root = tmp_path_factory.mktemp("humming-gpu")
+    out: dict[str, Case] = {}
+    for fam, (kind, hidden) in KINDS.items():
+        make_checkpoint(root / f"{fam}-src", kind, hidden_size=hidden, intermediate_size=INTERMEDIATE, num_experts=8, top_k=2)
+        q4 = root / f"{fam}-q4"
+        code, text = mx("quantize", root / f"{fam}-src", q4, "--quiet", "--device", "cpu")
+        assert code == 0, text
+        outputs = {}
+        for name, tp in (("humming", "1"), ("humming-tp2", "2")):
+            code, text = mx("repack", q4, root / f"{fam}-{name}", "--backend", "humming", "--tp", tp, "--quiet", "--device", "cpu")
+            assert code == 0, text
+            outputs[name] = root / f"{fam}-{name}"
+        out[fam] = Case(fam, q4, outputs)
+    return out
+
+
+@pytest.mark.parametrize("family", list(KINDS))
+@pytest.mark.parametrize("name", ["humming", "humming-tp2"])
+def test_kernel_matches_reference(humming_cases: dict[str, Case], family: str, name: str) -> None:
+    _humming()
+    case = humming_cases[family]
+    out_dir = case.outputs[name]
+    manifest = load_manifest(out_dir)
+    for layer in (0, 1):
+        x, r, ref, _, _ = _reference(case.q4, layer)
+        got = run_kernel_layer(out_dir, manifest, layer, x, r)
+        _check(f"{family}/{name}/layer{layer}", got, ref, r, True)
+    code, text = mx("verify", out_dir, "--kernel", "--reference", case.q4)
+    assert code == 0, text
+
+
+@pytest.mark.parametrize("family", list(KINDS))
+def test_planted_bugs_exceed_the_bound(humming_cases: dict[str, Case], family: str) -> None:
+    _humming()
+    case = humming_cases[family]
+    run_planted_bugs(case, resolve_layer(case.outputs["humming"], 0), f"{family}/humming")
