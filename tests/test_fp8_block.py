@@ -4,13 +4,19 @@ against an exact rational oracle: the E4M3 value set as fractions, nearest-even 
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import pytest
 import torch
 
-from mxconv.mx.fp8_block import MAX_EXACT_SPREAD, float_to_fp8_block, mxfp4_to_fp8_block, tile_exponents
 from mxconv.mx.formats import E2M1_VALUES
+from mxconv.mx.fp8_block import (
+    MAX_EXACT_SPREAD,
+    float_to_fp8_block,
+    mxfp4_to_fp8_block,
+    tile_exponents,
+)
 from mxconv.mx.numerics import dequantize_fp8_block, dequantize_mx
 
 # every finite E4M3 value, by code, and the non-negative ones sorted (code even = mantissa lsb 0)
