@@ -21,7 +21,7 @@ from mxconv.mx.numerics import dequantize_fp8_block, dequantize_mx
 
 # every finite E4M3 value, by code, and the non-negative ones sorted (code even = mantissa lsb 0)
 _E4M3 = [(c, Fraction(float(v))) for c, v in enumerate(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist())
-         if v == v]
+         if not math.isnan(v)]
 _POS = sorted((v, c) for c, v in _E4M3 if v >= 0 and c < 0x80)
 _REPRESENTABLE = {v for _, v in _E4M3}
 

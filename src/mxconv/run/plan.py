@@ -319,13 +319,19 @@ def build_plan(ckpt: Checkpoint, reader: FamilyReader, quant: QuantOptions, repa
     info = reader.model_info()
     _check_sizes(ckpt, info)
     refs = _select_layers(reader, quant)
+    fp8_warnings = []
     if quant.fmt == WeightFormat.FP8_BLOCK and repack is None:
         _check_fp8_block(ckpt, reader, refs)
+        if info.hidden_size % 128 or info.intermediate_size % 128:
+            fp8_warnings.append(
+                f"hidden size {info.hidden_size} / expert intermediate size {info.intermediate_size} not multiples of 128: "
+                "the edge 128x128 blocks are partial, which transformers' fine-grained FP8 dequantization misreads (it "
+                "derives the block from the scale grid) and vLLM refuses under TP where a rank's share is not a multiple of 128")
     linears = _select_linears(ckpt, reader.layer_refs(), quant) if repack is None else None
     lay = _plan_layout(ckpt, info, repack) if repack is not None else None
     items, dests = _plan_items(ckpt, reader, quant, refs, linears, lay)
     if lay is None:
-        return Plan(ckpt, reader, info, quant, None, refs, items, dests, warnings=fused_part_warnings(linears),
+        return Plan(ckpt, reader, info, quant, None, refs, items, dests, warnings=fused_part_warnings(linears) + fp8_warnings,
                     linears=linears)
     return Plan(ckpt, reader, info, quant, lay.repack, refs, items, dests, sizes=lay.sizes, rank_ranges=lay.rank_ranges,
                 layout_desc=lay.desc, warnings=lay.warnings)
