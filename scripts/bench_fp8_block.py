@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from bench_repack import timeit
 
 from mxconv.kernels.quantize import quantize_mx
 from mxconv.mx.fp8_block import mxfp4_to_fp8_block
@@ -31,17 +31,8 @@ DOWN = (128, 2880, 2880)
 
 
 def _timed(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    """Median seconds of ``fn`` on the GPU (scripts/bench_repack.py's timer), after a warm-up."""
+    return timeit(fn, torch.device("cuda"), reps)
 
 
 def _random_mx(shape: tuple[int, int, int], lo: int, hi: int, dev: str) -> tuple[torch.Tensor, torch.Tensor]:
