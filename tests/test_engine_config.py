@@ -114,7 +114,7 @@ def test_schema_agrees_with_jsonschema(outputs: dict[str, dict[str, Any]]) -> No
     for m in outputs.values():
         jsonschema.validate(m["quant_config"], SCHEMA)
     bad = dict(outputs["qwen3-moe/mxfp4"]["quant_config"], weight_dtype="nvfp4")
-    assert validate(bad, SCHEMA) == ["$.weight_dtype: 'nvfp4' not in ['mxfp4', 'mxfp8', 'int4']"]
+    assert validate(bad, SCHEMA) == ["$.weight_dtype: 'nvfp4' not in ['mxfp4', 'mxfp8', 'int4', 'fp8-block']"]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, SCHEMA)
 

@@ -33,10 +33,13 @@ def quantize(
     skip_unaligned: Annotated[bool, typer.Option("--skip-unaligned", help=(
         "With --targets linear: leave a linear whose input size is not a multiple of 32 unquantized (listed in "
         "config.json) instead of refusing."))] = False,
+    require_exact: Annotated[bool, typer.Option("--require-exact", help=(
+        "With --format fp8-block from MXFP4: exit 2, naming layer, expert and 128x128 block, when a block cannot be "
+        "re-encoded exactly (its binade spread exceeds E4M3's) instead of writing it with the least-loss scale."))] = False,
     *,
     run: RunOptions,
 ) -> None:
-    """bf16/fp16/fp32, FP8-block or MXFP4 MoE checkpoint -> canonical MXFP4/MXFP8 checkpoint.
+    """bf16/fp16/fp32, FP8-block or MXFP4 MoE checkpoint -> canonical MXFP4/MXFP8 or block-FP8 checkpoint.
 
     gpt-oss is written in the published gpt-oss MXFP4 convention (*_blocks/*_scales); other families
     as compressed-tensors (mxfp4-pack-quantized / mxfp8-quantized). Routed-expert weights are
@@ -48,13 +51,18 @@ def quantize(
     compressed-tensors, vLLM and mxconv. MXFP8 of the compressed-tensors families: compressed-tensors,
     vLLM and mxconv; transformers 5.24 refuses it (raises). gpt-oss MXFP8 is mxconv's own variant
     (quant_method null, mxconv_quant_method mxfp8): transformers and vLLM refuse it, mxconv reads it.
+    fp8-block (E4M3, fp32 weight_scale_inv per 128x128 block, quant_method fp8, the DeepSeek-V3 convention;
+    every family but gpt-oss): vLLM's Fp8 MoE method and transformers' fine-grained FP8 load it. From MXFP4
+    the blocks get power-of-two scales, exact wherever the block's spread allows (counted otherwise).
     Examples:
 
         mxconv quantize Qwen/Qwen3-30B-A3B ./qwen3-mxfp4 --format mxfp4
 
         mxconv quantize Qwen/Qwen3-30B-A3B ./qwen3-mxfp8 --format mxfp8 --targets linear
+
+        mxconv quantize ./qwen3-mxfp4 ./qwen3-fp8 --format fp8-block --require-exact
     """
     with errors(run.debug):
         quant = QuantOptions(format.value, scale_rounding, run.allow_nonfinite, tuple(include or ()) or None,
-                             tuple(ignore or ()) or None, targets, skip_unaligned)
+                             tuple(ignore or ()) or None, targets, skip_unaligned, require_exact)
         convert(source, output, quant, None, run)

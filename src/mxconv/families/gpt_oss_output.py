@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from mxconv.errors import BadInput
 from mxconv.families.base import MoELayer, MoELayerRef
 from mxconv.families.quant_config import MX_FORMATS
 from mxconv.layouts.canonical import TensorSpec
@@ -26,6 +27,17 @@ if TYPE_CHECKING:
 MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 # Bytes per 32-element block in the blocks tensors.
 BLOCK_BYTES = {"mxfp4": 16, "mxfp8": 32}
+# Why quantize --format fp8-block refuses gpt-oss (read in vLLM 0.33.0's models/gpt_oss.py): a config with
+# quant_method "fp8" goes to GptOssModel._load_weights_other, the BF16 path. It takes every name containing
+# ".w13_weight" for the transposed [E, H, 2I] BF16 weight, so "...w13_weight_scale_inv" is narrowed on its
+# last axis by 2 * TP rank and transposed like a weight (misread, or a shape error); no branch reads a
+# block scale. transformers' GptOss experts are fused [E, H, 2I] parameters with no fine-grained FP8 variant.
+FP8_BLOCK_REFUSAL = (
+    "gpt-oss: --format fp8-block is not written for gpt-oss, because no loader reads a block-FP8 gpt-oss: vLLM "
+    "0.33's gpt-oss loader sends quant_method 'fp8' to its BF16 path (_load_weights_other), which treats "
+    "'.w13_weight_scale_inv' as a transposed weight; transformers has no fine-grained FP8 gpt-oss experts. "
+    "Use --format mxfp4 / mxfp8, or repack for an engine backend"
+)
 # mxconv's key for the MX format of a gpt-oss config whose quant_method is null (MXFP8, see above).
 FORMAT_KEY = "mxconv_quant_method"
 
@@ -48,6 +60,8 @@ class GptOssOutput:
     :class:`~mxconv.families.gpt_oss.GptOssReader` (they use its ``ckpt``, ``_plan`` and ``layer_format``)."""
 
     def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
+        if fmt == "fp8-block":
+            raise BadInput(FP8_BLOCK_REFUSAL)
         if fmt not in MX_FORMATS:
             raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
         plan = self._plan()

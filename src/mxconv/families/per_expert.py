@@ -64,6 +64,7 @@ from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, FP8BlockStack, ModelInfo, MoELayer, MoELayerRef, MXStack
 from mxconv.families.ct_int4 import read_int4_stack
 from mxconv.families.ct_output import CompressedTensorsOutput
+from mxconv.families.fp8_output import BlockFP8Output
 from mxconv.families.per_expert_headers import HeaderPlan, PerExpertPlan
 from mxconv.families.quant_config import FLOAT_DTYPES
 from mxconv.source.st_format import torch_dtype
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class PerExpertReader(PerExpertPlan, CompressedTensorsOutput, FamilyReader):
+class PerExpertReader(PerExpertPlan, BlockFP8Output, CompressedTensorsOutput, FamilyReader):
     """Family reader for per-expert Linear checkpoints; subclasses set names and config rules."""
 
     moe_module: ClassVar[str] = "mlp"  # "{root}layers.{L}.{moe_module}" is the FusedMoE parent

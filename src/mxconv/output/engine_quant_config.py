@@ -4,7 +4,9 @@
 ``mxconv.json`` under ``quant_config`` (JSON schema: docs/quant-config.schema.json) and read back
 with :meth:`EngineQuantConfig.from_json`. It says, for every MoE layer:
 
-* weight dtype (``mxfp4`` / ``mxfp8`` / ``int4``), block shape ``[1, 32]`` and scale format;
+* weight dtype (``mxfp4`` / ``mxfp8`` / ``int4`` / ``fp8-block``), block shape (``[1, 32]``; ``[128, 128]``
+  for fp8-block, whose fp32 ``weight_scale_inv`` vLLM's Fp8 MoE method reads with dynamic FP8 1x128
+  activation groups) and scale format;
 * activation quantization (``none`` for canonical outputs; per backend and ``--activation`` for
   kernel outputs: dynamic MXFP8 / MXFP4, dynamic FP8 per token or per 1x128 group);
 * the name pattern (``{L}`` = layer, ``{e}`` = expert), safetensors dtype and shape of every weight,
@@ -327,9 +329,12 @@ def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
     padded_by_engine = str(lay.get("name")) not in UNPADDED_LAYOUTS
     refusals = [(b, vllm_refusal(b, (H, I, Hp, Ip), model, compat, padded_by_engine)) for b in candidates]
     gemm1, gemm2 = _gemm_tensors(refs, pattern)
+    fp8 = fmt == "fp8-block"
     return EngineQuantConfig(
-        kind=str(kind), backend=backend, layout_activation=act, weight_dtype=fmt, block_shape=BLOCK_SHAPE,
-        scale_format="bf16" if fmt == "int4" else "e8m0", activation_quant=activation_quant(act, candidates),
+        kind=str(kind), backend=backend, layout_activation=act, weight_dtype=fmt, block_shape=(128, 128) if fp8 else BLOCK_SHAPE,
+        scale_format="float32" if fp8 else "bf16" if fmt == "int4" else "e8m0",
+        activation_quant=ActivationQuant("dynamic_fp8_per_token_group", "float8_e4m3fn", (1, 128), "float32") if fp8
+        else activation_quant(act, candidates),
         gemm1=gemm1, gemm2=gemm2, tensors_per="tp_rank" if kind == "kernel" else "checkpoint",
         tp_size=int(manifest.get("tp_size") or 1), activation=_activation(model, lay), routing=routing,
         served_vllm_backends=tuple(b for b, why in refusals if why is None),

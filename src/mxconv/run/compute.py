@@ -18,7 +18,8 @@ from mxconv.families.base import FP8BlockStack, Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.padding import slice_tp
-from mxconv.run.options import QuantOptions
+from mxconv.run.fp8_compute import BlockStats, LayerTiles, Where, to_fp8_block
+from mxconv.run.options import QuantOptions, WeightFormat
 from mxconv.run.pipeline import WorkItem
 
 if TYPE_CHECKING:
@@ -164,6 +165,7 @@ def to_format(stack: MXStack | None, float_w: torch.Tensor | FP8BlockStack | Int
 class RunStats:
     errors: ErrorStats = field(default_factory=ErrorStats)
     compute_seconds: float = 0.0
+    fp8_tiles: BlockStats = field(default_factory=BlockStats)  # --format fp8-block: tiles, inexact ones per layer
 
 
 def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[[WorkItem, MoELayer], list[dict[str, torch.Tensor]]]:
@@ -188,6 +190,10 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
             return None
 
         counted = stats.errors.tensors
+        if fmt == WeightFormat.FP8_BLOCK:
+            results = [_fp8_block_layer(plan, layer, where, stats, device)]
+            stats.compute_seconds += time.perf_counter() - t0
+            return results
         w13 = to_format(layer.w13_mx, source("w13"), fmt, plan.quant, where("w13"), stats.errors, device)
         w2 = to_format(layer.w2_mx, source("w2"), fmt, plan.quant, where("w2"), stats.errors, device)
         if layer.first_expert:  # a later group of a layer's experts: its stacks are counted once, by the first
@@ -219,6 +225,29 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
         return results
 
     return compute
+
+
+def _fp8_block_layer(plan: Plan, layer: MoELayer, where: Callable[[str], Callable[[tuple[int, ...]], str]],
+                     stats: RunStats, device: torch.device) -> dict[str, torch.Tensor]:
+    """One MoE layer (or group of its experts) -> the reader's block-FP8 output tensors (host)."""
+    import torch
+
+    ref = layer.ref
+    tiles = stats.fp8_tiles.layers.setdefault(ref.layer, LayerTiles(f"{ref.module_prefix}.experts"))
+    counted = stats.errors.tensors
+    stacks = {}
+    for which, halves in (("w13", 2), ("w2", 1)):
+        src = getattr(layer, f"{which}_mx") or getattr(layer, f"{which}_int4") or getattr(layer, f"{which}_fp8")
+        src = getattr(layer, which) if src is None else src
+        w = Where(ref, which, layer.first_expert, where(which))
+        s = to_fp8_block(src, halves, w, plan.quant.require_exact, tiles, stats.errors, device)
+        stacks[which] = FP8BlockStack([(to_host(d), to_host(sc)) for d, sc in s.parts], s.block)
+    if layer.first_expert:
+        stats.errors.tensors = counted
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    out = MoELayer(ref, layer.row_order, w13_fp8=stacks["w13"], w2_fp8=stacks["w2"], first_expert=layer.first_expert)
+    return plan.reader.quantized_tensors(out)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

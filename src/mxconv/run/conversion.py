@@ -34,7 +34,7 @@ from mxconv.run.finalize import build_manifest, output_config, run_notes, served
 from mxconv.run.machine import process_peak_rss
 from mxconv.run.memory import MemoryBudget, MemoryPlan
 from mxconv.run.linear_compute import linear_compute, linear_load
-from mxconv.run.options import QuantOptions, RepackOptions
+from mxconv.run.options import QuantOptions, RepackOptions, WeightFormat
 from mxconv.run.pipeline import WorkItem, run_pipeline
 from mxconv.run.plan import Plan, build_plan
 from mxconv.run.plan_costs import memory_plan_for, work_items
@@ -125,7 +125,7 @@ class Conversion:
             t_pipe = time.perf_counter()
             stats = _run_pipeline(self.plan, items, output, memory_plan, device, on_progress, times)
             t_finish = time.perf_counter()
-            _finalize(self.plan, output, settings.argv)
+            _finalize(self.plan, output, settings.argv, stats)
         except BaseException as exc:
             _clean_up_and_raise(exc, output)
         wall = time.perf_counter() - t0
@@ -160,6 +160,8 @@ class Conversion:
                 "notes": output.target.notes,
             }
         )
+        if plan.weight_format == WeightFormat.FP8_BLOCK:
+            summary["fp8_tiles"] = stats.fp8_tiles.to_json()
         if device.type == "cuda":
             summary["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
         return summary
@@ -198,7 +200,7 @@ def _run_pipeline(plan: Plan, items: list[WorkItem], output: _Output, memory_pla
     return stats
 
 
-def _finalize(plan: Plan, output: _Output, argv: tuple[str, ...] | None) -> None:
+def _finalize(plan: Plan, output: _Output, argv: tuple[str, ...] | None, stats: RunStats) -> None:
     """Phase 5: per rank its index (the writer's finish), config and copied files; the manifest;
     then the commit (a staged --overwrite replaces the old output now)."""
     target, write_dir, rank_dirs = output.target, output.write_dir, output.rank_dirs
@@ -214,7 +216,8 @@ def _finalize(plan: Plan, output: _Output, argv: tuple[str, ...] | None) -> None
         prefix = "" if len(output.writers) == 1 else f"{rank_dir_name(r)}/"
         for name, entry in tensor_table(written, prefix).items():
             tensors[prefix + name if prefix else name] = entry
-    manifest = build_manifest(plan, tensors, rank_dirs, list(argv) if argv is not None else None)
+    fp8 = stats.fp8_tiles.to_json() if plan.weight_format == WeightFormat.FP8_BLOCK else None
+    manifest = build_manifest(plan, tensors, rank_dirs, list(argv) if argv is not None else None, fp8)
     note = served_backends_note(manifest)
     if note:
         target.notes.append(note)

@@ -72,7 +72,17 @@ def layer_table(refs: list[MoELayerRef]) -> list[dict[str, Any]]:
 def manifest_layout(plan: Plan) -> dict[str, Any]:
     """The manifest's ``layout``: canonical, or the backend's description with the per-rank sizes."""
     info = plan.info
-    if plan.sizes is None:
+    if plan.sizes is None and plan.weight_format == WeightFormat.FP8_BLOCK:
+        lay = {
+            "name": "canonical-fp8-block",
+            "version": 1,
+            "engine_compat": {"transformers": ">=4.51", "vllm": ">=0.8"},  # FineGrainedFP8 / Fp8 MoE block quant
+            "hidden_size": info.hidden_size,
+            "intermediate_size": info.intermediate_size,
+            "padded_hidden_size": info.hidden_size,
+            "padded_intermediate_size": info.intermediate_size,
+        }
+    elif plan.sizes is None:
         lay = {
             "name": "canonical-gpt-oss" if info.family == "gpt-oss" else "canonical-compressed-tensors",
             "version": 1,
@@ -107,6 +117,8 @@ def numerics_of(plan: Plan) -> tuple[dict[str, Any], bool]:
     fmt = plan.weight_format
     # From the converted layers' own formats (a mixed source holds MX and float layers).
     src_formats = {plan.reader.layer_format(r) for r in plan.refs}
+    if fmt == WeightFormat.FP8_BLOCK:
+        return fp8_block_numerics(plan.info.expert_format, plan.info.source_scale_scheme, src_formats), True
     lossless = src_formats == {WeightFormat.MXFP4} and fmt == WeightFormat.MXFP8
     numerics = {
         "element_format": {WeightFormat.MXFP4: "e2m1", WeightFormat.INT4: "int4"}.get(fmt, "e4m3"),
@@ -123,7 +135,27 @@ def numerics_of(plan: Plan) -> tuple[dict[str, Any], bool]:
     return numerics, src_formats == {fmt} or lossless
 
 
-def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], argv: list[str] | None) -> dict[str, Any]:
+def fp8_block_numerics(source_format: str, source_scale_scheme: str | None, src_formats: set[str]) -> dict[str, Any]:
+    """The manifest's ``numerics`` of a block-FP8 output (docs/numerics.md, "Block FP8")."""
+    from_mx = src_formats == {WeightFormat.MXFP4}
+    return {
+        "element_format": "e4m3",
+        "scale_format": "fp32 scale_inv (W = fp32(weight) * scale_inv)",
+        "block_size": [128, 128],
+        "block_axis": "128 output rows x 128 input columns ([out, in] tiles)",
+        "rounding": "rne",
+        "packing": None,
+        "source_format": source_format,
+        "source_scale_scheme": source_scale_scheme,
+        "scale_rule": ("power of two 2^(top - 8) per tile (exact where the tile's binade spread <= 17)" if from_mx
+                       else "amax / 448 per tile (DeepSeek-V3)"),
+        "requantized": not from_mx,
+        "lossless_conversion": None,
+    }
+
+
+def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], argv: list[str] | None,
+                   fp8_tiles: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest of ``plan``'s output: ``tensors`` (the written tensor table), the engines'
     quant_config and served backends, and ``output_files``: the top-level names this run wrote (a
     later --overwrite removes exactly these, and nothing else)."""
@@ -145,6 +177,8 @@ def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], a
         argv=argv,
     )
     manifest["tensors"] = tensors
+    if fp8_tiles is not None:
+        manifest["fp8_tiles"] = fp8_tiles  # tiles, inexact ones (MXFP4 sources) and the largest error, per layer
     manifest.update(manifest_extras(plan))  # linear layers, source bytes by role
     attach(manifest)  # quant_config + served_vllm_backends (reads the tensors table)
     if len(rank_dirs) > 1:
@@ -171,7 +205,7 @@ def run_notes(plan: Plan) -> Iterable[str]:
     if skipped:
         yield (f"note: {len(skipped)} linear layer(s) left unquantized (input size not a multiple of 32, "
                f"--skip-unaligned): {', '.join(skipped)}; the config lists them in 'ignore'")
-    if plan.repack is None and any(n.endswith("weight_scale_inv") for d in plan.dests for n in (t.name for t in d)):
+    if plan.repack is None and any(t.name.endswith("weight_scale_inv") and t.role != "expert" for d in plan.dests for t in d):
         yield ("note: block-FP8 tensors outside the routed experts (attention, dense and shared MLPs) were copied "
                "unchanged with their weight_scale_inv scales; the written quantization_config describes the MX "
                "experts only, so engines that load this checkpoint must be told about those FP8 modules separately")

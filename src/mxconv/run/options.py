@@ -25,14 +25,15 @@ class WeightFormat(StrEnum):
     MXFP4 = "mxfp4"
     MXFP8 = "mxfp8"
     INT4 = "int4"
+    FP8_BLOCK = "fp8-block"  # E4M3 + fp32 scale_inv per 128x128 tile (DeepSeek-V3), quantize only
 
 
-QUANTIZE_FORMATS = (WeightFormat.MXFP4, WeightFormat.MXFP8)
+QUANTIZE_FORMATS = (WeightFormat.MXFP4, WeightFormat.MXFP8, WeightFormat.FP8_BLOCK)
 
 
 class ScaleRounding(StrEnum):
     """E8M0 scale rule (docs/numerics.md); AUTO stands for the format's default and never leaves
-    :class:`QuantOptions`, which resolves it."""
+    :class:`QuantOptions`, which resolves it (fp8-block, whose tile scales follow their own rule, keeps AUTO)."""
 
     AUTO = "auto"
     RCEIL = "rceil"
@@ -59,6 +60,7 @@ class ConversionKind(StrEnum):
 
     AS_IS = "as_is"  # the same MX or INT4 format: bytes moved untouched
     MXFP4_TO_MXFP8 = "mxfp4_to_mxfp8"  # lossless re-coding, same scales
+    MXFP4_TO_FP8_BLOCK = "mxfp4_to_fp8_block"  # power-of-two tile scales: exact where the tile's spread allows
     QUANTIZE = "quantize"  # floats, or the fp32 dequantization of block-FP8, INT4 or another MX format
 
 
@@ -116,12 +118,20 @@ class QuantOptions:
     ignore: str | tuple[str, ...] | None = None
     targets: Targets = Targets.EXPERTS  # LINEAR: every linear layer too, MXFP8 (mxconv.run.linears)
     skip_unaligned: bool = False  # targets LINEAR: leave a linear whose input is not a multiple of 32 alone
+    require_exact: bool = False  # fp8-block from MXFP4: a tile that cannot be re-encoded exactly is an error
 
     def __post_init__(self) -> None:
         fmt = _member(WeightFormat, self.fmt, "--format", QUANTIZE_FORMATS)
         rounding = _member(ScaleRounding, self.scale_rounding, "--scale-rounding")
         object.__setattr__(self, "fmt", fmt)
-        object.__setattr__(self, "scale_rounding", ScaleRounding(resolve_scale_mode(fmt, rounding)))
+        if fmt == WeightFormat.FP8_BLOCK:
+            if rounding != ScaleRounding.AUTO:
+                raise BadInput("--scale-rounding picks the E8M0 rule of MX formats; fp8-block tile scales are "
+                               "powers of two from MXFP4 sources and amax/448 from floats (docs/numerics.md)")
+        else:
+            object.__setattr__(self, "scale_rounding", ScaleRounding(resolve_scale_mode(fmt, rounding)))
+        if self.require_exact and fmt != WeightFormat.FP8_BLOCK:
+            raise BadInput("--require-exact applies to --format fp8-block (the re-encode of MXFP4 experts)")
         object.__setattr__(self, "targets", _member(Targets, self.targets, "--targets"))
         for flag, name in (("--include", "include"), ("--ignore", "ignore")):
             spec = getattr(self, name)

@@ -112,6 +112,8 @@ class Plan:
             return ConversionKind.AS_IS
         if src == WeightFormat.MXFP4 and self.weight_format == WeightFormat.MXFP8:
             return ConversionKind.MXFP4_TO_MXFP8
+        if src == WeightFormat.MXFP4 and self.weight_format == WeightFormat.FP8_BLOCK:
+            return ConversionKind.MXFP4_TO_FP8_BLOCK
         return ConversionKind.QUANTIZE
 
 
@@ -179,6 +181,19 @@ def _select_layers(reader: FamilyReader, quant: QuantOptions) -> list[MoELayerRe
                 f"layers; a checkpoint holds one MX format (select every MoE layer, or use --format {kept})"
             )
     return refs
+
+
+def _check_fp8_block(ckpt: Checkpoint, reader: FamilyReader, refs: list[MoELayerRef]) -> None:
+    """BadInput for a block-FP8 output that no loader would read right: some MoE layers left out (one
+    quantization_config cannot describe float experts beside FP8 ones), or block-FP8 experts already."""
+    all_refs = reader.layer_refs()
+    if len(refs) != len(all_refs):
+        left = next(r for r in all_refs if r not in refs)
+        raise BadInput(f"{left.module_prefix}.experts: --include/--ignore leave this MoE layer out; a block-FP8 "
+                       "output converts every MoE layer (its quantization_config describes every expert as FP8)")
+    for r in refs:
+        if reader.layer_format(r) == "fp8_block":
+            raise BadInput(f"{ckpt.root}: {r.module_prefix}.experts are block-FP8 already; nothing to convert")
 
 
 def _select_linears(ckpt: Checkpoint, all_refs: list[MoELayerRef], quant: QuantOptions) -> LinearSelection:
@@ -304,11 +319,19 @@ def build_plan(ckpt: Checkpoint, reader: FamilyReader, quant: QuantOptions, repa
     info = reader.model_info()
     _check_sizes(ckpt, info)
     refs = _select_layers(reader, quant)
+    fp8_warnings = []
+    if quant.fmt == WeightFormat.FP8_BLOCK and repack is None:
+        _check_fp8_block(ckpt, reader, refs)
+        if info.hidden_size % 128 or info.intermediate_size % 128:
+            fp8_warnings.append(
+                f"hidden size {info.hidden_size} / expert intermediate size {info.intermediate_size} not multiples of 128: "
+                "the edge 128x128 blocks are partial, which transformers' fine-grained FP8 dequantization misreads (it "
+                "derives the block from the scale grid) and vLLM refuses under TP where a rank's share is not a multiple of 128")
     linears = _select_linears(ckpt, reader.layer_refs(), quant) if repack is None else None
     lay = _plan_layout(ckpt, info, repack) if repack is not None else None
     items, dests = _plan_items(ckpt, reader, quant, refs, linears, lay)
     if lay is None:
-        return Plan(ckpt, reader, info, quant, None, refs, items, dests, warnings=fused_part_warnings(linears),
+        return Plan(ckpt, reader, info, quant, None, refs, items, dests, warnings=fused_part_warnings(linears) + fp8_warnings,
                     linears=linears)
     return Plan(ckpt, reader, info, quant, lay.repack, refs, items, dests, sizes=lay.sizes, rank_ranges=lay.rank_ranges,
                 layout_desc=lay.desc, warnings=lay.warnings)

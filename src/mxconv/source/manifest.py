@@ -195,7 +195,7 @@ SCHEMA: Check = _obj(
         "source": _obj({"revision": _nullable(STR), "fingerprint": STR}, {"path": STR, "repo_id": STR}),
         "family": STR,
         "kind": _enum("canonical", "kernel"),
-        "weight_format": _enum("mxfp4", "mxfp8", "int4"),
+        "weight_format": _enum("mxfp4", "mxfp8", "int4", "fp8-block"),
         "scale_rounding": _nullable(STR),
         "backend": _nullable(STR),
         "activation": _nullable(STR),
@@ -205,7 +205,8 @@ SCHEMA: Check = _obj(
         "layers": _list(_LAYER),
         "tensors": _map(_TENSOR),
     },
-    {"numerics": _map(ANY), "output_files": _list(STR), "source_bytes_by_role": _map(NONNEG), "linears": _LINEARS},
+    {"numerics": _map(ANY), "output_files": _list(STR), "source_bytes_by_role": _map(NONNEG), "linears": _LINEARS,
+     "fp8_tiles": _map(ANY)},
 )
 
 

@@ -36,6 +36,7 @@ from mxconv.source.manifest import load_manifest, missing_manifest_message
 from mxconv.verify.hashing import TensorHashes
 from mxconv.verify.integrity import check_integrity, check_manifest_claims, model_info_of
 from mxconv.verify.layout import recover_layer, reference_layer
+from mxconv.verify.fp8_block import check_fp8_tiles
 from mxconv.verify.linears import LINEAR_THRESHOLDS, check_linears
 from mxconv.verify.numerics import (
     check_layer_numerics, converted_nonfinite, load_reference_outputs, save_reference_outputs,
@@ -286,6 +287,8 @@ def _check_layer(run: Run, L: int, lay: dict, rep: LayerReport) -> None:
     if run.ref_reader is not None:
         ref_layer, ref_bad = reference_layer(run, L, lay["module_prefix"], canon, rep)
         bad_value = bad_value or ref_bad
+        if not bad_value and ref_layer is not None and conv_layer is not None:
+            check_fp8_tiles(run.manifest, L, ref_layer, conv_layer, rep)
     if bad_value:
         rep.numerics = "FAIL"
         return

@@ -136,7 +136,8 @@ def check_layer_numerics(run: Run, L: int, lay: dict[str, Any], canon: Canonical
         ref_out, ref_ids, ref_src_fmt = _reference_outputs(run, L, lay, ref_layer, x)
     else:
         return LayerForward(x, routing, out, None)
-    ref_fmt = "exact" if _same_mx_bytes(ref_src_fmt, run.weight_format) else run.weight_format
+    exact_fp8 = rep.fp8_tiles is not None and rep.fp8_tiles["inexact"] == 0  # every tile bit-equal to the MXFP4 reference
+    ref_fmt = "exact" if _same_mx_bytes(ref_src_fmt, run.weight_format) or exact_fp8 else run.weight_format
     cmp = compare(out, ref_out, routing.ids, ref_ids)
     th = THRESHOLDS[ref_fmt]
     rep.comparison, rep.threshold = cmp, ref_fmt
