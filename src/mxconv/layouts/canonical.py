@@ -219,3 +219,18 @@ def in_kernel_order(tensors: dict[str, _V]) -> dict[str, _V]:
     other names are dropped."""
     return {name: tensors[name] for name in KERNEL_TENSOR_NAMES if name in tensors}
 
+
+
+def check_kernel_tensors(backend: str, k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
+    """LayoutError (naming ``backend`` and the tensor) unless ``k`` holds exactly the tensors of
+    ``specs``, each of its shape and dtype, all on one device."""
+    missing = [n for n in specs if n not in k]
+    unexpected = [n for n in k if n not in specs]
+    if missing or unexpected:
+        raise LayoutError(f"{backend} kernel tensors: missing {missing}, unexpected {unexpected}")
+    for n, spec in specs.items():
+        if tuple(k[n].shape) != spec.shape or k[n].dtype != spec.dtype:
+            raise LayoutError(f"{backend} kernel tensor {n} is {tuple(k[n].shape)} {k[n].dtype}, expected {spec.shape} {spec.dtype}")
+    devices = sorted({str(t.device) for t in k.values()})
+    if len(devices) > 1:
+        raise LayoutError(f"{backend} kernel tensors are on different devices: {devices}")
