@@ -31,7 +31,8 @@ from mxconv.errors import LayoutError
 from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.layouts.base import EmptyOptions, LayoutBase
 from mxconv.layouts.canonical import (
-    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, in_kernel_order, round_up,
+    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, check_kernel_tensors, in_kernel_order,
+    round_up,
 )
 from mxconv.source.st_format import torch_dtype
 
@@ -156,18 +157,7 @@ class DeepgemmLayout(LayoutBase):
         devices, or padding that is not zero (tensor and first index named, in the unpacked
         [E, rows, K/2 or K/32] view).
         """
-        specs = self.kernel_specs(sizes, activation, options)
-        missing = [n for n in specs if n not in k]
-        unexpected = [n for n in k if n not in specs]
-        if missing or unexpected:
-            raise LayoutError(f"deepgemm kernel tensors: missing {missing}, unexpected {unexpected}")
-        for n, spec in specs.items():
-            if tuple(k[n].shape) != spec.shape or k[n].dtype != spec.dtype:
-                raise LayoutError(
-                    f"deepgemm kernel tensor {n} is {tuple(k[n].shape)} {k[n].dtype}, expected {spec.shape} {spec.dtype}"
-                )
-        if len({str(t.device) for t in k.values()}) > 1:
-            raise LayoutError(f"deepgemm kernel tensors are on different devices: {sorted({str(t.device) for t in k.values()})}")
+        check_kernel_tensors(BACKEND_NAME, k, self.kernel_specs(sizes, activation, options))
         padded = CanonicalExperts(
             w13=k["w13_weight"],
             w13_scale=unpack_ue8m0(k["w13_weight_scale"]),
