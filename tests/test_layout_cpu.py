@@ -26,6 +26,7 @@ from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.cpu import LAYOUT, pack_scale, pack_weight, unpack_scale, unpack_weight
 from mxconv.layouts.padding import slice_tp, tp_ranges
+from mxconv.layouts.vllm_backends import vllm_padded_sizes, vllm_refusal
 from mxconv.source.checkpoint import open_checkpoint
 
 BLOCK = 32  # rows per pack block (spec §4)
@@ -215,6 +216,17 @@ def test_from_kernel_refuses() -> None:
             LAYOUT.from_kernel(k, sizes, "bf16", None)
 
 
+def test_vllm_cpu_backend_sizes_and_activations() -> None:
+    """vLLM pads CPU to 32/32 (mxfp4_round_up_hidden_size_and_intermediate_size); CPUExpertsMxfp4
+    runs SILU, SWIGLUOAI, GELU and GELU_TANH (_supports_activation)."""
+    assert vllm_padded_sizes("CPU", 2880, 1440, "swigluoai") == LAYOUT.padded_sizes(2880, 1440, "interleaved", "bf16")
+    for act in ("silu", "swigluoai", "gelu", "gelu_tanh"):
+        assert vllm_refusal("CPU", (96, 160, 96, 160), {"activation": act}, ">=0.33") is None, act
+    assert vllm_refusal("CPU", (96, 160, 96, 160), {"activation": "situ"}, ">=0.33") == (
+        "CPU runs silu, swigluoai, gelu, gelu_tanh only; the model uses situ")
+    assert "pads (H, I) = (96, 160) to (96, 160)" in vllm_refusal("CPU", (96, 160, 128, 160), {"activation": "silu"}, ">=0.33")
+
+
 def test_describe() -> None:
     d = LAYOUT.describe(sizes_of(stack(2, 96, 160, "interleaved", False)), "bf16", None)
     assert (d["name"], d["version"], d["vllm_moe_backend"], d["engine_compat"]["vllm"]) == ("cpu", 1, "CPU", ">=0.33")
@@ -266,7 +278,7 @@ def test_repack_bytes_verify_and_kernel_refusal(made, kind: str, row_order: str,
     q4 = src if kind == "gpt-oss-mxfp4" else made.quantize(src)
     out = made.repack(q4, "cpu", "--tp", tp)
     m = json.loads((out / "mxconv.json").read_text())
-    assert m["backend"] == "cpu" and m["layout"]["vllm_moe_backend"] == "CPU"
+    assert m["backend"] == "cpu" and m["layout"]["vllm_moe_backend"] == "CPU" and m["served_vllm_backends"] == ["CPU"]
     layer = m["layers"][0]["layer"]
     c = _canonical(q4, layer)
     assert c.row_order == row_order

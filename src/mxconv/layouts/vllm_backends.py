@@ -27,9 +27,10 @@ CANONICAL_VLLM_BACKENDS = {"canonical-gpt-oss": ("EMULATION", "XPU"), "canonical
 # CompressedTensorsW4A4Mxfp4MoEMethod has no maybe_roundup_sizes: nothing is padded.
 UNPADDED_LAYOUTS = {"canonical-compressed-tensors"}
 # Expert classes that run only some activations (vLLM MoEActivation values): DeepGemmFP4Experts and
-# OAITritonExperts / OAITritonMxfp4ExpertsMonolithic ``_supports_activation``. DeepGemmFP4Experts.apply
-# never reads the expert biases.
-EXPERT_ACTIVATIONS = {"DEEPGEMM_MXFP4": ("silu", "swiglustep", "situ"), "TRITON": ("swigluoai",)}
+# OAITritonExperts / OAITritonMxfp4ExpertsMonolithic / CPUExpertsMxfp4 ``_supports_activation``.
+# DeepGemmFP4Experts.apply never reads the expert biases.
+EXPERT_ACTIVATIONS = {"DEEPGEMM_MXFP4": ("silu", "swiglustep", "situ"), "TRITON": ("swigluoai",),
+                      "CPU": ("silu", "swigluoai", "gelu", "gelu_tanh")}
 NO_BIAS = {"DEEPGEMM_MXFP4"}
 
 
