@@ -37,6 +37,7 @@ _REGISTRY: dict[str, Any] = {
     "deepgemm": "mxconv.layouts.deepgemm:LAYOUT",
     "cutlass": "mxconv.layouts.cutlass:LAYOUT",
     "humming": "mxconv.layouts.humming:LAYOUT",
+    "cpu": "mxconv.layouts.cpu:LAYOUT",
 }
 
 

@@ -31,9 +31,11 @@ UNPADDED_LAYOUTS = {"canonical-compressed-tensors", "cutlass"}
 # back to [N, K/32], which fails unless N and K/32 are already whole tiles.
 UNPADDED_ALIGN = {"CUTLASS_MXFP4_MXFP4": 128}
 # Expert classes that run only some activations (vLLM MoEActivation values): DeepGemmFP4Experts and
-# OAITritonExperts / OAITritonMxfp4ExpertsMonolithic ``_supports_activation``. DeepGemmFP4Experts.apply
-# and run_cutlass_moe_mxfp4 (fused_moe/experts/cutlass_moe.py) never read the expert biases.
-EXPERT_ACTIVATIONS = {"DEEPGEMM_MXFP4": ("silu", "swiglustep", "situ"), "TRITON": ("swigluoai",)}
+# OAITritonExperts / OAITritonMxfp4ExpertsMonolithic / CPUExpertsMxfp4 ``_supports_activation``.
+# DeepGemmFP4Experts.apply and run_cutlass_moe_mxfp4 (fused_moe/experts/cutlass_moe.py) never read the
+# expert biases.
+EXPERT_ACTIVATIONS = {"DEEPGEMM_MXFP4": ("silu", "swiglustep", "situ"), "TRITON": ("swigluoai",),
+                      "CPU": ("silu", "swigluoai", "gelu", "gelu_tanh")}
 NO_BIAS = {"DEEPGEMM_MXFP4", "CUTLASS_MXFP4_MXFP4"}
 
 

@@ -1,0 +1,203 @@
+"""CPU AMX MXFP4 MoE layout: the expert tensors vLLM 0.33's ``CPU`` backend (``CPUExpertsMxfp4``,
+x86 with AMX) holds after loading (spec: docs/layout-cpu.md).
+
+vLLM's ``prepare_mxfp4_moe_layer_for_cpu`` passes the padded checkpoint tensors through its CPU ops
+``convert_weight_packed`` (VNNI prepack, sgl-kernels ``pack_vnni<uint8_t>``) and
+``convert_scale_packed``; both keep the shape and dtype and only move bytes (weights: nibbles too).
+Per layer and TP rank (E experts, H hidden, I intermediate), Hp = roundup(H, 32), Ip = roundup(I, 32):
+
+| name             | shape           | dtype   | content |
+|------------------|-----------------|---------|---------|
+| w13_weight       | [E, 2Ip, Hp/2]  | uint8   | VNNI-packed: per 32-row block, [Hp/2, 32] bytes (see :func:`pack_weight`) |
+| w13_weight_scale | [E, 2Ip, Hp/32] | uint8   | E8M0 bytes, per 32-row block [Hp/32, 32] (see :func:`pack_scale`) |
+| w2_weight        | [E, Hp, Ip/2]   | uint8   | as w13 |
+| w2_weight_scale  | [E, Hp, Ip/32]  | uint8   | as w13 |
+| w13_bias         | [E, 2Ip]        | float32 | only with biases (vLLM casts them to float32) |
+| w2_bias          | [E, Hp]         | float32 | |
+
+Rows keep the order they are loaded in (vLLM's CPU branch does not reorder): gpt-oss interleaved
+(its SWIGLUOAI kernel step reads gate/up pairs), halves for SiLU/GELU checkpoints (first half gate).
+All padding is zero (vLLM allocates the parameters with ``torch.zeros``).
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mxconv.environment import KernelLocations
+from mxconv.errors import LayoutError
+from mxconv.layouts.base import EmptyOptions, LayoutBase
+from mxconv.layouts.canonical import (
+    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, check_kernel_tensors, in_kernel_order,
+    round_up,
+)
+from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
+from mxconv.source.st_format import torch_dtype
+
+if TYPE_CHECKING:
+    import torch
+
+BACKEND_NAME = "cpu"
+LAYOUT_VERSION = 1
+MX_BLOCK = 32
+BLOCK_N = 32  # sgl-kernels gemm.h block_size_n() = 2 * TILE_N: rows packed together
+ALIGN = 32  # mxfp4_round_up_hidden_size_and_intermediate_size: CPU -> H and I to 32 ("BLOCK_N=32")
+PAD_FILL = 0
+BIAS_DTYPE = "F32"  # the CPU branch of convert_*_to_mxfp4_moe_kernel_format: bias.to(torch.float32)
+ACTIVATIONS = ("bf16",)  # CPUExpertsMxfp4: W4A16, (kMxfp4Static, None)
+VLLM_BACKEND = "CPU"
+
+
+def _blocks(t: torch.Tensor, what: str) -> tuple[int, int, int]:
+    """(E, rows / BLOCK_N, columns) of a uint8 [E, rows, columns] tensor; LayoutError otherwise."""
+    import torch
+
+    if t.dim() != 3 or t.dtype != torch.uint8:
+        raise LayoutError(f"cpu: {what} must be a uint8 [E, rows, columns] tensor, got {tuple(t.shape)} {t.dtype}")
+    E, N, C = t.shape
+    if N % BLOCK_N:
+        raise LayoutError(f"cpu: {what} has {N} rows, not a multiple of the {BLOCK_N}-row pack block")
+    return E, N // BLOCK_N, C
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """Canonical E2M1 bytes [E, N, C] (C = K/2, low nibble = even k) -> convert_weight_packed's bytes.
+
+    Per expert and block of 32 rows (nb), byte column c: the 64 nibbles of the block's rows at
+    elements (2c, 2c+1), in order (row 0: 2c, 2c+1; row 1: ...), fill 32 bytes at storage offset
+    ``nb*32*C + c*32``: byte j holds nibble j low and nibble j+32 high.
+    """
+    import torch
+
+    E, NB, C = _blocks(w, "weight")
+    nib = torch.stack((w & 0xF, w >> 4), dim=-1).view(E, NB, BLOCK_N, C, 2)
+    seq = nib.permute(0, 1, 3, 2, 4).reshape(E, NB, C, 2 * BLOCK_N)
+    return (seq[..., :BLOCK_N] | (seq[..., BLOCK_N:] << 4)).reshape(E, NB * BLOCK_N, C).contiguous()
+
+
+def unpack_weight(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: packed [E, N, C] uint8 -> canonical [E, N, C] uint8."""
+    import torch
+
+    E, NB, C = _blocks(p, "packed weight")
+    q = p.reshape(E, NB, C, BLOCK_N)
+    seq = torch.cat((q & 0xF, q >> 4), dim=-1).view(E, NB, C, BLOCK_N, 2)
+    nib = seq.permute(0, 1, 3, 2, 4)
+    return (nib[..., 0] | (nib[..., 1] << 4)).reshape(E, NB * BLOCK_N, C).contiguous()
+
+
+def pack_scale(s: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes [E, N, G] -> convert_scale_packed's [E, N, G] storage: per 32-row block, [G, 32]."""
+    E, NB, G = _blocks(s, "scale")
+    return s.reshape(E, NB, BLOCK_N, G).transpose(2, 3).reshape(E, NB * BLOCK_N, G).contiguous()
+
+
+def unpack_scale(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_scale`."""
+    E, NB, G = _blocks(p, "packed scale")
+    return p.reshape(E, NB, G, BLOCK_N).transpose(2, 3).reshape(E, NB * BLOCK_N, G).contiguous()
+
+
+class CpuLayout(LayoutBase):
+    """vLLM 0.33 ``CPU`` MXFP4 expert tensors (module docstring; docs/layout-cpu.md)."""
+
+    name = BACKEND_NAME
+    version = LAYOUT_VERSION
+    activations: tuple[str, ...] = ACTIVATIONS
+    vllm_backends = {"bf16": (VLLM_BACKEND,)}
+
+    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
+        """vLLM's fused_experts_cpu needs AMX and a vLLM CPU build; mxconv has no runner for it."""
+        return ("vLLM's CPU MXFP4 MoE kernel (CPUExpertsMxfp4: torch.ops._C.fused_experts_cpu) needs an x86 CPU "
+                "with AMX and a vLLM CPU build, and mxconv has no runner for it yet; `verify` (without --kernel) "
+                "checks these bytes by inverting the packing")
+
+    def padded_sizes(
+        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+        options: EmptyOptions | None = None,
+    ) -> tuple[int, int]:
+        """(Hp, Ip) = (roundup(H, 32), roundup(I, 32)) for one rank; LayoutError unless H and I are
+        positive multiples of 32 and the row order and activation are known."""
+        self.check_activation(activation)
+        if row_order not in ROW_ORDERS:
+            raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
+        for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
+            if size <= 0 or size % MX_BLOCK:
+                raise LayoutError(f"cpu: {what} size {size} must be a positive multiple of {MX_BLOCK}")
+        return round_up(hidden_size, ALIGN), round_up(intermediate_size, ALIGN)
+
+    def _checked(self, sizes: LayoutSizes, activation: str) -> tuple[int, int]:
+        """(Hp, Ip) of ``sizes``; LayoutError if its padded sizes are not this layout's."""
+        want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation)
+        got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
+        if got != want:
+            raise LayoutError(f"cpu: padded sizes (Hp, Ip) = {got} do not match the layout's {want} for "
+                              f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} (both rounded up to {ALIGN})")
+        return want
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, TensorSpec]:
+        """Shapes/dtypes of the stored tensors (table in the module docstring)."""
+        Hp, Ip = self._checked(sizes, activation)
+        E = sizes.num_experts
+        return in_kernel_order({
+            "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), "U8"),
+            "w13_weight_scale": TensorSpec((E, 2 * Ip, Hp // MX_BLOCK), "U8"),
+            "w2_weight": TensorSpec((E, Hp, Ip // 2), "U8"),
+            "w2_weight_scale": TensorSpec((E, Hp, Ip // MX_BLOCK), "U8"),
+            **bias_specs(sizes, Hp, Ip, BIAS_DTYPE),
+        })
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: EmptyOptions,
+                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+        """Canonical stack -> stored kernel tensors on ``c``'s device: zero padding to (Hp, Ip), then
+        :func:`pack_weight` / :func:`pack_scale`, biases as float32 (torch ops only: ``kernel_choice``
+        has nothing to pick here)."""
+        c.validate()
+        Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
+        p = pad_canonical(c, Hp, Ip, scale_fill=PAD_FILL)
+        out: KernelTensors = {"w13_weight": pack_weight(p.w13), "w13_weight_scale": pack_scale(p.w13_scale)}
+        if p.w13_bias is not None:
+            out["w13_bias"] = p.w13_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
+        out.update({"w2_weight": pack_weight(p.w2), "w2_weight_scale": pack_scale(p.w2_scale)})
+        if p.w2_bias is not None:
+            out["w2_bias"] = p.w2_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
+        return out
+
+    def from_kernel(
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: EmptyOptions
+    ) -> CanonicalExperts:
+        """Stored tensors -> canonical (unpadded) stack; biases come back as float32.
+
+        LayoutError for a missing/unexpected tensor, a wrong shape or dtype, tensors on different
+        devices, or padding that is not zero (tensor and first index named, in the unpacked
+        [E, rows, K/2 or K/32] view).
+        """
+        check_kernel_tensors(BACKEND_NAME, k, self.kernel_specs(sizes, activation, options))
+        padded = CanonicalExperts(
+            w13=unpack_weight(k["w13_weight"]), w13_scale=unpack_scale(k["w13_weight_scale"]),
+            w2=unpack_weight(k["w2_weight"]), w2_scale=unpack_scale(k["w2_weight_scale"]),
+            w13_bias=k.get("w13_bias"), w2_bias=k.get("w2_bias"), row_order=sizes.row_order,
+        )
+        return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size, scale_fill=PAD_FILL, check=True)
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, Any]:
+        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
+        self._checked(sizes, activation)
+        return {
+            "name": self.name,
+            "version": self.version,
+            "engine_compat": {"vllm": ">=0.33", "cpu": "x86-64 with AMX, vLLM CPU build"},
+            "activation": activation,
+            "vllm_moe_backend": VLLM_BACKEND,
+            "padding": {"hidden_align": ALIGN, "intermediate_align": ALIGN, "fill": PAD_FILL},
+            "w13_kernel_row_order": sizes.row_order,
+            "weight_packing": "convert_weight_packed (uint8): per 32-row block [K/2, 32] bytes, "
+                              "byte j = nibble j | nibble j+32 << 4 of the block's row-major (row, k) pairs",
+            "scale_packing": "convert_scale_packed: per 32-row block [K/32, 32] E8M0 bytes",
+            "bias_dtype": "float32",
+        }
+
+
+LAYOUT = CpuLayout()
