@@ -35,6 +35,7 @@ _REGISTRY: dict[str, Any] = {
     "aiter": "mxconv.layouts.aiter:LAYOUT",
     "triton": "mxconv.layouts.triton:LAYOUT",
     "deepgemm": "mxconv.layouts.deepgemm:LAYOUT",
+    "flashinfer-cutlass": "mxconv.layouts.flashinfer_cutlass:LAYOUT",
 }
 
 
