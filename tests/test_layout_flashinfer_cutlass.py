@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from support.fi_cutlass_reference import fp4_interleave_scalar_stack, make_stack, vllm_convert, vllm_params
+from support.fi_cutlass_reference import (
+    fp4_interleave_scalar_stack,
+    make_stack,
+    vllm_convert,
+    vllm_params,
+)
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.flashinfer_cutlass import LAYOUT, VLLM_BACKENDS
 from mxconv.layouts.flashinfer_cutlass_bytemap import (
-    sm90_scale_fold, sm90_scale_unfold, sm90_weight_deinterleave, sm90_weight_interleave,
+    sm90_scale_fold,
+    sm90_scale_unfold,
+    sm90_weight_deinterleave,
+    sm90_weight_interleave,
 )
 from mxconv.layouts.vllm_backends import vllm_padded_sizes
 

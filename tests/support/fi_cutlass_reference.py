@@ -12,7 +12,7 @@ flashinfer-cutlass layout tests (CPU and GPU).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -32,10 +32,20 @@ from typing import TYPE_CHECKING, Any
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import EmptyOptions, LayoutBase
 from mxconv.layouts.canonical import (
-    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, in_kernel_order, round_up,
+    ROW_ORDERS,
+    CanonicalExperts,
+    KernelTensors,
+    LayoutSizes,
+    TensorSpec,
+    bias_specs,
+    in_kernel_order,
+    round_up,
 )
 from mxconv.layouts.flashinfer_cutlass_bytemap import (
-    sm90_scale_fold, sm90_scale_unfold, sm90_weight_deinterleave, sm90_weight_interleave,
+    sm90_scale_fold,
+    sm90_scale_unfold,
+    sm90_weight_deinterleave,
+    sm90_weight_interleave,
 )
 from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.layouts.trtllm_bytemap import swizzle_128x4, unswizzle_128x4
