@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "mxconv"
 BACKEND_PACKAGES = ("layouts", "engines", "kernels")  # where a backend's name may be spelled
-BACKEND_NAMES = {"trtllm", "marlin", "aiter", "triton", "deepgemm", "cutlass"}
+# "cpu" is a backend too, but also the device name every layer passes around: not checked.
+BACKEND_NAMES = {"trtllm", "marlin", "aiter", "triton", "deepgemm", "cutlass", "humming", "flashinfer-cutlass"}
 ENVIRONMENT_MODULE = "mxconv.environment"
 MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_TOP_LEVEL_MODULES = 400, 80, 12
 
@@ -126,6 +127,19 @@ def test_backend_names_only_where_backends_live() -> None:
             if isinstance(node, ast.Constant) and node.value in BACKEND_NAMES:
                 spelled.append(f"{name}:{node.lineno} {node.value!r}")
     assert not spelled, spelled
+
+
+def test_every_registered_backend_is_in_the_independence_contract() -> None:
+    """A new backend module joins "Backends do not import each other" (pyproject.toml) with its registry line."""
+    import tomllib
+
+    from mxconv.layouts import _REGISTRY
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (independent,) = [c["modules"] for c in contracts if c["name"] == "Backends do not import each other"]
+    registered = {str(target).split(":")[0] for target in _REGISTRY.values()}
+    assert registered == set(independent), registered ^ set(independent)
+    assert set(BACKEND_NAMES) | {"cpu"} == set(_REGISTRY), set(_REGISTRY) ^ (set(BACKEND_NAMES) | {"cpu"})
 
 
 @pytest.mark.parametrize("bad", ["cycle", "upward"])

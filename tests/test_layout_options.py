@@ -19,10 +19,13 @@ GIVEN = {
     "trtllm": ({"intermediate_align": "256"}, {"intermediate_align": 256}),
     "marlin": ({"marlin_scale_layout": "legacy"}, {"marlin_scale_layout": "legacy"}),
     "aiter": ({"check_undefined_scale_padding": "false"}, {"check_undefined_scale_padding": False}),
-    "triton": ({"pad_hidden": "yes", "num_warps": "4"},
-               {"triton_layout": "3.5", "num_warps": 4, "scale_k_align": 4, "pad_hidden": True}),
+    "triton": ({"pad_hidden": "yes", "num_warps": "4", "arch": "gfx950"},
+               {"triton_layout": "3.5", "num_warps": 4, "scale_k_align": 4, "pad_hidden": True, "arch": "gfx950"}),
     "deepgemm": ({}, {}),
     "cutlass": ({}, {}),
+    "humming": ({}, {}),
+    "cpu": ({}, {}),
+    "flashinfer-cutlass": ({}, {}),
 }
 
 

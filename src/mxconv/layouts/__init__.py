@@ -38,6 +38,7 @@ _REGISTRY: dict[str, Any] = {
     "cutlass": "mxconv.layouts.cutlass:LAYOUT",
     "humming": "mxconv.layouts.humming:LAYOUT",
     "cpu": "mxconv.layouts.cpu:LAYOUT",
+    "flashinfer-cutlass": "mxconv.layouts.flashinfer_cutlass:LAYOUT",
 }
 
 
