@@ -73,8 +73,8 @@ def test_every_vllm_mxfp4_backend_is_held_or_has_a_reason() -> None:
 
 def test_a_backend_registered_later_is_joined_by_its_vllm_backends() -> None:
     before = pick_row(VLLM, K.MXFP4, G.SM90, MODEL)
-    assert before["backend"] == "HUMMING" and before["held_by"] == []
-    assert before["note"].startswith("no mxconv output holds HUMMING bytes yet")
+    assert before["backend"] == "HUMMING"
+    assert [h["output"] for h in before["held_by"]] == ["repack --backend humming --activation bf16"]
 
     class HummingToy(ToyLayout):
         name = "humtoy"
@@ -85,8 +85,16 @@ def test_a_backend_registered_later_is_joined_by_its_vllm_backends() -> None:
         after = pick_row(VLLM, K.MXFP4, G.SM90, MODEL)
     finally:
         unregister_layout("humtoy")
-    assert [h["output"] for h in after["held_by"]] == ["repack --backend humtoy --activation bf16"]
-    assert after["held_by"][0]["padded"] == [2880, 2880] and after["held_by"][0]["refusal"] is None and "note" not in after
+    assert [h["output"] for h in after["held_by"]] == [h["output"] for h in before["held_by"]] + [
+        "repack --backend humtoy --activation bf16"]
+    assert after["held_by"][-1]["padded"] == [2880, 2880] and after["held_by"][-1]["refusal"] is None and "note" not in after
+
+
+def test_a_pick_no_output_holds_says_so() -> None:
+    """Compressed-tensors INT4 on SM90 goes to HUMMING's WNA16 path, which no mxconv output holds yet."""
+    row = pick_row(VLLM, K.CT_INT4, G.SM90, MODEL)
+    assert row["backend"] == "HUMMING" and row["held_by"] == []
+    assert row["note"].startswith("no mxconv output records holding vllm-0.33's HUMMING bytes")
 
 
 def test_padding_is_vllm_padded_sizes_and_compressed_tensors_pads_nothing() -> None:
