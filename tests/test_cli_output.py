@@ -122,7 +122,7 @@ def test_usage_names_arguments_plainly(cmd: str, args: str) -> None:
 @pytest.mark.parametrize("args, line", [
     (("repack", "s", "o", "--backend", "tpu"),
      "Error: Invalid value for '--backend': 'tpu' is not one of " + ", ".join(f"'{b}'" for b in backend_names()) + "."),
-    (("quantize", "s", "o", "--format", "fp3"), "Error: Invalid value for '--format': 'fp3' is not one of 'mxfp4', 'mxfp8'."),
+    (("quantize", "s", "o", "--format", "fp3"), "Error: Invalid value for '--format': 'fp3' is not one of 'mxfp4', 'mxfp8', 'fp8-block'."),
     (("quantize", "s", "o", "--scale-rounding", "up"),
      "Error: Invalid value for '--scale-rounding': 'up' is not one of 'auto', 'rceil', 'floor', 'even'."),
     (("verify", "p", "--tokens", "many"),
