@@ -304,19 +304,21 @@ def inspect_engine(source: str, engine: str, gpus: tuple[str, ...] | None, revis
     """``mxconv inspect SRC --engine E [--gpu G]``: :func:`inspect_path`'s document plus ``engine``: per
     GPU (all of engine_picks.Gpu when ``gpus`` is None), what the engine picks for each form of the
     checkpoint, which mxconv outputs hold those bytes and the padding each implies."""
-    from mxconv.layouts.engine_picks import Gpu
+    from mxconv.layouts.engine_picks import ENGINES, Gpu
     from mxconv.layouts.engine_report import engine_report
 
+    if engine not in ENGINES:  # the options first: a hub source is not fetched for a typo
+        raise BadInput(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    try:
+        chosen = tuple(Gpu(g) for g in gpus) if gpus else tuple(Gpu)
+    except ValueError:
+        raise BadInput(f"unknown --gpu {', '.join(gpus or ())}; choose from {', '.join(g.value for g in Gpu)}") from None
     doc = inspect_path(source, revision)
     if "ranks" in doc:  # a TP output (or one rank of it): rank 0 read with the root manifest
         root = Path(doc.get("output") or doc["path"])
         ckpt = _open_rank(root, 0, load_manifest(root))
     else:
         ckpt = open_checkpoint(doc["path"])
-    try:
-        chosen = tuple(Gpu(g) for g in gpus) if gpus else tuple(Gpu)
-    except ValueError:
-        raise BadInput(f"unknown --gpu {', '.join(gpus or ())}; choose from {', '.join(g.value for g in Gpu)}") from None
     forms, served = engine_forms(ckpt, doc.get("family"))
     model = dict(doc.get("model") or {})
     lay = ((ckpt.manifest or {}).get("layout") or {})

@@ -38,6 +38,7 @@ from mxconv.layouts.canonical import (
     LayoutSizes,
     TensorSpec,
     bias_specs,
+    check_kernel_tensors,
     in_kernel_order,
     round_up,
 )
@@ -118,8 +119,8 @@ class FlashinferCutlassLayout(LayoutBase):
             return (f"FlashInfer's CUTLASS MXFP4 MoE for activation {activation} needs an {arch.upper()} GPU "
                     f"(this one is sm{major}{minor})")
         return ("FlashInfer's CUTLASS fused MoE is a JIT build from the flashinfer wheel's sources; mxconv does not "
-                "build or drive it (scripts/fi_cutlass_kernel_pack.sh and tests/test_flashinfer_cutlass_gpu.py do, "
-                "outside verify)")
+                "build or drive it (scripts/fi_cutlass_kernel_pack.py and scripts/fi_cutlass_kernel_run.sh build it and run "
+                "tests/test_flashinfer_cutlass_gpu.py on an output, outside verify)")
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
@@ -178,8 +179,9 @@ class FlashinferCutlassLayout(LayoutBase):
         else:
             out = {"w13_weight": w13, "w13_weight_scale": _swizzled(s13),
                    "w2_weight": p.w2.contiguous(), "w2_weight_scale": _swizzled(p.w2_scale)}
-        if p.w13_bias is not None and p.w2_bias is not None:
+        if p.w13_bias is not None:
             out["w13_bias"] = to_w31(p.w13_bias.to(torch_dtype(BIAS_DTYPE)), p.row_order)
+        if p.w2_bias is not None:
             out["w2_bias"] = p.w2_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
         return in_kernel_order(out)
 
@@ -188,17 +190,7 @@ class FlashinferCutlassLayout(LayoutBase):
     ) -> CanonicalExperts:
         """Stored tensors -> canonical (unpadded) stack; biases come back as bfloat16. LayoutError for
         a missing/unexpected tensor, a wrong shape or dtype, mixed devices, or non-zero padding."""
-        specs = self.kernel_specs(sizes, activation, options)
-        missing = [n for n in specs if n not in k]
-        unexpected = [n for n in k if n not in specs]
-        if missing or unexpected:
-            raise LayoutError(f"{BACKEND_NAME} kernel tensors: missing {missing}, unexpected {unexpected}")
-        for n, spec in specs.items():
-            if tuple(k[n].shape) != spec.shape or k[n].dtype != spec.dtype:
-                raise LayoutError(f"{BACKEND_NAME} kernel tensor {n} is {tuple(k[n].shape)} {k[n].dtype}, "
-                                  f"expected {spec.shape} {spec.dtype}")
-        if len({str(t.device) for t in k.values()}) > 1:
-            raise LayoutError(f"{BACKEND_NAME} kernel tensors are on different devices")
+        check_kernel_tensors(BACKEND_NAME, k, self.kernel_specs(sizes, activation, options))
         if activation == "bf16":
             w13, s13 = sm90_weight_deinterleave(k["w13_weight"]), sm90_scale_unfold(k["w13_weight_scale"])
             w2, s2 = sm90_weight_deinterleave(k["w2_weight"]), sm90_scale_unfold(k["w2_weight_scale"])

@@ -10,7 +10,8 @@ large buffers):
 * every other listed tensor is read and hashed by the pool itself (:meth:`TensorHashes.start_rest`),
   while the main thread checks layers;
 * :meth:`TensorHashes.settle` waits for the bytes fed so far, so the host memory held for hashing
-  stays at about one layer's tensors.
+  stays at about one layer's tensors. Fed bytes have a pool of their own: queued behind the other
+  tensors' reads, they would make ``settle`` wait for all of those.
 
 :meth:`TensorHashes.problems` gives the mismatches by layer, like the other integrity checks.
 """
@@ -46,7 +47,7 @@ def sha256_of_tensor(t: "torch.Tensor") -> str:
     that ``read_tensor`` returned)."""
     import torch
 
-    flat = t.contiguous().view(torch.uint8).reshape(-1)
+    flat = t.contiguous().reshape(-1).view(torch.uint8)
     return hashlib.sha256(memoryview(flat.numpy())).hexdigest()
 
 
@@ -70,8 +71,9 @@ class TensorHashes:
         self._by_tensor = {(id(e.ckpt), e.name): e.key for e in expected}
         self._jobs: dict[str, Future[str]] = {}
         self._fed: list[Future[str]] = []
-        self._pool = ThreadPoolExecutor(max_workers=threads or min(MAX_HASH_THREADS, os.cpu_count() or 1),
-                                        thread_name_prefix="mxconv-sha256")
+        workers = threads or min(MAX_HASH_THREADS, os.cpu_count() or 1)
+        self._fed_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mxconv-sha256-fed")
+        self._read_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mxconv-sha256-read")
 
     def __enter__(self) -> TensorHashes:
         return self
@@ -86,7 +88,7 @@ class TensorHashes:
         key = self._by_tensor.get((id(ckpt), name))
         if key is None or key in self._jobs:
             return
-        job = self._pool.submit(sha256_of_tensor, t)
+        job = self._fed_pool.submit(sha256_of_tensor, t)
         self._jobs[key] = job
         self._fed.append(job)
 
@@ -101,7 +103,7 @@ class TensorHashes:
         will feed) and not hashed yet."""
         for key, e in self._expected.items():
             if key not in skip and key not in self._jobs:
-                self._jobs[key] = self._pool.submit(sha256_of, e.ckpt, e.name)
+                self._jobs[key] = self._read_pool.submit(sha256_of, e.ckpt, e.name)
 
     def problems(self) -> dict[int | None, list[str]]:
         """Mismatches by layer (None = not in a layer), after hashing whatever was neither fed nor
@@ -119,4 +121,5 @@ class TensorHashes:
         return found
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._fed_pool, self._read_pool):
+            pool.shutdown(wait=True, cancel_futures=True)
