@@ -127,6 +127,7 @@ def test_repack_and_verify_a_kimi_source(kimi: GroundTruth, tmp_path: Path, tp: 
     assert (m["backend"], m["weight_format"], lay["variant"], lay["int4_codes"], lay["options"]) == (
         "humming", "int4", "int4", "e0m3", {"int4_codes": "e0m3"})
     assert lay["layer_configs"]["w13"]["b_dtype"] == "float4e0m3"
+    assert m["served_vllm_backends"] == ["HUMMING"]
     code, stdout, err = mx("verify", out, "--reference", kimi.path, "--json")
     assert code == 0, stdout + err
     assert json.loads(stdout)["passed"]
