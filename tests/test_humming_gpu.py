@@ -220,6 +220,8 @@ def test_int4_kernel_verify_passes_and_a_planted_swap_fails(tmp_path, tp: str) -
     assert code == 0, text
     code, text = mx("verify", out, "--kernel", "--reference", src)
     assert code == 0, text
+    if tp != "1":
+        return  # a TP-2 output keeps its tensors under rank folders; the planted swap runs on the TP-1 one
     # swapped experts in w13's words (manifest sha fixed): only the kernel comparison can catch it
     index = json.loads((out / "model.safetensors.index.json").read_text())
     name = next(n for n in index["weight_map"] if n.endswith("experts.w13_weight"))
