@@ -80,11 +80,11 @@ def _vllm_layer(c: CanonicalExperts, Ip: int) -> dict[str, dict[str, torch.Tenso
     return {"w13": w13, "w2": w2}
 
 
-def _humming_transform(tensors: dict[str, torch.Tensor], w: str, n: int, k: int, E: int, quant_method: str, bias: bool):
+def _humming_transform(tensors: dict[str, torch.Tensor], w: str, n: int, k: int, E: int, quant_method, bias: bool):
     from humming.schema import BaseWeightSchema, HummingInputSchema
     from humming.transform import prepare_and_transform_humming_tensors
 
-    schema = BaseWeightSchema.from_config({"quant_method": quant_method})
+    schema = BaseWeightSchema.from_config(quant_method if isinstance(quant_method, dict) else {"quant_method": quant_method})
     gated = [n // 2, n // 2] if w == "w13" else [n]
     wschema, conv = schema.convert_humming(tensors={k_: v.cuda() for k_, v in tensors.items()}, shape_n_stacks=gated,
                                            shape_k_stacks=[k], param_dtype=torch.bfloat16, num_experts=E)  # fmt: skip
@@ -164,3 +164,67 @@ def test_planted_bugs_exceed_the_bound(humming_cases: dict[str, Case], family: s
     _humming()
     case = humming_cases[family]
     run_planted_bugs(case, resolve_layer(case.outputs["humming"], 0), f"{family}/humming")
+
+
+# --- compressed-tensors INT4 (vLLM WNA16 -> HUMMING): layouts/humming_int4.py -------------------
+
+CT_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "type": "int", "num_bits": 4,
+           "strategy": "group", "group_size": 32, "symmetric": True}  # _humming_wna16_weight_schema's dict
+
+
+@pytest.mark.parametrize("codes,low,H,I", [("uint4", -8, 192, 96), ("e0m3", -7, 160, 224), ("uint4", -8, 1440, 352)])
+def test_int4_bytes_equal_hummings_own_transform(codes: str, low: int, H: int, I: int) -> None:
+    """The CT WNA16 layer as vLLM holds it (weight_packed int32 [E, N, K/8], bf16 scales, no padding)
+    through humming's compressed-tensors schema (convert_symmetric_integer_weight included)."""
+    _humming()
+    from humming.config import LayerConfig
+
+    from mxconv.mx.int4 import pack_int4
+
+    g = torch.Generator().manual_seed(H + I)
+    q = lambda *s: torch.randint(low, 8, s, generator=g)
+    sc = lambda *s: (torch.rand(s, generator=g) + 0.25).to(torch.bfloat16)
+    E = 4
+    c = CanonicalExperts(pack_int4(q(E, 2 * I, H)), sc(E, 2 * I, H // 32), pack_int4(q(E, H, I)), sc(E, H, I // 32),
+                         row_order="halves", weight_format="int4")  # fmt: skip
+    layout = get_layout("humming")
+    opts = layout.resolve_options({"int4_codes": codes})
+    cpu = layout.to_kernel(c, "bf16", opts)
+    gpu = layout.to_kernel(c.to("cuda"), "bf16", opts)
+    configs = layout.describe(c.sizes(H, I), "bf16", opts)["layer_configs"]
+    for w, n, k in (("w13", 2 * I, H), ("w2", H, I)):
+        vllm = {"weight_packed": getattr(c, w).view(torch.int32), "weight_scale": getattr(c, f"{w}_scale"),
+                "weight_shape": torch.tensor([[n, k]] * E, dtype=torch.int64)}  # fmt: skip
+        config, theirs = _humming_transform(vllm, w, n, k, E, CT_INT4, False)
+        assert config == LayerConfig(**configs[w]), (config, configs[w])
+        assert sorted(theirs) == ["weight", "weight_scale"]
+        for name, t in theirs.items():
+            ours = cpu[f"{w}_{name}"]
+            assert tuple(t.shape) == tuple(ours.shape) and t.dtype == ours.dtype, (w, name, t.shape, t.dtype, ours.shape)
+            assert torch.equal(_bytes(t), _bytes(ours)), f"{w}_{name}: bytes differ from humming's transform"
+            assert torch.equal(_bytes(gpu[f"{w}_{name}"]), _bytes(ours)), f"{w}_{name}: CUDA path differs"
+
+
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_int4_kernel_verify_passes_and_a_planted_swap_fails(tmp_path, tp: str) -> None:
+    _humming()
+    import json
+
+    from support.tamper import patch_tensor
+
+    src = tmp_path / "kimi"
+    make_checkpoint(src, "kimi-k2-int4")
+    out = tmp_path / "hum"
+    code, text = mx("repack", src, out, "--backend", "humming", "--tp", tp, "--layout-option", "int4_codes=e0m3",
+                    "--quiet", "--device", "cpu")  # fmt: skip
+    assert code == 0, text
+    code, text = mx("verify", out, "--kernel", "--reference", src)
+    assert code == 0, text
+    if tp != "1":
+        return  # a TP-2 output keeps its tensors under rank folders; the planted swap runs on the TP-1 one
+    # swapped experts in w13's words (manifest sha fixed): only the kernel comparison can catch it
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    name = next(n for n in index["weight_map"] if n.endswith("experts.w13_weight"))
+    patch_tensor(out, name, lambda t: t[[1, 0, *range(2, t.shape[0])]].contiguous(), fix_manifest=True)
+    code, text = mx("verify", out, "--kernel", "--reference", src)
+    assert code != 0, text

@@ -133,8 +133,9 @@ def _check_tensors(tensors: dict[str, torch.Tensor], cfgs: dict[str, dict[str, A
     for w in ("w13", "w2"):
         cfg = cfgs[w]
         E, n, kk = int(cfg["num_experts"]), int(cfg["shape_n"]), int(cfg["shape_k"])
+        scale_dtype = torch.bfloat16 if cfg.get("bs_dtype") == "bfloat16" else torch.float8_e8m0fnu  # INT4: bf16
         want = {f"{w}_weight": ((E, kk // 16, 2 * n), torch.int32),
-                f"{w}_weight_scale": ((E, kk // 32, n), torch.float8_e8m0fnu)}  # fmt: skip
+                f"{w}_weight_scale": ((E, kk // 32, n), scale_dtype)}  # fmt: skip
         if cfg.get("has_bias"):
             want[f"{w}_bias"] = ((E, n), torch.bfloat16)
         for key, (shape, dtype) in want.items():
@@ -180,9 +181,11 @@ class HummingRunner:
         name = str(common.get("name", "experts"))
         E, H = int(common["num_experts"]), int(common["hidden_size"])
         row_order = str(layout_fields["w13_kernel_row_order"])
-        sizes = LayoutSizes(E, H, rank_intermediate_size, H, round_up(rank_intermediate_size, INTERMEDIATE_ALIGN),
-                            row_order, "w13_bias" in tensors)  # fmt: skip
-        cfgs = layer_configs(sizes)  # this rank's (TP ranks may differ in I)
+        int4 = layout_fields.get("variant") == "int4"  # compressed-tensors INT4: nothing padded by vLLM
+        ip = rank_intermediate_size if int4 else round_up(rank_intermediate_size, INTERMEDIATE_ALIGN)
+        sizes = LayoutSizes(E, H, rank_intermediate_size, H, ip, row_order, "w13_bias" in tensors,
+                            "int4" if int4 else "mxfp4")  # fmt: skip
+        cfgs = layer_configs(sizes, str(layout_fields.get("int4_codes", "uint4")))  # this rank's (TP ranks may differ in I)
         configs = {w: LayerConfig(**cfgs[w]) for w in ("w13", "w2")}
         tuning = {w: json.dumps(get_heuristics_config(layer_config=c, gemm_type=GEMM_TYPE, device=device))
                   for w, c in configs.items()}  # fmt: skip

@@ -56,6 +56,9 @@ CANONICAL_LAYOUT = {
     SourceKind.GPT_OSS_MXFP4: "canonical-gpt-oss", SourceKind.MXFP4: None, SourceKind.CT_MXFP4: "canonical-compressed-tensors",
     SourceKind.CT_MXFP8: "canonical-compressed-tensors", SourceKind.CT_INT4: None, SourceKind.MXCONV_MXFP8: "canonical-gpt-oss",
 }
+# The layout attribute naming the vLLM backends of each oracle that hold a layout's bytes, and the
+# canonical weight format those bytes come from (engine_report joins through these; other oracles: none).
+HOLDER_ATTRIBUTE = {MXFP4_ORACLE: ("vllm_backends", "mxfp4"), WNA16_ORACLE: ("vllm_int4_backends", "int4")}
 ORACLE = {SourceKind.GPT_OSS_MXFP4: MXFP4_ORACLE, SourceKind.MXFP4: MXFP4_ORACLE, SourceKind.CT_MXFP4: MXFP4_ORACLE,
           SourceKind.CT_MXFP8: FP8_ORACLE, SourceKind.CT_INT4: WNA16_ORACLE, SourceKind.MXCONV_MXFP8: MXFP4_ORACLE}
 

@@ -14,7 +14,8 @@ from mxconv.errors import BadInput, LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import LayoutSizes
 from mxconv.layouts.engine_picks import (
-    CANONICAL_LAYOUT, ENGINES, MXFP4_BACKENDS, MXFP4_ORACLE, ORACLE, VLLM, Gpu, Pick, SourceKind, picks,
+    CANONICAL_LAYOUT, ENGINES, HOLDER_ATTRIBUTE, MXFP4_BACKENDS, MXFP4_ORACLE, ORACLE, VLLM, WNA16_ORACLE, Gpu, Pick,
+    SourceKind, picks,
 )
 from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, vllm_padded_sizes, vllm_refusal
 
@@ -40,22 +41,28 @@ def source_kind(quant: dict[str, Any] | None, model_type: str | None) -> SourceK
     return None
 
 
-def holders(backend: str) -> list[dict[str, Any]]:
-    """The mxconv outputs whose bytes ``backend`` (a vLLM Mxfp4MoeBackend name) holds as is: every
-    registered layout/activation whose ``vllm_backends`` names it, then the canonical outputs."""
+def holders(backend: str, attribute: str = "vllm_backends") -> list[dict[str, Any]]:
+    """The mxconv outputs whose bytes ``backend`` (a vLLM backend name of the oracle whose layout
+    ``attribute`` is given, HOLDER_ATTRIBUTE) holds as is: every registered layout/activation whose
+    ``attribute`` names it, then the canonical outputs (MXFP4 oracle only)."""
     out: list[dict[str, Any]] = []
     for name in backend_names():
-        for act, names in getattr(get_layout(name), "vllm_backends", {}).items():
+        for act, names in getattr(get_layout(name), attribute, {}).items():
             if backend in names:
                 out.append({"output": f"repack --backend {name} --activation {act}", "backend": name, "activation": act})
-    out += [{"output": f"canonical ({lay})", "layout": lay} for lay, names in CANONICAL_VLLM_BACKENDS.items() if backend in names]
+    if attribute == "vllm_backends":
+        out += [{"output": f"canonical ({lay})", "layout": lay} for lay, names in CANONICAL_VLLM_BACKENDS.items() if backend in names]
     return out
 
 
 def engine_padding(pick: Pick, hidden: int, intermediate: int, activation: str) -> tuple[int, int] | None:
     """(H, I) per rank vLLM allocates for ``pick``; None where vllm_padded_sizes does not say (other
     oracles, other engines, unknown backends)."""
-    if pick.engine != VLLM or pick.backend is None or ORACLE[pick.source] != MXFP4_ORACLE:
+    if pick.engine != VLLM or pick.backend is None:
+        return None
+    if ORACLE[pick.source] == WNA16_ORACLE and pick.backend == "HUMMING":  # CompressedTensorsWNA16MoEMethod pads nothing
+        return hidden, intermediate
+    if ORACLE[pick.source] != MXFP4_ORACLE:
         return None
     if CANONICAL_LAYOUT[pick.source] in UNPADDED_LAYOUTS:  # CompressedTensorsW4A4Mxfp4MoEMethod pads nothing
         return hidden, intermediate
@@ -65,15 +72,17 @@ def engine_padding(pick: Pick, hidden: int, intermediate: int, activation: str) 
 def _check_holder(h: dict[str, Any], pick: Pick, model: dict[str, Any]) -> dict[str, Any]:
     """``h`` with the sizes its output is padded to and why vLLM would not hold it as is (None: it does)."""
     H, I, act = int(model["hidden_size"]), int(model["intermediate_size"]), str(model.get("activation", "silu"))
-    padded_by_engine = CANONICAL_LAYOUT[pick.source] not in UNPADDED_LAYOUTS
+    wfmt = HOLDER_ATTRIBUTE[ORACLE[pick.source]][1]
+    padded_by_engine = CANONICAL_LAYOUT[pick.source] not in UNPADDED_LAYOUTS and wfmt == "mxfp4"
+    fmt_kw: dict[str, Any] = {} if wfmt == "mxfp4" else {"weight_format": wfmt}
     if "layout" in h:  # a canonical output: its tensors are the checkpoint's
         return {**h, "padded": [H, I], "refusal": vllm_refusal(str(pick.backend), (H, I, H, I), model, None, False)}
     layout = get_layout(h["backend"])
     try:
         opts = layout.resolve_options()
-        Hp, Ip = layout.padded_sizes(H, I, str(model.get("row_order", "halves")), h["activation"], opts)
+        Hp, Ip = layout.padded_sizes(H, I, str(model.get("row_order", "halves")), h["activation"], opts, **fmt_kw)
         sizes = LayoutSizes(int(model.get("num_experts", 1)), H, I, Hp, Ip, str(model.get("row_order", "halves")),
-                            bool(model.get("has_expert_bias")), "mxfp4")
+                            bool(model.get("has_expert_bias")), wfmt)
         compat = layout.describe(sizes, h["activation"], opts).get("engine_compat", {}).get("vllm")
     except LayoutError as exc:
         return {**h, "padded": None, "refusal": f"repack refuses these sizes: {exc}"}
@@ -98,11 +107,12 @@ def pick_row(engine: str, kind: SourceKind, gpu: Gpu, model: dict[str, Any]) -> 
     H, I = int(model["hidden_size"]), int(model["intermediate_size"])
     padded = engine_padding(p, H, I, str(model.get("activation", "silu")))
     row["engine_padding"] = list(padded) if padded else None
-    if p.engine != VLLM or ORACLE[kind] != MXFP4_ORACLE:
+    if p.engine != VLLM or ORACLE[kind] not in HOLDER_ATTRIBUTE:
         row["held_by"] = []
-        row["note"] = f"no mxconv output records holding {p.engine}'s {p.backend} bytes (layouts name vLLM Mxfp4MoeBackend names)"
+        row["note"] = (f"no mxconv output records holding {p.engine}'s {p.backend} bytes (layouts name vLLM "
+                       "Mxfp4MoeBackend and, for INT4, WNA16MoEBackend names)")  # fmt: skip
         return row
-    row["held_by"] = [_check_holder(h, p, model) for h in holders(p.backend)]
+    row["held_by"] = [_check_holder(h, p, model) for h in holders(p.backend, HOLDER_ATTRIBUTE[ORACLE[kind]][0])]
     if not row["held_by"]:
         row["note"] = f"no mxconv output holds {p.backend} bytes yet" + (
             f": {MXFP4_BACKENDS[p.backend]}" if MXFP4_BACKENDS.get(p.backend) else "")

@@ -22,6 +22,9 @@ What vLLM holds after ``convert_to_humming_moe_kernel_format`` (``quantization/u
 | w2_weight_scale  | [E, K2/32, N2]         | float8_e8m0fnu |
 | w2_bias          | [E, N2]                | bfloat16 |
 
+Compressed-tensors INT4 experts (``weight_format`` "int4"): :mod:`mxconv.layouts.humming_int4` (no
+vLLM padding, codes as humming's ``convert_symmetric_integer_weight`` leaves them, bf16 scales).
+
 The layer configs humming's forward needs (``humming.config.LayerConfig`` fields, SM90) are
 recorded in the manifest (``describe()["layer_configs"]``); the runner refuses another SM.
 
@@ -33,7 +36,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.base import LayoutBase, LayoutOptions
+from mxconv.layouts import humming_int4
+from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
 from mxconv.layouts.canonical import (
     ROW_ORDERS,
     CanonicalExperts,
@@ -89,11 +93,15 @@ def gemm_shapes(hidden: int, padded_intermediate: int) -> dict[str, tuple[int, i
     }
 
 
-def layer_configs(sizes: LayoutSizes) -> dict[str, dict[str, Any]]:
+def layer_configs(sizes: LayoutSizes, int4_codes: str = "uint4") -> dict[str, dict[str, Any]]:
     """humming ``LayerConfig`` keyword arguments per GEMM, as vLLM 0.33 builds them on SM90 with bf16
-    activations and no input quantization (``transform.prepare_layer_config``)."""
+    activations and no input quantization (``transform.prepare_layer_config``); INT4 experts with
+    ``int4_codes`` ("uint4" or "e0m3") as their weight type and bf16 group scales."""
+    int4 = sizes.weight_format == humming_int4.WEIGHT_FORMAT
+    shapes = (humming_int4.gemm_shapes(sizes.hidden_size, sizes.intermediate_size) if int4
+              else gemm_shapes(sizes.hidden_size, sizes.padded_intermediate_size))  # fmt: skip
     out = {}
-    for w, (n, k, n_pad, k_pad) in gemm_shapes(sizes.hidden_size, sizes.padded_intermediate_size).items():
+    for w, (n, k, n_pad, k_pad) in shapes.items():
         out[w] = {
             "sm_version": SM_VERSION, "shape_n": n_pad, "shape_k": k_pad, "pad_shape_n": n_pad - n,
             "pad_shape_k": k_pad - k, "num_experts": sizes.num_experts, "a_dtype": "bfloat16",
@@ -102,6 +110,8 @@ def layer_configs(sizes: LayoutSizes) -> dict[str, dict[str, Any]]:
             "weight_scale_group_size_n": 0, "weight_scale_type": "group", "weight_scale_2_type": "none",
             "has_zero_point": False, "is_fp_zero_point": False, "has_bias": sizes.has_bias,
         }  # fmt: skip
+        if int4:
+            out[w].update(humming_int4.layer_config_fields(int4_codes))
     return out
 
 
@@ -112,15 +122,30 @@ class HummingLayout(LayoutBase):
     version = LAYOUT_VERSION
     activations: tuple[str, ...] = ("bf16",)
     vllm_backends = {"bf16": ("HUMMING",)}
+    # compressed-tensors INT4 (vLLM WNA16MoEBackend) on SM90 goes to HUMMING too: humming_int4
+    vllm_int4_backends = {"bf16": ("HUMMING",)}
+    weight_formats = ("mxfp4", humming_int4.WEIGHT_FORMAT)
+    options = (
+        LayoutOption(
+            "int4_codes", str, "uint4",
+            "INT4 experts only: the codes humming keeps for every GEMM (uint4: offset-binary, what it keeps "
+            "when a GEMM holds q = -8; e0m3: sign-magnitude float4e0m3, what it makes of one that does not); "
+            "repack refuses a GEMM for which humming would pick the other",
+            choices=humming_int4.CODES,
+        ),
+    )
     engine_runner = "mxconv.engines.humming_moe:RUNNER"
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: LayoutOptions | None = None,
+        options: LayoutOptions | None = None, *, weight_format: str = "mxfp4",
     ) -> tuple[int, int]:
         """(Hp, Ip) = (H, roundup(I, 64)): the layer vLLM allocates for HUMMING (humming's own
-        GEMM padding is inside the kernel tensors). LayoutError unless H, I are multiples of 32."""
+        GEMM padding is inside the kernel tensors). LayoutError unless H, I are multiples of 32.
+        ``weight_format="int4"``: (H, I), nothing padded (humming_int4)."""
         self.check_activation(activation)
+        if weight_format == humming_int4.WEIGHT_FORMAT:
+            return humming_int4.padded_sizes(hidden_size, intermediate_size, row_order)
         if row_order not in ROW_ORDERS:
             raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
@@ -139,6 +164,8 @@ class HummingLayout(LayoutBase):
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the stored tensors (module table)."""
         self.check_activation(activation)
+        if sizes.weight_format == humming_int4.WEIGHT_FORMAT:
+            return humming_int4.kernel_specs(sizes)
         E, specs = sizes.num_experts, {}
         for w, (_n, _k, n_pad, k_pad) in self._shapes(sizes).items():
             specs[f"{w}_weight"] = TensorSpec((E, k_pad // 16, 2 * n_pad), "I32")
@@ -152,9 +179,12 @@ class HummingLayout(LayoutBase):
         """Canonical stack -> stored tensors on ``c``'s device (module table); torch ops only."""
         import torch
 
+        self.check_activation(activation)
+        if c.weight_format == humming_int4.WEIGHT_FORMAT:
+            return humming_int4.to_kernel(c, self.options_of(options).int4_codes)
         c.validate()
         if c.weight_format != "mxfp4":
-            raise LayoutError(f"humming takes mxfp4 experts here, got {c.weight_format}")
+            raise LayoutError(f"humming takes mxfp4 or int4 experts, got {c.weight_format}")
         H, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
         shapes = gemm_shapes(H, Ip)
         tabs = {"w13": pad_row_source(2 * c.intermediate_size, 2 * Ip, c.row_order).to(c.device),
@@ -181,6 +211,8 @@ class HummingLayout(LayoutBase):
 
         specs = self.kernel_specs(sizes, activation, options)
         _check_tensors(k, specs)
+        if sizes.weight_format == humming_int4.WEIGHT_FORMAT:
+            return humming_int4.from_kernel(k, sizes, self.options_of(options).int4_codes)
         H, Ip = sizes.hidden_size, sizes.padded_intermediate_size
         parts: dict[str, Any] = {}
         for w, (n, kk, _n_pad, _k_pad) in self._shapes(sizes).items():
@@ -200,6 +232,8 @@ class HummingLayout(LayoutBase):
     def describe(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, Any]:
         """Manifest ``layout`` fields: versions, device, padding, row order and humming's layer configs."""
         self.check_activation(activation)
+        if sizes.weight_format == humming_int4.WEIGHT_FORMAT:
+            return self._describe_int4(sizes, activation, self.options_of(options).int4_codes)
         shapes = self._shapes(sizes)
         return {
             "name": self.name,
@@ -218,6 +252,32 @@ class HummingLayout(LayoutBase):
             "scale_dtype": "float8_e8m0fnu",
             "bias_dtype": "bfloat16",
             "layer_configs": layer_configs(sizes),
+        }  # fmt: skip
+
+    def _describe_int4(self, sizes: LayoutSizes, activation: str, codes: str) -> dict[str, Any]:
+        humming_int4.kernel_specs(sizes)
+        shapes = humming_int4.gemm_shapes(sizes.hidden_size, sizes.intermediate_size)
+        return {
+            "name": self.name,
+            "version": self.version,
+            "variant": "int4",
+            "engine_compat": {"vllm": "0.33", "humming_kernels": HUMMING_VERSION, "gpu": f"SM{SM_VERSION} (Hopper)"},
+            "activation": activation,
+            "vllm_moe_backend": "HUMMING",
+            "vllm_oracle": "WNA16MoEBackend",
+            "sm_version": SM_VERSION,
+            "intermediate_align": 1,
+            "gemm_padding": {"n_multiple": N_MULTIPLE, "k_multiple": K_MULTIPLE,
+                             "w13": list(shapes["w13"]), "w2": list(shapes["w2"])},
+            "w13_kernel_row_order": sizes.row_order,
+            "activation_type": ACTIVATION_TYPES[sizes.row_order],
+            "int4_codes": codes,
+            "weight_dtype": f"int32 words of eight {humming_int4.B_DTYPES[codes]} nibbles (humming weight_repack_nk, "
+                            "interleave_mode 3)",
+            "scale_dtype": "bfloat16",
+            "group_size": humming_int4.GROUP_SIZE,
+            "scale_fill": 0.0,
+            "layer_configs": layer_configs(sizes, codes),
         }  # fmt: skip
 
 

@@ -315,18 +315,19 @@ def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
         raise BadInput(f"manifest lacks what the quant config needs ({type(exc).__name__}: {exc})") from None
     pattern = _layer_pattern(prefix, layer)
     refs = (_kernel_refs(manifest, pattern) if kind == "kernel" else None) or _table_refs(manifest, layer, prefix, pattern)
-    candidates: tuple[str, ...] = ()  # MXFP4 backends only: an MXFP8 or INT4 output serves none of them
-    if kind == "kernel" and fmt == "mxfp4":
+    candidates: tuple[str, ...] = ()  # MXFP4 backends, and INT4 ones a layout names: MXFP8 outputs serve none
+    if kind == "kernel" and fmt in ("mxfp4", "int4"):
         from mxconv.layouts import get_layout
 
+        attr = "vllm_backends" if fmt == "mxfp4" else "vllm_int4_backends"  # engine_picks.HOLDER_ATTRIBUTE
         try:
-            candidates = tuple(getattr(get_layout(str(backend)), "vllm_backends", {}).get(act, ()))
+            candidates = tuple(getattr(get_layout(str(backend)), attr, {}).get(act, ()))
         except BadInput:
             pass
     elif fmt == "mxfp4":
         candidates = CANONICAL_VLLM_BACKENDS.get(str(lay.get("name")), ())
     compat = (lay.get("engine_compat") or {}).get("vllm")
-    padded_by_engine = str(lay.get("name")) not in UNPADDED_LAYOUTS
+    padded_by_engine = str(lay.get("name")) not in UNPADDED_LAYOUTS and fmt != "int4"  # WNA16 pads nothing
     refusals = [(b, vllm_refusal(b, (H, I, Hp, Ip), model, compat, padded_by_engine)) for b in candidates]
     gemm1, gemm2 = _gemm_tensors(refs, pattern)
     fp8 = fmt == "fp8-block"

@@ -1,0 +1,172 @@
+"""INT4 variant of the "humming" layout (docs/layout-humming.md, "Compressed-tensors INT4"): what vLLM
+0.33 holds for HUMMING on SM90 after ``CompressedTensorsWNA16MoEMethod.process_weights_after_loading``
+-> ``convert_to_wna16_moe_kernel_format`` (``fused_moe/oracle/int_wna16.py``) ->
+``convert_to_humming_moe_kernel_format`` with the compressed-tensors schema
+(``_humming_wna16_weight_schema``: pack-quantized, int, 4 bits, group 32, symmetric).
+
+Used by :class:`mxconv.layouts.humming.HummingLayout` when the canonical stack's ``weight_format`` is
+"int4". Input: canonical int4 (``mxconv.mx.int4``: offset-binary bytes ``[E, N, K/2]``, bf16 scales
+``[E, N, K/32]``, rows "halves", no bias). Per layer, GEMM (w13, w2) and TP rank:
+
+1. no vLLM padding (the WNA16 method has no ``maybe_roundup_sizes``): H and I per rank multiples of 32;
+2. codes: humming's ``convert_symmetric_integer_weight`` (``schema/humming.py``) keeps the
+   offset-binary codes ("uint4") when any code of the GEMM's whole stack is 0 (q = -8); otherwise it
+   rewrites every code to sign-magnitude ``|q| | (q < 0) << 3`` and the weight type becomes
+   ``float4e0m3`` ("e0m3"). mxconv writes the one the ``int4_codes`` option names and refuses a
+   stack for which humming would pick the other;
+3. humming's padding (N to 256, K to 128, appended, zero codes and bf16 zero scales), then the same
+   weight repack and scale permutation as MXFP4 (``humming_bytemap``): scales stay bfloat16.
+
+| name             | shape              | dtype    |
+|------------------|--------------------|----------|
+| w13_weight       | [E, K13/16, 2*N13] | int32, N13 = roundup(2I, 256), K13 = roundup(H, 128) |
+| w13_weight_scale | [E, K13/32, N13]   | bfloat16 |
+| w2_weight        | [E, K2/16, 2*N2]   | int32, N2 = roundup(H, 256), K2 = roundup(I, 128) |
+| w2_weight_scale  | [E, K2/32, N2]     | bfloat16 |
+
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mxconv.errors import LayoutError
+from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, round_up
+from mxconv.layouts.humming_bytemap import (
+    K_MULTIPLE, N_MULTIPLE, lay_out_scales, pad_matrix, repack_weights, unlay_scales, unrepack_weights,
+)
+from mxconv.layouts.padding import check_fill
+
+if TYPE_CHECKING:
+    import torch
+
+WEIGHT_FORMAT = "int4"
+GROUP_SIZE = 32
+ROW_ORDER = "halves"
+CODES = ("uint4", "e0m3")  # the int4_codes option's values
+B_DTYPES = {"uint4": "uint4", "e0m3": "float4e0m3"}  # humming LayerConfig b_dtype per code form
+
+
+def gemm_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, int, int, int]]:
+    """Per GEMM: (N, K) and humming's padded (N_pad, K_pad); vLLM pads nothing for INT4."""
+    n13, n2 = 2 * intermediate, hidden
+    return {"w13": (n13, hidden, round_up(n13, N_MULTIPLE), round_up(hidden, K_MULTIPLE)),
+            "w2": (n2, intermediate, round_up(n2, N_MULTIPLE), round_up(intermediate, K_MULTIPLE))}  # fmt: skip
+
+
+def padded_sizes(hidden_size: int, intermediate_size: int, row_order: str) -> tuple[int, int]:
+    """(Hp, Ip) = (H, I): LayoutError unless both are positive multiples of 32 (vLLM's WNA16 method
+    requires group-aligned H and per-rank I) and w13 rows are in halves order ([gate; up])."""
+    if row_order != ROW_ORDER:
+        raise LayoutError(f"humming INT4 takes w13 rows in {ROW_ORDER!r} order ([gate; up]), got {row_order!r}")
+    for what, size in (("hidden", hidden_size), ("intermediate (per TP rank)", intermediate_size)):
+        if size <= 0 or size % GROUP_SIZE:
+            raise LayoutError(f"humming INT4: {what} size {size} must be a positive multiple of {GROUP_SIZE} "
+                              "(vLLM's compressed-tensors WNA16 MoE method needs whole scale groups)")  # fmt: skip
+    return hidden_size, intermediate_size
+
+
+def kernel_specs(sizes: LayoutSizes) -> dict[str, TensorSpec]:
+    """Shapes/dtypes of the stored INT4 tensors (module table)."""
+    if (sizes.padded_hidden_size, sizes.padded_intermediate_size) != padded_sizes(
+            sizes.hidden_size, sizes.intermediate_size, sizes.row_order):  # fmt: skip
+        raise LayoutError("humming INT4: padded sizes must equal (H, I) (vLLM pads nothing for INT4)")
+    if sizes.has_bias:
+        raise LayoutError("humming INT4 takes no expert biases (compressed-tensors INT4 experts have none)")
+    E, specs = sizes.num_experts, {}
+    for w, (_n, _k, n_pad, k_pad) in gemm_shapes(sizes.hidden_size, sizes.intermediate_size).items():
+        specs[f"{w}_weight"] = TensorSpec((E, k_pad // 16, 2 * n_pad), "I32")
+        specs[f"{w}_weight_scale"] = TensorSpec((E, k_pad // GROUP_SIZE, n_pad), "BF16")
+    return specs
+
+
+def _nibbles(data: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return torch.stack((data & 0xF, data >> 4), dim=-1)
+
+
+def _code_table(codes: str, inverse: bool) -> list[int]:
+    """Nibble map offset-binary -> stored codes (or back). e0m3: s = q + 8 -> |q| | (q < 0) << 3."""
+    if codes == "uint4":
+        return list(range(16))
+    fwd = [abs(s - 8) | ((s < 8) << 3) for s in range(16)]
+    fwd[0] = 0  # q = -8 has no e0m3 code; humming never converts a stack holding it (checked before)
+    if not inverse:
+        return fwd
+    back = [0] * 16
+    for s in range(1, 16):
+        back[fwd[s]] = s
+    back[8] = 0  # "-0" is never written; mapping it to q = -8 makes a planted one fail verify
+    return back
+
+
+def recode(data: torch.Tensor, codes: str, inverse: bool = False) -> torch.Tensor:
+    """uint8 [..., K/2] nibble pairs through :func:`_code_table` (each nibble on its own)."""
+    import torch
+
+    table = torch.tensor(_code_table(codes, inverse), dtype=torch.uint8, device=data.device)
+    nib = table[_nibbles(data).long()]
+    return (nib[..., 0] | (nib[..., 1] << 4)).contiguous()
+
+
+def humming_codes(data: torch.Tensor) -> str:
+    """The code form humming's ``convert_symmetric_integer_weight`` gives a GEMM's whole stack:
+    "uint4" if any nibble is 0 (q = -8), else "e0m3"."""
+    return "uint4" if bool((_nibbles(data) == 0).any()) else "e0m3"
+
+
+def _check_codes(name: str, data: torch.Tensor, codes: str) -> None:
+    found = humming_codes(data)
+    if found == codes:
+        return
+    if codes == "e0m3":
+        where = [int(i) for i in (_nibbles(data) == 0).nonzero()[0].tolist()]
+        raise LayoutError(
+            f"{name}: the code q = -8 at [expert, row, byte, nibble] {where} makes humming keep offset-binary "
+            "uint4 codes for this GEMM (convert_symmetric_integer_weight); repack with --layout-option int4_codes=uint4")
+    raise LayoutError(
+        f"{name}: no code of this stack is q = -8, so humming rewrites it to sign-magnitude float4e0m3 "
+        "(convert_symmetric_integer_weight); repack with --layout-option int4_codes=e0m3 (a layer cut into "
+        "groups of experts is judged per group: raise the memory budget if another group holds q = -8)")
+
+
+def to_kernel(c: CanonicalExperts, codes: str) -> KernelTensors:
+    """Canonical int4 stack -> stored tensors (module table) on ``c``'s device."""
+    import torch
+
+    c.validate()
+    if c.w13_bias is not None:
+        raise LayoutError("humming INT4 takes no expert biases (compressed-tensors INT4 experts have none)")
+    padded_sizes(c.hidden_size, c.intermediate_size, c.row_order)
+    out: KernelTensors = {}
+    for w, (_n, _k, n_pad, k_pad) in gemm_shapes(c.hidden_size, c.intermediate_size).items():
+        data = getattr(c, w)
+        _check_codes(f"{w}_weight", data, codes)
+        out[f"{w}_weight"] = repack_weights(pad_matrix(recode(data, codes), n_pad, k_pad // 2, 0), f"{w}_weight")
+        scale = pad_matrix(getattr(c, f"{w}_scale").to(torch.bfloat16), n_pad, k_pad // GROUP_SIZE, 0)
+        out[f"{w}_weight_scale"] = lay_out_scales(scale)
+    return out
+
+
+def from_kernel(k: KernelTensors, sizes: LayoutSizes, codes: str) -> CanonicalExperts:
+    """Exact inverse of :func:`to_kernel`; LayoutError for a padding element other than zero (tensor
+    and index named). The caller checks the tensor set, shapes and dtypes."""
+    parts: dict[str, Any] = {}
+    for w, (n, kk, _n_pad, _k_pad) in gemm_shapes(sizes.hidden_size, sizes.intermediate_size).items():
+        weight = unrepack_weights(k[f"{w}_weight"], f"{w}_weight")
+        check_fill(f"{w}_weight", weight[:, n:], 0, (0, n, 0))
+        check_fill(f"{w}_weight", weight[:, :n, kk // 2:], 0, (0, 0, kk // 2))
+        parts[w] = recode(weight[:, :n, : kk // 2], codes, inverse=True)
+        scale = unlay_scales(k[f"{w}_weight_scale"])
+        check_fill(f"{w}_weight_scale", scale[:, n:], 0, (0, n, 0))
+        check_fill(f"{w}_weight_scale", scale[:, :n, kk // GROUP_SIZE:], 0, (0, 0, kk // GROUP_SIZE))
+        parts[f"{w}_scale"] = scale[:, :n, : kk // GROUP_SIZE].contiguous()
+    return CanonicalExperts(row_order=ROW_ORDER, weight_format=WEIGHT_FORMAT, **parts)
+
+
+def layer_config_fields(codes: str) -> dict[str, Any]:
+    """The ``LayerConfig`` fields that differ from the MXFP4 ones (humming's ``prepare_layer_config``
+    for the compressed-tensors int schema after ``convert_symmetric_integer_weight``)."""
+    return {"b_dtype": B_DTYPES[codes], "bs_dtype": "bfloat16", "weight_scale_group_size": GROUP_SIZE}
