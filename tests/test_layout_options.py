@@ -23,7 +23,7 @@ GIVEN = {
                {"triton_layout": "3.5", "num_warps": 4, "scale_k_align": 4, "pad_hidden": True, "arch": "gfx950"}),
     "deepgemm": ({}, {}),
     "cutlass": ({}, {}),
-    "humming": ({}, {}),
+    "humming": ({"int4_codes": "e0m3"}, {"int4_codes": "e0m3"}),
     "cpu": ({}, {}),
     "flashinfer-cutlass": ({}, {}),
 }
