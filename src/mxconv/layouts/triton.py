@@ -166,7 +166,9 @@ class TritonLayout(LayoutBase):
     activations: tuple[str, ...] = ("bf16",)
     # vLLM 0.33 holds these bytes for gpt-oss (interleaved) sources; for halves sources its TRITON
     # branch interleaves the K axis instead of the rows (spec §5) and its OAI experts run swigluoai only.
-    vllm_backends = {"bf16": ("TRITON",)}
+    # AITER_TRITON_MXFP4_BF16 (ROCm) runs _swizzle_mxfp4 on gate/up rows it interleaves as mxconv does;
+    # vllm_refusal keeps each to the platform of the recorded arch (and its padding there).
+    vllm_backends = {"bf16": ("TRITON", "AITER_TRITON_MXFP4_BF16")}
     engine_runner = "mxconv.engines.triton_moe:RUNNER"  # the engine's own kernel on these bytes (verify --kernel)
     options_type = TritonOptions
     options = (

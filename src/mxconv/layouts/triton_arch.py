@@ -27,6 +27,7 @@ from mxconv.layouts.triton_bytemap import (
     unpermute_scales,
     unpermute_values,
 )
+from mxconv.layouts.vllm_backends import Platform, vllm_alignment
 
 if TYPE_CHECKING:
     import torch
@@ -53,23 +54,37 @@ class ArchSpec:
     scale_group: int  # stored scale buffer = [E, scale rows / scale_group, scale_group * cols]
     scale_row_multiple: int | None  # None: 32 * num_warps (Hopper)
     scale_col_multiple: int
-    intermediate_align: int  # vLLM's mxfp4_round_up_hidden_size_and_intermediate_size for TRITON
-    hidden_align: int  # 1: hidden size kept as is
+    platform: Platform  # picks vLLM's padding for TRITON (vllm_backends.vllm_alignment, the one table)
     vllm_backends: tuple[str, ...]
+
+    @property
+    def hidden_align(self) -> int:
+        """Multiple vLLM rounds the hidden size up to for TRITON here (1: kept as is)."""
+        return self._align()[0]
+
+    @property
+    def intermediate_align(self) -> int:
+        """Multiple vLLM rounds the intermediate size up to for TRITON here."""
+        return self._align()[1]
+
+    def _align(self) -> tuple[int, int]:
+        align = vllm_alignment("TRITON", "swigluoai", self.platform)  # the OAI Triton experts run swigluoai only
+        assert align is not None  # TRITON is in the table on every platform
+        return align
 
 
 ARCHS: dict[Arch, ArchSpec] = {
-    Arch.SM90: ArchSpec("SM90 (Hopper)", "HopperMXValueLayout", "HopperMXScaleLayout", 4, None, 32, None, 2, 64, 1,
-                        ("TRITON",)),
+    Arch.SM90: ArchSpec("SM90 (Hopper)", "HopperMXValueLayout", "HopperMXScaleLayout", 4, None, 32, None, 2,
+                        Platform.CUDA, ("TRITON",)),
     Arch.SM100: ArchSpec("SM100/SM103 (datacenter Blackwell)", "BlackwellMXValueLayout", "BlackwellMXScaleLayout",
-                         1, 128, 128, 128, 8, 64, 1, ("TRITON",)),
+                         1, 128, 128, 128, 8, Platform.CUDA, ("TRITON",)),
     Arch.SM120: ArchSpec("SM120/SM121 (consumer Blackwell; vLLM ranks TRITON after Marlin there)",
-                         "BlackwellMXValueLayout", "BlackwellMXScaleLayout", 1, 128, 128, 128, 8, 64, 1, ("TRITON",)),
+                         "BlackwellMXValueLayout", "BlackwellMXScaleLayout", 1, 128, 128, 128, 8, Platform.CUDA, ("TRITON",)),
     # ROCm: vLLM rounds H and I up to 256 for TRITON (fused_moe/oracle/mxfp4.py); the CDNA4 scale
     # swizzle is used at TP <= 2 only (should_use_cdna4_mx_scale_swizzle). AITER_TRITON_MXFP4_BF16
     # shares the format and interleaves gate/up rows as mxconv does.
     Arch.GFX950: ArchSpec("gfx950 (MI350/MI355, TP <= 2)", "StridedLayout", "CDNA4MXScaleLayout", 1, 1, 32, 32, 8,
-                          256, 256, ("TRITON", "AITER_TRITON_MXFP4_BF16")),
+                          Platform.ROCM_CDNA4, ("TRITON", "AITER_TRITON_MXFP4_BF16")),
 }  # fmt: skip
 
 
