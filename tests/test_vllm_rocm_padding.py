@@ -139,3 +139,77 @@ def test_engine_report_on_gfx950_uses_rocm_padding_and_the_gfx950_output() -> No
     assert row["engine_padding"] == [3072, 3072] and triton["padded"] == [3072, 3072] and triton["refusal"] is None
     sm90 = pick_row(VLLM, SourceKind.GPT_OSS_MXFP4, Gpu.SM90, model)
     assert "repack --backend triton --activation bf16" in {h["output"] for h in sm90["held_by"]}
+
+
+def _aiter_shuffle_scale_moe() -> Any:
+    """``shuffle_scale_moe`` of aiter's ``aiter/ops/triton/utils/shuffle.py`` (pure torch), loaded from
+    ``$MXCONV_AITER_SHUFFLE`` (a copy of that file, never vendored here) with its two aiter imports
+    stubbed; skipped when unset."""
+    import importlib.util
+    import os
+    import sys
+    import types
+
+    path = os.environ.get("MXCONV_AITER_SHUFFLE")
+    if not path:
+        pytest.skip("set MXCONV_AITER_SHUFFLE to a copy of aiter/ops/triton/utils/shuffle.py")
+    stubs = {"aiter": types.ModuleType("aiter"), "aiter.ops": types.ModuleType("aiter.ops"),
+             "aiter.ops.shuffle": types.ModuleType("aiter.ops.shuffle"),
+             "aiter.ops.triton.utils._triton.arch_info": types.ModuleType("arch_info")}
+    stubs["aiter.ops.shuffle"].shuffle_weight = None  # type: ignore[attr-defined]
+    stubs["aiter.ops.triton.utils._triton.arch_info"].get_arch = lambda: "gfx1250"  # type: ignore[attr-defined]
+    saved = {k: sys.modules.get(k) for k in stubs}
+    sys.modules.update(stubs)
+    try:
+        spec = importlib.util.spec_from_file_location("aiter_shuffle_copy", path)
+        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return mod.shuffle_scale_moe
+
+
+@pytest.mark.parametrize("shape", [(3, 352, 160), (1, 2880, 1440)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("row_order", ["interleaved", "halves"])
+def test_gfx1250_scales_equal_aiter_shuffle_scale_moe(shape: tuple[int, int, int], row_order: str) -> None:
+    """vLLM's _swizzle_mxfp4 on gfx1250: values strided (canonical bytes), scales [E, K/32, N] through
+    shuffle_scale_moe(arch="gfx1250", preshuffle_factor=32, scale_kwidth=4), then StridedLayout:
+    the stored buffer is the shuffled tensor's ``.mT``, contiguous."""
+    from test_layout_gpu import make_stack
+    from test_layout_triton_arch import vendored, vllm_inputs
+
+    shuffle = _aiter_shuffle_scale_moe()
+    tensor, layout = vendored()
+    opts = LAYOUT.resolve_options({"arch": "gfx1250"})
+    c = make_stack(*shape, row_order, seed=sum(shape))
+    got = LAYOUT.to_kernel(c, "bf16", opts)
+    for w, (values, scales) in vllm_inputs(c, opts).items():
+        tiled = shuffle(scales.transpose(-2, -1), arch="gfx1250", preshuffle_factor=32, scale_kwidth=4)
+        s = tensor.convert_layout(tensor.wrap_torch_tensor(tiled), layout.StridedLayout)
+        v = tensor.convert_layout(tensor.wrap_torch_tensor(values.transpose(-2, -1), dtype=tensor.FP4), layout.StridedLayout)
+        assert torch.equal(got[f"{w}_weight_scale"], s.storage.data.mT.contiguous()), w
+        assert torch.equal(got[f"{w}_weight"], v.storage.data.mT.contiguous()), w
+    sizes = c.sizes(*LAYOUT.padded_sizes(c.hidden_size, c.intermediate_size, row_order, "bf16", opts))
+    back = LAYOUT.from_kernel(got, sizes, "bf16", opts)
+    for name in ("w13", "w13_scale", "w2", "w2_scale"):
+        assert torch.equal(getattr(back, name), getattr(c, name)), name
+
+
+def test_gfx1250_scale_map_worked_example_and_padding() -> None:
+    """Independent of aiter: buffer row n0, column (k0*32 + r32)*4 + k4 holds source row 32 n0 + r32,
+    column 4 k0 + k4; vLLM pads TRITON to 256/256 on ROCm outside CDNA4 too; no TP limit."""
+    from mxconv.layouts.triton_arch import decode, encode
+
+    x = torch.arange(64 * 8, dtype=torch.int32).reshape(1, 64, 8)  # rows 64, columns 8
+    _, buf = encode("gfx1250", torch.zeros(1, 64, 4, dtype=torch.uint8), x, 8)
+    assert buf.shape == (1, 2, 256)
+    n0, r32, k0, k4 = 1, 5, 1, 3
+    assert buf[0, n0, (k0 * 32 + r32) * 4 + k4] == x[0, 32 * n0 + r32, 4 * k0 + k4]
+    assert torch.equal(decode("gfx1250", torch.zeros(1, 64, 4, dtype=torch.uint8), buf, 8)[1], x)
+    opts = LAYOUT.resolve_options({"arch": "gfx1250"})
+    assert LAYOUT.padded_sizes(2880, 1440, "interleaved", "bf16", opts) == (3072, 1536)
+    assert vllm_refusal("TRITON", (2880, 1440, 3072, 1536), SWIGLU, None, arch="gfx1250", tp=8) is None

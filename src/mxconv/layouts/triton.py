@@ -184,7 +184,7 @@ class TritonLayout(LayoutBase):
                      "for loaders that pad activations)"),
         LayoutOption("arch", str, Arch.SM90.value, "GPU whose _swizzle_mxfp4 storage is written: sm90 (Hopper), "
                      "sm100/sm120 (Blackwell value/scale layouts), gfx950 (strided values, CDNA4 scales; H and I "
-                     "padded to 256)", choices=tuple(a.value for a in Arch)),
+                     "padded to 256), gfx1250 (strided values, aiter's gfx1250 scale tile; 256/256)", choices=tuple(a.value for a in Arch)),
     )  # fmt: skip
 
     def padded_sizes(
