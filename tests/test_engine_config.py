@@ -209,7 +209,9 @@ def test_kernel_tensors_and_served(outputs: dict[str, dict[str, Any]]) -> None:
                         ("qwen3-moe/marlin/bf16", None), ("qwen3-moe/mxfp4", None)):
         act = outputs[key]["quant_config"]["activation"]
         assert (act["w13_row_order"], act["w13_kernel_row_order"]) == ("halves", stored), key
-    assert outputs["qwen3-moe/triton/bf16"]["quant_config"]["not_served"] == {"TRITON": "TRITON runs swigluoai only; the model uses silu"}
+    assert outputs["qwen3-moe/triton/bf16"]["quant_config"]["not_served"] == {
+        "TRITON": "TRITON runs swigluoai only; the model uses silu",
+        "AITER_TRITON_MXFP4_BF16": "AITER_TRITON_MXFP4_BF16 runs on ROCm only; these bytes are for sm90"}
 
 
 def test_vllm_padding_table_and_compat() -> None:

@@ -57,10 +57,11 @@ def backend_table(
                 nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, opts).values()) * layers
                 served: list[str] = []
                 if weight_format == "mxfp4":  # the vLLM backends a layout lists are MXFP4 ones
-                    compat = layout.describe(sizes, act, opts).get("engine_compat", {}).get("vllm")
+                    desc = layout.describe(sizes, act, opts)
+                    compat, arch = desc.get("engine_compat", {}).get("vllm"), desc.get("arch")
                     model = {"activation": model_activation, "has_expert_bias": has_bias}
                     served = [b for b in getattr(layout, "vllm_backends", {}).get(act, ())
-                              if vllm_refusal(b, (H, I, Hp, Ip), model, compat) is None]
+                              if vllm_refusal(b, (H, I, Hp, Ip), model, compat, arch=arch) is None]
                 rows.append(
                     {
                         "backend": name,

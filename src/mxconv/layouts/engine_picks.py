@@ -163,7 +163,7 @@ MXFP4_BACKENDS: dict[str, str | None] = {
     "BATCHED_MARLIN": None,
     "MARLIN": None,
     "AITER_MXFP4_BF16": None,
-    "AITER_TRITON_MXFP4_BF16": "the ROCm triton_kernels layout of _swizzle_mxfp4 (issue 23 item 1)",
+    "AITER_TRITON_MXFP4_BF16": None,
     "AITER_MXFP4_FP8": "the ROCm triton_kernels layout plus static FP8 input scales (issue 23 item 2)",
     "AITER_MXFP4_MXFP4": None,
     "AITER_TRITON_MXFP4_MXFP4": "aiter's gfx1250 a4w4 layout; mxconv has no gfx1250 layout",

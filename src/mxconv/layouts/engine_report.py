@@ -17,7 +17,9 @@ from mxconv.layouts.engine_picks import (
     CANONICAL_LAYOUT, ENGINES, HOLDER_ATTRIBUTE, MXFP4_BACKENDS, MXFP4_ORACLE, ORACLE, VLLM, WNA16_ORACLE, Gpu, Pick,
     SourceKind, picks,
 )
-from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, vllm_padded_sizes, vllm_refusal
+from mxconv.layouts.vllm_backends import (
+    CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, platform_of, vllm_padded_sizes, vllm_refusal,
+)
 
 # compressed-tensors "format" -> kind (mxconv's own CT_FORMATS names and compressed-tensors' INT4 one)
 _CT_KINDS = {"mxfp4-pack-quantized": SourceKind.CT_MXFP4, "mxfp8-quantized": SourceKind.CT_MXFP8,
@@ -66,7 +68,15 @@ def engine_padding(pick: Pick, hidden: int, intermediate: int, activation: str) 
         return None
     if CANONICAL_LAYOUT[pick.source] in UNPADDED_LAYOUTS:  # CompressedTensorsW4A4Mxfp4MoEMethod pads nothing
         return hidden, intermediate
-    return vllm_padded_sizes(pick.backend, hidden, intermediate, activation)
+    return vllm_padded_sizes(pick.backend, hidden, intermediate, activation, platform_of(str(pick.gpu)))
+
+
+def _arch_option(layout: Any, gpu: Gpu) -> dict[str, str]:
+    """``{"arch": gpu}`` where ``layout`` declares an ``arch`` option that takes ``gpu`` and defaults to
+    another GPU (the option an output for that GPU is written with), else nothing."""
+    opt = next((o for o in layout.options if o.name == "arch"), None)
+    takes = opt is not None and opt.choices is not None and str(gpu) in opt.choices and opt.default != str(gpu)
+    return {"arch": str(gpu)} if takes else {}
 
 
 def _check_holder(h: dict[str, Any], pick: Pick, model: dict[str, Any]) -> dict[str, Any]:
@@ -78,15 +88,20 @@ def _check_holder(h: dict[str, Any], pick: Pick, model: dict[str, Any]) -> dict[
     if "layout" in h:  # a canonical output: its tensors are the checkpoint's
         return {**h, "padded": [H, I], "refusal": vllm_refusal(str(pick.backend), (H, I, H, I), model, None, False)}
     layout = get_layout(h["backend"])
+    given = _arch_option(layout, pick.gpu)
+    if given:
+        h = {**h, "output": f"{h['output']} --layout-option arch={given['arch']}"}
     try:
-        opts = layout.resolve_options()
+        opts = layout.resolve_options(given)
         Hp, Ip = layout.padded_sizes(H, I, str(model.get("row_order", "halves")), h["activation"], opts, **fmt_kw)
         sizes = LayoutSizes(int(model.get("num_experts", 1)), H, I, Hp, Ip, str(model.get("row_order", "halves")),
                             bool(model.get("has_expert_bias")), wfmt)
-        compat = layout.describe(sizes, h["activation"], opts).get("engine_compat", {}).get("vllm")
+        desc = layout.describe(sizes, h["activation"], opts)
     except LayoutError as exc:
         return {**h, "padded": None, "refusal": f"repack refuses these sizes: {exc}"}
-    return {**h, "padded": [Hp, Ip], "refusal": vllm_refusal(str(pick.backend), (H, I, Hp, Ip), model, compat, padded_by_engine)}
+    compat, arch = desc.get("engine_compat", {}).get("vllm"), desc.get("arch")
+    return {**h, "padded": [Hp, Ip],
+            "refusal": vllm_refusal(str(pick.backend), (H, I, Hp, Ip), model, compat, padded_by_engine, arch)}
 
 
 def pick_row(engine: str, kind: SourceKind, gpu: Gpu, model: dict[str, Any]) -> dict[str, Any]:

@@ -166,7 +166,9 @@ class TritonLayout(LayoutBase):
     activations: tuple[str, ...] = ("bf16",)
     # vLLM 0.33 holds these bytes for gpt-oss (interleaved) sources; for halves sources its TRITON
     # branch interleaves the K axis instead of the rows (spec §5) and its OAI experts run swigluoai only.
-    vllm_backends = {"bf16": ("TRITON",)}
+    # AITER_TRITON_MXFP4_BF16 (ROCm) runs _swizzle_mxfp4 on gate/up rows it interleaves as mxconv does;
+    # vllm_refusal keeps each to the platform of the recorded arch (and its padding there).
+    vllm_backends = {"bf16": ("TRITON", "AITER_TRITON_MXFP4_BF16")}
     engine_runner = "mxconv.engines.triton_moe:RUNNER"  # the engine's own kernel on these bytes (verify --kernel)
     options_type = TritonOptions
     options = (
@@ -182,7 +184,7 @@ class TritonLayout(LayoutBase):
                      "for loaders that pad activations)"),
         LayoutOption("arch", str, Arch.SM90.value, "GPU whose _swizzle_mxfp4 storage is written: sm90 (Hopper), "
                      "sm100/sm120 (Blackwell value/scale layouts), gfx950 (strided values, CDNA4 scales; H and I "
-                     "padded to 256)", choices=tuple(a.value for a in Arch)),
+                     "padded to 256), gfx1250 (strided values, aiter's gfx1250 scale tile; 256/256)", choices=tuple(a.value for a in Arch)),
     )  # fmt: skip
 
     def padded_sizes(

@@ -18,6 +18,7 @@ Kernel outputs are checked against the padding of the MXFP4 quant methods that p
 from __future__ import annotations
 
 import re
+from enum import Enum
 from typing import Any
 
 VLLM_VERSION = (0, 33)
@@ -31,39 +32,88 @@ UNPADDED_LAYOUTS = {"canonical-compressed-tensors", "cutlass"}
 # back to [N, K/32], which fails unless N and K/32 are already whole tiles.
 UNPADDED_ALIGN = {"CUTLASS_MXFP4_MXFP4": 128}
 # Expert classes that run only some activations (vLLM MoEActivation values): DeepGemmFP4Experts and
-# OAITritonExperts / OAITritonMxfp4ExpertsMonolithic / CPUExpertsMxfp4 ``_supports_activation``.
+# OAITritonExperts / OAITritonMxfp4ExpertsMonolithic / CPUExpertsMxfp4 / AiterW4A8ExpertsMonolithic /
+# AiterW4A16ExpertsMonolithic ``_supports_activation``.
 # DeepGemmFP4Experts.apply and run_cutlass_moe_mxfp4 (fused_moe/experts/cutlass_moe.py) never read the
 # expert biases.
 EXPERT_ACTIVATIONS = {"DEEPGEMM_MXFP4": ("silu", "swiglustep", "situ"), "TRITON": ("swigluoai",),
-                      "CPU": ("silu", "swigluoai", "gelu", "gelu_tanh")}
+                      "CPU": ("silu", "swigluoai", "gelu", "gelu_tanh"), "AITER_MXFP4_FP8": ("swigluoai",),
+                      "AITER_TRITON_MXFP4_BF16": ("swigluoai", "silu")}
 NO_BIAS = {"DEEPGEMM_MXFP4", "CUTLASS_MXFP4_MXFP4"}
+# Backends whose load runs _swizzle_mxfp4 (quantization/utils/mxfp4_utils.py): on gfx950 it writes
+# CDNA4MXScaleLayout scales only while should_use_cdna4_mx_scale_swizzle() (TP <= 2), plain ones above.
+CDNA4_SCALE_BACKENDS = ("TRITON", "TRITON_UNFUSED", "AITER_TRITON_MXFP4_BF16", "AITER_MXFP4_FP8")
+CDNA4_SCALE_MAX_TP = 2
+
+
+class Platform(str, Enum):
+    """Where vLLM runs a backend: ``mxfp4_round_up_hidden_size_and_intermediate_size`` has a branch for
+    ROCm (CDNA4 = gfx950 told apart for TRITON_UNFUSED) that every backend it does not name earlier
+    takes there."""
+
+    CUDA = "cuda"
+    ROCM = "rocm"  # ROCm GPUs other than CDNA4 (gfx942, gfx1250, ...)
+    ROCM_CDNA4 = "rocm-cdna4"  # gfx950 (MI350/MI355)
+
+    @property
+    def is_rocm(self) -> bool:
+        return self is not Platform.CUDA
+
+
+def platform_of(arch: str | None) -> Platform | None:
+    """The platform of a GPU a layout records (manifest ``layout.arch``: "sm90", "gfx950", ...); None
+    when none is recorded."""
+    if not arch:
+        return None
+    if not arch.startswith("gfx"):
+        return Platform.CUDA
+    return Platform.ROCM_CDNA4 if arch.startswith("gfx95") else Platform.ROCM
+
+
+def home_platform(backend: str) -> Platform | None:
+    """The platform vLLM 0.33 runs ``backend`` on when it runs on one only (AITER: ROCm; the FlashInfer,
+    DeepGEMM, CUTLASS, Marlin, HUMMING and b12x kernels: CUDA); None for the others."""
+    if backend.startswith("AITER_"):
+        return Platform.ROCM_CDNA4
+    cuda = ("B12X_", "FLASHINFER_", "DEEPGEMM_", "CUTLASS_", "MARLIN", "BATCHED_MARLIN", "HUMMING")
+    return Platform.CUDA if backend.startswith(cuda) else None
 
 
 def _up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def vllm_padded_sizes(backend: str, hidden: int, intermediate: int, activation: str) -> tuple[int, int] | None:
-    """(H, I) of one rank after ``mxfp4_round_up_hidden_size_and_intermediate_size`` (CUDA; ROCm for
-    AITER_*), or None for a backend name this table does not know."""
+def vllm_alignment(backend: str, activation: str, platform: Platform | None = None) -> tuple[int, int] | None:
+    """(hidden, intermediate) multiples ``mxfp4_round_up_hidden_size_and_intermediate_size`` rounds one
+    rank up to for ``backend`` on ``platform`` (None: the backend's :func:`home_platform`, else CUDA);
+    1 keeps a size as is. None for a backend name this table does not know."""
     if backend.startswith(("B12X_", "FLASHINFER_MOE_EP_")):
-        return hidden, intermediate
+        return 1, 1
     if backend == "EMULATION":
-        return _up(hidden, 32), _up(intermediate, 32)
+        return 32, 32
     if backend in ("DEEPGEMM_MXFP4", "CUTLASS_MXFP4_MXFP4") or backend.startswith("FLASHINFER_CUTLASS_"):
-        return _up(hidden, 128), _up(intermediate, 128)
+        return 128, 128
     if backend in ("MARLIN", "BATCHED_MARLIN") or backend.startswith("FLASHINFER_TRTLLM_"):
-        return _up(hidden, 256), _up(intermediate, 128)
-    if backend == "AITER_MXFP4_MXFP4":
-        return _up(hidden, 256), _up(intermediate, 128)
-    if backend == "AITER_MXFP4_BF16":
-        align = 128 if activation in ("silu", "situ") else 256
-        return _up(hidden, align), _up(intermediate, align)
+        return 256, 128
+    platform = platform or home_platform(backend) or Platform.CUDA
+    if platform.is_rocm and (backend.startswith("AITER_") or backend in ("TRITON", "TRITON_UNFUSED")):
+        narrow = activation in ("silu", "situ") and (
+            backend == "AITER_MXFP4_BF16" or (backend == "TRITON_UNFUSED" and platform is not Platform.ROCM_CDNA4))
+        inter = 128 if backend == "AITER_MXFP4_MXFP4" or narrow else 256
+        return (256 if backend == "AITER_MXFP4_MXFP4" else inter), inter
     if backend == "CPU":
-        return _up(hidden, 32), _up(intermediate, 32)
+        return 32, 32
     if backend in ("TRITON", "TRITON_UNFUSED", "XPU", "HUMMING"):  # HUMMING: the CUDA default branch
-        return hidden, _up(intermediate, 64)
+        return 1, 64
     return None
+
+
+def vllm_padded_sizes(backend: str, hidden: int, intermediate: int, activation: str,
+                      platform: Platform | None = None) -> tuple[int, int] | None:
+    """(H, I) of one rank after ``mxfp4_round_up_hidden_size_and_intermediate_size`` (:func:`vllm_alignment`),
+    or None for a backend name this table does not know."""
+    align = vllm_alignment(backend, activation, platform)
+    return None if align is None else (_up(hidden, align[0]), _up(intermediate, align[1]))
 
 
 def admits_vllm(spec: str) -> bool | None:
@@ -86,12 +136,19 @@ def admits_vllm(spec: str) -> bool | None:
 
 
 def vllm_refusal(backend: str, sizes: tuple[int, int, int, int], model: dict[str, Any], compat: str | None,
-                 padded_by_engine: bool = True) -> str | None:
+                 padded_by_engine: bool = True, arch: str | None = None, tp: int = 1) -> str | None:
     """Why vLLM 0.33's ``backend`` does not hold an output of (H, I, Hp, Ip) per rank for ``model``
-    (the manifest's ``model``) as is; None when it does."""
+    (the manifest's ``model``) as is; None when it does. ``arch``: the GPU the layout's bytes are for
+    (manifest ``layout.arch``), which picks the platform's padding and refuses another platform's backends;
+    ``tp``: the output's tensor-parallel size."""
     H, I, Hp, Ip = sizes
-    act = str(model.get("activation", "silu"))
-    want = vllm_padded_sizes(backend, H, I, act) if padded_by_engine else (H, I)
+    act, platform, home = str(model.get("activation", "silu")), platform_of(arch), home_platform(backend)
+    if platform is not None and home is not None and platform.is_rocm != home.is_rocm:
+        return f"{backend} runs on {'ROCm' if home.is_rocm else 'CUDA'} only; these bytes are for {arch}"
+    if platform is Platform.ROCM_CDNA4 and backend in CDNA4_SCALE_BACKENDS and tp > CDNA4_SCALE_MAX_TP:
+        return (f"vLLM swizzles {backend} scales for CDNA4 at TP <= {CDNA4_SCALE_MAX_TP} only "
+                f"(should_use_cdna4_mx_scale_swizzle); this output is for TP {tp}")
+    want = vllm_padded_sizes(backend, H, I, act, platform) if padded_by_engine else (H, I)
     align = UNPADDED_ALIGN.get(backend, 1)
     if not padded_by_engine and (H % align or I % align):
         return (f"vLLM's compressed-tensors MXFP4 method pads nothing and loads {backend} only for H and I per rank "

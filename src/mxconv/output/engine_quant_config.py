@@ -328,7 +328,9 @@ def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
         candidates = CANONICAL_VLLM_BACKENDS.get(str(lay.get("name")), ())
     compat = (lay.get("engine_compat") or {}).get("vllm")
     padded_by_engine = str(lay.get("name")) not in UNPADDED_LAYOUTS and fmt != "int4"  # WNA16 pads nothing
-    refusals = [(b, vllm_refusal(b, (H, I, Hp, Ip), model, compat, padded_by_engine)) for b in candidates]
+    arch, tp = lay.get("arch"), int(manifest.get("tp_size") or 1)  # the GPU the bytes are for, where recorded
+    refusals = [(b, vllm_refusal(b, (H, I, Hp, Ip), model, compat, padded_by_engine, None if arch is None else str(arch), tp))
+                for b in candidates]
     gemm1, gemm2 = _gemm_tensors(refs, pattern)
     fp8 = fmt == "fp8-block"
     return EngineQuantConfig(
