@@ -149,6 +149,11 @@ def test_update_that_does_not_fit_writes_nothing(made: MadeCheckpoints, sources,
     with pytest.raises(BadInput, match="w13_bias converts to absent"):
         update_layer(layer, new)
     _assert_equal_files(layer.tensors, before)  # w13_weight (checked before w13_bias) untouched too
+    w2 = layer.tensors["w2_weight"]
+    layer.tensors["w2_weight"] = narrow = w2[:, :, : w2.shape[2] // 2].clone()  # a layer whose w2 only is smaller
+    with pytest.raises(BadInput, match=r"w2_weight converts to torch.uint8\[4, 128, 64\], the layer holds torch.uint8\[4, 128, 32\]"):
+        update_layer(layer, {**raw, **new})
+    _assert_equal_files(layer.tensors, {**before, "w2_weight": narrow})
 
 
 def test_update_with_tensors_the_layer_does_not_hold(made: MadeCheckpoints, toy) -> None:
