@@ -26,7 +26,7 @@ from mxconv import environment
 from mxconv.engines import discover, marlin_moe, triton_moe
 from mxconv.engines.runner import kernel_unavailable
 from mxconv.errors import BadInput
-from mxconv.engines.loader import read_layer_tensors, resolve_layer
+from mxconv.engines.loader import build_engine_layer, read_layer_tensors, resolve_layer
 from support.workspace import MadeCheckpoints, link_workspace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -279,3 +279,16 @@ def test_wrap_refuses_wrong_buffer_shape() -> None:
         triton_moe.wrap_matrix(tk, w, s[:, :-1], geo, "w13")
     with pytest.raises(BadInput, match="contiguous"):
         triton_moe.wrap_matrix(tk, w.transpose(1, 2).contiguous().transpose(1, 2), s, geo, "w13")
+
+
+def test_triton_wrap_refuses_storage_of_another_gpu(made: MadeCheckpoints) -> None:
+    """An arch=sm100 triton output read onto the CPU: wrapping it for the Hopper matmul is refused
+    for its storage (manifest layout.arch) before any device or kernel question."""
+    out = made.repack(made.quantize(made.source("gpt-oss-bf16", hidden_size=128, intermediate_size=96).path),
+                      "triton", "--layout-option", "arch=sm100")  # fmt: skip
+    src = resolve_layer(out, 1)
+    assert src.manifest["layout"]["arch"] == "sm100"
+    with pytest.raises(BadInput, match=r"layer 1: the output holds the sm100 storage \(manifest layout.arch = 'sm100'\);"
+                                       r" .* sm90 storage only: repack with --layout-option arch=sm90"):  # fmt: skip
+        build_engine_layer(src, read_layer_tensors(src, "cpu"))
+    assert "layout.arch = 'sm100'" in kernel_unavailable(src.manifest)

@@ -1,12 +1,16 @@
 """In-memory conversion (mxconv.engines.in_memory) against the files ``repack`` writes, on CPU.
 
-A gpt-oss bf16 source and its MXFP4 quantization are repacked for triton and marlin with the CLI;
-the same experts, read raw from the source files (not through the family reader) and handed over in
-gpt-oss source names or in canonical names, must convert to exactly the bytes of those files. A live
-layer of the toy backend (its engine runs on CPU) is updated in place and its forward follows.
+A gpt-oss bf16 source and its MXFP4 quantization are repacked with the CLI for every registered
+backend and each of its activation formats; the same experts, read raw from the source files (not
+through the family reader) and handed over in gpt-oss source names or in canonical names, must
+convert to exactly the bytes of those files. A live layer of the toy backend (its engine runs on
+CPU) is updated in place and its forward follows; an update is quantized as the layer's output was
+(its manifest's scale rule), and one that does not fit the layer leaves every buffer as it was.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -22,7 +26,7 @@ from mxconv.engines.in_memory import (
 from mxconv.engines.model_load import load_model
 from mxconv.engines.staged_read import byte_view
 from mxconv.errors import BadInput
-from mxconv.layouts import register_layout, unregister_layout
+from mxconv.layouts import backend_names, get_layout, register_layout, unregister_layout
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.source.st_format import read_tensor
 
@@ -48,19 +52,22 @@ def _assert_equal_files(got: dict[str, torch.Tensor], files: dict[str, torch.Ten
         assert torch.equal(byte_view(got[key].contiguous()), byte_view(want)), key
 
 
-@pytest.mark.parametrize("backend", ["triton", "marlin"])
+EVERY_BACKEND = [(b, a) for b in backend_names() for a in get_layout(b).activations]  # all run on CPU
+
+
+@pytest.mark.parametrize(("backend", "activation"), EVERY_BACKEND, ids=[f"{b}-{a}" for b, a in EVERY_BACKEND])
 @pytest.mark.parametrize("source", ["bf16", "mxfp4"])
-def test_bytes_equal_repack(made: MadeCheckpoints, sources, backend: str, source: str) -> None:
+def test_bytes_equal_repack(made: MadeCheckpoints, sources, backend: str, activation: str, source: str) -> None:
     bf16, q4 = sources
     src = bf16 if source == "bf16" else q4
-    files = _layer(made.repack(src, backend))
+    files = _layer(made.repack(src, backend, "--activation", activation))
     raw = _layer(src)
-    got = convert_layer(raw, ConvertOptions(backend))  # gpt-oss source names: interleaved rows implied
-    _assert_equal_files(got, files)
+    options = ConvertOptions(backend, activation=activation)
+    _assert_equal_files(convert_layer(raw, options), files)  # gpt-oss source names: interleaved rows implied
     if source == "bf16":  # the same experts under canonical names
         canon = {"w13": raw["gate_up_proj"].transpose(1, 2), "w2": raw["down_proj"].transpose(1, 2),
                  "w13_bias": raw["gate_up_proj_bias"], "w2_bias": raw["down_proj_bias"]}  # fmt: skip
-        _assert_equal_files(convert_layer(canon, ConvertOptions(backend), row_order="interleaved"), files)
+        _assert_equal_files(convert_layer(canon, options, row_order="interleaved"), files)
 
 
 def test_mxfp4_bytes_move_untouched(sources) -> None:
@@ -104,3 +111,62 @@ def test_update_layer_in_place(made: MadeCheckpoints, sources) -> None:
                                  "gate_up_proj_bias": raw["gate_up_proj_bias"][:, :64]})  # fmt: skip
     finally:
         unregister_layout("toy")
+
+
+@pytest.fixture
+def toy():
+    register_layout("toy", ToyLayout())
+    yield
+    unregister_layout("toy")
+
+
+def _copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: t.clone() for k, t in tensors.items()}
+
+
+def test_update_is_quantized_as_the_output_was(made: MadeCheckpoints, sources, toy) -> None:
+    bf16, _ = sources
+    out = made.repack(bf16, "toy", "--scale-rounding", "floor")
+    default = _layer(made.repack(bf16, "toy"))
+    files = _layer(out)
+    assert any(not torch.equal(files[k], default[k]) for k in files)  # the rule shows in the bytes
+    layer = load_model(out, device="cpu", layers=[1]).layers[1]
+    for t in layer.tensors.values():
+        t.zero_()
+    update_layer(layer, _layer(bf16))
+    _assert_equal_files(layer.tensors, files)
+    assert (layer.weight_format, layer.scale_rounding) == ("mxfp4", "floor")  # from the manifest
+    with pytest.raises(BadInput, match="holds int4 experts"):
+        update_layer(dataclasses.replace(layer, weight_format="int4"), _layer(bf16))
+
+
+def test_update_that_does_not_fit_writes_nothing(made: MadeCheckpoints, sources, toy) -> None:
+    bf16, _ = sources
+    layer = load_model(made.repack(bf16, "toy"), device="cpu", layers=[1]).layers[1]
+    before = _copies(layer.tensors)
+    raw = _layer(bf16)
+    new = {"gate_up_proj": raw["gate_up_proj"] * 2, "down_proj": raw["down_proj"] * 2}  # w13, w2 fit; no biases
+    with pytest.raises(BadInput, match="w13_bias converts to absent"):
+        update_layer(layer, new)
+    _assert_equal_files(layer.tensors, before)  # w13_weight (checked before w13_bias) untouched too
+    w2 = layer.tensors["w2_weight"]
+    layer.tensors["w2_weight"] = narrow = w2[:, :, : w2.shape[2] // 2].clone()  # a layer whose w2 only is smaller
+    with pytest.raises(BadInput, match=r"w2_weight converts to torch.uint8\[4, 128, 64\], the layer holds torch.uint8\[4, 128, 32\]"):
+        update_layer(layer, {**raw, **new})
+    _assert_equal_files(layer.tensors, {**before, "w2_weight": narrow})
+
+
+def test_update_with_tensors_the_layer_does_not_hold(made: MadeCheckpoints, toy) -> None:
+    src = made.source("qwen3-moe", hidden_size=H, intermediate_size=I).path  # no biases
+    layer = load_model(made.repack(src, "toy"), device="cpu", layers=[1]).layers[1]
+    assert "w13_bias" not in layer.tensors
+    before = _copies(layer.tensors)
+    g = torch.Generator().manual_seed(2)
+    E = layer.info.num_experts
+    new = {"w13": torch.randn(E, 2 * I, H, generator=g), "w2": torch.randn(E, H, I, generator=g),
+           "w13_bias": torch.zeros(E, 2 * I), "w2_bias": torch.zeros(E, H)}  # fmt: skip
+    with pytest.raises(BadInput, match="gives w13_bias, w2_bias, which the layer does not hold"):
+        update_layer(layer, new)
+    _assert_equal_files(layer.tensors, before)
+    update_layer(layer, {"w13": new["w13"], "w2": new["w2"]})  # without them it fits
+    assert not torch.equal(layer.tensors["w2_weight"], before["w2_weight"])

@@ -6,6 +6,8 @@ as the new weights say. Kernels from ``MXCONV_TRITON_KERNELS`` / ``MXCONV_MARLIN
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,12 @@ from mxconv.engines import discover
 from mxconv.engines.in_memory import update_layer
 from mxconv.engines.loader import load_layer
 from mxconv.engines.model_load import load_model
-from mxconv.engines.staged_read import StagingOptions, byte_view, read_tensors
+from mxconv.engines.staged_read import (
+    StagedReader,
+    StagingOptions,
+    byte_view,
+    read_tensors,
+)
 from mxconv.errors import BadInput
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.source.st_format import read_tensor
@@ -63,6 +70,28 @@ def test_staged_gpu_bytes_equal_cpu(tmp_path: Path, staging: StagingOptions) -> 
     for key, t in cpu.items():
         assert gpu[key].device.type == "cuda" and gpu[key].dtype == t.dtype and gpu[key].shape == t.shape
         assert torch.equal(byte_view(gpu[key]).cpu(), byte_view(t)), key
+
+
+def test_failed_staged_read_leaves_no_copy_queued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that fails in a late fill returns only once the copies it queued on its side stream
+    are done (they read the pinned buffers and write the tensors): the GPU work they waited on too."""
+    files = _shards(tmp_path)
+    infos = _infos(files)
+    big, inode, real = infos["b.big"], files["b"].stat().st_ino, os.preadv
+
+    def failing(fd: int, buffers, offset: int) -> int:
+        if os.fstat(fd).st_ino == inode and offset >= big.end - 16:  # the last piece: the last fill
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+
+    staging = StagingOptions(buffer_bytes=1024, buffers=8, piece_bytes=16)  # ~6 fills, no buffer reused
+    with StagedReader("cuda", staging) as reader:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s on the current stream: the side stream's copies queue behind it
+        monkeypatch.setattr(os, "preadv", failing)
+        with pytest.raises(BadInput, match=rf"b\.safetensors: tensor 'big': \[Errno {errno.EIO}\]"):
+            reader.read(infos)
+        assert torch.cuda.current_stream().query()  # the read waited for its copies (and so for the sleep)
 
 
 @pytest.mark.parametrize("backend", ["triton", "marlin"])

@@ -14,7 +14,7 @@ import torch
 from support.toy_backend import ToyLayout
 from support.workspace import MadeCheckpoints, link_workspace
 
-from mxconv.engines.loader import EngineLayer
+from mxconv.engines.loader import EngineLayer, read_layer_tensors, resolve_layer
 from mxconv.engines.model_load import LoadProgress, load_model, stderr_progress
 from mxconv.engines.staged_read import StagingOptions, byte_view
 from mxconv.errors import BadInput
@@ -112,3 +112,13 @@ def test_stderr_progress_lines() -> None:
     report(LoadProgress(5, 2, 2, 3_000_000_000, 3_000_000_000, 0.5))
     assert buf.getvalue().splitlines() == ["loaded layer 3 (1/2): 1.50 of 3.00 GB, 0.2 s",
                                            "loaded layer 5 (2/2): 3.00 of 3.00 GB, 0.5 s"]  # fmt: skip
+
+
+def test_hash_check_refuses_a_tensor_the_manifest_has_no_hash_for(outputs: Path) -> None:
+    m = json.loads((outputs / "marlin" / "mxconv.json").read_text())  # as an integration hands it over, unvalidated
+    name = "model.layers.1.mlp.experts.w2_weight_scale"
+    del m["tensors"][name]["sha256"]
+    src = resolve_layer(outputs / "marlin", 1, manifest=m)
+    assert set(read_layer_tensors(src, "cpu")) == set(src.files)  # no check asked for: read as usual
+    with pytest.raises(BadInput, match=rf"{m['tensors'][name]['file']}: tensor '{name}': no sha256 to check"):
+        read_layer_tensors(src, "cpu", check_hashes=True)

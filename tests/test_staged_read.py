@@ -8,16 +8,19 @@ copies on a side stream) is the same plan of fills; tests/test_loader_gpu.py com
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from mxconv.engines import staged_read
 from mxconv.engines.staged_read import (
     StagedReader,
     StagingOptions,
@@ -135,3 +138,97 @@ def test_staging_options_refuse_zero() -> None:
     with pytest.raises(BadInput, match="buffer_bytes must be >= 1"):
         StagingOptions(buffer_bytes=0)
     assert StagingOptions(buffer_bytes=64 << 20, buffers=3).host_bytes == 192 << 20
+
+
+def test_hash_check_refuses_a_tensor_without_a_hash(tmp_path: Path) -> None:
+    files = _shards(tmp_path)
+    infos = _infos(files)
+    want = _reference(files)
+    hashes = {k: hashlib.sha256(byte_view(t.contiguous()).numpy().tobytes()).hexdigest() for k, t in want.items() if k != "b.odd"}
+    with pytest.raises(BadInput, match=r"b\.safetensors: tensor 'odd': no sha256 to check"):
+        read_tensors(infos, "cpu", hashes=hashes)
+
+
+def test_file_shrinking_after_the_size_check_is_a_short_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = _shards(tmp_path)
+    infos = _infos(files)
+    checked = staged_read._check_sizes
+
+    def check_then_shrink(fds, ordered) -> None:  # the sizes pass, then the file loses its last 5 bytes
+        checked(fds, ordered)
+        os.truncate(files["a"], files["a"].stat().st_size - 5)
+
+    monkeypatch.setattr(staged_read, "_check_sizes", check_then_shrink)
+    with pytest.raises(BadInput, match=r"a\.safetensors: tensor 'i32' is truncated \(the file ends at byte"):
+        read_tensors(infos, "cpu", StagingOptions(buffer_bytes=64, piece_bytes=16))
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts open fds through /proc")
+def test_os_error_in_the_middle_of_a_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = _shards(tmp_path)
+    infos = _infos(files)
+    bad = infos["a.i32"]  # in a late fill of the read below
+    inode = files["a"].stat().st_ino
+    real, calls = os.preadv, []
+
+    def failing(fd: int, buffers, offset: int) -> int:
+        calls.append(offset)
+        if offset == bad.begin and os.fstat(fd).st_ino == inode:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
+
+    with StagedReader("cpu", StagingOptions(buffer_bytes=64, piece_bytes=16, read_threads=2)) as reader:
+        fds = _open_fds()
+        monkeypatch.setattr(os, "preadv", failing)
+        with pytest.raises(BadInput, match=rf"a\.safetensors: tensor 'i32': \[Errno {errno.EIO}\]"):
+            reader.read(infos)
+        assert calls and min(calls) < bad.begin  # earlier fills were read before the error
+        monkeypatch.setattr(os, "preadv", real)
+        assert _open_fds() == fds  # every file closed
+        got = reader.read(infos)  # the reader works on
+    for key, t in _reference(files).items():
+        assert torch.equal(byte_view(got[key]), byte_view(t.contiguous())), key
+
+
+def test_a_failed_piece_waits_for_the_pieces_still_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One piece of a fill fails while the others are inside preadv: read() must not raise (and
+    close the files) before they are done, else they read a closed or reused fd."""
+    path = tmp_path / "one.safetensors"
+    write_unaligned(path, {"x": torch.arange(64, dtype=torch.uint8)})
+    infos = {"x": read_header(path)[0]["x"]}
+    first = infos["x"].begin
+    pieces = 4  # 64 bytes in pieces of 16, one thread each
+    started = threading.Barrier(pieces, timeout=30)
+    release = threading.Event()
+    lock = threading.Lock()
+    in_flight, late = [0], []
+    real = os.preadv
+
+    def slow(fd: int, buffers, offset: int) -> int:
+        with lock:
+            in_flight[0] += 1
+        try:
+            started.wait()  # every piece is inside preadv
+            if offset == first:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            release.wait(timeout=1.0)  # the others finish on their own a moment later
+            try:
+                return real(fd, buffers, offset)
+            except OSError as exc:
+                late.append(exc)
+                raise
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(os, "preadv", slow)
+    with StagedReader("cpu", StagingOptions(piece_bytes=16, read_threads=pieces)) as reader:
+        with pytest.raises(BadInput, match=r"one\.safetensors: tensor 'x': "):
+            reader.read(infos)
+        still_reading = in_flight[0]
+        release.set()
+    assert still_reading == 0 and late == []

@@ -39,7 +39,7 @@ from mxconv.layouts.base import LayoutOptions
 from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.padding import KernelChoice
 from mxconv.run.compute import to_format
-from mxconv.run.options import QuantOptions
+from mxconv.run.options import QUANTIZE_FORMATS, QuantOptions, ScaleRounding
 
 # gpt-oss source name -> (canonical name, transpose the last two dims?)
 _SOURCE_NAMES = {
@@ -138,24 +138,47 @@ def convert_layer(tensors: Mapping[str, torch.Tensor], options: ConvertOptions, 
     return dict(layout.to_kernel(canon, activation, layout_options, options.kernel_choice))
 
 
-def update_layer(layer: EngineLayer, tensors: Mapping[str, torch.Tensor], *, quant: QuantOptions | None = None,
-                 row_order: str | None = None) -> EngineLayer:  # fmt: skip
-    """Convert ``tensors`` for ``layer``'s backend, activation and layout options (its manifest's)
-    and copy the result into the layer's stored buffers, in place (no buffer is reallocated), then
-    re-wrap ``layer.experts`` from them (cheap: the triton and marlin runners hold those very
-    buffers, as views, so an engine keeping the old objects sees the new weights too; a runner that
-    copies, like the test suite's toy, gets fresh objects). The sizes must be the layer's (BadInput
-    naming the tensor otherwise). Returns ``layer``."""
-    lay = layer.layout
-    opts = ConvertOptions(layer.backend, activation=lay.get("activation"), layout_options=lay.get("options") or {},
-                          quant=quant or QuantOptions())  # fmt: skip
-    new = convert_layer({k: v.to(layer.device) for k, v in tensors.items()}, opts,
-                        row_order=row_order or lay.get("w13_row_order"))  # fmt: skip
+def layer_quant(layer: EngineLayer) -> QuantOptions:
+    """How ``layer``'s output quantized float experts (its manifest's ``weight_format`` and
+    ``scale_rounding``; no rule recorded, MX bytes moved untouched: the format's default rule)."""
+    if layer.weight_format not in QUANTIZE_FORMATS:
+        raise BadInput(f"update_layer: the layer's output holds {layer.weight_format} experts (manifest weight_format); "
+                       f"in-memory conversion writes {', '.join(QUANTIZE_FORMATS)}")  # fmt: skip
+    return QuantOptions(layer.weight_format, layer.scale_rounding or ScaleRounding.AUTO)
+
+
+def _check_fits(layer: EngineLayer, new: Mapping[str, torch.Tensor]) -> None:
+    """BadInput, before any buffer is written, unless ``new`` has exactly the layer's tensors, each
+    of its shape and element size."""
+    extra = sorted(set(new) - set(layer.tensors))
+    if extra:
+        raise BadInput(f"update_layer: the conversion gives {', '.join(extra)}, which the layer does not hold "
+                       f"(it holds {', '.join(layer.tensors)}; biases given for a layer without them?)")  # fmt: skip
     for key, held in layer.tensors.items():
         got = new.get(key)
         if got is None or got.shape != held.shape or got.element_size() != held.element_size():
             shown = "absent" if got is None else f"{got.dtype}{list(got.shape)}"
             raise BadInput(f"update_layer: {key} converts to {shown}, the layer holds {held.dtype}{list(held.shape)}")
+
+
+def update_layer(layer: EngineLayer, tensors: Mapping[str, torch.Tensor], *, quant: QuantOptions | None = None,
+                 row_order: str | None = None) -> EngineLayer:  # fmt: skip
+    """Convert ``tensors`` for ``layer``'s backend, activation and layout options and quantization
+    (its manifest's: float experts are quantized as that output's were, :func:`layer_quant`;
+    ``quant`` overrides) and copy the result into the layer's stored buffers, in place (no buffer
+    is reallocated), then re-wrap ``layer.experts`` from them (cheap: the triton and marlin runners
+    hold those very buffers, as views, so an engine keeping the old objects sees the new weights
+    too; a runner that copies, like the test suite's toy, gets fresh objects). Every converted
+    tensor must be one the layer holds, of its size, and every held one must be converted (BadInput
+    naming the tensor otherwise, raised before any buffer is written). Returns ``layer``."""
+    lay = layer.layout
+    opts = ConvertOptions(layer.backend, activation=lay.get("activation"), layout_options=lay.get("options") or {},
+                          quant=quant or layer_quant(layer))  # fmt: skip
+    new = convert_layer({k: v.to(layer.device) for k, v in tensors.items()}, opts,
+                        row_order=row_order or lay.get("w13_row_order"))  # fmt: skip
+    _check_fits(layer, new)
+    for key, held in layer.tensors.items():
+        got = new[key]
         held.copy_(got.view(held.dtype) if got.dtype != held.dtype else got)
     if layer.rewrap is not None:
         layer.experts = layer.rewrap(layer.tensors)

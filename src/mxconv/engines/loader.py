@@ -195,6 +195,8 @@ class EngineLayer:
     runner: EngineRunner = field(repr=False)
     layout: dict[str, Any] = field(default_factory=dict, repr=False)  # the manifest's ``layout`` object
     rewrap: Callable[[dict[str, torch.Tensor]], Any] | None = field(default=None, repr=False)  # tensors -> experts
+    weight_format: str = "mxfp4"  # the manifest's: how the output's experts were quantized ...
+    scale_rounding: str | None = None  # ... and by which scale rule (None: MX bytes moved untouched)
 
     @property
     def device(self) -> torch.device:
@@ -247,7 +249,7 @@ def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor],
         return runner.wrap(held, lay, src.intermediate_size, src.tp_size, kernel_locations=kernel_locations, **common)
 
     return EngineLayer(src.backend, src.layer, src.rank, src.tp_size, info, rewrap(tensors), tensors, runner,
-                       dict(lay), rewrap)  # fmt: skip
+                       dict(lay), rewrap, str(m.get("weight_format") or "mxfp4"), m.get("scale_rounding"))  # fmt: skip
 
 
 def load_layer(path: str | Path, layer: int, *, device: str | torch.device = "cuda", rank: int | None = None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ALL_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,15 +108,35 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _read_exact(fd: int, target: memoryview, offset: int, seg: Segment) -> None:
-    """Fill ``target`` from ``fd`` at ``offset``; BadInput naming file and tensor on a short read."""
+    """Fill ``target`` from ``fd`` at ``offset``; BadInput naming file and tensor on a short read or
+    an OS error (EIO, a file system gone away, ...)."""
+    info = seg.info
     got = 0
     while got < len(target):
-        n = os.preadv(fd, [target[got:]], offset + got)
+        try:
+            n = os.preadv(fd, [target[got:]], offset + got)
+        except OSError as exc:
+            raise BadInput(f"{info.file}: tensor {info.name!r}: {exc}") from exc
         if n <= 0:
-            info = seg.info
             raise BadInput(f"{info.file}: tensor {info.name!r} is truncated (the file ends at byte {offset + got}, "
                            f"the tensor needs bytes up to {info.end})")  # fmt: skip
         got += n
+
+
+def _open(info: TensorInfo) -> int:
+    """A read-only fd of ``info.file``; BadInput naming the file and the tensor otherwise."""
+    try:
+        return os.open(info.file, os.O_RDONLY)
+    except OSError as exc:
+        raise BadInput(f"{info.file}: tensor {info.name!r}: {exc}") from exc
+
+
+def _check_hashes_given(ordered: list[tuple[str, TensorInfo]], hashes: dict[str, str]) -> None:
+    """Refuse, before anything is read, a hash check that would leave a tensor unchecked."""
+    for key, info in ordered:
+        if key not in hashes:
+            raise BadInput(f"{info.file}: tensor {info.name!r}: no sha256 to check its bytes against "
+                           "(a hash check needs one for every tensor read)")  # fmt: skip
 
 
 def _check_sizes(fds: dict[Path, int], infos: list[tuple[str, TensorInfo]]) -> None:
@@ -130,7 +150,10 @@ def _check_sizes(fds: dict[Path, int], infos: list[tuple[str, TensorInfo]]) -> N
 
 class StagedReader:
     """Reads tensors of safetensors files onto one device; keeps its threads, pinned buffers and
-    copy stream between reads (use as a context manager, or call :meth:`close`)."""
+    copy stream between reads (use as a context manager, or call :meth:`close`).
+
+    Not thread-safe: one :meth:`read` at a time. Two threads reading through one reader would fill
+    the same staging buffers; give each thread its own reader."""
 
     def __init__(self, device: str | torch.device = "cuda", staging: StagingOptions | None = None) -> None:
         self.device = torch.device(device)
@@ -153,8 +176,11 @@ class StagedReader:
     def read(self, infos: dict[str, TensorInfo], hashes: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
         """``{key: tensor}`` for ``{key: where it lives}``, dtypes and shapes as stored, on the
         reader's device. ``hashes`` ({key: sha256 hex}) checks each tensor's bytes as they pass:
-        BadInput naming the file and tensor on a mismatch."""
+        BadInput naming the file and tensor on a mismatch, or for a tensor it has no hash of. On
+        any error nothing is left reading files or copying into the tensors when it is raised."""
         ordered = sorted(infos.items(), key=lambda kv: (str(kv[1].file), kv[1].begin))
+        if hashes is not None:
+            _check_hashes_given(ordered, hashes)
         out = {key: torch.empty(storage_shape(info), dtype=info.torch_dtype, device=self.device) for key, info in ordered}
         views = {key: byte_view(t) for key, t in out.items()}
         hashers = {key: hashlib.sha256() for key in infos} if hashes is not None else None
@@ -162,7 +188,7 @@ class StagedReader:
         try:
             for _, info in ordered:
                 if info.file not in fds:
-                    fds[info.file] = os.open(info.file, os.O_RDONLY)
+                    fds[info.file] = _open(info)
             _check_sizes(fds, ordered)
             fills = plan_fills(ordered, self.staging.buffer_bytes)
             if self.device.type == "cuda":
@@ -174,7 +200,7 @@ class StagedReader:
                 os.close(fd)
         if hashes is not None and hashers is not None:
             for key, info in ordered:
-                if key in hashes and hashers[key].hexdigest() != hashes[key]:
+                if hashers[key].hexdigest() != hashes[key]:
                     raise BadInput(f"{info.file}: tensor {info.name!r}: sha256 mismatch with the manifest (corrupted or modified bytes)")
         self.bytes_read += sum(info.nbytes for _, info in ordered)
         return out
@@ -191,11 +217,17 @@ class StagedReader:
         return jobs
 
     def _run(self, jobs: list[tuple[int, memoryview, int, Segment]]) -> None:
+        """Every job on the pool; returns (or raises the first job's error) only once all are done,
+        so no read outlives the call (the caller closes the fds and reuses the buffers next)."""
         if len(jobs) == 1:
             _read_exact(*jobs[0])
             return
-        for _ in self._pool.map(lambda j: _read_exact(*j), jobs):
-            pass
+        futures = [self._pool.submit(_read_exact, *job) for job in jobs]
+        wait(futures, return_when=ALL_COMPLETED)
+        for f in futures:
+            exc = f.exception()
+            if exc is not None:
+                raise exc
 
     def _read_direct(self, fills: list[list[Segment]], fds: dict[Path, int], views: dict[str, torch.Tensor],
                      hashers: dict[str, Any] | None) -> None:  # fmt: skip
@@ -223,21 +255,23 @@ class StagedReader:
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the destinations were allocated there
         events: list[Any] = [None] * len(buffers)
         mvs = [memoryview(b.numpy()) for b in buffers]
-        for i, fill in enumerate(fills):
-            b = i % len(buffers)
-            if events[b] is not None:
-                events[b].synchronize()
-            mv = mvs[b]
-            self._run(self._jobs(fill, fds, lambda s, mv=mv: mv[s.buffer_offset:s.buffer_offset + s.nbytes]))
-            if hashers is not None:
-                for s in fill:
-                    hashers[s.key].update(mv[s.buffer_offset:s.buffer_offset + s.nbytes])
-            with torch.cuda.stream(stream):
-                for s in fill:
-                    src = buffers[b][s.buffer_offset:s.buffer_offset + s.nbytes]
-                    views[s.key][s.start:s.start + s.nbytes].copy_(src, non_blocking=True)
-                events[b] = stream.record_event()
-        stream.synchronize()
+        try:
+            for i, fill in enumerate(fills):
+                b = i % len(buffers)
+                if events[b] is not None:
+                    events[b].synchronize()
+                mv = mvs[b]
+                self._run(self._jobs(fill, fds, lambda s, mv=mv: mv[s.buffer_offset:s.buffer_offset + s.nbytes]))
+                if hashers is not None:
+                    for s in fill:
+                        hashers[s.key].update(mv[s.buffer_offset:s.buffer_offset + s.nbytes])
+                with torch.cuda.stream(stream):
+                    for s in fill:
+                        src = buffers[b][s.buffer_offset:s.buffer_offset + s.nbytes]
+                        views[s.key][s.start:s.start + s.nbytes].copy_(src, non_blocking=True)
+                    events[b] = stream.record_event()
+        finally:  # also on an error: no queued copy may still read the buffers or write the tensors
+            stream.synchronize()
 
 
 def read_tensors(infos: dict[str, TensorInfo], device: str | torch.device = "cuda",

@@ -239,6 +239,15 @@ def build_experts(
     )  # fmt: skip
 
 
+def _arch_refusal(layout_fields: dict[str, Any]) -> str | None:
+    """Why the storage of manifest ``layout`` cannot be wrapped for the Hopper matmul, or None (sm90)."""
+    arch = str(layout_fields.get("arch", "sm90"))
+    if arch == "sm90":
+        return None
+    return (f"the output holds the {arch} storage (manifest layout.arch = {arch!r}); mxconv runs triton_kernels' "
+            "Hopper matmul on sm90 storage only: repack with --layout-option arch=sm90 to run it here")  # fmt: skip
+
+
 class TritonRunner:
     """The :class:`~mxconv.engines.runner.EngineRunner` of ``--backend triton``: triton_kernels'
     Hopper ``matmul_ogs`` on the stored buffers (the triton layout points here)."""
@@ -251,10 +260,9 @@ class TritonRunner:
 
     def kernel_unavailable(self, layout_fields: dict[str, Any], device: Any,
                            kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
-        arch = str(layout_fields.get("arch", "sm90"))
-        if arch != "sm90":
-            return (f"the output holds the {arch} storage (manifest layout.arch); mxconv runs triton_kernels' Hopper "
-                    "matmul only: repack with --layout-option arch=sm90 to run it here")  # fmt: skip
+        refusal = _arch_refusal(layout_fields)
+        if refusal is not None:
+            return refusal
         self.check_device(device)
         tk = discover.find_triton_kernels((kernel_locations or KernelLocations()).triton_kernels)
         discover.require_triton_generation(tk, str(layout_fields.get("triton_layout", "3.5")))
@@ -270,7 +278,11 @@ class TritonRunner:
     def wrap(self, tensors: dict[str, torch.Tensor], layout_fields: dict[str, Any], rank_intermediate_size: int,
              tp_size: int, kernel_locations: KernelLocations | None = None, **common: Any) -> TritonExperts:  # fmt: skip
         """One rank's buffers wrapped per spec §8; a TP rank's Ip is its share rounded up to the
-        layout's ``intermediate_align``."""
+        layout's ``intermediate_align``. BadInput for another GPU's storage (manifest ``layout.arch``)
+        before anything else: its bytes are not what the Hopper layouts wrap."""
+        refusal = _arch_refusal(layout_fields)
+        if refusal is not None:
+            raise BadInput(f"{common.get('name', 'experts')}: {refusal}")
         self.check_device(tensors["w13_weight"].device)
         tk = discover.find_triton_kernels((kernel_locations or KernelLocations()).triton_kernels)
         discover.require_triton_generation(tk, str(layout_fields.get("triton_layout", "3.5")))
