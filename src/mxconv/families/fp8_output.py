@@ -48,15 +48,10 @@ class BlockFP8Output:
     def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
         if fmt != FP8_BLOCK:
             return super().quantized_specs(ref, fmt)  # type: ignore[misc]
-        p = self._plan()
-        H, I = p.hidden_size, p.intermediate_size
         specs: dict[str, TensorSpec] = {}
-        for e in range(p.num_experts):
-            for proj in range(3):
-                n, k = (I, H) if proj < 2 else (H, I)
-                specs[self.expert_name(ref.module_prefix, e, proj, "weight")] = TensorSpec((n, k), "F8_E4M3")
-                specs[self.expert_name(ref.module_prefix, e, proj, "weight_scale_inv")] = TensorSpec(
-                    (-(-n // TILE), -(-k // TILE)), "F32")
+        for e, proj, n, k in self._plan().expert_projections():
+            specs[self.expert_name(ref.module_prefix, e, proj, "weight")] = TensorSpec((n, k), "F8_E4M3")
+            specs[self.expert_name(ref.module_prefix, e, proj, "weight_scale_inv")] = TensorSpec((-(-n // TILE), -(-k // TILE)), "F32")
         return specs
 
     def quantized_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:

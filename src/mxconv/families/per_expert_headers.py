@@ -45,6 +45,14 @@ class HeaderPlan:
     hidden_size: int
     intermediate_size: int
 
+    def expert_projections(self) -> Iterable[tuple[int, int, int, int]]:
+        """(expert, projection 0/1/2 = gate/up/down, N, K) of every routed expert's Linear weight [N, K]:
+        the outputs' per-expert tensor specs walk these."""
+        H, I = self.hidden_size, self.intermediate_size
+        for e in range(self.num_experts):
+            for proj in range(3):
+                yield (e, proj, *((I, H) if proj < 2 else (H, I)))
+
 
 class PerExpertPlan:
     """The plan (cached) and header checks of :class:`PerExpertReader`, which supplies the names
