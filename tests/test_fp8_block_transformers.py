@@ -53,6 +53,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     code, _, err = mx("quantize", root / "src", root / "part", "--format", "fp8-block", "--ignore", "layers.1",
                       "--device", "cpu", "--quiet")
     assert code == 0, err
+    code, _, err = mx("quantize", root / "src", root / "lin", "--format", "fp8-block", "--targets", "linear",
+                      "--device", "cpu", "--quiet")
+    assert code == 0, err
     return root / "src", root / "fp8"
 
 
@@ -99,6 +102,25 @@ def test_transformers_reads_a_layer_left_in_float_as_float(models: tuple[Path, P
     assert torch.allclose(got.model.layers[0].mlp.experts.down_proj, fp8, rtol=1e-2, atol=1e-4)
     assert not torch.equal(got.model.layers[0].mlp.experts.down_proj, plain.model.layers[0].mlp.experts.down_proj)
     a, b, s = _logits(got), _logits(_expected(src, (0,))), _logits(_expected(src, (0, 1)))
+    err = (a - b).abs().max().item()
+    assert err <= 2e-2 * b.abs().max().item(), f"logits differ from the expected model's by {err}"
+    assert (s - b).abs().max().item() > 5 * max(err, 1e-6)
+
+
+def test_transformers_loads_block_fp8_linears(models: tuple[Path, Path]) -> None:
+    """``--targets linear``: the attention projections are block FP8 as well (transformers'
+    FP8Linear, dequantized on load without a GPU); routers, embeddings and lm_head stay as they are."""
+    src, _ = models
+    got = _load(src.parent / "lin")
+    want = _expected(src, (0, 1))
+    with torch.no_grad():
+        for n, p in want.named_parameters():
+            if ".self_attn." in n and n.endswith("_proj.weight"):
+                p.copy_(_block_fake_quant(p))
+    for n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
+        assert torch.allclose(got.get_parameter(n).float(), want.get_parameter(n), rtol=1e-2, atol=1e-4), n
+    assert torch.equal(got.model.layers[0].mlp.gate.weight, _load(src).model.layers[0].mlp.gate.weight)
+    a, b, s = _logits(got), _logits(want), _logits(_expected(src, (0, 1)))
     err = (a - b).abs().max().item()
     assert err <= 2e-2 * b.abs().max().item(), f"logits differ from the expected model's by {err}"
     assert (s - b).abs().max().item() > 5 * max(err, 1e-6)
