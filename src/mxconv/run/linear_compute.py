@@ -55,7 +55,7 @@ def quantize_linears(refs: list[LinearRef], data: dict[str, tuple[torch.Tensor, 
 def _fp8_block_linear(r: LinearRef, x: torch.Tensor, stats: ErrorStats) -> dict[str, torch.Tensor]:
     """One linear [1, N, K] fp32 -> ``weight`` E4M3 and ``weight_scale_inv`` fp32 (amax/448 per 128x128
     tile) on the host; a NaN/Inf value is refused (a tile scale cannot carry it)."""
-    from mxconv.mx.fp8_block import float_to_fp8_block
+    from mxconv.kernels.quantize import float_to_fp8_block
     from mxconv.mx.numerics import dequantize_fp8_block, first_nonfinite
 
     idx = first_nonfinite(x)
