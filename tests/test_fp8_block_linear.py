@@ -62,6 +62,12 @@ def test_linears_are_block_fp8_and_the_config_names_the_rest(linear: tuple[Path,
     assert Q in lin["quantized"] and lin["left_alone"][O] == "--include/--ignore"
 
 
+def test_inspect_names_the_block_rule(linear: tuple[Path, Path]) -> None:
+    code, stdout, err = mx("inspect", linear[1])
+    assert code == 0, err
+    assert "fp8-block linears" in stdout and "6 (amax/448 per 128x128 block)" in stdout
+
+
 def test_verify_checks_the_block_fp8_linears(linear: tuple[Path, Path]) -> None:
     src, out = linear
     code, stdout, err = mx("verify", out, "--reference", src, "--json")
