@@ -104,8 +104,41 @@ def test_gpt_oss_is_refused_with_its_reason(made: MadeCheckpoints, tmp_path: Pat
 @pytest.mark.parametrize("flags, message", [
     (("--format", "mxfp4", "--require-exact"), "--require-exact applies to --format fp8-block"),
     (("--format", "fp8-block", "--scale-rounding", "floor"), "fp8-block tile scales"),
-    (("--format", "fp8-block", "--ignore", "layers.1"), "a block-FP8 output converts every MoE layer"),
 ])
 def test_flags_refused(made: MadeCheckpoints, tmp_path: Path, flags: tuple[str, ...], message: str) -> None:
     code, _, err = _run("quantize", made.source("qwen3-moe").path, tmp_path / "o", *flags)
     assert code == 2 and message in err
+
+
+def test_partial_ignore_lists_the_float_layer_for_loaders_and_verifies(made: MadeCheckpoints) -> None:
+    src = made.source("qwen3-moe").path
+    out = made.quantize(src, "--format", "fp8-block", "--ignore", "layers.1")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    # vLLM's Fp8Config matches the FusedMoE prefix exactly; transformers' fused experts module has the same name
+    assert "model.layers.1.mlp.experts" in qc["modules_to_not_convert"]
+    assert "model.layers.0.mlp.experts" not in qc["modules_to_not_convert"]
+    kept = "model.layers.1.mlp.experts.2.down_proj.weight"
+    assert torch.equal(_tensor(out, kept), _tensor(src, kept)) and _tensor(out, kept).dtype == torch.bfloat16
+    assert _tensor(out, f"{LAYER0}.weight").dtype == torch.float8_e4m3fn
+    m = json.loads((out / "mxconv.json").read_text())
+    assert [r["layer"] for r in m["layers"]] == [0] and set(m["fp8_tiles"]["layers"]) == {"0"}
+    code, stdout, err = mx("verify", out, "--reference", src, "--json")
+    assert code == 0, err
+    assert [r["layer"] for r in json.loads(stdout)["layers"]] == [0]
+
+
+def test_partial_ignore_of_an_mxfp4_layer_is_refused(mx4: Path, tmp_path: Path) -> None:
+    code, _, err = _run("quantize", mx4, tmp_path / "o", "--format", "fp8-block", "--include", "layers.0")
+    assert code == 2
+    assert "model.layers.1.mlp.experts: --include/--ignore leave this mxfp4 MoE layer as it is" in err
+    assert "loaders read as float weights" in err and not (tmp_path / "o").exists()
+
+
+def test_an_unlisted_float_layer_under_an_fp8_config_is_refused(made: MadeCheckpoints, tmp_path: Path) -> None:
+    out = made.quantize(made.source("qwen3-moe").path, "--format", "fp8-block", "--ignore", "layers.1")
+    bad = copy_checkpoint(out, tmp_path / "unlisted")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"].remove("model.layers.1.mlp.experts")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    code, _, err = mx("verify", bad)
+    assert code != 0 and "model.layers.1.mlp.experts.0" in err and "quantization_config says fp8_block" in err

@@ -60,8 +60,8 @@ def inspect(
         t.add_row("bytes: rest", human_bytes(doc["bytes"]["rest"]))
         if doc.get("linears"):
             lin = doc["linears"]
-            t.add_row(f"{lin['format']} linears", f"{len(lin['quantized']) + len(lin.get('carried_mx', []))} "
-                      f"(scale rounding {lin['scale_rounding']})")
+            rule = f"scale rounding {lin['scale_rounding']}" if lin.get("scale_rounding") else "amax/448 per 128x128 block"
+            t.add_row(f"{lin['format']} linears", f"{len(lin['quantized']) + len(lin.get('carried_mx', []))} ({rule})")
             by_reason: dict[str, list[str]] = {}
             for module, why in lin.get("left_alone", {}).items():
                 by_reason.setdefault(why, []).append(module)

@@ -23,7 +23,8 @@ def quantize(
     scale_rounding: RoundingOpt = ScaleRounding.AUTO,
     targets: Annotated[Targets, typer.Option("--targets", help=(
         "experts: routed-expert weights only. linear: every linear layer too (attention, dense MLPs, shared experts), "
-        "MXFP8 like vLLM's online MXFP8 method (needs --format mxfp8); embeddings, lm_head, routers and norms stay."))] = Targets.EXPERTS,
+        "MXFP8 like vLLM's online MXFP8 method (with --format mxfp8), or block FP8 (with --format fp8-block); embeddings, "
+        "lm_head, routers and norms stay."))] = Targets.EXPERTS,
     include: Annotated[Optional[list[str]], typer.Option("--include", metavar="PATTERN", help=(
         "Repeatable. Quantize only matching MoE layers ('<module>.experts' names) and, with --targets linear, linear "
         "modules: a regex found anywhere in the name, or compressed-tensors' 're:REGEX' (matched from the start)."))] = None,
@@ -31,8 +32,8 @@ def quantize(
         "Repeatable. Leave matching MoE layers and linear modules as they are (same patterns as --include; "
         "config.json lists them as not converted)."))] = None,
     skip_unaligned: Annotated[bool, typer.Option("--skip-unaligned", help=(
-        "With --targets linear: leave a linear whose input size is not a multiple of 32 unquantized (listed in "
-        "config.json) instead of refusing."))] = False,
+        "With --targets linear --format mxfp8: leave a linear whose input size is not a multiple of 32 unquantized "
+        "(listed in config.json) instead of refusing."))] = False,
     require_exact: Annotated[bool, typer.Option("--require-exact", help=(
         "With --format fp8-block from MXFP4: exit 2, naming layer, expert and 128x128 block, when a block cannot be "
         "re-encoded exactly (its binade spread exceeds E4M3's) instead of writing it with the least-loss scale."))] = False,
@@ -43,7 +44,7 @@ def quantize(
 
     gpt-oss is written in the published gpt-oss MXFP4 convention (*_blocks/*_scales); other families
     as compressed-tensors (mxfp4-pack-quantized / mxfp8-quantized). Routed-expert weights are
-    quantized (with --targets linear every linear layer, MXFP8); every other tensor is copied byte
+    quantized (with --targets linear every linear layer, MXFP8 or block FP8); every other tensor is copied byte
     for byte.
 
     Who reads the output (README, "Which loaders read each output"): MXFP4 of every family loads in

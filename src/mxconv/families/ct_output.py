@@ -29,17 +29,13 @@ class CompressedTensorsOutput:
     def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
         if fmt not in MX_FORMATS:
             raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
-        p = self._plan()
-        H, I = p.hidden_size, p.intermediate_size
         specs: dict[str, TensorSpec] = {}
-        for e in range(p.num_experts):
-            for proj in range(3):
-                n, k = (I, H) if proj < 2 else (H, I)
-                if fmt == "mxfp4":
-                    specs[self.expert_name(ref.module_prefix, e, proj, "weight_packed")] = TensorSpec((n, k // 2), "U8")
-                else:
-                    specs[self.expert_name(ref.module_prefix, e, proj, "weight")] = TensorSpec((n, k), "F8_E4M3")
-                specs[self.expert_name(ref.module_prefix, e, proj, "weight_scale")] = TensorSpec((n, k // 32), "U8")
+        for e, proj, n, k in self._plan().expert_projections():
+            if fmt == "mxfp4":
+                specs[self.expert_name(ref.module_prefix, e, proj, "weight_packed")] = TensorSpec((n, k // 2), "U8")
+            else:
+                specs[self.expert_name(ref.module_prefix, e, proj, "weight")] = TensorSpec((n, k), "F8_E4M3")
+            specs[self.expert_name(ref.module_prefix, e, proj, "weight_scale")] = TensorSpec((n, k // 32), "U8")
         return specs
 
     def quantized_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:

@@ -8,8 +8,10 @@ FP8 loader read it as it is.
 * ``quantization_config``: ``{quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
   weight_block_size: [128, 128], modules_to_not_convert: [...]}``. ``modules_to_not_convert`` names
   every other Linear module of the checkpoint exactly (attention, router, shared experts, dense MLPs,
-  lm_head): vLLM's Fp8Config matches it exactly (it reads ``ignored_layers``, else this key) and
-  transformers from the start of the name; without it both would build FP8 modules for the bf16 ones.
+  lm_head), and the fused-MoE module ``...layers.L.mlp.experts`` of every MoE layer ``--include`` /
+  ``--ignore`` left in float: vLLM's Fp8Config matches it exactly (it reads ``ignored_layers``, else
+  this key; a listed FusedMoE gets the unquantized method) and transformers from the start of the
+  name; without it both would build FP8 modules for the bf16 ones.
 
 :class:`BlockFP8Output` is mixed into :class:`~mxconv.families.per_expert.PerExpertReader` before the
 compressed-tensors output and handles ``fp8-block`` only (the MX formats go on to it).
@@ -21,6 +23,7 @@ import re
 from typing import TYPE_CHECKING, Any, Sequence
 
 from mxconv.families.base import MoELayer, MoELayerRef
+from mxconv.families.quant_config import FLOAT_DTYPES
 from mxconv.layouts.canonical import TensorSpec
 
 if TYPE_CHECKING:
@@ -48,15 +51,10 @@ class BlockFP8Output:
     def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
         if fmt != FP8_BLOCK:
             return super().quantized_specs(ref, fmt)  # type: ignore[misc]
-        p = self._plan()
-        H, I = p.hidden_size, p.intermediate_size
         specs: dict[str, TensorSpec] = {}
-        for e in range(p.num_experts):
-            for proj in range(3):
-                n, k = (I, H) if proj < 2 else (H, I)
-                specs[self.expert_name(ref.module_prefix, e, proj, "weight")] = TensorSpec((n, k), "F8_E4M3")
-                specs[self.expert_name(ref.module_prefix, e, proj, "weight_scale_inv")] = TensorSpec(
-                    (-(-n // TILE), -(-k // TILE)), "F32")
+        for e, proj, n, k in self._plan().expert_projections():
+            specs[self.expert_name(ref.module_prefix, e, proj, "weight")] = TensorSpec((n, k), "F8_E4M3")
+            specs[self.expert_name(ref.module_prefix, e, proj, "weight_scale_inv")] = TensorSpec((-(-n // TILE), -(-k // TILE)), "F32")
         return specs
 
     def quantized_tensors(self, layer: MoELayer) -> dict[str, torch.Tensor]:
@@ -78,9 +76,12 @@ class BlockFP8Output:
     def quantization_config(self, fmt: str, scale_rounding: str, skipped: Sequence[MoELayerRef] = ()) -> dict[str, Any]:
         if fmt != FP8_BLOCK:
             return super().quantization_config(fmt, scale_rounding, skipped)  # type: ignore[misc]
-        if skipped:
-            raise ValueError("a block-FP8 output converts every MoE layer")
-        return fp8_block_config(self.fp8_not_converted())
+        left = []
+        for ref in skipped:  # MoE layers --include/--ignore leave in float: their fused-MoE module, exactly
+            if self.layer_format(ref) not in FLOAT_DTYPES.values():
+                raise ValueError(f"{ref.module_prefix}.experts: a block-FP8 output lists only float MoE layers as not converted")
+            left.append(f"{ref.module_prefix}.experts")
+        return fp8_block_config(sorted(set(self.fp8_not_converted()) | set(left)))
 
     def fp8_not_converted(self) -> list[str]:
         """Every Linear module (a 2-D ``.weight``) that is not a routed expert, by its exact name."""

@@ -45,6 +45,14 @@ class HeaderPlan:
     hidden_size: int
     intermediate_size: int
 
+    def expert_projections(self) -> Iterable[tuple[int, int, int, int]]:
+        """(expert, projection 0/1/2 = gate/up/down, N, K) of every routed expert's Linear weight [N, K]:
+        the outputs' per-expert tensor specs walk these."""
+        H, I = self.hidden_size, self.intermediate_size
+        for e in range(self.num_experts):
+            for proj in range(3):
+                yield (e, proj, *((I, H) if proj < 2 else (H, I)))
+
 
 class PerExpertPlan:
     """The plan (cached) and header checks of :class:`PerExpertReader`, which supplies the names
@@ -107,7 +115,10 @@ class PerExpertPlan:
         first = params.get("weight_packed") or params["weight"]
         sample = self.ckpt.info(first)
         want = {None: "float", "fp8": "fp8_block", "ct-int4": "int4"}.get(scheme.method, scheme.mx_fmt)
-        if fmt != want:
+        fused_moe = f"{self.layer_prefix(root, layer)}.experts"
+        if fmt != want and scheme.method == "fp8" and fmt == "float" and fused_moe in scheme.ignore:
+            pass  # a float MoE layer a partial fp8-block quantize left alone, listed exactly as vLLM matches it
+        elif fmt != want:
             if scheme.method != "ct-mx" or fmt in MX_FORMATS:
                 qc = "no quantization_config" if scheme.method is None else f"quantization_config says {want}"
                 raise BadInput(

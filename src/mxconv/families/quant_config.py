@@ -46,7 +46,7 @@ class QuantScheme:
     mx_fmt: str | None = None
     block: tuple[int, int] | None = None  # block-FP8 tile (fp8, or ct-mx with unconverted block-FP8 layers)
     ue8m0: bool = False
-    ignore: tuple[str, ...] = ()  # ct-mx: the config's ignore list
+    ignore: tuple[str, ...] = ()  # ct-mx: the config's ignore list; fp8: the modules it leaves unconverted
 
 
 def quantization_dict(ckpt: Checkpoint) -> dict[str, Any] | None:
@@ -139,7 +139,10 @@ def _block_fp8(qc: dict[str, Any], where: str, family: str) -> QuantScheme:
         )
     if qc.get("fmt", "e4m3") != "e4m3":
         raise BadInput(f"{where}: unsupported quantization (fp8 fmt {qc.get('fmt')!r}; only e4m3) for {family}")
-    return QuantScheme("fp8", block=(block[0], block[1]), ue8m0=qc.get("scale_fmt") == "ue8m0")
+    # vLLM's Fp8Config reads ignored_layers, else modules_to_not_convert (exact module names)
+    skip = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []
+    skip = tuple(p for p in skip if isinstance(p, str)) if isinstance(skip, list) else ()
+    return QuantScheme("fp8", block=(block[0], block[1]), ue8m0=qc.get("scale_fmt") == "ue8m0", ignore=skip)
 
 
 def read_quant_scheme(ckpt: Checkpoint, family: str) -> QuantScheme:

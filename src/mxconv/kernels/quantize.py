@@ -1,4 +1,5 @@
-"""The one entry point the rest of mxconv uses to quantize a tensor to MXFP4/MXFP8.
+"""The one entry point the rest of mxconv uses to quantize a tensor to MXFP4/MXFP8 (and to block
+FP8 for ``quantize --format fp8-block``).
 
 ``impl="auto"`` runs the Triton kernel for CUDA tensors when Triton works, otherwise the exact torch
 path; both give the same bytes (tests/test_triton_kernels.py checks it bit for bit on a GPU).
@@ -9,7 +10,9 @@ from __future__ import annotations
 import torch
 
 from mxconv.errors import BadInput
+from mxconv.mx import fp8_block
 from mxconv.mx.formats import check_args
+from mxconv.mx.fp8_block import BlockFP8
 from mxconv.mx.numerics import mx_error_sums, quantize_mx_torch
 
 IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
@@ -58,4 +61,24 @@ def quantize_mx(
     return quantize_mx_torch(x, fmt, scale_rounding, error_sums=error_sums)
 
 
-__all__ = ["IMPLS", "quantize_mx", "select_impl"]
+def mxfp4_to_fp8_block(data: torch.Tensor, scales: torch.Tensor, impl: str = "auto") -> BlockFP8:
+    """MXFP4 [E, N, K/2] + E8M0 [E, N, K/32] -> block FP8 with power-of-two tile scales
+    (:func:`mxconv.mx.fp8_block.mxfp4_to_fp8_block`); Triton for CUDA tensors under "auto", same bytes."""
+    if select_impl(data, impl) == "triton":
+        from mxconv.kernels.fp8_block_triton import mxfp4_to_fp8_block_triton
+
+        return mxfp4_to_fp8_block_triton(data, scales)
+    return fp8_block.mxfp4_to_fp8_block(data, scales)
+
+
+def float_to_fp8_block(x: torch.Tensor, impl: str = "auto") -> BlockFP8:
+    """Floats [E, N, K] -> block FP8, amax/448 per 128x128 tile (:func:`mxconv.mx.fp8_block.float_to_fp8_block`);
+    Triton for CUDA tensors under "auto", same bytes."""
+    if select_impl(x, impl) == "triton":
+        from mxconv.kernels.fp8_block_triton import float_to_fp8_block_triton
+
+        return float_to_fp8_block_triton(x)
+    return fp8_block.float_to_fp8_block(x)
+
+
+__all__ = ["IMPLS", "float_to_fp8_block", "mxfp4_to_fp8_block", "quantize_mx", "select_impl"]

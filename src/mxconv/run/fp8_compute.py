@@ -102,7 +102,7 @@ def _part(src: torch.Tensor | MXStack | Int4Stack, rows: slice, rows0: int, part
     """One projection (rows ``rows`` of every expert) -> (E4M3 [E, n, K], scale_inv [E, nb, kb]) on ``device``."""
     import torch
 
-    from mxconv.mx.fp8_block import float_to_fp8_block, mxfp4_to_fp8_block
+    from mxconv.kernels.quantize import float_to_fp8_block, mxfp4_to_fp8_block
     from mxconv.mx.numerics import dequantize_fp8_block, dequantize_mx
 
     E = int(src.data.shape[0] if isinstance(src, (MXStack, Int4Stack)) else src.shape[0])

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from mxconv.errors import BadInput
 from mxconv.run.compute import ErrorStats, RunStats, quantize_stack, to_host
-from mxconv.run.linears import LINEAR_FORMAT, LinearRef, source_float
+from mxconv.run.linears import FP8_BLOCK, LINEAR_FORMAT, LinearRef, source_float
 from mxconv.run.options import QuantOptions
 from mxconv.run.pipeline import ComputeFn, LoadFn, WorkItem
 from mxconv.source.checkpoint import Checkpoint
@@ -39,6 +40,9 @@ def quantize_linears(refs: list[LinearRef], data: dict[str, tuple[torch.Tensor, 
         w, sinv = data[r.module]
         x = source_float(w, sinv, r.block, device).unsqueeze(0)
         where = (lambda name: lambda idx: f"{name} [{idx[1]}, {idx[2]}]")(r.weight)
+        if r.out_format == FP8_BLOCK:
+            out.update(_fp8_block_linear(r, x.float(), stats))
+            continue
         st = quantize_stack((1, *r.shape), lambda e0, e1, x=x: x[e0:e1], LINEAR_FORMAT, quant, where, stats, device)
         out[r.weight] = to_host(st.data[0]).view(torch.float8_e4m3fn)
         out[f"{r.module}.weight_scale"] = to_host(st.scales[0])
@@ -46,6 +50,21 @@ def quantize_linears(refs: list[LinearRef], data: dict[str, tuple[torch.Tensor, 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return out
+
+
+def _fp8_block_linear(r: LinearRef, x: torch.Tensor, stats: ErrorStats) -> dict[str, torch.Tensor]:
+    """One linear [1, N, K] fp32 -> ``weight`` E4M3 and ``weight_scale_inv`` fp32 (amax/448 per 128x128
+    tile) on the host; a NaN/Inf value is refused (a tile scale cannot carry it)."""
+    from mxconv.kernels.quantize import float_to_fp8_block
+    from mxconv.mx.numerics import dequantize_fp8_block, first_nonfinite
+
+    idx = first_nonfinite(x)
+    if idx is not None:
+        raise BadInput(f"non-finite value {x[idx].item()} in {r.weight} [{idx[1]}, {idx[2]}]; block-FP8 tile scales "
+                       "cannot carry it (--allow-nonfinite applies to the MX formats)")
+    q = float_to_fp8_block(x)
+    stats.add(x, dequantize_fp8_block(q.data, q.scale_inv, (128, 128)))
+    return {r.weight: to_host(q.data[0]), f"{r.module}.weight_scale_inv": to_host(q.scale_inv[0])}
 
 
 def linear_load(plan: Plan, load: LoadFn) -> LoadFn:

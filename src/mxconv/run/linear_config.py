@@ -12,6 +12,9 @@ names exactly which linears are MXFP8 and which are left alone, so a loader neve
   ``modules_to_not_convert`` matching an MXFP8 linear go (``model.layers.*.self_attn``), exact names
   of the linears left alone come in, and ``mxconv_mxfp8_linears`` lists the MXFP8 ones (mxconv's own
   key, like its MXFP8 gpt-oss variant: no engine reads it yet).
+* block FP8 (``quant_method: fp8``, ``quantize --format fp8-block``): ``modules_to_not_convert``
+  names every unconverted Linear exactly already; the quantized linears leave it, and vLLM's
+  Fp8LinearMethod / transformers' fine-grained FP8 take them as block FP8.
 
 :func:`config_quantizes` answers, for either convention, whether the config describes a module
 as quantized; verify checks the files against it.
@@ -60,6 +63,9 @@ def with_linears(qc: dict[str, Any], mx: Iterable[str], others: Iterable[str]) -
         ignore = [p for p in qc.get("ignore") or [] if not any(ct_matches(m, [p]) for m in mx)]
         qc["ignore"] = ignore + [m for m in others if not ct_matches(m, ignore)]
         return qc
+    if qc.get("quant_method") == "fp8":  # names every unconverted module exactly already: drop the quantized ones
+        qc["modules_to_not_convert"] = [p for p in qc.get("modules_to_not_convert") or [] if p not in mx]
+        return qc
     ntc = [p for p in qc.get("modules_to_not_convert") or [] if not any(_tf_listed(m, [p]) for m in mx)]
     qc["modules_to_not_convert"] = ntc + [m for m in others if not _tf_listed(m, ntc)]
     qc[GPT_OSS_KEY] = mx
@@ -67,7 +73,8 @@ def with_linears(qc: dict[str, Any], mx: Iterable[str], others: Iterable[str]) -
 
 
 def config_quantizes(qc: dict[str, Any] | None, module: str) -> bool:
-    """Whether ``qc`` describes linear ``module`` (not a routed expert) as MXFP8-quantized."""
+    """Whether ``qc`` describes linear ``module`` (not a routed expert) as quantized (MXFP8; block FP8
+    under an fp8 config)."""
     def strings(v: Any) -> list[str]:  # a damaged config describes nothing, it does not crash
         return [p for p in v if isinstance(p, str)] if isinstance(v, list) else []
 
@@ -79,4 +86,6 @@ def config_quantizes(qc: dict[str, Any] | None, module: str) -> bool:
         groups = qc.get("config_groups")
         groups = list(groups.values()) if isinstance(groups, dict) else []
         return any(ct_matches(module, strings(g.get("targets"))) for g in groups if isinstance(g, dict))
+    if qc.get("quant_method") == "fp8":  # vLLM's Fp8Config: every Linear is FP8 unless listed (exact names)
+        return module not in strings(qc.get("ignored_layers") or qc.get("modules_to_not_convert"))
     return module in strings(qc.get(GPT_OSS_KEY)) and not _tf_listed(module, strings(qc.get("modules_to_not_convert")))

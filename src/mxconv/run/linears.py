@@ -22,6 +22,12 @@ Output per quantized linear: ``{module}.weight`` F8_E4M3 ``[N, K]`` and ``{modul
 ``[N, K/32]`` (E8M0), biases copied; same scale rounding and kernels as the experts
 (:func:`mxconv.run.compute.quantize_stack`). The config side is :mod:`mxconv.run.linear_config`.
 
+With ``quantize --format fp8-block`` the linears are block FP8 instead (what vLLM's Fp8LinearMethod
+and transformers' fine-grained FP8 read): ``{module}.weight`` F8_E4M3 ``[N, K]`` and
+``{module}.weight_scale_inv`` F32 ``[ceil(N/128), ceil(K/128)]``, amax/448 per 128x128 tile
+(:func:`mxconv.mx.fp8_block.float_to_fp8_block`); any K is taken (partial edge tiles), and an MXFP8
+source linear is refused (an fp8 quantization_config cannot describe it).
+
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
@@ -33,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
-from mxconv.run.options import QuantOptions, Targets, name_matches
+from mxconv.run.options import QuantOptions, Targets, WeightFormat, name_matches
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +49,8 @@ if TYPE_CHECKING:
     from mxconv.output.shards import PlannedTensor
 
 LINEAR_FORMAT = "mxfp8"
+FP8_BLOCK = WeightFormat.FP8_BLOCK.value  # quantize --format fp8-block: the linears are block FP8 too
+_TILE = 128
 _FLOAT = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +110,7 @@ class LinearRef:
     source_format: str  # "bf16" | "fp16" | "fp32" | "fp8_block"
     role: str
     block: tuple[int, int] | None = None  # fp8_block tile
+    out_format: str = LINEAR_FORMAT  # or FP8_BLOCK
 
     @property
     def weight(self) -> str:
@@ -115,6 +124,9 @@ class LinearRef:
         from mxconv.layouts.canonical import TensorSpec
 
         n, k = self.shape
+        if self.out_format == FP8_BLOCK:
+            return {self.weight: TensorSpec((n, k), "F8_E4M3"),
+                    f"{self.module}.weight_scale_inv": TensorSpec((-(-n // _TILE), -(-k // _TILE)), "F32")}
         return {self.weight: TensorSpec((n, k), "F8_E4M3"), f"{self.module}.weight_scale": TensorSpec((n, k // 32), "U8")}
 
 
@@ -124,14 +136,15 @@ class LinearSelection:
     (MXFP8 already) and leaves ``kept`` as they are (module -> why)."""
 
     targets: str
-    scale_rounding: str
+    scale_rounding: str | None  # None for fp8-block (amax/448 tile scales)
     quantized: list[LinearRef] = field(default_factory=list)
     carried: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
     unaligned: list[str] = field(default_factory=list)  # the kept ones --skip-unaligned left alone
+    format: str = LINEAR_FORMAT  # of the quantized ones: mxfp8, or fp8-block (with quantize --format fp8-block)
 
     def mx_modules(self) -> list[str]:
-        """Every linear that is MXFP8 in the output."""
+        """Every linear that is quantized in the output (MXFP8, or block FP8 with ``format`` fp8-block)."""
         return sorted({r.module for r in self.quantized} | set(self.carried))
 
     def source_names(self) -> set[str]:
@@ -148,12 +161,21 @@ class LinearSelection:
     def to_json(self) -> dict[str, Any]:
         return {
             "targets": self.targets,
-            "format": LINEAR_FORMAT,
+            "format": self.format,
             "scale_rounding": self.scale_rounding,
             "quantized": sorted(r.module for r in self.quantized),
             "carried_mx": sorted(self.carried),
             "left_alone": dict(sorted(self.kept.items())),
         }
+
+
+def is_fp8_block_linear(ckpt: Checkpoint, module: str) -> bool:
+    """``{module}.weight`` F8_E4M3 [N, K] with ``weight_scale_inv`` F32 [ceil(N/128), ceil(K/128)]: a
+    block-FP8 linear as ``quantize --format fp8-block --targets linear`` writes it."""
+    w, s = ckpt.tensors.get(f"{module}.weight"), ckpt.tensors.get(f"{module}.weight_scale_inv")
+    if w is None or s is None or w.dtype != "F8_E4M3" or len(w.shape) != 2 or s.dtype != "F32":
+        return False
+    return tuple(s.shape) == tuple(-(-int(d) // _TILE) for d in w.shape)
 
 
 def _is_mx8(ckpt: Checkpoint, module: str, n: int, k: int) -> bool:
@@ -178,13 +200,17 @@ def linear_modules(ckpt: Checkpoint, routers: Iterable[str] = (), experts: Itera
 def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: QuantOptions) -> LinearSelection:
     """The linear layers of ``ckpt`` and what ``quant`` does
     with each, from the headers alone. BadInput for a linear ``--targets linear`` cannot take."""
-    sel = LinearSelection(quant.targets, quant.scale_rounding)
+    fp8 = quant.fmt == WeightFormat.FP8_BLOCK
+    sel = LinearSelection(quant.targets, None if fp8 else quant.scale_rounding, format=FP8_BLOCK if fp8 else LINEAR_FORMAT)
     experts = {n for r in all_refs for n in r.source_names}
     routers = {n for r in all_refs for n in (r.router_weight, r.router_bias, r.correction_bias) if n}
     block: tuple[int, int] | None = None
     for module, role, is_mx in linear_modules(ckpt, routers, experts):
         info = ckpt.tensors[f"{module}.weight"]
         n, k = (int(d) for d in info.shape)
+        if is_mx and fp8:
+            raise BadInput(f"{info.file}: linear {module} is MXFP8 (weight_scale U8), which a block-FP8 output's "
+                           "quantization_config cannot describe; quantize the float checkpoint instead")
         if is_mx:
             sel.carried.append(module)
             continue
@@ -193,16 +219,16 @@ def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: Qua
             why = "--targets experts"
         if why is None and ((quant.include and not name_matches(quant.include, module)) or name_matches(quant.ignore, module)):
             why = "--include/--ignore"
-        fp8 = info.dtype == "F8_E4M3" and f"{module}.weight_scale_inv" in ckpt.tensors
-        if why is None and info.dtype == "F8_E4M3" and not fp8 and f"{module}.weight_scale" not in ckpt.tensors:
+        src_fp8 = info.dtype == "F8_E4M3" and f"{module}.weight_scale_inv" in ckpt.tensors
+        if why is None and info.dtype == "F8_E4M3" and not src_fp8 and f"{module}.weight_scale" not in ckpt.tensors:
             raise BadInput(
                 f"{info.file}: tensor {info.name!r} is F8_E4M3 but neither {module}.weight_scale_inv (block FP8) nor "
                 f"{module}.weight_scale (MXFP8, U8 [{n}, {k // 32}]) is in the checkpoint: its values cannot be read "
                 f"without its scales (a damaged or partial checkpoint?); --ignore 're:{re.escape(module)}$' leaves it as it is"
             )
-        if why is None and info.dtype not in _FLOAT and not fp8:
+        if why is None and info.dtype not in _FLOAT and not src_fp8:
             why = f"{info.dtype} weight (neither float nor block-FP8)"
-        if why is None and k % 32:
+        if why is None and k % 32 and not fp8:  # block FP8 takes any K (partial edge tiles)
             if not quant.skip_unaligned:
                 raise BadInput(
                     f"{ckpt.root}: linear {module} has input size {k} (weight {list(info.shape)}), not a multiple of 32: "
@@ -214,10 +240,11 @@ def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: Qua
         if why is not None:
             sel.kept[module] = why
             continue
-        if fp8:
+        if src_fp8:
             block = block or _fp8_block(ckpt)
             _check_scale_inv(ckpt, module, n, k, block)
-        sel.quantized.append(LinearRef(module, (n, k), "fp8_block" if fp8 else _FLOAT[info.dtype], role, block if fp8 else None))
+        sel.quantized.append(LinearRef(module, (n, k), "fp8_block" if src_fp8 else _FLOAT[info.dtype], role,
+                                       block if src_fp8 else None, sel.format))
     return sel
 
 
@@ -253,7 +280,17 @@ def fused_part_warnings(sel: LinearSelection) -> list[str]:
                 if kept:
                     out.append(f"{m} is MXFP8 but {', '.join(kept)} is not: engines that fuse {'/'.join(group)} into one "
                                "layer need one scheme for all of its parts")
+    if sel.format == FP8_BLOCK:
+        out += _merged_fp8_warnings(sel)
     return sorted(set(out))
+
+
+def _merged_fp8_warnings(sel: LinearSelection) -> list[str]:
+    """Block-FP8 parts of a merged projection (all but its last part: q/k of qkv, gate of gate_up, w1)
+    whose output size is not a multiple of 128: vLLM's validate_fp8_block_shape refuses them."""
+    return [f"{r.module} is block FP8 with output size {r.shape[0]}, not a multiple of 128: vLLM merges it into one "
+            "layer with the next projection and refuses a merged part whose 128-row blocks do not end at its edge"
+            for r in sel.quantized if r.module.rpartition(".")[2] in ("q_proj", "k_proj", "gate_proj", "w1") and r.shape[0] % _TILE]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -137,9 +137,9 @@ class QuantOptions:
             spec = getattr(self, name)
             check_patterns(flag, spec)
             object.__setattr__(self, name, tuple(patterns(spec)) or None)
-        if self.targets == Targets.LINEAR and fmt != WeightFormat.MXFP8:
-            raise BadInput("--targets linear quantizes every linear layer to MXFP8 (vLLM's online MXFP8 method); "
-                           "pass --format mxfp8")
+        if self.targets == Targets.LINEAR and fmt not in (WeightFormat.MXFP8, WeightFormat.FP8_BLOCK):
+            raise BadInput("--targets linear quantizes every linear layer to MXFP8 (vLLM's online MXFP8 method) or, "
+                           "with --format fp8-block, to block FP8; pass --format mxfp8 or fp8-block")
 
     def selects(self, module_prefix: str) -> bool:
         """Whether the MoE layer at ``module_prefix`` is converted (``--include`` / ``--ignore``)."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo, MoELayerRef
+from mxconv.families.quant_config import FLOAT_DTYPES
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import Layout
 from mxconv.layouts.canonical import LayoutSizes, TensorSpec
@@ -168,6 +169,7 @@ def _select_layers(reader: FamilyReader, quant: QuantOptions) -> list[MoELayerRe
     if not refs:
         raise BadInput("no MoE layer selected (check --include / --ignore)")
     selected = {r.layer for r in refs}
+    mx = (WeightFormat.MXFP4, WeightFormat.MXFP8)  # fp8-block outputs: _check_fp8_block
     for r in all_refs:
         kept = reader.layer_format(r)
         if r.layer not in selected and kept == WeightFormat.INT4:
@@ -175,7 +177,7 @@ def _select_layers(reader: FamilyReader, quant: QuantOptions) -> list[MoELayerRe
                 f"{r.module_prefix}.experts: --include/--ignore would leave this INT4 layer as it is next to {quant.fmt} "
                 "layers, which one quantization_config cannot describe; quantize every MoE layer of an INT4 checkpoint"
             )
-        if r.layer not in selected and kept in (WeightFormat.MXFP4, WeightFormat.MXFP8) and kept != quant.fmt:
+        if r.layer not in selected and kept in mx and quant.fmt in mx and kept != quant.fmt:
             raise BadInput(
                 f"{r.module_prefix}.experts: --include/--ignore leave this {kept} layer as it is, next to {quant.fmt} "
                 f"layers; a checkpoint holds one MX format (select every MoE layer, or use --format {kept})"
@@ -184,15 +186,17 @@ def _select_layers(reader: FamilyReader, quant: QuantOptions) -> list[MoELayerRe
 
 
 def _check_fp8_block(ckpt: Checkpoint, reader: FamilyReader, refs: list[MoELayerRef]) -> None:
-    """BadInput for a block-FP8 output that no loader would read right: some MoE layers left out (one
-    quantization_config cannot describe float experts beside FP8 ones), or block-FP8 experts already."""
-    all_refs = reader.layer_refs()
-    if len(refs) != len(all_refs):
-        left = next(r for r in all_refs if r not in refs)
-        raise BadInput(f"{left.module_prefix}.experts: --include/--ignore leave this MoE layer out; a block-FP8 "
-                       "output converts every MoE layer (its quantization_config describes every expert as FP8)")
-    for r in refs:
-        if reader.layer_format(r) == "fp8_block":
+    """BadInput for a block-FP8 output that no loader would read right: an MoE layer --include/--ignore
+    leave out that is not float (the config lists a left-out layer as not converted, which loaders read
+    as float weights), or block-FP8 experts already."""
+    selected = {r.layer for r in refs}
+    for r in reader.layer_refs():
+        kept = reader.layer_format(r)
+        if r.layer not in selected and kept not in FLOAT_DTYPES.values():
+            raise BadInput(f"{r.module_prefix}.experts: --include/--ignore leave this {kept} MoE layer as it is; a "
+                           "block-FP8 output lists the layers it leaves out as not converted, which loaders read as "
+                           "float weights (select this layer too)")
+        if r.layer in selected and kept == "fp8_block":
             raise BadInput(f"{ckpt.root}: {r.module_prefix}.experts are block-FP8 already; nothing to convert")
 
 

@@ -1,5 +1,7 @@
 """verify, linear layers (``quantize --targets linear``, :mod:`mxconv.run.linears`): every MXFP8 linear
-outside the routed experts.
+outside the routed experts (every block-FP8 one in an ``fp8-block`` output: ``weight`` F8_E4M3 +
+``weight_scale_inv`` F32 per 128x128 tile, finite, within the bound, and byte for byte the reference
+quantized again with amax/448; the fp8 config must leave exactly them out of ``modules_to_not_convert``).
 
 * Files: ``{module}.weight`` F8_E4M3 ``[N, K]`` with ``{module}.weight_scale`` U8 ``[N, K/32]``; no
   E8M0 NaN byte (0xFF), no E4M3 NaN element.
@@ -23,13 +25,15 @@ from mxconv.source.checkpoint import layer_index
 from mxconv.errors import BadInput
 from mxconv.families.quant_config import quantization_dict
 from mxconv.run.linear_config import config_quantizes
-from mxconv.run.linears import LINEAR_FORMAT, linear_modules, read_float, tensor_role
+from mxconv.run.linears import FP8_BLOCK, LINEAR_FORMAT, is_fp8_block_linear, linear_modules, read_float, tensor_role
 from mxconv.verify.reference_moe import apart
 from mxconv.verify.report import Run
 
 # Relative RMS error bound of one MXFP8 linear weight vs its float source (E4M3: ≈ 0.027 with rceil,
 # 0.029-0.033 with floor on Gaussian and heavy-tailed weights; a wrong scale or row is ≈ 1).
-LINEAR_THRESHOLDS: dict[str, float] = {"rel_rms": 0.05}
+# Block FP8 (E4M3, one amax/448 scale per 128x128 tile): ≈ 0.027 on Gaussian weights like MXFP8, more
+# where one outlier sets a whole tile's scale; the same 0.05.
+LINEAR_THRESHOLDS: dict[str, float] = {"rel_rms": 0.05, FP8_BLOCK: 0.05}
 
 
 @dataclass
@@ -55,27 +59,95 @@ def check_linears(run: Run, layers: set[int] | None) -> tuple[list[LinearReport]
     """Per-linear reports (only layers in ``layers`` when given) and problems of the whole output."""
     ckpt = run.ckpts[0]
     claimed = run.manifest.get("linears")
-    found = list(linear_modules(ckpt))
-    mx = [m for m, _, is_mx in found if is_mx]
+    fp8 = run.manifest.get("weight_format") == FP8_BLOCK  # its linears are block FP8, not MXFP8
+    kind = "block-FP8" if fp8 else "MXFP8"
+    found = [(m, is_fp8_block_linear(ckpt, m) if fp8 else is_mx) for m, _, is_mx in linear_modules(ckpt)]
+    mx = [m for m, quantized in found if quantized]
     if not mx and claimed is None:
         return [], []
     general: list[str] = []
     if claimed is not None:
         listed = set(claimed.get("quantized") or []) | set(claimed.get("carried_mx") or [])
         for m in sorted(listed - set(mx)):
-            general.append(f"{m}: the manifest lists it as an MXFP8 linear, the checkpoint holds no MXFP8 weight for it")
+            general.append(f"{m}: the manifest lists it as an {kind} linear, the checkpoint holds no {kind} weight for it")
         for m in sorted(set(mx) - listed):
-            general.append(f"{m}: an MXFP8 linear the manifest does not list")
+            general.append(f"{m}: an {kind} linear the manifest does not list")
     qc = quantization_dict(ckpt)
-    for m, _, is_mx in found:
-        if config_quantizes(qc, m) != is_mx:
+    for m, quantized in found:
+        if config_quantizes(qc, m) != quantized:
             general.append(f"{m}: config.json's quantization_config describes it as "
-                           f"{'not quantized' if is_mx else 'quantized'}, but its weight is {'' if is_mx else 'not '}MXFP8")
+                           f"{'not quantized' if quantized else 'quantized'}, but its weight is {'' if quantized else 'not '}{kind}")
+    scales = ("weight", "weight_scale_inv") if fp8 else ("weight", "weight_scale")
     if claimed is not None and run.ref_ckpt is not None:
-        general += _copies_differ(run, {f"{m}.{p}" for m in mx for p in ("weight", "weight_scale")})
+        general += _copies_differ(run, {f"{m}.{p}" for m in mx for p in scales})
     rounding = (claimed or {}).get("scale_rounding") or run.manifest.get("scale_rounding")
-    reports = [_check_one(run, m, rounding) for m in mx if layers is None or layer_index(m) in layers]
+    check = _check_fp8 if fp8 else _check_one
+    reports = [check(run, m, rounding) for m in mx if layers is None or layer_index(m) in layers]
     return reports, general
+
+
+def _bad_value(rep: LinearReport, tensors: dict[str, torch.Tensor]) -> bool:
+    """A NaN/Inf in the output's tensors (name -> fp32 values) fails the linear, naming where."""
+    from mxconv.mx.numerics import first_nonfinite
+
+    for name, t in tensors.items():
+        at = first_nonfinite(t)
+        if at is not None:
+            rep.files = rep.numerics = "FAIL"
+            rep.problems.append(f"{rep.module}: a non-finite value in {name} [{', '.join(map(str, at))}]: "
+                                "a value that is not a number never passes")
+            return True
+    return False
+
+
+def _reference(run: Run, rep: LinearReport, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The reference's fp32 weight of the linear, or None (and a problem) when there is none of that shape."""
+    assert run.ref_ckpt is not None
+    try:
+        ref = read_float(run.ref_ckpt, rep.module, run.device)
+    except BadInput as exc:
+        rep.numerics = "FAIL"
+        rep.problems.append(f"{rep.module}: no reference weight to compare with ({exc})")
+        return None
+    if tuple(ref.shape) != tuple(shape):
+        rep.numerics = "FAIL"
+        rep.problems.append(f"{rep.module}: shape {list(shape)}, the reference has {list(ref.shape)}")
+        return None
+    return ref
+
+
+def _rel_rms(rep: LinearReport, got: torch.Tensor, ref: torch.Tensor, bound: float) -> None:
+    norm = float(ref.square().sum().sqrt())
+    err = float((got - ref).square().sum().sqrt())
+    rep.rel_rms = err / norm if norm > 0 else (0.0 if err == 0 else float("inf"))
+    rep.numerics = "ok" if rep.rel_rms <= bound else "FAIL"
+    if rep.numerics == "FAIL":
+        rep.problems.append("{} numerics: relative RMS error {} vs the reference > {}".format(rep.module, *apart(rep.rel_rms, bound)))
+
+
+def _check_fp8(run: Run, module: str, rounding: str | None) -> LinearReport:
+    """A block-FP8 linear: finite, within :data:`LINEAR_THRESHOLDS` ``fp8-block`` of the reference, and
+    byte for byte the reference quantized again (amax/448 per 128x128 tile)."""
+    from mxconv.mx.fp8_block import float_to_fp8_block
+    from mxconv.mx.numerics import dequantize_fp8_block
+
+    ckpt = run.ckpts[0]
+    rep = LinearReport(module, tensor_role(f"{module}.weight"))
+    data, sinv = ckpt.read(f"{module}.weight"), ckpt.read(f"{module}.weight_scale_inv")
+    if _bad_value(rep, {f"{module}.weight": data.float(), f"{module}.weight_scale_inv": sinv}) or run.ref_ckpt is None:
+        return rep
+    ref = _reference(run, rep, tuple(data.shape))
+    if ref is None:
+        return rep
+    got = dequantize_fp8_block(data[None].to(run.device), sinv[None].to(run.device), (128, 128))[0]
+    _rel_rms(rep, got, ref, LINEAR_THRESHOLDS[FP8_BLOCK])
+    want = float_to_fp8_block(ref[None])
+    same = torch.equal(want.data[0].cpu().view(torch.uint8), data.view(torch.uint8)) and torch.equal(
+        want.scale_inv[0].cpu().view(torch.int32), sinv.view(torch.int32))
+    rep.bytes = "bit-exact" if same else "FAIL"
+    if not same:
+        rep.problems.append(f"{module}: bytes differ from the reference block-quantized again (amax/448 per 128x128 block)")
+    return rep
 
 
 def _check_one(run: Run, module: str, rounding: str | None) -> LinearReport:
@@ -98,27 +170,14 @@ def _check_one(run: Run, module: str, rounding: str | None) -> LinearReport:
         return rep
     if run.ref_ckpt is None:
         return rep
-    try:
-        ref = read_float(run.ref_ckpt, module, run.device)
-    except BadInput as exc:
-        rep.numerics = "FAIL"
-        rep.problems.append(f"{module}: no reference weight to compare with ({exc})")
-        return rep
     from mxconv.mx.numerics import dequantize_mx
 
     got = dequantize_mx(data.to(run.device), scales.to(run.device), LINEAR_FORMAT)
-    if got.shape != ref.shape:
-        rep.numerics = "FAIL"
-        rep.problems.append(f"{module}: shape {list(got.shape)}, the reference has {list(ref.shape)}")
+    ref = _reference(run, rep, tuple(got.shape))
+    if ref is None:
         return rep
     ref_is_mx = run.ref_ckpt.tensors[f"{module}.weight"].dtype == "F8_E4M3" and f"{module}.weight_scale" in run.ref_ckpt.tensors
-    norm = float(ref.square().sum().sqrt())
-    err = float((got - ref).square().sum().sqrt())
-    rep.rel_rms = err / norm if norm > 0 else (0.0 if err == 0 else float("inf"))
-    bound = 0.0 if ref_is_mx else LINEAR_THRESHOLDS["rel_rms"]
-    rep.numerics = "ok" if rep.rel_rms <= bound else "FAIL"
-    if rep.numerics == "FAIL":
-        rep.problems.append("{} numerics: relative RMS error {} vs the reference > {}".format(module, *apart(rep.rel_rms, bound)))
+    _rel_rms(rep, got, ref, 0.0 if ref_is_mx else LINEAR_THRESHOLDS["rel_rms"])
     if ref_is_mx or rounding:
         if ref_is_mx:
             want_d = run.ref_ckpt.read(f"{module}.weight").view(torch.uint8)

@@ -1,0 +1,178 @@
+"""Triton kernels of ``quantize --format fp8-block``: MXFP4 -> block FP8 (power-of-two tile scales)
+and floats -> block FP8 (amax/448), one program per 128x128 tile of one expert.
+
+The bytes are those of :mod:`mxconv.mx.fp8_block` on the CPU (its module docstring has the rules).
+Each program reads its tile once from memory (MXFP4: 64 bytes of codes and 4 scale bytes per row;
+floats: the tile's values), keeps it in registers for the tile reduction (top and lowest set-bit
+exponent, or amax) and writes E4M3 bytes plus one fp32 scale: one pass over the data.
+
+Implementation notes:
+
+* E4M3 bytes are formed by integer arithmetic on the fp32 bits (:func:`_e4m3_bits`), not by a cast:
+  round to nearest even on mantissa bit 20 for normals, a magic add of 2^23 to ``|y| * 512`` for
+  subnormals (|y| < 2^-6; the code of 2^-6 itself, 8, is its normal encoding too). The interpreter's
+  fp32 -> fp8 cast is not exact and ``cvt.rn.satfinite`` would be the only other source of the
+  rounding; with integers the same bytes come out of both, and the CPU test proves them.
+* MXFP4 tiles: the E2M1 exponents come from the 3-bit magnitude code (``top = (c >> 1) - 1``, lowest
+  set bit one lower for odd codes >= 3; code 1 = 0.5 has both at -1). An element is ``e2m1 * 2^k``
+  with ``k = s - 127 - t``; like the torch path the factor is 0 below 2^-126 and a NaN scale (0xFF)
+  makes every element of its group NaN (byte 0x7F: torch's CPU multiply keeps the factor's positive NaN).
+* Floats: ``scale_inv = amax / 448`` and ``x / scale_inv`` with ``div_rn`` (IEEE, as the CPU), then a
+  clamp to +-448. On CUDA, fp32 subnormals flush to zero in float ops: a tile whose amax is below
+  448 * 2^-126 (never in real weights) can differ from the CPU bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxconv.environment import triton_interpreter_on
+from mxconv.errors import BadInput
+from mxconv.kernels.triton_common import launch
+from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR, tl, triton
+from mxconv.mx.formats import E4M3_MAX, E8M0_BIAS, E8M0_NAN
+from mxconv.mx.fp8_block import E4M3_TOP_EXP, MAX_EXACT_SPREAD, TILE, BlockFP8, tiles
+
+NUM_WARPS = 8  # a 128x128 tile per program: 32 elements per thread and tensor
+
+if triton is not None:
+
+    @triton.jit
+    def _e4m3_bits(y):
+        """E4M3 byte (int32) of fp32 ``y`` with |y| <= 448 (RNE), or 0x7F|sign for NaN."""
+        b = y.to(tl.int32, bitcast=True)
+        sign = (b >> 24) & 0x80
+        a = b & 0x7FFFFFFF
+        r = a + 0x7FFFF + ((a >> 20) & 1)  # RNE to 3 mantissa bits (a carry moves into the exponent)
+        normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+        q = tl.abs(y) * 512.0 + 8388608.0  # 2^23: its ulp is 1, the FPU rounds |y| / 2^-9 to an integer
+        sub = q.to(tl.int32, bitcast=True) - 0x4B000000
+        code = tl.where(a < 0x3C800000, sub, normal)  # 0x3C800000: 2^-6, E4M3's smallest normal
+        return tl.where(a > 0x7F800000, 0x7F, code) | sign
+
+    @triton.jit
+    def _e4m3_value(code):
+        """fp32 value of an E4M3 magnitude code 0..126 (int32)."""
+        e = code >> 3
+        m = code & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+    @triton.jit
+    def _pow2_bits(t):
+        """fp32 bits of 2^t (int32 t >= -149): normal from -126 up, a subnormal pattern below."""
+        return tl.where(t >= -126, (t + 127) << 23, 1 << tl.maximum(t + 149, 0))
+
+    @triton.jit
+    def _mxfp4_tile_kernel(
+        d_ptr, s_ptr, q_ptr, sinv_ptr, exact_ptr, err_ptr,
+        N, KH, d_se, d_sn, s_se, s_sn, NB, KB,
+        TOP_EXP: tl.constexpr, SPREAD: tl.constexpr, BIAS: tl.constexpr, NAN: tl.constexpr,
+        T: tl.constexpr,
+    ):  # fmt: skip
+        """Tile (pid0 = column tile, pid1 = row tile, pid2 = expert) of MXFP4 [E, N, K/2] + E8M0 [E, N, K/32]
+        -> E4M3 byte pairs (int16 [E, N, K/2]), scale_inv bits, exact flag and largest |error| / 2^t."""
+        bj, bi, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        rows = bi * T + tl.arange(0, T)
+        cols = bj * (T // 2) + tl.arange(0, T // 2)  # byte columns: two elements each
+        ok = (rows < N)[:, None] & (cols < KH)[None, :]
+        byte = tl.load(d_ptr + e * d_se + rows[:, None] * d_sn + cols[None, :], mask=ok, other=0).to(tl.int32)
+        sbyte = tl.load(s_ptr + e * s_se + rows[:, None] * s_sn + (cols // 16)[None, :], mask=ok, other=0).to(tl.int32)
+        nan = sbyte == NAN
+        s = sbyte - BIAS
+        ce, co = byte & 7, (byte >> 4) & 7
+        big = 1 << 20
+        top_e = tl.where((ce == 0) | nan | ~ok, -big, tl.where(ce == 1, -1, (ce >> 1) - 1) + s)
+        top_o = tl.where((co == 0) | nan | ~ok, -big, tl.where(co == 1, -1, (co >> 1) - 1) + s)
+        low_e = tl.where((ce == 0) | nan | ~ok, big, tl.where(ce == 1, -1, (ce >> 1) - 1 - (ce & 1)) + s)
+        low_o = tl.where((co == 0) | nan | ~ok, big, tl.where(co == 1, -1, (co >> 1) - 1 - (co & 1)) + s)
+        top = tl.max(tl.max(tl.maximum(top_e, top_o), axis=1), axis=0)
+        low = tl.min(tl.min(tl.minimum(low_e, low_o), axis=1), axis=0)
+        empty = top <= -big
+        t = tl.where(empty, 0, top - TOP_EXP)
+        k = s - t
+        factor = tl.where(k < -126, 0.0, (tl.minimum(tl.maximum(k, -126), 127) + 127 << 23).to(tl.float32, bitcast=True))
+        ve = tl.where(ce < 2, ce.to(tl.float32) * 0.5, ((ce >> 1) + 126 << 23 | (ce & 1) << 22).to(tl.float32, bitcast=True))
+        vo = tl.where(co < 2, co.to(tl.float32) * 0.5, ((co >> 1) + 126 << 23 | (co & 1) << 22).to(tl.float32, bitcast=True))
+        xe = tl.where((byte & 8) != 0, -ve, ve) * factor
+        xo = tl.where((byte & 128) != 0, -vo, vo) * factor
+        be = tl.where(nan, 0x7F, _e4m3_bits(xe))
+        bo = tl.where(nan, 0x7F, _e4m3_bits(xo))
+        tl.store(q_ptr + e * N * KH + rows[:, None] * KH + cols[None, :], (be | (bo << 8)).to(tl.int16), mask=ok)
+        de = tl.where(nan, 0.0, tl.abs(tl.abs(xe) - _e4m3_value(be & 0x7F)))
+        do = tl.where(nan, 0.0, tl.abs(tl.abs(xo) - _e4m3_value(bo & 0x7F)))
+        err = tl.max(tl.max(tl.maximum(de, do), axis=1), axis=0)
+        tile = e * NB * KB + bi * KB + bj
+        tl.store(sinv_ptr + tile, _pow2_bits(t))
+        tl.store(exact_ptr + tile, (empty | (top - low <= SPREAD)).to(tl.int8))
+        tl.store(err_ptr + tile, err)
+
+    @triton.jit
+    def _float_tile_kernel(
+        x_ptr, q_ptr, sinv_ptr, N, K, x_se, x_sn, NB, KB, EMAX: tl.constexpr, T: tl.constexpr,
+    ):  # fmt: skip
+        """Tile (pid0 = column tile, pid1 = row tile, pid2 = expert) of floats [E, N, K] -> E4M3
+        bytes (uint8 [E, N, K]) and its scale_inv = amax / 448 (1 for a tile of zeros)."""
+        bj, bi, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        rows = bi * T + tl.arange(0, T)
+        cols = bj * T + tl.arange(0, T)
+        ok = (rows < N)[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + e * x_se + rows[:, None] * x_sn + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        sinv = tl.where(amax > 0, tl.math.div_rn(amax, tl.full((), EMAX, tl.float32)), 1.0)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, sinv), -EMAX), EMAX)
+        tl.store(q_ptr + e * N * K + rows[:, None] * K + cols[None, :], _e4m3_bits(y).to(tl.uint8), mask=ok)
+        tl.store(sinv_ptr + e * NB * KB + bi * KB + bj, sinv)
+
+
+def _check(t: torch.Tensor) -> None:
+    if triton is None:
+        raise BadInput(f"triton is not importable: {TRITON_IMPORT_ERROR}")
+    if not t.is_cuda and not triton_interpreter_on():
+        raise BadInput("the Triton block-FP8 kernels need CUDA tensors (or TRITON_INTERPRET=1 for testing)")
+
+
+def _rows_strided(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def mxfp4_to_fp8_block_triton(data: torch.Tensor, scales: torch.Tensor) -> BlockFP8:
+    """:func:`mxconv.mx.fp8_block.mxfp4_to_fp8_block` in one launch: MXFP4 uint8 [E, N, K/2] + E8M0 uint8
+    [E, N, K/32] (rows may be a strided slice, the last dim contiguous) -> the same :class:`BlockFP8`."""
+    _check(data)
+    data, scales = _rows_strided(data), _rows_strided(scales)
+    E, N, KH = data.shape
+    nb, kb = tiles(N), tiles(KH * 2)
+    q = torch.empty((E, N, KH * 2), dtype=torch.float8_e4m3fn, device=data.device)
+    sinv = torch.empty((E, nb, kb), dtype=torch.int32, device=data.device)
+    exact = torch.empty((E, nb, kb), dtype=torch.int8, device=data.device)
+    err = torch.empty((E, nb, kb), dtype=torch.float32, device=data.device)
+    if q.numel():
+        launch(
+            _mxfp4_tile_kernel, (kb, nb, E), data,
+            data, scales, q.view(torch.int16), sinv, exact, err,
+            N, KH, data.stride(0), data.stride(1), scales.stride(0), scales.stride(1), nb, kb,
+            TOP_EXP=E4M3_TOP_EXP, SPREAD=MAX_EXACT_SPREAD, BIAS=E8M0_BIAS, NAN=E8M0_NAN, T=TILE, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    scale_inv = sinv.view(torch.float32)
+    t = torch.frexp(scale_inv.double())[1] - 1  # 2^t back to t (exact: scale_inv is a power of two, or 2^-149.. subnormal)
+    max_error = err.double() * torch.ldexp(torch.ones_like(t, dtype=torch.float64), t.double())
+    return BlockFP8(q, scale_inv, exact.bool(), max_error)
+
+
+def float_to_fp8_block_triton(x: torch.Tensor) -> BlockFP8:
+    """:func:`mxconv.mx.fp8_block.float_to_fp8_block` in one launch: floats [E, N, K] (the last dim
+    contiguous) -> E4M3 [E, N, K] and fp32 scale_inv [E, ceil(N/128), ceil(K/128)]."""
+    _check(x)
+    x = _rows_strided(x)
+    E, N, K = x.shape
+    nb, kb = tiles(N), tiles(K)
+    q = torch.empty((E, N, K), dtype=torch.float8_e4m3fn, device=x.device)
+    sinv = torch.empty((E, nb, kb), dtype=torch.float32, device=x.device)
+    if q.numel():
+        launch(_float_tile_kernel, (kb, nb, E), x, x, q.view(torch.uint8), sinv, N, K, x.stride(0), x.stride(1), nb, kb,
+               EMAX=E4M3_MAX, T=TILE, num_warps=NUM_WARPS)
+    return BlockFP8(q, sinv)
+
+
+__all__ = ["float_to_fp8_block_triton", "mxfp4_to_fp8_block_triton"]
