@@ -128,6 +128,8 @@ def float_to_fp8_block(x: torch.Tensor) -> BlockFP8:
     xf[:, :N, :K] = x
     t = xf.view(E, nb, TILE, kb, TILE)
     amax = t.abs().amax(dim=(2, 4))
-    scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA torch turns division by a Python scalar into a multiply by its reciprocal,
+    # which rounds differently from the CPU's (and the Triton kernel's) true division
+    scale_inv = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     q = (t / scale_inv[:, :, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).view(E, nb * TILE, kb * TILE)
     return BlockFP8(q[:, :N, :K].to(torch.float8_e4m3fn), scale_inv)
