@@ -494,13 +494,20 @@ def test_flipped_byte_without_manifest_fix_fails_integrity(kimi: GroundTruth, re
     assert code == 1 and "sha256 mismatch" in err
 
 
-@pytest.mark.parametrize("backend", [b for b in backend_names() if b != "trtllm"])
+INT4_BACKENDS = [b for b in backend_names() if "int4" in get_layout(b).weight_formats]
+
+
+def test_the_int4_backends_are_trtllm_and_humming() -> None:
+    assert INT4_BACKENDS == ["trtllm", "humming"]
+
+
+@pytest.mark.parametrize("backend", [b for b in backend_names() if b not in INT4_BACKENDS])
 def test_other_backends_refuse_int4(kimi: GroundTruth, tmp_path: Path, backend: str) -> None:
     act = get_layout(backend).activations[0]
     code, _, err = mx("repack", kimi.path, tmp_path / "out", "--backend", backend, "--activation", act, "--device", "cpu")
     assert code == 2
     assert f"experts are int4 (compressed-tensors INT4, bf16 group scales); backend {backend} takes mxfp4 experts only" in err
-    assert "backends that take int4: trtllm" in err
+    assert "backends that take int4: trtllm, humming" in err
     assert not (tmp_path / "out" / "mxconv.json").exists()
 
 
@@ -574,5 +581,5 @@ def test_inspect_of_an_int4_source_shows_what_repack_does(kimi: GroundTruth) -> 
     assert trt["padded_hidden_size"] % 256 == 0 and trt["padded_intermediate_size"] % 256 == 0
     assert "bf16 activations only" in rows["trtllm", "mxfp8"]["error"]
     for (backend, _), r in rows.items():
-        if backend != "trtllm":
+        if backend not in INT4_BACKENDS:
             assert r["error"].startswith("takes mxfp4 experts, not int4"), r
