@@ -42,6 +42,7 @@ from mxconv.layouts.canonical import (
     KernelTensors,
     LayoutSizes,
     TensorSpec,
+    check_kernel_tensors,
     in_kernel_order,
     round_up,
 )
@@ -275,7 +276,7 @@ class TritonLayout(LayoutBase):
         un-swizzled [E, rows, K/2 bytes or K/32] view with w13 rows as gate/up pairs).
         """
         opts = self.options_of(options)
-        _check_tensors(k, self.kernel_specs(sizes, activation, opts))
+        check_kernel_tensors(BACKEND_NAME, k, self.kernel_specs(sizes, activation, opts))
         H, I, dev = sizes.hidden_size, sizes.intermediate_size, k["w13_weight"].device
         parts: dict[str, torch.Tensor | None] = {}
         for w, g in self.geometry(sizes, opts).items():
@@ -352,19 +353,6 @@ def _crop(name: str, x: torch.Tensor, rows: int, cols: int | None, inv: torch.Te
         raise LayoutError(f"triton: {err} (index in the un-swizzled [E, rows, K/2 bytes or K/32] view, "
                           "w13 rows as gate/up pairs)") from err  # fmt: skip
     return (x[:, :rows] if cols is None else x[:, :rows, :cols]).index_select(1, inv)
-
-
-def _check_tensors(k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
-    """LayoutError unless ``k`` holds exactly ``specs``' tensors (shape, dtype) on one device."""
-    extra = sorted(set(k) - set(specs))
-    need(not extra, f"triton: unexpected kernel tensors: {', '.join(extra)}")
-    for name, spec in specs.items():
-        t = k.get(name)
-        need(t is not None, f"triton: kernel tensor {name} is missing")
-        need(tuple(t.shape) == spec.shape and t.dtype == spec.dtype,
-              f"triton: {name} has shape {tuple(t.shape)} dtype {t.dtype}, expected {spec.shape} {spec.dtype}")
-    devices = sorted({str(t.device) for t in k.values()})
-    need(len(devices) <= 1, f"triton: kernel tensors are on different devices: {devices}")
 
 
 LAYOUT = TritonLayout()
