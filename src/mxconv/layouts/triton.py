@@ -59,6 +59,7 @@ from mxconv.layouts.triton_bytemap import (
     w2_row_table,
     w13_row_table,
 )
+from mxconv.layouts.vllm_backends import CDNA4_SCALE_MAX_TP, Platform
 from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
@@ -242,6 +243,16 @@ class TritonLayout(LayoutBase):
             f"written are what vLLM builds; for a loader that pads activations use --layout-option "
             f"pad_hidden=true (hidden padded to {round_up(hidden_size, HIDDEN_ALIGN)} with zeros)"
         )
+
+    def tp_refusal(self, tp: int, options: TritonOptions | None = None) -> str | None:
+        """gfx950 above TP 2: vLLM keeps the scales strided there, not the CDNA4 swizzle written here."""
+        arch = self.options_of(options).arch
+        if spec_of(arch).platform is not Platform.ROCM_CDNA4 or tp <= CDNA4_SCALE_MAX_TP:
+            return None
+        return (f"arch={arch} writes CDNA4MXScaleLayout scales, which vLLM 0.33 builds at TP <= {CDNA4_SCALE_MAX_TP} "
+                f"only (should_use_cdna4_mx_scale_swizzle; above it keeps them strided, a storage mxconv does not "
+                f"write), so no vLLM would hold TP {tp} bytes as they are: repack with --tp {CDNA4_SCALE_MAX_TP} or "
+                "less, or serve the quantize output (vLLM lays it out at load)")  # fmt: skip
 
     def geometry(self, sizes: LayoutSizes, options: TritonOptions | None = None) -> dict[str, MatrixGeometry]:
         """{"w13": ..., "w2": ...} kernel geometry for ``sizes`` (its padded sizes checked against the rule)."""
