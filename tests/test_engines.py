@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import torch
 
 from mxconv import environment
 from mxconv.engines import discover, marlin_moe, triton_moe
-from mxconv.engines.runner import kernel_unavailable
+from mxconv.engines.runner import gated_activation, kernel_unavailable, softmax_topk
 from mxconv.errors import BadInput
 from mxconv.engines.loader import build_engine_layer, read_layer_tensors, resolve_layer
 from support.workspace import MadeCheckpoints, link_workspace
@@ -157,6 +158,71 @@ def test_marlin_type_id_and_block_sizes() -> None:
     assert marlin_moe.moe_block_size(100000, 4, 32) == 64
     assert marlin_moe.align_buffer_sizes(128, 8, 16) == (128 + 8 * 15, -(-(128 + 8 * 15) // 16))
     assert marlin_moe.align_buffer_sizes(2, 8, 16) == (32, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) CPU: the torch routing and activation the Marlin and humming runners share (engines.runner)
+# ---------------------------------------------------------------------------------------------
+
+
+def _loop_route(logits: torch.Tensor, k: int, renormalize: bool, routing: str) -> list[tuple[list[int], list[float]]]:
+    """Token by token in float64 Python: the expected ids (best first) and weights."""
+    out = []
+    for row in logits.double().tolist():
+        if routing == "topk_softmax":
+            ids = sorted(range(len(row)), key=lambda e: -row[e])[:k]
+            ex = [math.exp(row[e] - row[ids[0]]) for e in ids]
+            out.append((ids, [v / sum(ex) for v in ex]))
+            continue
+        ex = [math.exp(v - max(row)) for v in row]
+        p = [v / sum(ex) for v in ex]
+        ids = sorted(range(len(row)), key=lambda e: -p[e])[:k]
+        ws = [p[e] for e in ids]
+        out.append((ids, [w / sum(ws) for w in ws] if renormalize else ws))
+    return out
+
+
+@pytest.mark.parametrize("routing,renormalize", [("topk_softmax", False), ("softmax_topk", True), ("softmax_topk", False)])
+def test_softmax_topk_matches_a_per_token_loop(routing: str, renormalize: bool) -> None:
+    logits = torch.randn(9, 8, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ids, weights = softmax_topk(logits, 3, renormalize, routing)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and tuple(ids.shape) == (9, 3)
+    for t, (want_ids, want_w) in enumerate(_loop_route(logits, 3, renormalize, routing)):
+        assert ids[t].tolist() == want_ids
+        assert weights[t].tolist() == pytest.approx(want_w, rel=1e-6)
+
+
+@pytest.mark.parametrize("row_order", ["interleaved", "halves"])
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+def test_gated_activation_matches_the_formulas(row_order: str, activation: str) -> None:
+    h = (torch.randn(5, 2 * 6, generator=torch.Generator().manual_seed(2)) * 6).to(torch.bfloat16)
+    got = gated_activation(h, row_order, activation, 6, "x", swiglu_alpha=1.5, swiglu_limit=4.0)
+    assert got.dtype == torch.bfloat16 and tuple(got.shape) == (5, 6)
+    for t in range(5):
+        row = h[t].double().tolist()
+        for j in range(6):
+            g, u = (row[2 * j], row[2 * j + 1]) if row_order == "interleaved" else (row[j], row[6 + j])
+            if activation == "swigluoai":
+                g, u = min(g, 4.0), max(min(u, 4.0), -4.0)
+                want = g / (1 + math.exp(-1.5 * g)) * (u + 1)
+            else:
+                want = g / (1 + math.exp(-g)) * u
+            assert float(got[t, j]) == pytest.approx(want, rel=2**-7, abs=1e-6), (t, j)
+
+
+def test_marlin_and_humming_experts_activate_through_the_shared_helper() -> None:
+    from mxconv.engines.humming_moe import HummingExperts
+
+    h = torch.randn(4, 2 * 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    for row_order, activation in (("interleaved", "swigluoai"), ("halves", "silu")):
+        want = gated_activation(h, row_order, activation, 128, "x")
+        marlin = marlin_moe.MarlinExperts(*[None] * 7, 2, 64, 256, 128, row_order, activation)
+        humming = HummingExperts({}, {}, {}, None, 2, 64, 128, row_order, activation)
+        assert torch.equal(marlin.activate(h), want) and torch.equal(humming.activate(h), want)
+    for experts, engine in ((marlin_moe.MarlinExperts(*[None] * 7, 2, 64, 256, 128, "halves", "gelu"), "marlin"),
+                            (HummingExperts({}, {}, {}, None, 2, 64, 128, "halves", "gelu"), "humming")):  # fmt: skip
+        with pytest.raises(BadInput, match=f"{engine} engine: no activation 'gelu'"):
+            experts.activate(h)
 
 
 # ---------------------------------------------------------------------------------------------

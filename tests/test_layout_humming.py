@@ -10,7 +10,14 @@ import torch
 from mxconv.errors import LayoutError
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts
-from mxconv.layouts.humming_bytemap import lay_out_bias, lay_out_scales, repack_weights, unrepack_weights
+from mxconv.layouts.humming_bytemap import (
+    lay_out_bias,
+    lay_out_scales,
+    repack_weights,
+    unlay_bias,
+    unlay_scales,
+    unrepack_weights,
+)
 
 
 def _kernel_oracle(packed: torch.Tensor) -> torch.Tensor:
@@ -100,3 +107,64 @@ def test_describe_records_the_layer_configs() -> None:
     assert (w2["shape_n"], w2["pad_shape_n"], w2["shape_k"], w2["pad_shape_k"]) == (256, 64, 128, 0)
     with pytest.raises(LayoutError, match="multiple of 32"):
         layout.padded_sizes(200, 96, "halves", "bf16")
+
+
+def _corrupt(k: dict[str, torch.Tensor], name: str, index: tuple[int, ...], value: float) -> dict[str, torch.Tensor]:
+    """``k`` with one element of ``name`` changed, ``index`` taken in the plain (un-repacked) view:
+    weights [E, N, K/2] bytes, scales [E, N, K/32] bytes, bias [E, N]."""
+    t = k[name]
+    if name.endswith("_weight"):
+        plain = unrepack_weights(t, name).clone()
+        plain[index] = int(value)
+        return dict(k, **{name: repack_weights(plain, name)})
+    if name.endswith("_scale"):
+        plain = unlay_scales(t.view(torch.uint8)).clone()
+        plain[index] = int(value)
+        return dict(k, **{name: lay_out_scales(plain).view(torch.float8_e8m0fnu)})
+    plain = unlay_bias(t).clone()
+    plain[index] = value
+    return dict(k, **{name: lay_out_bias(plain)})
+
+
+# H = 416, I = 224 (interleaved rows): Ip = 256; w13 GEMM N = 512 (no N padding), K = 416 -> 512;
+# w2 GEMM N = 416 -> 512, K = Ip = 256 (no K padding)
+@pytest.mark.parametrize(
+    "name,index,value,fill",
+    [
+        ("w13_weight_scale", (1, 5, 13), 126, 127),  # humming's K padding of the scales (byte 127)
+        ("w13_weight_scale", (0, 450, 2), 127, 0),  # vLLM's Ip padding: gate/up rows 2I.. are zero
+        ("w13_weight", (2, 449, 7), 0x10, 0),  # vLLM's Ip padding of the weights
+        ("w2_weight", (0, 3, 120), 0x01, 0),  # vLLM's Ip padding: w2's K columns I.. are zero
+        ("w2_weight_scale", (1, 7, 7), 1, 0),  # vLLM's Ip padding of w2's scales (zero, not 127)
+        ("w2_weight", (1, 500, 3), 0x80, 0),  # humming's N padding of the weights
+        ("w13_weight", (0, 3, 250), 0x02, 0),  # humming's K padding of the weights
+        ("w13_bias", (2, 470), 1.0, 0),  # vLLM's Ip padding of the bias
+        ("w2_bias", (0, 430), -2.0, 0),  # humming's N padding of the bias
+    ],
+)
+def test_from_kernel_names_each_corrupted_padding_region(
+    name: str, index: tuple[int, ...], value: float, fill: int
+) -> None:
+    layout = get_layout("humming")
+    opts = layout.resolve_options()
+    c = _stack("interleaved", 416, 224, True)
+    sizes = c.sizes(416, 256)
+    k = layout.to_kernel(c, "bf16", opts)
+    before = _corrupt(k, name, index, fill)  # writing the fill back changes nothing
+    assert all(torch.equal(before[n].view(torch.uint8), k[n].view(torch.uint8)) for n in k)
+    with pytest.raises(LayoutError, match=rf"padding of {name} at index \[{', '.join(map(str, index))}\]"):
+        layout.from_kernel(_corrupt(k, name, index, value), sizes, "bf16", opts)
+
+
+def test_from_kernel_names_a_wrong_tensor_set() -> None:
+    layout = get_layout("humming")
+    opts = layout.resolve_options()
+    c = _stack("halves", 160, 96, True)
+    sizes = c.sizes(160, 128)
+    k = layout.to_kernel(c, "bf16", opts)
+    with pytest.raises(LayoutError, match=r"humming kernel tensors: missing \['w2_bias'\]"):
+        layout.from_kernel({n: t for n, t in k.items() if n != "w2_bias"}, sizes, "bf16", opts)
+    with pytest.raises(LayoutError, match=r"humming kernel tensors: missing \[\], unexpected \['extra'\]"):
+        layout.from_kernel(dict(k, extra=k["w2_bias"]), sizes, "bf16", opts)
+    with pytest.raises(LayoutError, match="humming kernel tensor w13_weight is"):
+        layout.from_kernel(dict(k, w13_weight=k["w13_weight"][:, :-1]), sizes, "bf16", opts)

@@ -5,6 +5,7 @@ round trips, padding rules, manifest fields and the kernel refusal."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.triton import LAYOUT, TritonOptions
+from mxconv.layouts.triton_arch import Arch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -130,6 +132,43 @@ def test_manifest_names_gpu_layouts_and_backends() -> None:
         assert d["bit_twiddle"] is (arch == "sm90")
         assert arch.upper()[:5] in d["engine_compat"]["gpu"].upper()
     assert LAYOUT.hidden_warning(2880, LAYOUT.resolve_options({"arch": "sm100"})) is None
+
+
+def test_arch_is_the_enum_and_the_manifest_keeps_its_string() -> None:
+    o = LAYOUT.resolve_options({"arch": "gfx950"})
+    assert o.arch is Arch.GFX950 and LAYOUT.resolve_options().arch is Arch.SM90
+    doc = o.to_json()
+    assert type(doc["arch"]) is str and json.dumps(doc).endswith('"arch": "gfx950"}')
+    assert LAYOUT.resolve_options(json.loads(json.dumps(doc))) == o
+    with pytest.raises(LayoutError, match="arch='sm80': choose one of sm90, sm100, sm120, gfx950, gfx1250"):
+        TritonOptions(arch="sm80")  # type: ignore[arg-type]
+
+
+def test_arch_shares_the_engine_picks_gpu_values() -> None:
+    from mxconv.layouts.engine_picks import Gpu
+
+    shared = [g for g in Gpu if g is not Gpu.CPU]
+    assert [(a.name, a.value) for a in Arch][: len(shared)] == [(g.name, g.value) for g in shared]
+
+
+@pytest.mark.parametrize("arch", ["sm100", "sm120", "gfx950", "gfx1250"])
+@pytest.mark.parametrize("option,value", [("triton_layout", "3.6"), ("num_warps", "4"), ("scale_k_align", "1")])
+def test_hopper_only_options_are_refused_for_another_arch(arch: str, option: str, value: str) -> None:
+    with pytest.raises(LayoutError, match=rf"layout option {option}={value} applies to arch sm90 only; arch {arch} "):
+        LAYOUT.resolve_options({"arch": arch, option: value})
+    assert getattr(LAYOUT.resolve_options({"arch": "sm90", option: value}), option) == type(getattr(TritonOptions(), option))(value)
+
+
+def test_manifest_of_another_arch_records_no_hopper_only_value() -> None:
+    c = make_stack(1, 512, 256, "interleaved", bias=False, seed=4)
+    for arch in ("sm100", "gfx950"):
+        o = LAYOUT.resolve_options({"arch": arch})
+        d = LAYOUT.describe(c.sizes(*LAYOUT.padded_sizes(512, 256, "interleaved", "bf16", o)), "bf16", o)
+        assert d["triton_layout"] is None and d["num_warps"] is None and d["scale_k_align"] == 1
+        assert d["w13"]["scale"]["num_warps"] is None and d["w2"]["scale"]["num_warps"] is None
+    o = LAYOUT.resolve_options({"num_warps": "4"})
+    d = LAYOUT.describe(c.sizes(*LAYOUT.padded_sizes(512, 256, "interleaved", "bf16", o)), "bf16", o)
+    assert (d["triton_layout"], d["num_warps"], d["w13"]["scale"]["num_warps"], d["scale_k_align"]) == ("3.5", 4, 4, 4)
 
 
 def test_kernel_runner_refuses_other_arch_storage() -> None:

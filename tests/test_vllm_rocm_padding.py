@@ -91,12 +91,12 @@ def _convert(src: Path, out: Path, repack: RepackOptions | None) -> Path:
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Triton outputs (output directories): gfx950 from gpt-oss MXFP4 and from qwen3-moe (silu, halves
-    rows) at TP 1, gpt-oss gfx950 at TP 4 and gpt-oss sm100."""
+    rows) at TP 1, gpt-oss gfx950 at TP 2 and gpt-oss sm100."""
     root = tmp_path_factory.mktemp("rocm")
     gpt = make_checkpoint(root / "gpt", "gpt-oss-mxfp4").path
     qwen = _convert(make_checkpoint(root / "qwen", "qwen3-moe").path, root / "qwen-q4", None)
-    wide = make_checkpoint(root / "wide", "gpt-oss-mxfp4", intermediate_size=128).path  # 4 ranks of 32
-    runs = {"gpt": (gpt, 1, "gfx950"), "qwen": (qwen, 1, "gfx950"), "gpt-tp4": (wide, 4, "gfx950"), "gpt-sm100": (gpt, 1, "sm100")}
+    wide = make_checkpoint(root / "wide", "gpt-oss-mxfp4", intermediate_size=128).path  # 2 ranks of 64
+    runs = {"gpt": (gpt, 1, "gfx950"), "qwen": (qwen, 1, "gfx950"), "gpt-tp2": (wide, 2, "gfx950"), "gpt-sm100": (gpt, 1, "sm100")}
     return {k: _convert(src, root / f"out-{k}", RepackOptions("triton", "bf16", tp, {"arch": arch})) for k, (src, tp, arch) in runs.items()}
 
 
@@ -113,11 +113,25 @@ def test_gfx950_outputs_list_the_rocm_backends(outputs: dict[str, Path]) -> None
     qwen = _manifest(outputs["qwen"])["quant_config"]  # silu, halves rows: vLLM interleaves them for AITER Triton
     assert qwen["served_vllm_backends"] == ["AITER_TRITON_MXFP4_BF16"]
     assert qwen["not_served"] == {"TRITON": "TRITON runs swigluoai only; the model uses silu"}
-    tp4 = _manifest(outputs["gpt-tp4"])
-    assert tp4["served_vllm_backends"] == [] and set(tp4["quant_config"]["not_served"]) == {"TRITON", "AITER_TRITON_MXFP4_BF16"}
+    tp2 = _manifest(outputs["gpt-tp2"])  # the CDNA4 scale swizzle vLLM keeps up to TP 2
+    assert tp2["tp_size"] == 2 and tp2["served_vllm_backends"] == ["TRITON", "AITER_TRITON_MXFP4_BF16"]
     sm100 = _manifest(outputs["gpt-sm100"])
     assert sm100["served_vllm_backends"] == ["TRITON"] and sm100["quant_config"]["not_served"] == {
         "AITER_TRITON_MXFP4_BF16": "AITER_TRITON_MXFP4_BF16 runs on ROCm only; these bytes are for sm100"}
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_gfx950_above_tp2_is_refused_at_planning(tmp_path: Path, tp: int) -> None:
+    """vLLM keeps the scales strided above TP 2 (no CDNA4 swizzle): no engine would hold the bytes."""
+    src = make_checkpoint(tmp_path / "wide", "gpt-oss-mxfp4", intermediate_size=256).path
+    out = tmp_path / "out"
+    code, stdout, err = mx("repack", src, out, "--backend", "triton", "--layout-option", "arch=gfx950",
+                           "--tp", str(tp), "--dry-run")  # fmt: skip
+    assert code == 2 and not out.exists(), stdout + err
+    assert f"--tp {tp} --backend triton: arch=gfx950 writes CDNA4MXScaleLayout scales" in err
+    assert "should_use_cdna4_mx_scale_swizzle" in err and "repack with --tp 2 or less" in err
+    for arch, tp_ok in (("gfx950", 2), ("gfx1250", tp), ("sm90", tp)):
+        assert LAYOUT.tp_refusal(tp_ok, LAYOUT.resolve_options({"arch": arch})) is None
 
 
 def test_inspect_and_verify_agree(outputs: dict[str, Path]) -> None:

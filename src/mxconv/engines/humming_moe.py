@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mxconv.engines import discover
+from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, gated_activation, softmax_topk
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.layouts.canonical import LayoutSizes, round_up
@@ -70,25 +71,13 @@ class HummingExperts:
     intermediate: int  # Ip: GEMM 1 gives 2*Ip columns
     row_order: str
     activation: str
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
+    swiglu_alpha: float = SWIGLU_ALPHA
+    swiglu_limit: float = SWIGLU_LIMIT
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
-        """GEMM-1 output [M, 2Ip] -> [M, Ip] bf16, fp32 math (vLLM humming/activation.py's formulas)."""
-        h = h.float()
-        if self.row_order == "interleaved":
-            gate, up = h[:, 0::2], h[:, 1::2]
-        else:
-            gate, up = h[:, : self.intermediate], h[:, self.intermediate :]
-        if self.activation == "swigluoai":
-            gate = gate.clamp(max=self.swiglu_limit)
-            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
-            out = gate * torch.sigmoid(self.swiglu_alpha * gate) * (up + 1)
-        elif self.activation == "silu":
-            out = torch.nn.functional.silu(gate) * up
-        else:
-            raise BadInput(f"humming engine: no activation {self.activation!r} (swigluoai or silu)")
-        return out.to(torch.bfloat16).contiguous()
+        """GEMM-1 output [M, 2Ip] -> [M, Ip] bf16 (vLLM humming/activation.py's formulas)."""
+        return gated_activation(h, self.row_order, self.activation, self.intermediate, "humming",
+                                self.swiglu_alpha, self.swiglu_limit)  # fmt: skip
 
     def _gemm(self, w: str, x: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
         from humming.forward import humming_forward
@@ -114,18 +103,6 @@ class HummingExperts:
         y = torch.empty_like(y_grouped)
         y[order] = y_grouped
         return (y.view(T, k, -1).float() * weights.float()[..., None]).sum(dim=1).to(torch.bfloat16)
-
-
-def top_k_route(logits: torch.Tensor, k: int, renormalize: bool, routing: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [T, k], weights fp32 [T, k]) of the softmax routings: "topk_softmax" takes the top-k
-    logits and softmaxes them; the others softmax all experts, keep the top k, renormalise if asked."""
-    scores = logits.float()
-    if routing != "topk_softmax":
-        scores = torch.softmax(scores, dim=-1)
-    top, ids = torch.topk(scores, k, dim=-1)
-    if routing == "topk_softmax":
-        return ids, torch.softmax(top, dim=-1)
-    return ids, (top / top.sum(dim=-1, keepdim=True) if renormalize else top)
 
 
 def _check_tensors(tensors: dict[str, torch.Tensor], cfgs: dict[str, dict[str, Any]], name: str) -> dict[str, torch.Tensor]:
@@ -194,15 +171,15 @@ class HummingRunner:
         return HummingExperts(
             _check_tensors(tensors, cfgs, name), configs, tuning,
             torch.zeros(sms * 8, dtype=torch.int32, device=device), E, H, ip, row_order, str(common["activation"]),
-            1.702 if common.get("swiglu_alpha") is None else float(common["swiglu_alpha"]),
-            7.0 if common.get("swiglu_limit") is None else float(common["swiglu_limit"]),
+            SWIGLU_ALPHA if common.get("swiglu_alpha") is None else float(common["swiglu_alpha"]),
+            SWIGLU_LIMIT if common.get("swiglu_limit") is None else float(common["swiglu_limit"]),
         )  # fmt: skip
 
     def forward(self, experts: HummingExperts, x: torch.Tensor, topk_ids: torch.Tensor | None,
                 topk_weights: torch.Tensor | None, logits: torch.Tensor | None, info: Any) -> torch.Tensor:  # fmt: skip
         """Top-k from ``logits`` in torch when no ids are given, then humming's two GEMMs."""
         if topk_ids is None:
-            topk_ids, topk_weights = top_k_route(logits, info.top_k, bool(info.norm_topk_prob), info.routing)  # type: ignore[arg-type]
+            topk_ids, topk_weights = softmax_topk(logits, info.top_k, bool(info.norm_topk_prob), info.routing)  # type: ignore[arg-type]
         return experts.forward(x, topk_ids, topk_weights)  # type: ignore[arg-type]
 
 

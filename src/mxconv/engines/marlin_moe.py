@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from mxconv.engines import discover
+from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, gated_activation, softmax_topk
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 
@@ -114,26 +115,14 @@ class MarlinExperts:
     padded_intermediate_size: int
     row_order: str
     activation: str
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
+    swiglu_alpha: float = SWIGLU_ALPHA
+    swiglu_limit: float = SWIGLU_LIMIT
     last_block: int = field(default=0, repr=False)
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
         """GEMM-1 output [T*k, 2Ip] bf16 -> [T*k, Ip] bf16 (fp32 math)."""
-        h = h.float()
-        if self.row_order == "interleaved":
-            gate, up = h[:, 0::2], h[:, 1::2]
-        else:
-            gate, up = h[:, : self.padded_intermediate_size], h[:, self.padded_intermediate_size :]
-        if self.activation == "swigluoai":
-            gate = gate.clamp(max=self.swiglu_limit)
-            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
-            out = (up + 1) * gate * torch.sigmoid(self.swiglu_alpha * gate)
-        elif self.activation == "silu":
-            out = torch.nn.functional.silu(gate) * up
-        else:
-            raise BadInput(f"marlin engine: no activation {self.activation!r} (swigluoai or silu)")
-        return out.to(torch.bfloat16).contiguous()
+        return gated_activation(h, self.row_order, self.activation, self.padded_intermediate_size, "marlin",
+                                self.swiglu_alpha, self.swiglu_limit)  # fmt: skip
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] (any float; run as bf16), ``ids`` [T, k] integer, ``weights`` [T, k] float, all on
@@ -205,21 +194,9 @@ def build_experts(
         held["w13_weight"], held["w13_weight_scale"], held["w2_weight"], held["w2_weight_scale"],  # type: ignore[arg-type]
         held["w13_bias"], held["w2_bias"], marlin_workspace(held["w13_weight"].device),  # type: ignore[union-attr]
         E, hidden_size, Hp, Ip, row_order, activation,
-        1.702 if swiglu_alpha is None else float(swiglu_alpha), 7.0 if swiglu_limit is None else float(swiglu_limit),
+        SWIGLU_ALPHA if swiglu_alpha is None else float(swiglu_alpha),
+        SWIGLU_LIMIT if swiglu_limit is None else float(swiglu_limit),
     )  # fmt: skip
-
-
-def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, routing: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids int32 [T, k] / weights fp32 [T, k] from router logits [T, E] (the softmax routings:
-    ``"topk_softmax"`` = top-k then softmax over the k; else softmax, top-k, renormalised if asked)."""
-    logits = logits.float()
-    if routing == "topk_softmax":
-        vals, ids = torch.topk(logits, k, dim=-1)
-        return ids.to(torch.int32), torch.softmax(vals, dim=-1)
-    w, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return ids.to(torch.int32), w
 
 
 class MarlinRunner:

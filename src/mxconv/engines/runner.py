@@ -20,6 +20,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from mxconv.families.base import ModelInfo
 
+# gpt-oss's SwiGLU-OAI constants where the manifest records none (vLLM's defaults)
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
 # Engine kernel (bf16 activations, bf16 GEMM outputs) vs the fp32 reference MoE on the same MXFP4
 # weights. bf16 rounding of the input, the intermediate and each GEMM output gives ~2e-3 each.
 # Measured on an H100 (tests/test_engines_gpu.py): triton_kernels 3.9e-3 - 5.1e-3, vLLM's Marlin
@@ -92,3 +96,44 @@ def kernel_unavailable(manifest: dict[str, Any], device: Any = "cuda", kernel_lo
         return runner.kernel_unavailable(manifest.get("layout") or {}, device, kernel_locations)
     except BadInput as exc:
         return str(exc)
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, routing: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids int32 [T, k] / weights fp32 [T, k] from router logits [T, E] for the softmax routings,
+    in torch (the runners whose engine has no fused router): ``"topk_softmax"`` = top-k of the logits
+    then softmax over the k (``renormalize`` ignored); else softmax over all experts, top-k,
+    renormalised if asked."""
+    import torch
+
+    logits = logits.float()
+    if routing == "topk_softmax":
+        vals, ids = torch.topk(logits, k, dim=-1)
+        return ids.to(torch.int32), torch.softmax(vals, dim=-1)
+    w, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), w
+
+
+def gated_activation(h: torch.Tensor, row_order: str, activation: str, intermediate: int, engine: str,
+                     swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:  # fmt: skip
+    """GEMM-1 output [M, 2*intermediate] -> [M, intermediate] bf16, fp32 math: gate/up as columns
+    2j / 2j+1 (``row_order`` "interleaved") or the two halves; "swigluoai" = clamped gate * sigmoid(alpha
+    gate) * (up + 1) (vLLM's formula and order), "silu" = silu(gate) * up. BadInput naming ``engine``
+    for another activation."""
+    import torch
+
+    h = h.float()
+    if row_order == "interleaved":
+        gate, up = h[:, 0::2], h[:, 1::2]
+    else:
+        gate, up = h[:, :intermediate], h[:, intermediate:]
+    if activation == "swigluoai":
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+        out = gate * torch.sigmoid(swiglu_alpha * gate) * (up + 1)
+    elif activation == "silu":
+        out = torch.nn.functional.silu(gate) * up
+    else:
+        raise BadInput(f"{engine} engine: no activation {activation!r} (swigluoai or silu)")
+    return out.to(torch.bfloat16).contiguous()

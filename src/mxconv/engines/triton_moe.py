@@ -27,6 +27,7 @@ import torch
 
 from mxconv.engines import discover
 from mxconv.engines.discover import TritonKernels
+from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 
@@ -148,8 +149,8 @@ class TritonExperts:
     padded_hidden_size: int
     padded_intermediate_size: int
     activation: str
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
+    swiglu_alpha: float = SWIGLU_ALPHA
+    swiglu_limit: float = SWIGLU_LIMIT
 
     def routing(self, ids: torch.Tensor | None, weights: torch.Tensor | None, logits: torch.Tensor | None, k: int, renormalize: bool) -> tuple[Any, Any, Any]:
         """Routing data from a top-k choice (ids/weights) or, when only ``logits`` is given, the fused kernel."""
@@ -235,7 +236,8 @@ def build_experts(
     constrain_hopper(tk)
     return TritonExperts(
         tk, w13, w2, pc13, pc2, b13, b2, E, hidden_size, Hp, Ip, activation,
-        1.702 if swiglu_alpha is None else float(swiglu_alpha), 7.0 if swiglu_limit is None else float(swiglu_limit),
+        SWIGLU_ALPHA if swiglu_alpha is None else float(swiglu_alpha),
+        SWIGLU_LIMIT if swiglu_limit is None else float(swiglu_limit),
     )  # fmt: skip
 
 

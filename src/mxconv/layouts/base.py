@@ -182,6 +182,11 @@ class LayoutBase:
         inspect shows them, ``verify --kernel`` fails on them). None by default."""
         return []
 
+    def tp_refusal(self, tp: int, options: LayoutOptions | None = None) -> str | None:
+        """Why no engine holds this layout's bytes at tensor-parallel size ``tp`` (planning refuses
+        the repack, exit 2, with this text); None by default."""
+        return None
+
     def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
         """Why ``verify --kernel`` cannot run the engine's kernel for a backend without an
         :attr:`engine_runner` (backends with one are asked through their runner instead)."""

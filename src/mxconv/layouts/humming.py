@@ -44,6 +44,7 @@ from mxconv.layouts.canonical import (
     KernelTensors,
     LayoutSizes,
     TensorSpec,
+    check_kernel_tensors,
     in_kernel_order,
     round_up,
 )
@@ -210,7 +211,7 @@ class HummingLayout(LayoutBase):
         import torch
 
         specs = self.kernel_specs(sizes, activation, options)
-        _check_tensors(k, specs)
+        check_kernel_tensors(BACKEND_NAME, k, specs)
         if sizes.weight_format == humming_int4.WEIGHT_FORMAT:
             return humming_int4.from_kernel(k, sizes, self.options_of(options).int4_codes)
         H, Ip = sizes.hidden_size, sizes.padded_intermediate_size
@@ -286,22 +287,6 @@ def _crop(name: str, x: torch.Tensor, rows: int, cols: int, fill: int) -> torch.
     check_fill(name, x[:, rows:], fill, (0, rows, 0))
     check_fill(name, x[:, :rows, cols:], fill, (0, 0, cols))
     return x[:, :rows, :cols].contiguous()
-
-
-def _check_tensors(k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
-    """LayoutError unless ``k`` holds exactly ``specs``' tensors (shape, dtype) on one device."""
-    extra = sorted(set(k) - set(specs))
-    if extra:
-        raise LayoutError(f"humming: unexpected kernel tensors: {', '.join(extra)}")
-    for name, spec in specs.items():
-        t = k.get(name)
-        if t is None:
-            raise LayoutError(f"humming: kernel tensor {name} is missing")
-        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-            raise LayoutError(f"humming: {name} has shape {tuple(t.shape)} dtype {t.dtype}, "
-                              f"expected {spec.shape} {spec.dtype}")  # fmt: skip
-    if len({str(t.device) for t in k.values()}) > 1:
-        raise LayoutError("humming: kernel tensors are on different devices")
 
 
 LAYOUT = HummingLayout()

@@ -31,7 +31,7 @@ torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
@@ -42,6 +42,7 @@ from mxconv.layouts.canonical import (
     KernelTensors,
     LayoutSizes,
     TensorSpec,
+    check_kernel_tensors,
     in_kernel_order,
     round_up,
 )
@@ -58,6 +59,7 @@ from mxconv.layouts.triton_bytemap import (
     w2_row_table,
     w13_row_table,
 )
+from mxconv.layouts.vllm_backends import CDNA4_SCALE_MAX_TP, Platform
 from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
@@ -88,6 +90,9 @@ _ENGINE_COMPAT = {
 # ---------------------------------------------------------------------------------------------
 
 
+HOPPER_ONLY_OPTIONS = ("triton_layout", "num_warps", "scale_k_align")  # only the sm90 storage depends on them
+
+
 @dataclass(frozen=True)
 class TritonOptions(LayoutOptions):
     """The triton layout's resolved options (declared in :attr:`TritonLayout.options`, same order)."""
@@ -96,7 +101,25 @@ class TritonOptions(LayoutOptions):
     num_warps: int = 8
     scale_k_align: int = 4
     pad_hidden: bool = False
-    arch: str = "sm90"  # a value of triton_arch.Arch: the GPU whose _swizzle_mxfp4 storage is written
+    arch: Arch = Arch.SM90  # the GPU whose _swizzle_mxfp4 storage is written (given as its string)
+
+    def __post_init__(self) -> None:
+        """``arch`` as an :class:`Arch`; LayoutError for a Hopper-only option changed from its
+        default with another arch (its storage does not depend on it: the value would be recorded
+        in the manifest without shaping a byte)."""
+        need(self.arch in tuple(Arch), f"triton: layout option arch={self.arch!r}: choose one of {', '.join(Arch)}")
+        object.__setattr__(self, "arch", Arch(self.arch))
+        if self.arch is Arch.SM90:
+            return
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in HOPPER_ONLY_OPTIONS:
+            value, default = getattr(self, name), defaults[name]
+            need(value == default, f"triton: layout option {name}={value} applies to arch sm90 only; arch "
+                 f"{self.arch} storage does not depend on it (leave it at its default {default})")  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's layout ``options`` (``arch`` as its string)."""
+        return {**super().to_json(), "arch": self.arch.value}
 
 
 class MatrixGeometry:
@@ -113,7 +136,7 @@ class MatrixGeometry:
         self.value_group, self.scale_group = spec.value_group, spec.scale_group
         self.value_layout, self.scale_layout = spec.value_layout, spec.scale_layout
         # vLLM pads the scale's K/32 axis to scale_k_align on SM90 only
-        self.scale_cols = round_up(k // MX_BLOCK, options.scale_k_align if self.arch == Arch.SM90.value else 1)
+        self.scale_cols = round_up(k // MX_BLOCK, options.scale_k_align if self.arch is Arch.SM90 else 1)
         row_multiple = 32 * self.num_warps if spec.scale_row_multiple is None else spec.scale_row_multiple
         self.scale_rows, self.scale_padded_cols = round_up(rows, row_multiple), round_up(self.scale_cols, spec.scale_col_multiple)
 
@@ -142,7 +165,8 @@ class MatrixGeometry:
             "k": K,
             "value": {"layout": self.value_layout, "mx_axis": 1, "mma_version": 3, "initial_shape": [E, K // 2, N],
                       "shape": [E, K, N], "dtype": "FP4", **buffer(self.value_shape)},
-            "scale": {"layout": self.scale_layout, "mx_axis": 1, "num_warps": self.num_warps,
+            "scale": {"layout": self.scale_layout, "mx_axis": 1,
+                      "num_warps": self.num_warps if self.arch is Arch.SM90 else None,
                       "initial_shape": [E, self.scale_cols, N], "shape": [E, self.scale_cols, N], "dtype": "uint8",
                       **buffer(self.scale_shape)},
             "bias_shape": [E, N],
@@ -211,7 +235,7 @@ class TritonLayout(LayoutBase):
         """A plain warning when the kernel would reduce over a hidden size that is not a multiple
         of 64 (Hopper matmul_ogs computes wrong results then); None when it will not."""
         opts = self.options_of(options)
-        if hidden_size % HIDDEN_ALIGN == 0 or opts.pad_hidden or opts.arch != Arch.SM90.value:
+        if hidden_size % HIDDEN_ALIGN == 0 or opts.pad_hidden or opts.arch is not Arch.SM90:
             return None
         return (
             f"hidden size {hidden_size} is not a multiple of {HIDDEN_ALIGN}: vLLM's TRITON MoE path on Hopper "
@@ -219,6 +243,16 @@ class TritonLayout(LayoutBase):
             f"written are what vLLM builds; for a loader that pads activations use --layout-option "
             f"pad_hidden=true (hidden padded to {round_up(hidden_size, HIDDEN_ALIGN)} with zeros)"
         )
+
+    def tp_refusal(self, tp: int, options: TritonOptions | None = None) -> str | None:
+        """gfx950 above TP 2: vLLM keeps the scales strided there, not the CDNA4 swizzle written here."""
+        arch = self.options_of(options).arch
+        if spec_of(arch).platform is not Platform.ROCM_CDNA4 or tp <= CDNA4_SCALE_MAX_TP:
+            return None
+        return (f"arch={arch} writes CDNA4MXScaleLayout scales, which vLLM 0.33 builds at TP <= {CDNA4_SCALE_MAX_TP} "
+                f"only (should_use_cdna4_mx_scale_swizzle; above it keeps them strided, a storage mxconv does not "
+                f"write), so no vLLM would hold TP {tp} bytes as they are: repack with --tp {CDNA4_SCALE_MAX_TP} or "
+                "less, or serve the quantize output (vLLM lays it out at load)")  # fmt: skip
 
     def geometry(self, sizes: LayoutSizes, options: TritonOptions | None = None) -> dict[str, MatrixGeometry]:
         """{"w13": ..., "w2": ...} kernel geometry for ``sizes`` (its padded sizes checked against the rule)."""
@@ -248,7 +282,7 @@ class TritonLayout(LayoutBase):
         c.validate()
         opts = self.options_of(options)
         hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, opts)
-        kern = _kernels(c.w13, kernel_choice) if opts.arch == Arch.SM90.value else None  # Hopper gathers only
+        kern = _kernels(c.w13, kernel_choice) if opts.arch is Arch.SM90 else None  # Hopper gathers only
         out: KernelTensors = {}
         for w, g in _geometry(c.num_experts, hp, ip, opts).items():
             weight, scale, bias = getattr(c, w), getattr(c, f"{w}_scale"), getattr(c, f"{w}_bias")
@@ -275,7 +309,7 @@ class TritonLayout(LayoutBase):
         un-swizzled [E, rows, K/2 bytes or K/32] view with w13 rows as gate/up pairs).
         """
         opts = self.options_of(options)
-        _check_tensors(k, self.kernel_specs(sizes, activation, opts))
+        check_kernel_tensors(BACKEND_NAME, k, self.kernel_specs(sizes, activation, opts))
         H, I, dev = sizes.hidden_size, sizes.intermediate_size, k["w13_weight"].device
         parts: dict[str, torch.Tensor | None] = {}
         for w, g in self.geometry(sizes, opts).items():
@@ -295,7 +329,7 @@ class TritonLayout(LayoutBase):
         opts = self.options_of(options)
         geo = self.geometry(sizes, opts)
         gen, align, spec = opts.triton_layout, opts.scale_k_align, spec_of(opts.arch)
-        hopper = opts.arch == Arch.SM90.value
+        hopper = opts.arch is Arch.SM90
         return {
             "name": self.name,
             "version": self.version,
@@ -306,11 +340,11 @@ class TritonLayout(LayoutBase):
             "vllm_moe_backends_on_arch": list(spec.vllm_backends),
             "activation": activation,
             "vllm_moe_backend": "TRITON",
-            "triton_layout": gen,
+            "triton_layout": gen if hopper else None,  # the options the other archs' bytes do not depend on
             "value_padding": dict(zip(("rows", "row_bytes"), VALUE_PADDING[gen] if hopper
                                       else (1, spec.value_byte_multiple))),
             "bit_twiddle": hopper,
-            "num_warps": opts.num_warps,
+            "num_warps": opts.num_warps if hopper else None,
             "scale_k_align": align if hopper else 1,
             "split_k": 1 if hopper else None,
             "pad_hidden": opts.pad_hidden,
@@ -352,19 +386,6 @@ def _crop(name: str, x: torch.Tensor, rows: int, cols: int | None, inv: torch.Te
         raise LayoutError(f"triton: {err} (index in the un-swizzled [E, rows, K/2 bytes or K/32] view, "
                           "w13 rows as gate/up pairs)") from err  # fmt: skip
     return (x[:, :rows] if cols is None else x[:, :rows, :cols]).index_select(1, inv)
-
-
-def _check_tensors(k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
-    """LayoutError unless ``k`` holds exactly ``specs``' tensors (shape, dtype) on one device."""
-    extra = sorted(set(k) - set(specs))
-    need(not extra, f"triton: unexpected kernel tensors: {', '.join(extra)}")
-    for name, spec in specs.items():
-        t = k.get(name)
-        need(t is not None, f"triton: kernel tensor {name} is missing")
-        need(tuple(t.shape) == spec.shape and t.dtype == spec.dtype,
-              f"triton: {name} has shape {tuple(t.shape)} dtype {t.dtype}, expected {spec.shape} {spec.dtype}")
-    devices = sorted({str(t.device) for t in k.values()})
-    need(len(devices) <= 1, f"triton: kernel tensors are on different devices: {devices}")
 
 
 LAYOUT = TritonLayout()

@@ -17,7 +17,7 @@ torch is imported lazily, so ``mxconv inspect`` stays torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from mxconv.layouts.triton_bytemap import (
@@ -34,8 +34,15 @@ if TYPE_CHECKING:
     import torch
 
 
-class Arch(str, Enum):
-    """GPU whose ``_swizzle_mxfp4`` storage an output holds (``--layout-option arch=``)."""
+class Arch(StrEnum):
+    """GPU whose ``_swizzle_mxfp4`` storage an output holds (``--layout-option arch=``).
+
+    Its first four values are :class:`mxconv.layouts.engine_picks.Gpu`'s GPUs. Neither enum is made
+    from the other: the sets differ (gfx1250 has no engine-pick rows; ``Gpu.CPU`` has no triton
+    storage), an Enum with members cannot be extended by subclassing, and one built by the functional
+    API from the other's members hides its members from the type checker.
+    tests/test_layout_triton_arch.py checks that the shared names and values agree.
+    """
 
     SM90 = "sm90"
     SM100 = "sm100"
@@ -95,7 +102,7 @@ ARCHS: dict[Arch, ArchSpec] = {
 }  # fmt: skip
 
 
-def spec_of(arch: str) -> ArchSpec:
+def spec_of(arch: Arch | str) -> ArchSpec:
     return ARCHS[Arch(arch)]
 
 
@@ -154,7 +161,7 @@ def _ungfx1250_scales(buf: torch.Tensor) -> torch.Tensor:
 _SCALE_MAPS = {Arch.GFX950: (_cdna4_scales, _uncdna4_scales), Arch.GFX1250: (_gfx1250_scales, _ungfx1250_scales)}
 
 
-def encode(arch: str, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(arch: Arch | str, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded canonical [E, Np, Kbp] values and [E, Ns, Cp] scales -> the stored buffers of ``arch``."""
     a = Arch(arch)
     if a is Arch.SM90:
@@ -162,7 +169,7 @@ def encode(arch: str, values: torch.Tensor, scales: torch.Tensor, num_warps: int
     return values.contiguous(), _SCALE_MAPS.get(a, (_blackwell_scales,))[0](scales)
 
 
-def decode(arch: str, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(arch: Arch | str, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`encode`: stored buffers -> padded [E, Np, Kbp] values, [E, Ns, Cp] scales."""
     a = Arch(arch)
     if a is Arch.SM90:

@@ -255,6 +255,9 @@ def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _L
     widths = {e - s for s, e in rank_ranges}
     I_rank = max(widths)
     opts = layout.resolve_options(repack.layout_options)
+    why = layout.tp_refusal(repack.tp, opts)
+    if why:
+        raise BadInput(f"--tp {repack.tp} --backend {repack.backend}: {why}")
     repack = replace(repack, layout_options=opts)
     Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation, opts, **fmt_kw)
     for w in widths:  # every rank pads to the same Ip; make sure the smaller ones fit the rule too
