@@ -108,12 +108,13 @@ if triton is not None:
 
     @triton.jit
     def _quantize_tile(
-        x_ptr, data_ptr, scale_ptr, first, n_blocks,
+        x_ptr, data_ptr, scale_ptr, flag_ptr, first, n_blocks,
         INPUT_KIND: tl.constexpr, IS_FP4: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr,
         RCEIL_MANT_T: tl.constexpr, RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr,
-        FIX_MAX_BYTE: tl.constexpr, BLOCKS: tl.constexpr,
+        FIX_MAX_BYTE: tl.constexpr, BLOCKS: tl.constexpr, FLAG: tl.constexpr,
     ):  # fmt: skip
-        """Quantize blocks [first, first + BLOCKS) (masked at n_blocks)."""
+        """Quantize blocks [first, first + BLOCKS) (masked at n_blocks); FLAG: store 1 at flag_ptr
+        when one of them holds a NaN or an Inf (all-ones exponent in the fp32 bits)."""
         rows = tl.arange(0, BLOCKS)
         pairs = tl.arange(0, 16)
         row_ok = rows < (n_blocks - first)
@@ -131,6 +132,9 @@ if triton is not None:
         else:
             xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
             xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+        if FLAG:  # per block, an integer max of |x|'s bits: >= Inf's bits iff NaN/Inf (float max drops NaN)
+            mag = tl.max(tl.maximum(xe & 0x7FFFFFFF, xo & 0x7FFFFFFF), axis=1)
+            tl.store(flag_ptr + rows * 0, 1, mask=row_ok & (mag >= 0x7F800000))  # no cross-warp reduction
 
         # --- E8M0 byte from the bits of the block max |x| (a flushed subnormal max gives byte 0 too)
         amax_f = tl.maximum(
@@ -170,6 +174,7 @@ if triton is not None:
         x_ptr,  # int32 words (bf16/fp16 pairs) or int64 words (fp32 pairs), [n_blocks * 16]
         data_ptr,  # uint8 [n_blocks * 16] (mxfp4) or int16 [n_blocks * 16] (mxfp8 byte pairs)
         scale_ptr,  # uint8 [n_blocks]
+        flag_ptr,  # int32 [1]: set to 1 when an input element is NaN/Inf (FLAG only)
         n_blocks,
         INPUT_KIND: tl.constexpr,  # 0 fp32, 1 bf16, 2 fp16
         IS_FP4: tl.constexpr,
@@ -181,17 +186,31 @@ if triton is not None:
         FIX_MAX_BYTE: tl.constexpr,
         BLOCKS: tl.constexpr,  # 32-element blocks per tile
         ITERS: tl.constexpr,  # tiles per program
+        FLAG: tl.constexpr,  # write flag_ptr
     ):
         pid = tl.program_id(0).to(tl.int64)
         for it in tl.static_range(ITERS):
             _quantize_tile(
-                x_ptr, data_ptr, scale_ptr, (pid * ITERS + it) * BLOCKS, n_blocks,
+                x_ptr, data_ptr, scale_ptr, flag_ptr, (pid * ITERS + it) * BLOCKS, n_blocks,
                 INPUT_KIND, IS_FP4, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD,
-                FIX_MAX_BYTE, BLOCKS,
+                FIX_MAX_BYTE, BLOCKS, FLAG,
             )  # fmt: skip
 
 
 _INPUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _outputs(x: torch.Tensor, data_shape: tuple[int, ...], scale_shape: tuple[int, ...],
+             out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The kernel's (data, scales): new tensors, or ``out`` once checked (contiguous uint8 of the shapes)."""
+    if out is None:
+        return (torch.empty(data_shape, dtype=torch.uint8, device=x.device),
+                torch.empty(scale_shape, dtype=torch.uint8, device=x.device))  # fmt: skip
+    for t, shape, what in zip(out, (data_shape, scale_shape), ("data", "scales")):
+        if tuple(t.shape) != shape or t.dtype != torch.uint8 or not t.is_contiguous() or t.device != x.device:
+            raise BadInput(f"quantize_mx_triton: out {what} must be contiguous uint8 {list(shape)} on {x.device}, "
+                           f"got {t.dtype}{list(t.shape)} on {t.device}")  # fmt: skip
+    return out
 
 
 def quantize_mx_triton(
@@ -202,6 +221,8 @@ def quantize_mx_triton(
     blocks_per_program: int = DEFAULT_BLOCKS_PER_PROGRAM,
     num_warps: int = DEFAULT_NUM_WARPS,
     tiles_per_program: int = DEFAULT_TILES_PER_PROGRAM,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    nonfinite: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` [..., K] (bf16/fp16/fp32 on CUDA) to MX in one kernel launch.
 
@@ -209,6 +230,10 @@ def quantize_mx_triton(
     mxfp4 data uint8 [..., K/2] (low nibble = even element), mxfp8 data uint8 [..., K] (E4M3 bits),
     scales uint8 [..., K/32] (E8M0). CPU tensors are accepted only under ``TRITON_INTERPRET=1``
     (whose fp32->fp8 cast is not exact: trust its MXFP8 scales, not its MXFP8 elements).
+    ``out``: contiguous ``(data, scales)`` of those shapes on x's device to write into (no new
+    buffers, no copy). ``nonfinite``: an int32 tensor whose first element the kernel sets to 1
+    when any element of ``x`` is NaN or Inf (left as is otherwise; the bytes of such blocks are
+    not the torch path's) - the finiteness scan folded into the one read of ``x``.
     """
     check_args(x, fmt, scale_rounding)
     if triton is None:
@@ -221,8 +246,9 @@ def quantize_mx_triton(
         raise BadInput(f"tiles_per_program must be positive, got {tiles_per_program}")
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
     nb = k // BLOCK_SIZE
-    data = torch.empty(lead + ((k // 2) if fmt == "mxfp4" else k,), dtype=torch.uint8, device=x.device)
-    scales = torch.empty(lead + (nb,), dtype=torch.uint8, device=x.device)
+    data, scales = _outputs(x, lead + ((k // 2) if fmt == "mxfp4" else k,), lead + (nb,), out)
+    if nonfinite is not None and (nonfinite.dtype != torch.int32 or nonfinite.device != x.device):
+        raise BadInput(f"nonfinite must be an int32 tensor on {x.device}, got {nonfinite.dtype} on {nonfinite.device}")
     n_blocks = x.numel() // BLOCK_SIZE
     if n_blocks == 0:
         return data, scales
@@ -241,6 +267,7 @@ def quantize_mx_triton(
         words,
         out_words,
         scales,
+        scales if nonfinite is None else nonfinite,
         n_blocks,
         INPUT_KIND=_INPUT_KINDS[x.dtype],
         IS_FP4=fmt == "mxfp4",
@@ -252,6 +279,7 @@ def quantize_mx_triton(
         FIX_MAX_BYTE=SUBNORMAL_FIX_MAX_BYTE,
         BLOCKS=blocks_per_program,
         ITERS=tiles_per_program,
+        FLAG=nonfinite is not None,
         num_warps=num_warps,
     )
     return data, scales

@@ -13,7 +13,7 @@ from mxconv.errors import BadInput
 from mxconv.mx import fp8_block
 from mxconv.mx.formats import check_args
 from mxconv.mx.fp8_block import BlockFP8
-from mxconv.mx.numerics import mx_error_sums, quantize_mx_torch
+from mxconv.mx.numerics import first_nonfinite, mx_error_sums, quantize_mx_torch
 
 IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 
@@ -61,6 +61,32 @@ def quantize_mx(
     return quantize_mx_torch(x, fmt, scale_rounding, error_sums=error_sums)
 
 
+def quantize_mx_finite_into(x: torch.Tensor, fmt: str, scale_rounding: str, data: torch.Tensor,
+                            scales: torch.Tensor, impl: str = "auto") -> bool:  # fmt: skip
+    """Quantize ``x`` into the preallocated contiguous ``data`` / ``scales`` (the shapes
+    :func:`quantize_mx` returns) when every element of ``x`` is finite, and say so: True, the bytes
+    are :func:`quantize_mx`'s; False, ``x`` holds a NaN or an Inf and ``data`` / ``scales`` hold
+    no defined bytes (the caller locates the value with ``first_nonfinite`` and decides).
+
+    The Triton kernel tests finiteness on the bits it reads anyway (one read of ``x``, one
+    device -> host sync for the answer); the torch path scans ``x`` first
+    (:func:`mxconv.mx.numerics.first_nonfinite`), as a caller of :func:`quantize_mx` would.
+    """
+    check_args(x, fmt, scale_rounding)
+    if select_impl(x, impl) == "triton":
+        from mxconv.kernels.mx_triton import quantize_mx_triton
+
+        flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+        quantize_mx_triton(x, fmt, scale_rounding, out=(data, scales), nonfinite=flag)
+        return not bool(flag.item())
+    if first_nonfinite(x) is not None:
+        return False
+    d, s = quantize_mx_torch(x, fmt, scale_rounding)
+    data.copy_(d)
+    scales.copy_(s)
+    return True
+
+
 def mxfp4_to_fp8_block(data: torch.Tensor, scales: torch.Tensor, impl: str = "auto") -> BlockFP8:
     """MXFP4 [E, N, K/2] + E8M0 [E, N, K/32] -> block FP8 with power-of-two tile scales
     (:func:`mxconv.mx.fp8_block.mxfp4_to_fp8_block`); Triton for CUDA tensors under "auto", same bytes."""
@@ -81,4 +107,4 @@ def float_to_fp8_block(x: torch.Tensor, impl: str = "auto") -> BlockFP8:
     return fp8_block.float_to_fp8_block(x)
 
 
-__all__ = ["IMPLS", "float_to_fp8_block", "mxfp4_to_fp8_block", "quantize_mx", "select_impl"]
+__all__ = ["IMPLS", "float_to_fp8_block", "mxfp4_to_fp8_block", "quantize_mx", "quantize_mx_finite_into", "select_impl"]

@@ -189,6 +189,9 @@ def dequantize_mx(
 
 _SCAN_CHUNK = 1 << 26  # elements per pass of a scan: bounds the temporaries of a huge stack
 _FINITE_CHUNK = 1 << 20  # elements per sum of first_nonfinite's fast check (stays in the caches)
+# On a GPU each sum is a launch and a device -> host sync (~20 us): 1M-element sums made a
+# gpt-oss-120b layer's scan 87 ms on an H200; one sum per 256M elements reads at HBM speed.
+_FINITE_CHUNK_GPU = 1 << 28
 
 
 def _first_where(x: torch.Tensor, bad: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, ...] | None:
@@ -230,8 +233,9 @@ def first_nonfinite(x: torch.Tensor) -> tuple[int, ...] | None:
         # common path: one reduction per cache-sized chunk; the element scan runs only from a chunk
         # whose sum is not finite
         flat = x.reshape(-1)
-        for start in range(0, flat.numel(), _FINITE_CHUNK):
-            if not _surely_finite(flat[start : start + _FINITE_CHUNK]):
+        step = _FINITE_CHUNK if x.device.type == "cpu" else _FINITE_CHUNK_GPU
+        for start in range(0, flat.numel(), step):
+            if not _surely_finite(flat[start : start + step]):
                 hit = _first_where(flat[start:], lambda part: ~torch.isfinite(part))
                 return None if hit is None else _unravel(start + hit[0], x.shape)
         return None

@@ -82,8 +82,7 @@ def quantize_stack(
     experts [e0, e1) as a float tensor on ``device``. NaN/Inf are refused unless allowed."""
     import torch
 
-    from mxconv.mx.numerics import dequantize_mx, first_nonfinite
-    from mxconv.kernels.quantize import quantize_mx
+    from mxconv.mx.numerics import dequantize_mx
 
     E, N, K = shape
     data = torch.empty((E, N, K // 2 if fmt == "mxfp4" else K), dtype=torch.uint8, device=device)
@@ -92,22 +91,8 @@ def quantize_stack(
     for e0 in range(0, E, step):
         e1 = min(E, e0 + step)
         x = chunk(e0, e1).contiguous()
-        bad_blocks = None
-        idx = first_nonfinite(x)
-        if idx is not None:
-            idx = (idx[0] + e0, *idx[1:])
-            if not q.allow_nonfinite:
-                val = x[(idx[0] - e0, *idx[1:])].item()
-                loc = where(idx) if callable(where) else f"{where} at index {list(idx)} (expert, row, column)"
-                raise BadInput(
-                    f"non-finite value {val} in {loc}; "
-                    "pass --allow-nonfinite to write NaN scales (0xFF) for such blocks"
-                )
-            x, bad_blocks = _nan_policy(x)
-        d, s = quantize_mx(x, fmt, q.scale_rounding)
-        if bad_blocks is not None:
-            s = s.masked_fill(bad_blocks, 0xFF)
-        data[e0:e1], scales[e0:e1] = d, s
+        d, s = data[e0:e1], scales[e0:e1]  # written in place: no per-chunk buffers, no copy
+        x, bad_blocks = _quantize_chunk(x, e0, fmt, q, where, d, s)
         if stats is not None:
             deq = dequantize_mx(d, s, fmt)
             if bad_blocks is not None:
@@ -118,6 +103,31 @@ def quantize_stack(
             del deq
         del x, d, s
     return MXStack(fmt, data, scales)
+
+
+def _quantize_chunk(x: torch.Tensor, e0: int, fmt: str, q: QuantOptions, where: str | Callable[[tuple[int, ...]], str],
+                    data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Quantize experts ``x`` (the first is expert ``e0``) into ``data`` / ``scales``. Finite input
+    (the common case, tested inside the Triton kernel's one read) returns ``(x, None)``; otherwise
+    BadInput naming the first NaN/Inf, or under ``allow_nonfinite`` its blocks quantized as zeros
+    with NaN scales (0xFF), returning the zeroed input and the mask of those blocks."""
+    from mxconv.kernels.quantize import quantize_mx, quantize_mx_finite_into
+    from mxconv.mx.numerics import first_nonfinite
+
+    if quantize_mx_finite_into(x, fmt, q.scale_rounding, data, scales):
+        return x, None
+    idx = first_nonfinite(x)
+    assert idx is not None, "the quantizer reported a NaN/Inf that the scan did not find"
+    idx = (idx[0] + e0, *idx[1:])
+    if not q.allow_nonfinite:
+        val = x[(idx[0] - e0, *idx[1:])].item()
+        loc = where(idx) if callable(where) else f"{where} at index {list(idx)} (expert, row, column)"
+        raise BadInput(f"non-finite value {val} in {loc}; pass --allow-nonfinite to write NaN scales (0xFF) for such blocks")
+    x, bad_blocks = _nan_policy(x)
+    d, s = quantize_mx(x, fmt, q.scale_rounding)
+    data.copy_(d)
+    scales.copy_(s.masked_fill(bad_blocks, 0xFF))
+    return x, bad_blocks
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
