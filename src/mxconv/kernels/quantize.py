@@ -63,10 +63,8 @@ def quantize_mx(
 
 def mxfp4_to_fp8_block(data: torch.Tensor, scales: torch.Tensor, impl: str = "auto") -> BlockFP8:
     """MXFP4 [E, N, K/2] + E8M0 [E, N, K/32] -> block FP8 with power-of-two tile scales
-    (:func:`mxconv.mx.fp8_block.mxfp4_to_fp8_block`). "auto" runs the torch path on every device: the
-    Triton kernel's CUDA bytes differed from the CPU's (issue 22), so it runs only when asked for."""
-    chosen = select_impl(data, impl)
-    if impl == "triton" and chosen == "triton":
+    (:func:`mxconv.mx.fp8_block.mxfp4_to_fp8_block`); Triton for CUDA tensors under "auto", same bytes."""
+    if select_impl(data, impl) == "triton":
         from mxconv.kernels.fp8_block_triton import mxfp4_to_fp8_block_triton
 
         return mxfp4_to_fp8_block_triton(data, scales)
