@@ -2,9 +2,13 @@
 and floats -> block FP8 (amax/448), one program per 128x128 tile of one expert.
 
 The bytes are those of :mod:`mxconv.mx.fp8_block` on the CPU (its module docstring has the rules).
-Each program reads its tile once from memory (MXFP4: 64 bytes of codes and 4 scale bytes per row;
-floats: the tile's values), keeps it in registers for the tile reduction (top and lowest set-bit
-exponent, or amax) and writes E4M3 bytes plus one fp32 scale: one pass over the data.
+MXFP4 takes two launches. The first reads each tile once as int32 words (8 codes each) with its scale
+bytes, finds the tile's top exponent and, where every group with a non-zero code has
+``k = s - 127 - t >= -5`` (then every element is an E4M3 normal, so the tile is exact), writes its
+bytes with integer arithmetic on 4 codes per 32-bit word: the E4M3 magnitude of code ``c`` times
+``2^k`` is ``0x30 + 4c + 8k`` (``0x30 + 8k`` for 0.5), the sign bit moves from bit 3 to bit 7. Tiles
+with smaller ``k`` (E4M3 subnormals, lost bits) or a NaN scale are marked, and the second launch
+re-encodes those element by element in fp32 (the rules below); the others return at once.
 
 Implementation notes:
 
@@ -17,6 +21,8 @@ Implementation notes:
   set bit one lower for odd codes >= 3; code 1 = 0.5 has both at -1). An element is ``e2m1 * 2^k``
   with ``k = s - 127 - t``; like the torch path the factor is 0 below 2^-126 and a NaN scale (0xFF)
   makes every element of its group NaN (byte 0x7F: torch's CPU multiply keeps the factor's positive NaN).
+  The sign bit is copied from the code, never made by negating a float: on an H200 the kernel's
+  negated 0.0 came out +0.0, so code 8 (-0) gave byte 0x00 instead of 0x80 (the interpreter kept -0).
 * Floats: ``scale_inv = amax / 448`` and ``x / scale_inv`` with ``div_rn`` (IEEE, as the CPU), then a
   clamp to +-448. On CUDA, fp32 subnormals flush to zero in float ops: a tile whose amax is below
   448 * 2^-126 (never in real weights) can differ from the CPU bytes.
