@@ -2,9 +2,13 @@
 and floats -> block FP8 (amax/448), one program per 128x128 tile of one expert.
 
 The bytes are those of :mod:`mxconv.mx.fp8_block` on the CPU (its module docstring has the rules).
-Each program reads its tile once from memory (MXFP4: 64 bytes of codes and 4 scale bytes per row;
-floats: the tile's values), keeps it in registers for the tile reduction (top and lowest set-bit
-exponent, or amax) and writes E4M3 bytes plus one fp32 scale: one pass over the data.
+MXFP4 takes two launches. The first reads each tile once as int32 words (8 codes each) with its scale
+bytes, finds the tile's top exponent and, where every group with a non-zero code has
+``k = s - 127 - t >= -5`` (then every element is an E4M3 normal, so the tile is exact), writes its
+bytes with integer arithmetic on 4 codes per 32-bit word: the E4M3 magnitude of code ``c`` times
+``2^k`` is ``0x30 + 4c + 8k`` (``0x30 + 8k`` for 0.5), the sign bit moves from bit 3 to bit 7. Tiles
+with smaller ``k`` (E4M3 subnormals, lost bits) or a NaN scale are marked, and the second launch
+re-encodes those element by element in fp32 (the rules below); the others return at once.
 
 Implementation notes:
 
@@ -17,6 +21,8 @@ Implementation notes:
   set bit one lower for odd codes >= 3; code 1 = 0.5 has both at -1). An element is ``e2m1 * 2^k``
   with ``k = s - 127 - t``; like the torch path the factor is 0 below 2^-126 and a NaN scale (0xFF)
   makes every element of its group NaN (byte 0x7F: torch's CPU multiply keeps the factor's positive NaN).
+  The sign bit is copied from the code, never made by negating a float: on an H200 the kernel's
+  negated 0.0 came out +0.0, so code 8 (-0) gave byte 0x00 instead of 0x80 (the interpreter kept -0).
 * Floats: ``scale_inv = amax / 448`` and ``x / scale_inv`` with ``div_rn`` (IEEE, as the CPU), then a
   clamp to +-448. On CUDA, fp32 subnormals flush to zero in float ops: a tile whose amax is below
   448 * 2^-126 (never in real weights) can differ from the CPU bytes.
@@ -34,6 +40,7 @@ from mxconv.mx.formats import E4M3_MAX, E8M0_BIAS, E8M0_NAN
 from mxconv.mx.fp8_block import E4M3_TOP_EXP, MAX_EXACT_SPREAD, TILE, BlockFP8, tiles
 
 NUM_WARPS = 8  # a 128x128 tile per program: 32 elements per thread and tensor
+SLOW_WARPS = 8  # MXFP4 tiles with E4M3 subnormals or NaN scales, element by element
 
 if triton is not None:
 
@@ -64,48 +71,113 @@ if triton is not None:
         return tl.where(t >= -126, (t + 127) << 23, 1 << tl.maximum(t + 149, 0))
 
     @triton.jit
-    def _mxfp4_tile_kernel(
-        d_ptr, s_ptr, q_ptr, sinv_ptr, exact_ptr, err_ptr,
-        N, KH, d_se, d_sn, s_se, s_sn, NB, KB,
-        TOP_EXP: tl.constexpr, SPREAD: tl.constexpr, BIAS: tl.constexpr, NAN: tl.constexpr,
-        T: tl.constexpr,
+    def _mxfp4_tile_slow(
+        d_ptr, s_ptr, q_ptr, N, KH, d_sn, s_sn, t,
+        bi, bj, BIAS: tl.constexpr, NAN: tl.constexpr, T: tl.constexpr,
     ):  # fmt: skip
-        """Tile (pid0 = column tile, pid1 = row tile, pid2 = expert) of MXFP4 [E, N, K/2] + E8M0 [E, N, K/32]
-        -> E4M3 byte pairs (int16 [E, N, K/2]), scale_inv bits, exact flag and largest |error| / 2^t."""
-        bj, bi, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        """Any tile, element by element in fp32 (pointers already at the expert; bytes and int16 byte
+        pairs): writes its E4M3 bytes and returns (largest |error| / 2^t, lowest set-bit exponent)."""
         rows = bi * T + tl.arange(0, T)
         cols = bj * (T // 2) + tl.arange(0, T // 2)  # byte columns: two elements each
         ok = (rows < N)[:, None] & (cols < KH)[None, :]
-        byte = tl.load(d_ptr + e * d_se + rows[:, None] * d_sn + cols[None, :], mask=ok, other=0).to(tl.int32)
-        sbyte = tl.load(s_ptr + e * s_se + rows[:, None] * s_sn + (cols // 16)[None, :], mask=ok, other=0).to(tl.int32)
+        byte = tl.load(d_ptr + rows[:, None] * d_sn + cols[None, :], mask=ok, other=0).to(tl.int32)
+        sbyte = tl.load(s_ptr + rows[:, None] * s_sn + (cols // 16)[None, :], mask=ok, other=0).to(tl.int32)
         nan = sbyte == NAN
-        s = sbyte - BIAS
         ce, co = byte & 7, (byte >> 4) & 7
         big = 1 << 20
-        top_e = tl.where((ce == 0) | nan | ~ok, -big, tl.where(ce == 1, -1, (ce >> 1) - 1) + s)
-        top_o = tl.where((co == 0) | nan | ~ok, -big, tl.where(co == 1, -1, (co >> 1) - 1) + s)
-        low_e = tl.where((ce == 0) | nan | ~ok, big, tl.where(ce == 1, -1, (ce >> 1) - 1 - (ce & 1)) + s)
-        low_o = tl.where((co == 0) | nan | ~ok, big, tl.where(co == 1, -1, (co >> 1) - 1 - (co & 1)) + s)
-        top = tl.max(tl.max(tl.maximum(top_e, top_o), axis=1), axis=0)
+        low_e = tl.where((ce == 0) | nan | ~ok, big, tl.where(ce == 1, -1, (ce >> 1) - 1 - (ce & 1)) + sbyte - BIAS)
+        low_o = tl.where((co == 0) | nan | ~ok, big, tl.where(co == 1, -1, (co >> 1) - 1 - (co & 1)) + sbyte - BIAS)
         low = tl.min(tl.min(tl.minimum(low_e, low_o), axis=1), axis=0)
-        empty = top <= -big
-        t = tl.where(empty, 0, top - TOP_EXP)
-        k = s - t
+        k = sbyte - BIAS - t
         factor = tl.where(k < -126, 0.0, (tl.minimum(tl.maximum(k, -126), 127) + 127 << 23).to(tl.float32, bitcast=True))
         ve = tl.where(ce < 2, ce.to(tl.float32) * 0.5, ((ce >> 1) + 126 << 23 | (ce & 1) << 22).to(tl.float32, bitcast=True))
         vo = tl.where(co < 2, co.to(tl.float32) * 0.5, ((co >> 1) + 126 << 23 | (co & 1) << 22).to(tl.float32, bitcast=True))
-        xe = tl.where((byte & 8) != 0, -ve, ve) * factor
-        xo = tl.where((byte & 128) != 0, -vo, vo) * factor
-        be = tl.where(nan, 0x7F, _e4m3_bits(xe))
-        bo = tl.where(nan, 0x7F, _e4m3_bits(xo))
-        tl.store(q_ptr + e * N * KH + rows[:, None] * KH + cols[None, :], (be | (bo << 8)).to(tl.int16), mask=ok)
-        de = tl.where(nan, 0.0, tl.abs(tl.abs(xe) - _e4m3_value(be & 0x7F)))
-        do = tl.where(nan, 0.0, tl.abs(tl.abs(xo) - _e4m3_value(bo & 0x7F)))
-        err = tl.max(tl.max(tl.maximum(de, do), axis=1), axis=0)
+        xe, xo = ve * factor, vo * factor  # magnitudes: the sign bit comes from the code (CUDA's -x of 0.0 is +0.0)
+        be = tl.where(nan, 0x7F, _e4m3_bits(xe) | ((byte & 8) << 4))
+        bo = tl.where(nan, 0x7F, _e4m3_bits(xo) | (byte & 128))
+        tl.store(q_ptr + rows[:, None] * KH + cols[None, :], (be | (bo << 8)).to(tl.int16), mask=ok)
+        de = tl.where(nan, 0.0, tl.abs(xe - _e4m3_value(be & 0x7F)))
+        do = tl.where(nan, 0.0, tl.abs(xo - _e4m3_value(bo & 0x7F)))
+        return tl.max(tl.max(tl.maximum(de, do), axis=1), axis=0), low
+
+    @triton.jit
+    def _word_key(w):
+        """Per uint32 word of 8 E2M1 codes: 0 if all are zero, else 2 + the leading-bit exponent of the
+        largest (1 for 0.5, 2 for 1 and 1.5, 3 for 2 and 3, 4 for 4 and 6)."""
+        m = w & 0x77777777
+        key = (m != 0).to(tl.int32) + ((m & 0x66666666) != 0).to(tl.int32) + ((m & 0x44444444) != 0).to(tl.int32)
+        return key + ((m & (m << 1) & 0x44444444) != 0).to(tl.int32)
+
+    @triton.jit
+    def _nibbles(h):
+        """The 4 nibbles of the low 16 bits of uint32 ``h`` in the 4 byte lanes, in order."""
+        x = (h | (h << 8)) & 0x00FF00FF
+        return (x | (x << 4)) & 0x0F0F0F0F
+
+    @triton.jit
+    def _normal_bytes(x, base4):
+        """E2M1 codes in the 4 byte lanes of ``x`` -> their E4M3 bytes when every non-zero one is an
+        E4M3 normal: magnitude 0x30 + 4c + 8k (0x30 + 8k for c = 1, 0.5), ``base4`` = 0x30 + 8k per lane."""
+        c = x & 0x07070707
+        one = c & ~((c >> 1) | (c >> 2)) & 0x01010101
+        nz = ((c + 0x07070707) >> 3) & 0x01010101
+        return ((base4 + ((c - one) << 2)) & (nz * 0xFF)) | ((x & 0x08080808) << 4)
+
+    @triton.jit
+    def _mxfp4_fast_kernel(
+        d_ptr, s_ptr, q_ptr, sinv_ptr, exact_ptr, err_ptr, top_ptr,
+        N, KW, d_se, d_sn, s_se, s_sn, NB, KB,
+        TOP_EXP: tl.constexpr, BIAS: tl.constexpr, NAN: tl.constexpr, T: tl.constexpr,
+    ):  # fmt: skip
+        """Tile (pid0 = column tile, pid1 = row tile, pid2 = expert) of MXFP4 words [E, N, K/8] (int32,
+        8 codes each) + E8M0 [E, N, K/32]: its scale_inv bits and top exponent; where every non-zero
+        element becomes an E4M3 normal (exact), its E4M3 bytes (int64 words [E, N, K/8]) with exact 1
+        and error 0, else exact 2: left to :func:`_mxfp4_slow_kernel`."""
+        bj, bi, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        rows = bi * T + tl.arange(0, T)
+        wcols = bj * (T // 8) + tl.arange(0, T // 8)
+        ok = (rows < N)[:, None] & (wcols < KW)[None, :]
+        w = tl.load(d_ptr + e * d_se + rows[:, None] * d_sn + wcols[None, :], mask=ok, other=0).to(tl.uint32, bitcast=True)
+        sb = tl.load(s_ptr + e * s_se + rows[:, None] * s_sn + (wcols // 4)[None, :], mask=ok, other=0).to(tl.int32)
+        key = _word_key(w)
+        big = 1 << 20
+        top = tl.max(tl.where((key > 0) & (sb != NAN), sb + key, -big))
+        top = tl.where(top <= -big, -big, top - BIAS - 2)  # the exponent of the tile's leading bit
+        t = tl.where(top <= -big, 0, top - TOP_EXP)
+        # a NaN group (even of zeros) goes to the slow path: its bytes are all 0x7F
+        smin = tl.min(tl.where(ok & (sb == NAN), -big, tl.where(key > 0, sb, big)))
         tile = e * NB * KB + bi * KB + bj
         tl.store(sinv_ptr + tile, _pow2_bits(t))
-        tl.store(exact_ptr + tile, (empty | (top - low <= SPREAD)).to(tl.int8))
-        tl.store(err_ptr + tile, err)
+        tl.store(top_ptr + tile, top)
+        if smin - BIAS - t >= -5:  # k >= -5 in every group with a non-zero code: all E4M3 normals
+            base4 = (0x30 + 8 * (sb - BIAS - t)).to(tl.uint32, bitcast=True) * 0x01010101
+            lo = _normal_bytes(_nibbles(w & 0xFFFF), base4).to(tl.uint64)
+            hi = _normal_bytes(_nibbles(w >> 16), base4).to(tl.uint64)
+            out = (lo | (hi << 32)).to(tl.int64, bitcast=True)
+            tl.store(q_ptr + e * N * KW + rows[:, None] * KW + wcols[None, :], out, mask=ok)
+            tl.store(exact_ptr + tile, 1)
+            tl.store(err_ptr + tile, 0.0)
+        else:
+            tl.store(exact_ptr + tile, 2)
+
+    @triton.jit
+    def _mxfp4_slow_kernel(
+        d_ptr, s_ptr, q_ptr, exact_ptr, err_ptr, top_ptr,
+        N, KH, d_se, d_sn, s_se, s_sn, NB, KB,
+        TOP_EXP: tl.constexpr, SPREAD: tl.constexpr, BIAS: tl.constexpr, NAN: tl.constexpr, T: tl.constexpr,
+    ):  # fmt: skip
+        """The tiles :func:`_mxfp4_fast_kernel` left (exact 2), element by element (uint8 codes, int16
+        byte pairs out): their bytes, exact flag and largest |error| / 2^t."""
+        bj, bi, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        tile = e * NB * KB + bi * KB + bj
+        if tl.load(exact_ptr + tile) == 2:
+            top = tl.load(top_ptr + tile)
+            empty = top <= -(1 << 20)
+            t = tl.where(empty, 0, top - TOP_EXP)
+            err, low = _mxfp4_tile_slow(d_ptr + e * d_se, s_ptr + e * s_se, q_ptr + e * N * KH, N, KH, d_sn, s_sn, t,
+                                        bi, bj, BIAS, NAN, T)  # fmt: skip
+            tl.store(exact_ptr + tile, (empty | (top - low <= SPREAD)).to(tl.int8))
+            tl.store(err_ptr + tile, err)
 
     @triton.jit
     def _float_tile_kernel(
@@ -136,23 +208,41 @@ def _rows_strided(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4m] with its last dim contiguous -> the same bytes as int32 [..., m] (a copy only
+    where the strides or offset are not whole words)."""
+    t = _rows_strided(t)
+    try:
+        return t.view(torch.int32)
+    except RuntimeError:
+        return t.contiguous().view(torch.int32)
+
+
 def mxfp4_to_fp8_block_triton(data: torch.Tensor, scales: torch.Tensor) -> BlockFP8:
-    """:func:`mxconv.mx.fp8_block.mxfp4_to_fp8_block` in one launch: MXFP4 uint8 [E, N, K/2] + E8M0 uint8
-    [E, N, K/32] (rows may be a strided slice, the last dim contiguous) -> the same :class:`BlockFP8`."""
+    """:func:`mxconv.mx.fp8_block.mxfp4_to_fp8_block` in two launches (all tiles with integer byte
+    arithmetic, then the few whose elements fall below E4M3's normals or have NaN scales): MXFP4 uint8
+    [E, N, K/2] + E8M0 uint8 [E, N, K/32] (rows may be a strided slice, the last dim contiguous) ->
+    the same :class:`BlockFP8`."""
     _check(data)
-    data, scales = _rows_strided(data), _rows_strided(scales)
-    E, N, KH = data.shape
-    nb, kb = tiles(N), tiles(KH * 2)
-    q = torch.empty((E, N, KH * 2), dtype=torch.float8_e4m3fn, device=data.device)
-    sinv = torch.empty((E, nb, kb), dtype=torch.int32, device=data.device)
+    words, scales = _words(data), _rows_strided(scales)
+    E, N, KW = words.shape
+    nb, kb = tiles(N), tiles(KW * 8)
+    q = torch.empty((E, N, KW * 8), dtype=torch.float8_e4m3fn, device=data.device)
+    sinv, top = (torch.empty((E, nb, kb), dtype=torch.int32, device=data.device) for _ in range(2))
     exact = torch.empty((E, nb, kb), dtype=torch.int8, device=data.device)
     err = torch.empty((E, nb, kb), dtype=torch.float32, device=data.device)
     if q.numel():
+        consts = {"TOP_EXP": E4M3_TOP_EXP, "BIAS": E8M0_BIAS, "NAN": E8M0_NAN, "T": TILE}
         launch(
-            _mxfp4_tile_kernel, (kb, nb, E), data,
-            data, scales, q.view(torch.int16), sinv, exact, err,
-            N, KH, data.stride(0), data.stride(1), scales.stride(0), scales.stride(1), nb, kb,
-            TOP_EXP=E4M3_TOP_EXP, SPREAD=MAX_EXACT_SPREAD, BIAS=E8M0_BIAS, NAN=E8M0_NAN, T=TILE, num_warps=NUM_WARPS,
+            _mxfp4_fast_kernel, (kb, nb, E), data, words, scales, q.view(torch.int64), sinv, exact, err, top,
+            N, KW, words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), nb, kb,
+            num_warps=NUM_WARPS, **consts,
+        )  # fmt: skip
+        d8 = words.view(torch.uint8)
+        launch(
+            _mxfp4_slow_kernel, (kb, nb, E), data, d8, scales, q.view(torch.int16), exact, err, top,
+            N, KW * 4, d8.stride(0), d8.stride(1), scales.stride(0), scales.stride(1), nb, kb,
+            SPREAD=MAX_EXACT_SPREAD, num_warps=SLOW_WARPS, **consts,
         )  # fmt: skip
     scale_inv = sinv.view(torch.float32)
     t = torch.frexp(scale_inv.double())[1] - 1  # 2^t back to t (exact: scale_inv is a power of two, or 2^-149.. subnormal)
