@@ -7,7 +7,7 @@ site=/tmp/fik-site
 mkdir -p "$site" .fik/cache
 [ -d "$site/flashinfer" ] || tar -xJf .fik/flashinfer.tar.xz -C "$site"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .fik/*.whl
-export PYTHONPATH="$site:$PWD/src:$PWD/tests"
+export PYTHONPATH="$site:$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_WORKSPACE_BASE="$PWD/.fik/cache" FLASHINFER_CUDA_ARCH_LIST="9.0a" MAX_JOBS="$(nproc)"
 export PYTHONUNBUFFERED=1
 python3 -c 'import flashinfer, torch; print("flashinfer", flashinfer.__version__, "torch", torch.__version__, torch.cuda.get_device_name())'
