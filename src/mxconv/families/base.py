@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
-from mxconv.layouts.canonical import TensorSpec
+from mxconv.layouts.canonical import InputScales, TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -195,6 +195,9 @@ class MoELayer:
     # Expert index (in the checkpoint's layer) of row 0 of every stack: a layer read as a group of
     # experts [first_expert, first_expert + E) under a memory budget (mxconv.run.memory); 0 for a whole layer.
     first_expert: int = 0
+    # W4A8 sources (AMD Quark): per-expert static FP8 input scales of the whole layer, not cut by
+    # select_experts (the engine reduces them over every expert; mxconv.layouts.canonical.InputScales)
+    input_scales: InputScales | None = None
 
     @property
     def is_mx(self) -> bool:
@@ -216,7 +219,7 @@ class MoELayer:
         return MoELayer(
             self.ref, self.row_order, cut(self.w13), cut(self.w2), mx(self.w13_mx), mx(self.w2_mx),
             cut(self.w13_bias), cut(self.w2_bias), fp8(self.w13_fp8), fp8(self.w2_fp8),
-            int4(self.w13_int4), int4(self.w2_int4), self.first_expert + e0,
+            int4(self.w13_int4), int4(self.w2_int4), self.first_expert + e0, self.input_scales,
         )
 
     def float_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
