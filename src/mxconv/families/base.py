@@ -241,6 +241,9 @@ class FamilyReader(ABC):
     # True when read_layer(ref, experts=(e0, e1)) reads only those experts' bytes; otherwise a
     # group is cut from the whole layer, so a memory budget cannot split the reader's layers.
     reads_expert_ranges: ClassVar[bool] = False
+    # False when quantize writes another convention than the source's even in the source's format
+    # (Quark W4A8 -> gpt-oss MXFP4), so the output's quantization_config is the reader's, not the source's
+    quantize_keeps_config: ClassVar[bool] = True
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
@@ -281,6 +284,11 @@ class FamilyReader(ABC):
         not converted, in the family's convention, so loaders (and mxconv's readers) do not take them
         for ``fmt`` weights.
         """
+
+    def input_scale_names(self, ref: MoELayerRef) -> tuple[str, ...]:
+        """The source tensors holding ``ref``'s static FP8 input scales (every expert's, present or
+        not); () for a family whose checkpoints have none (W4A8 readers override it)."""
+        return ()
 
     def layer_format(self, ref: MoELayerRef) -> str:
         """Expert format of one MoE layer, in ``ModelInfo.expert_format``'s vocabulary.

@@ -59,6 +59,7 @@ class QuarkGptOssReader(GptOssReader):
     name = "gpt-oss-quark"
     title = "gpt-oss Quark W4A8 (MXFP4 + FP8 input scales)"
     reads_expert_ranges = True
+    quantize_keeps_config = False  # quantize writes gpt-oss's published MXFP4 names and config
 
     @classmethod
     def detect(cls, ckpt: Checkpoint) -> bool:

@@ -59,6 +59,8 @@ KERNEL_TENSOR_NAMES = (
     "w2_weight",
     "w2_weight_scale",
     "w2_bias",
+    "w13_input_scale",  # static FP8 input scales (W4A8 layouts only): 0-dim float32
+    "w2_input_scale",
 )
 
 
