@@ -91,8 +91,11 @@ def outputs(tmp_path_factory) -> dict[str, dict[str, Any]]:
             out[f"{kind}/{fmt}"] = _convert(src, root / f"{kind}-{fmt}", QuantOptions(fmt))
         q4 = root / f"{kind}-mxfp4"
         for backend in backend_names():
-            for act in get_layout(backend).activations:
+            layout = get_layout(backend)  # W4A8 activations need input scales: the Quark source below has them
+            for act in (a for a in layout.activations if a not in getattr(layout, "input_scale_activations", ())):
                 out[f"{kind}/{backend}/{act}"] = _convert(q4, root / f"{kind}-{backend}-{act}", QuantOptions(), RepackOptions(backend, act))
+    quark = make_checkpoint(root / "quark", "gpt-oss-quark-w4a8").path
+    out["quark/triton-gfx950/fp8"] = _convert(quark, root / "w4a8", QuantOptions(), RepackOptions("triton", "fp8", 1, {"arch": "gfx950"}))
     gpt_q4 = root / "gpt-oss-bf16-mxfp4"
     out["gpt/trtllm-256"] = _convert(gpt_q4, root / "t256", QuantOptions(), RepackOptions("trtllm", "mxfp8", 1, {"intermediate_align": 256}))
     out["gpt/marlin-legacy"] = _convert(gpt_q4, root / "ml", QuantOptions(), RepackOptions("marlin", "bf16", 1, {"marlin_scale_layout": "legacy"}))
@@ -173,6 +176,8 @@ def test_activation_quant_per_backend(outputs: dict[str, dict[str, Any]]) -> Non
     assert aq("qwen3-moe/aiter/mxfp4") == {"scheme": "dynamic_mxfp4", "dtype": "float4_e2m1fn", "group_shape": [1, 32], "scale_format": "e8m0"}
     assert aq("qwen3-moe/marlin/fp8") == {"scheme": "dynamic_fp8_per_token", "dtype": "float8_e4m3fn", "group_shape": [1, -1], "scale_format": "float32"}
     assert aq("qwen3-moe/deepgemm/fp8") == {"scheme": "dynamic_fp8_per_token_group", "dtype": "float8_e4m3fn", "group_shape": [1, 128], "scale_format": "ue8m0"}
+    assert aq("quark/triton-gfx950/fp8") == {"scheme": "static_fp8_per_tensor", "dtype": "float8_e4m3fn", "group_shape": [-1, -1], "scale_format": "float32"}
+    assert outputs["quark/triton-gfx950/fp8"]["quant_config"]["served_vllm_backends"] == ["AITER_MXFP4_FP8"]
     assert activation_quant("int8").scheme == "unknown"
 
 

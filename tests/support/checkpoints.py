@@ -24,12 +24,15 @@ from typing import Any
 import torch
 
 from mxconv import examples
+from mxconv.examples.models import gpt_oss_config
 from mxconv.examples import Builder, GroundTruth, KindSpec, LayerTruth, mlp, per_expert_layer, write_shards
 
-__all__ = ["KINDS", "INT4_KINDS", "GroundTruth", "make_checkpoint", "pack_int4_words_reference", "write_shards"]
+__all__ = ["KINDS", "INT4_KINDS", "W4A8_KINDS", "GroundTruth", "make_checkpoint", "pack_int4_words_reference", "write_shards"]
 
 KINDS = examples.KINDS + ("deepseek-v3-fp8", "deepseek-v3.1-fp8-ue8m0", "kimi-k2", "glm4-moe")
 INT4_KINDS = ("kimi-k2-int4",)
+# AMD Quark gpt-oss W4A8 (per-expert MXFP4 weights + static FP8 input scales; see _quark_w4a8)
+W4A8_KINDS = ("gpt-oss-quark-w4a8",)
 FP8_MAX = 448.0
 INT4_GROUP = 32
 
@@ -299,6 +302,61 @@ def _generate(
     return _deepseek_glm(b, kind, L, E, H, I, top_k, V, nextn)
 
 
+QUARK_W4A8_CONFIG = {
+    "quant_method": "quark",
+    "export": {"kv_cache_group": [], "pack_method": "reorder", "weight_format": "real_quantized"},
+    "global_quant_config": {
+        "weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1, "is_dynamic": False,
+                   "scale_format": "e8m0", "scale_calculation_mode": "even", "round_method": "half_even"},
+        "input_tensors": {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False, "symmetric": True,
+                          "round_method": "half_even"},
+        "output_tensors": None, "bias": None,
+    },
+    "layer_quant_config": {},
+    "exclude": ["lm_head", "*self_attn*", "*router*", "model.embed_tokens"],
+}
+
+
+def _quark_w4a8(b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int,
+                input_scales: bool = True, equal_scales: bool = False, **_: Any) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
+    """gpt-oss as AMD Quark exports it W4A8: per expert ``experts.{e}.gate_up_proj.weight`` U8 [2I, H/2]
+    (interleaved rows), ``.weight_scale`` U8 [2I, H/32], ``.bias`` BF16 [2I], ``.input_scale`` F32 []
+    (likewise ``down_proj``), everything else bf16. ``input_scales=False`` leaves the input scales out;
+    ``equal_scales`` gives every expert of a layer the same ones (else they differ)."""
+    bf = torch.bfloat16
+    config = gpt_oss_config(L, E, H, I, top_k, V, mx=False)
+    config["quantization_config"] = json.loads(json.dumps(QUARK_W4A8_CONFIG))
+    b.add("model.embed_tokens.weight", b.randn((V, H), 1.0, bf))
+    truths: dict[int, LayerTruth] = {}
+    for li in range(L):
+        p = f"model.layers.{li}"
+        b.linear(f"{p}.mlp.router", E, H, bf, bias=True)
+        t = LayerTruth(li, f"{p}.mlp", "interleaved", [], f"{p}.mlp.router.weight", f"{p}.mlp.router.bias")
+        scales = []
+        for key, proj, n, k in (("w13", "gate_up_proj", 2 * I, H), ("w2", "down_proj", H, I)):
+            data = torch.randint(0, 256, (E, n, k // 2), generator=b.g, dtype=torch.uint8)
+            sc = torch.randint(115, 126, (E, n, k // 32), generator=b.g, dtype=torch.uint8)
+            bias = b.randn((E, n), 0.02, bf)
+            amax = torch.rand((1,) if equal_scales else (E,), generator=b.g) * 4 + 1
+            s = (amax / 448.0).expand(E).clone()
+            for e in range(E):
+                q = f"{p}.mlp.experts.{e}.{proj}"
+                for name, v in (("weight", data[e]), ("weight_scale", sc[e]), ("bias", bias[e])):
+                    b.add(f"{q}.{name}", v.clone())
+                    t.expert_names.append(f"{q}.{name}")
+                if input_scales:
+                    b.add(f"{q}.input_scale", s[e].clone())
+                    t.expert_names.append(f"{q}.input_scale")
+            setattr(t, f"{key}_mx", (data, sc))
+            setattr(t, f"{key}_bias", bias)
+            scales.append(s)
+        t.input_scales = (scales[0], scales[1]) if input_scales else None
+        truths[li] = t
+    b.norm("model.norm", H, bf)
+    b.add("lm_head.weight", b.randn((V, H), H**-0.5, bf))
+    return config, truths
+
+
 # DeepSeek-style FP8 kinds use sizes with several (partial) 128x128 tiles; MxInt4 needs multiples of 256.
 _SPECS = {
     "deepseek-v3-fp8": KindSpec("deepseek-v3", (288, 160), _generate, lambda seed: FP8Builder(seed, ue8m0=False)),
@@ -306,6 +364,7 @@ _SPECS = {
     "kimi-k2": KindSpec("deepseek-v3", (288, 160), _generate, lambda seed: FP8Builder(seed, ue8m0=False)),
     "glm4-moe": KindSpec("glm4-moe", (160, 96), _generate),
     "kimi-k2-int4": KindSpec("deepseek-v3", (256, 256), _generate, Int4Builder),
+    "gpt-oss-quark-w4a8": KindSpec("gpt-oss-quark", (96, 64), _quark_w4a8),
 }
 
 
@@ -314,9 +373,10 @@ def make_checkpoint(path: str | Path, kind: str, **options: Any) -> GroundTruth:
     return its truth; ``options`` as :func:`mxconv.examples.make_checkpoint`'s.
 
     ``dtype`` applies to the per-expert bf16 kinds (qwen*, mixtral: bf16/fp16/fp32).
-    ``num_nextn_predict_layers`` (DeepSeek/GLM; default 1, Kimi-K2 0) adds MTP layers after the
+    ``input_scales`` / ``equal_scales`` (gpt-oss-quark-w4a8): write the FP8 input scales / make them
+    equal across a layer's experts. ``num_nextn_predict_layers`` (DeepSeek/GLM; default 1, Kimi-K2 0) adds MTP layers after the
     ``num_layers`` decoder layers. ``mlp_only_layers`` (Qwen) makes those layers dense.
     """
-    if kind not in KINDS + INT4_KINDS:
-        raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS + INT4_KINDS}")
+    if kind not in KINDS + INT4_KINDS + W4A8_KINDS:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS + INT4_KINDS + W4A8_KINDS}")
     return examples.make_checkpoint(path, kind, spec=_SPECS.get(kind), **options)

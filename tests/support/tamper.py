@@ -24,7 +24,7 @@ def patch_tensor(ckpt_dir: Path, name: str, fn: Callable[[torch.Tensor], torch.T
     f = ckpt_dir / index["weight_map"][name]
     info = read_header(f)[0][name]
     t = fn(read_tensor(info).clone())
-    raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     assert len(raw) == info.nbytes
     with open(f, "r+b") as fh:
         fh.seek(info.begin)

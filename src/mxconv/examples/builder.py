@@ -36,6 +36,7 @@ class LayerTruth:
     w2_bias: torch.Tensor | None = None  # [E, H]
     gate: torch.Tensor | None = None  # [E, I, H] float: the gate projection alone (float kinds)
     up: torch.Tensor | None = None  # [E, I, H]
+    input_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # W4A8 kinds: float32 [E] of w13, w2
 
 
 @dataclass

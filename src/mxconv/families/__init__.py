@@ -9,6 +9,7 @@ from mxconv.registry import register, resolve
 
 # family name -> "module:ReaderClass", in detection order (most specific first).
 _REGISTRY: dict[str, str | type[FamilyReader]] = {
+    "gpt-oss-quark": "mxconv.families.quark_gpt_oss:QuarkGptOssReader",
     "gpt-oss": "mxconv.families.gpt_oss:GptOssReader",
     "deepseek-v3": "mxconv.families.deepseek:DeepseekV3Reader",
     "glm4-moe": "mxconv.families.glm:Glm4MoeReader",

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
-from mxconv.layouts.canonical import TensorSpec
+from mxconv.layouts.canonical import InputScales, TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -195,6 +195,9 @@ class MoELayer:
     # Expert index (in the checkpoint's layer) of row 0 of every stack: a layer read as a group of
     # experts [first_expert, first_expert + E) under a memory budget (mxconv.run.memory); 0 for a whole layer.
     first_expert: int = 0
+    # W4A8 sources (AMD Quark): per-expert static FP8 input scales of the whole layer, not cut by
+    # select_experts (the engine reduces them over every expert; mxconv.layouts.canonical.InputScales)
+    input_scales: InputScales | None = None
 
     @property
     def is_mx(self) -> bool:
@@ -216,7 +219,7 @@ class MoELayer:
         return MoELayer(
             self.ref, self.row_order, cut(self.w13), cut(self.w2), mx(self.w13_mx), mx(self.w2_mx),
             cut(self.w13_bias), cut(self.w2_bias), fp8(self.w13_fp8), fp8(self.w2_fp8),
-            int4(self.w13_int4), int4(self.w2_int4), self.first_expert + e0,
+            int4(self.w13_int4), int4(self.w2_int4), self.first_expert + e0, self.input_scales,
         )
 
     def float_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,6 +241,9 @@ class FamilyReader(ABC):
     # True when read_layer(ref, experts=(e0, e1)) reads only those experts' bytes; otherwise a
     # group is cut from the whole layer, so a memory budget cannot split the reader's layers.
     reads_expert_ranges: ClassVar[bool] = False
+    # False when quantize writes another convention than the source's even in the source's format
+    # (Quark W4A8 -> gpt-oss MXFP4), so the output's quantization_config is the reader's, not the source's
+    quantize_keeps_config: ClassVar[bool] = True
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
@@ -278,6 +284,11 @@ class FamilyReader(ABC):
         not converted, in the family's convention, so loaders (and mxconv's readers) do not take them
         for ``fmt`` weights.
         """
+
+    def input_scale_names(self, ref: MoELayerRef) -> tuple[str, ...]:
+        """The source tensors holding ``ref``'s static FP8 input scales (every expert's, present or
+        not); () for a family whose checkpoints have none (W4A8 readers override it)."""
+        return ()
 
     def layer_format(self, ref: MoELayerRef) -> str:
         """Expert format of one MoE layer, in ``ModelInfo.expert_format``'s vocabulary.

@@ -126,6 +126,9 @@ class LayoutBase:
     # vLLM 0.33 ``Mxfp4MoeBackend`` names (fused_moe/oracle/mxfp4.py) that hold this layout's bytes
     # after loading, per activation; mxconv.output.engine_quant_config checks sizes and model against each one.
     vllm_backends: dict[str, tuple[str, ...]] = {}
+    # activations whose kernel tensors hold the source's static FP8 input scales (W4A8): the source
+    # must carry them (CanonicalExperts.input_scales); plan refuses one that does not
+    input_scale_activations: tuple[str, ...] = ()
     # canonical expert formats (CanonicalExperts.weight_format) this layout takes; plan refuses others
     weight_formats: tuple[str, ...] = ("mxfp4",)
     options_type: type[LayoutOptions] = EmptyOptions
@@ -202,6 +205,7 @@ class Layout(Protocol):
     options: tuple[LayoutOption, ...]  # typed options (--layout-option NAME=VALUE)
     vllm_backends: dict[str, tuple[str, ...]]  # activation -> vLLM Mxfp4MoeBackend names served
     weight_formats: tuple[str, ...]  # canonical weight formats taken (LayoutBase: ("mxfp4",))
+    input_scale_activations: tuple[str, ...]  # activations needing the source's FP8 input scales (LayoutBase: ())
     options_type: type[LayoutOptions]  # the frozen dataclass resolve_options makes (LayoutBase: from options)
 
     def resolve_options(self, given: LayoutOptions | Mapping[str, Any] | None = None) -> LayoutOptions:

@@ -23,6 +23,10 @@ Canonical (unpadded) MXFP4 expert stack, one MoE layer, one TP rank:
 `row_order` is "interleaved" (gpt-oss: row 2j = gate j, row 2j+1 = up j) or "halves"
 (rows [0, I) = gate/w1, rows [I, 2I) = up/w3).
 
+`input_scales` (optional, :class:`InputScales`): the static FP8 activation scales of a W4A8 source
+(AMD Quark), one float32 per expert of the **whole layer** for w13's and w2's input, kept whole by
+expert groups and TP slices because the engine reduces them over every expert of the layer.
+
 `weight_format` is "mxfp4" (above) or "int4": compressed-tensors INT4, same shapes, w13/w2 bytes
 offset-binary int4 pairs (low nibble = even k) and w13_scale/w2_scale **bf16** group-32 scales
 (see mxconv.mx.int4). A layout lists the formats it takes in ``LayoutBase.weight_formats``.
@@ -55,12 +59,34 @@ KERNEL_TENSOR_NAMES = (
     "w2_weight",
     "w2_weight_scale",
     "w2_bias",
+    "w13_input_scale",  # static FP8 input scales (W4A8 layouts only): 0-dim float32
+    "w2_input_scale",
 )
 
 
 def round_up(x: int, m: int) -> int:
     """Smallest multiple of ``m`` that is >= ``x``."""
     return ((x + m - 1) // m) * m
+
+
+@dataclass(frozen=True)
+class InputScales:
+    """Static per-tensor FP8 input scales of one MoE layer, per expert (float32 ``[E]`` each, every
+    expert of the layer): ``w13`` scales the hidden states entering gate/up, ``w2`` the activations
+    entering down. ``names`` are the source tensors they came from (for messages), w13's then w2's."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    names: tuple[str, ...] = ()
+
+    def reduced(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) reduced as vLLM 0.33 does for W4A8: the maximum over experts, a 0-dim float32."""
+        import torch
+
+        return self.w13.max().to(torch.float32), self.w2.max().to(torch.float32)
+
+    def to(self, device: torch.device | str) -> "InputScales":
+        return InputScales(self.w13.to(device), self.w2.to(device), self.names)
 
 
 @dataclass
@@ -75,6 +101,7 @@ class CanonicalExperts:
     w2_bias: torch.Tensor | None = None
     row_order: str = "halves"
     weight_format: str = "mxfp4"  # "mxfp4" | "int4" (bf16 scales)
+    input_scales: InputScales | None = None  # W4A8 sources: static FP8 input scales (module docstring)
 
     @property
     def num_experts(self) -> int:
@@ -126,6 +153,7 @@ class CanonicalExperts:
             w2_scale=mv(self.w2_scale),
             w13_bias=mv(self.w13_bias),
             w2_bias=mv(self.w2_bias),
+            input_scales=None if self.input_scales is None else self.input_scales.to(device),
         )
 
     def validate(self) -> None:

@@ -76,7 +76,7 @@ def pad_canonical(c: CanonicalExperts, Hp: int, Ip: int, scale_fill: int = 0) ->
     s2 = pad_last(_pad_dim1(c.w2_scale, Hp, scale_fill), Ip // 32, scale_fill)
     b13 = None if c.w13_bias is None else _pad_rows(c.w13_bias, 2 * Ip, c.row_order, 0)
     b2 = None if c.w2_bias is None else _pad_dim1(c.w2_bias, Hp, 0)
-    return CanonicalExperts(w13, s13, w2, s2, b13, b2, c.row_order, c.weight_format)
+    return CanonicalExperts(w13, s13, w2, s2, b13, b2, c.row_order, c.weight_format, c.input_scales)
 
 
 def pad_row_source(rows: int, padded_rows: int, row_order: str | None = None) -> torch.Tensor:
@@ -241,6 +241,7 @@ def unpad_canonical(
         w2_bias=None if c.w2_bias is None else c.w2_bias[:, :H].contiguous(),
         row_order=c.row_order,
         weight_format=c.weight_format,
+        input_scales=c.input_scales,
     )
 
 
@@ -304,6 +305,7 @@ def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int, pad_to: int |
         w2_bias=None if w2_bias is None else w2_bias.contiguous(),
         row_order=c.row_order,
         weight_format=c.weight_format,
+        input_scales=c.input_scales,
     )
     if pad_to is not None and pad_to > end - start:
         part = pad_canonical(part, part.hidden_size, pad_to)

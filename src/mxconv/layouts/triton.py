@@ -53,6 +53,9 @@ from mxconv.layouts.padding import (
     layout_kernels,
 )
 from mxconv.layouts.triton_arch import Arch, decode, encode, spec_of
+from mxconv.layouts.triton_w4a8 import (
+    check_w4a8, describe_w4a8, input_scale_specs, input_scale_tensors, stored_input_scales,
+)
 from mxconv.layouts.triton_bytemap import (
     inverse_rows,
     need,
@@ -187,12 +190,13 @@ class TritonLayout(LayoutBase):
 
     name = BACKEND_NAME
     version = LAYOUT_VERSION
-    activations: tuple[str, ...] = ("bf16",)
+    activations: tuple[str, ...] = ("bf16", "fp8")  # fp8: W4A8, arch=gfx950 only (triton_w4a8)
+    input_scale_activations: tuple[str, ...] = ("fp8",)
     # vLLM 0.33 holds these bytes for gpt-oss (interleaved) sources; for halves sources its TRITON
     # branch interleaves the K axis instead of the rows (spec §5) and its OAI experts run swigluoai only.
     # AITER_TRITON_MXFP4_BF16 (ROCm) runs _swizzle_mxfp4 on gate/up rows it interleaves as mxconv does;
     # vllm_refusal keeps each to the platform of the recorded arch (and its padding there).
-    vllm_backends = {"bf16": ("TRITON", "AITER_TRITON_MXFP4_BF16")}
+    vllm_backends = {"bf16": ("TRITON", "AITER_TRITON_MXFP4_BF16"), "fp8": ("AITER_MXFP4_FP8",)}
     engine_runner = "mxconv.engines.triton_moe:RUNNER"  # the engine's own kernel on these bytes (verify --kernel)
     options_type = TritonOptions
     options = (
@@ -219,6 +223,7 @@ class TritonLayout(LayoutBase):
         LayoutError unless H and I are positive multiples of 32."""
         opts = self.options_of(options)
         self.check_activation(activation)
+        check_w4a8(activation, opts.arch)
         need(row_order in ROW_ORDERS, f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
             need(size > 0 and size % MX_BLOCK == 0, f"triton: {what} size {size} must be a positive multiple of {MX_BLOCK}")
@@ -273,7 +278,7 @@ class TritonLayout(LayoutBase):
             specs[f"{w}_weight_scale"] = TensorSpec(g.scale_shape, "U8")
             if sizes.has_bias:
                 specs[f"{w}_bias"] = TensorSpec((g.experts, g.rows), BIAS_DTYPE)
-        return in_kernel_order(specs)
+        return in_kernel_order({**specs, **input_scale_specs(activation)})
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: TritonOptions,
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
@@ -297,7 +302,7 @@ class TritonLayout(LayoutBase):
                     gather_padded_rows(scale, tab_s, g.scale_padded_cols), g.num_warps)
             if bias is not None:
                 out[f"{w}_bias"] = gather_padded_rows(bias.to(torch_dtype(BIAS_DTYPE)), tab_v[: g.rows])
-        return in_kernel_order(out)
+        return in_kernel_order({**out, **input_scale_tensors(c, activation)})
 
     def from_kernel(
         self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: TritonOptions
@@ -319,7 +324,8 @@ class TritonLayout(LayoutBase):
             parts[w] = _crop(f"{w}_weight", values, rows, kk // 2, inv)
             parts[f"{w}_scale"] = _crop(f"{w}_weight_scale", scales, rows, kk // MX_BLOCK, inv)
             parts[f"{w}_bias"] = _crop(f"{w}_bias", k[f"{w}_bias"], rows, None, inv) if sizes.has_bias else None
-        return CanonicalExperts(row_order=sizes.row_order, **parts)  # type: ignore[arg-type]
+        return CanonicalExperts(row_order=sizes.row_order, input_scales=stored_input_scales(k, sizes.num_experts, activation),
+                                **parts)  # type: ignore[arg-type]
 
     def describe(self, sizes: LayoutSizes, activation: str, options: TritonOptions) -> dict[str, Any]:
         """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller):
@@ -361,6 +367,7 @@ class TritonLayout(LayoutBase):
             "storage": "contiguous buffers; triton_kernels Storage.data is buf.mT (keep it a view)",
             "w13": geo["w13"].describe(),
             "w2": geo["w2"].describe(),
+            **describe_w4a8(activation),
         }  # fmt: skip
 
 

@@ -45,7 +45,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # reshape first: a 0-dim tensor cannot be viewed as bytes
 
 
 @dataclass

@@ -222,13 +222,16 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
                 w2_bias=None if layer.w2_bias is None else layer.w2_bias.to(device),
                 row_order=layer.row_order,
                 weight_format=fmt,
+                input_scales=layer.input_scales,
             )
             canon.validate()
             results = []
             for rank, (s, e) in enumerate(plan.rank_ranges):
                 part = canon if plan.repack.tp == 1 else slice_tp(canon, s, e, rank, pad_to=plan.sizes.intermediate_size)
                 kt = layout.to_kernel(part, plan.repack.activation, plan.repack.layout_options, plan.repack.kernel_choice)
-                results.append({f"{ref.module_prefix}.experts.{k}": to_host(v) for k, v in kt.items()})
+                # a 0-dim tensor (a layer's reduced input scale) is not split over experts: the first group writes it
+                results.append({f"{ref.module_prefix}.experts.{k}": to_host(v) for k, v in kt.items()
+                                if v.dim() or not layer.first_expert})
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         stats.compute_seconds += time.perf_counter() - t0

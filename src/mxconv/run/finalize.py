@@ -29,7 +29,7 @@ def output_config(plan: Plan) -> dict[str, Any]:
     # Layers --include/--ignore left in a format other than the output's (float, block-FP8): the
     # config lists them as not converted, so that loaders do not take them for MX weights.
     skipped = [r for L, (r, f) in formats.items() if L not in selected and f != plan.weight_format]
-    if src_q and all(f == plan.weight_format for _, f in formats.values()):
+    if src_q and reader.quantize_keeps_config and all(f == plan.weight_format for _, f in formats.values()):
         pass  # MX source kept as is: its quantization_config already describes the experts
     else:
         cfg["quantization_config"] = reader.quantization_config(plan.weight_format, plan.quant.scale_rounding, skipped)

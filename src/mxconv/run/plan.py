@@ -272,6 +272,28 @@ def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _L
                        layout.describe(sizes, repack.activation, opts), layout.size_warnings(info.hidden_size, I_rank, opts))
 
 
+def _check_input_scales(ckpt: Checkpoint, reader: FamilyReader, refs: list[MoELayerRef], layout: Layout, activation: str) -> None:
+    """BadInput naming the missing tensors when ``activation`` stores the source's static FP8 input
+    scales (the layout's ``input_scale_activations``) and a layer's experts do not all carry them."""
+    if activation not in getattr(layout, "input_scale_activations", ()):
+        return
+    for ref in refs:
+        names = reader.input_scale_names(ref)
+        missing = [n for n in names if n not in ckpt.tensors]
+        if names and not missing:
+            continue
+        p = f"{ref.module_prefix}.experts"
+        if not names or len(missing) == len(names):  # none at all: the per-expert patterns
+            listed = f"{p}.*.gate_up_proj.input_scale, {p}.*.down_proj.input_scale"
+        else:
+            listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise BadInput(
+            f"{ckpt.root}: --activation {activation} stores the source's static FP8 input scales, and tensors "
+            f"{listed} are missing (a W4A8 source, e.g. an AMD Quark export with FP8 input scales, carries them; "
+            f"{reader.title} checkpoints without them take --activation bf16)"
+        )
+
+
 def _expert_specs(reader: FamilyReader, ref: MoELayerRef, quant: QuantOptions, lay: _LayoutPlan | None) -> dict[str, TensorSpec]:
     """Output tensor name -> spec of one MoE layer's experts."""
     if lay is None:
@@ -336,6 +358,8 @@ def build_plan(ckpt: Checkpoint, reader: FamilyReader, quant: QuantOptions, repa
                 "derives the block from the scale grid) and vLLM refuses under TP where a rank's share is not a multiple of 128")
     linears = _select_linears(ckpt, reader.layer_refs(), quant) if repack is None else None
     lay = _plan_layout(ckpt, info, repack) if repack is not None else None
+    if lay is not None:
+        _check_input_scales(ckpt, reader, refs, lay.layout, lay.repack.activation)
     items, dests = _plan_items(ckpt, reader, quant, refs, linears, lay)
     if lay is None:
         return Plan(ckpt, reader, info, quant, None, refs, items, dests, warnings=fused_part_warnings(linears) + fp8_warnings,

@@ -13,7 +13,7 @@ from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput, LayoutError
 from mxconv.families.base import Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
+from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES, CanonicalExperts, LayoutSizes
 from mxconv.layouts.padding import unpad_canonical
 from mxconv.source.st_format import read_tensor
 from mxconv.verify.hashing import TensorHashes
@@ -80,7 +80,7 @@ def kernel_layer_canonical(
     ranges = [tuple(r) for r in manifest["layout"].get("tp_ranges") or [[0, sizes.intermediate_size]]]
     parts: list[CanonicalExperts] = []
     for rank, ckpt in enumerate(ckpts):
-        names = {k: f"{prefix}.experts.{k}" for k in ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")}
+        names = {k: f"{prefix}.experts.{k}" for k in KERNEL_TENSOR_NAMES}
         tensors = {}
         for k, n in names.items():
             if n in ckpt.tensors:
@@ -101,7 +101,7 @@ def kernel_layer_canonical(
         again = layout.to_kernel(canon, activation, options)
         for k, t in again.items():
             stored = tensors.get(k)
-            if stored is None or stored.shape != t.shape or not torch.equal(stored.view(torch.uint8), t.contiguous().view(torch.uint8)):
+            if stored is None or stored.shape != t.shape or not torch.equal(stored.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)):
                 problems.append(f"{tag}.{k}: bytes are not what the {backend} layout of their own inverse gives")
                 return None
         if e - s < sizes.intermediate_size:
@@ -137,6 +137,10 @@ def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
         if x is not None and not torch.equal(x.float(), y.float().to(x.device)):
             e, r = (x.float() != y.float().to(x.device)).nonzero()[0][:2].tolist()
             return f"{name}: first difference at expert {e}, row {r}"
+    if a.input_scales is not None and b.input_scales is not None:  # stored: the reference's reduction (max)
+        for name, x, y in zip(("w13_input_scale", "w2_input_scale"), a.input_scales.reduced(), b.input_scales.reduced()):
+            if not torch.equal(x.cpu(), y.cpu()):
+                return f"{name}: {x.item()!r}, the reference's max over experts is {y.item()!r}"
     return None
 
 
@@ -147,7 +151,7 @@ def _canonical_from_layer(layer: MoELayer) -> CanonicalExperts | None:
     if layer.w13_mx is None or layer.w13_mx.fmt != "mxfp4":
         return None
     return CanonicalExperts(layer.w13_mx.data, layer.w13_mx.scales, layer.w2_mx.data, layer.w2_mx.scales,
-                            layer.w13_bias, layer.w2_bias, layer.row_order)
+                            layer.w13_bias, layer.w2_bias, layer.row_order, input_scales=layer.input_scales)
 
 
 def canonical_stack(c: CanonicalExperts, which: str) -> MXStack | Int4Stack:
@@ -168,6 +172,10 @@ def kernel_nonfinite(canon: CanonicalExperts, prefix: str) -> str | None:
             if at is not None:
                 return f"non-finite value {t[at].item()} in {prefix}.experts.{name} at canonical [{', '.join(map(str, at))}] (expert, row, block)"
         scales = {}
+    if canon.input_scales is not None:  # static FP8 input scales: finite and positive
+        for name, t in zip(("w13_input_scale", "w2_input_scale"), canon.input_scales.reduced()):
+            if not (bool(torch.isfinite(t)) and float(t) > 0):
+                return f"{prefix}.experts.{name} is {t.item()!r}; a static FP8 input scale must be finite and positive"
     hit = first_nonnumber({**scales, "w13_bias": canon.w13_bias, "w2_bias": canon.w2_bias})
     if hit is None:
         return None
