@@ -6,7 +6,9 @@ What the build reads (flashinfer/jit/fused_moe.py ``gen_cutlass_fused_moe_module
 flashinfer/jit/cpp_ext.py): the sources under data/csrc/nv_internal and
 data/csrc/fused_moe/cutlass_backend, kernels it generates itself (jit/gemm/cutlass/generate_kernels.py,
 pure Python), and the include trees data/include, data/cutlass/{include,tools/util/include},
-data/spdlog/include and data/cccl/{cub,libcudacxx/include,thrust}. Importing flashinfer needs its
+data/spdlog/include and data/cccl/{cub,libcudacxx/include,thrust}, and the headers directly in
+data/csrc (the binding includes ../../tvm_ffi_utils.h: the first attempt on the GPU machine failed
+without it). Importing flashinfer needs its
 Python files and apache-tvm-ffi (a wheel, fetched with pip download). The rest of data/ (other
 kernels' sources, 300+ MB) stays behind.
 
@@ -48,7 +50,8 @@ def wanted(path: Path) -> bool:
     if "__pycache__" in rel:
         return False
     if rel.startswith("data/"):
-        return any(rel.startswith(tree + "/") for tree in DATA_TREES) or rel == "data/__init__.py"
+        top_header = rel.startswith("data/csrc/") and rel.count("/") == 2 and path.suffix in (".h", ".cuh")
+        return any(rel.startswith(tree + "/") for tree in DATA_TREES) or rel == "data/__init__.py" or top_header
     return path.suffix in CODE_SUFFIXES
 
 
