@@ -32,6 +32,7 @@ from mxconv.errors import BadInput
 from mxconv.source.st_format import TensorInfo
 
 MIB = 1 << 20
+HASH_LANES = 4  # tensors hashed in parallel (a layer's largest tensor is about 2/3 of its bytes)
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ class StagedReader:
         self.device = torch.device(device)
         self.staging = staging = staging or StagingOptions()
         self._pool = ThreadPoolExecutor(max_workers=staging.read_threads, thread_name_prefix="mxconv-read")
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-read-sha256")
+        self._hashers = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-read-sha256") for _ in range(HASH_LANES)]
+        self._lane_of: dict[str, int] = {}  # this read's tensors -> hash lanes
         self._buffers: list[torch.Tensor] = []
         self._stream: Any = None
         self.bytes_read = 0
@@ -172,7 +174,8 @@ class StagedReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._hasher.shutdown(wait=True)
+        for lane in self._hashers:
+            lane.shutdown(wait=True)
         self._buffers = []
 
     def read(self, infos: dict[str, TensorInfo], hashes: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
@@ -199,6 +202,7 @@ class StagedReader:
         out = {key: torch.empty(storage_shape(info), dtype=info.torch_dtype, device=self.device) for key, info in ordered}
         views = {key: byte_view(t) for key, t in out.items()}
         hashers = {key: hashlib.sha256() for key, _ in ordered} if hashed else None
+        self._lane_of = {key: i % HASH_LANES for i, (key, _) in enumerate(ordered)}
         fds: dict[Path, int] = {}
         try:
             for _, info in ordered:
@@ -240,27 +244,31 @@ class StagedReader:
             if exc is not None:
                 raise exc
 
-    def _hash_later(self, hashers: dict[str, Any] | None, fill: list[Segment], source: Any) -> Future[None] | None:
-        """Hash ``fill``'s bytes (``source(seg)``: where a segment landed) on the hash thread, in fill
-        order, while the next fill is read: the digests cost no time of their own beside the reads."""
+    def _hash_later(self, hashers: dict[str, Any] | None, fill: list[Segment], source: Any) -> list[Future[None]]:
+        """Hash ``fill``'s bytes (``source(seg)``: where a segment landed) while the next fill is
+        read: each tensor on its own lane (one thread, so its bytes go in file order), different
+        tensors in parallel (one sha256 stream runs below a disk's speed)."""
         if hashers is None:
-            return None
+            return []
+        lanes: dict[int, list[Segment]] = {}
+        for s in fill:
+            lanes.setdefault(self._lane_of[s.key], []).append(s)
 
-        def run() -> None:
-            for s in fill:
+        def run(segs: list[Segment]) -> None:
+            for s in segs:
                 hashers[s.key].update(source(s))
 
-        return self._hasher.submit(run)
+        return [self._hashers[lane].submit(run, segs) for lane, segs in lanes.items()]
 
     def _read_direct(self, fills: list[list[Segment]], fds: dict[Path, int], views: dict[str, torch.Tensor],
                      hashers: dict[str, Any] | None) -> None:  # fmt: skip
         """CPU destination: each fill read straight into the tensors."""
         mvs = {key: memoryview(v.numpy()) for key, v in views.items()}
-        pending: list[Future[None] | None] = []
+        pending: list[Future[None]] = []
         try:
             for fill in fills:
                 self._run(self._jobs(fill, fds, lambda s: mvs[s.key][s.start:s.start + s.nbytes]))
-                pending.append(self._hash_later(hashers, fill, lambda s: mvs[s.key][s.start:s.start + s.nbytes]))
+                pending += self._hash_later(hashers, fill, lambda s: mvs[s.key][s.start:s.start + s.nbytes])
         finally:
             _settle(pending)
 
@@ -280,14 +288,14 @@ class StagedReader:
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the destinations were allocated there
         events: list[Any] = [None] * len(buffers)
-        hashing: list[Future[None] | None] = [None] * len(buffers)
+        hashing: list[list[Future[None]]] = [[] for _ in buffers]
         mvs = [memoryview(b.numpy()) for b in buffers]
         try:
             for i, fill in enumerate(fills):
                 b = i % len(buffers)
                 if events[b] is not None:
                     events[b].synchronize()
-                _settle([hashing[b]])
+                _settle(hashing[b])
                 mv = mvs[b]
                 self._run(self._jobs(fill, fds, lambda s, mv=mv: mv[s.buffer_offset:s.buffer_offset + s.nbytes]))
                 hashing[b] = self._hash_later(hashers, fill, lambda s, mv=mv: mv[s.buffer_offset:s.buffer_offset + s.nbytes])
@@ -298,14 +306,13 @@ class StagedReader:
                     events[b] = stream.record_event()
         finally:  # also on an error: no queued copy or hash may still read the buffers or write the tensors
             stream.synchronize()
-            _settle(hashing)
+            _settle([j for jobs in hashing for j in jobs])
 
 
-def _settle(jobs: list[Future[None] | None]) -> None:
+def _settle(jobs: list[Future[None]]) -> None:
     """Wait for every job; then raise the first one's error, if any."""
-    done = [j for j in jobs if j is not None]
-    wait(done, return_when=ALL_COMPLETED)
-    for j in done:
+    wait(jobs, return_when=ALL_COMPLETED)
+    for j in jobs:
         j.result()
 
 

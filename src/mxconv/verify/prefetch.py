@@ -2,7 +2,8 @@
 
 Checking a layer (the layout inverse, the reference MoE) and reading the next one's bytes use
 different resources, so on a CUDA device a background thread reads layer ``L + 1`` — the output's
-expert tensors and the ``--reference`` layer — while layer ``L`` is checked. Every read goes through
+expert tensors, and on a second thread at the same time the ``--reference`` layer — while layer ``L``
+is checked. Every read goes through
 :class:`mxconv.engines.staged_read.StagedReader`: parallel ``preadv`` into bounded pinned staging
 buffers and straight onto the device, so host memory stays at the staging buffers whatever the
 layer's size, and the output's sha256 digests are computed from the bytes as they pass (each byte
@@ -18,13 +19,14 @@ from typing import Any
 
 import torch
 
-from mxconv.engines.staged_read import StagedReader
+from mxconv.engines.staged_read import MIB, StagedReader, StagingOptions
 from mxconv.families import detect_family
 from mxconv.families.base import MoELayer
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.source.st_format import TensorInfo
 from mxconv.verify.report import Run
 
+REFERENCE_STAGING = StagingOptions(buffer_bytes=64 * MIB)
 EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
 
 
@@ -68,13 +70,15 @@ class LayerReads:
     def __init__(self, run: Run, prefixes: dict[int, str]) -> None:
         self._run, self._prefixes = run, prefixes
         self._reader = StagedReader(run.device)
+        self._ref_reader = StagedReader(run.device, REFERENCE_STAGING)  # the reference is read beside the output
+        self._ref_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-verify-read-ref")
         self._ahead = 1 if self._reader.device.type == "cuda" else 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-verify-read")
         self._jobs: dict[int, Future[LayerBytes]] = {}
         self._ref_family = None
         self._ref_refs: dict[int, Any] = {}
         if run.ref_ckpt is not None and run.ref_reader is not None:
-            on_device = _OnDevice(**{f.name: getattr(run.ref_ckpt, f.name) for f in fields(Checkpoint)}, reader=self._reader)
+            on_device = _OnDevice(**{f.name: getattr(run.ref_ckpt, f.name) for f in fields(Checkpoint)}, reader=self._ref_reader)
             self._ref_family = detect_family(on_device)
             self._ref_refs = {r.layer: r for r in run.ref_reader.layer_refs()}
 
@@ -86,8 +90,10 @@ class LayerReads:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._ref_pool.shutdown(wait=True, cancel_futures=True)
         self._jobs.clear()
         self._reader.close()
+        self._ref_reader.close()
 
     def get(self, L: int, then: list[int]) -> LayerBytes:
         """Layer ``L``'s bytes (read now, or taken from the read ahead); starts reading the first
@@ -99,6 +105,18 @@ class LayerReads:
         return job.result()
 
     def _read(self, L: int) -> LayerBytes:
+        """Layer ``L``'s output tensors (this thread) and reference layer (the reference thread, at
+        the same time: two streams of reads keep the disk busier than one)."""
+        reference = None
+        if self._ref_family is not None and L in self._ref_refs:
+            reference = self._ref_pool.submit(self._ref_family.read_layer, self._ref_refs[L])
+        try:
+            kernel, digests = self._read_output(L)
+        finally:
+            ref_layer = reference.result() if reference is not None else None
+        return LayerBytes(kernel, digests, ref_layer)
+
+    def _read_output(self, L: int) -> tuple[list[dict[str, torch.Tensor]] | None, list[tuple[Checkpoint, str, str]]]:
         prefix = self._prefixes[L]
         kernel, digests = None, []
         if self._run.kind == "kernel":
@@ -108,7 +126,4 @@ class LayerReads:
                 tensors, sums = self._reader.read_hashed({k: ckpt.tensors[n] for k, n in names.items()})
                 kernel.append(tensors)
                 digests.extend((ckpt, names[k], sums[k]) for k in names)
-        reference = None
-        if self._ref_family is not None and L in self._ref_refs:
-            reference = self._ref_family.read_layer(self._ref_refs[L])
-        return LayerBytes(kernel, digests, reference)
+        return kernel, digests
