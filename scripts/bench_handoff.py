@@ -208,19 +208,23 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="E=4, H=I=256 (smoke test)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: load, memory, verify")
     ap.add_argument("--out", required=True, help="JSON results")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the source and output an earlier run left in --dir (e.g. to time another mxconv on them)")
     a = ap.parse_args()
     device, shape, skip = torch.device(a.device), SHAPES["small" if a.small else "120b"], set(a.skip.split(","))
     work = Path(a.dir)
-    shutil.rmtree(work, ignore_errors=True)
     src, out = work / "src", work / "out"
-    t0 = time.perf_counter()
-    generate(src, "repack", V=1024, layers=a.layers, device=device, **shape)
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                           "layers": a.layers, **shape, "generate_s": time.perf_counter() - t0}  # fmt: skip
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "mxconv.cli", "repack", str(src), str(out), "--backend", "triton",
-                    "--device", device.type, "--quiet"], check=True)  # fmt: skip
-    res["repack_s"] = time.perf_counter() - t0
+                           "layers": a.layers, **shape}  # fmt: skip
+    if not (a.reuse and (out / "mxconv.json").exists()):
+        shutil.rmtree(work, ignore_errors=True)
+        t0 = time.perf_counter()
+        generate(src, "repack", V=1024, layers=a.layers, device=device, **shape)
+        res["generate_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "mxconv.cli", "repack", str(src), str(out), "--backend", "triton",
+                        "--device", device.type, "--quiet"], check=True)  # fmt: skip
+        res["repack_s"] = time.perf_counter() - t0
     res["layer_bytes"] = sum(f.stat().st_size for f in weight_files(out)) // a.layers  # experts dominate
     if "load" not in skip:
         bench_load(out, device, res)

@@ -36,11 +36,12 @@ from mxconv.engines.staged_read import StagedReader, StagingOptions, read_tensor
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.families.base import ModelInfo
+from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES
 from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
 from mxconv.source.manifest import load_manifest
 from mxconv.source.st_format import TensorInfo, read_header
 
-EXPERT_TENSORS = ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")
+EXPERT_TENSORS = KERNEL_TENSOR_NAMES  # biases and W4A8 input scales where the output has them
 _RANK_DIR = re.compile(r"^rank-(\d+)$")
 
 

@@ -36,6 +36,7 @@ from mxconv.source.manifest import load_manifest, missing_manifest_message
 from mxconv.verify.hashing import TensorHashes
 from mxconv.verify.integrity import check_integrity, check_manifest_claims, model_info_of
 from mxconv.verify.layout import recover_layer, reference_layer
+from mxconv.verify.prefetch import LayerBytes, LayerReads
 from mxconv.verify.fp8_block import check_fp8_tiles
 from mxconv.verify.linears import LINEAR_THRESHOLDS, check_linears
 from mxconv.verify.numerics import (
@@ -127,11 +128,16 @@ def _verify_layers(run: Run, kernel: bool, kernel_locations: KernelLocations | N
     if run.own_error is None:
         general.extend(check_manifest_claims(run.manifest, run.info, run.ckpts, run.own_reader))
     reports: dict[int, LayerReport] = {}
-    for L in chosen:
-        step(f"layer {L}", 1 + chosen.index(L), steps)
-        run.hashes.settle()  # the previous layer's bytes are hashed before this one's are read
-        reports[L] = LayerReport(L)
-        _check_layer(run, L, lay_table[L], reports[L])
+    with LayerReads(run, {L: lay_table[L]["module_prefix"] for L in chosen}) as reads:
+        for i, L in enumerate(chosen):
+            step(f"layer {L}", 1 + i, steps)
+            run.hashes.settle()  # the previous layer's bytes are hashed before this one's are read
+            reports[L] = LayerReport(L)
+            layer_bytes = reads.get(L, chosen[i + 1:])
+            for ckpt, name, digest in layer_bytes.digests:
+                run.hashes.record(ckpt, name, digest)
+            _check_layer(run, L, lay_table[L], reports[L], layer_bytes)
+            del layer_bytes
     for where, probs in _merged({k: v for k, v in integ.items() if k is not None}, run.hashes.problems()).items():
         if where is None:
             general.extend(probs)
@@ -277,15 +283,16 @@ def _read_back(run: Run, general: list[str]) -> None:
         general.append(f"{run.root}: does not read back as a {run.manifest['family']} checkpoint: {exc}")
 
 
-def _check_layer(run: Run, L: int, lay: dict, rep: LayerReport) -> None:
-    """Layout, values that are not numbers, numerics and (``--kernel``) the engine kernel of one MoE layer."""
-    canon, conv_layer = recover_layer(run, L, lay, rep)
+def _check_layer(run: Run, L: int, lay: dict, rep: LayerReport, read: LayerBytes) -> None:
+    """Layout, values that are not numbers, numerics and (``--kernel``) the engine kernel of one MoE
+    layer, from its bytes as read."""
+    canon, conv_layer = recover_layer(run, L, lay, rep, read.kernel)
     bad_value = converted_nonfinite(run, lay, canon, conv_layer)
     if bad_value:
         rep.problems.append(f"layer {L}: {bad_value}")
     ref_layer = None
     if run.ref_reader is not None:
-        ref_layer, ref_bad = reference_layer(run, L, lay["module_prefix"], canon, rep)
+        ref_layer, ref_bad = reference_layer(run, L, lay["module_prefix"], canon, rep, read.reference)
         bad_value = bad_value or ref_bad
         if not bad_value and ref_layer is not None and conv_layer is not None:
             check_fp8_tiles(run.manifest, L, ref_layer, conv_layer, rep)

@@ -61,9 +61,11 @@ def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: in
 def kernel_layer_canonical(
     manifest: dict[str, Any], ckpts: list[Checkpoint], prefix: str, problems: list[str],
     device: torch.device | str = "cpu", hashes: TensorHashes | None = None,
+    pre_read: list[dict[str, torch.Tensor]] | None = None,
 ) -> CanonicalExperts | None:
     """Invert one layer's kernel tensors (all ranks) on ``device``, check the round trip; None on
-    failure. The bytes read are handed to ``hashes`` (each tensor is read from disk once)."""
+    failure. ``pre_read``: the tensors already read (per rank, by short name); otherwise they are
+    read here and the bytes handed to ``hashes`` (each tensor is read from disk once)."""
     backend = manifest["backend"]
     try:
         layout = get_layout(backend)
@@ -80,14 +82,7 @@ def kernel_layer_canonical(
     ranges = [tuple(r) for r in manifest["layout"].get("tp_ranges") or [[0, sizes.intermediate_size]]]
     parts: list[CanonicalExperts] = []
     for rank, ckpt in enumerate(ckpts):
-        names = {k: f"{prefix}.experts.{k}" for k in KERNEL_TENSOR_NAMES}
-        tensors = {}
-        for k, n in names.items():
-            if n in ckpt.tensors:
-                stored = read_tensor(ckpt.tensors[n])
-                if hashes is not None:
-                    hashes.feed(ckpt, n, stored)
-                tensors[k] = stored.to(device)
+        tensors = _read_rank(ckpt, prefix, device, hashes) if pre_read is None else {k: t.to(device) for k, t in pre_read[rank].items()}
         s, e = ranges[rank]
         # every rank was laid out at the widest rank's width (slice_tp's pad_to), then padded
         rank_sizes = LayoutSizes(sizes.num_experts, sizes.hidden_size, sizes.intermediate_size, sizes.padded_hidden_size,
@@ -117,6 +112,19 @@ def kernel_layer_canonical(
     if len(parts) == 1:
         return parts[0]
     return merge_tp(parts, ranges, sizes.intermediate_size)
+
+
+def _read_rank(ckpt: Checkpoint, prefix: str, device: torch.device | str, hashes: TensorHashes | None) -> dict[str, torch.Tensor]:
+    """One rank's expert tensors of a layer on ``device``, the bytes handed to ``hashes``."""
+    tensors = {}
+    for k in KERNEL_TENSOR_NAMES:
+        n = f"{prefix}.experts.{k}"
+        if n in ckpt.tensors:
+            t = read_tensor(ckpt.tensors[n])
+            if hashes is not None:
+                hashes.feed(ckpt, n, t)
+            tensors[k] = t.to(device)
+    return tensors
 
 
 def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
@@ -184,16 +192,18 @@ def kernel_nonfinite(canon: CanonicalExperts, prefix: str) -> str | None:
     return f"{what} in {prefix}.experts.{name} at canonical [{', '.join(map(str, idx))}] ({coords})"
 
 
-def recover_layer(run: Run, L: int, lay: dict[str, Any], rep: LayerReport) -> tuple[CanonicalExperts | None, MoELayer | None]:
+def recover_layer(run: Run, L: int, lay: dict[str, Any], rep: LayerReport,
+                  stored: list[dict[str, torch.Tensor]] | None = None) -> tuple[CanonicalExperts | None, MoELayer | None]:
     """The layout check of one MoE layer: its canonical experts as the converted checkpoint holds them
-    (a kernel output inverted and laid out again; a canonical output read back by its own reader),
-    and for a canonical output the layer read back. ``rep.layout`` says how it went."""
+    (a kernel output inverted and laid out again, from ``stored`` when its tensors were read already;
+    a canonical output read back by its own reader), and for a canonical output the layer read back.
+    ``rep.layout`` says how it went."""
     prefix = lay["module_prefix"]
     if run.kind == "kernel":
         lprobs: list[str] = []
         canon = None
         try:
-            canon = kernel_layer_canonical(run.manifest, run.ckpts, prefix, lprobs, run.device, run.hashes)
+            canon = kernel_layer_canonical(run.manifest, run.ckpts, prefix, lprobs, run.device, run.hashes, stored)
         except KeyError as exc:
             lprobs.append(f"{prefix}.experts: kernel tensor {exc} missing")
         rep.layout = "FAIL" if lprobs else "ok"
@@ -213,15 +223,17 @@ def recover_layer(run: Run, L: int, lay: dict[str, Any], rep: LayerReport) -> tu
     return _canonical_from_layer(conv_layer), conv_layer
 
 
-def reference_layer(run: Run, L: int, prefix: str, canon: CanonicalExperts | None, rep: LayerReport) -> tuple[MoELayer, str | None]:
-    """Layer ``L`` of ``--reference`` and the first value in it that is not a number (None when all
-    are); where the reference holds the output's own format, the recovered canonical bytes must equal
-    its bytes (``rep.layout`` becomes "bit-exact" or "FAIL")."""
+def reference_layer(run: Run, L: int, prefix: str, canon: CanonicalExperts | None, rep: LayerReport,
+                    ref_layer: MoELayer | None = None) -> tuple[MoELayer, str | None]:
+    """Layer ``L`` of ``--reference`` (``ref_layer`` when it was read already) and the first value in
+    it that is not a number (None when all are); where the reference holds the output's own format,
+    the recovered canonical bytes must equal its bytes (``rep.layout`` becomes "bit-exact" or "FAIL")."""
     assert run.ref_reader is not None
-    rrefs = {r.layer: r for r in run.ref_reader.layer_refs()}
-    if L not in rrefs:
-        raise BadInput(f"--reference {run.reference}: has no MoE layer {L}")
-    ref_layer = run.ref_reader.read_layer(rrefs[L])
+    if ref_layer is None:
+        rrefs = {r.layer: r for r in run.ref_reader.layer_refs()}
+        if L not in rrefs:
+            raise BadInput(f"--reference {run.reference}: has no MoE layer {L}")
+        ref_layer = run.ref_reader.read_layer(rrefs[L])
     ref_bad = run.ref_reader.nonfinite_problem(ref_layer)
     if ref_bad:
         rep.problems.append(f"layer {L}: the reference {run.reference} holds a value that is not a number: {ref_bad}")

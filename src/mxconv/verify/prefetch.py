@@ -1,0 +1,130 @@
+"""verify's reads of a layer, made one layer ahead of its checks on a GPU.
+
+Checking a layer (the layout inverse, the reference MoE) and reading the next one's bytes use
+different resources, so on a CUDA device a background thread reads layer ``L + 1`` — the output's
+expert tensors, and on a second thread at the same time the ``--reference`` layer — while layer ``L``
+is checked. Every read goes through
+:class:`mxconv.engines.staged_read.StagedReader`: parallel ``preadv`` into bounded pinned staging
+buffers and straight onto the device, so host memory stays at the staging buffers whatever the
+layer's size, and the output's sha256 digests are computed from the bytes as they pass (each byte
+read once). On the CPU the same reads run when the layer is checked (no read-ahead: the layer's
+bytes are the host memory, and holding two layers would double it).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from mxconv.engines.staged_read import MIB, StagedReader, StagingOptions
+from mxconv.families import detect_family
+from mxconv.families.base import MoELayer
+from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES
+from mxconv.source.checkpoint import Checkpoint
+from mxconv.source.st_format import TensorInfo
+from mxconv.verify.report import Run
+
+REFERENCE_STAGING = StagingOptions(buffer_bytes=64 * MIB)
+EXPERT_TENSORS = KERNEL_TENSOR_NAMES  # the input scales of a W4A8 output too
+
+
+@dataclass
+class _OnDevice(Checkpoint):
+    """A checkpoint whose ``read`` lands on the staged reader's device (what a family reader reads
+    through, unchanged)."""
+
+    reader: Any = None  # StagedReader
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        info = self.info(name)
+        if rows is not None:
+            info = _rows_of(info, rows)
+        return self.reader.read({name: info})[name]
+
+
+def _rows_of(info: TensorInfo, rows: tuple[int, int]) -> TensorInfo:
+    """Rows [r0, r1) of dim 0 of a stored tensor: a contiguous byte range of its file."""
+    r0, r1 = rows
+    if not info.shape or not 0 <= r0 <= r1 <= info.shape[0]:
+        raise ValueError(f"rows {rows} of tensor {info.name!r} with shape {list(info.shape)}")
+    row = info.nbytes // info.shape[0] if info.shape[0] else 0
+    return TensorInfo(info.name, info.file, info.dtype, (r1 - r0, *info.shape[1:]), info.begin + r0 * row, info.begin + r1 * row)
+
+
+@dataclass
+class LayerBytes:
+    """One layer as read: the output's expert tensors per TP rank (kernel outputs; ``{short name:
+    tensor}`` on the device) with their sha256 digests, and the reference layer (None without one)."""
+
+    kernel: list[dict[str, torch.Tensor]] | None
+    digests: list[tuple[Checkpoint, str, str]]  # (checkpoint, tensor name, sha256 hex)
+    reference: MoELayer | None
+
+
+class LayerReads:
+    """Reads the chosen layers in order, one ahead on a GPU (see the module docstring). Use as a
+    context manager: closing waits for a read in flight and frees the staging buffers."""
+
+    def __init__(self, run: Run, prefixes: dict[int, str]) -> None:
+        self._run, self._prefixes = run, prefixes
+        self._reader = StagedReader(run.device)
+        self._ref_reader = StagedReader(run.device, REFERENCE_STAGING)  # the reference is read beside the output
+        self._ref_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-verify-read-ref")
+        self._ahead = 1 if self._reader.device.type == "cuda" else 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-verify-read")
+        self._jobs: dict[int, Future[LayerBytes]] = {}
+        self._ref_family = None
+        self._ref_refs: dict[int, Any] = {}
+        if run.ref_ckpt is not None and run.ref_reader is not None:
+            on_device = _OnDevice(**{f.name: getattr(run.ref_ckpt, f.name) for f in fields(Checkpoint)}, reader=self._ref_reader)
+            self._ref_family = detect_family(on_device)
+            self._ref_refs = {r.layer: r for r in run.ref_reader.layer_refs()}
+
+    def __enter__(self) -> LayerReads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._ref_pool.shutdown(wait=True, cancel_futures=True)
+        self._jobs.clear()
+        self._reader.close()
+        self._ref_reader.close()
+
+    def get(self, L: int, then: list[int]) -> LayerBytes:
+        """Layer ``L``'s bytes (read now, or taken from the read ahead); starts reading the first
+        of ``then`` (the layers checked next) on a GPU."""
+        job = self._jobs.pop(L, None) or self._pool.submit(self._read, L)
+        for nxt in then[: self._ahead]:
+            if nxt not in self._jobs:
+                self._jobs[nxt] = self._pool.submit(self._read, nxt)
+        return job.result()
+
+    def _read(self, L: int) -> LayerBytes:
+        """Layer ``L``'s output tensors (this thread) and reference layer (the reference thread, at
+        the same time: two streams of reads keep the disk busier than one)."""
+        reference = None
+        if self._ref_family is not None and L in self._ref_refs:
+            reference = self._ref_pool.submit(self._ref_family.read_layer, self._ref_refs[L])
+        try:
+            kernel, digests = self._read_output(L)
+        finally:
+            ref_layer = reference.result() if reference is not None else None
+        return LayerBytes(kernel, digests, ref_layer)
+
+    def _read_output(self, L: int) -> tuple[list[dict[str, torch.Tensor]] | None, list[tuple[Checkpoint, str, str]]]:
+        prefix = self._prefixes[L]
+        kernel, digests = None, []
+        if self._run.kind == "kernel":
+            kernel = []
+            for ckpt in self._run.ckpts:
+                names = {k: f"{prefix}.experts.{k}" for k in EXPERT_TENSORS if f"{prefix}.experts.{k}" in ckpt.tensors}
+                tensors, sums = self._reader.read_hashed({k: ckpt.tensors[n] for k, n in names.items()})
+                kernel.append(tensors)
+                digests.extend((ckpt, names[k], sums[k]) for k in names)
+        return kernel, digests
