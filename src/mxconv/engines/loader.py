@@ -126,7 +126,7 @@ def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, mani
         name = f"{prefix}.experts.{key}"
         info = table.get(key_prefix + name)
         if info is None:
-            if key.endswith("bias"):
+            if key.endswith(("bias", "input_scale")):  # optional: biases, a W4A8 output's input scales
                 continue
             raise BadInput(f"{root}: the manifest lists no {key_prefix}{name}")
         files[key], names[key] = root / info["file"], name
