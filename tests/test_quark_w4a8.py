@@ -94,15 +94,48 @@ def test_fp8_activation_is_gfx950_only(tmp_path: Path, arch: str) -> None:
     assert rc == 2 and "gfx950 only" in err
 
 
-def test_verify_fails_a_stored_scale_that_is_not_the_sources_max(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_verify_fails_a_stored_scale_that_is_not_the_sources_max(tmp_path: Path, tp: int) -> None:
     make_checkpoint(tmp_path / "src", "gpt-oss-quark-w4a8")
-    assert mx("repack", tmp_path / "src", tmp_path / "out", *GFX950, "--activation", "fp8")[0] == 0
-    patch_tensor(tmp_path / "out", "model.layers.1.mlp.experts.w13_input_scale", lambda t: t * 0.5, fix_manifest=True)
+    assert mx("repack", tmp_path / "src", tmp_path / "out", *GFX950, "--activation", "fp8", "--tp", str(tp))[0] == 0
+    last = tmp_path / "out" / (f"rank-{tp - 1}" if tp > 1 else "")
+    patch_tensor(last, "model.layers.1.mlp.experts.w13_input_scale", lambda t: t * 0.5, fix_manifest=tp == 1)
+    if tp > 1:  # the manifest's hash of rank 1 made right again, so only the value check can see it
+        _fix_rank_hash(tmp_path / "out", tp - 1, "model.layers.1.mlp.experts.w13_input_scale")
     rc, out, err = mx("verify", tmp_path / "out", "--reference", tmp_path / "src")
     assert rc == 1 and "w13_input_scale" in out + err, out + err
-    patch_tensor(tmp_path / "out", "model.layers.1.mlp.experts.w13_input_scale", lambda t: -t, fix_manifest=True)  # negative: not a scale
+    patch_tensor(last, "model.layers.1.mlp.experts.w13_input_scale", lambda t: -t.abs(), fix_manifest=tp == 1)  # negative: not a scale
+    if tp > 1:
+        _fix_rank_hash(tmp_path / "out", tp - 1, "model.layers.1.mlp.experts.w13_input_scale")
     rc, out, err = mx("verify", tmp_path / "out")
-    assert rc == 1 and "must be finite and positive" in out + err, out + err
+    assert rc == 1 and ("must be finite and positive" in out + err or "differ from rank 0" in out + err), out + err
+
+
+def _fix_rank_hash(root: Path, rank: int, name: str) -> None:
+    """Put the sha256 of ``rank``'s tensor ``name`` as stored into the root manifest."""
+    import json
+
+    from mxconv.verify.hashing import sha256_of
+
+    manifest = json.loads((root / "mxconv.json").read_text())
+    manifest["tensors"][f"rank-{rank}/{name}"]["sha256"] = sha256_of(open_checkpoint(root / f"rank-{rank}"), name)
+    (root / "mxconv.json").write_text(json.dumps(manifest, indent=2))
+
+
+def test_verify_against_a_reference_without_input_scales_says_so(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "src", "gpt-oss-quark-w4a8")
+    assert mx("repack", tmp_path / "src", tmp_path / "out", *GFX950, "--activation", "fp8")[0] == 0
+    assert mx("quantize", tmp_path / "src", tmp_path / "q4", "--format", "mxfp4")[0] == 0  # drops the input scales
+    rc, out, err = mx("verify", tmp_path / "out", "--reference", tmp_path / "q4")
+    assert rc == 1 and "the reference has none to check them against" in " ".join((out + err).split()), out + err
+
+
+def test_a_source_scale_that_is_not_positive_is_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "src", "gpt-oss-quark-w4a8")
+    name = "model.layers.0.mlp.experts.1.down_proj.input_scale"
+    patch_tensor(tmp_path / "src", name, lambda t: t * 0, fix_manifest=False)
+    rc, _, err = mx("repack", tmp_path / "src", tmp_path / "out", *GFX950, "--activation", "fp8")
+    assert rc == 2 and name in err and "finite and positive" in err, err
 
 
 def test_quantize_of_a_quark_source_writes_gpt_oss_mxfp4_without_input_scales(tmp_path: Path) -> None:
@@ -116,3 +149,30 @@ def test_quantize_of_a_quark_source_writes_gpt_oss_mxfp4_without_input_scales(tm
     assert torch.equal(got["model.layers.0.mlp.experts.down_proj_bias"], t.w2_bias)
     reader = detect_family(open_checkpoint(tmp_path / "out"))
     assert reader.name == "gpt-oss"
+
+
+def test_the_loader_requires_the_input_scales_of_a_w4a8_output(tmp_path: Path) -> None:
+    import json
+
+    from mxconv.engines.loader import resolve_layer
+    from mxconv.errors import BadInput
+
+    make_checkpoint(tmp_path / "src", "gpt-oss-quark-w4a8")
+    assert mx("repack", tmp_path / "src", tmp_path / "out", *GFX950, "--activation", "fp8")[0] == 0
+    assert "w13_input_scale" in resolve_layer(tmp_path / "out", 0).files
+    manifest = json.loads((tmp_path / "out" / "mxconv.json").read_text())
+    del manifest["tensors"]["model.layers.0.mlp.experts.w2_input_scale"]
+    with pytest.raises(BadInput, match="lists no model.layers.0.mlp.experts.w2_input_scale"):
+        resolve_layer(tmp_path / "out", 0, manifest=manifest)
+
+
+def test_a_config_with_fewer_experts_than_the_tensors_is_refused(tmp_path: Path) -> None:
+    import json
+
+    make_checkpoint(tmp_path / "src", "gpt-oss-quark-w4a8")
+    cfg = json.loads((tmp_path / "src" / "config.json").read_text())
+    cfg["num_local_experts"] -= 1
+    cfg["num_experts_per_tok"] = min(cfg["num_experts_per_tok"], cfg["num_local_experts"])
+    (tmp_path / "src" / "config.json").write_text(json.dumps(cfg))
+    rc, _, err = mx("inspect", tmp_path / "src")
+    assert rc == 2 and f"expert {cfg['num_local_experts']} beyond config.json" in err, err

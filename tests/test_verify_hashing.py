@@ -106,3 +106,26 @@ def test_fed_bytes_do_not_wait_behind_the_pools_reads(kernel_out: Path, monkeypa
         release.set()
         assert settled, "settle() waited for the pool's reads"
         assert hashes.problems() == {}
+
+
+def test_a_read_error_during_verify_names_file_and_tensor(kernel_out: Path, made, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EIO in the middle of the layer reads (output and reference read side by side): exit 2, naming
+    the file and the tensor, and no reading thread left behind."""
+    import errno
+    import os
+
+    import mxconv.engines.staged_read as staged
+
+    real, calls = os.preadv, []
+
+    def failing(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) == 5:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(staged.os, "preadv", failing)
+    before = threading.active_count()
+    code, _, err = mx("verify", kernel_out, "--device", "cpu", "--reference", made.quantize(made.source("qwen3-moe").path))
+    assert code == 2 and "[Errno 5]" in err and ".safetensors: tensor '" in err, err
+    assert threading.active_count() <= before

@@ -68,6 +68,13 @@ class LayerSource:
         return int(self.manifest.get("tp_size") or 1)
 
 
+def _needs_input_scales(manifest: dict[str, Any]) -> bool:
+    """Whether the output's activation reads static input scales (W4A8: ``w13_input_scale``, ...)."""
+    from mxconv.layouts import get_layout
+
+    return str(manifest.get("activation")) in get_layout(str(manifest["backend"])).input_scale_activations
+
+
 def model_info(manifest: dict[str, Any]) -> ModelInfo:
     """The manifest's ``model`` object as a :class:`ModelInfo`."""
     d = dict(manifest["model"])
@@ -126,7 +133,7 @@ def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, mani
         name = f"{prefix}.experts.{key}"
         info = table.get(key_prefix + name)
         if info is None:
-            if key.endswith(("bias", "input_scale")):  # optional: biases, a W4A8 output's input scales
+            if key.endswith("bias") or (key.endswith("input_scale") and not _needs_input_scales(m)):
                 continue
             raise BadInput(f"{root}: the manifest lists no {key_prefix}{name}")
         files[key], names[key] = root / info["file"], name

@@ -103,6 +103,11 @@ class QuarkGptOssReader(GptOssReader):
         if len(roots) != 1:
             raise BadInput(f"{ck.root}: expected per-expert tensors 'model.layers.N.mlp.experts.E.gate_up_proj.weight' "
                            f"under one prefix, found prefixes {sorted(roots)}")  # fmt: skip
+        extra = sorted((L, e) for L, es in layers.items() for e in es if L >= num_layers or e >= E)
+        if extra or top_k > E:
+            where = (f"tensors of layer {extra[0][0]} expert {extra[0][1]}" if extra else f"num_experts_per_tok {top_k}")
+            raise BadInput(f"{ck.root}: {where} beyond config.json's num_hidden_layers={num_layers}, "
+                           f"num_local_experts={E} (a checkpoint and a config that disagree)")
         plan = {"root": roots.pop(), "fmt": "mxfp4", "float_dtype": None, "num_layers": num_layers, "E": E,
                 "top_k": top_k, "H": H, "I": I, "formats": {L: ("mxfp4", None) for L in range(num_layers)}}  # fmt: skip
         for L in range(num_layers):
@@ -158,6 +163,11 @@ class QuarkGptOssReader(GptOssReader):
         names = self.input_scale_names(ref)
         if all(n in self.ckpt.tensors for n in names):
             values = torch.stack([self.ckpt.read(n).reshape(()).to(torch.float32) for n in names])
+            bad = (~torch.isfinite(values) | (values <= 0)).nonzero()
+            if len(bad):
+                i = int(bad[0])
+                raise BadInput(f"{self.ckpt.root}: tensor '{names[i]}' is {values[i].item()!r}: a static FP8 input "
+                               "scale must be finite and positive (vLLM divides the activations by it)")
             layer.input_scales = InputScales(values[:E], values[E:], names)
         return layer
 

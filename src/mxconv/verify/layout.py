@@ -46,6 +46,13 @@ def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: in
         return torch.cat(gates + ups, dim=1)
 
     b13 = None if parts[0].w13_bias is None else cat13([p.w13_bias for p in parts])
+    scales = [p.input_scales for p in parts]
+    if any(s is not None for s in scales):  # every rank stores the same reduced scalars (W4A8)
+        first = scales[0]
+        for rank, s in enumerate(scales):
+            if s is None or first is None or not all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(s.reduced(), first.reduced())):
+                raise LayoutError(f"w13_input_scale / w2_input_scale of rank {rank} differ from rank 0's "
+                                  "(every rank holds the same max over experts)")
     return CanonicalExperts(
         w13=cat13([p.w13 for p in parts]),
         w13_scale=cat13([p.w13_scale for p in parts]),
@@ -55,6 +62,7 @@ def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: in
         w2_bias=parts[0].w2_bias,
         row_order=order,
         weight_format=parts[0].weight_format,
+        input_scales=scales[0],
     )
 
 
@@ -111,7 +119,11 @@ def kernel_layer_canonical(
         parts.append(canon)
     if len(parts) == 1:
         return parts[0]
-    return merge_tp(parts, ranges, sizes.intermediate_size)
+    try:
+        return merge_tp(parts, ranges, sizes.intermediate_size)
+    except LayoutError as exc:
+        problems.append(f"{prefix}.experts: {exc}")
+        return None
 
 
 def _read_rank(ckpt: Checkpoint, prefix: str, device: torch.device | str, hashes: TensorHashes | None) -> dict[str, torch.Tensor]:
@@ -145,6 +157,9 @@ def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
         if x is not None and not torch.equal(x.float(), y.float().to(x.device)):
             e, r = (x.float() != y.float().to(x.device)).nonzero()[0][:2].tolist()
             return f"{name}: first difference at expert {e}, row {r}"
+    if a.input_scales is not None and b.input_scales is None:
+        return ("w13_input_scale: the output holds W4A8 input scales and the reference has none to check them "
+                "against (pass the checkpoint they came from, e.g. the Quark source)")
     if a.input_scales is not None and b.input_scales is not None:  # stored: the reference's reduction (max)
         for name, x, y in zip(("w13_input_scale", "w2_input_scale"), a.input_scales.reduced(), b.input_scales.reduced()):
             if not torch.equal(x.cpu(), y.cpu()):

@@ -113,8 +113,11 @@ class LayerReads:
             reference = self._ref_pool.submit(self._ref_family.read_layer, self._ref_refs[L])
         try:
             kernel, digests = self._read_output(L)
-        finally:
-            ref_layer = reference.result() if reference is not None else None
+        except BaseException:
+            if reference is not None:  # let the reference read finish; the output's error is the one raised
+                reference.exception()
+            raise
+        ref_layer = reference.result() if reference is not None else None
         return LayerBytes(kernel, digests, ref_layer)
 
     def _read_output(self, L: int) -> tuple[list[dict[str, torch.Tensor]] | None, list[tuple[Checkpoint, str, str]]]:
