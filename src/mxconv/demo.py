@@ -57,7 +57,7 @@ def run_demo(workdir: Path | None, device: torch.device, progress: Callable[[str
             for backend in backend_names():
                 layout = get_layout(backend)
                 # activations storing a source's FP8 input scales (W4A8) need a source that has them; these do not
-                for act in (a for a in layout.activations if a not in getattr(layout, "input_scale_activations", ())):
+                for act in (a for a in layout.activations if a not in layout.input_scale_activations):
                     kdir = tmp / f"{kind}-{backend}-{act}"
                     step = f"repack {backend} ({act})"
                     res = record(label, step, lambda: _repack_step(canon, kdir, backend, act, device))

@@ -218,6 +218,10 @@ class Layout(Protocol):
         """Why the engine kernel cannot run when there is no engine_runner (LayoutBase provides one)."""
         ...
 
+    def tp_refusal(self, tp: int, options: LayoutOptions | None = None) -> str | None:
+        """Why no engine would hold this layout's bytes at TP ``tp`` (LayoutBase: None, any TP)."""
+        ...
+
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
         options: LayoutOptions | None = None,

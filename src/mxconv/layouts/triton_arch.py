@@ -78,7 +78,8 @@ class ArchSpec:
 
     def _align(self) -> tuple[int, int]:
         align = vllm_alignment("TRITON", "swigluoai", self.platform)  # the OAI Triton experts run swigluoai only
-        assert align is not None  # TRITON is in the table on every platform
+        if align is None:  # TRITON is in the table on every platform: a bug if not (exit 3)
+            raise RuntimeError(f"vllm_backends has no TRITON padding for platform {self.platform}")
         return align
 
 

@@ -117,7 +117,8 @@ def _quantize_chunk(x: torch.Tensor, e0: int, fmt: str, q: QuantOptions, where: 
     if quantize_mx_finite_into(x, fmt, q.scale_rounding, data, scales):
         return x, None
     idx = first_nonfinite(x)
-    assert idx is not None, "the quantizer reported a NaN/Inf that the scan did not find"
+    if idx is None:  # the kernel's flag and the scan disagree: a bug, not bad input (exit 3)
+        raise RuntimeError("the quantizer reported a NaN/Inf that the scan of the same chunk did not find")
     idx = (idx[0] + e0, *idx[1:])
     if not q.allow_nonfinite:
         val = x[(idx[0] - e0, *idx[1:])].item()

@@ -275,7 +275,7 @@ def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _L
 def _check_input_scales(ckpt: Checkpoint, reader: FamilyReader, refs: list[MoELayerRef], layout: Layout, activation: str) -> None:
     """BadInput naming the missing tensors when ``activation`` stores the source's static FP8 input
     scales (the layout's ``input_scale_activations``) and a layer's experts do not all carry them."""
-    if activation not in getattr(layout, "input_scale_activations", ()):
+    if activation not in layout.input_scale_activations:
         return
     for ref in refs:
         names = reader.input_scale_names(ref)
