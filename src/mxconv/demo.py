@@ -47,12 +47,7 @@ def run_demo(workdir: Path | None, device: torch.device, progress: Callable[[str
         for label, kind in DEMO_SOURCES:
             src = tmp / kind
             record(label, "generate", lambda: (make_checkpoint(src, kind), {"ok": True, "detail": str(src)})[1])
-            for fmt in ("mxfp4", "mxfp8"):
-                qdir = tmp / f"{kind}-{fmt}"
-                res = record(label, f"quantize {fmt}", lambda: _quant_step(src, qdir, fmt, device))
-                if res is None:
-                    continue
-                record(label, f"verify {fmt} vs bf16", lambda: _verify_step(qdir, src))
+            _quantize_steps(record, steps, label, src, tmp / kind, device)
             canon = tmp / f"{kind}-mxfp4"
             for backend in backend_names():
                 layout = get_layout(backend)
@@ -73,6 +68,26 @@ def run_demo(workdir: Path | None, device: torch.device, progress: Callable[[str
         if workdir is None:
             shutil.rmtree(tmp, ignore_errors=True)
     return {"passed": all(s["ok"] for s in steps), "device": str(device), "steps": steps}
+
+
+def _quantize_steps(record: Callable[..., Any], steps: list[dict[str, Any]], label: str, src: Path, base: Path,
+                    device: torch.device) -> None:
+    """quantize to each format and verify against the source; block FP8 also from the MXFP4 output
+    (the exact re-encode, verified against it). A format the family does not write is shown as such."""
+    from mxconv.families import detect_family
+    from mxconv.source.checkpoint import open_checkpoint
+
+    reader = detect_family(open_checkpoint(src))
+    for fmt, origin in (("mxfp4", src), ("mxfp8", src), ("fp8-block", src), ("fp8-block", Path(f"{base}-mxfp4"))):
+        what = f"quantize {fmt}" + (" from mxfp4" if origin != src else "")
+        why = reader.format_refusal(fmt)
+        if why:
+            if origin == src:
+                steps.append({"source": label, "step": what, "ok": True, "detail": f"not written: {why.split(', because ')[-1][:60]}..."})
+            continue
+        qdir = Path(f"{base}-{fmt}" + ("-from-mxfp4" if origin != src else ""))
+        if record(label, what, lambda: _quant_step(origin, qdir, fmt, device)) is not None:
+            record(label, f"verify {fmt} vs {'mxfp4' if origin != src else 'bf16'}", lambda: _verify_step(qdir, origin))
 
 
 def _quant_step(src: Path, out: Path, fmt: str, device: torch.device) -> dict[str, Any]:

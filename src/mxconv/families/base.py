@@ -285,6 +285,11 @@ class FamilyReader(ABC):
         for ``fmt`` weights.
         """
 
+    def format_refusal(self, fmt: str) -> str | None:
+        """Why ``quantize --format fmt`` is not written for this family (None: it is); the readers
+        that refuse a format override it, and their ``quantized_specs`` raise the same message."""
+        return None
+
     def input_scale_names(self, ref: MoELayerRef) -> tuple[str, ...]:
         """The source tensors holding ``ref``'s static FP8 input scales (every expert's, present or
         not); () for a family whose checkpoints have none (W4A8 readers override it)."""

@@ -59,9 +59,13 @@ class GptOssOutput:
     """``quantized_specs`` / ``quantized_tensors`` / ``quantization_config`` of
     :class:`~mxconv.families.gpt_oss.GptOssReader` (they use its ``ckpt``, ``_plan`` and ``layer_format``)."""
 
+    def format_refusal(self, fmt: str) -> str | None:
+        return FP8_BLOCK_REFUSAL if fmt == "fp8-block" else None
+
     def quantized_specs(self, ref: MoELayerRef, fmt: str) -> dict[str, TensorSpec]:
-        if fmt == "fp8-block":
-            raise BadInput(FP8_BLOCK_REFUSAL)
+        why = self.format_refusal(fmt)
+        if why:
+            raise BadInput(why)
         if fmt not in MX_FORMATS:
             raise ValueError(f"unknown MX format {fmt!r} (expected one of {MX_FORMATS})")
         plan = self._plan()

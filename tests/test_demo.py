@@ -1,0 +1,39 @@
+"""``mxconv demo`` runs every format and backend on its tiny sources and passes; a format a family
+does not write is shown as such (the family's own reason), not as a failure."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxconv.demo import run_demo
+from mxconv.errors import BadInput
+from mxconv.families import detect_family
+from mxconv.layouts import backend_names
+from mxconv.source.checkpoint import open_checkpoint
+from support.checkpoints import make_checkpoint
+
+
+def test_the_demo_passes_and_shows_every_format_and_backend(tmp_path: Path) -> None:
+    result = run_demo(tmp_path, torch.device("cpu"))
+    assert result["passed"], [s for s in result["steps"] if not s["ok"]]
+    steps = {(s["source"].split(" ")[0], s["step"]): s for s in result["steps"]}
+    assert steps["qwen3-moe", "verify fp8-block vs mxfp4"]["rel_rms"] == 0.0  # the exact re-encode
+    assert steps["gpt-oss", "quantize fp8-block"]["detail"].startswith("not written: no loader reads a block-FP8 gpt-oss")
+    assert ("gpt-oss", "verify fp8-block vs bf16") not in steps
+    for backend in backend_names():
+        assert any(step.startswith(f"repack {backend} (") for _, step in steps), backend
+
+
+def test_format_refusal_is_what_quantized_specs_raise(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "g", "gpt-oss-bf16")
+    make_checkpoint(tmp_path / "q", "qwen3-moe")
+    gpt, qwen = (detect_family(open_checkpoint(tmp_path / n)) for n in ("g", "q"))
+    assert gpt.format_refusal("mxfp4") is None and qwen.format_refusal("fp8-block") is None
+    why = gpt.format_refusal("fp8-block")
+    assert why and "gpt-oss" in why
+    with pytest.raises(BadInput, match=re.escape(why)):
+        gpt.quantized_specs(gpt.layer_refs()[0], "fp8-block")
