@@ -447,3 +447,16 @@ def test_a_signal_after_one_output_is_complete_stops_the_next_step_of_the_same_c
             verify(first)
     assert stopped.value.signame == "SIGINT"
     assert (first / "mxconv.json").is_file() and not second.exists()
+
+
+def test_a_signal_while_the_process_exits_is_ignored() -> None:
+    """After the command returned, a SIGINT during the interpreter's exit (atexit hooks, library
+    finalizers) prints no traceback and leaves the exit code alone."""
+    code = ("import atexit, os, signal, sys, time\n"
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))\n"
+            "sys.argv = ['mxconv', 'inspect', '--help']\n"
+            "from mxconv.cli import main\n"
+            "main()\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_cli_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr
+    assert "Usage:" in r.stdout

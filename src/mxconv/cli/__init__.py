@@ -8,7 +8,9 @@ commands import them when they compute.
 
 from __future__ import annotations
 
-from mxconv.interrupt import process_signals
+import signal
+
+from mxconv.interrupt import STOP_SIGNALS, process_signals
 
 # A Ctrl-C while the CLI's modules load exits 2 with one line, not a KeyboardInterrupt traceback
 # (docs/reliability.md): the handler is in place before typer, rich and the commands are imported.
@@ -23,8 +25,14 @@ def main() -> None:
     SIGINT and SIGTERM are handled for the whole run (:func:`mxconv.interrupt.process_signals`):
     before the command starts they exit 2, inside it they stop it cleanly, after it they are ignored.
     """
-    with process_signals():
-        app()
+    try:
+        with process_signals():
+            app()
+    finally:
+        # The process is leaving with its result: a signal during the interpreter's exit (atexit
+        # hooks, torch's library finalizers) must not print a KeyboardInterrupt traceback over it.
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 __all__ = ["app", "main"]
