@@ -443,9 +443,13 @@ def test_process_peak_rss_is_this_process_high_water_mark() -> None:
     assert before is not None and before >= process_rss() > 0
     block = bytearray(300 * MB)
     block[:: 4096] = b"\x01" * len(block[:: 4096])  # touch every page
-    assert process_peak_rss() >= process_rss() >= 250 * MB
+    with_block = process_rss()
+    assert process_peak_rss() >= with_block >= 250 * MB
     del block
-    assert process_peak_rss() - process_rss() >= 250 * MB  # the peak stays once the memory is gone
+    # the block's pages are gone from the RSS (other threads of the test process may allocate a
+    # little meanwhile), and the peak keeps the high-water mark they made
+    assert with_block - process_rss() >= 200 * MB
+    assert process_peak_rss() >= with_block
 
 
 def test_cli_budget_counts_what_the_process_holds(tmp_path: Path) -> None:
