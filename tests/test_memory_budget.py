@@ -444,12 +444,13 @@ def test_process_peak_rss_is_this_process_high_water_mark() -> None:
     block = bytearray(300 * MB)
     block[:: 4096] = b"\x01" * len(block[:: 4096])  # touch every page
     with_block = process_rss()
-    assert process_peak_rss() >= with_block >= 250 * MB
+    assert with_block >= 250 * MB
     del block
     # the block's pages are gone from the RSS (other threads of the test process may allocate a
-    # little meanwhile), and the peak keeps the high-water mark they made
+    # little meanwhile), and the peak keeps the high-water mark they made (the kernel updates VmHWM
+    # in batches: a few pages of slack)
     assert with_block - process_rss() >= 200 * MB
-    assert process_peak_rss() >= with_block
+    assert process_peak_rss() >= with_block - 16 * MB
 
 
 def test_cli_budget_counts_what_the_process_holds(tmp_path: Path) -> None:
