@@ -259,6 +259,16 @@ def check_block_sizes(backend: str, hidden_size: int, intermediate_size: int, ro
             raise LayoutError(f"{backend}: {what} size {size} must be a positive multiple of {block}")
 
 
+def check_padded_sizes(backend: str, sizes: LayoutSizes, want: tuple[int, int], rule: str) -> tuple[int, int]:
+    """``want`` (the layout's (Hp, Ip) for ``sizes``' H and I); LayoutError naming ``rule`` (how the
+    layout pads) when ``sizes`` records other padded sizes."""
+    got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
+    if got != want:
+        raise LayoutError(f"{backend}: padded sizes (Hp, Ip) = {got} do not match the layout's {want} for "
+                          f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} ({rule})")
+    return want
+
+
 def check_kernel_tensors(backend: str, k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
     """LayoutError unless ``k`` holds exactly the tensors of ``specs``, each of its shape and dtype,
     all on one device (what a layout's ``from_kernel`` checks first)."""

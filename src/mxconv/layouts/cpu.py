@@ -30,7 +30,15 @@ from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import EmptyOptions, LayoutBase
 from mxconv.layouts.canonical import (
-    ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, check_kernel_tensors, in_kernel_order,
+    CanonicalExperts,
+    KernelTensors,
+    LayoutSizes,
+    TensorSpec,
+    bias_specs,
+    check_block_sizes,
+    check_kernel_tensors,
+    check_padded_sizes,
+    in_kernel_order,
     round_up,
 )
 from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
@@ -121,21 +129,13 @@ class CpuLayout(LayoutBase):
         """(Hp, Ip) = (roundup(H, 32), roundup(I, 32)) for one rank; LayoutError unless H and I are
         positive multiples of 32 and the row order and activation are known."""
         self.check_activation(activation)
-        if row_order not in ROW_ORDERS:
-            raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
-        for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
-            if size <= 0 or size % MX_BLOCK:
-                raise LayoutError(f"cpu: {what} size {size} must be a positive multiple of {MX_BLOCK}")
+        check_block_sizes(BACKEND_NAME, hidden_size, intermediate_size, row_order, MX_BLOCK)
         return round_up(hidden_size, ALIGN), round_up(intermediate_size, ALIGN)
 
     def _checked(self, sizes: LayoutSizes, activation: str) -> tuple[int, int]:
         """(Hp, Ip) of ``sizes``; LayoutError if its padded sizes are not this layout's."""
         want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation)
-        got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
-        if got != want:
-            raise LayoutError(f"cpu: padded sizes (Hp, Ip) = {got} do not match the layout's {want} for "
-                              f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} (both rounded up to {ALIGN})")
-        return want
+        return check_padded_sizes(BACKEND_NAME, sizes, want, f"both rounded up to {ALIGN}")
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the stored tensors (table in the module docstring)."""

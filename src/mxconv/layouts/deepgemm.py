@@ -28,11 +28,20 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
-from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.layouts.base import EmptyOptions, LayoutBase
 from mxconv.layouts.canonical import (
-    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, check_block_sizes, check_kernel_tensors, in_kernel_order, round_up,
+    CanonicalExperts,
+    KernelTensors,
+    LayoutSizes,
+    TensorSpec,
+    bias_specs,
+    check_block_sizes,
+    check_kernel_tensors,
+    check_padded_sizes,
+    in_kernel_order,
+    round_up,
 )
+from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
@@ -107,13 +116,7 @@ class DeepgemmLayout(LayoutBase):
     def _checked(self, sizes: LayoutSizes, activation: str) -> tuple[int, int]:
         """(Hp, Ip) of ``sizes``; LayoutError if its padded sizes are not this layout's."""
         want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation)
-        got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
-        if got != want:
-            raise LayoutError(
-                f"deepgemm: padded sizes (Hp, Ip) = {got} do not match the layout's {want} for "
-                f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} (both rounded up to {ALIGN})"
-            )
-        return want
+        return check_padded_sizes(BACKEND_NAME, sizes, want, f"both rounded up to {ALIGN}")
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the stored tensors (table in the module docstring)."""
