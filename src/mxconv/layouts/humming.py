@@ -39,11 +39,11 @@ from mxconv.errors import LayoutError
 from mxconv.layouts import humming_int4
 from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
 from mxconv.layouts.canonical import (
-    ROW_ORDERS,
     CanonicalExperts,
     KernelTensors,
     LayoutSizes,
     TensorSpec,
+    check_block_sizes,
     check_kernel_tensors,
     in_kernel_order,
     round_up,
@@ -147,11 +147,7 @@ class HummingLayout(LayoutBase):
         self.check_activation(activation)
         if weight_format == humming_int4.WEIGHT_FORMAT:
             return humming_int4.padded_sizes(hidden_size, intermediate_size, row_order)
-        if row_order not in ROW_ORDERS:
-            raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
-        for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
-            if size <= 0 or size % MX_BLOCK:
-                raise LayoutError(f"humming: {what} size {size} must be a positive multiple of {MX_BLOCK}")
+        check_block_sizes(BACKEND_NAME, hidden_size, intermediate_size, row_order, MX_BLOCK)
         return hidden_size, round_up(intermediate_size, INTERMEDIATE_ALIGN)
 
     def _shapes(self, sizes: LayoutSizes) -> dict[str, tuple[int, int, int, int]]:
