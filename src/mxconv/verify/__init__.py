@@ -310,7 +310,7 @@ def _check_layer(run: Run, L: int, lay: dict, rep: LayerReport, read: LayerBytes
         rep.kernel = KernelResult("FAIL", problems=[f"layer {L} kernel: {p}" for p in run.kernel_size_problems])
     else:
         rep.kernel = check_kernel_layer(run.klayout, run.root, run.manifest, L, fwd.x, fwd.routing, fwd.out, fwd.reference,
-                                        run.kernel_locations)
+                                        run.kernel_locations, read.held())
     rep.problems.extend(rep.kernel.problems)
 
 

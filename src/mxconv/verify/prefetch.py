@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from mxconv.engines.loader import HeldTensor
 from mxconv.engines.staged_read import MIB, StagedReader, StagingOptions
 from mxconv.families import detect_family
 from mxconv.families.base import MoELayer
@@ -64,6 +65,14 @@ class LayerBytes:
     kernel: list[dict[str, torch.Tensor]] | None
     digests: list[tuple[Checkpoint, str, str]]  # (checkpoint, tensor name, sha256 hex)
     reference: MoELayer | None
+    sources: list[dict[str, TensorInfo]] | None = None  # where each of ``kernel``'s tensors was read from
+
+    def held(self) -> list[dict[str, HeldTensor]] | None:
+        """The output's tensors as the engine loader takes them (``verify --kernel``: no second read)."""
+        if self.kernel is None or self.sources is None:
+            return None
+        return [{k: HeldTensor(where[k].file, where[k].name, t) for k, t in rank.items()}
+                for rank, where in zip(self.kernel, self.sources)]  # fmt: skip
 
 
 class LayerReads:
@@ -133,21 +142,26 @@ class LayerReads:
         for nxt in then[: self._ahead]:
             self.start(nxt)
         try:
-            kernel, digests = output.result()
+            kernel, digests, sources = output.result()
         except BaseException:
             if reference is not None:  # let the reference read finish; the output's error is the one raised
                 reference.exception()
             raise
-        return LayerBytes(kernel, digests, reference.result() if reference is not None else None)
+        return LayerBytes(kernel, digests, reference.result() if reference is not None else None, sources)
 
-    def _read_output(self, L: int) -> tuple[list[dict[str, torch.Tensor]] | None, list[tuple[Checkpoint, str, str]]]:
+    def _read_output(self, L: int) -> tuple[list[dict[str, torch.Tensor]] | None, list[tuple[Checkpoint, str, str]],
+                                            list[dict[str, TensorInfo]] | None]:  # fmt: skip
+        """Layer ``L``'s expert tensors of a kernel output (per rank), their digests and where each was
+        read from (nothing for a canonical output: its own reader reads it)."""
         prefix = self._prefixes[L]
-        kernel, digests = None, []
+        kernel, digests, sources = None, [], None
         if self._run.kind == "kernel":
-            kernel = []
+            kernel, sources = [], []
             for ckpt in self._run.ckpts:
                 names = {k: f"{prefix}.experts.{k}" for k in EXPERT_TENSORS if f"{prefix}.experts.{k}" in ckpt.tensors}
-                tensors, sums = self._reader.read_hashed({k: ckpt.tensors[n] for k, n in names.items()})
+                infos = {k: ckpt.tensors[n] for k, n in names.items()}
+                tensors, sums = self._reader.read_hashed(infos)
                 kernel.append(tensors)
+                sources.append(infos)
                 digests.extend((ckpt, names[k], sums[k]) for k in names)
-        return kernel, digests
+        return kernel, digests, sources
