@@ -5,10 +5,13 @@ verify, each against the floor measured in the same run on the same bytes.
 One synthetic gpt-oss-120b-shaped MXFP4 checkpoint (E=128, H=I=2880, ``--layers`` MoE layers, tiny
 attention) is written, repacked to the ``triton`` layout with ``mxconv repack``, and then:
 
-* one layer: ``load_layer`` from page cache vs a pinned host -> GPU copy of the same bytes;
+* one layer from page cache, read through one kept ``StagedReader`` and loaded (read + engine wrap,
+  what ``load_layer`` does), vs a pinned host -> GPU copy of the same bytes;
 * all layers (``load_model``): from page cache and from evicted files (posix_fadvise DONTNEED), vs
   the pinned floor and vs reading the same files sequentially from disk (evicted first), with the
   process's peak RSS growth and the GPU peak over the resident bytes;
+* both of those for each staging configuration of ``--read-threads`` / ``--piece-mib`` (comma
+  lists, paired: ``--read-threads 8,16 --piece-mib 16,8``), side by side under ``"staging"``;
 * in-memory conversion (``convert_layer``) of one layer's bf16 experts on the GPU to the triton and
   marlin layouts vs a device copy of the same bytes (bandwidth = bytes read + written / time);
 * ``mxconv verify`` of the output (plain, ``--reference``, ``--kernel --reference``) with both
@@ -16,6 +19,8 @@ attention) is written, repacked to the ``triton`` layout with ``mxconv repack``,
 
     MXCONV_TRITON_KERNELS=.kern PYTHONPATH=src python scripts/bench_handoff.py --dir /tmp/h --out h.json
     PYTHONPATH=src python scripts/bench_handoff.py --small --device cpu --dir /tmp/h --out /tmp/h.json
+    ... --reuse --skip memory,verify --read-threads 8,16 --piece-mib 16,8   # the loader, two stagings
+    ... --reuse --skip load,memory --verify-runs reference,kernel            # verify only
 """
 
 from __future__ import annotations
@@ -114,19 +119,57 @@ def pinned_floor(nbytes: int, device: torch.device) -> float:
     return best_of(lambda: dev.copy_(host, non_blocking=True), device)
 
 
-def bench_load(out: Path, device: torch.device, res: dict[str, Any]) -> None:
-    from mxconv.engines.loader import load_layer
-    from mxconv.engines.model_load import load_model
+def staging_runs(read_threads: str, piece_mib: str) -> list[dict[str, int]]:
+    """The staging configurations to time: ``--read-threads`` and ``--piece-mib`` as comma lists,
+    paired in order (a single value pairs with every value of the other; empty: the default)."""
+    from mxconv.engines.staged_read import StagingOptions
 
+    default = StagingOptions()
+    threads = [int(v) for v in read_threads.split(",") if v.strip()] or [default.read_threads]
+    pieces = [int(v) for v in piece_mib.split(",") if v.strip()] or [default.piece_bytes >> 20]
+    n = max(len(threads), len(pieces))
+    if {len(threads), len(pieces)} - {1, n}:
+        raise SystemExit(f"--read-threads has {len(threads)} values and --piece-mib {len(pieces)}: give as many, or one")
+    return [{"read_threads": threads[i if len(threads) > 1 else 0], "piece_mib": pieces[i if len(pieces) > 1 else 0]}
+            for i in range(n)]  # fmt: skip
+
+
+def bench_load(out: Path, device: torch.device, res: dict[str, Any], runs: list[dict[str, int]]) -> None:
+    """The floors once, then each staging configuration of ``runs`` (its figures under
+    ``res["staging"]``, in order; the first one's also at the top level, as before)."""
     files = weight_files(out)
     layer_bytes = res["layer_bytes"]
     res["pinned_floor_layer_s"] = pinned_floor(layer_bytes, device)
-    sequential_read(files)  # warm the page cache
-    wrap = device.type == "cuda"
-    if wrap:
-        res["load_layer_warm_s"] = best_of(lambda: load_layer(out, 0, device=device), device)
-    res["model_bytes"] = model_bytes = layer_bytes * res["layers"]
+    res["model_bytes"] = layer_bytes * res["layers"]
     res["pinned_floor_model_s"] = res["pinned_floor_layer_s"] * res["layers"]
+    res["staging"] = []
+    for run in runs:
+        got = dict(run)
+        bench_load_with(out, device, res, got)
+        res["staging"].append(got)
+        print("staging", json.dumps(got), file=sys.stderr)
+    res.update({k: v for k, v in res["staging"][0].items() if k not in ("read_threads", "piece_mib")})
+    evict_all(out)
+    res["disk_read_s"], _ = sequential_read(files)
+    res["disk_read_gbps"] = res["model_bytes"] / res["disk_read_s"] / 1e9
+
+
+def bench_load_with(out: Path, device: torch.device, res: dict[str, Any], got: dict[str, Any]) -> None:
+    """One staging configuration: one layer read warm through one kept reader, and loaded (read +
+    engine wrap); the whole model warm and cold (evicted), with RSS and GPU peaks."""
+    from mxconv.engines.loader import build_engine_layer, read_layer_tensors, resolve_layer
+    from mxconv.engines.model_load import load_model
+    from mxconv.engines.staged_read import MIB, StagedReader, StagingOptions
+
+    staging = StagingOptions(read_threads=got["read_threads"], piece_bytes=got["piece_mib"] * MIB)
+    sequential_read(weight_files(out))  # warm the page cache
+    src = resolve_layer(out, 0)
+    with StagedReader(device, staging) as reader:
+        got["read_layer_warm_s"] = best_of(lambda: read_layer_tensors(src, device, reader=reader), device)
+    got["read_layer_warm_vs_floor"] = got["read_layer_warm_s"] / res["pinned_floor_layer_s"]
+    if device.type == "cuda":
+        got["load_layer_warm_s"] = best_of(lambda: build_engine_layer(src, read_layer_tensors(src, device, staging=staging)), device)
+    model_bytes = res["model_bytes"]
     for temp in ("warm", "cold"):
         if temp == "cold":
             evict_all(out)
@@ -136,16 +179,13 @@ def bench_load(out: Path, device: torch.device, res: dict[str, Any]) -> None:
             before = torch.cuda.memory_allocated(device)
         with RssPeak() as rss:
             t0 = time.perf_counter()
-            model = load_model(out, device=device)
+            model = load_model(out, device=device, staging=staging)
             _sync(device)
-            res[f"load_model_{temp}_s"] = time.perf_counter() - t0
-        res[f"load_model_{temp}_rss_growth"] = rss.growth
+            got[f"load_model_{temp}_s"] = time.perf_counter() - t0
+        got[f"load_model_{temp}_rss_growth"] = rss.growth
         if device.type == "cuda":
-            res[f"load_model_{temp}_gpu_over_resident"] = torch.cuda.max_memory_allocated(device) - before - model_bytes
+            got[f"load_model_{temp}_gpu_over_resident"] = torch.cuda.max_memory_allocated(device) - before - model_bytes
         del model
-    evict_all(out)
-    res["disk_read_s"], _ = sequential_read(files)
-    res["disk_read_gbps"] = model_bytes / res["disk_read_s"] / 1e9
 
 
 def bench_in_memory(E: int, H: int, I: int, device: torch.device, res: dict[str, Any]) -> None:
@@ -185,13 +225,14 @@ def run_peak(args: list[str]) -> tuple[float, int, int, str]:
     return s, p.returncode, peaks[-1] if peaks else -1, tail
 
 
-def bench_verify(src: Path, out: Path, device: torch.device, res: dict[str, Any]) -> None:
+def bench_verify(src: Path, out: Path, device: torch.device, res: dict[str, Any], which: set[str]) -> None:
     evict_all(src, out)
     res["read_both_s"], res["read_both_bytes"] = sequential_read(weight_files(src) + weight_files(out))
     base = ["verify", str(out), "--device", device.type]
     runs = {"plain": [], "reference": ["--reference", str(src)]}
     if device.type == "cuda":
         runs["kernel"] = ["--reference", str(src), "--kernel"]
+    runs = {name: extra for name, extra in runs.items() if name in which}
     for name, extra in runs.items():
         evict_all(src, out)
         s, code, peak, tail = run_peak(base + extra)
@@ -208,6 +249,12 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="E=4, H=I=256 (smoke test)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: load, memory, verify")
     ap.add_argument("--out", required=True, help="JSON results")
+    ap.add_argument("--read-threads", default="",
+                    help="load: StagingOptions.read_threads, a comma list to time several (default: the library's)")
+    ap.add_argument("--piece-mib", default="",
+                    help="load: StagingOptions.piece_bytes in MiB, a comma list paired with --read-threads (default: the library's)")
+    ap.add_argument("--verify-runs", default="plain,reference,kernel",
+                    help="which verify runs to time (comma list of plain, reference, kernel)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the source and output an earlier run left in --dir (e.g. to time another mxconv on them)")
     a = ap.parse_args()
@@ -227,11 +274,11 @@ def main() -> None:
         res["repack_s"] = time.perf_counter() - t0
     res["layer_bytes"] = sum(f.stat().st_size for f in weight_files(out)) // a.layers  # experts dominate
     if "load" not in skip:
-        bench_load(out, device, res)
+        bench_load(out, device, res, staging_runs(a.read_threads, a.piece_mib))
     if "memory" not in skip:
         bench_in_memory(shape["E"], shape["H"], shape["I"], device, res)
     if "verify" not in skip:
-        bench_verify(src, out, device, res)
+        bench_verify(src, out, device, res, set(a.verify_runs.split(",")))
     Path(a.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))
 

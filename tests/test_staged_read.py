@@ -232,3 +232,13 @@ def test_a_failed_piece_waits_for_the_pieces_still_reading(tmp_path: Path, monke
         still_reading = in_flight[0]
         release.set()
     assert still_reading == 0 and late == []
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(64, 16), (16, 16), (2, 2), (None, 1)])
+def test_default_read_threads_are_one_a_core_up_to_16(monkeypatch: pytest.MonkeyPatch, cores: int | None, threads: int) -> None:
+    """Taken when the options are made (not at import), so a machine's core count decides."""
+    monkeypatch.setattr(staged_read.os, "cpu_count", lambda: cores)
+    opts = StagingOptions()
+    assert opts.read_threads == threads and opts.piece_bytes == 8 << 20
+    with StagedReader("cpu") as reader:
+        assert reader.staging.read_threads == threads

@@ -117,6 +117,47 @@ def test_verify_kernel_passes_on_converted_files(sources, tmp_path: Path, backen
     assert code == 0 and "PASS" in text, text
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "marlin"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_verify_kernel_runs_the_engine_on_the_tensors_verify_read(sources, tmp_path: Path, backend: str, tp: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """On the GPU (layers read onto it, one ahead) no layer is read a second time for the kernel, and
+    the kernel's output from those tensors is the one it gives from the files (to the run-to-run
+    spread of the kernel itself: none where it is deterministic)."""
+    from mxconv.engines import loader
+    from mxconv.source.file_names import rank_dirs
+    from mxconv.verify.integrity import model_info_of
+    from mxconv.verify.prefetch import LayerReads
+    from mxconv.verify.reference_moe import Routing
+    from mxconv.verify.report import Run
+
+    _kernels_or_skip(backend)
+    out = tmp_path / "k"
+    code, text = mx("repack", sources["qwen-q4"], out, "--backend", backend, "--tp", tp, "--quiet")
+    assert code == 0, text
+    manifest = load_manifest(out)
+    run = Run(out, manifest, [open_checkpoint(d) for d in rank_dirs(out, tp)], model_info_of(manifest["model"]), TOKENS, 0, "cuda")
+    L = int(manifest["layers"][0]["layer"])
+    with LayerReads(run, {L: manifest["layers"][0]["module_prefix"]}) as reads:
+        held = reads.get(L, []).held()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(TOKENS, run.info.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(run.info.num_experts, generator=g)[: run.info.top_k] for _ in range(TOKENS)])
+    routing = Routing(ids.int(), torch.softmax(torch.randn(TOKENS, run.info.top_k, generator=g), -1))
+    files = loader.run_kernel_layer(out, manifest, L, x, routing)
+    again = loader.run_kernel_layer(out, manifest, L, x, routing)
+    from_held = loader.run_kernel_layer(out, manifest, L, x, routing, held=held)
+    assert (from_held - files).abs().max() <= (again - files).abs().max()
+
+    def no_second_read(*args: object, **kwargs: object) -> object:
+        raise AssertionError("verify --kernel read a layer from its files a second time")
+
+    monkeypatch.setattr(loader, "read_layer_tensors", no_second_read)
+    rep = verify(out, reference=str(sources["qwen-q4"]), tokens=TOKENS, kernel=True, device="cuda")
+    assert rep.passed and all(r.kernel is not None and r.kernel.status == "ok" for r in rep.layers), rep.to_json()
+
 def _swap_experts(c: CanonicalExperts) -> None:
     for t in (c.w13, c.w13_scale, c.w2, c.w2_scale):
         t[[0, 1]] = t[[1, 0]]

@@ -279,23 +279,47 @@ def load_layer_from_manifest(root: str | Path, manifest: dict[str, Any], layer: 
     return build_engine_layer(src, read_layer_tensors(src, device), kernel_locations)
 
 
+@dataclass(frozen=True)
+class HeldTensor:
+    """A stored expert tensor its caller has read already (``mxconv verify`` reads every layer
+    once): the file and tensor name it was read from, and its bytes as stored (any device)."""
+
+    file: Path
+    name: str
+    tensor: torch.Tensor
+
+
+def held_layer_tensors(src: LayerSource, held: dict[str, HeldTensor],
+                       device: str | torch.device) -> dict[str, torch.Tensor] | None:  # fmt: skip
+    """``held`` as :func:`read_layer_tensors` would read ``src`` onto ``device`` (the same keys, from
+    the same files and tensor names: the same bytes), or None where they differ and the layer must
+    be read from its files."""
+    if set(held) != set(src.files) or any(h.file != src.files[k] or h.name != src.names[k] for k, h in held.items()):
+        return None
+    return {k: h.tensor.to(device) for k, h in held.items()}
+
+
 def run_kernel_layer(root: Path, manifest: dict[str, Any], layer: int, hidden: torch.Tensor, routing: Any,
-                     info: ModelInfo | None = None, kernel_locations: KernelLocations | None = None) -> torch.Tensor:  # fmt: skip
+                     info: ModelInfo | None = None, kernel_locations: KernelLocations | None = None,
+                     held: list[dict[str, HeldTensor]] | None = None) -> torch.Tensor:  # fmt: skip
     """The engine kernel's MoE output for one layer of the kernel-layout output at ``root``.
 
     ``hidden`` [T, H] fp32 (any device; run as bf16 on the runner's device); ``routing`` has ``ids`` [T, k]
     and ``weights`` [T, k] (e.g. :class:`mxconv.verify.reference_moe.Routing`) or is router logits [T, E];
     ``info`` (default: the manifest's model) gives activation and routing kind. TP outputs: every
-    rank is loaded and run in turn and the partial outputs are summed. Returns [T, H] fp32 on
-    ``hidden``'s device. BadInput when the kernel cannot run (see
-    :func:`mxconv.engines.runner.kernel_unavailable`).
+    rank is loaded and run in turn and the partial outputs are summed. ``held`` (one dict per rank):
+    the layer's tensors already read, wrapped instead of reading them again where they are the
+    ones the manifest names (:func:`held_layer_tensors`). Returns [T, H] fp32 on ``hidden``'s
+    device. BadInput when the kernel cannot run (see :func:`mxconv.engines.runner.kernel_unavailable`).
     """
     device = require_runner(manifest.get("backend")).device
     tp = int(manifest.get("tp_size") or 1)
     total: torch.Tensor | None = None
     for rank in range(tp):
-        eng = load_layer_from_manifest(root, manifest, layer, rank=rank if tp > 1 else None, device=device,
-                                       kernel_locations=kernel_locations)
+        src = resolve_layer(root, layer, rank=rank if tp > 1 else None, manifest=manifest)
+        require_runner(src.backend).check_device(device)
+        tensors = held_layer_tensors(src, held[rank], device) if held is not None and len(held) == tp else None
+        eng = build_engine_layer(src, read_layer_tensors(src, device) if tensors is None else tensors, kernel_locations)
         if info is not None:
             eng.info = info
         if isinstance(routing, torch.Tensor):

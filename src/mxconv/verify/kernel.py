@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mxconv.engines.loader import run_kernel_layer
+from mxconv.engines.loader import HeldTensor, run_kernel_layer
 from mxconv.engines.runner import KERNEL_THRESHOLDS, engine_runner, kernel_unavailable, runner_backends
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput, LayoutError
@@ -102,15 +102,17 @@ def check_kernel_layer(
     converted_out: torch.Tensor,
     reference: tuple[torch.Tensor, torch.Tensor, dict[str, float]] | None,
     kernel_locations: KernelLocations | None = None,
+    held: list[dict[str, HeldTensor]] | None = None,
 ) -> KernelResult:
     """Run the engine kernel on layer ``layer`` and judge it.
 
     x [T, H] fp32 hidden states; ``routing`` the converted router's top-k; ``converted_out`` [T, H]
     the reference runner on the converted bytes; ``reference`` (output [T, H], top-k ids [T, k],
-    the numerics threshold of the pair) when a reference was given.
+    the numerics threshold of the pair) when a reference was given; ``held`` the layer's tensors
+    as verify read them (per rank), handed to the kernel instead of a second read of the files.
     """
     res = KernelResult()
-    out = run_kernel_layer(root, manifest, layer, x, routing, kernel_locations=kernel_locations).float().cpu()
+    out = run_kernel_layer(root, manifest, layer, x, routing, kernel_locations=kernel_locations, held=held).float().cpu()
     if not bool(torch.isfinite(out).all()):
         res.problems.append(f"layer {layer} kernel: the engine kernel's output holds NaN/Inf")
     res.vs_converted = compare(out, converted_out, routing.ids, routing.ids)
