@@ -234,10 +234,16 @@ def test_a_failed_piece_waits_for_the_pieces_still_reading(tmp_path: Path, monke
     assert still_reading == 0 and late == []
 
 
-@pytest.mark.parametrize(("cores", "threads"), [(64, 16), (16, 16), (2, 2), (None, 1)])
-def test_default_read_threads_are_one_a_core_up_to_16(monkeypatch: pytest.MonkeyPatch, cores: int | None, threads: int) -> None:
-    """Taken when the options are made (not at import), so a machine's core count decides."""
+@pytest.mark.parametrize(("cores", "allowed", "threads"), [(64, 64, 16), (64, 4, 4), (16, 16, 16), (2, 2, 2), (None, 0, 1)])
+def test_default_read_threads_are_one_a_usable_cpu_up_to_16(monkeypatch: pytest.MonkeyPatch, cores: int | None,
+                                                            allowed: int, threads: int) -> None:  # fmt: skip
+    """Taken when the options are made (not at import), from the CPUs the process may use (a
+    container's affinity mask), the host's count where the mask is unknown (allowed 0)."""
     monkeypatch.setattr(staged_read.os, "cpu_count", lambda: cores)
+    if allowed:
+        monkeypatch.setattr(staged_read.os, "sched_getaffinity", lambda pid: set(range(allowed)))
+    else:
+        monkeypatch.delattr(staged_read.os, "sched_getaffinity")
     opts = StagingOptions()
     assert opts.read_threads == threads and opts.piece_bytes == 8 << 20
     with StagedReader("cpu") as reader:

@@ -98,22 +98,19 @@ def verify(
     lay_table = {int(l["layer"]): l for l in run.manifest["layers"]}
     chosen = sorted(set(parse_layers(layers, sorted(lay_table))))
     steps = len(chosen) + 1
-    with LayerReads(run, {L: lay_table[L]["module_prefix"] for L in chosen}) as reads:
-        if chosen:  # the disk busy from here on: the checks up to the first layer's do not need its bytes
-            reads.start(chosen[0])
-        step("integrity (files, headers)", 0, steps)
-        integ, expected = check_integrity(run.root, run.manifest, run.ckpts)
-        with TensorHashes(expected) as run.hashes:
-            return _verify_layers(run, reads, kernel, kernel_locations, reference, reference_outputs, revision, layers,
-                                  strict, lay_table, chosen, integ, step)
+    step("integrity (files, headers)", 0, steps)
+    integ, expected = check_integrity(run.root, run.manifest, run.ckpts)
+    with TensorHashes(expected) as run.hashes:
+        return _verify_layers(run, kernel, kernel_locations, reference, reference_outputs, revision, layers, strict,
+                              lay_table, chosen, integ, step)
 
 
-def _verify_layers(run: Run, reads: LayerReads, kernel: bool, kernel_locations: KernelLocations | None,
-                   reference: str | None, reference_outputs: str | None, revision: str | None, layers: str | None,
-                   strict: bool, lay_table: dict[int, dict], chosen: list[int], integ: dict[int | None, list[str]],
+def _verify_layers(run: Run, kernel: bool, kernel_locations: KernelLocations | None, reference: str | None,
+                   reference_outputs: str | None, revision: str | None, layers: str | None, strict: bool,
+                   lay_table: dict[int, dict], chosen: list[int], integ: dict[int | None, list[str]],
                    step: Callable[[str, int, int], None]) -> VerifyReport:
-    """The checks after the headers: layers (their bytes hashed as they are read, by ``reads``; the
-    other tensors hashed on the pool meanwhile), then the hash verdicts, the linears and the report."""
+    """The checks after the headers: layers (their bytes hashed as they are read; the other tensors
+    hashed on the pool meanwhile), then the hash verdicts, the linears and the report."""
     steps = len(chosen) + 1
     if run.kind == "kernel":  # the layout check reads the chosen layers' expert tensors: hashed from memory
         run.hashes.start_rest(_expert_keys(run, [lay_table[L] for L in chosen]))
@@ -125,23 +122,22 @@ def _verify_layers(run: Run, reads: LayerReads, kernel: bool, kernel_locations: 
     general: list[str] = list(integ.get(None, []))
     if reference:
         _open_reference(run, reference, revision)
-        reads.attach_reference()  # the first layer's reference read starts now, beside the output's
     if reference_outputs:
         _load_saved(run, reference_outputs)
     _read_back(run, general)
     if run.own_error is None:
         general.extend(check_manifest_claims(run.manifest, run.info, run.ckpts, run.own_reader))
     reports: dict[int, LayerReport] = {}
-    for i, L in enumerate(chosen):
-        step(f"layer {L}", 1 + i, steps)
-        run.hashes.settle()  # the previous layer's bytes are hashed before this one's are read
-        reports[L] = LayerReport(L)
-        layer_bytes = reads.get(L, chosen[i + 1:])
-        for ckpt, name, digest in layer_bytes.digests:
-            run.hashes.record(ckpt, name, digest)
-        _check_layer(run, L, lay_table[L], reports[L], layer_bytes)
-        del layer_bytes
-    reads.close()  # the staging buffers are not needed past the layers
+    with LayerReads(run, {L: lay_table[L]["module_prefix"] for L in chosen}) as reads:
+        for i, L in enumerate(chosen):
+            step(f"layer {L}", 1 + i, steps)
+            run.hashes.settle()  # the previous layer's bytes are hashed before this one's are read
+            reports[L] = LayerReport(L)
+            layer_bytes = reads.get(L, chosen[i + 1:])
+            for ckpt, name, digest in layer_bytes.digests:
+                run.hashes.record(ckpt, name, digest)
+            _check_layer(run, L, lay_table[L], reports[L], layer_bytes)
+            del layer_bytes
     for where, probs in _merged({k: v for k, v in integ.items() if k is not None}, run.hashes.problems()).items():
         if where is None:
             general.extend(probs)

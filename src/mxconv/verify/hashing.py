@@ -19,11 +19,11 @@ large buffers):
 from __future__ import annotations
 
 import hashlib
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mxconv.engines.staged_read import usable_cpus
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.source.st_format import iter_tensor_chunks
 
@@ -71,7 +71,7 @@ class TensorHashes:
         self._by_tensor = {(id(e.ckpt), e.name): e.key for e in expected}
         self._jobs: dict[str, Future[str]] = {}
         self._fed: list[Future[str]] = []
-        workers = threads or min(MAX_HASH_THREADS, os.cpu_count() or 1)
+        workers = threads or min(MAX_HASH_THREADS, usable_cpus())
         self._fed_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mxconv-sha256-fed")
         self._read_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mxconv-sha256-read")
 

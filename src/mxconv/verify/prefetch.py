@@ -8,9 +8,7 @@ is checked. Every read goes through
 buffers and straight onto the device, so host memory stays at the staging buffers whatever the
 layer's size, and the output's sha256 digests are computed from the bytes as they pass (each byte
 read once). On the CPU the same reads run when the layer is checked (no read-ahead: the layer's
-bytes are the host memory, and holding two layers would double it). On either, the first layer's
-read starts before the checks that do not need its bytes (the headers, the manifest's claims, the
-reference's opening), so no layer's read waits for them.
+bytes are the host memory, and holding two layers would double it).
 """
 
 from __future__ import annotations
@@ -77,12 +75,7 @@ class LayerBytes:
 
 class LayerReads:
     """Reads the chosen layers in order, one ahead on a GPU (see the module docstring). Use as a
-    context manager: closing waits for a read in flight and frees the staging buffers.
-
-    :meth:`start` begins the first layer's read before the checks that do not need its bytes (the
-    headers, the manifest's claims, opening the reference), so the disk is busy from the start;
-    :meth:`attach_reference` adds the reference's reads once it is open (the started layer's at
-    once). At most one layer is read ahead of the one being checked."""
+    context manager: closing waits for a read in flight and frees the staging buffers."""
 
     def __init__(self, run: Run, prefixes: dict[int, str]) -> None:
         self._run, self._prefixes = run, prefixes
@@ -91,10 +84,13 @@ class LayerReads:
         self._ref_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-verify-read-ref")
         self._ahead = 1 if self._reader.device.type == "cuda" else 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-verify-read")
-        self._jobs: dict[int, Future[tuple[Any, ...]]] = {}  # _read_output's results
-        self._ref_jobs: dict[int, Future[MoELayer]] = {}
+        self._jobs: dict[int, Future[LayerBytes]] = {}
         self._ref_family = None
         self._ref_refs: dict[int, Any] = {}
+        if run.ref_ckpt is not None and run.ref_reader is not None:
+            on_device = _OnDevice(**{f.name: getattr(run.ref_ckpt, f.name) for f in fields(Checkpoint)}, reader=self._ref_reader)
+            self._ref_family = detect_family(on_device)
+            self._ref_refs = {r.layer: r for r in run.ref_reader.layer_refs()}
 
     def __enter__(self) -> LayerReads:
         return self
@@ -106,43 +102,26 @@ class LayerReads:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._ref_pool.shutdown(wait=True, cancel_futures=True)
         self._jobs.clear()
-        self._ref_jobs.clear()
         self._reader.close()
         self._ref_reader.close()
 
-    def attach_reference(self) -> None:
-        """Read ``run``'s reference (opened by now) beside the output from here on, starting with
-        the layers already started."""
-        run = self._run
-        if run.ref_ckpt is None or run.ref_reader is None:
-            return
-        on_device = _OnDevice(**{f.name: getattr(run.ref_ckpt, f.name) for f in fields(Checkpoint)}, reader=self._ref_reader)
-        self._ref_family = detect_family(on_device)
-        self._ref_refs = {r.layer: r for r in run.ref_reader.layer_refs()}
-        for L in self._jobs:
-            self._start_reference(L)
-
-    def start(self, L: int) -> None:
-        """Begin reading layer ``L``: the output's tensors on one thread and, once attached, the
-        reference's layer on another at the same time (two streams of reads keep a disk busier)."""
-        if L not in self._jobs:
-            self._jobs[L] = self._pool.submit(self._read_output, L)
-            self._start_reference(L)
-
-    def _start_reference(self, L: int) -> None:
-        if self._ref_family is not None and L in self._ref_refs and L not in self._ref_jobs:
-            self._ref_jobs[L] = self._ref_pool.submit(self._ref_family.read_layer, self._ref_refs[L])
-
     def get(self, L: int, then: list[int]) -> LayerBytes:
         """Layer ``L``'s bytes (read now, or taken from the read ahead); starts reading the first
-        of ``then`` (the layers checked next) on a GPU. When the output's read fails its error is
-        the one raised, once the reference's read has finished."""
-        self.start(L)
-        output, reference = self._jobs.pop(L), self._ref_jobs.pop(L, None)
+        of ``then`` (the layers checked next) on a GPU."""
+        job = self._jobs.pop(L, None) or self._pool.submit(self._read, L)
         for nxt in then[: self._ahead]:
-            self.start(nxt)
+            if nxt not in self._jobs:
+                self._jobs[nxt] = self._pool.submit(self._read, nxt)
+        return job.result()
+
+    def _read(self, L: int) -> LayerBytes:
+        """Layer ``L``'s output tensors (this thread) and reference layer (the reference thread, at
+        the same time: two streams of reads keep the disk busier than one)."""
+        reference = None
+        if self._ref_family is not None and L in self._ref_refs:
+            reference = self._ref_pool.submit(self._ref_family.read_layer, self._ref_refs[L])
         try:
-            kernel, digests, sources = output.result()
+            kernel, digests, sources = self._read_output(L)
         except BaseException:
             if reference is not None:  # let the reference read finish; the output's error is the one raised
                 reference.exception()
