@@ -107,21 +107,17 @@ if triton is not None:
         return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
 
     @triton.jit
-    def _quantize_tile(
-        x_ptr, data_ptr, scale_ptr, flag_ptr, first, n_blocks,
-        INPUT_KIND: tl.constexpr, IS_FP4: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr,
-        RCEIL_MANT_T: tl.constexpr, RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr,
-        FIX_MAX_BYTE: tl.constexpr, BLOCKS: tl.constexpr, FLAG: tl.constexpr,
+    def quantize_block_words(
+        w, valid, INPUT_KIND: tl.constexpr, IS_FP4: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr,
+        RCEIL_MANT_T: tl.constexpr, RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr,
     ):  # fmt: skip
-        """Quantize blocks [first, first + BLOCKS) (masked at n_blocks); FLAG: store 1 at flag_ptr
-        when one of them holds a NaN or an Inf (all-ones exponent in the fp32 bits)."""
-        rows = tl.arange(0, BLOCKS)
-        pairs = tl.arange(0, 16)
-        row_ok = rows < (n_blocks - first)
-        offs = rows[:, None] * 16 + pairs[None, :]
-        mask = row_ok[:, None]
-        w = tl.load((x_ptr + first * 16) + offs, mask=mask, other=0, eviction_policy="evict_first")
+        """The block math on loaded words: ``w`` [B, 16] element pairs (int32 for bf16/fp16, int64
+        for fp32) of B blocks, ``valid`` [B] the blocks that hold data (others need no subnormal fix).
 
+        Returns (out, byte, mag): out int32 [B, 16], the packed FP4 byte (mxfp4) or the E4M3 byte
+        pair (mxfp8) of each pair; byte int32 [B], the E8M0 scale; mag int32 [B], an integer max of
+        |x|'s fp32 bits, >= 0x7F800000 iff the block holds a NaN or an Inf (float max drops NaN;
+        unused results cost nothing: the compiler drops what no store reads)."""
         # --- split each word into the even (low half) and odd (high half) element, as fp32 bits
         if INPUT_KIND == 0:
             xe = w.to(tl.int32)
@@ -132,9 +128,7 @@ if triton is not None:
         else:
             xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
             xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
-        if FLAG:  # per block, an integer max of |x|'s bits: >= Inf's bits iff NaN/Inf (float max drops NaN)
-            mag = tl.max(tl.maximum(xe & 0x7FFFFFFF, xo & 0x7FFFFFFF), axis=1)
-            tl.store(flag_ptr + rows * 0, 1, mask=row_ok & (mag >= 0x7F800000))  # no cross-warp reduction
+        mag = tl.max(tl.maximum(xe & 0x7FFFFFFF, xo & 0x7FFFFFFF), axis=1)
 
         # --- E8M0 byte from the bits of the block max |x| (a flushed subnormal max gives byte 0 too)
         amax_f = tl.maximum(
@@ -153,7 +147,7 @@ if triton is not None:
         byte = tl.minimum(tl.maximum(e + 127, 0), 254)
 
         # --- elements
-        need_fix = tl.min(byte) <= FIX_MAX_BYTE
+        need_fix = tl.min(tl.where(valid, byte, 255)) <= FIX_MAX_BYTE
         ye = _scaled(xe, byte, need_fix, FIX_MAX_BYTE)
         yo = _scaled(xo, byte, need_fix, FIX_MAX_BYTE)
         if IS_FP4:
@@ -163,10 +157,35 @@ if triton is not None:
             else:  # 16-bit halves: sign bits 15 and 31 of the word -> bits 3 and 7 (bit 19 is cut off)
                 sign = (w >> 12) & 0x80008
                 sign = sign | (sign >> 12)
-            out = (packed | sign).to(tl.uint8)
+            out = packed | sign
         else:
-            out = (_e4m3_byte(ye) | (_e4m3_byte(yo) << 8)).to(tl.int16)
-        tl.store((data_ptr + first * 16) + offs, out, mask=mask)
+            out = _e4m3_byte(ye) | (_e4m3_byte(yo) << 8)
+        return out, byte, mag
+
+    @triton.jit
+    def _quantize_tile(
+        x_ptr, data_ptr, scale_ptr, flag_ptr, first, n_blocks,
+        INPUT_KIND: tl.constexpr, IS_FP4: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr,
+        RCEIL_MANT_T: tl.constexpr, RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr,
+        FIX_MAX_BYTE: tl.constexpr, BLOCKS: tl.constexpr, FLAG: tl.constexpr,
+    ):  # fmt: skip
+        """Quantize blocks [first, first + BLOCKS) (masked at n_blocks); FLAG: store 1 at flag_ptr
+        when one of them holds a NaN or an Inf (all-ones exponent in the fp32 bits)."""
+        rows = tl.arange(0, BLOCKS)
+        pairs = tl.arange(0, 16)
+        row_ok = rows < (n_blocks - first)
+        offs = rows[:, None] * 16 + pairs[None, :]
+        mask = row_ok[:, None]
+        w = tl.load((x_ptr + first * 16) + offs, mask=mask, other=0, eviction_policy="evict_first")
+        out, byte, mag = quantize_block_words(
+            w, row_ok, INPUT_KIND, IS_FP4, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE
+        )
+        if FLAG:  # no cross-warp reduction: every block with a NaN/Inf stores the 1
+            tl.store(flag_ptr + rows * 0, 1, mask=row_ok & (mag >= 0x7F800000))
+        if IS_FP4:
+            tl.store((data_ptr + first * 16) + offs, out.to(tl.uint8), mask=mask)
+        else:
+            tl.store((data_ptr + first * 16) + offs, out.to(tl.int16), mask=mask)
         tl.store((scale_ptr + first) + rows, byte.to(tl.uint8), mask=row_ok)
 
     @triton.jit
