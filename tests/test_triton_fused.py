@@ -4,8 +4,9 @@ hand-off's use of it (TritonLayout.float_to_kernel).
 (a) CPU, Triton interpreter (a subprocess with TRITON_INTERPRET=1): the fused value buffer and plain
     scales equal the torch quantizer's bytes laid out by ``hopper_values`` with the same row table, on
     sizes that pad (I not a multiple of 64: padding rows; H not a multiple of 64: padding bytes), both
-    w13 row orders and w2, both value generations, every scale rule, bf16/fp16/fp32, the quantizer's
-    hard cases (ties, tiny and subnormal blocks); a NaN or an Inf sets the flag, finite input does not.
+    w13 row orders and w2, both value generations, every scale rule, bf16/fp16/fp32, two launch shapes
+    (one whose grid overhangs the rows and columns), the quantizer's hard cases (ties, tiny and
+    subnormal blocks); a NaN or an Inf sets the flag, finite input does not.
 (b) CPU: when the fused path stands aside (the general path then runs).
 (c) GPU (``-m gpu``): ``convert_layer`` (fused) == quantize + ``to_kernel`` (unfused) at gpt-oss sizes;
     a NaN still gets the general path's message, or its 0xFF scales under allow_nonfinite.
@@ -29,6 +30,9 @@ from mxconv.mx.numerics import quantize_mx_torch
 from mxconv.run.options import QuantOptions
 
 E, H, I = 2, 160, 96  # Ip = 128 (rows pad), H/2 = 80 bytes (pads to 96 or 128)
+# Launch shapes: the default, and programs of several 16-row and column blocks (the grid then
+# overhangs: w2's 10 row blocks, 96-byte rows)
+_SHAPES = {"default": {}, "wide": {"BR0": 4, "BR1": 2, "num_warps": 4}}
 
 
 def _stack(shape: tuple[int, int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -40,8 +44,8 @@ def _stack(shape: tuple[int, int, int], dtype: torch.dtype, seed: int) -> torch.
     return x
 
 
-def _case(name: str, dtype: torch.dtype, mode: str, gen: str, order: str) -> dict[str, object]:
-    from mxconv.kernels.triton_fused import fused_hopper_values
+def _case(name: str, dtype: torch.dtype, mode: str, gen: str, order: str, shape: str = "default") -> dict[str, object]:
+    from mxconv.kernels.triton_fused import KERNEL_CONFIG, fused_hopper_values
     from mxconv.kernels.triton_swizzle import hopper_values
     from mxconv.layouts.triton_bytemap import w2_row_table, w13_row_table
 
@@ -54,9 +58,14 @@ def _case(name: str, dtype: torch.dtype, mode: str, gen: str, order: str) -> dic
         tab = w2_row_table(H, -(-H // rows_mult) * rows_mult)
     row_bytes = -(-x.shape[-1] // 2 // bytes_mult) * bytes_mult
     flag = torch.zeros(1, dtype=torch.int32)
-    values, scales = fused_hopper_values(x, tab, row_bytes, mode, flag)
+    default = dict(KERNEL_CONFIG)
+    KERNEL_CONFIG.update(_SHAPES[shape])
+    try:
+        values, scales = fused_hopper_values(x, tab, row_bytes, mode, flag)
+    finally:
+        KERNEL_CONFIG.update(default)
     d_ref, s_ref = quantize_mx_torch(x, "mxfp4", mode)
-    return {"case": f"{name}-{order}-{dtype}-{mode}-{gen}", "values_equal": torch.equal(values, hopper_values(d_ref, tab, row_bytes)),
+    return {"case": f"{name}-{order}-{dtype}-{mode}-{gen}-{shape}", "values_equal": torch.equal(values, hopper_values(d_ref, tab, row_bytes)),
             "scales_equal": torch.equal(scales, s_ref), "flag": int(flag), "padded": [len(tab), row_bytes]}  # fmt: skip
 
 
@@ -76,6 +85,7 @@ def _interpreter_main() -> None:
     shapes = [("w13", "halves", "3.5"), ("w13", "interleaved", "3.6"), ("w2", "-", "3.5")]
     report = [_case(n, torch.bfloat16, mode, gen, order) for mode in SCALE_MODES for n, order, gen in shapes]
     report += [_case(n, dt, "rceil", gen, order) for dt in (torch.float16, torch.float32) for n, order, gen in shapes]
+    report += [_case(n, torch.bfloat16, "rceil", gen, order, "wide") for n, order, gen in shapes]
     report.append({"case": "flags", "nan": _flag_of(float("nan")), "inf": _flag_of(float("-inf"))})
     print_report(report)
 
@@ -85,7 +95,7 @@ interpreter_report = report_fixture("test_triton_fused")
 
 def test_interpreter_fused_equals_quantize_then_gather(interpreter_report) -> None:
     cases = [r for r in interpreter_report if r["case"] != "flags"]
-    assert len(cases) == 15
+    assert len(cases) == 18
     assert {tuple(r["padded"]) for r in cases} == {(256, 96), (256, 128), (160, 64)}  # every pad taken
     bad = [r for r in cases if not (r["values_equal"] and r["scales_equal"] and r["flag"] == 0)]
     assert not bad, bad
