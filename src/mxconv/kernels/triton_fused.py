@@ -11,8 +11,9 @@ pair in one tile hold its three word partners in the others, a block's amax is a
 tiles, and each pair's two E2M1 codes and signs go straight to their twiddled bits (spec §3's
 nibble table for byte j, a constant of the tile), ORed across the four tiles: no byte is packed,
 no tile is permuted or exchanged between threads (the compiler keeps the memory order: a thread
-loads 4 consecutive pairs). The whole cost is the quantizer's arithmetic, which bounds it (the
-kernel issues instructions at close to the SM's rate; docs/benchmarks.md).
+loads 4 consecutive pairs; only the finished words change layout for the store). What bounds it
+is the arithmetic, not DRAM: about 34 instructions a pair (the E2M1 rounding alone is 7 an
+element), and no more than 32 one-warp programs an SM to hide the loads (docs/benchmarks.md).
 
 The bytes are those of ``quantize_mx_triton`` followed by ``hopper_values`` with the same row
 table (padding rows and bytes zero). The plain E8M0 scales [E, R_in, K/32] of the real rows and
@@ -36,10 +37,11 @@ from mxconv.mx.formats import (
 )
 
 # Launch shape: a program does BR0 16-row blocks x BR1 32-byte column blocks of the value buffer
-# (2 BR1 blocks of 32 elements a row). Swept on an H200 (w13 of gpt-oss-120b, bf16): BR0 1, BR1 1,
-# 1 warp 1.94 ms; 2/1/2, 1/2/2 2.03; 2/1/1 2.04; 4/1/4, 2/2/4 2.14; 8/1/8 2.56 (more pairs a thread
-# need more registers than the 64 that keep 32 warps on an SM).
-KERNEL_CONFIG: dict[str, int] = {"BR0": 1, "BR1": 1, "num_warps": 1}
+# (2 BR1 blocks of 32 elements a row) per loop step, ITERS steps; maxnreg (0: none): ptxas' register
+# cap. Swept on an H200 (w13 of gpt-oss-120b, bf16; scripts/bench_fused_triton.py --sweep):
+# 1/1/1 warp, 9 steps, 64 registers 1.70 ms; 5 or 3 steps 1.71; 5 steps uncapped (93 registers)
+# 1.84; 1 step uncapped 1.81; 2/1/2 warps 1.74; the next step's tiles loaded ahead 1.74 (cap 64: 2.22).
+KERNEL_CONFIG: dict[str, int] = {"BR0": 1, "BR1": 1, "ITERS": 9, "maxnreg": 64, "num_warps": 1}
 
 _INPUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # mx_triton's INPUT_KIND
 
@@ -82,12 +84,9 @@ if triton is not None:
             return ((m & 0x10001) << 13) | ((m & 0x60006) << 9) | ((s >> 1) & 0x40004000)
 
     @triton.jit
-    def _rows(src, scale, flag, tab, e, r0, ts, j, ok_r, C_in, s_e, s_r, c_e, c_r,
-              W0: tl.constexpr, INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr,
-              RCEIL_MANT_T: tl.constexpr, RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr,
-              FIX_MAX_BYTE: tl.constexpr):  # fmt: skip
-        """Blocks j of kernel rows 16 r0 + 8 W0 + ts ([B] each) as two tiles (w1 = 0, 1): quantized,
-        scales and flag stored, and the bits of bytes W0 and W0 + 2 returned ORed (int32 [B, 8])."""
+    def _tiles(src, tab, e, r0, ts, j, ok_r, C_in, s_e, s_r, W0: tl.constexpr):
+        """Source rows sr of kernel rows 16 r0 + 8 W0 + ts ([B]), and the two tiles (w1 = 0, 1) of
+        their blocks j (int32 [B, 8] each; zeros where sr is -1 or j >= C_in)."""
         sr = tl.load(tab + r0 * 16 + 8 * W0 + ts, mask=ok_r, other=-1)
         ok = (sr >= 0) & (j < C_in)
         k = tl.arange(0, 8)
@@ -95,6 +94,16 @@ if triton is not None:
         base = src + e * s_e
         wa = tl.load(base + offs, mask=ok[:, None], other=0, eviction_policy="evict_first")
         wb = tl.load(base + offs + 4, mask=ok[:, None], other=0, eviction_policy="evict_first")
+        return wa, wb, sr
+
+    @triton.jit
+    def _rows(wa, wb, sr, scale, flag, e, j, C_in, c_e, c_r,
+              W0: tl.constexpr, INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr,
+              RCEIL_MANT_T: tl.constexpr, RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr,
+              FIX_MAX_BYTE: tl.constexpr):  # fmt: skip
+        """The tiles of :func:`_tiles` (kernel rows 16 r0 + 8 W0 + 2 t0 + s0): quantized, scales and
+        flag stored, and the bits of bytes W0 and W0 + 2 returned ORed (int32 [B, 8])."""
+        ok = (sr >= 0) & (j < C_in)
         amax_a, mag_a = _abs_max(wa, INPUT_KIND)
         amax_b, mag_b = _abs_max(wb, INPUT_KIND)
         byte = scale_byte(tl.maximum(amax_a, amax_b), MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD)
@@ -109,10 +118,13 @@ if triton is not None:
         src, dst, scale, flag, tab, C_in, Q_out, N16, s_e, s_r, d_e, d_r, c_e, c_r,
         INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr, RCEIL_MANT_T: tl.constexpr,
         RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr,
-        BR0: tl.constexpr, BR1: tl.constexpr,
+        BR0: tl.constexpr, BR1: tl.constexpr, ITERS: tl.constexpr,
     ):  # fmt: skip
         """Kernel rows 16 r0 + 8 w0 + 2 t0 + s0 (source rows tab[...], -1 = zeros) x 32-byte column
-        blocks r1: r0 in [BR0 pid1, + BR0), r1 in [BR1 pid0, + BR1) (masked at N16, Q_out / 32).
+        blocks r1: r0 in [BR0 pid1, + BR0); r1 in [BR1 p1, + BR1) for p1 in [ITERS pid0, + ITERS), one
+        loop step each (masked at N16, Q_out / 32). A step loads its four tiles before its first store
+        (a store between them would keep the later loads from being issued early: the pointers may
+        alias).
 
         src: element-pairs words [E, R_in, K/2] (int32 for 16-bit floats, int64 for fp32); pair
         32 r1 + 8 a1 + 4 w1 + t1 of a row is source byte κ; a1 = 2 a1h + a1l, block j = 2 r1 + a1h.
@@ -124,11 +136,23 @@ if triton is not None:
         b = tl.arange(0, 16 * BR0 * BR1)
         ts = (b // NB) % 8
         r0 = tl.program_id(1) * BR0 + b // (8 * NB)
-        j = tl.program_id(0) * NB + b % NB
         ok_r = r0 < N16
-        args = (src, scale, flag, tab, e, r0, ts, j, ok_r, C_in, s_e, s_r, c_e, c_r)
-        words = _rows(*args, 0, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE)
-        words |= _rows(*args, 1, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE)
+        j0 = tl.program_id(0) * ITERS * NB + b % NB
+        for it in tl.range(0, ITERS, num_stages=1):
+            j = j0 + it * NB
+            a0, b0, sr0 = _tiles(src, tab, e, r0, ts, j, ok_r, C_in, s_e, s_r, 0)
+            a1, b1, sr1 = _tiles(src, tab, e, r0, ts, j, ok_r, C_in, s_e, s_r, 1)
+            _step(a0, b0, sr0, a1, b1, sr1, dst, scale, flag, e, r0, ts, j, ok_r, C_in, Q_out, d_e, d_r, c_e, c_r,
+                  INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE)  # fmt: skip
+
+    @triton.jit
+    def _step(a0, b0, sr0, a1, b1, sr1, dst, scale, flag, e, r0, ts, j, ok_r, C_in, Q_out, d_e, d_r, c_e, c_r,
+              INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr, RCEIL_MANT_T: tl.constexpr,
+              RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr):  # fmt: skip
+        """One loop step of :func:`_fused_value_kernel` on the four tiles of blocks j: their words."""
+        args = (scale, flag, e, j, C_in, c_e, c_r)
+        words = _rows(a0, b0, sr0, *args, 0, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE)
+        words |= _rows(a1, b1, sr1, *args, 1, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE)
         q = 32 * (j // 2) + 16 * (ts % 2) + 2 * (j % 2)
         k = tl.arange(0, 8)
         off = ((4 * r0 + ts // 2) * d_r + q)[:, None] + (4 * (k % 4) + k // 4)[None, :]
@@ -159,8 +183,8 @@ def fused_hopper_values(
     s = as_words(src, torch.int64 if x.dtype == torch.float32 else torch.int32)
     d = out.view(torch.int32)
     p = FORMAT_PARAMS["mxfp4"]
-    cfg = KERNEL_CONFIG
-    grid = (triton.cdiv(row_bytes // 32, cfg["BR1"]), triton.cdiv(n // 16, cfg["BR0"]), E)
+    cfg = {k: v for k, v in KERNEL_CONFIG.items() if v or k != "maxnreg"}
+    grid = (triton.cdiv(row_bytes // 32, cfg["BR1"] * cfg["ITERS"]), triton.cdiv(n // 16, cfg["BR0"]), E)
     launch(
         _fused_value_kernel, grid, x,
         s, d, scales, nonfinite, tab, k // 32, row_bytes, n // 16, s.stride(0), s.stride(1), d.stride(0), d.stride(1),
