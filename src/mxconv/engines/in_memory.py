@@ -20,7 +20,9 @@ Input names (:func:`canonical_experts`), one layer, TP=1:
 The work is the conversion's own: float experts are quantized by ``mxconv.run.compute.to_format``
 (the kernels and expert chunks ``quantize`` / ``repack`` use; MX bytes move untouched) and laid out
 by the backend's ``to_kernel``, so the bytes equal the files ``repack`` writes from the same source
-(tests/test_in_memory.py). Everything runs on the tensors' device.
+(tests/test_in_memory.py). A layout with a ``float_to_kernel`` (triton: one fused kernel from bf16 to
+its Hopper buffers) is asked first for float experts and gives the same bytes; where it answers None
+(it does not apply, or an element is NaN/Inf) the general path runs. Everything runs on the tensors' device.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from mxconv.errors import BadInput
 from mxconv.families.base import MXStack
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import LayoutOptions
-from mxconv.layouts.canonical import CanonicalExperts
+from mxconv.layouts.canonical import ROW_ORDERS, CanonicalExperts
 from mxconv.layouts.padding import KernelChoice
 from mxconv.run.compute import to_format
 from mxconv.run.options import QUANTIZE_FORMATS, QuantOptions, ScaleRounding
@@ -134,8 +136,40 @@ def convert_layer(tensors: Mapping[str, torch.Tensor], options: ConvertOptions, 
     activation = options.activation or layout.activations[0]
     layout.check_activation(activation)
     layout_options = layout.resolve_options(options.layout_options)
+    t, implied = _rename(tensors)
+    fused = _fused(layout, t, row_order or implied or "halves", activation, layout_options, options)
+    if fused is not None:
+        return dict(fused)
     canon = canonical_experts(tensors, row_order=row_order, quant=options.quant)
     return dict(layout.to_kernel(canon, activation, layout_options, options.kernel_choice))
+
+
+def _consistent_floats(t: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``t`` is a float layer the general path would take as it is: w13 [E, 2I, H] and w2
+    [E, H, I] of one float dtype on one device, H and I positive multiples of 32, both biases or none
+    ([E, 2I], [E, H]). Anything else goes the general way, which names what is wrong."""
+    w13, w2, b13, b2 = t["w13"], t["w2"], t.get("w13_bias"), t.get("w2_bias")
+    if "w13_scale" in t or "w2_scale" in t or w13.dim() != 3 or w2.dim() != 3:
+        return False
+    if not w13.dtype.is_floating_point or w2.dtype != w13.dtype or w2.device != w13.device:
+        return False
+    E, n13, H = w13.shape
+    sizes_ok = n13 % 64 == 0 and H % 32 == 0 and n13 > 0 and H > 0 and tuple(w2.shape) == (E, H, n13 // 2)
+    if b13 is None or b2 is None:
+        return sizes_ok and b13 is None and b2 is None
+    return sizes_ok and tuple(b13.shape) == (E, n13) and tuple(b2.shape) == (E, H)
+
+
+def _fused(layout: Any, t: dict[str, torch.Tensor], row_order: str, activation: str, layout_options: LayoutOptions,
+           options: ConvertOptions) -> Mapping[str, torch.Tensor] | None:  # fmt: skip
+    """The layout's one-pass conversion of float experts (its ``float_to_kernel``, where it has one:
+    the same bytes as quantizing, then ``to_kernel``) for a consistent float layer; None when there
+    is none, it does not apply or the experts hold a NaN/Inf (the general path then decides)."""
+    fused = getattr(layout, "float_to_kernel", None)
+    if fused is None or row_order not in ROW_ORDERS or not _consistent_floats(t):
+        return None
+    q = options.quant
+    return fused(t, row_order, activation, layout_options, str(q.fmt), str(q.scale_rounding), options.kernel_choice)
 
 
 def layer_quant(layer: EngineLayer) -> QuantOptions:

@@ -59,10 +59,10 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _scaled(xb, byte, need_fix, FIX_MAX_BYTE: tl.constexpr):
+    def scaled_elements(xb, byte, need_fix, FIX_MAX_BYTE: tl.constexpr):
         """y = x * 2^-e per block, exact; subnormal x rebuilt from its mantissa in low-byte blocks.
 
-        xb: int32 [B, 16] fp32 bit patterns; byte: int32 [B] in [0, 253]. Returns fp32 [B, 16].
+        xb: int32 [B, n] fp32 bit patterns; byte: int32 [B] in [0, 253]. Returns fp32 [B, n].
         """
         mult = ((2 * 127 - byte) << 23).to(tl.float32, bitcast=True)  # 2^-e, a normal fp32
         y = xb.to(tl.float32, bitcast=True) * mult[:, None]
@@ -107,6 +107,90 @@ if triton is not None:
         return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
 
     @triton.jit
+    def split_pairs(w, INPUT_KIND: tl.constexpr):
+        """The even (low half) and odd (high half) element of each pair word, as fp32 bits (int32)."""
+        if INPUT_KIND == 0:
+            xe = w.to(tl.int32)
+            xo = (w >> 32).to(tl.int32)
+        elif INPUT_KIND == 1:
+            xe = w << 16
+            xo = w & -65536
+        else:
+            xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+            xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+        return xe, xo
+
+    @triton.jit
+    def scale_byte(
+        amax, MODE: tl.constexpr, EMAX: tl.constexpr, RCEIL_MANT_T: tl.constexpr, RCEIL_MIN_BITS: tl.constexpr,
+        EVEN_ADD: tl.constexpr,
+    ):  # fmt: skip
+        """The E8M0 byte (int32) of a block from the fp32 bits of its max |x| (a flushed subnormal
+        max gives byte 0 too)."""
+        exp_field = amax >> 23
+        if MODE == 0:
+            e = exp_field - (127 + EMAX) + ((amax & 0x007FFFFF) > RCEIL_MANT_T).to(tl.int32)
+            e = tl.where(amax < RCEIL_MIN_BITS, -127, e)
+        elif MODE == 1:
+            e = exp_field - (127 + EMAX)
+        else:
+            e = ((amax + EVEN_ADD) >> 23) - (127 + EMAX)
+        return tl.minimum(tl.maximum(e + 127, 0), 254)
+
+    @triton.jit
+    def block_scaled(
+        w, valid, INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr, RCEIL_MANT_T: tl.constexpr,
+        RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr,
+    ):  # fmt: skip
+        """The block math up to the element codes, on loaded words: ``w`` [B, 16] element pairs (int32
+        for bf16/fp16, int64 for fp32) of B blocks, ``valid`` [B] the blocks that hold data (others
+        need no subnormal fix).
+
+        Returns (xe, xo, ye, yo, byte, mag): the even / odd elements as fp32 bits (int32 [B, 16]) and
+        scaled by 2^-e (fp32 [B, 16]); byte int32 [B], the E8M0 scale; mag int32 [B], an integer max
+        of |x|'s fp32 bits, >= 0x7F800000 iff the block holds a NaN or an Inf (float max drops NaN;
+        unused results cost nothing: the compiler drops what no store reads)."""
+        xe, xo = split_pairs(w, INPUT_KIND)
+        mag = tl.max(tl.maximum(xe & 0x7FFFFFFF, xo & 0x7FFFFFFF), axis=1)
+        amax_f = tl.maximum(
+            tl.max(tl.abs(xe.to(tl.float32, bitcast=True)), axis=1),
+            tl.max(tl.abs(xo.to(tl.float32, bitcast=True)), axis=1),
+        )
+        byte = scale_byte(amax_f.to(tl.int32, bitcast=True), MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD)
+        need_fix = tl.min(tl.where(valid, byte, 255)) <= FIX_MAX_BYTE
+        ye = scaled_elements(xe, byte, need_fix, FIX_MAX_BYTE)
+        yo = scaled_elements(xo, byte, need_fix, FIX_MAX_BYTE)
+        return xe, xo, ye, yo, byte, mag
+
+    @triton.jit
+    def fp4_magnitudes(ye, yo, MODE: tl.constexpr):
+        """The two E2M1 magnitude codes (0..7) of each pair of :func:`block_scaled`'s scaled elements."""
+        return _e2m1_magnitude(ye, MODE != 0), _e2m1_magnitude(yo, MODE != 0)
+
+    @triton.jit
+    def quantize_block_words(
+        w, valid, INPUT_KIND: tl.constexpr, IS_FP4: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr,
+        RCEIL_MANT_T: tl.constexpr, RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr,
+    ):  # fmt: skip
+        """:func:`block_scaled` then the element bytes. Returns (out, byte, mag): out int32 [B, 16], the
+        packed FP4 byte (mxfp4) or the E4M3 byte pair (mxfp8) of each pair; byte and mag as there."""
+        xe, xo, ye, yo, byte, mag = block_scaled(
+            w, valid, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE
+        )
+        if IS_FP4:
+            me, mo = fp4_magnitudes(ye, yo, MODE)
+            packed = me | (mo << 4)
+            if INPUT_KIND == 0:
+                sign = ((xe >> 28) & 0x8) | ((xo >> 24) & 0x80)
+            else:  # 16-bit halves: sign bits 15 and 31 of the word -> bits 3 and 7 (bit 19 is cut off)
+                sign = (w >> 12) & 0x80008
+                sign = sign | (sign >> 12)
+            out = packed | sign
+        else:
+            out = _e4m3_byte(ye) | (_e4m3_byte(yo) << 8)
+        return out, byte, mag
+
+    @triton.jit
     def _quantize_tile(
         x_ptr, data_ptr, scale_ptr, flag_ptr, first, n_blocks,
         INPUT_KIND: tl.constexpr, IS_FP4: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr,
@@ -121,52 +205,15 @@ if triton is not None:
         offs = rows[:, None] * 16 + pairs[None, :]
         mask = row_ok[:, None]
         w = tl.load((x_ptr + first * 16) + offs, mask=mask, other=0, eviction_policy="evict_first")
-
-        # --- split each word into the even (low half) and odd (high half) element, as fp32 bits
-        if INPUT_KIND == 0:
-            xe = w.to(tl.int32)
-            xo = (w >> 32).to(tl.int32)
-        elif INPUT_KIND == 1:
-            xe = w << 16
-            xo = w & -65536
-        else:
-            xe = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
-            xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
-        if FLAG:  # per block, an integer max of |x|'s bits: >= Inf's bits iff NaN/Inf (float max drops NaN)
-            mag = tl.max(tl.maximum(xe & 0x7FFFFFFF, xo & 0x7FFFFFFF), axis=1)
-            tl.store(flag_ptr + rows * 0, 1, mask=row_ok & (mag >= 0x7F800000))  # no cross-warp reduction
-
-        # --- E8M0 byte from the bits of the block max |x| (a flushed subnormal max gives byte 0 too)
-        amax_f = tl.maximum(
-            tl.max(tl.abs(xe.to(tl.float32, bitcast=True)), axis=1),
-            tl.max(tl.abs(xo.to(tl.float32, bitcast=True)), axis=1),
+        out, byte, mag = quantize_block_words(
+            w, row_ok, INPUT_KIND, IS_FP4, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE
         )
-        amax = amax_f.to(tl.int32, bitcast=True)
-        exp_field = amax >> 23
-        if MODE == 0:
-            e = exp_field - (127 + EMAX) + ((amax & 0x007FFFFF) > RCEIL_MANT_T).to(tl.int32)
-            e = tl.where(amax < RCEIL_MIN_BITS, -127, e)
-        elif MODE == 1:
-            e = exp_field - (127 + EMAX)
-        else:
-            e = ((amax + EVEN_ADD) >> 23) - (127 + EMAX)
-        byte = tl.minimum(tl.maximum(e + 127, 0), 254)
-
-        # --- elements
-        need_fix = tl.min(byte) <= FIX_MAX_BYTE
-        ye = _scaled(xe, byte, need_fix, FIX_MAX_BYTE)
-        yo = _scaled(xo, byte, need_fix, FIX_MAX_BYTE)
+        if FLAG:  # no cross-warp reduction: every block with a NaN/Inf stores the 1
+            tl.store(flag_ptr + rows * 0, 1, mask=row_ok & (mag >= 0x7F800000))
         if IS_FP4:
-            packed = _e2m1_magnitude(ye, MODE != 0) | (_e2m1_magnitude(yo, MODE != 0) << 4)
-            if INPUT_KIND == 0:
-                sign = ((xe >> 28) & 0x8) | ((xo >> 24) & 0x80)
-            else:  # 16-bit halves: sign bits 15 and 31 of the word -> bits 3 and 7 (bit 19 is cut off)
-                sign = (w >> 12) & 0x80008
-                sign = sign | (sign >> 12)
-            out = (packed | sign).to(tl.uint8)
+            tl.store((data_ptr + first * 16) + offs, out.to(tl.uint8), mask=mask)
         else:
-            out = (_e4m3_byte(ye) | (_e4m3_byte(yo) << 8)).to(tl.int16)
-        tl.store((data_ptr + first * 16) + offs, out, mask=mask)
+            tl.store((data_ptr + first * 16) + offs, out.to(tl.int16), mask=mask)
         tl.store((scale_ptr + first) + rows, byte.to(tl.uint8), mask=row_ok)
 
     @triton.jit

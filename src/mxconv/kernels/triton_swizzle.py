@@ -74,15 +74,23 @@ if triton is not None:
         base = src + e * s_e
         x0 = tl.load(base + sr0[:, None, None] * s_r + u[None, :, :], mask=(sr0 >= 0)[:, None, None] & u_ok, other=0)
         x1 = tl.load(base + sr1[:, None, None] * s_r + u[None, :, :], mask=(sr1 >= 0)[:, None, None] & u_ok, other=0)
+        store_hopper_words(x0, x1, dst + e * d_e, r0, tl.program_id(1), Q_out, d_r, BR1)
+
+    @triton.jit
+    def store_hopper_words(x0, x1, dst, r0, p1, Q_out, d_r, BR1: tl.constexpr):
+        """The value permutation, bit twiddle and contiguous store of the 16-row block r0 x column
+        blocks [p1 BR1, p1 BR1 + BR1) (one program of :func:`_hopper_value_kernel`): x0 / x1 int32
+        [8, 4 BR1, 2] are the source words [(t0, s0), (r1, a1), w1] of kernel rows w0 = 0 / 1;
+        ``dst`` points at the expert's buffer (int32 words, rows d_r apart, Q_out words a row)."""
         a, b = tl.split(x0)  # [(t0, s0), (r1, a1)]: w0 = 0, w1 = 0 / 1
         c, d = tl.split(x1)  # w0 = 1
         o0, o1, o2, o3 = byte_transpose4(a, c, b, d)  # o_t1 = bytes t1 of (a, c, b, d)
         o0, o1, o2, o3 = _twiddle(o0), _twiddle(o1), _twiddle(o2), _twiddle(o3)
         words = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (4, 2, BR1, 4, 4))  # t0 s0 r1 a1 t1
         words = tl.reshape(tl.permute(words, (0, 2, 1, 4, 3)), (4, BR1 * 32))  # t0, (r1 s0 t1 a1)
-        q = tl.program_id(1) * BR1 * 32 + tl.arange(0, BR1 * 32)
+        q = p1 * BR1 * 32 + tl.arange(0, BR1 * 32)
         off = (r0 * 4 + tl.arange(0, 4))[:, None] * d_r + q[None, :]
-        tl.store(dst + e * d_e + off, words, mask=(q < Q_out)[None, :])
+        tl.store(dst + off, words, mask=(q < Q_out)[None, :])
 
     @triton.jit
     def _hopper_scale_kernel(src, dst, tab, C_in, K0_out, s_e, s_r, d_e, d_r, W: tl.constexpr, BK0: tl.constexpr):

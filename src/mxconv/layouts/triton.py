@@ -53,6 +53,7 @@ from mxconv.layouts.padding import (
     layout_kernels,
 )
 from mxconv.layouts.triton_arch import Arch, decode, encode, spec_of
+from mxconv.layouts.triton_float import float_to_kernel as fused_float_to_kernel
 from mxconv.layouts.triton_w4a8 import (
     check_w4a8, describe_w4a8, input_scale_specs, input_scale_tensors, stored_input_scales,
 )
@@ -198,6 +199,7 @@ class TritonLayout(LayoutBase):
     # vllm_refusal keeps each to the platform of the recorded arch (and its padding there).
     vllm_backends = {"bf16": ("TRITON", "AITER_TRITON_MXFP4_BF16"), "fp8": ("AITER_MXFP4_FP8",)}
     engine_runner = "mxconv.engines.triton_moe:RUNNER"  # the engine's own kernel on these bytes (verify --kernel)
+    float_to_kernel = fused_float_to_kernel  # float experts -> these buffers in one fused pass (in-memory hand-off)
     options_type = TritonOptions
     options = (
         LayoutOption("triton_layout", str, "3.5", "triton_kernels Hopper value-layout generation: 3.5 (vendored by "

@@ -1,0 +1,76 @@
+"""Float experts straight to the ``triton`` backend's Hopper buffers (``TritonLayout.float_to_kernel``):
+the fused quantize + value layout kernel of :mod:`mxconv.kernels.triton_fused`, then the scale
+layout kernel on the plain scales it wrote, so the packed MXFP4 bytes never make a second trip
+through memory. The in-memory hand-off (``mxconv.engines.in_memory.convert_layer``) asks for it
+first and takes the general path (quantize, then ``to_kernel``) when it answers None.
+
+The bytes are ``to_kernel``'s of the quantized stack (tests/test_triton_fused.py). torch is
+imported in the function, so ``mxconv inspect`` stays torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mxconv.layouts.canonical import KernelTensors, LayoutSizes, in_kernel_order
+from mxconv.layouts.padding import KernelChoice, gather_padded_rows, layout_kernels
+from mxconv.layouts.triton_arch import Arch
+from mxconv.layouts.triton_bytemap import w2_row_table, w13_row_table
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+FUSED_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")  # what the fused kernel reads
+
+
+def fused_applies(w13: torch.Tensor, activation: str, arch: Arch, fmt: str, kernel_choice: KernelChoice) -> bool:
+    """Whether the fused kernel writes this layer: MXFP4 for the bf16-activation Hopper storage,
+    from bf16/fp16/fp32 CUDA stacks, with the Triton layout kernels allowed (``KernelChoice.AUTO``)."""
+    return (fmt == "mxfp4" and activation == "bf16" and arch is Arch.SM90 and kernel_choice is KernelChoice.AUTO
+            and str(w13.dtype) in FUSED_DTYPES and layout_kernels(w13, kernel_choice) is not None)  # fmt: skip
+
+
+def float_to_kernel(
+    layout: Any, t: Mapping[str, torch.Tensor], row_order: str, activation: str, options: Any,
+    fmt: str, scale_rounding: str, kernel_choice: KernelChoice = KernelChoice.AUTO,
+) -> KernelTensors | None:  # fmt: skip
+    """One layer's float experts ``t`` (canonical names: ``w13`` [E, 2I, H] with rows in
+    ``row_order``, ``w2`` [E, H, I], optional ``w13_bias`` / ``w2_bias``) quantized to ``fmt`` with
+    ``scale_rounding`` and laid out as ``layout.to_kernel`` lays out that quantization, on their
+    device. None, and nothing to use, when the fused kernel does not apply (:func:`fused_applies`)
+    or an element is NaN or Inf (the general path names it or honours allow_nonfinite): one
+    device -> host sync, for that flag. Shapes are the caller's to check (the general path does)."""
+    import torch
+
+    opts = layout.options_of(options)
+    w13, w2 = t["w13"], t["w2"]
+    if not fused_applies(w13, activation, opts.arch, fmt, kernel_choice) or w2.dtype != w13.dtype:
+        return None
+    from mxconv.kernels.triton_fused import fused_hopper_values
+    from mxconv.kernels.triton_swizzle import hopper_scales
+
+    E, n13, H = w13.shape
+    I = n13 // 2
+    hp, ip = layout.padded_sizes(H, I, row_order, activation, opts)
+    has_bias = t.get("w13_bias") is not None
+    geometry = layout.geometry(LayoutSizes(E, H, I, hp, ip, row_order, has_bias), opts)
+    flag = torch.zeros(1, dtype=torch.int32, device=w13.device)
+    out: KernelTensors = {}
+    for w, g in geometry.items():
+        if w == "w13":
+            tab_v, tab_s = (w13_row_table(I, row_order, rows, w13.device) for rows in (g.value_rows, g.scale_rows))
+        else:
+            tab_v, tab_s = (w2_row_table(H, rows, w13.device) for rows in (g.value_rows, g.scale_rows))
+        out[f"{w}_weight"], scales = fused_hopper_values(t[w], tab_v, g.value_row_bytes, scale_rounding, flag)
+        out[f"{w}_weight_scale"] = hopper_scales(scales, tab_s, g.scale_padded_cols, g.num_warps)
+        if has_bias:
+            bias = t[f"{w}_bias"].to(device=w13.device, dtype=torch.float32)
+            out[f"{w}_bias"] = gather_padded_rows(bias, tab_v[: g.rows])
+    if flag.item():
+        return None
+    return in_kernel_order(out)
+
+
+__all__ = ["FUSED_DTYPES", "float_to_kernel", "fused_applies"]

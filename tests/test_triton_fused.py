@@ -1,0 +1,178 @@
+"""The fused float -> ``triton`` Hopper value kernel (mxconv.kernels.triton_fused) and the in-memory
+hand-off's use of it (TritonLayout.float_to_kernel).
+
+(a) CPU, Triton interpreter (a subprocess with TRITON_INTERPRET=1): the fused value buffer and plain
+    scales equal the torch quantizer's bytes laid out by ``hopper_values`` with the same row table, on
+    sizes that pad (I not a multiple of 64: padding rows; H not a multiple of 64: padding bytes), both
+    w13 row orders and w2, both value generations, every scale rule, bf16/fp16/fp32, two launch shapes
+    (one whose grid overhangs the rows and columns), the quantizer's hard cases (ties, tiny and
+    subnormal blocks); a NaN or an Inf sets the flag, finite input does not.
+(b) CPU: when the fused path stands aside (the general path then runs).
+(c) GPU (``-m gpu``): ``convert_layer`` (fused) == quantize + ``to_kernel`` (unfused) at gpt-oss sizes;
+    a NaN still gets the general path's message, or its 0xFF scales under allow_nonfinite.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.interpreter import print_report, report_fixture, same_bytes
+from test_triton_kernels import adversarial_blocks
+
+from mxconv.engines.in_memory import ConvertOptions, canonical_experts, convert_layer
+from mxconv.errors import BadInput
+from mxconv.layouts import get_layout
+from mxconv.layouts.padding import KernelChoice
+from mxconv.layouts.triton_arch import Arch
+from mxconv.layouts.triton_float import fused_applies
+from mxconv.mx.formats import SCALE_MODES
+from mxconv.mx.numerics import quantize_mx_torch
+from mxconv.run.options import QuantOptions
+
+E, H, I = 2, 160, 96  # Ip = 128 (rows pad), H/2 = 80 bytes (pads to 96 or 128)
+# Launch shapes: the default, and programs of several 16-row and column blocks (the grid then
+# overhangs: w2's 10 row blocks, 96-byte rows)
+_SHAPES = {"default": {}, "wide": {"BR0": 4, "BR1": 2, "num_warps": 4}}
+
+
+def _stack(shape: tuple[int, int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random experts of ``shape`` whose first elements are the quantizer's hard cases."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 0.05).to(dtype)
+    hard = adversarial_blocks(dtype, seed).flatten()
+    x.view(-1)[: hard.numel()] = hard
+    return x
+
+
+def _case(name: str, dtype: torch.dtype, mode: str, gen: str, order: str, shape: str = "default") -> dict[str, object]:
+    from mxconv.kernels.triton_fused import KERNEL_CONFIG, fused_hopper_values
+    from mxconv.kernels.triton_swizzle import hopper_values
+    from mxconv.layouts.triton_bytemap import w2_row_table, w13_row_table
+
+    rows_mult, bytes_mult = (16, 32) if gen == "3.5" else (64, 64)
+    if name == "w13":
+        x = _stack((E, 2 * I, H), dtype, 1)
+        tab = w13_row_table(I, order, 2 * 128)
+    else:
+        x = _stack((E, H, I), dtype, 2)
+        tab = w2_row_table(H, -(-H // rows_mult) * rows_mult)
+    row_bytes = -(-x.shape[-1] // 2 // bytes_mult) * bytes_mult
+    flag = torch.zeros(1, dtype=torch.int32)
+    default = dict(KERNEL_CONFIG)
+    KERNEL_CONFIG.update(_SHAPES[shape])
+    try:
+        values, scales = fused_hopper_values(x, tab, row_bytes, mode, flag)
+    finally:
+        KERNEL_CONFIG.update(default)
+    d_ref, s_ref = quantize_mx_torch(x, "mxfp4", mode)
+    return {"case": f"{name}-{order}-{dtype}-{mode}-{gen}-{shape}", "values_equal": torch.equal(values, hopper_values(d_ref, tab, row_bytes)),
+            "scales_equal": torch.equal(scales, s_ref), "flag": int(flag), "padded": [len(tab), row_bytes]}  # fmt: skip
+
+
+def _flag_of(value: float) -> int:
+    from mxconv.kernels.triton_fused import fused_hopper_values
+    from mxconv.layouts.triton_bytemap import w2_row_table
+
+    x = _stack((E, H, I), torch.bfloat16, 3)
+    x[1, 150, 70] = value  # a late program, a late block
+    flag = torch.zeros(1, dtype=torch.int32)
+    fused_hopper_values(x, w2_row_table(H, H), 64, "rceil", flag)
+    return int(flag)
+
+
+def _interpreter_main() -> None:
+    """Runs in the subprocess (TRITON_INTERPRET=1): print a JSON report of every comparison."""
+    shapes = [("w13", "halves", "3.5"), ("w13", "interleaved", "3.6"), ("w2", "-", "3.5")]
+    report = [_case(n, torch.bfloat16, mode, gen, order) for mode in SCALE_MODES for n, order, gen in shapes]
+    report += [_case(n, dt, "rceil", gen, order) for dt in (torch.float16, torch.float32) for n, order, gen in shapes]
+    report += [_case(n, torch.bfloat16, "rceil", gen, order, "wide") for n, order, gen in shapes]
+    report.append({"case": "flags", "nan": _flag_of(float("nan")), "inf": _flag_of(float("-inf"))})
+    print_report(report)
+
+
+interpreter_report = report_fixture("test_triton_fused")
+
+
+def test_interpreter_fused_equals_quantize_then_gather(interpreter_report) -> None:
+    cases = [r for r in interpreter_report if r["case"] != "flags"]
+    assert len(cases) == 18
+    assert {tuple(r["padded"]) for r in cases} == {(256, 96), (256, 128), (160, 64)}  # every pad taken
+    bad = [r for r in cases if not (r["values_equal"] and r["scales_equal"] and r["flag"] == 0)]
+    assert not bad, bad
+
+
+def test_interpreter_nonfinite_sets_the_flag(interpreter_report) -> None:
+    flags = [r for r in interpreter_report if r["case"] == "flags"]
+    assert flags == [{"case": "flags", "nan": 1, "inf": 1}]
+
+
+def test_fused_path_stands_aside() -> None:
+    """CPU tensors, MXFP8, the W4A8 activation, other archs and KernelChoice.TORCH all take the general path."""
+    x = torch.zeros(1, 64, 32, dtype=torch.bfloat16)
+    assert not fused_applies(x, "bf16", Arch.SM90, "mxfp4", KernelChoice.AUTO)  # CPU
+    layout = get_layout("triton")
+    t = {"w13": x, "w2": torch.zeros(1, 32, 32, dtype=torch.bfloat16)}
+    assert layout.float_to_kernel(t, "halves", "bf16", layout.resolve_options(), "mxfp4", "rceil") is None
+    if torch.cuda.is_available():
+        xg = x.cuda()
+        assert fused_applies(xg, "bf16", Arch.SM90, "mxfp4", KernelChoice.AUTO)
+        for args in (("bf16", Arch.SM90, "mxfp8", KernelChoice.AUTO), ("fp8", Arch.SM90, "mxfp4", KernelChoice.AUTO),
+                     ("bf16", Arch.SM100, "mxfp4", KernelChoice.AUTO), ("bf16", Arch.SM90, "mxfp4", KernelChoice.TORCH)):  # fmt: skip
+            assert not fused_applies(xg, *args), args
+
+
+# ---------------------------------------------------------------------------------------------------
+# (c) GPU
+# ---------------------------------------------------------------------------------------------------
+
+
+def _unfused(t: dict[str, torch.Tensor], opts: ConvertOptions, row_order: str) -> dict[str, torch.Tensor]:
+    """What convert_layer gave before the fused path: quantize (Triton), then to_kernel (Triton gathers)."""
+    layout = get_layout(opts.backend)
+    canon = canonical_experts(t, row_order=row_order, quant=opts.quant)
+    return dict(layout.to_kernel(canon, "bf16", layout.resolve_options(opts.layout_options), KernelChoice.AUTO))
+
+
+def _layer(E: int, H: int, I: int, dtype: torch.dtype, bias: bool = True) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(E + H + I)
+    t = {"w13": (torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.02).to(dtype),
+         "w2": (torch.randn(E, H, I, device="cuda", generator=g) * 0.02).to(dtype)}  # fmt: skip
+    if bias:
+        t["w13_bias"] = torch.randn(E, 2 * I, device="cuda", generator=g).to(torch.bfloat16)
+        t["w2_bias"] = torch.randn(E, H, device="cuda", generator=g).to(torch.bfloat16)
+    return t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_order", ["halves", "interleaved"])
+@pytest.mark.parametrize("mode", SCALE_MODES)
+def test_gpu_fused_equals_unfused_at_gpt_oss_20b_sizes(row_order: str, mode: str) -> None:
+    t = _layer(32, 2880, 2880, torch.bfloat16)
+    opts = ConvertOptions("triton", activation="bf16", quant=QuantOptions("mxfp4", mode))
+    layout = get_layout("triton")
+    fused = layout.float_to_kernel(t, row_order, "bf16", layout.resolve_options(), "mxfp4", mode)
+    assert fused is not None  # the fused path ran
+    assert not same_bytes(dict(fused), _unfused(t, opts, row_order))
+    assert not same_bytes(convert_layer(t, opts, row_order=row_order), dict(fused))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout_options", [{}, {"triton_layout": "3.6", "num_warps": 4, "scale_k_align": 1}])
+def test_gpu_fused_equals_unfused_on_padded_sizes(dtype: torch.dtype, layout_options: dict[str, object]) -> None:
+    t = _layer(3, 160, 96, dtype)
+    t["w13"] = t["w13"].transpose(1, 2).contiguous().transpose(1, 2)  # a strided view: rows copied first
+    opts = ConvertOptions("triton", activation="bf16", layout_options=layout_options)
+    assert not same_bytes(convert_layer(t, opts, row_order="halves"), _unfused(t, opts, "halves"))
+
+
+@pytest.mark.gpu
+def test_gpu_nonfinite_takes_the_general_path() -> None:
+    t = _layer(4, 256, 128, torch.bfloat16, bias=False)
+    t["w2"][2, 17, 33] = float("nan")
+    with pytest.raises(BadInput, match=r"non-finite value nan in in-memory w2 at index \[2, 17, 33\]"):
+        convert_layer(t, ConvertOptions("triton", activation="bf16"))
+    opts = ConvertOptions("triton", activation="bf16", quant=QuantOptions(allow_nonfinite=True))
+    got = convert_layer(t, opts)
+    assert not same_bytes(got, _unfused(t, opts, "halves"))
+    assert (got["w2_weight_scale"] == 0xFF).sum() == 1
