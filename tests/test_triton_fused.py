@@ -8,7 +8,9 @@ hand-off's use of it (TritonLayout.float_to_kernel).
     (one whose grid overhangs the rows and columns), the quantizer's hard cases (ties, tiny and
     subnormal blocks); a NaN or an Inf sets the flag, finite input does not.
 (b) CPU: when the fused path stands aside (the general path then runs).
-(c) GPU (``-m gpu``): ``convert_layer`` (fused) == quantize + ``to_kernel`` (unfused) at gpt-oss sizes;
+(c) GPU (``-m gpu``): (a)'s cases compiled (bf16 then takes the bf16x2 inline-PTX path), a bf16 sweep
+    of every exponent and code against the torch quantizer; ``convert_layer`` (fused) == quantize +
+    ``to_kernel`` (unfused) at gpt-oss sizes;
     a NaN still gets the general path's message, or its 0xFF scales under allow_nonfinite.
 """
 
@@ -44,7 +46,8 @@ def _stack(shape: tuple[int, int, int], dtype: torch.dtype, seed: int) -> torch.
     return x
 
 
-def _case(name: str, dtype: torch.dtype, mode: str, gen: str, order: str, shape: str = "default") -> dict[str, object]:
+def _case(name: str, dtype: torch.dtype, mode: str, gen: str, order: str, shape: str = "default",
+          device: str = "cpu") -> dict[str, object]:  # fmt: skip
     from mxconv.kernels.triton_fused import KERNEL_CONFIG, fused_hopper_values
     from mxconv.kernels.triton_swizzle import hopper_values
     from mxconv.layouts.triton_bytemap import w2_row_table, w13_row_table
@@ -57,53 +60,61 @@ def _case(name: str, dtype: torch.dtype, mode: str, gen: str, order: str, shape:
         x = _stack((E, H, I), dtype, 2)
         tab = w2_row_table(H, -(-H // rows_mult) * rows_mult)
     row_bytes = -(-x.shape[-1] // 2 // bytes_mult) * bytes_mult
-    flag = torch.zeros(1, dtype=torch.int32)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
     default = dict(KERNEL_CONFIG)
     KERNEL_CONFIG.update(_SHAPES[shape])
     try:
-        values, scales = fused_hopper_values(x, tab, row_bytes, mode, flag)
+        values, scales = fused_hopper_values(x.to(device), tab.to(device), row_bytes, mode, flag)
     finally:
         KERNEL_CONFIG.update(default)
     d_ref, s_ref = quantize_mx_torch(x, "mxfp4", mode)
-    return {"case": f"{name}-{order}-{dtype}-{mode}-{gen}-{shape}", "values_equal": torch.equal(values, hopper_values(d_ref, tab, row_bytes)),
-            "scales_equal": torch.equal(scales, s_ref), "flag": int(flag), "padded": [len(tab), row_bytes]}  # fmt: skip
+    want = hopper_values(d_ref.to(device), tab.to(device), row_bytes)
+    return {"case": f"{name}-{order}-{dtype}-{mode}-{gen}-{shape}", "values_equal": torch.equal(values, want),
+            "scales_equal": torch.equal(scales.cpu(), s_ref), "flag": int(flag), "padded": [len(tab), row_bytes]}  # fmt: skip
 
 
-def _flag_of(value: float) -> int:
+def _flag_of(value: float, device: str = "cpu") -> int:
     from mxconv.kernels.triton_fused import fused_hopper_values
     from mxconv.layouts.triton_bytemap import w2_row_table
 
     x = _stack((E, H, I), torch.bfloat16, 3)
     x[1, 150, 70] = value  # a late program, a late block
-    flag = torch.zeros(1, dtype=torch.int32)
-    fused_hopper_values(x, w2_row_table(H, H), 64, "rceil", flag)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    fused_hopper_values(x.to(device), w2_row_table(H, H).to(device), 64, "rceil", flag)
     return int(flag)
+
+
+def _report(device: str = "cpu") -> list[dict[str, object]]:
+    """Every comparison of the fused kernel with the torch quantizer + ``hopper_values``: 18 cases and
+    the NaN/Inf flags (on the interpreter, or compiled on a GPU, where bf16 takes its bf16x2 path)."""
+    shapes = [("w13", "halves", "3.5"), ("w13", "interleaved", "3.6"), ("w2", "-", "3.5")]
+    report = [_case(n, torch.bfloat16, mode, gen, order, device=device) for mode in SCALE_MODES for n, order, gen in shapes]
+    report += [_case(n, dt, "rceil", gen, order, device=device) for dt in (torch.float16, torch.float32)
+               for n, order, gen in shapes]  # fmt: skip
+    report += [_case(n, torch.bfloat16, "rceil", gen, order, "wide", device) for n, order, gen in shapes]
+    report.append({"case": "flags", "nan": _flag_of(float("nan"), device), "inf": _flag_of(float("-inf"), device)})
+    return report
 
 
 def _interpreter_main() -> None:
     """Runs in the subprocess (TRITON_INTERPRET=1): print a JSON report of every comparison."""
-    shapes = [("w13", "halves", "3.5"), ("w13", "interleaved", "3.6"), ("w2", "-", "3.5")]
-    report = [_case(n, torch.bfloat16, mode, gen, order) for mode in SCALE_MODES for n, order, gen in shapes]
-    report += [_case(n, dt, "rceil", gen, order) for dt in (torch.float16, torch.float32) for n, order, gen in shapes]
-    report += [_case(n, torch.bfloat16, "rceil", gen, order, "wide") for n, order, gen in shapes]
-    report.append({"case": "flags", "nan": _flag_of(float("nan")), "inf": _flag_of(float("-inf"))})
-    print_report(report)
+    print_report(_report())
 
 
 interpreter_report = report_fixture("test_triton_fused")
 
 
-def test_interpreter_fused_equals_quantize_then_gather(interpreter_report) -> None:
-    cases = [r for r in interpreter_report if r["case"] != "flags"]
+def _check_report(report: list[dict[str, object]]) -> None:
+    cases = [r for r in report if r["case"] != "flags"]
     assert len(cases) == 18
     assert {tuple(r["padded"]) for r in cases} == {(256, 96), (256, 128), (160, 64)}  # every pad taken
     bad = [r for r in cases if not (r["values_equal"] and r["scales_equal"] and r["flag"] == 0)]
     assert not bad, bad
+    assert [r for r in report if r["case"] == "flags"] == [{"case": "flags", "nan": 1, "inf": 1}]
 
 
-def test_interpreter_nonfinite_sets_the_flag(interpreter_report) -> None:
-    flags = [r for r in interpreter_report if r["case"] == "flags"]
-    assert flags == [{"case": "flags", "nan": 1, "inf": 1}]
+def test_interpreter_fused_equals_quantize_then_gather(interpreter_report) -> None:
+    _check_report(interpreter_report)
 
 
 def test_fused_path_stands_aside() -> None:
@@ -141,6 +152,48 @@ def _layer(E: int, H: int, I: int, dtype: torch.dtype, bias: bool = True) -> dic
         t["w13_bias"] = torch.randn(E, 2 * I, device="cuda", generator=g).to(torch.bfloat16)
         t["w2_bias"] = torch.randn(E, H, device="cuda", generator=g).to(torch.bfloat16)
     return t
+
+
+@pytest.mark.gpu
+def test_gpu_fused_equals_quantize_then_gather() -> None:
+    """The interpreter's 18 cases and flags, compiled: bf16 runs the bf16x2 (inline PTX) path there."""
+    _check_report(_report("cuda"))
+
+
+def _bf16_sweep(mode: str) -> torch.Tensor:
+    """bf16 [1, R, 1024]: blocks whose first element is a maximum (mantissas 1, 1.5, 1.75 and the
+    largest, at exponents over the whole bf16 range, subnormals included) and whose other 31 are
+    random bf16 bit patterns in the five binades below it (every code, ties included), random signs."""
+    g = torch.Generator().manual_seed(SCALE_MODES.index(mode))
+    maxima = torch.tensor([(ex << 7) | m for ex in range(0, 255, 2) for m in (0, 64, 96, 127)], dtype=torch.int32)
+    per_max = 8  # blocks a maximum
+    top = maxima.repeat_interleave(per_max)
+    n = top.numel()
+    ex = (top >> 7)[:, None] - torch.randint(0, 5, (n, 31), generator=g)
+    bits = (ex.clamp(min=0) << 7) | torch.randint(0, 128, (n, 31), generator=g)
+    bits = torch.minimum(bits, top[:, None])
+    blocks = torch.cat([top[:, None], bits], 1) | (torch.randint(0, 2, (n, 32), generator=g) << 15)
+    blocks = blocks[: n - n % 32]
+    return blocks.to(torch.int16).view(torch.bfloat16).reshape(1, -1, 1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", SCALE_MODES)
+def test_gpu_fused_bf16_sweep_equals_torch(mode: str) -> None:
+    """Every bf16 exponent as a block maximum, with elements in every E2M1 code below it: the bf16x2
+    path gives the torch quantizer's bytes (values and scales)."""
+    from mxconv.kernels.triton_fused import fused_hopper_values
+    from mxconv.kernels.triton_swizzle import hopper_values
+    from mxconv.layouts.triton_bytemap import w2_row_table
+
+    x = _bf16_sweep(mode)
+    tab = w2_row_table(x.shape[1], x.shape[1]).cuda()
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    values, scales = fused_hopper_values(x.cuda(), tab, 512, mode, flag)
+    d_ref, s_ref = quantize_mx_torch(x, "mxfp4", mode)
+    assert int(flag) == 0
+    assert torch.equal(scales.cpu(), s_ref)
+    assert torch.equal(values, hopper_values(d_ref.cuda(), tab, 512))
 
 
 @pytest.mark.gpu

@@ -11,9 +11,15 @@ pair in one tile hold its three word partners in the others, a block's amax is a
 tiles, and each pair's two E2M1 codes and signs go straight to their twiddled bits (spec §3's
 nibble table for byte j, a constant of the tile), ORed across the four tiles: no byte is packed,
 no tile is permuted or exchanged between threads (the compiler keeps the memory order: a thread
-loads 4 consecutive pairs; only the finished words change layout for the store). What bounds it
-is the arithmetic, not DRAM: about 34 instructions a pair (the E2M1 rounding alone is 7 an
-element), and no more than 32 one-warp programs an SM to hide the loads (docs/benchmarks.md).
+loads 4 consecutive pairs; only the finished words change layout for the store). A program's
+source rows are looked up once, before its column loop.
+
+bf16 (compiled, not under the interpreter) takes the bf16x2 path of :mod:`mxconv.kernels.mx_triton`:
+both halves of a pair word are scaled, rounded and coded by packed bf16x2 and u16x2 instructions
+(inline PTX), and a block's max is a u16x2 max of the words; fp16/fp32 and the interpreter take the
+fp32 path of the plain quantizer. Counted offline (ptxas for sm_90, Triton 3.6): the loop body of a
+one-warp program is 356 instructions for its 16 pairs a thread (22 a pair; the fp32 path about 40),
+and w13 of gpt-oss-120b runs as fast as the plain quantizer (docs/benchmarks.md).
 
 The bytes are those of ``quantize_mx_triton`` followed by ``hopper_values`` with the same row
 table (padding rows and bytes zero). The plain E8M0 scales [E, R_in, K/32] of the real rows and
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from mxconv.environment import triton_interpreter_on
 from mxconv.errors import BadInput
 from mxconv.kernels.triton_common import as_words, gather_operands, kernel_dims, launch
 from mxconv.kernels.triton_import import tl, triton
@@ -38,21 +45,25 @@ from mxconv.mx.formats import (
 
 # Launch shape: a program does BR0 16-row blocks x BR1 32-byte column blocks of the value buffer
 # (2 BR1 blocks of 32 elements a row) per loop step, ITERS steps; maxnreg (0: none): ptxas' register
-# cap. Swept on an H200 (w13 of gpt-oss-120b, bf16; scripts/bench_fused_triton.py --sweep):
-# 1/1/1 warp, 9 steps, 64 registers 1.70 ms; 5 or 3 steps 1.71; 5 steps uncapped (93 registers)
-# 1.84; 1 step uncapped 1.81; 2/1/2 warps 1.74; the next step's tiles loaded ahead 1.74 (cap 64: 2.22).
-KERNEL_CONFIG: dict[str, int] = {"BR0": 1, "BR1": 1, "ITERS": 9, "maxnreg": 64, "num_warps": 1}
+# cap. Swept on an H200 (w13 of gpt-oss-120b, bf16x2 path; scripts/bench_fused_triton.py --sweep):
+# BR0/BR1/warps 1/2/2, 5 steps, uncapped 1.49 ms (the plain quantizer: 1.50); 1/1/1, 1 step 1.53;
+# 1/1/1, 9 steps, 64 registers 1.59 (the fp32-path kernel's best shape: 1.70 then); 2/1/2 and 4/1/4,
+# 5 steps 1.58 / 1.60; caps of 48, 40 and 32 registers slower (1.66-4.25).
+KERNEL_CONFIG: dict[str, int] = {"BR0": 1, "BR1": 2, "ITERS": 5, "maxnreg": 0, "num_warps": 2}
 
 _INPUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # mx_triton's INPUT_KIND
 
 if triton is not None:
-    from mxconv.kernels.mx_triton import fp4_magnitudes, scale_byte, scaled_elements, split_pairs
+    from mxconv.kernels.mx_triton import bf16_pair_codes, bf16_pair_max, fp4_magnitudes, scale_byte, scaled_elements, split_pairs
 
     @triton.jit
-    def _abs_max(w, INPUT_KIND: tl.constexpr):
+    def _abs_max(w, INPUT_KIND: tl.constexpr, PACKED: tl.constexpr):
         """Per tile row: the max |x| of its elements as fp32 bits, and an integer max of |x|'s bits
         (>= 0x7F800000 iff a NaN or an Inf; float max drops NaN). bf16: both from one integer max
         (bf16 bits order as their values; subnormals are not flushed, which gives the same byte)."""
+        if PACKED:
+            m = bf16_pair_max(w & 0x7FFF7FFF)
+            return m, m
         if INPUT_KIND == 1:
             m = tl.maximum(tl.max(w & 0x7FFF0000, axis=1), tl.max(w & 0x7FFF, axis=1) << 16)
             return m, m
@@ -63,13 +74,17 @@ if triton is not None:
 
     @triton.jit
     def _placed(w, byte, need_fix, J: tl.constexpr, INPUT_KIND: tl.constexpr, MODE: tl.constexpr,
-                FIX_MAX_BYTE: tl.constexpr):  # fmt: skip
+                FIX_MAX_BYTE: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
         """The bits the pairs ``w`` (scale ``byte`` a row) give their stored words as byte J (spec §3's
-        twiddle: low nibble -> low 16 bits, high nibble -> the same + 16)."""
-        xe, xo = split_pairs(w, INPUT_KIND)
-        ye = scaled_elements(xe, byte, need_fix, FIX_MAX_BYTE)
-        me, mo = fp4_magnitudes(ye, scaled_elements(xo, byte, need_fix, FIX_MAX_BYTE), MODE)
-        m = me | (mo << 16)  # (m, e0, e1) at bits 0-2 and 16-18
+        twiddle: low nibble -> low 16 bits, high nibble -> the same + 16). PACKED (bf16, compiled):
+        both codes of a pair from bf16x2 instructions."""
+        if PACKED:
+            m = bf16_pair_codes(w & 0x7FFF7FFF, byte, MODE != 0)
+        else:
+            xe, xo = split_pairs(w, INPUT_KIND)
+            ye = scaled_elements(xe, byte, need_fix, FIX_MAX_BYTE)
+            me, mo = fp4_magnitudes(ye, scaled_elements(xo, byte, need_fix, FIX_MAX_BYTE), MODE)
+            m = me | (mo << 16)  # (m, e0, e1) at bits 0-2 and 16-18
         if INPUT_KIND == 0:
             s = ((xe >> 16) & 0x8000) | (xo & -2147483648)  # signs at bits 15 and 31
         else:
@@ -84,40 +99,39 @@ if triton is not None:
             return ((m & 0x10001) << 13) | ((m & 0x60006) << 9) | ((s >> 1) & 0x40004000)
 
     @triton.jit
-    def _tiles(src, tab, e, r0, ts, j, ok_r, C_in, s_e, s_r, W0: tl.constexpr):
-        """Source rows sr of kernel rows 16 r0 + 8 W0 + ts ([B]), and the two tiles (w1 = 0, 1) of
-        their blocks j (int32 [B, 8] each; zeros where sr is -1 or j >= C_in)."""
-        sr = tl.load(tab + r0 * 16 + 8 * W0 + ts, mask=ok_r, other=-1)
+    def _tiles(src, sr, e, j, C_in, s_e, s_r):
+        """The two tiles (w1 = 0, 1) of blocks j of source rows sr ([B]; -1: none): int32 [B, 8] each,
+        zeros where sr is -1 or j >= C_in."""
         ok = (sr >= 0) & (j < C_in)
         k = tl.arange(0, 8)
         offs = (sr * s_r + j * 16)[:, None] + (8 * (k // 4) + k % 4)[None, :]
         base = src + e * s_e
         wa = tl.load(base + offs, mask=ok[:, None], other=0, eviction_policy="evict_first")
         wb = tl.load(base + offs + 4, mask=ok[:, None], other=0, eviction_policy="evict_first")
-        return wa, wb, sr
+        return wa, wb
 
     @triton.jit
     def _rows(wa, wb, sr, scale, flag, e, j, C_in, c_e, c_r,
               W0: tl.constexpr, INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr,
               RCEIL_MANT_T: tl.constexpr, RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr,
-              FIX_MAX_BYTE: tl.constexpr):  # fmt: skip
+              FIX_MAX_BYTE: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
         """The tiles of :func:`_tiles` (kernel rows 16 r0 + 8 W0 + 2 t0 + s0): quantized, scales and
         flag stored, and the bits of bytes W0 and W0 + 2 returned ORed (int32 [B, 8])."""
         ok = (sr >= 0) & (j < C_in)
-        amax_a, mag_a = _abs_max(wa, INPUT_KIND)
-        amax_b, mag_b = _abs_max(wb, INPUT_KIND)
+        amax_a, mag_a = _abs_max(wa, INPUT_KIND, PACKED)
+        amax_b, mag_b = _abs_max(wb, INPUT_KIND, PACKED)
         byte = scale_byte(tl.maximum(amax_a, amax_b), MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD)
         tl.store(flag + j * 0, 1, mask=ok & (tl.maximum(mag_a, mag_b) >= 0x7F800000))  # no cross-warp reduction
         tl.store(scale + e * c_e + sr * c_r + j, byte.to(tl.uint8), mask=ok)
         need_fix = tl.min(tl.where(ok, byte, 255)) <= FIX_MAX_BYTE
-        bits = _placed(wa, byte, need_fix, W0, INPUT_KIND, MODE, FIX_MAX_BYTE)
-        return bits | _placed(wb, byte, need_fix, W0 + 2, INPUT_KIND, MODE, FIX_MAX_BYTE)
+        bits = _placed(wa, byte, need_fix, W0, INPUT_KIND, MODE, FIX_MAX_BYTE, PACKED)
+        return bits | _placed(wb, byte, need_fix, W0 + 2, INPUT_KIND, MODE, FIX_MAX_BYTE, PACKED)
 
     @triton.jit
     def _fused_value_kernel(
         src, dst, scale, flag, tab, C_in, Q_out, N16, s_e, s_r, d_e, d_r, c_e, c_r,
         INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr, RCEIL_MANT_T: tl.constexpr,
-        RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr,
+        RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr, PACKED: tl.constexpr,
         BR0: tl.constexpr, BR1: tl.constexpr, ITERS: tl.constexpr,
     ):  # fmt: skip
         """Kernel rows 16 r0 + 8 w0 + 2 t0 + s0 (source rows tab[...], -1 = zeros) x 32-byte column
@@ -138,21 +152,26 @@ if triton is not None:
         r0 = tl.program_id(1) * BR0 + b // (8 * NB)
         ok_r = r0 < N16
         j0 = tl.program_id(0) * ITERS * NB + b % NB
+        sr0 = tl.load(tab + r0 * 16 + ts, mask=ok_r, other=-1)  # source rows of kernel rows 16 r0 + 8 w0 + ts
+        sr1 = tl.load(tab + r0 * 16 + 8 + ts, mask=ok_r, other=-1)
         for it in tl.range(0, ITERS, num_stages=1):
             j = j0 + it * NB
-            a0, b0, sr0 = _tiles(src, tab, e, r0, ts, j, ok_r, C_in, s_e, s_r, 0)
-            a1, b1, sr1 = _tiles(src, tab, e, r0, ts, j, ok_r, C_in, s_e, s_r, 1)
+            a0, b0 = _tiles(src, sr0, e, j, C_in, s_e, s_r)
+            a1, b1 = _tiles(src, sr1, e, j, C_in, s_e, s_r)
             _step(a0, b0, sr0, a1, b1, sr1, dst, scale, flag, e, r0, ts, j, ok_r, C_in, Q_out, d_e, d_r, c_e, c_r,
-                  INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE)  # fmt: skip
+                  INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE, PACKED)  # fmt: skip
 
     @triton.jit
     def _step(a0, b0, sr0, a1, b1, sr1, dst, scale, flag, e, r0, ts, j, ok_r, C_in, Q_out, d_e, d_r, c_e, c_r,
               INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr, RCEIL_MANT_T: tl.constexpr,
-              RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr):  # fmt: skip
+              RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr,
+              PACKED: tl.constexpr):  # fmt: skip
         """One loop step of :func:`_fused_value_kernel` on the four tiles of blocks j: their words."""
         args = (scale, flag, e, j, C_in, c_e, c_r)
-        words = _rows(a0, b0, sr0, *args, 0, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE)
-        words |= _rows(a1, b1, sr1, *args, 1, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE)
+        words = _rows(a0, b0, sr0, *args, 0, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD,
+                      FIX_MAX_BYTE, PACKED)  # fmt: skip
+        words |= _rows(a1, b1, sr1, *args, 1, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD,
+                       FIX_MAX_BYTE, PACKED)  # fmt: skip
         q = 32 * (j // 2) + 16 * (ts % 2) + 2 * (j % 2)
         k = tl.arange(0, 8)
         off = ((4 * r0 + ts // 2) * d_r + q)[:, None] + (4 * (k % 4) + k // 4)[None, :]
@@ -191,7 +210,7 @@ def fused_hopper_values(
         scales.stride(0), scales.stride(1),
         INPUT_KIND=_INPUT_KINDS[x.dtype], MODE=SCALE_MODE_IDS[scale_rounding], EMAX=p.emax,
         RCEIL_MANT_T=p.rceil_mant_threshold, RCEIL_MIN_BITS=p.rceil_min_bits_byte1, EVEN_ADD=p.even_round_add,
-        FIX_MAX_BYTE=SUBNORMAL_FIX_MAX_BYTE, **cfg,
+        FIX_MAX_BYTE=SUBNORMAL_FIX_MAX_BYTE, PACKED=x.dtype == torch.bfloat16 and not triton_interpreter_on(), **cfg,
     )  # fmt: skip
     return out, scales
 
