@@ -72,13 +72,14 @@ def sweep(w13: torch.Tensor, I: int) -> dict[str, float]:
     """w13's fused kernel per launch shape (ms), the quantizer alone; leaves the fastest shape set."""
     tab = w13_row_table(I, "halves", 2 * I, w13.device)
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    geo = triton_fused.HopperScales(-(-len(tab) // 256) * 256, -(-w13.shape[-1] // 64) * 2, 8)
     res = {"w13_quantize_only_ms": round(do_bench(lambda: quantize_mx_triton(w13, "mxfp4")), 3)}
     best: tuple[float, dict[str, int]] = (float("inf"), {})
     for br0, br1, warps, iters, maxnreg in SHAPES:
         cfg = {"BR0": br0, "BR1": br1, "num_warps": warps, "ITERS": iters, "maxnreg": maxnreg}
         triton_fused.KERNEL_CONFIG.update(cfg)
         try:
-            ms = do_bench(lambda: triton_fused.fused_hopper_values(w13, tab, w13.shape[-1] // 2, "rceil", flag))
+            ms = do_bench(lambda: triton_fused.fused_hopper_values(w13, tab, w13.shape[-1] // 2, "rceil", flag, geo))
         except Exception as exc:  # noqa: BLE001 - a shape this Triton cannot build is reported, not fatal
             res["w13_fused_" + ",".join(f"{k}={v}" for k, v in cfg.items()) + "_error"] = repr(exc)[:200]
             continue
@@ -89,8 +90,7 @@ def sweep(w13: torch.Tensor, I: int) -> dict[str, float]:
 
 
 def parts(bf16: dict[str, torch.Tensor], H: int, I: int) -> dict[str, float]:
-    """The fused layer's launches one by one (ms): each value kernel, then each scale layout."""
-    from mxconv.kernels.triton_swizzle import hopper_scales
+    """The fused layer's launches one by one (ms): each fused kernel (values and scales)."""
     from mxconv.layouts.triton_bytemap import w2_row_table
 
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -98,14 +98,9 @@ def parts(bf16: dict[str, torch.Tensor], H: int, I: int) -> dict[str, float]:
     res = {}
     for w, tab in tabs.items():
         x = bf16[w]
-
-        def values(x: torch.Tensor = x, tab: torch.Tensor = tab) -> tuple[torch.Tensor, torch.Tensor]:
-            return triton_fused.fused_hopper_values(x, tab, x.shape[-1] // 2, "rceil", flag)
-
-        res[f"{w}_fused_kernel_ms"] = round(do_bench(values), 3)
-        sc = values()[1]
-        stab = torch.cat([tab, torch.full((-len(tab) % 256,), -1, dtype=tab.dtype, device="cuda")])
-        res[f"{w}_hopper_scales_ms"] = round(do_bench(lambda sc=sc, stab=stab: hopper_scales(sc, stab, 92, 8)), 3)
+        geo = triton_fused.HopperScales(-(-len(tab) // 256) * 256, -(-x.shape[-1] // 64) * 2, 8)
+        res[f"{w}_fused_kernel_ms"] = round(do_bench(
+            lambda x=x, tab=tab, geo=geo: triton_fused.fused_hopper_values(x, tab, x.shape[-1] // 2, "rceil", flag, geo)), 3)
     return res
 
 

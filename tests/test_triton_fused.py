@@ -48,39 +48,43 @@ def _stack(shape: tuple[int, int, int], dtype: torch.dtype, seed: int) -> torch.
 
 def _case(name: str, dtype: torch.dtype, mode: str, gen: str, order: str, shape: str = "default",
           device: str = "cpu") -> dict[str, object]:  # fmt: skip
-    from mxconv.kernels.triton_fused import KERNEL_CONFIG, fused_hopper_values
-    from mxconv.kernels.triton_swizzle import hopper_values
+    from mxconv.kernels.triton_fused import KERNEL_CONFIG, HopperScales, fused_hopper_values
+    from mxconv.kernels.triton_swizzle import hopper_scales, hopper_values
     from mxconv.layouts.triton_bytemap import w2_row_table, w13_row_table
 
     rows_mult, bytes_mult = (16, 32) if gen == "3.5" else (64, 64)
+    warps = 4 if shape == "wide" else 1  # the scale layout's
     if name == "w13":
         x = _stack((E, 2 * I, H), dtype, 1)
-        tab = w13_row_table(I, order, 2 * 128)
+        tab, tab_s = (w13_row_table(I, order, rows) for rows in (2 * 128, 2 * 128))
     else:
         x = _stack((E, H, I), dtype, 2)
         tab = w2_row_table(H, -(-H // rows_mult) * rows_mult)
+        tab_s = w2_row_table(H, -(-H // (32 * warps)) * 32 * warps)
     row_bytes = -(-x.shape[-1] // 2 // bytes_mult) * bytes_mult
+    geo = HopperScales(len(tab_s), x.shape[-1] // 32 + x.shape[-1] // 32 % 2 + 2, warps)  # two zero columns more
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     default = dict(KERNEL_CONFIG)
     KERNEL_CONFIG.update(_SHAPES[shape])
     try:
-        values, scales = fused_hopper_values(x.to(device), tab.to(device), row_bytes, mode, flag)
+        values, scales = fused_hopper_values(x.to(device), tab.to(device), row_bytes, mode, flag, geo)
     finally:
         KERNEL_CONFIG.update(default)
     d_ref, s_ref = quantize_mx_torch(x, "mxfp4", mode)
     want = hopper_values(d_ref.to(device), tab.to(device), row_bytes)
+    want_s = hopper_scales(s_ref.to(device), tab_s.to(device), geo.cols, warps)
     return {"case": f"{name}-{order}-{dtype}-{mode}-{gen}-{shape}", "values_equal": torch.equal(values, want),
-            "scales_equal": torch.equal(scales.cpu(), s_ref), "flag": int(flag), "padded": [len(tab), row_bytes]}  # fmt: skip
+            "scales_equal": torch.equal(scales, want_s), "flag": int(flag), "padded": [len(tab), row_bytes, len(tab_s)]}  # fmt: skip
 
 
 def _flag_of(value: float, device: str = "cpu") -> int:
-    from mxconv.kernels.triton_fused import fused_hopper_values
+    from mxconv.kernels.triton_fused import HopperScales, fused_hopper_values
     from mxconv.layouts.triton_bytemap import w2_row_table
 
     x = _stack((E, H, I), torch.bfloat16, 3)
     x[1, 150, 70] = value  # a late program, a late block
     flag = torch.zeros(1, dtype=torch.int32, device=device)
-    fused_hopper_values(x.to(device), w2_row_table(H, H).to(device), 64, "rceil", flag)
+    fused_hopper_values(x.to(device), w2_row_table(H, H).to(device), 64, "rceil", flag, HopperScales(192, 4, 1))
     return int(flag)
 
 
@@ -107,7 +111,7 @@ interpreter_report = report_fixture("test_triton_fused")
 def _check_report(report: list[dict[str, object]]) -> None:
     cases = [r for r in report if r["case"] != "flags"]
     assert len(cases) == 18
-    assert {tuple(r["padded"]) for r in cases} == {(256, 96), (256, 128), (160, 64)}  # every pad taken
+    assert {tuple(r["padded"]) for r in cases} == {(256, 96, 256), (256, 128, 256), (160, 64, 160), (160, 64, 256)}  # every pad
     bad = [r for r in cases if not (r["values_equal"] and r["scales_equal"] and r["flag"] == 0)]
     assert not bad, bad
     assert [r for r in report if r["case"] == "flags"] == [{"case": "flags", "nan": 1, "inf": 1}]
@@ -182,17 +186,18 @@ def _bf16_sweep(mode: str) -> torch.Tensor:
 def test_gpu_fused_bf16_sweep_equals_torch(mode: str) -> None:
     """Every bf16 exponent as a block maximum, with elements in every E2M1 code below it: the bf16x2
     path gives the torch quantizer's bytes (values and scales)."""
-    from mxconv.kernels.triton_fused import fused_hopper_values
-    from mxconv.kernels.triton_swizzle import hopper_values
+    from mxconv.kernels.triton_fused import HopperScales, fused_hopper_values
+    from mxconv.kernels.triton_swizzle import hopper_scales, hopper_values
     from mxconv.layouts.triton_bytemap import w2_row_table
 
     x = _bf16_sweep(mode)
-    tab = w2_row_table(x.shape[1], x.shape[1]).cuda()
+    rows = x.shape[1]  # 128: the scale buffer takes 128 more zero rows, 2 more zero columns
+    tab, tab_s = w2_row_table(rows, rows).cuda(), w2_row_table(rows, 2 * rows).cuda()
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    values, scales = fused_hopper_values(x.cuda(), tab, 512, mode, flag)
+    values, scales = fused_hopper_values(x.cuda(), tab, 512, mode, flag, HopperScales(2 * rows, 34, 2))
     d_ref, s_ref = quantize_mx_torch(x, "mxfp4", mode)
     assert int(flag) == 0
-    assert torch.equal(scales.cpu(), s_ref)
+    assert torch.equal(scales, hopper_scales(s_ref.cuda(), tab_s, 34, 2))
     assert torch.equal(values, hopper_values(d_ref.cuda(), tab, 512))
 
 

@@ -22,13 +22,15 @@ one-warp program is 356 instructions for its 16 pairs a thread (22 a pair; the f
 and w13 of gpt-oss-120b runs as fast as the plain quantizer (docs/benchmarks.md).
 
 The bytes are those of ``quantize_mx_triton`` followed by ``hopper_values`` with the same row
-table (padding rows and bytes zero). The plain E8M0 scales [E, R_in, K/32] of the real rows and
-blocks are stored beside (``hopper_scales`` lays them out: 1/16 of the bytes), and a NaN/Inf sets
-the int32 flag as the quantizer's FLAG does (the bytes of such blocks are then undefined: the
-caller takes the general path).
+table (padding rows and bytes zero). The E8M0 scales go straight to their places in the Hopper
+scale buffer (``hopper_scales``' layout, 1/16 of the bytes; a zeroed buffer, so padding stays 0),
+and a NaN/Inf sets the int32 flag as the quantizer's FLAG does (the bytes of such blocks are then
+undefined: the caller takes the general path).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -111,18 +113,22 @@ if triton is not None:
         return wa, wb
 
     @triton.jit
-    def _rows(wa, wb, sr, scale, flag, e, j, C_in, c_e, c_r,
+    def _rows(wa, wb, sr, scale, flag, e, r0, ts, j, C_in, c_e, c_r,
               W0: tl.constexpr, INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr,
               RCEIL_MANT_T: tl.constexpr, RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr,
-              FIX_MAX_BYTE: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
-        """The tiles of :func:`_tiles` (kernel rows 16 r0 + 8 W0 + 2 t0 + s0): quantized, scales and
-        flag stored, and the bits of bytes W0 and W0 + 2 returned ORed (int32 [B, 8])."""
+              FIX_MAX_BYTE: tl.constexpr, PACKED: tl.constexpr, SW: tl.constexpr):  # fmt: skip
+        """The tiles of :func:`_tiles` (kernel rows n = 16 r0 + 8 W0 + ts): quantized, scales and flag
+        stored, and the bits of bytes W0 and W0 + 2 returned ORed (int32 [B, 8]). The scale of row n,
+        block j goes where ``hopper_scales`` puts it (SW warps): n = 32 SW m0 + 16 SW i1 + 16 w + 8 i3
+        + i4, j = 2 k0 + k1 -> row SW m0 + w, column 64 k0 + 32 i1 + 4 i4 + 2 k1 + i3."""
         ok = (sr >= 0) & (j < C_in)
         amax_a, mag_a = _abs_max(wa, INPUT_KIND, PACKED)
         amax_b, mag_b = _abs_max(wb, INPUT_KIND, PACKED)
         byte = scale_byte(tl.maximum(amax_a, amax_b), MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD)
         tl.store(flag + j * 0, 1, mask=ok & (tl.maximum(mag_a, mag_b) >= 0x7F800000))  # no cross-warp reduction
-        tl.store(scale + e * c_e + sr * c_r + j, byte.to(tl.uint8), mask=ok)
+        s_row = SW * (r0 // (2 * SW)) + r0 % SW
+        s_col = 64 * (j // 2) + 32 * ((r0 // SW) % 2) + 4 * ts + 2 * (j % 2) + W0
+        tl.store(scale + e * c_e + s_row * c_r + s_col, byte.to(tl.uint8), mask=ok)
         need_fix = tl.min(tl.where(ok, byte, 255)) <= FIX_MAX_BYTE
         bits = _placed(wa, byte, need_fix, W0, INPUT_KIND, MODE, FIX_MAX_BYTE, PACKED)
         return bits | _placed(wb, byte, need_fix, W0 + 2, INPUT_KIND, MODE, FIX_MAX_BYTE, PACKED)
@@ -132,7 +138,7 @@ if triton is not None:
         src, dst, scale, flag, tab, C_in, Q_out, N16, s_e, s_r, d_e, d_r, c_e, c_r,
         INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr, RCEIL_MANT_T: tl.constexpr,
         RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr, PACKED: tl.constexpr,
-        BR0: tl.constexpr, BR1: tl.constexpr, ITERS: tl.constexpr,
+        SW: tl.constexpr, BR0: tl.constexpr, BR1: tl.constexpr, ITERS: tl.constexpr,
     ):  # fmt: skip
         """Kernel rows 16 r0 + 8 w0 + 2 t0 + s0 (source rows tab[...], -1 = zeros) x 32-byte column
         blocks r1: r0 in [BR0 pid1, + BR0); r1 in [BR1 p1, + BR1) for p1 in [ITERS pid0, + ITERS), one
@@ -143,7 +149,8 @@ if triton is not None:
         src: element-pairs words [E, R_in, K/2] (int32 for 16-bit floats, int64 for fp32); pair
         32 r1 + 8 a1 + 4 w1 + t1 of a row is source byte κ; a1 = 2 a1h + a1l, block j = 2 r1 + a1h.
         dst: int32 words [E, Np/4, Q_out]; word 32 r1 + 16 s0 + 4 t1 + a1 of row 4 r0 + t0.
-        scale: uint8 [E, R_in, C_in]. Tile rows b = (r0, t0 s0, r1, a1h), columns 4 a1l + t1.
+        scale: the Hopper scale buffer uint8 [E, Ns/32, 32 C_out] of SW warps (:func:`_rows`), zero
+        where nothing is stored. Tile rows b = (r0, t0 s0, r1, a1h), columns 4 a1l + t1.
         """
         NB: tl.constexpr = 2 * BR1  # blocks a row
         e = tl.program_id(2).to(tl.int64)
@@ -159,46 +166,61 @@ if triton is not None:
             a0, b0 = _tiles(src, sr0, e, j, C_in, s_e, s_r)
             a1, b1 = _tiles(src, sr1, e, j, C_in, s_e, s_r)
             _step(a0, b0, sr0, a1, b1, sr1, dst, scale, flag, e, r0, ts, j, ok_r, C_in, Q_out, d_e, d_r, c_e, c_r,
-                  INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE, PACKED)  # fmt: skip
+                  INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE, PACKED, SW)  # fmt: skip
 
     @triton.jit
     def _step(a0, b0, sr0, a1, b1, sr1, dst, scale, flag, e, r0, ts, j, ok_r, C_in, Q_out, d_e, d_r, c_e, c_r,
               INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr, RCEIL_MANT_T: tl.constexpr,
               RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr,
-              PACKED: tl.constexpr):  # fmt: skip
+              PACKED: tl.constexpr, SW: tl.constexpr):  # fmt: skip
         """One loop step of :func:`_fused_value_kernel` on the four tiles of blocks j: their words."""
-        args = (scale, flag, e, j, C_in, c_e, c_r)
+        args = (scale, flag, e, r0, ts, j, C_in, c_e, c_r)
         words = _rows(a0, b0, sr0, *args, 0, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD,
-                      FIX_MAX_BYTE, PACKED)  # fmt: skip
+                      FIX_MAX_BYTE, PACKED, SW)  # fmt: skip
         words |= _rows(a1, b1, sr1, *args, 1, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD,
-                       FIX_MAX_BYTE, PACKED)  # fmt: skip
+                       FIX_MAX_BYTE, PACKED, SW)  # fmt: skip
         q = 32 * (j // 2) + 16 * (ts % 2) + 2 * (j % 2)
         k = tl.arange(0, 8)
         off = ((4 * r0 + ts // 2) * d_r + q)[:, None] + (4 * (k % 4) + k // 4)[None, :]
         tl.store(dst + e * d_e + off, words, mask=(ok_r & (q < Q_out))[:, None])
 
 
+@dataclass(frozen=True)
+class HopperScales:
+    """The scale buffer the fused kernel writes: ``hopper_scales``' layout of ``rows`` kernel rows
+    (the value table's real rows, then zero rows), ``cols`` columns (scale groups, zero beyond the
+    real ones) for ``num_warps``: uint8 [E, rows/32, 32*cols]. rows % (32*num_warps) == 0, cols even."""
+
+    rows: int
+    cols: int
+    num_warps: int
+
+
 def fused_hopper_values(
-    x: torch.Tensor, tab: torch.Tensor, row_bytes: int, scale_rounding: str, nonfinite: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, tab: torch.Tensor, row_bytes: int, scale_rounding: str, nonfinite: torch.Tensor,
+    scales: HopperScales,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Float experts ``x`` [E, R_in, K] (bf16/fp16/fp32) -> (value buffer uint8 [E, Np/4, 4*row_bytes],
-    plain E8M0 scales uint8 [E, R_in, K/32]) with Np = len(tab): the bytes of
-    ``hopper_values(quantize_mx_triton(x, "mxfp4", scale_rounding)[0], tab, row_bytes)`` and of its
-    scales, in one pass. Scales of source rows no entry of ``tab`` names are left unwritten.
+    scale buffer uint8 [E, scales.rows/32, 32*scales.cols]) with Np = len(tab): the bytes of
+    ``hopper_values(q, tab, row_bytes)`` and ``hopper_scales(s, tab_s, scales.cols,
+    scales.num_warps)`` for ``q, s = quantize_mx_triton(x, "mxfp4", scale_rounding)`` and a scale row
+    table ``tab_s`` of scales.rows rows that agrees with ``tab`` on its real rows, in one pass.
     ``nonfinite``: int32 [1] on x's device, set to 1 when an element is NaN or Inf (the bytes of
     its block are then not the quantizer's). Np % 16 == 0, row_bytes % 32 == 0, 2 * row_bytes >= K."""
     check_args(x, "mxfp4", scale_rounding)
     E, k, n = kernel_dims(x, tab)
     if n % 16 or row_bytes % 32 or 2 * row_bytes < k:
         raise BadInput(f"fused Hopper values need rows % 16 == 0, row bytes % 32 == 0 and >= K/2, got {n}, {row_bytes}, K={k}")
+    if scales.rows % (32 * scales.num_warps) or scales.cols % 2 or scales.cols < k // 32:
+        raise BadInput(f"fused Hopper scales need rows % {32 * scales.num_warps} == 0 and even columns >= K/32, got {scales}")
     if x.dtype not in _INPUT_KINDS:
         raise BadInput(f"fused Hopper values take bf16, fp16 or fp32 experts, got {x.dtype}")
     if nonfinite.dtype != torch.int32 or nonfinite.device != x.device:
         raise BadInput(f"nonfinite must be an int32 tensor on {x.device}, got {nonfinite.dtype} on {nonfinite.device}")
     out, src, tab = gather_operands(x, tab, (E, n // 4, 4 * row_bytes))
-    scales = torch.empty((E, x.shape[1], k // 32), dtype=torch.uint8, device=x.device)
+    sbuf = torch.zeros((E, scales.rows // 32, 32 * scales.cols), dtype=torch.uint8, device=x.device)
     if out.numel() == 0:
-        return out, scales
+        return out, sbuf
     s = as_words(src, torch.int64 if x.dtype == torch.float32 else torch.int32)
     d = out.view(torch.int32)
     p = FORMAT_PARAMS["mxfp4"]
@@ -206,13 +228,14 @@ def fused_hopper_values(
     grid = (triton.cdiv(row_bytes // 32, cfg["BR1"] * cfg["ITERS"]), triton.cdiv(n // 16, cfg["BR0"]), E)
     launch(
         _fused_value_kernel, grid, x,
-        s, d, scales, nonfinite, tab, k // 32, row_bytes, n // 16, s.stride(0), s.stride(1), d.stride(0), d.stride(1),
-        scales.stride(0), scales.stride(1),
+        s, d, sbuf, nonfinite, tab, k // 32, row_bytes, n // 16, s.stride(0), s.stride(1), d.stride(0), d.stride(1),
+        sbuf.stride(0), sbuf.stride(1),
         INPUT_KIND=_INPUT_KINDS[x.dtype], MODE=SCALE_MODE_IDS[scale_rounding], EMAX=p.emax,
         RCEIL_MANT_T=p.rceil_mant_threshold, RCEIL_MIN_BITS=p.rceil_min_bits_byte1, EVEN_ADD=p.even_round_add,
-        FIX_MAX_BYTE=SUBNORMAL_FIX_MAX_BYTE, PACKED=x.dtype == torch.bfloat16 and not triton_interpreter_on(), **cfg,
+        FIX_MAX_BYTE=SUBNORMAL_FIX_MAX_BYTE, PACKED=x.dtype == torch.bfloat16 and not triton_interpreter_on(),
+        SW=scales.num_warps, **cfg,
     )  # fmt: skip
-    return out, scales
+    return out, sbuf
 
 
-__all__ = ["KERNEL_CONFIG", "fused_hopper_values"]
+__all__ = ["KERNEL_CONFIG", "HopperScales", "fused_hopper_values"]

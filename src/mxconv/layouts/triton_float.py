@@ -1,7 +1,6 @@
 """Float experts straight to the ``triton`` backend's Hopper buffers (``TritonLayout.float_to_kernel``):
-the fused quantize + value layout kernel of :mod:`mxconv.kernels.triton_fused`, then the scale
-layout kernel on the plain scales it wrote, so the packed MXFP4 bytes never make a second trip
-through memory. The in-memory hand-off (``mxconv.engines.in_memory.convert_layer``) asks for it
+the fused quantize + value and scale layout kernel of :mod:`mxconv.kernels.triton_fused`, so the
+packed MXFP4 bytes and the plain scales never make a second trip through memory. The in-memory hand-off (``mxconv.engines.in_memory.convert_layer``) asks for it
 first and takes the general path (quantize, then ``to_kernel``) when it answers None.
 
 The bytes are ``to_kernel``'s of the quantized stack (tests/test_triton_fused.py). torch is
@@ -48,8 +47,7 @@ def float_to_kernel(
     w13, w2 = t["w13"], t["w2"]
     if not fused_applies(w13, activation, opts.arch, fmt, kernel_choice) or w2.dtype != w13.dtype:
         return None
-    from mxconv.kernels.triton_fused import fused_hopper_values
-    from mxconv.kernels.triton_swizzle import hopper_scales
+    from mxconv.kernels.triton_fused import HopperScales, fused_hopper_values
 
     E, n13, H = w13.shape
     I = n13 // 2
@@ -59,12 +57,10 @@ def float_to_kernel(
     flag = torch.zeros(1, dtype=torch.int32, device=w13.device)
     out: KernelTensors = {}
     for w, g in geometry.items():
-        if w == "w13":
-            tab_v, tab_s = (w13_row_table(I, row_order, rows, w13.device) for rows in (g.value_rows, g.scale_rows))
-        else:
-            tab_v, tab_s = (w2_row_table(H, rows, w13.device) for rows in (g.value_rows, g.scale_rows))
-        out[f"{w}_weight"], scales = fused_hopper_values(t[w], tab_v, g.value_row_bytes, scale_rounding, flag)
-        out[f"{w}_weight_scale"] = hopper_scales(scales, tab_s, g.scale_padded_cols, g.num_warps)
+        tab_v = w13_row_table(I, row_order, g.value_rows, w13.device) if w == "w13" else w2_row_table(H, g.value_rows, w13.device)
+        out[f"{w}_weight"], out[f"{w}_weight_scale"] = fused_hopper_values(
+            t[w], tab_v, g.value_row_bytes, scale_rounding, flag, HopperScales(g.scale_rows, g.scale_padded_cols, g.num_warps)
+        )
         if has_bias:
             bias = t[f"{w}_bias"].to(device=w13.device, dtype=torch.float32)
             out[f"{w}_bias"] = gather_padded_rows(bias, tab_v[: g.rows])
