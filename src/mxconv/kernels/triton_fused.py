@@ -225,7 +225,7 @@ def fused_hopper_values(
     d = out.view(torch.int32)
     p = FORMAT_PARAMS["mxfp4"]
     cfg = {k: v for k, v in KERNEL_CONFIG.items() if v or k != "maxnreg"}
-    grid = (triton.cdiv(row_bytes // 32, cfg["BR1"] * cfg["ITERS"]), triton.cdiv(n // 16, cfg["BR0"]), E)
+    grid = (-(-row_bytes // (32 * cfg["BR1"] * cfg["ITERS"])), -(-n // (16 * cfg["BR0"])), E)
     launch(
         _fused_value_kernel, grid, x,
         s, d, sbuf, nonfinite, tab, k // 32, row_bytes, n // 16, s.stride(0), s.stride(1), d.stride(0), d.stride(1),

@@ -9,6 +9,7 @@ imported in the function, so ``mxconv inspect`` stays torch-free.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from mxconv.layouts.canonical import KernelTensors, LayoutSizes, in_kernel_order
@@ -47,26 +48,37 @@ def float_to_kernel(
     w13, w2 = t["w13"], t["w2"]
     if not fused_applies(w13, activation, opts.arch, fmt, kernel_choice) or w2.dtype != w13.dtype:
         return None
-    from mxconv.kernels.triton_fused import HopperScales, fused_hopper_values
+    from mxconv.kernels.triton_fused import fused_hopper_values
 
     E, n13, H = w13.shape
-    I = n13 // 2
-    hp, ip = layout.padded_sizes(H, I, row_order, activation, opts)
     has_bias = t.get("w13_bias") is not None
-    geometry = layout.geometry(LayoutSizes(E, H, I, hp, ip, row_order, has_bias), opts)
     flag = torch.zeros(1, dtype=torch.int32, device=w13.device)
     out: KernelTensors = {}
-    for w, g in geometry.items():
-        tab_v = w13_row_table(I, row_order, g.value_rows, w13.device) if w == "w13" else w2_row_table(H, g.value_rows, w13.device)
-        out[f"{w}_weight"], out[f"{w}_weight_scale"] = fused_hopper_values(
-            t[w], tab_v, g.value_row_bytes, scale_rounding, flag, HopperScales(g.scale_rows, g.scale_padded_cols, g.num_warps)
-        )
+    for w, (tab_v, row_bytes, scales, rows) in _plan(layout, opts, E, H, n13 // 2, row_order, has_bias, w13.device):
+        out[f"{w}_weight"], out[f"{w}_weight_scale"] = fused_hopper_values(t[w], tab_v, row_bytes, scale_rounding, flag, scales)
         if has_bias:
             bias = t[f"{w}_bias"].to(device=w13.device, dtype=torch.float32)
-            out[f"{w}_bias"] = gather_padded_rows(bias, tab_v[: g.rows])
+            out[f"{w}_bias"] = gather_padded_rows(bias, tab_v[:rows])
     if flag.item():
         return None
     return in_kernel_order(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(layout: Any, opts: Any, E: int, H: int, I: int, row_order: str, has_bias: bool, device: torch.device
+          ) -> tuple[tuple[str, tuple[torch.Tensor, int, Any, int]], ...]:  # fmt: skip
+    """Per matrix (w13, w2): its value row table, value row bytes, scale buffer geometry and real
+    rows, for one layer shape (cached: the in-memory hand-off converts the same shapes layer after
+    layer, and this is host work before the first launch)."""
+    from mxconv.kernels.triton_fused import HopperScales
+
+    hp, ip = layout.padded_sizes(H, I, row_order, "bf16", opts)
+    geometry = layout.geometry(LayoutSizes(E, H, I, hp, ip, row_order, has_bias), opts)
+    plan = []
+    for w, g in geometry.items():
+        tab_v = w13_row_table(I, row_order, g.value_rows, device) if w == "w13" else w2_row_table(H, g.value_rows, device)
+        plan.append((w, (tab_v, g.value_row_bytes, HopperScales(g.scale_rows, g.scale_padded_cols, g.num_warps), g.rows)))
+    return tuple(plan)
 
 
 __all__ = ["FUSED_DTYPES", "float_to_kernel", "fused_applies"]
