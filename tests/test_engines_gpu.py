@@ -12,34 +12,38 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
+from support.gpu_outputs import KINDS, Case, need_kernels, repacked_cases
 from typer.testing import CliRunner
 
-from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
-from mxconv.engines import discover
-from mxconv.environment import MARLIN_OPS_ENV, TRITON_KERNELS_ENV
+from mxconv.engines.loader import (
+    LayerSource,
+    build_engine_layer,
+    read_layer_tensors,
+    resolve_layer,
+    run_kernel_layer,
+)
 from mxconv.engines.runner import KERNEL_THRESHOLDS
-from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts.canonical import CanonicalExperts
-from mxconv.engines.loader import LayerSource, build_engine_layer, read_layer_tensors, resolve_layer, run_kernel_layer
+from mxconv.source.checkpoint import open_checkpoint
 from mxconv.source.manifest import load_manifest
-from mxconv.verify.reference_moe import Routing, compare, hidden_states, moe_forward, route
-from support.checkpoints import make_checkpoint
 from mxconv.verify.numerics import expert_fn
+from mxconv.verify.reference_moe import (
+    Routing,
+    compare,
+    hidden_states,
+    moe_forward,
+    route,
+)
 
 pytestmark = pytest.mark.gpu
 TOKENS = 64
-# (kind, hidden size); I = 192 (TP2 ranks 96 -> 128), E = 8, top-2. triton_kernels' Hopper matmul
-# (num_warps 8) needs every output width > 128, hence no smaller sizes.
-KINDS = {"gpt": ("gpt-oss-bf16", 160), "qwen": ("qwen3-moe", 192)}
-INTERMEDIATE = 192
 cli = CliRunner()
 
 
@@ -56,52 +60,11 @@ def _report(record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def _need_kernels(backend: str) -> None:
-    """Skip (with the discovery message) when the backend's kernels or GPU are absent."""
-    try:
-        if backend == "triton":
-            discover.check_gpu("cuda", exact=discover.HOPPER, what="triton_kernels' Hopper MX matmul")
-            from mxconv.layouts import get_layout
-
-            try:
-                get_layout("triton")
-            except Exception as exc:  # the layout module is someone else's work in progress
-                pytest.skip(f"mxconv.layouts.triton not available: {exc}")
-            discover.find_triton_kernels()
-        else:
-            discover.check_gpu("cuda", exact=None, minimum=discover.MARLIN_MIN_CAPABILITY)
-            discover.find_marlin_ops()
-    except BadInput as exc:
-        pytest.skip(f"{backend} kernel not available (set {TRITON_KERNELS_ENV} / {MARLIN_OPS_ENV}): {exc}")
-
-
-@dataclass
-class Case:
-    family: str
-    q4: Path
-    outputs: dict[str, Path]  # "marlin", "marlin-tp2", "triton", "triton-tp2" (those repack wrote)
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict[str, Case]:
-    root = tmp_path_factory.mktemp("engines-gpu")
-    out: dict[str, Case] = {}
-    for fam, (kind, hidden) in KINDS.items():
-        make_checkpoint(root / f"{fam}-src", kind, hidden_size=hidden, intermediate_size=INTERMEDIATE, num_experts=8, top_k=2)
-        q4 = root / f"{fam}-q4"
-        code, text = mx("quantize", root / f"{fam}-src", q4, "--quiet", "--device", "cpu")
-        assert code == 0, text
-        outputs: dict[str, Path] = {}
-        pad = ["--layout-option", "pad_hidden=true"] if hidden % 64 else []
-        for name, args in (("marlin", ["--backend", "marlin"]), ("marlin-tp2", ["--backend", "marlin", "--tp", "2"]),
-                           ("triton", ["--backend", "triton", *pad]), ("triton-tp2", ["--backend", "triton", "--tp", "2", *pad])):  # fmt: skip
-            code, text = mx("repack", q4, root / f"{fam}-{name}", *args, "--quiet", "--device", "cpu")
-            if code == 0:
-                outputs[name] = root / f"{fam}-{name}"
-            else:
-                print(f"repack {fam} {name} failed ({code}): {text.strip()[-300:]}")
-        out[fam] = Case(fam, q4, outputs)
-    return out
+    repacks = {"marlin": ["--backend", "marlin"], "marlin-tp2": ["--backend", "marlin", "--tp", "2"],
+               "triton": ["--backend", "triton"], "triton-tp2": ["--backend", "triton", "--tp", "2"]}  # fmt: skip
+    return repacked_cases(tmp_path_factory.mktemp("engines-gpu"), repacks, required=False)
 
 
 def _reference(q4: Path, layer: int) -> tuple[torch.Tensor, Routing, torch.Tensor, CanonicalExperts, torch.Tensor]:
@@ -141,7 +104,7 @@ def _output(case: Case, name: str) -> Path:
 @pytest.mark.parametrize("family", list(KINDS))
 @pytest.mark.parametrize("name", ["marlin", "marlin-tp2", "triton", "triton-tp2"])
 def test_kernel_matches_reference(cases: dict[str, Case], family: str, name: str) -> None:
-    _need_kernels(name.split("-")[0])
+    need_kernels(name.split("-")[0])
     case = cases[family]
     out_dir = _output(case, name)
     manifest = load_manifest(out_dir)
@@ -154,7 +117,7 @@ def test_kernel_matches_reference(cases: dict[str, Case], family: str, name: str
 
 def _layer0(cases: dict[str, Case], family: str, backend: str) -> tuple[Case, LayerSource]:
     """(the family's case, layer 0 of its ``backend`` output); skips where the kernels are missing."""
-    _need_kernels(backend)
+    need_kernels(backend)
     case = cases[family]
     return case, resolve_layer(_output(case, backend), 0)
 
@@ -177,7 +140,7 @@ def test_forward_from_router_logits(cases: dict[str, Case], family: str, backend
         r = Routing(ids, w / w.sum(dim=-1, keepdim=True) if info.norm_topk_prob else w)
     from mxconv.mx.numerics import dequantize_mx
 
-    fn = lambda e: (dequantize_mx(canon.w13[e], canon.w13_scale[e], "mxfp4"), dequantize_mx(canon.w2[e], canon.w2_scale[e], "mxfp4"),  # noqa: E731
+    fn = lambda e: (dequantize_mx(canon.w13[e], canon.w13_scale[e], "mxfp4"), dequantize_mx(canon.w2[e], canon.w2_scale[e], "mxfp4"),
                     None if canon.w13_bias is None else canon.w13_bias[e].float(), None if canon.w2_bias is None else canon.w2_bias[e].float())  # fmt: skip
     ref = moe_forward(x, r, fn, info.num_experts, info, canon.row_order)
     got = eng.forward(x.cuda().to(torch.bfloat16), logits=logits.cuda())
@@ -195,7 +158,7 @@ def _swap_gate_up(c: CanonicalExperts) -> CanonicalExperts:
     else:
         I = c.w13.shape[1] // 2
         perm = torch.cat([torch.arange(I, 2 * I), torch.arange(I)])
-    rows = lambda t: None if t is None else t[:, perm].contiguous()  # noqa: E731
+    rows = lambda t: None if t is None else t[:, perm].contiguous()
     return CanonicalExperts(rows(c.w13), rows(c.w13_scale), c.w2, c.w2_scale, rows(c.w13_bias), c.w2_bias, c.row_order)
 
 

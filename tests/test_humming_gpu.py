@@ -15,15 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 from support.checkpoints import make_checkpoint
-from test_engines_gpu import (
-    INTERMEDIATE,
-    KINDS,
-    Case,
-    _check,
-    _reference,
-    mx,
-    run_planted_bugs,
-)
+from support.gpu_outputs import KINDS, Case, repacked_cases
+from test_engines_gpu import _check, _reference, mx, run_planted_bugs
 
 from mxconv.engines.loader import resolve_layer, run_kernel_layer
 from mxconv.layouts import get_layout
@@ -128,20 +121,8 @@ def test_bytes_equal_hummings_own_transform(order: str, bias: bool, H: int, I: i
 
 @pytest.fixture(scope="module")
 def humming_cases(tmp_path_factory) -> dict[str, Case]:
-    root = tmp_path_factory.mktemp("humming-gpu")
-    out: dict[str, Case] = {}
-    for fam, (kind, hidden) in KINDS.items():
-        make_checkpoint(root / f"{fam}-src", kind, hidden_size=hidden, intermediate_size=INTERMEDIATE, num_experts=8, top_k=2)
-        q4 = root / f"{fam}-q4"
-        code, text = mx("quantize", root / f"{fam}-src", q4, "--quiet", "--device", "cpu")
-        assert code == 0, text
-        outputs = {}
-        for name, tp in (("humming", "1"), ("humming-tp2", "2")):
-            code, text = mx("repack", q4, root / f"{fam}-{name}", "--backend", "humming", "--tp", tp, "--quiet", "--device", "cpu")
-            assert code == 0, text
-            outputs[name] = root / f"{fam}-{name}"
-        out[fam] = Case(fam, q4, outputs)
-    return out
+    repacks = {"humming": ["--backend", "humming", "--tp", "1"], "humming-tp2": ["--backend", "humming", "--tp", "2"]}
+    return repacked_cases(tmp_path_factory.mktemp("humming-gpu"), repacks, required=True)
 
 
 @pytest.mark.parametrize("family", list(KINDS))

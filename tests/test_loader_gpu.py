@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from support.checkpoints import make_checkpoint
+from support.gpu_outputs import need_kernels
 from test_staged_read import _infos, _shards
 from typer.testing import CliRunner
 
 from mxconv.cli import app
-from mxconv.engines import discover
 from mxconv.engines.in_memory import update_layer
 from mxconv.engines.loader import load_layer
 from mxconv.engines.model_load import load_model
@@ -34,18 +34,6 @@ from mxconv.source.st_format import read_tensor
 pytestmark = pytest.mark.gpu
 H, I, E = 256, 192, 8
 PREFIX = "model.layers.1.mlp.experts"
-
-
-def _need_kernels(backend: str) -> None:
-    try:
-        if backend == "triton":
-            discover.check_gpu("cuda", exact=discover.HOPPER, what="triton_kernels' Hopper MX matmul")
-            discover.find_triton_kernels()
-        else:
-            discover.check_gpu("cuda", exact=None, minimum=discover.MARLIN_MIN_CAPABILITY)
-            discover.find_marlin_ops()
-    except BadInput as exc:
-        pytest.skip(f"{backend} kernel not available: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +84,7 @@ def test_failed_staged_read_leaves_no_copy_queued(tmp_path: Path, monkeypatch: p
 
 @pytest.mark.parametrize("backend", ["triton", "marlin"])
 def test_load_model_wraps_every_layer_and_holds_only_the_resident_bytes(outputs: dict[str, Path], backend: str) -> None:
-    _need_kernels(backend)
+    need_kernels(backend)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -119,7 +107,7 @@ def test_load_model_wraps_every_layer_and_holds_only_the_resident_bytes(outputs:
 @pytest.mark.parametrize("backend", ["triton", "marlin"])
 def test_docs_example_rl_weight_sync(outputs: dict[str, Path], backend: str) -> None:
     """docs/loader.md's example: new bf16 weights pushed into a live layer change its forward."""
-    _need_kernels(backend)
+    need_kernels(backend)
     ckpt = open_checkpoint(str(outputs["src"]))
     weights = {n[len(PREFIX) + 1:]: read_tensor(i).cuda() for n, i in ckpt.tensors.items() if n.startswith(PREFIX + ".")}
     weights["down_proj_bias"] = torch.zeros_like(weights["down_proj_bias"])  # y is then linear in w2
