@@ -214,9 +214,16 @@ def bench_in_memory(E: int, H: int, I: int, device: torch.device, res: dict[str,
         res[f"in_memory_{backend}_vs_copy"] = res[f"in_memory_{backend}_gbps"] / res["device_copy_gbps"]
 
 
-# Runs ``mxconv`` with argv[1:] and prints the process's peak RSS (KiB) to stderr at exit.
+# Runs ``mxconv`` with argv[1:] and prints the process's peak RSS (KiB) to stderr at exit: its own
+# VmHWM (ru_maxrss would be at least this benchmark's RSS when it forked: exec keeps the high-water
+# mark of the image it replaces; on a machine without /proc, ru_maxrss is all there is).
 _WITH_PEAK = ("import atexit, resource, runpy, sys\n"
-              "atexit.register(lambda: sys.stderr.write('MAXRSS %d\\n' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))\n"
+              "def peak():\n"
+              "    try:\n"
+              "        return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+              "    except (OSError, StopIteration):\n"
+              "        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "atexit.register(lambda: sys.stderr.write('MAXRSS %d\\n' % peak()))\n"
               "sys.argv = ['mxconv'] + sys.argv[1:]\n"
               "runpy.run_module('mxconv.cli', run_name='__main__')\n")
 
