@@ -1,12 +1,14 @@
 """Time the in-memory bf16 -> ``triton`` (Hopper MXFP4) hand-off of one layer, fused vs unfused vs a
 device copy (docs/benchmarks.md, "Fused quantize + triton layout").
 
-    python scripts/bench_fused_triton.py [--experts 128] [--hidden 2880] [--intermediate 2880] [--sweep]
+    python scripts/bench_fused_triton.py [--experts 128] [--hidden 2880] [--intermediate 2880] [--sweep] [--profile]
 
 "copy" is a clone of the bf16 experts (2 x their bytes moved); a conversion's rate counts the bf16
 bytes read and the kernel bytes written, and "of copy" is that rate over the copy's. The fused and
 unfused outputs are compared byte for byte first. ``--sweep`` first times the fused kernel's launch
 shapes on w13 (and the plain quantizer there, its streaming bound) and keeps the fastest for the rest.
+``--profile`` lists the GPU work of three fused calls in order (torch.profiler), each with the idle
+time before it: what a call spends on the host before and between its launches.
 Needs a CUDA GPU with triton.
 """
 
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2880)
     ap.add_argument("--intermediate", type=int, default=2880)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     E, H, I = a.experts, a.hidden, a.intermediate
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -65,7 +68,27 @@ def main() -> None:
     for name, fn in (("fused", lambda: convert_layer(bf16, opts, row_order="halves")), ("unfused", unfused)):
         ms = do_bench(fn)
         res[f"{name}_ms"], res[f"{name}_of_copy"] = round(ms, 3), round(moved / ms / 1e6 / copy_gbps, 3)
+    if a.profile:
+        res["profile"] = gpu_timeline(lambda: convert_layer(bf16, opts, row_order="halves"))
     print(json.dumps(res, indent=1))
+
+
+def gpu_timeline(fn, calls: int = 3) -> list[str]:
+    """The GPU activities of ``calls`` calls of ``fn`` in order: "name ms (idle before: ms)"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    lines, prev = [], None
+    for e in events:
+        idle = "" if prev is None else f" (idle before: {(e.time_range.start - prev) / 1e3:.3f} ms)"
+        lines.append(f"{e.name[:48]} {(e.time_range.end - e.time_range.start) / 1e3:.3f} ms{idle}")
+        prev = e.time_range.end
+    return lines
 
 
 def sweep(w13: torch.Tensor, I: int) -> dict[str, float]:
