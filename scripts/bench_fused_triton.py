@@ -95,7 +95,7 @@ def sweep(w13: torch.Tensor, I: int) -> dict[str, float]:
     """w13's fused kernel per launch shape (ms), the quantizer alone; leaves the fastest shape set."""
     tab = w13_row_table(I, "halves", 2 * I, w13.device)
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    geo = triton_fused.HopperScales(-(-len(tab) // 256) * 256, -(-w13.shape[-1] // 64) * 2, 8)
+    geo = triton_fused.HopperScales(-(-len(tab) // 256) * 256, -(-w13.shape[-1] // 128) * 4, 8)  # as convert_layer's
     res = {"w13_quantize_only_ms": round(do_bench(lambda: quantize_mx_triton(w13, "mxfp4")), 3)}
     best: tuple[float, dict[str, int]] = (float("inf"), {})
     for br0, br1, warps, iters, maxnreg in SHAPES:
@@ -121,7 +121,7 @@ def parts(bf16: dict[str, torch.Tensor], H: int, I: int) -> dict[str, float]:
     res = {}
     for w, tab in tabs.items():
         x = bf16[w]
-        geo = triton_fused.HopperScales(-(-len(tab) // 256) * 256, -(-x.shape[-1] // 64) * 2, 8)
+        geo = triton_fused.HopperScales(-(-len(tab) // 256) * 256, -(-x.shape[-1] // 128) * 4, 8)  # as convert_layer's
         res[f"{w}_fused_kernel_ms"] = round(do_bench(
             lambda x=x, tab=tab, geo=geo: triton_fused.fused_hopper_values(x, tab, x.shape[-1] // 2, "rceil", flag, geo)), 3)
     return res

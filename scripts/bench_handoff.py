@@ -234,8 +234,9 @@ def child_env(bytecode: str) -> dict[str, str]:
     env = dict(os.environ)
     if bytecode == "write":
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        subprocess.run([sys.executable, "-c", "import torch, triton, mxconv.cli, mxconv.verify, mxconv.verify.prefetch"],
-                       env=env, check=True)  # fmt: skip
+        warm = "import importlib.util, torch, mxconv.cli, mxconv.verify, mxconv.verify.prefetch\n" \
+               "if importlib.util.find_spec('triton'): import triton"  # fmt: skip
+        subprocess.run([sys.executable, "-c", warm], env=env, check=True)
     return env
 
 

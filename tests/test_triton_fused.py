@@ -1,13 +1,15 @@
-"""The fused float -> ``triton`` Hopper value kernel (mxconv.kernels.triton_fused) and the in-memory
+"""The fused float -> ``triton`` Hopper kernel (mxconv.kernels.triton_fused) and the in-memory
 hand-off's use of it (TritonLayout.float_to_kernel).
 
-(a) CPU, Triton interpreter (a subprocess with TRITON_INTERPRET=1): the fused value buffer and plain
-    scales equal the torch quantizer's bytes laid out by ``hopper_values`` with the same row table, on
+(a) CPU, Triton interpreter (a subprocess with TRITON_INTERPRET=1): the fused value and scale buffers
+    equal the torch quantizer's bytes laid out by ``hopper_values`` / ``hopper_scales`` (1 or 4
+    layout warps, zero scale rows and columns beyond the real ones) with the same row table, on
     sizes that pad (I not a multiple of 64: padding rows; H not a multiple of 64: padding bytes), both
     w13 row orders and w2, both value generations, every scale rule, bf16/fp16/fp32, two launch shapes
     (one whose grid overhangs the rows and columns), the quantizer's hard cases (ties, tiny and
     subnormal blocks); a NaN or an Inf sets the flag, finite input does not.
-(b) CPU: when the fused path stands aside (the general path then runs).
+(b) CPU: when the fused path stands aside (the general path then runs), and when bf16 takes the
+    bf16x2 path (sm_90 and later; tests/test_bf16x2_codes.py runs its PTX on the CPU).
 (c) GPU (``-m gpu``): (a)'s cases compiled (bf16 then takes the bf16x2 inline-PTX path), a bf16 sweep
     of every exponent and code against the torch quantizer; ``convert_layer`` (fused) == quantize +
     ``to_kernel`` (unfused) at gpt-oss sizes;
@@ -121,6 +123,20 @@ def test_interpreter_fused_equals_quantize_then_gather(interpreter_report) -> No
     _check_report(interpreter_report)
 
 
+def test_bf16x2_path_only_for_bf16_on_sm90_and_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mxconv.kernels.bf16x2 import bf16x2_path
+
+    cuda = torch.device("cuda", 0)
+    assert not bf16x2_path(torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, want in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert bf16x2_path(torch.bfloat16, cuda) is want, capability
+        assert not bf16x2_path(torch.float16, cuda) and not bf16x2_path(torch.float32, cuda)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert not bf16x2_path(torch.bfloat16, cuda)  # a ROCm build: no PTX
+
+
 def test_fused_path_stands_aside() -> None:
     """CPU tensors, MXFP8, the W4A8 activation, other archs and KernelChoice.TORCH all take the general path."""
     x = torch.zeros(1, 64, 32, dtype=torch.bfloat16)
@@ -169,7 +185,7 @@ def _bf16_sweep(mode: str) -> torch.Tensor:
     largest, at exponents over the whole bf16 range, subnormals included) and whose other 31 are
     random bf16 bit patterns in the five binades below it (every code, ties included), random signs."""
     g = torch.Generator().manual_seed(SCALE_MODES.index(mode))
-    maxima = torch.tensor([(ex << 7) | m for ex in range(0, 255, 2) for m in (0, 64, 96, 127)], dtype=torch.int32)
+    maxima = torch.tensor([(ex << 7) | m for ex in range(255) for m in (0, 64, 96, 127)], dtype=torch.int32)
     per_max = 8  # blocks a maximum
     top = maxima.repeat_interleave(per_max)
     n = top.numel()
@@ -191,10 +207,10 @@ def test_gpu_fused_bf16_sweep_equals_torch(mode: str) -> None:
     from mxconv.layouts.triton_bytemap import w2_row_table
 
     x = _bf16_sweep(mode)
-    rows = x.shape[1]  # 128: the scale buffer takes 128 more zero rows, 2 more zero columns
-    tab, tab_s = w2_row_table(rows, rows).cuda(), w2_row_table(rows, 2 * rows).cuda()
+    rows = x.shape[1]  # 255: one zero value row, 257 zero scale rows, 2 zero scale columns
+    tab, tab_s = w2_row_table(rows, 256).cuda(), w2_row_table(rows, 512).cuda()
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    values, scales = fused_hopper_values(x.cuda(), tab, 512, mode, flag, HopperScales(2 * rows, 34, 2))
+    values, scales = fused_hopper_values(x.cuda(), tab, 512, mode, flag, HopperScales(512, 34, 2))
     d_ref, s_ref = quantize_mx_torch(x, "mxfp4", mode)
     assert int(flag) == 0
     assert torch.equal(scales, hopper_scales(s_ref.cuda(), tab_s, 34, 2))

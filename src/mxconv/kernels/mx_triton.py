@@ -30,8 +30,8 @@ import functools
 
 import torch
 
-from mxconv.errors import BadInput
 from mxconv.environment import triton_interpreter_on
+from mxconv.errors import BadInput
 from mxconv.kernels.triton_common import launch
 from mxconv.kernels.triton_import import TRITON_IMPORT_ERROR, tl, triton
 from mxconv.mx.formats import (
@@ -93,53 +93,6 @@ if triton is not None:
         if SATURATE:  # only floor/even can round above 6 (rceil maps the block max to <= 6)
             code = tl.minimum(code, 7)
         return code
-
-    # bf16 pairs with bf16x2 instructions (SM90: mul/add.rn.bf16x2, max/min.u16x2), on |w| (the
-    # words & 0x7FFF7FFF): |x| * 2^-e is exact in bf16 (a power of two; bf16 arithmetic keeps
-    # subnormals, so tiny blocks need no rebuild), then the magic add of _e2m1_magnitude with bf16's
-    # 7 mantissa bits: 2^(6+t) has the E2M1 step as its ulp. Lane arithmetic on the 32-bit word is
-    # exact because every lane's result is in [0, 8] and the exponent bits shifted right stay inside
-    # their lane.
-    _PAIR_CODES = """{
-        .reg .b32 y, one, eb, mg, s, sh;
-        mul.rn.bf16x2 y, $1, $2;
-        mov.b32 one, 0x3F803F80;
-        max.bf16x2 eb, y, one;
-        and.b32 eb, eb, 0x7F807F80;
-        add.u32 mg, eb, 0x03000300;
-        add.rn.bf16x2 s, y, mg;
-        shr.u32 sh, eb, 6;
-        sub.u32 s, s, eb;
-        add.u32 s, s, sh;
-        sub.u32 $0, s, 0x03FE03FE;
-    }"""
-    _PAIR_CODES_PTX = tl.constexpr(_PAIR_CODES)
-    _SATURATED_PAIR_CODES_PTX = tl.constexpr(
-        _PAIR_CODES.replace("sub.u32 $0, s, 0x03FE03FE;", "sub.u32 s, s, 0x03FE03FE;\n        mov.b32 sh, 0x00070007;\n        min.u16x2 $0, s, sh;")
-    )
-
-    @triton.jit
-    def _max_u16x2(a, b):
-        return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], tl.int32, True, 1)
-
-    @triton.jit
-    def bf16_pair_max(abs_w):
-        """Per row of ``abs_w`` (int32 [B, n], bf16 pairs & 0x7FFF7FFF): the largest |x| as fp32 bits
-        (int32 [B]; >= 0x7F800000 iff a NaN or an Inf; bf16 bits order as their values). Compiled code
-        only (inline PTX)."""
-        m = tl.reduce(abs_w, 1, _max_u16x2)
-        return tl.maximum(m & -65536, m << 16)
-
-    @triton.jit
-    def bf16_pair_codes(abs_w, byte, SATURATE: tl.constexpr):
-        """E2M1 magnitude codes of the bf16 pairs ``abs_w`` (int32 [B, n], words & 0x7FFF7FFF; scale
-        ``byte`` int32 [B] in [0, 253]): the low half's code at bits 0-2, the high half's at 16-18
-        (int32 [B, n]). Compiled code only (inline PTX; the interpreter takes :func:`fp4_magnitudes`)."""
-        half = (254 - byte) << 7  # 2^-e as bf16 bits, normal for byte <= 253
-        scale = tl.broadcast_to((half | (half << 16))[:, None], abs_w.shape)
-        if SATURATE:  # only floor/even can round above 6 (rceil maps the block max to <= 6)
-            return tl.inline_asm_elementwise(_SATURATED_PAIR_CODES_PTX, "=r,r,r", [abs_w, scale], tl.int32, True, 1)
-        return tl.inline_asm_elementwise(_PAIR_CODES_PTX, "=r,r,r", [abs_w, scale], tl.int32, True, 1)
 
     @triton.jit
     def _e4m3_byte(y):

@@ -14,9 +14,9 @@ no tile is permuted or exchanged between threads (the compiler keeps the memory 
 loads 4 consecutive pairs; only the finished words change layout for the store). A program's
 source rows are looked up once, before its column loop.
 
-bf16 (compiled, not under the interpreter) takes the bf16x2 path of :mod:`mxconv.kernels.mx_triton`:
-both halves of a pair word are scaled, rounded and coded by packed bf16x2 and u16x2 instructions
-(inline PTX), and a block's max is a u16x2 max of the words; fp16/fp32 and the interpreter take the
+bf16 on an sm_90 or later GPU takes the bf16x2 path of :mod:`mxconv.kernels.bf16x2`: both halves
+of a pair word are scaled, rounded and coded by packed bf16x2 and u16x2 instructions (inline PTX),
+and a block's max is a u16x2 max of the words; fp16/fp32, older GPUs and the interpreter take the
 fp32 path of the plain quantizer. Counted offline (ptxas for sm_90, Triton 3.6): the loop body of a
 one-warp program is 356 instructions for its 16 pairs a thread (22 a pair; the fp32 path about 40),
 and w13 of gpt-oss-120b runs as fast as the plain quantizer (docs/benchmarks.md).
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mxconv.environment import triton_interpreter_on
 from mxconv.errors import BadInput
+from mxconv.kernels.bf16x2 import bf16x2_path
 from mxconv.kernels.triton_common import as_words, gather_operands, kernel_dims, launch
 from mxconv.kernels.triton_import import tl, triton
 from mxconv.mx.formats import (
@@ -56,7 +56,13 @@ KERNEL_CONFIG: dict[str, int] = {"BR0": 1, "BR1": 2, "ITERS": 5, "maxnreg": 0, "
 _INPUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # mx_triton's INPUT_KIND
 
 if triton is not None:
-    from mxconv.kernels.mx_triton import bf16_pair_codes, bf16_pair_max, fp4_magnitudes, scale_byte, scaled_elements, split_pairs
+    from mxconv.kernels.bf16x2 import bf16_pair_codes, bf16_pair_max
+    from mxconv.kernels.mx_triton import (
+        fp4_magnitudes,
+        scale_byte,
+        scaled_elements,
+        split_pairs,
+    )
 
     @triton.jit
     def _abs_max(w, INPUT_KIND: tl.constexpr, PACKED: tl.constexpr):
@@ -113,14 +119,14 @@ if triton is not None:
         return wa, wb
 
     @triton.jit
-    def _rows(wa, wb, sr, scale, flag, e, r0, ts, j, C_in, c_e, c_r,
+    def _rows(wa, wb, sr, scale, flag, e, r0, ts, j, C_in, c_e, c_r, NS32,
               W0: tl.constexpr, INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr,
               RCEIL_MANT_T: tl.constexpr, RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr,
               FIX_MAX_BYTE: tl.constexpr, PACKED: tl.constexpr, SW: tl.constexpr):  # fmt: skip
         """The tiles of :func:`_tiles` (kernel rows n = 16 r0 + 8 W0 + ts): quantized, scales and flag
         stored, and the bits of bytes W0 and W0 + 2 returned ORed (int32 [B, 8]). The scale of row n,
         block j goes where ``hopper_scales`` puts it (SW warps): n = 32 SW m0 + 16 SW i1 + 16 w + 8 i3
-        + i4, j = 2 k0 + k1 -> row SW m0 + w, column 64 k0 + 32 i1 + 4 i4 + 2 k1 + i3."""
+        + i4, j = 2 k0 + k1 -> row SW m0 + w, column 64 k0 + 32 i1 + 4 i4 + 2 k1 + i3 (rows < NS32)."""
         ok = (sr >= 0) & (j < C_in)
         amax_a, mag_a = _abs_max(wa, INPUT_KIND, PACKED)
         amax_b, mag_b = _abs_max(wb, INPUT_KIND, PACKED)
@@ -128,14 +134,17 @@ if triton is not None:
         tl.store(flag + j * 0, 1, mask=ok & (tl.maximum(mag_a, mag_b) >= 0x7F800000))  # no cross-warp reduction
         s_row = SW * (r0 // (2 * SW)) + r0 % SW
         s_col = 64 * (j // 2) + 32 * ((r0 // SW) % 2) + 4 * ts + 2 * (j % 2) + W0
-        tl.store(scale + e * c_e + s_row * c_r + s_col, byte.to(tl.uint8), mask=ok)
-        need_fix = tl.min(tl.where(ok, byte, 255)) <= FIX_MAX_BYTE
+        tl.store(scale + e * c_e + s_row * c_r + s_col, byte.to(tl.uint8), mask=ok & (s_row < NS32))
+        if PACKED:  # bf16x2 arithmetic keeps subnormals: no rebuild
+            need_fix = False
+        else:
+            need_fix = tl.min(tl.where(ok, byte, 255)) <= FIX_MAX_BYTE
         bits = _placed(wa, byte, need_fix, W0, INPUT_KIND, MODE, FIX_MAX_BYTE, PACKED)
         return bits | _placed(wb, byte, need_fix, W0 + 2, INPUT_KIND, MODE, FIX_MAX_BYTE, PACKED)
 
     @triton.jit
     def _fused_value_kernel(
-        src, dst, scale, flag, tab, C_in, Q_out, N16, s_e, s_r, d_e, d_r, c_e, c_r,
+        src, dst, scale, flag, tab, C_in, Q_out, N16, NS32, s_e, s_r, d_e, d_r, c_e, c_r,
         INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr, RCEIL_MANT_T: tl.constexpr,
         RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr, PACKED: tl.constexpr,
         SW: tl.constexpr, BR0: tl.constexpr, BR1: tl.constexpr, ITERS: tl.constexpr,
@@ -149,7 +158,7 @@ if triton is not None:
         src: element-pairs words [E, R_in, K/2] (int32 for 16-bit floats, int64 for fp32); pair
         32 r1 + 8 a1 + 4 w1 + t1 of a row is source byte κ; a1 = 2 a1h + a1l, block j = 2 r1 + a1h.
         dst: int32 words [E, Np/4, Q_out]; word 32 r1 + 16 s0 + 4 t1 + a1 of row 4 r0 + t0.
-        scale: the Hopper scale buffer uint8 [E, Ns/32, 32 C_out] of SW warps (:func:`_rows`), zero
+        scale: the Hopper scale buffer uint8 [E, NS32, 32 C_out] of SW warps (:func:`_rows`), zero
         where nothing is stored. Tile rows b = (r0, t0 s0, r1, a1h), columns 4 a1l + t1.
         """
         NB: tl.constexpr = 2 * BR1  # blocks a row
@@ -165,16 +174,16 @@ if triton is not None:
             j = j0 + it * NB
             a0, b0 = _tiles(src, sr0, e, j, C_in, s_e, s_r)
             a1, b1 = _tiles(src, sr1, e, j, C_in, s_e, s_r)
-            _step(a0, b0, sr0, a1, b1, sr1, dst, scale, flag, e, r0, ts, j, ok_r, C_in, Q_out, d_e, d_r, c_e, c_r,
+            _step(a0, b0, sr0, a1, b1, sr1, dst, scale, flag, e, r0, ts, j, ok_r, C_in, Q_out, d_e, d_r, c_e, c_r, NS32,
                   INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD, FIX_MAX_BYTE, PACKED, SW)  # fmt: skip
 
     @triton.jit
-    def _step(a0, b0, sr0, a1, b1, sr1, dst, scale, flag, e, r0, ts, j, ok_r, C_in, Q_out, d_e, d_r, c_e, c_r,
+    def _step(a0, b0, sr0, a1, b1, sr1, dst, scale, flag, e, r0, ts, j, ok_r, C_in, Q_out, d_e, d_r, c_e, c_r, NS32,
               INPUT_KIND: tl.constexpr, MODE: tl.constexpr, EMAX: tl.constexpr, RCEIL_MANT_T: tl.constexpr,
               RCEIL_MIN_BITS: tl.constexpr, EVEN_ADD: tl.constexpr, FIX_MAX_BYTE: tl.constexpr,
               PACKED: tl.constexpr, SW: tl.constexpr):  # fmt: skip
         """One loop step of :func:`_fused_value_kernel` on the four tiles of blocks j: their words."""
-        args = (scale, flag, e, r0, ts, j, C_in, c_e, c_r)
+        args = (scale, flag, e, r0, ts, j, C_in, c_e, c_r, NS32)
         words = _rows(a0, b0, sr0, *args, 0, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD,
                       FIX_MAX_BYTE, PACKED, SW)  # fmt: skip
         words |= _rows(a1, b1, sr1, *args, 1, INPUT_KIND, MODE, EMAX, RCEIL_MANT_T, RCEIL_MIN_BITS, EVEN_ADD,
@@ -189,7 +198,8 @@ if triton is not None:
 class HopperScales:
     """The scale buffer the fused kernel writes: ``hopper_scales``' layout of ``rows`` kernel rows
     (the value table's real rows, then zero rows), ``cols`` columns (scale groups, zero beyond the
-    real ones) for ``num_warps``: uint8 [E, rows/32, 32*cols]. rows % (32*num_warps) == 0, cols even."""
+    real ones) for ``num_warps``: uint8 [E, rows/32, 32*cols]. rows % (32*num_warps) == 0, cols even;
+    a real row of the value table at or beyond ``rows`` has no place there (its scales are not stored)."""
 
     rows: int
     cols: int
@@ -211,7 +221,7 @@ def fused_hopper_values(
     E, k, n = kernel_dims(x, tab)
     if n % 16 or row_bytes % 32 or 2 * row_bytes < k:
         raise BadInput(f"fused Hopper values need rows % 16 == 0, row bytes % 32 == 0 and >= K/2, got {n}, {row_bytes}, K={k}")
-    if scales.rows % (32 * scales.num_warps) or scales.cols % 2 or scales.cols < k // 32:
+    if scales.num_warps < 1 or scales.rows % (32 * scales.num_warps) or scales.cols % 2 or scales.cols < k // 32:
         raise BadInput(f"fused Hopper scales need rows % {32 * scales.num_warps} == 0 and even columns >= K/32, got {scales}")
     if x.dtype not in _INPUT_KINDS:
         raise BadInput(f"fused Hopper values take bf16, fp16 or fp32 experts, got {x.dtype}")
@@ -228,11 +238,11 @@ def fused_hopper_values(
     grid = (-(-row_bytes // (32 * cfg["BR1"] * cfg["ITERS"])), -(-n // (16 * cfg["BR0"])), E)
     launch(
         _fused_value_kernel, grid, x,
-        s, d, sbuf, nonfinite, tab, k // 32, row_bytes, n // 16, s.stride(0), s.stride(1), d.stride(0), d.stride(1),
+        s, d, sbuf, nonfinite, tab, k // 32, row_bytes, n // 16, scales.rows // 32, s.stride(0), s.stride(1), d.stride(0), d.stride(1),
         sbuf.stride(0), sbuf.stride(1),
         INPUT_KIND=_INPUT_KINDS[x.dtype], MODE=SCALE_MODE_IDS[scale_rounding], EMAX=p.emax,
         RCEIL_MANT_T=p.rceil_mant_threshold, RCEIL_MIN_BITS=p.rceil_min_bits_byte1, EVEN_ADD=p.even_round_add,
-        FIX_MAX_BYTE=SUBNORMAL_FIX_MAX_BYTE, PACKED=x.dtype == torch.bfloat16 and not triton_interpreter_on(),
+        FIX_MAX_BYTE=SUBNORMAL_FIX_MAX_BYTE, PACKED=bf16x2_path(x.dtype, x.device),
         SW=scales.num_warps, **cfg,
     )  # fmt: skip
     return out, sbuf

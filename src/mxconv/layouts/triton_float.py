@@ -1,7 +1,8 @@
 """Float experts straight to the ``triton`` backend's Hopper buffers (``TritonLayout.float_to_kernel``):
 the fused quantize + value and scale layout kernel of :mod:`mxconv.kernels.triton_fused`, so the
-packed MXFP4 bytes and the plain scales never make a second trip through memory. The in-memory hand-off (``mxconv.engines.in_memory.convert_layer``) asks for it
-first and takes the general path (quantize, then ``to_kernel``) when it answers None.
+packed MXFP4 bytes and the plain scales never make a second trip through memory. The in-memory
+hand-off (``mxconv.engines.in_memory.convert_layer``) asks for it first and takes the general path
+(quantize, then ``to_kernel``) when it answers None.
 
 The bytes are ``to_kernel``'s of the quantized stack (tests/test_triton_fused.py). torch is
 imported in the function, so ``mxconv inspect`` stays torch-free.
@@ -54,7 +55,7 @@ def float_to_kernel(
     has_bias = t.get("w13_bias") is not None
     flag = torch.zeros(1, dtype=torch.int32, device=w13.device)
     out: KernelTensors = {}
-    for w, (tab_v, row_bytes, scales, rows) in _plan(layout, opts, E, H, n13 // 2, row_order, has_bias, w13.device):
+    for w, (tab_v, row_bytes, scales, rows) in _plan(layout, opts, E, H, n13 // 2, row_order, activation, has_bias, w13.device):
         out[f"{w}_weight"], out[f"{w}_weight_scale"] = fused_hopper_values(t[w], tab_v, row_bytes, scale_rounding, flag, scales)
         if has_bias:
             bias = t[f"{w}_bias"].to(device=w13.device, dtype=torch.float32)
@@ -65,14 +66,15 @@ def float_to_kernel(
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(layout: Any, opts: Any, E: int, H: int, I: int, row_order: str, has_bias: bool, device: torch.device
-          ) -> tuple[tuple[str, tuple[torch.Tensor, int, Any, int]], ...]:  # fmt: skip
-    """Per matrix (w13, w2): its value row table, value row bytes, scale buffer geometry and real
-    rows, for one layer shape (cached: the in-memory hand-off converts the same shapes layer after
-    layer, and this is host work before the first launch)."""
+def _plan(layout: Any, opts: Any, E: int, H: int, I: int, row_order: str, activation: str, has_bias: bool,
+          device: torch.device) -> tuple[tuple[str, tuple[torch.Tensor, int, Any, int]], ...]:  # fmt: skip
+    """Per matrix ("w13", "w2"): (value row table int32 [value rows] on ``device`` (source row of
+    each kernel row, -1 = padding), value row bytes, the scale buffer's ``HopperScales``, real rows)
+    for one layer shape. Cached (64 shapes): the in-memory hand-off converts the same shapes layer
+    after layer, and this is host work before the first launch; the row tables are only read."""
     from mxconv.kernels.triton_fused import HopperScales
 
-    hp, ip = layout.padded_sizes(H, I, row_order, "bf16", opts)
+    hp, ip = layout.padded_sizes(H, I, row_order, activation, opts)
     geometry = layout.geometry(LayoutSizes(E, H, I, hp, ip, row_order, has_bias), opts)
     plan = []
     for w, g in geometry.items():
