@@ -69,7 +69,8 @@ def register_then_copy(rt, host: torch.Tensor, dev: torch.Tensor, size: int, thr
         t1 = time.perf_counter()
         if errors != {0}:
             return {"register_errors": sorted(errors)}
-        copy = synced_ms(lambda: [dev[o : o + chunk].copy_(host[o : o + chunk], non_blocking=True) for o in offs])
+        ends = [min(o + chunk, size) for o in offs]  # each copy within one registration
+        copy = synced_ms(lambda: [dev[o:e].copy_(host[o:e], non_blocking=True) for o, e in zip(offs, ends)])
         t2 = time.perf_counter()
         list(pool.map(lambda o: rt.cudaHostUnregister(base + o), offs))
         t3 = time.perf_counter()
@@ -93,7 +94,7 @@ def pipelined(rt, host: torch.Tensor, dev: torch.Tensor, begin: int, end: int, c
         o, err = item
         if err:
             raise RuntimeError(f"cudaHostRegister failed ({err}) at offset {o}")
-        dev[o : o + chunk].copy_(host[o : min(o + chunk, end)], non_blocking=True)
+        dev[o : min(o + chunk, end)].copy_(host[o : min(o + chunk, end)], non_blocking=True)
         done.append(o)
     torch.cuda.synchronize()
     th.join()
