@@ -7,6 +7,8 @@ device copy (docs/benchmarks.md, "Fused quantize + triton layout").
 bytes read and the kernel bytes written, and "of copy" is that rate over the copy's. The fused and
 unfused outputs are compared byte for byte first. ``--sweep`` first times the fused kernel's launch
 shapes on w13 (and the plain quantizer there, its streaming bound) and keeps the fastest for the rest.
+The same experts in gpt-oss' own [E, H, 2I] / [E, I, H] layout go through ``convert_layer`` too,
+and w13's transposed copy is timed (torch's, and the Triton tile transpose per tile shape).
 ``--profile`` lists the GPU work of three fused calls in order (torch.profiler), each with the idle
 time before it: what a call spends on the host before and between its launches.
 Needs a CUDA GPU with triton.
@@ -68,9 +70,32 @@ def main() -> None:
     for name, fn in (("fused", lambda: convert_layer(bf16, opts, row_order="halves")), ("unfused", unfused)):
         ms = do_bench(fn)
         res[f"{name}_ms"], res[f"{name}_of_copy"] = round(ms, 3), round(moved / ms / 1e6 / copy_gbps, 3)
+    res.update(gpt_oss_naming(bf16, opts, copy_gbps))
     if a.profile:
         res["profile"] = gpu_timeline(lambda: convert_layer(bf16, opts, row_order="halves"))
     print(json.dumps(res, indent=1))
+
+
+def gpt_oss_naming(bf16: dict[str, torch.Tensor], opts: ConvertOptions, copy_gbps: float) -> dict[str, object]:
+    """The same experts in gpt-oss' own layout (gate_up_proj [E, H, 2I], down_proj [E, I, H]):
+    convert_layer on them (made row-contiguous first), and that transposed copy of w13 by torch and
+    by ``transposed_copy`` per tile shape (ms; "of copy" over its 2 x bytes)."""
+    from mxconv.kernels import triton_common
+
+    raw = {"gate_up_proj": bf16["w13"].transpose(1, 2).contiguous(), "down_proj": bf16["w2"].transpose(1, 2).contiguous()}
+    res: dict[str, object] = {"gpt_oss_naming_convert_ms": round(do_bench(lambda: convert_layer(raw, opts)), 3)}
+    view = raw["gate_up_proj"].transpose(1, 2)
+    moved = 2 * view.numel() * view.element_size()
+    ms = do_bench(lambda: view.contiguous())
+    res["w13_transpose_torch_ms"], res["w13_transpose_torch_of_copy"] = round(ms, 3), round(moved / ms / 1e6 / copy_gbps, 3)
+    default = dict(triton_common.KERNEL_CONFIG["transposed_copy"])
+    for br, bc, warps in ((64, 64, 4), (128, 64, 8), (64, 128, 8), (32, 32, 4), (128, 128, 8)):
+        triton_common.KERNEL_CONFIG["transposed_copy"] = {"BR": br, "BC": bc, "num_warps": warps}
+        ms = do_bench(lambda: triton_common.transposed_copy(view))
+        res[f"w13_transpose_triton_{br}x{bc}x{warps}_ms"] = round(ms, 3)
+        res[f"w13_transpose_triton_{br}x{bc}x{warps}_of_copy"] = round(moved / ms / 1e6 / copy_gbps, 3)
+    triton_common.KERNEL_CONFIG["transposed_copy"] = default
+    return res
 
 
 def gpu_timeline(fn, calls: int = 3) -> list[str]:
