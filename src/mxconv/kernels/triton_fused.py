@@ -17,9 +17,9 @@ source rows are looked up once, before its column loop.
 bf16 on an sm_90 or later GPU takes the bf16x2 path of :mod:`mxconv.kernels.bf16x2`: both halves
 of a pair word are scaled, rounded and coded by packed bf16x2 and u16x2 instructions (inline PTX),
 and a block's max is a u16x2 max of the words; fp16/fp32, older GPUs and the interpreter take the
-fp32 path of the plain quantizer. Counted offline (ptxas for sm_90, Triton 3.6): the loop body of a
-one-warp program is 356 instructions for its 16 pairs a thread (22 a pair; the fp32 path about 40),
-and w13 of gpt-oss-120b runs as fast as the plain quantizer (docs/benchmarks.md).
+fp32 path of the plain quantizer. Counted offline (scripts/count_fused_sass.py: ptxas for sm_90,
+Triton 3.6): the column loop is 360 instructions for a thread's 16 pairs (22.5 a pair; the fp32
+path about 34), and w13 of gpt-oss-120b runs as fast as the plain quantizer (docs/benchmarks.md).
 
 The bytes are those of ``quantize_mx_triton`` followed by ``hopper_values`` with the same row
 table (padding rows and bytes zero). The E8M0 scales go straight to their places in the Hopper
