@@ -248,12 +248,7 @@ class StagedReader:
         if len(jobs) == 1:
             _read_exact(*jobs[0])
             return
-        futures = [self._pool.submit(_read_exact, *job) for job in jobs]
-        wait(futures, return_when=ALL_COMPLETED)
-        for f in futures:
-            exc = f.exception()
-            if exc is not None:
-                raise exc
+        _settle([self._pool.submit(_read_exact, *job) for job in jobs])
 
     def _hash_later(self, hashers: dict[str, Any] | None, fill: list[Segment], source: Any) -> list[Future[None]]:
         """Hash ``fill``'s bytes (``source(seg)``: where a segment landed) while the next fill is
