@@ -272,11 +272,14 @@ def load_layer(path: str | Path, layer: int, *, device: str | torch.device = "cu
 
 def load_layer_from_manifest(root: str | Path, manifest: dict[str, Any], layer: int, *, rank: int | None = None,
                              device: str | torch.device = "cuda", kernel_locations: KernelLocations | None = None,
-                             ) -> EngineLayer:  # fmt: skip
-    """:func:`load_layer` with the manifest already read (``root`` is the directory holding it)."""
+                             held: dict[str, HeldTensor] | None = None) -> EngineLayer:  # fmt: skip
+    """:func:`load_layer` with the manifest already read (``root`` is the directory holding it);
+    ``held``: the layer's tensors already read, wrapped instead of read again where they are the
+    ones the manifest names (:func:`held_layer_tensors`)."""
     src = resolve_layer(root, layer, rank=rank, manifest=manifest)
     require_runner(src.backend).check_device(device)
-    return build_engine_layer(src, read_layer_tensors(src, device), kernel_locations)
+    tensors = held_layer_tensors(src, held, device) if held is not None else None
+    return build_engine_layer(src, read_layer_tensors(src, device) if tensors is None else tensors, kernel_locations)
 
 
 @dataclass(frozen=True)
@@ -316,10 +319,9 @@ def run_kernel_layer(root: Path, manifest: dict[str, Any], layer: int, hidden: t
     tp = int(manifest.get("tp_size") or 1)
     total: torch.Tensor | None = None
     for rank in range(tp):
-        src = resolve_layer(root, layer, rank=rank if tp > 1 else None, manifest=manifest)
-        require_runner(src.backend).check_device(device)
-        tensors = held_layer_tensors(src, held[rank], device) if held is not None and len(held) == tp else None
-        eng = build_engine_layer(src, read_layer_tensors(src, device) if tensors is None else tensors, kernel_locations)
+        eng = load_layer_from_manifest(root, manifest, layer, rank=rank if tp > 1 else None, device=device,
+                                       kernel_locations=kernel_locations,
+                                       held=held[rank] if held is not None and len(held) == tp else None)  # fmt: skip
         if info is not None:
             eng.info = info
         if isinstance(routing, torch.Tensor):
