@@ -37,12 +37,13 @@ from typing import TYPE_CHECKING, Any
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
 from mxconv.layouts.canonical import (
-    ROW_ORDERS,
     CanonicalExperts,
     KernelTensors,
     LayoutSizes,
     TensorSpec,
+    check_block_sizes,
     check_kernel_tensors,
+    check_padded_sizes,
     in_kernel_order,
     round_up,
 )
@@ -226,9 +227,7 @@ class TritonLayout(LayoutBase):
         opts = self.options_of(options)
         self.check_activation(activation)
         check_w4a8(activation, opts.arch)
-        need(row_order in ROW_ORDERS, f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
-        for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
-            need(size > 0 and size % MX_BLOCK == 0, f"triton: {what} size {size} must be a positive multiple of {MX_BLOCK}")
+        check_block_sizes(BACKEND_NAME, hidden_size, intermediate_size, row_order, MX_BLOCK)
         spec = spec_of(opts.arch)
         hp = round_up(hidden_size, max(HIDDEN_ALIGN if opts.pad_hidden else 1, spec.hidden_align))
         return hp, round_up(intermediate_size, spec.intermediate_align)
@@ -265,10 +264,8 @@ class TritonLayout(LayoutBase):
         """{"w13": ..., "w2": ...} kernel geometry for ``sizes`` (its padded sizes checked against the rule)."""
         opts = self.options_of(options)
         hp, ip = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, self.activations[0], opts)
-        got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
-        need(got == (hp, ip), f"triton: padded sizes (Hp, Ip) = {got} do not match the layout's {(hp, ip)} for "
-              f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} (arch {opts.arch}: Ip = roundup(I, "
-              f"{spec_of(opts.arch).intermediate_align}); Hp = H unless pad_hidden or gfx950)")
+        check_padded_sizes(BACKEND_NAME, sizes, (hp, ip), f"arch {opts.arch}: Ip = roundup(I, "
+                           f"{spec_of(opts.arch).intermediate_align}); Hp = H unless pad_hidden or gfx950")  # fmt: skip
         return _geometry(sizes.num_experts, hp, ip, opts)
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: TritonOptions) -> dict[str, TensorSpec]:

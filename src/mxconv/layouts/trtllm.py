@@ -53,7 +53,15 @@ from mxconv.errors import LayoutError
 from mxconv.layouts import trtllm_mxint4
 from mxconv.layouts.padding import KernelChoice, gather_padded_rows, layout_kernels, unpad_canonical
 from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
-from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, round_up
+from mxconv.layouts.canonical import (
+    CanonicalExperts,
+    KernelTensors,
+    LayoutSizes,
+    TensorSpec,
+    bias_specs,
+    check_padded_sizes,
+    round_up,
+)
 from mxconv.layouts.trtllm_bytemap import (
     BACKEND_NAME, EPILOGUE_TILE_M, LAYOUT_VERSION, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, check_kernel_tensors,
     check_row_order, swizzle_128x4, swizzled_scale_size, unswizzle_128x4, w13_row_dst, w13_row_table, w2_row_dst, w2_row_table,
@@ -193,16 +201,9 @@ class TrtllmLayout(LayoutBase):
 
     def _checked_padding(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> tuple[int, int]:
         """(Hp, Ip) for ``sizes``; LayoutError if sizes' padded values disagree with this layout."""
-        Hp, Ip = self._padded(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options)
-        got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
-        if got != (Hp, Ip):
-            raise LayoutError(
-                f"trtllm: padded sizes (Hp, Ip) = {got} do not match the layout's {(Hp, Ip)} for "
-                f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} "
-                f"(Hp = roundup(H, {HIDDEN_ALIGN}), Ip = roundup(I, intermediate_align = "
-                f"{self.options_of(options).intermediate_align}))"
-            )
-        return Hp, Ip
+        want = self._padded(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options)
+        return check_padded_sizes(BACKEND_NAME, sizes, want, f"Hp = roundup(H, {HIDDEN_ALIGN}), Ip = roundup(I, "
+                                  f"intermediate_align = {self.options_of(options).intermediate_align})")  # fmt: skip
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the kernel tensors (biases only when ``sizes.has_bias``)."""
