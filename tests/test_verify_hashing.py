@@ -1,6 +1,6 @@
 """verify's sha256 checks beside the layer checks (mxconv.verify.hashing): every path a tensor's bytes
-can take to the hasher — fed from the layout check, read by the pool, left to the end — catches a
-changed byte, names the tensor, and a fed tensor never waits behind the pool's reads."""
+can take to the hasher — hashed by the layer reads as they pass, read by the pool, left to the end —
+catches a changed byte and names the tensor, and the first bytes of a tensor decide."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from support.tamper import patch_tensor
 from support.workspace import copy_checkpoint
 
 from mxconv.source.checkpoint import open_checkpoint
-from mxconv.verify.hashing import Expected, TensorHashes, sha256_of, sha256_of_tensor
+from mxconv.verify.hashing import Expected, TensorHashes, sha256_of
 
 EXPERTS0 = "model.layers.0.mlp.experts.w13_weight"
 ATTN1 = "model.layers.1.self_attn.q_proj.weight"
@@ -71,40 +71,12 @@ def test_a_truncated_tensor_is_named_as_unreadable(kernel_out: Path, tmp_path: P
 
 
 def test_the_first_bytes_of_a_tensor_decide(kernel_out: Path) -> None:
-    """A key fed after the pool started reading it keeps the pool's hash (the bytes on disk)."""
+    """A digest recorded after the pool started reading the tensor leaves the pool's hash (the bytes on disk)."""
     ckpt = open_checkpoint(kernel_out)
     want = sha256_of(ckpt, ATTN1)
     with TensorHashes([Expected(ATTN1, ckpt, ATTN1, want)], threads=1) as hashes:
         hashes.start_rest(set())
-        hashes.feed(ckpt, ATTN1, torch.zeros(4, dtype=torch.uint8))
-        assert hashes.problems() == {}
-
-
-def test_fed_bytes_do_not_wait_behind_the_pools_reads(kernel_out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """settle() returns once the fed tensors are hashed, while the pool's reads are still blocked."""
-    import mxconv.verify.hashing as hashing
-
-    ckpt = open_checkpoint(kernel_out)
-    release = threading.Event()
-
-    def blocked_read(c, name):  # the pool's reads wait until the test releases them
-        release.wait(10)
-        return sha256_of(c, name)
-
-    monkeypatch.setattr(hashing, "sha256_of", blocked_read)
-    names = [n for n in ckpt.tensors if ".experts." not in n][:4]
-    expected = [Expected(n, ckpt, n, sha256_of(ckpt, n)) for n in names]
-    fed = torch.arange(16, dtype=torch.uint8)
-    expected.append(Expected("fed", ckpt, EXPERTS0, sha256_of_tensor(fed)))
-    with TensorHashes(expected, threads=1) as hashes:
-        hashes.start_rest({"fed"})
-        hashes.feed(ckpt, EXPERTS0, fed)
-        done = threading.Thread(target=hashes.settle)
-        done.start()
-        done.join(5)
-        settled = not done.is_alive()
-        release.set()
-        assert settled, "settle() waited for the pool's reads"
+        hashes.record(ckpt, ATTN1, "0" * 64)
         assert hashes.problems() == {}
 
 

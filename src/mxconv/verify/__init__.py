@@ -131,7 +131,6 @@ def _verify_layers(run: Run, kernel: bool, kernel_locations: KernelLocations | N
     with LayerReads(run, {L: lay_table[L]["module_prefix"] for L in chosen}) as reads:
         for i, L in enumerate(chosen):
             step(f"layer {L}", 1 + i, steps)
-            run.hashes.settle()  # the previous layer's bytes are hashed before this one's are read
             reports[L] = LayerReport(L)
             layer_bytes = reads.get(L, chosen[i + 1:])
             for ckpt, name, digest in layer_bytes.digests:

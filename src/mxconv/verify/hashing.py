@@ -2,16 +2,13 @@
 
 The manifest lists a sha256 per tensor. Reading every byte once for the hashes and again for the
 layout check cost a whole extra pass over the output (and hashing on one thread ran far below the
-disk's speed). :class:`TensorHashes` hashes on a pool of threads (``hashlib`` releases the GIL on
-large buffers):
+disk's speed). :class:`TensorHashes` keeps one hash per listed tensor:
 
-* bytes the layout check has already read are handed over with :meth:`TensorHashes.feed` and hashed
-  from memory, so each expert tensor is read from disk once;
-* every other listed tensor is read and hashed by the pool itself (:meth:`TensorHashes.start_rest`),
-  while the main thread checks layers;
-* :meth:`TensorHashes.settle` waits for the bytes fed so far, so the host memory held for hashing
-  stays at about one layer's tensors. Fed bytes have a pool of their own: queued behind the other
-  tensors' reads, they would make ``settle`` wait for all of those.
+* the expert tensors verify's layer reads load (:mod:`mxconv.verify.prefetch`) are hashed by the
+  staged reader as their bytes pass and handed over with :meth:`TensorHashes.record`, so each of
+  them is read from disk once;
+* every other listed tensor is read and hashed on a pool of threads (:meth:`TensorHashes.start_rest`;
+  ``hashlib`` releases the GIL on large buffers), while the main thread checks layers.
 
 :meth:`TensorHashes.problems` gives the mismatches by layer, like the other integrity checks.
 """
@@ -21,14 +18,10 @@ from __future__ import annotations
 import hashlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from mxconv.engines.staged_read import usable_cpus
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.source.st_format import iter_tensor_chunks
-
-if TYPE_CHECKING:
-    import torch
 
 MAX_HASH_THREADS = 8
 MISMATCH = "sha256 mismatch (corrupted or modified bytes)"
@@ -40,15 +33,6 @@ def sha256_of(ckpt: Checkpoint, name: str) -> str:
     for chunk in iter_tensor_chunks(ckpt.tensors[name]):
         h.update(chunk)
     return h.hexdigest()
-
-
-def sha256_of_tensor(t: "torch.Tensor") -> str:
-    """sha256 of a contiguous CPU tensor's bytes (what :func:`sha256_of` gives for the stored tensor
-    that ``read_tensor`` returned)."""
-    import torch
-
-    flat = t.contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(memoryview(flat.numpy())).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -70,9 +54,7 @@ class TensorHashes:
         self._expected = {e.key: e for e in expected}
         self._by_tensor = {(id(e.ckpt), e.name): e.key for e in expected}
         self._jobs: dict[str, Future[str]] = {}
-        self._fed: list[Future[str]] = []
         workers = threads or min(MAX_HASH_THREADS, usable_cpus())
-        self._fed_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mxconv-sha256-fed")
         self._read_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mxconv-sha256-read")
 
     def __enter__(self) -> TensorHashes:
@@ -81,20 +63,10 @@ class TensorHashes:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def feed(self, ckpt: Checkpoint, name: str, t: "torch.Tensor") -> None:
-        """Hash ``t``, the bytes of ``ckpt``'s tensor ``name`` just read (a CPU tensor, as stored;
-        kept alive until hashed). A tensor the manifest does not list, or one already hashed, is
-        ignored."""
-        key = self._by_tensor.get((id(ckpt), name))
-        if key is None or key in self._jobs:
-            return
-        job = self._fed_pool.submit(sha256_of_tensor, t)
-        self._jobs[key] = job
-        self._fed.append(job)
-
     def record(self, ckpt: Checkpoint, name: str, digest: str) -> None:
         """Take ``digest`` (sha256 hex) as the hash of ``ckpt``'s tensor ``name``, computed by the
-        reader as the bytes passed. Ignored like :meth:`feed` for a tensor not listed or hashed."""
+        reader as the bytes passed. Ignored for a tensor the manifest does not list, or one whose
+        hash is already taken or started (the first bytes of a tensor decide)."""
         key = self._by_tensor.get((id(ckpt), name))
         if key is None or key in self._jobs:
             return
@@ -102,21 +74,15 @@ class TensorHashes:
         done.set_result(digest)
         self._jobs[key] = done
 
-    def settle(self) -> None:
-        """Wait until every fed tensor is hashed (bounds the memory held for hashing)."""
-        for job in self._fed:
-            job.exception()
-        self._fed.clear()
-
     def start_rest(self, skip: set[str]) -> None:
         """Read and hash, on the pool, every expected tensor not in ``skip`` (the keys the caller
-        will feed) and not hashed yet."""
+        will record) and not hashed yet."""
         for key, e in self._expected.items():
             if key not in skip and key not in self._jobs:
                 self._jobs[key] = self._read_pool.submit(sha256_of, e.ckpt, e.name)
 
     def problems(self) -> dict[int | None, list[str]]:
-        """Mismatches by layer (None = not in a layer), after hashing whatever was neither fed nor
+        """Mismatches by layer (None = not in a layer), after hashing whatever was neither recorded nor
         started; a truncated tensor is named with its file."""
         self.start_rest(set())
         found: dict[int | None, list[str]] = {}
@@ -131,5 +97,4 @@ class TensorHashes:
         return found
 
     def close(self) -> None:
-        for pool in (self._fed_pool, self._read_pool):
-            pool.shutdown(wait=True, cancel_futures=True)
+        self._read_pool.shutdown(wait=True, cancel_futures=True)

@@ -16,7 +16,6 @@ from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES, CanonicalExperts, LayoutSizes
 from mxconv.layouts.padding import unpad_canonical
 from mxconv.source.st_format import read_tensor
-from mxconv.verify.hashing import TensorHashes
 from mxconv.verify.report import LayerReport, Run
 
 
@@ -68,12 +67,11 @@ def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: in
 
 def kernel_layer_canonical(
     manifest: dict[str, Any], ckpts: list[Checkpoint], prefix: str, problems: list[str],
-    device: torch.device | str = "cpu", hashes: TensorHashes | None = None,
-    pre_read: list[dict[str, torch.Tensor]] | None = None,
+    device: torch.device | str = "cpu", pre_read: list[dict[str, torch.Tensor]] | None = None,
 ) -> CanonicalExperts | None:
     """Invert one layer's kernel tensors (all ranks) on ``device``, check the round trip; None on
-    failure. ``pre_read``: the tensors already read (per rank, by short name); otherwise they are
-    read here and the bytes handed to ``hashes`` (each tensor is read from disk once)."""
+    failure. ``pre_read``: the tensors already read (per rank, by short name; verify's layer reads,
+    which hash them as they pass); otherwise they are read here."""
     backend = manifest["backend"]
     try:
         layout = get_layout(backend)
@@ -90,7 +88,7 @@ def kernel_layer_canonical(
     ranges = [tuple(r) for r in manifest["layout"].get("tp_ranges") or [[0, sizes.intermediate_size]]]
     parts: list[CanonicalExperts] = []
     for rank, ckpt in enumerate(ckpts):
-        tensors = _read_rank(ckpt, prefix, device, hashes) if pre_read is None else {k: t.to(device) for k, t in pre_read[rank].items()}
+        tensors = _read_rank(ckpt, prefix, device) if pre_read is None else {k: t.to(device) for k, t in pre_read[rank].items()}
         s, e = ranges[rank]
         # every rank was laid out at the widest rank's width (slice_tp's pad_to), then padded
         rank_sizes = LayoutSizes(sizes.num_experts, sizes.hidden_size, sizes.intermediate_size, sizes.padded_hidden_size,
@@ -126,17 +124,10 @@ def kernel_layer_canonical(
         return None
 
 
-def _read_rank(ckpt: Checkpoint, prefix: str, device: torch.device | str, hashes: TensorHashes | None) -> dict[str, torch.Tensor]:
-    """One rank's expert tensors of a layer on ``device``, the bytes handed to ``hashes``."""
-    tensors = {}
-    for k in KERNEL_TENSOR_NAMES:
-        n = f"{prefix}.experts.{k}"
-        if n in ckpt.tensors:
-            t = read_tensor(ckpt.tensors[n])
-            if hashes is not None:
-                hashes.feed(ckpt, n, t)
-            tensors[k] = t.to(device)
-    return tensors
+def _read_rank(ckpt: Checkpoint, prefix: str, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """One rank's expert tensors of a layer on ``device``."""
+    names = {k: f"{prefix}.experts.{k}" for k in KERNEL_TENSOR_NAMES}
+    return {k: read_tensor(ckpt.tensors[n]).to(device) for k, n in names.items() if n in ckpt.tensors}
 
 
 def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
@@ -218,7 +209,7 @@ def recover_layer(run: Run, L: int, lay: dict[str, Any], rep: LayerReport,
         lprobs: list[str] = []
         canon = None
         try:
-            canon = kernel_layer_canonical(run.manifest, run.ckpts, prefix, lprobs, run.device, run.hashes, stored)
+            canon = kernel_layer_canonical(run.manifest, run.ckpts, prefix, lprobs, run.device, stored)
         except KeyError as exc:
             lprobs.append(f"{prefix}.experts: kernel tensor {exc} missing")
         rep.layout = "FAIL" if lprobs else "ok"

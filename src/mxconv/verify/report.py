@@ -157,7 +157,7 @@ class Run:
     klayout: Any = None  # --kernel: the layout whose kernel runs
     kernel_locations: KernelLocations | None = None  # --kernel: --triton-kernels / --marlin-ops
     kernel_size_problems: list[str] = field(default_factory=list)
-    hashes: Any = None  # verify.hashing.TensorHashes: the sha256 checks, fed the bytes the layout check reads
+    hashes: Any = None  # verify.hashing.TensorHashes: the sha256 checks (the layer reads record their digests)
 
     @property
     def kind(self) -> str:
