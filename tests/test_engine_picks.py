@@ -91,10 +91,11 @@ def test_a_backend_registered_later_is_joined_by_its_vllm_backends() -> None:
 
 
 def test_a_pick_no_output_holds_says_so() -> None:
-    """Compressed-tensors MXFP8 on SM90 goes to HUMMING through the FP8 oracle, which no layout records."""
-    row = pick_row(VLLM, K.CT_MXFP8, G.SM90, MODEL)
-    assert row["backend"] == "HUMMING" and row["held_by"] == []
-    assert row["note"].startswith("no mxconv output records holding vllm-0.33's HUMMING bytes")
+    """Compressed-tensors MXFP8 on SM100 goes to FLASHINFER_TRTLLM through the FP8 oracle, which no
+    layout's vllm_mxfp8_backends names."""
+    row = pick_row(VLLM, K.CT_MXFP8, G.SM100, MODEL)
+    assert row["backend"] == "FLASHINFER_TRTLLM" and row["held_by"] == []
+    assert row["note"] == "no mxconv output holds FLASHINFER_TRTLLM bytes yet"
     sm100 = pick_row(VLLM, K.CT_INT4, G.SM100, MODEL)  # a WNA16 pick no layout's vllm_int4_backends names
     assert sm100["held_by"] == [] and sm100["note"] == "no mxconv output holds FLASHINFER_TRTLLM bytes yet"
 
@@ -112,13 +113,25 @@ def test_ct_int4_on_sm90_is_held_by_repack_backend_humming() -> None:
         {"output": "repack --backend humming --activation bf16", "backend": "humming", "activation": "bf16"}]
 
 
+def test_ct_mxfp8_on_sm90_is_held_by_repack_backend_humming() -> None:
+    """MXFP8 -> Fp8MoeBackend.HUMMING on SM90: held by the humming layout's MXFP8 form (vllm_mxfp8_backends),
+    unpadded; the Fp8MoeBackend holders are not the Mxfp4MoeBackend ones of the same name."""
+    model = dict(MODEL, hidden_size=7168, intermediate_size=2048, activation="silu", row_order="halves", has_expert_bias=False)
+    row = pick_row(VLLM, K.CT_MXFP8, G.SM90, model)
+    assert row["backend"] == "HUMMING" and row["engine_padding"] == [7168, 2048] and "note" not in row
+    assert [(h["output"], h["padded"], h["refusal"]) for h in row["held_by"]] == [
+        ("repack --backend humming --activation bf16", [7168, 2048], None)]
+    assert holders("HUMMING", "vllm_mxfp8_backends") == [
+        {"output": "repack --backend humming --activation bf16", "backend": "humming", "activation": "bf16"}]
+
+
 def test_padding_is_vllm_padded_sizes_and_compressed_tensors_pads_nothing() -> None:
     trt = picks(VLLM, K.GPT_OSS_MXFP4, G.SM100)
     assert engine_padding(trt, 2880, 1440, "swigluoai") == vllm_padded_sizes(trt.backend, 2880, 1440, "swigluoai") == (3072, 1536)
     ct = picks(VLLM, K.CT_MXFP4, G.SM90)
     assert engine_padding(ct, 2880, 1440, "silu") == (2880, 1440)
     assert engine_padding(picks(VLLM, K.CT_INT4, G.SM90), 7168, 2048, "silu") == (7168, 2048)  # WNA16 pads nothing
-    assert engine_padding(picks(VLLM, K.CT_MXFP8, G.SM90), 7168, 2048, "silu") is None  # the FP8 oracle: not known
+    assert engine_padding(picks(VLLM, K.CT_MXFP8, G.SM90), 7168, 2048, "silu") == (7168, 2048)  # MXFP8 pads nothing
 
 
 def test_a_holder_padded_otherwise_says_why() -> None:

@@ -79,7 +79,8 @@ def _reference(q4: Path, layer: int) -> tuple[torch.Tensor, Routing, torch.Tenso
     rb = ck.read(ref.router_bias).float() if ref.router_bias else None
     r = route(x, rw, info, rb)
     fn = expert_fn(lay.w13_mx, lay.w2_mx, lay.w13_bias, lay.w2_bias)
-    canon = CanonicalExperts(lay.w13_mx.data, lay.w13_mx.scales, lay.w2_mx.data, lay.w2_mx.scales, lay.w13_bias, lay.w2_bias, lay.row_order)
+    canon = CanonicalExperts(lay.w13_mx.data, lay.w13_mx.scales, lay.w2_mx.data, lay.w2_mx.scales, lay.w13_bias, lay.w2_bias,
+                             lay.row_order, lay.w13_mx.fmt)  # fmt: skip
     logits = x @ rw.t() + (rb if rb is not None else 0)
     return x, r, moe_forward(x, r, fn, info.num_experts, info, lay.row_order), canon, logits
 
@@ -159,7 +160,8 @@ def _swap_gate_up(c: CanonicalExperts) -> CanonicalExperts:
         I = c.w13.shape[1] // 2
         perm = torch.cat([torch.arange(I, 2 * I), torch.arange(I)])
     rows = lambda t: None if t is None else t[:, perm].contiguous()
-    return CanonicalExperts(rows(c.w13), rows(c.w13_scale), c.w2, c.w2_scale, rows(c.w13_bias), c.w2_bias, c.row_order)
+    return CanonicalExperts(rows(c.w13), rows(c.w13_scale), c.w2, c.w2_scale, rows(c.w13_bias), c.w2_bias, c.row_order,
+                            c.weight_format)  # fmt: skip
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -16,17 +16,17 @@ from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import LayoutSizes
-from mxconv.output.engine_quant_config import quant_config_of
+from mxconv.output.engine_quant_config import HOLDER_ATTRIBUTES, quant_config_of
 from mxconv.errors import BadInput, LayoutError
 from mxconv.source.manifest import load_manifest, missing_manifest_message
 from mxconv.layouts.vllm_backends import vllm_refusal
 
 
-def canonical_expert_bytes(E: int, H: int, I: int, has_bias: bool, scale_bytes: int = 1) -> int:
-    """Canonical (unpadded) bytes of one layer's 4-bit experts, bf16 biases included: MXFP4
-    (``scale_bytes`` 1, E8M0 scales) or INT4 (2, bf16 group-32 scales)."""
-    w13 = 2 * I * (H // 2 + scale_bytes * H // 32)
-    w2 = H * (I // 2 + scale_bytes * I // 32)
+def canonical_expert_bytes(E: int, H: int, I: int, has_bias: bool, scale_bytes: int = 1, per_byte: int = 2) -> int:
+    """Canonical (unpadded) bytes of one layer's experts, bf16 biases included: MXFP4 (``scale_bytes``
+    1, E8M0 scales; ``per_byte`` 2 values a byte), MXFP8 (1, 1) or INT4 (2, 2: bf16 group-32 scales)."""
+    w13 = 2 * I * (H // per_byte + scale_bytes * H // 32)
+    w2 = H * (I // per_byte + scale_bytes * I // 32)
     bias = 2 * (2 * I + H) if has_bias else 0
     return E * (w13 + w2) + E * bias
 
@@ -35,12 +35,14 @@ def backend_table(
     E: int, H: int, I: int, row_order: str, has_bias: bool, layers: int, model_activation: str = "silu",
     weight_format: str = "mxfp4",
 ) -> list[dict[str, Any]]:
-    """Per backend/activation: padded sizes, kernel bytes, padding overhead vs canonical MXFP4, and
-    the vLLM 0.33 backends that would hold the output as is (``model_activation``: "silu" | "swigluoai").
-    ``weight_format`` "int4" (a compressed-tensors INT4 source): what ``repack`` does with it, i.e. the
-    layouts that take INT4 as it is (trtllm: MxInt4), and an error row for the others."""
+    """Per backend/activation: padded sizes, kernel bytes, padding overhead vs the canonical experts,
+    and the vLLM 0.33 backends that would hold the output as is (``model_activation``: "silu" |
+    "swigluoai"). ``weight_format`` "int4" or "mxfp8" (a source of that format): what ``repack`` does
+    with it, i.e. the layouts that take it as it is (INT4: trtllm MxInt4, humming; MXFP8: humming,
+    marlin), and an error row for the others."""
     rows = []
-    base = canonical_expert_bytes(E, H, I, has_bias, 2 if weight_format == "int4" else 1) * layers
+    base = canonical_expert_bytes(E, H, I, has_bias, 2 if weight_format == "int4" else 1,
+                                  1 if weight_format == "mxfp8" else 2) * layers  # fmt: skip
     for name in backend_names():
         layout = get_layout(name)
         formats = getattr(layout, "weight_formats", ("mxfp4",))
@@ -48,7 +50,7 @@ def backend_table(
         for act in layout.activations:
             if weight_format not in formats:
                 rows.append({"backend": name, "activation": act, "error": (
-                    f"takes {', '.join(formats)} experts, not {weight_format}: quantize the source to mxfp4 first")})
+                    f"takes {', '.join(formats)} experts, not {weight_format}: repack or quantize a bf16 source to one of them")})
                 continue
             try:
                 opts = layout.resolve_options()
@@ -56,12 +58,12 @@ def backend_table(
                 sizes = LayoutSizes(E, H, I, Hp, Ip, row_order, has_bias, weight_format)
                 nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, opts).values()) * layers
                 served: list[str] = []
-                if weight_format == "mxfp4":  # the vLLM backends a layout lists are MXFP4 ones
+                if weight_format in ("mxfp4", "mxfp8"):  # the layout's vLLM backends of the format's oracle
                     desc = layout.describe(sizes, act, opts)
                     compat, arch = desc.get("engine_compat", {}).get("vllm"), desc.get("arch")
                     model = {"activation": model_activation, "has_expert_bias": has_bias}
-                    served = [b for b in getattr(layout, "vllm_backends", {}).get(act, ())
-                              if vllm_refusal(b, (H, I, Hp, Ip), model, compat, arch=arch) is None]
+                    served = [b for b in getattr(layout, HOLDER_ATTRIBUTES[weight_format], {}).get(act, ())  # MXFP8 methods pad nothing
+                              if vllm_refusal(b, (H, I, Hp, Ip), model, compat, weight_format == "mxfp4", arch) is None]
                 rows.append(
                     {
                         "backend": name,
@@ -162,7 +164,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
                                         reader),
             "backends": backend_table(
                 info.num_experts, info.hidden_size, info.intermediate_size, info.row_order, info.has_expert_bias, len(refs),
-                info.activation, "int4" if info.expert_format == "int4" else "mxfp4",
+                info.activation, info.expert_format if info.expert_format in ("int4", "mxfp8") else "mxfp4",
             ),
         }
     )

@@ -85,7 +85,8 @@ def inspect(
                 q.add_row(key, value)
             out.print(q)
         if doc.get("backends"):
-            fmt = "INT4" if (doc.get("model") or {}).get("expert_format") == "int4" else "MXFP4"
+            src_fmt = (doc.get("model") or {}).get("expert_format")
+            fmt = str(src_fmt).upper() if src_fmt in ("int4", "mxfp8") else "MXFP4"
             b = Table(title=f"per-backend kernel layout ({fmt} experts)")
             for col in ("backend", "activation", "padded H", "padded I", "expert bytes", "padding overhead", "vLLM 0.33 backends"):
                 b.add_column(col)

@@ -58,7 +58,8 @@ CANONICAL_LAYOUT = {
 }
 # The layout attribute naming the vLLM backends of each oracle that hold a layout's bytes, and the
 # canonical weight format those bytes come from (engine_report joins through these; other oracles: none).
-HOLDER_ATTRIBUTE = {MXFP4_ORACLE: ("vllm_backends", "mxfp4"), WNA16_ORACLE: ("vllm_int4_backends", "int4")}
+HOLDER_ATTRIBUTE = {MXFP4_ORACLE: ("vllm_backends", "mxfp4"), WNA16_ORACLE: ("vllm_int4_backends", "int4"),
+                    FP8_ORACLE: ("vllm_mxfp8_backends", "mxfp8")}
 ORACLE = {SourceKind.GPT_OSS_MXFP4: MXFP4_ORACLE, SourceKind.MXFP4: MXFP4_ORACLE, SourceKind.CT_MXFP4: MXFP4_ORACLE,
           SourceKind.CT_MXFP8: FP8_ORACLE, SourceKind.CT_INT4: WNA16_ORACLE, SourceKind.MXCONV_MXFP8: MXFP4_ORACLE}
 

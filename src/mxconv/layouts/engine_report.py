@@ -14,7 +14,7 @@ from mxconv.errors import BadInput, LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import LayoutSizes
 from mxconv.layouts.engine_picks import (
-    CANONICAL_LAYOUT, ENGINES, HOLDER_ATTRIBUTE, MXFP4_BACKENDS, MXFP4_ORACLE, ORACLE, VLLM, WNA16_ORACLE, Gpu, Pick,
+    CANONICAL_LAYOUT, ENGINES, FP8_ORACLE, HOLDER_ATTRIBUTE, MXFP4_BACKENDS, MXFP4_ORACLE, ORACLE, VLLM, WNA16_ORACLE, Gpu, Pick,
     SourceKind, picks,
 )
 from mxconv.layouts.vllm_backends import (
@@ -63,6 +63,8 @@ def engine_padding(pick: Pick, hidden: int, intermediate: int, activation: str) 
     if pick.engine != VLLM or pick.backend is None:
         return None
     if ORACLE[pick.source] == WNA16_ORACLE and pick.backend == "HUMMING":  # CompressedTensorsWNA16MoEMethod pads nothing
+        return hidden, intermediate
+    if ORACLE[pick.source] == FP8_ORACLE:  # the MXFP8 methods allocate the checkpoint's sizes (no maybe_roundup_sizes)
         return hidden, intermediate
     if ORACLE[pick.source] != MXFP4_ORACLE:
         return None

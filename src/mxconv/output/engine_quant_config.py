@@ -13,8 +13,9 @@ with :meth:`EngineQuantConfig.from_json`. It says, for every MoE layer:
   scale and bias tensor of gemm1 (gate/up, w13) and gemm2 (down, w2): kernel outputs from the
   layout's ``kernel_specs`` (shapes per TP rank), canonical outputs from the manifest's tensors;
 * the activation function and its parameters, and the routing method (vLLM ``RoutingMethodType``);
-* the vLLM 0.33 ``Mxfp4MoeBackend`` names that hold exactly these bytes after loading
-  (``served_vllm_backends``), and why the other candidates do not (``not_served``).
+* the vLLM 0.33 backend names that hold exactly these bytes after loading (``served_vllm_backends``:
+  ``Mxfp4MoeBackend`` values for MXFP4, ``WNA16MoEBackend`` for INT4, ``Fp8MoeBackend`` for MXFP8),
+  and why the other candidates do not (``not_served``).
 
 vLLM facts below are from vLLM 0.33.0: ``fused_moe/oracle/mxfp4.py``
 (``mxfp4_round_up_hidden_size_and_intermediate_size``, ``_backend_activation_key``),
@@ -35,6 +36,9 @@ from mxconv.errors import BadInput
 from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, VLLM_VERSION, vllm_refusal
 
 SCHEMA_VERSION = 1
+# canonical weight format of a kernel output -> the layout attribute naming the vLLM backends (of that
+# format's oracle: Mxfp4MoeBackend, WNA16MoEBackend, Fp8MoeBackend) that hold its bytes (engine_picks.HOLDER_ATTRIBUTE)
+HOLDER_ATTRIBUTES = {"mxfp4": "vllm_backends", "int4": "vllm_int4_backends", "mxfp8": "vllm_mxfp8_backends"}
 BLOCK_SHAPE = (1, 32)
 ACT_SCHEMES = ("none", "dynamic_mxfp8", "dynamic_mxfp4", "dynamic_fp8_per_token",
                "dynamic_fp8_per_token_group", "static_fp8_per_tensor", "unknown")
@@ -247,7 +251,7 @@ def _kernel_refs(m: dict[str, Any], pattern: str) -> list[TensorRef] | None:
         sizes = LayoutSizes(int(model["num_experts"]), int(lay["hidden_size"]), int(lay["intermediate_size"]),
                             int(lay["padded_hidden_size"]), int(lay["padded_intermediate_size"]),
                             str(lay["w13_row_order"]), bool(model["has_expert_bias"]),
-                            "int4" if m["weight_format"] == "int4" else "mxfp4")
+                            m["weight_format"] if m["weight_format"] in ("int4", "mxfp8") else "mxfp4")
         specs = layout.kernel_specs(sizes, m["activation"], layout.resolve_options(lay.get("options") or {}))
     except Exception:  # noqa: BLE001 - an unknown or changed layout: fall back to the tensors table
         return None
@@ -317,11 +321,11 @@ def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
         raise BadInput(f"manifest lacks what the quant config needs ({type(exc).__name__}: {exc})") from None
     pattern = _layer_pattern(prefix, layer)
     refs = (_kernel_refs(manifest, pattern) if kind == "kernel" else None) or _table_refs(manifest, layer, prefix, pattern)
-    candidates: tuple[str, ...] = ()  # MXFP4 backends, and INT4 ones a layout names: MXFP8 outputs serve none
-    if kind == "kernel" and fmt in ("mxfp4", "int4"):
+    candidates: tuple[str, ...] = ()  # the backends of the layout's oracle for its weight format (none for canonical MXFP8)
+    if kind == "kernel" and fmt in HOLDER_ATTRIBUTES:
         from mxconv.layouts import get_layout
 
-        attr = "vllm_backends" if fmt == "mxfp4" else "vllm_int4_backends"  # engine_picks.HOLDER_ATTRIBUTE
+        attr = HOLDER_ATTRIBUTES[fmt]
         try:
             candidates = tuple(getattr(get_layout(str(backend)), attr, {}).get(act, ()))
         except BadInput:
@@ -329,7 +333,8 @@ def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
     elif fmt == "mxfp4":
         candidates = CANONICAL_VLLM_BACKENDS.get(str(lay.get("name")), ())
     compat = (lay.get("engine_compat") or {}).get("vllm")
-    padded_by_engine = str(lay.get("name")) not in UNPADDED_LAYOUTS and fmt != "int4"  # WNA16 pads nothing
+    # the WNA16 and MXFP8 methods pad nothing (their layouts' own padding is inside the tensors)
+    padded_by_engine = str(lay.get("name")) not in UNPADDED_LAYOUTS and fmt not in ("int4", "mxfp8")
     arch, tp = lay.get("arch"), int(manifest.get("tp_size") or 1)  # the GPU the bytes are for, where recorded
     refusals = [(b, vllm_refusal(b, (H, I, Hp, Ip), model, compat, padded_by_engine, None if arch is None else str(arch), tp))
                 for b in candidates]
