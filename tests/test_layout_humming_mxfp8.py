@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.cli import mx
-from support.tamper import patch_tensor
+from support.mxfp8_cli import quantized_mxfp8, repack_verify_and_damage
 
 from mxconv.errors import LayoutError
 from mxconv.examples import make_checkpoint
@@ -146,49 +146,13 @@ def test_describe_records_the_mxfp8_layer_configs() -> None:
 
 @pytest.fixture(scope="module")
 def q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("hmx8")
-    make_checkpoint(root / "src", "qwen3-moe", hidden_size=160, intermediate_size=192)
-    code, _, err = mx("quantize", root / "src", root / "q8", "--format", "mxfp8", "--quiet", "--device", "cpu")
-    assert code == 0, err
-    return root / "q8"
+    return quantized_mxfp8(tmp_path_factory.mktemp("hmx8"), 160, 192)
 
 
 @pytest.mark.parametrize("tp", ["1", "2"])
 def test_repack_of_an_mxfp8_output_verifies_bit_exact_and_damage_fails(q8: Path, tmp_path: Path, tp: str) -> None:
-    out = tmp_path / "hum"
-    code, _, err = mx("repack", q8, out, "--backend", "humming", "--tp", tp, "--quiet", "--device", "cpu")
-    assert code == 0, err
-    m = json.loads((out / "mxconv.json").read_text())
-    assert m["weight_format"] == "mxfp8" and m["served_vllm_backends"] == ["HUMMING"]
-    assert m["layout"]["variant"] == "mxfp8" and m["layout"]["padded_intermediate_size"] == 192 // int(tp)
-    code, text, err = mx("verify", out, "--reference", q8, "--device", "cpu", "--json")
-    assert code == 0, text + err
-    assert {layer["layout"] for layer in json.loads(text)["layers"]} == {"bit-exact"}
-    _flip_scale_byte(out, "rank-1" if tp == "2" else None, "model.layers.1.mlp.experts.w13_weight_scale")
-    code, text, err = mx("verify", out, "--reference", q8, "--device", "cpu")
-    assert code == 1, text + err
-    assert "recovered canonical bytes differ from the reference: w13_scale: first difference at expert 2" in text + err
-
-
-def _flip_scale_byte(out: Path, rank: str | None, name: str) -> None:
-    """Flip one bit of one real scale byte (expert 2) of ``name`` and record the new sha256 in the
-    manifest, so that only the layout / reference checks can catch it."""
-    import hashlib
-
-    from mxconv.source.st_format import read_header, read_tensor
-
-    where = out / rank if rank else out
-
-    def flip(t: torch.Tensor) -> torch.Tensor:
-        t.view(torch.uint8)[2, 0, 5] ^= 1
-        return t
-
-    patch_tensor(where, name, flip, fix_manifest=False)
-    index = json.loads((where / "model.safetensors.index.json").read_text())
-    t = read_tensor(read_header(where / index["weight_map"][name])[0][name])
-    m = json.loads((out / "mxconv.json").read_text())
-    m["tensors"][f"{rank}/{name}" if rank else name]["sha256"] = hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-    (out / "mxconv.json").write_text(json.dumps(m))
+    m = repack_verify_and_damage(q8, tmp_path / "hum", "humming", tp, layer=1)
+    assert m["served_vllm_backends"] == ["HUMMING"] and m["layout"]["padded_intermediate_size"] == 192 // int(tp)
 
 
 def test_repack_of_a_bf16_source_with_format_mxfp8(tmp_path: Path) -> None:
@@ -205,7 +169,7 @@ def test_repack_of_a_bf16_source_with_format_mxfp8(tmp_path: Path) -> None:
 
 def test_mxfp8_experts_are_refused_where_no_layout_takes_them(q8: Path, tmp_path: Path) -> None:
     code, _, err = mx("repack", q8, tmp_path / "t", "--backend", "trtllm", "--quiet", "--device", "cpu")
-    assert code == 2 and "experts are mxfp8" in err and "backends that take mxfp8: humming" in err
+    assert code == 2 and "experts are mxfp8" in err and "backends that take mxfp8: marlin, humming" in err
     code, _, err = mx("repack", q8, tmp_path / "t", "--backend", "humming", "--format", "mxfp4", "--quiet")
     assert code == 2 and "never re-quantizes them to MXFP4" in err
 

@@ -49,8 +49,9 @@ def backend_table(
         fmt_kw = {"weight_format": weight_format} if weight_format != "mxfp4" else {}
         for act in layout.activations:
             if weight_format not in formats:
+                hint = "repack the bf16 source with --format mxfp4" if weight_format == "mxfp8" else "quantize the source to mxfp4 first"
                 rows.append({"backend": name, "activation": act, "error": (
-                    f"takes {', '.join(formats)} experts, not {weight_format}: repack or quantize a bf16 source to one of them")})
+                    f"takes {', '.join(formats)} experts, not {weight_format}: {hint}")})
                 continue
             try:
                 opts = layout.resolve_options()
