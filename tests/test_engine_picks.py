@@ -32,6 +32,7 @@ EXPECTED = {
     (VLLM, K.CT_INT4, G.SM90): "HUMMING", (VLLM, K.CT_INT4, G.SM100): "FLASHINFER_TRTLLM", (VLLM, K.CT_INT4, G.SM120): "MARLIN",
     (VLLM, K.CT_INT4, G.GFX950): "TRITON",
     (VLLM, K.CT_MXFP8, G.SM90): "HUMMING", (VLLM, K.CT_MXFP8, G.SM100): "FLASHINFER_TRTLLM", (VLLM, K.CT_MXFP8, G.SM120): "MARLIN",
+    (VLLM, K.CT_MXFP8, G.GFX950): "TRITON_MXFP8", (VLLM, K.CT_MXFP8, G.CPU): "EMULATION",
     **{(VLLM, K.MXCONV_MXFP8, g): None for g in G},
     (SGLANG, K.GPT_OSS_MXFP4, G.SM100): "flashinfer_mxfp4 (trtllm_sm100)",
     (SGLANG, K.GPT_OSS_MXFP4, G.SM120): "flashinfer_mxfp4 (cutlass_sm120)",
@@ -95,7 +96,8 @@ def test_a_pick_no_output_holds_says_so() -> None:
     layout's vllm_mxfp8_backends names."""
     row = pick_row(VLLM, K.CT_MXFP8, G.SM100, MODEL)
     assert row["backend"] == "FLASHINFER_TRTLLM" and row["held_by"] == []
-    assert row["note"] == "no mxconv output holds FLASHINFER_TRTLLM bytes yet"
+    assert row["note"] == ("no mxconv output holds FLASHINFER_TRTLLM bytes yet: the TRT-LLM MXFP8 x MXFP8 weight shuffle "
+                           "of prepare_fp8_moe_layer_for_fi (issue 32 item 1)")
     sm100 = pick_row(VLLM, K.CT_INT4, G.SM100, MODEL)  # a WNA16 pick no layout's vllm_int4_backends names
     assert sm100["held_by"] == [] and sm100["note"] == "no mxconv output holds FLASHINFER_TRTLLM bytes yet"
 
@@ -120,9 +122,9 @@ def test_ct_mxfp8_on_sm90_is_held_by_repack_backend_humming() -> None:
     row = pick_row(VLLM, K.CT_MXFP8, G.SM90, model)
     assert row["backend"] == "HUMMING" and row["engine_padding"] == [7168, 2048] and "note" not in row
     assert [(h["output"], h["padded"], h["refusal"]) for h in row["held_by"]] == [
-        ("repack --backend humming --activation bf16", [7168, 2048], None)]
+        ("repack --backend humming --activation bf16 --format mxfp8", [7168, 2048], None)]
     assert holders("HUMMING", "vllm_mxfp8_backends") == [
-        {"output": "repack --backend humming --activation bf16", "backend": "humming", "activation": "bf16"}]
+        {"output": "repack --backend humming --activation bf16 --format mxfp8", "backend": "humming", "activation": "bf16"}]
 
 
 def test_padding_is_vllm_padded_sizes_and_compressed_tensors_pads_nothing() -> None:

@@ -180,7 +180,7 @@ def test_inspect_engine_names_the_humming_output_for_an_mxfp8_checkpoint(q8: Pat
     doc = json.loads(text)
     row = doc["engine"]["gpus"][0]["rows"][0]
     assert (row["form"], row["kind"], row["backend"]) == ("as is", "ct-mxfp8", "HUMMING")
-    assert [h["output"] for h in row["held_by"]][0] == "repack --backend humming --activation bf16"
+    assert [h["output"] for h in row["held_by"]][0] == "repack --backend humming --activation bf16 --format mxfp8"
     assert row["held_by"][0]["refusal"] is None and row["engine_padding"] == [160, 192]
     hum = [b for b in doc["backends"] if b["backend"] == "humming"][0]
     assert hum["vllm_backends"] == ["HUMMING"] and hum["padded_intermediate_size"] == 192

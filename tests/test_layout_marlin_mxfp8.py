@@ -176,4 +176,4 @@ def test_inspect_engine_sm120_names_the_marlin_output(q8: Path) -> None:
     assert code == 0, err
     row = json.loads(text)["engine"]["gpus"][0]["rows"][0]
     assert (row["kind"], row["backend"]) == ("ct-mxfp8", "MARLIN")
-    assert [(h["output"], h["refusal"]) for h in row["held_by"]] == [("repack --backend marlin --activation bf16", None)]
+    assert [(h["output"], h["refusal"]) for h in row["held_by"]] == [("repack --backend marlin --activation bf16 --format mxfp8", None)]

@@ -293,7 +293,8 @@ def engine_forms(ckpt: Checkpoint, family: str | None) -> tuple[list[tuple[str, 
     gpt_oss = family == "gpt-oss"
     if m.get("kind") == "kernel":
         fmt = m.get("weight_format")
-        kind = SourceKind.CT_INT4 if fmt == "int4" else (SourceKind.GPT_OSS_MXFP4 if gpt_oss else SourceKind.CT_MXFP4)
+        kinds = {"int4": (SourceKind.CT_INT4, SourceKind.CT_INT4), "mxfp8": (SourceKind.MXCONV_MXFP8, SourceKind.CT_MXFP8)}
+        kind = kinds.get(str(fmt), (SourceKind.GPT_OSS_MXFP4, SourceKind.CT_MXFP4))[0 if gpt_oss else 1]
         label = f"its canonical {fmt} form (this output: repack --backend {m.get('backend')} --activation {m.get('activation')})"
         return [(label, kind)], {"served_vllm_backends": list(m.get("served_vllm_backends") or [])}
     as_is = source_kind(quantization_dict(ckpt), ckpt.config.get("model_type"))

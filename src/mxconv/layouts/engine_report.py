@@ -14,12 +14,16 @@ from mxconv.errors import BadInput, LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import LayoutSizes
 from mxconv.layouts.engine_picks import (
-    CANONICAL_LAYOUT, ENGINES, FP8_ORACLE, HOLDER_ATTRIBUTE, MXFP4_BACKENDS, MXFP4_ORACLE, ORACLE, VLLM, WNA16_ORACLE, Gpu, Pick,
-    SourceKind, picks,
+    CANONICAL_LAYOUT, ENGINES, FP8_ORACLE, HOLDER_ATTRIBUTE, MXFP4_BACKENDS, MXFP4_ORACLE, MXFP8_BACKENDS, ORACLE, VLLM,
+    WNA16_ORACLE, Gpu, Pick, SourceKind, picks,
 )
 from mxconv.layouts.vllm_backends import (
-    CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, platform_of, vllm_padded_sizes, vllm_refusal,
+    CANONICAL_MXFP8_VLLM_BACKENDS, CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, platform_of, vllm_padded_sizes, vllm_refusal,
 )
+
+# The canonical outputs each holder attribute's oracle holds as they are (MXFP4: Mxfp4MoeBackend names,
+# MXFP8: Fp8MoeBackend names); INT4 has no canonical output.
+CANONICAL_HOLDERS = {"vllm_backends": CANONICAL_VLLM_BACKENDS, "vllm_mxfp8_backends": CANONICAL_MXFP8_VLLM_BACKENDS}
 
 # compressed-tensors "format" -> kind (mxconv's own CT_FORMATS names and compressed-tensors' INT4 one)
 _CT_KINDS = {"mxfp4-pack-quantized": SourceKind.CT_MXFP4, "mxfp8-quantized": SourceKind.CT_MXFP8,
@@ -46,14 +50,15 @@ def source_kind(quant: dict[str, Any] | None, model_type: str | None) -> SourceK
 def holders(backend: str, attribute: str = "vllm_backends") -> list[dict[str, Any]]:
     """The mxconv outputs whose bytes ``backend`` (a vLLM backend name of the oracle whose layout
     ``attribute`` is given, HOLDER_ATTRIBUTE) holds as is: every registered layout/activation whose
-    ``attribute`` names it, then the canonical outputs (MXFP4 oracle only)."""
+    ``attribute`` names it, then the canonical outputs (:data:`CANONICAL_HOLDERS`)."""
     out: list[dict[str, Any]] = []
+    fmt = " --format mxfp8" if attribute == "vllm_mxfp8_backends" else ""  # what repack of a bf16 source needs
     for name in backend_names():
         for act, names in getattr(get_layout(name), attribute, {}).items():
             if backend in names:
-                out.append({"output": f"repack --backend {name} --activation {act}", "backend": name, "activation": act})
-    if attribute == "vllm_backends":
-        out += [{"output": f"canonical ({lay})", "layout": lay} for lay, names in CANONICAL_VLLM_BACKENDS.items() if backend in names]
+                out.append({"output": f"repack --backend {name} --activation {act}{fmt}", "backend": name, "activation": act})
+    canonical = CANONICAL_HOLDERS.get(attribute, {})
+    out += [{"output": f"canonical ({lay})", "layout": lay} for lay, names in canonical.items() if backend in names]
     return out
 
 
@@ -131,8 +136,9 @@ def pick_row(engine: str, kind: SourceKind, gpu: Gpu, model: dict[str, Any]) -> 
         return row
     row["held_by"] = [_check_holder(h, p, model) for h in holders(p.backend, HOLDER_ATTRIBUTE[ORACLE[kind]][0])]
     if not row["held_by"]:
+        reasons = MXFP8_BACKENDS if ORACLE[kind] == FP8_ORACLE else MXFP4_BACKENDS
         row["note"] = f"no mxconv output holds {p.backend} bytes yet" + (
-            f": {MXFP4_BACKENDS[p.backend]}" if MXFP4_BACKENDS.get(p.backend) else "")
+            f": {reasons[p.backend]}" if reasons.get(p.backend) else "")
     return row
 
 

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mxconv.errors import BadInput
-from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, VLLM_VERSION, vllm_refusal
+from mxconv.layouts.vllm_backends import (
+    CANONICAL_MXFP8_VLLM_BACKENDS, CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, VLLM_VERSION, vllm_refusal,
+)
 
 SCHEMA_VERSION = 1
 # canonical weight format of a kernel output -> the layout attribute naming the vLLM backends (of that
@@ -321,7 +323,7 @@ def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
         raise BadInput(f"manifest lacks what the quant config needs ({type(exc).__name__}: {exc})") from None
     pattern = _layer_pattern(prefix, layer)
     refs = (_kernel_refs(manifest, pattern) if kind == "kernel" else None) or _table_refs(manifest, layer, prefix, pattern)
-    candidates: tuple[str, ...] = ()  # the backends of the layout's oracle for its weight format (none for canonical MXFP8)
+    candidates: tuple[str, ...] = ()  # the backends of the layout's oracle for its weight format
     if kind == "kernel" and fmt in HOLDER_ATTRIBUTES:
         from mxconv.layouts import get_layout
 
@@ -330,8 +332,9 @@ def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
             candidates = tuple(getattr(get_layout(str(backend)), attr, {}).get(act, ()))
         except BadInput:
             pass
-    elif fmt == "mxfp4":
-        candidates = CANONICAL_VLLM_BACKENDS.get(str(lay.get("name")), ())
+    elif fmt in ("mxfp4", "mxfp8"):
+        canonical = CANONICAL_VLLM_BACKENDS if fmt == "mxfp4" else CANONICAL_MXFP8_VLLM_BACKENDS
+        candidates = canonical.get(str(lay.get("name")), ())
     compat = (lay.get("engine_compat") or {}).get("vllm")
     # the WNA16 and MXFP8 methods pad nothing (their layouts' own padding is inside the tensors)
     padded_by_engine = str(lay.get("name")) not in UNPADDED_LAYOUTS and fmt not in ("int4", "mxfp8")
