@@ -225,6 +225,31 @@ def test_the_lock_is_exclusive_and_released(tmp_path: Path) -> None:
     second.release()
 
 
+def test_without_flock_the_lock_file_alone_is_the_lock(tmp_path: Path, monkeypatch) -> None:
+    """A filesystem that cannot flock (Lustre mounted without it) answers ENOSYS: the lock is then the
+    file, made exclusively and holding the pid; a dead pid's file is taken over."""
+    import errno
+
+    import mxconv.output.lock as lock_mod
+    from mxconv.errors import BadInput
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(lock_mod.fcntl, "flock", no_flock)
+    first = OutputLock.acquire(tmp_path)
+    assert f"(pid {os.getpid()})" in (tmp_path / LOCK_NAME).read_text()
+    with pytest.raises(BadInput, match=rf"being written by another mxconv run \(pid {os.getpid()}\)"):
+        OutputLock.acquire(tmp_path)
+    first.release()
+    assert not os.path.lexists(tmp_path / LOCK_NAME)
+    pid = dead_pid()
+    (tmp_path / LOCK_NAME).write_text(f"an mxconv run (pid {pid}) is writing this directory\n")
+    second = OutputLock.acquire(tmp_path)
+    assert f"(pid {os.getpid()})" in (tmp_path / LOCK_NAME).read_text()
+    second.release()
+
+
 # --- --overwrite deletes only what mxconv wrote --------------------------------------------------------
 
 

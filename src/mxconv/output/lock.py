@@ -10,7 +10,8 @@ never renamed (an ``--overwrite`` moves the entries inside it), so the lock cove
 The kernel drops a flock when its holder dies, however it dies: a run killed with SIGKILL leaves the
 file, and the next run takes the lock on it and writes its own pid. A run removes the file when it
 releases the lock; a run that opened the file just before that finds, once it holds a lock, that the
-name no longer leads to the file it locked, and starts again with the new one.
+name no longer leads to the file it locked, and starts again with the new one. On a filesystem that
+cannot flock, the file alone is the lock (:func:`_take_file`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from pathlib import Path
 
 from mxconv.errors import BadInput
 from mxconv.source.file_names import LOCK_NAME
-from mxconv.source.in_progress import marker_text, pid_in, process_alive
+from mxconv.source.in_progress import marker_pid, marker_text, pid_in, process_alive
 
 _ATTEMPTS = 200  # a lock file being replaced or written by its new holder is waited for, briefly
 _PAUSE = 0.005
+_NO_FLOCK = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK}  # a filesystem that cannot flock
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -64,6 +66,44 @@ def _holder(fd: int) -> int | None:
         return None
 
 
+def _write_pid(fd: int) -> None:
+    text = marker_text(os.getpid()).encode()
+    os.pwrite(fd, text, 0)
+    os.ftruncate(fd, len(text))
+
+
+def _busy(directory: Path, holder: int | None) -> BadInput:
+    who = f"pid {holder}" if holder is not None else "its pid unknown"
+    return BadInput(f"OUTPUT {directory} is being written by another mxconv run ({who}); wait for it or choose "
+                    "another directory")
+
+
+def _take_file(directory: Path, path: Path) -> int:
+    """The lock on a filesystem without flock (Lustre mounted without it, NFS without a lock daemon):
+    the file itself, created with ``O_EXCL`` and holding its run's pid; a file whose pid is dead is
+    removed and made again. Two runs that find the same dead pid at the same moment could both go on:
+    the price of a filesystem that cannot lock."""
+    holder: int | None = None
+    for attempt in range(_ATTEMPTS):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            try:
+                holder = marker_pid(path)
+            except OSError:
+                holder = None
+            if holder is not None and process_alive(holder):
+                raise _busy(directory, holder) from None
+            if holder is None and attempt < _ATTEMPTS // 10:
+                time.sleep(_PAUSE)  # made an instant ago: its pid is being written
+                continue
+            os.unlink(path)  # its run is gone
+            continue
+        _write_pid(fd)
+        return fd
+    raise _busy(directory, holder)
+
+
 class OutputLock:
     """The held lock on one output directory (see the module docstring); :meth:`release` gives it up."""
 
@@ -90,16 +130,17 @@ class OutputLock:
                     break
                 time.sleep(_PAUSE)  # its holder has just taken it and is writing its pid
                 continue
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in _NO_FLOCK:
+                    raise
+                return cls(_take_file(directory, path), path)
             if not _same_file(fd, path):  # released and removed (or replaced) since we opened it
                 os.close(fd)
                 continue
-            text = marker_text(os.getpid()).encode()
-            os.pwrite(fd, text, 0)
-            os.ftruncate(fd, len(text))
+            _write_pid(fd)
             return cls(fd, path)
-        who = f"pid {holder}" if holder is not None else "its pid unknown"
-        raise BadInput(f"OUTPUT {directory} is being written by another mxconv run ({who}); wait for it or choose "
-                       "another directory")
+        raise _busy(directory, holder)
 
     @property
     def held(self) -> bool:
