@@ -11,6 +11,7 @@ from typing import Any, Iterable
 from mxconv.families.base import MoELayerRef
 from mxconv.families.gpt_oss_output import FORMAT_KEY
 from mxconv.output.engine_quant_config import attach
+from mxconv.output.files import FileRecord
 from mxconv.output.manifest import base_manifest
 from mxconv.run.linear_config import with_linears
 from mxconv.run.linears import manifest_extras
@@ -155,10 +156,12 @@ def fp8_block_numerics(source_format: str, source_scale_scheme: str | None, src_
 
 
 def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], argv: list[str] | None,
-                   fp8_tiles: dict[str, Any] | None = None) -> dict[str, Any]:
+                   fp8_tiles: dict[str, Any] | None = None, files: dict[str, FileRecord] | None = None) -> dict[str, Any]:
     """The manifest of ``plan``'s output: ``tensors`` (the written tensor table), the engines'
-    quant_config and served backends, and ``output_files``: the top-level names this run wrote (a
-    later --overwrite removes exactly these, and nothing else)."""
+    quant_config and served backends, ``output_files``: the top-level names this run wrote, and
+    ``output_file_hashes``: size and sha256 of each file it wrote but the shards (which ``tensors``
+    covers) and the manifest, by path (``files``). A later --overwrite deletes such a file only while
+    it still has the recorded size and sha256 (mxconv.output.ownership)."""
     numerics, from_mx_untouched = numerics_of(plan)
     repack = plan.repack
     manifest = base_manifest(
@@ -185,6 +188,8 @@ def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], a
         manifest["output_files"] = sorted({CONFIG_NAME, *(d.name for d in rank_dirs)})
     else:
         manifest["output_files"] = sorted({CONFIG_NAME, INDEX_NAME, *(f.name for f in plan.ckpt.extra_files)})
+    if files is not None:
+        manifest["output_file_hashes"] = {name: files[name].to_json() for name in sorted(files)}
     return manifest
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from mxconv.errors import BadInput
 from mxconv.source.file_names import CONFIG_NAME, IN_PROGRESS, INDEX_NAME, MANIFEST_NAME
 from mxconv.source.manifest import load_manifest, missing_manifest_message
+from mxconv.source.side_files import side_file_size
 from mxconv.source.st_format import TensorInfo, loads_unique, read_header, read_tensor
 
 if TYPE_CHECKING:
@@ -240,7 +241,8 @@ def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoi
     manifest = None
     if (root / MANIFEST_NAME).exists():
         manifest = load_manifest(root)
-    extra = [f for f in sorted(root.iterdir()) if f.is_file() and _copied_along(f.name)]
+    # copied into the output: regular files within a size bound only (a FIFO or a device is refused here)
+    extra = [f for f in sorted(root.iterdir()) if _copied_along(f.name) and side_file_size(f) is not None]
     if not sinfo.fingerprint:
         sinfo.fingerprint = _fingerprint(root, shard_files + [root / CONFIG_NAME])
     return Checkpoint(

@@ -13,6 +13,8 @@ INDEX_NAME = "model.safetensors.index.json"  # the shard index: {"metadata": ...
 MANIFEST_NAME = "mxconv.json"  # what the bytes of an mxconv output mean; written last (contract.md)
 CONFIG_NAME = "config.json"  # the model's Hugging Face config
 IN_PROGRESS = ".mxconv-in-progress"  # in an output directory while a run writes it (mxconv.source.in_progress)
+LOCK_NAME = ".mxconv-lock"  # in an output directory: the one writer's lock (mxconv.output.lock)
+WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|gguf)$")  # a weight file by its name (search): verify's stray check
 RANK_DIR = re.compile(r"rank-(\d+)")  # a TP output's rank directory (fullmatch; group 1: the rank)
 
 

@@ -186,6 +186,8 @@ _LINEARS = _obj(
      "left_alone": _map(STR)},
     {"scale_rounding": _nullable(STR)},
 )
+# output_file_hashes (mxconv.output.files.FileRecord): each file but shards and manifest, by path
+_FILE_RECORD = _obj({"size": NONNEG, "sha256": NONEMPTY})
 SCHEMA: Check = _obj(
     {
         "format_version": POSITIVE,
@@ -205,8 +207,8 @@ SCHEMA: Check = _obj(
         "layers": _list(_LAYER),
         "tensors": _map(_TENSOR),
     },
-    {"numerics": _map(ANY), "output_files": _list(STR), "source_bytes_by_role": _map(NONNEG), "linears": _LINEARS,
-     "fp8_tiles": _map(ANY)},
+    {"numerics": _map(ANY), "output_files": _list(STR), "output_file_hashes": _map(_FILE_RECORD),
+     "source_bytes_by_role": _map(NONNEG), "linears": _LINEARS, "fp8_tiles": _map(ANY)},
 )
 
 

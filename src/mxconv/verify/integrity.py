@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from mxconv.source.checkpoint import Checkpoint, layer_index
-from mxconv.source.file_names import rank_dir_name
+from mxconv.source.file_names import WEIGHT_FILE, rank_dir_name
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.layouts import get_layout
@@ -64,9 +63,6 @@ def check_integrity(root: Path, manifest: dict[str, Any],
     return problems, expected
 
 
-_WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|gguf)$")
-
-
 def stray_weight_files(root: Path, directory: Path, shard_files: list[Path]) -> list[str]:
     """Weight files in ``directory`` that are not its indexed ``shard_files``: a loader may read one
     instead of the indexed shards (transformers takes ``model.safetensors`` first), so they fail
@@ -76,7 +72,7 @@ def stray_weight_files(root: Path, directory: Path, shard_files: list[Path]) -> 
         f"{f.relative_to(root).as_posix()}: a weight file the output's index does not name (a loader such as "
         "transformers may read it instead of the indexed shards); remove it"
         for f in sorted(directory.iterdir())
-        if f.is_file() and _WEIGHT_FILE.search(f.name) and f.name not in shards
+        if f.is_file() and WEIGHT_FILE.search(f.name) and f.name not in shards
     ]
 
 
