@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from mxconv.source.file_names import IN_PROGRESS, INDEX_NAME, MANIFEST_NAME, RANK_DIR
+from mxconv.source.json_files import dumps_strict
 from mxconv.source.in_progress import live_writer, marker_text, process_alive
 from mxconv.errors import BadInput
 from mxconv.interrupt import deferred_signals, next_step, output_complete
@@ -344,4 +345,4 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    atomic_write_text(path, dumps_strict(obj, indent=2, sort_keys=False) + "\n")  # never NaN / Infinity
