@@ -230,6 +230,44 @@ def test_deep_json_in_the_verified_output_fails_it(outs: Path, tmp_path: Path, n
     assert code == 2 and "nested too deeply" in err, err
 
 
+@pytest.mark.parametrize("value, rule", [
+    ("NaN", "NaN is not a number JSON allows"),
+    ("Infinity", "Infinity is not a number JSON allows"),
+    ("1e999", "number 1e999 is out of the range of a double"),
+    ("-1.0", "swiglu_limit -1.0 must be a number greater than 0"),
+    ("0", "swiglu_limit 0 must be a number greater than 0"),
+])
+def test_swiglu_limit_out_of_range_stops_the_plan(outs: Path, tmp_path: Path, value: str, rule: str) -> None:
+    src = copy_checkpoint(outs / "src", tmp_path / "src")
+    text = (src / "config.json").read_text()
+    (src / "config.json").write_text(text.replace('"swiglu_limit": 7.0', f'"swiglu_limit": {value}'))
+    assert f'"swiglu_limit": {value}' in (src / "config.json").read_text()
+    code, _, err = mx("quantize", src, tmp_path / "out", "--device", "cpu")
+    _clean(code, err)
+    assert code == 2 and f"{src / 'config.json'}" in err and rule in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key, value, rule", [
+    ("swiglu_alpha", -1.702, "swiglu_alpha -1.702 must be a number greater than 0"),
+    ("rms_norm_eps", 0, "rms_norm_eps 0 must be a number between 0 and 1"),
+    ("rope_theta", -150000, "rope_theta -150000 must be a number greater than 0"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 0.0}, "rope_scaling.factor 0.0 must be a number greater than 0"),
+])
+def test_config_values_out_of_range_stop_the_plan(outs: Path, tmp_path: Path, key: str, value: Any, rule: str) -> None:
+    src = copy_checkpoint(outs / "src", tmp_path / "src")
+    _edit_json(src / "config.json", lambda c: c.update({key: value}))
+    code, _, err = mx("quantize", src, tmp_path / "out", "--dry-run")
+    assert code == 2 and f"{src / 'config.json'}: {rule}" in err, err
+
+
+def test_routed_scaling_factor_out_of_range_stops_the_plan(made: MadeCheckpoints, tmp_path: Path) -> None:
+    src = copy_checkpoint(made.source("kimi-k2").path, tmp_path / "src")
+    _edit_json(src / "config.json", lambda c: c.update(routed_scaling_factor=0))
+    code, _, err = mx("quantize", src, tmp_path / "out", "--dry-run")
+    assert code == 2 and f"{src / 'config.json'}: routed_scaling_factor 0 must be a number greater than 0" in err, err
+
+
 def test_duplicate_key_in_config_is_bad_input(outs: Path, tmp_path: Path) -> None:
     src = copy_checkpoint(outs / "src", tmp_path / "src")
     _insert(src / "config.json", "1")
