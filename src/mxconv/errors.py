@@ -24,6 +24,13 @@ class Unsupported(BadInput):
     nothing says the files are damaged."""
 
 
+class OutputDamaged(BadInput):
+    """An mxconv output's own files are not what its manifest says: a malformed ``mxconv.json``, a
+    file name in it that leaves the output's directory, a tensor missing from the file named for it or
+    stored there with another shape or dtype. Exit 2 where the output is read as an input (the loader,
+    ``inspect``, a ``repack`` SOURCE); ``verify`` reports it as a failed verification (exit 1)."""
+
+
 class LayoutError(BadInput):
     """A tensor cannot be put into (or taken out of) a backend layout: wrong shape, size rule, padding."""
 

@@ -18,7 +18,6 @@ mxconv wrote (:func:`is_recorded_file`).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any, Iterable, Iterator
 
 from mxconv.errors import BadInput
+from mxconv.source.json_files import dumps_strict
 from mxconv.source.side_files import SIDE_FILE_LIMIT, open_side_file
 
 TMP_SUFFIX = ".mxconv-tmp"
@@ -97,7 +97,7 @@ def atomic_write_text(path: Path, text: str) -> FileRecord:
 
 
 def atomic_write_json(path: Path, obj: Any) -> FileRecord:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    return atomic_write_text(path, dumps_strict(obj, indent=2, sort_keys=False) + "\n")  # never NaN / Infinity
 
 
 def _read_exactly(f: IO[bytes], size: int, src: Path) -> Iterator[bytes]:

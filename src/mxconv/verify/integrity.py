@@ -11,6 +11,7 @@ from typing import Any
 
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.source.file_names import WEIGHT_FILE, rank_dir_name
+from mxconv.source.manifest import stored_problem
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.layouts import get_layout
@@ -29,27 +30,14 @@ def check_integrity(root: Path, manifest: dict[str, Any],
     seen: set[str] = set()
     for key, entry in manifest["tensors"].items():
         rank, name = 0, key
-        if tp > 1:
+        if tp > 1:  # "rank-R/<name>", R < tp: load_manifest checked the key with the file name
             prefix, _, name = key.partition("/")
-            try:
-                rank = int(prefix.removeprefix("rank-"))
-                if not 0 <= rank < tp:
-                    raise ValueError
-            except ValueError:
-                problems.setdefault(None, []).append(f"{key}: manifest names no valid rank directory (rank-0 .. rank-{tp - 1})")
-                continue
+            rank = int(prefix.removeprefix("rank-"))
         ckpt = ckpts[rank]
         seen.add(key)
-        where = problems.setdefault(layer_index(name), [])
-        info = ckpt.tensors.get(name)
-        if info is None:
-            where.append(f"{key}: listed in the manifest but missing from the checkpoint")
-            continue
-        rel = info.file.relative_to(root).as_posix()
-        if rel != entry["file"]:
-            where.append(f"{key}: stored in {rel}, manifest says {entry['file']}")
-        if list(info.shape) != list(entry["shape"]) or info.dtype != entry["dtype"]:
-            where.append(f"{key}: {info.dtype}{list(info.shape)} on disk, manifest says {entry['dtype']}{entry['shape']}")
+        problem = stored_problem(root, manifest, key, ckpt.tensors.get(name))
+        if problem:
+            problems.setdefault(layer_index(name), []).append(problem)
             continue
         expected.append(Expected(key, ckpt, name, entry["sha256"]))
     for r, ckpt in enumerate(ckpts):
