@@ -23,9 +23,11 @@ def demo(
 ) -> None:
     """Build tiny gpt-oss-style and Qwen-style checkpoints, run quantize -> repack (every backend)
     -> verify, and print one table. Exit 0 only if every step passes."""
-    from mxconv.demo import run_demo
-
     with errors(debug):
+        if workdir is not None:  # before torch is imported: a bad --workdir is answered at once
+            _make_workdir(workdir)
+        from mxconv.demo import run_demo
+
         results = run_demo(workdir, device_of(device), progress=lambda msg: (None if as_json or quiet else say(err, msg, "dim")))
         if as_json:
             print_json(results)
@@ -43,3 +45,13 @@ def demo(
                 say(err, "FAIL", "red", f"{r['source']} {r['step']}: {r.get('detail', '')}")
         if not results["passed"]:
             raise typer.Exit(1)
+
+
+def _make_workdir(workdir: Path) -> None:
+    """Create --workdir (and its parents); BadInput naming it and the reason when that is impossible."""
+    from mxconv.errors import BadInput
+
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInput(f"--workdir {workdir}: cannot create it ({exc.strerror or exc})") from None
