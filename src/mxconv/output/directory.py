@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -171,6 +172,9 @@ def check_free_space(where: Path, needed: int, hint: str = "") -> None:
     probe = where
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    why = _not_writable(probe)
+    if why is not None:  # before the free space: an unwritable place (/proc, a read-only mount) reads as 0 B free
+        raise BadInput(f"{where}: cannot write there: {probe} is not writable ({why}); choose an OUTPUT in a writable directory")
     free = shutil.disk_usage(probe).free
     if free < needed:
         raise BadInput(
@@ -178,6 +182,18 @@ def check_free_space(where: Path, needed: int, hint: str = "") -> None:
             f"{human_bytes(free)} ({free} bytes) are free on the filesystem of {probe}{hint}; free "
             f"{human_bytes(needed - free)} or choose an OUTPUT on another disk"
         )
+
+
+def _not_writable(directory: Path) -> str | None:
+    """Why no file can be created in ``directory`` (the OS's words), or None when one can: a file is
+    created and removed, so permissions, read-only mounts and pseudo filesystems all answer truly."""
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".mxconv-write-check-")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(name)
+    return None
 
 
 @contextmanager
