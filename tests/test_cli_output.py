@@ -212,3 +212,10 @@ def test_failure_figures_for_nan_and_short_forms() -> None:
     assert apart(float("nan"), 0.95) == ("nan", "0.95")
     assert apart(0.5, 0.95) == ("0.5", "0.95")  # far apart: no extra digits
     assert apart(0.9999985, 0.999999) == ("0.9999985", "0.999999")  # the "0.999999 < 0.999999"
+
+
+def test_inspect_quiet_is_one_line(ws: Path) -> None:
+    for name, says in (("gpt", "gpt-oss, checkpoint, 2 MoE layers"), ("gpt-q4", "gpt-oss, mxconv canonical output, 2 MoE layers"),
+                       ("gpt-marlin", "gpt-oss, mxconv kernel output (marlin, bf16)")):
+        code, out, err = mx("inspect", ws / name, "--quiet")
+        assert code == 0 and len(out.splitlines()) == 1 and says in out and out.endswith("mxfp4 experts\n" if name != "gpt" else "bf16 experts\n"), out

@@ -25,6 +25,7 @@ def inspect(
     engine: EngineOpt = None,
     gpu: GpuOpt = None,
     as_json: JsonOpt = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="One line: path, family, kind, layers, experts, expert format.")] = False,
     debug: DebugOpt = False,
 ) -> None:
     """What a checkpoint is: family, sizes, formats, bytes, and per-backend padded sizes/overhead.
@@ -38,6 +39,9 @@ def inspect(
         doc = _document(path, revision, engine, gpu)
         if as_json:
             print_json(doc)
+            return
+        if quiet:
+            out.print(_one_line(doc), soft_wrap=True)
             return
         t = Table(title=f"mxconv inspect {doc['path']}", show_header=False)
         t.add_column("key", style="bold")
@@ -91,6 +95,19 @@ def inspect(
                 _print_with_notes(table, notes)
             if doc["engine"].get("note"):
                 out.print(doc["engine"]["note"])
+
+
+def _one_line(doc: dict) -> str:
+    """``inspect --quiet``: "PATH: family, kind (backend, activation), N MoE layers, E experts, format experts"."""
+    model, m = doc.get("model") or {}, doc.get("manifest") or {}
+    kind = (f"mxconv {doc['kind']} output" if m else "checkpoint") + (
+        f" ({m.get('backend')}, {m.get('activation')})" if doc["kind"] == "kernel" else "")
+    parts = [str(doc.get("family") or "unknown family"), kind]
+    layers = doc.get("moe_layers") or model.get("num_layers")
+    parts += [f"{layers} MoE layers" if "moe_layers" in doc else f"{layers} layers"] if layers else []
+    parts += [f"{model['num_experts']} experts"] if model.get("num_experts") else []
+    parts += [f"{model['expert_format']} experts"] if model.get("expert_format") else []
+    return f"{doc['path']}: " + ", ".join(parts)
 
 
 class _Notes:
