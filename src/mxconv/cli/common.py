@@ -170,7 +170,7 @@ def errors(debug: bool) -> Iterator[None]:
     except MxconvError as exc:
         if debug:
             raise
-        say(err, "error:", "bold red", str(exc))
+        say(err, "error:", "bold red", exc.cli or str(exc))  # the CLI's words (flags) where the library gave them
         raise typer.Exit(exc.exit_code) from None
     except OSError as exc:
         if debug:
