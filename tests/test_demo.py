@@ -18,6 +18,7 @@ from mxconv.source.checkpoint import open_checkpoint
 from support.checkpoints import make_checkpoint
 
 
+@pytest.mark.slow  # ~40 s on 2 cores: every backend's repack and verify
 def test_the_demo_passes_and_shows_every_format_and_backend(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     result = run_demo(tmp_path, torch.device("cpu"))
     show_results(result, as_json=False, quiet=True, workdir=tmp_path)  # --quiet: the verdict line alone

@@ -127,6 +127,7 @@ def tour(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]
     return tmp, {line: _run(line, tmp) for line in _tour_and_session()[0]}
 
 
+@pytest.mark.slow
 def test_quick_tour_runs_and_every_command_exits_0(tour) -> None:
     _, results = tour
     assert len(results) == len(_tour_and_session()[0]), "a command line appears twice in the tour"
@@ -142,6 +143,7 @@ def _norm(line: str) -> str:
     return "│".join(" ".join(cell.split()) for cell in line.split("│")).strip()
 
 
+@pytest.mark.slow
 def test_example_session_is_what_the_tour_prints_today(tour) -> None:
     """Every output line the README shows is in the real output, in the order shown. A command of the
     session that is in the tour is not run twice (a second quantize or repack into the same OUT would
@@ -192,6 +194,7 @@ def test_readme_lists_exactly_each_commands_options() -> None:
 # --- the Python API example ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_python_api_example_runs_as_shown_twice() -> None:
     """The README's first Python block is self-contained: it runs in a fresh interpreter, prints the
     verdict its comment shows, and runs again unchanged (nothing of the first run is in its way)."""
@@ -203,3 +206,16 @@ def test_python_api_example_runs_as_shown_twice() -> None:
         r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stdout.startswith("PASS (integrity, layout, numerics vs ") and r.stdout.rstrip().endswith("/q4)"), r.stdout
+
+
+def test_readme_names_every_variable_a_skipped_test_asks_for() -> None:
+    """A test that skips until a variable points at an outside file (kernels, an engine's source) is
+    listed in the README's table of skips with that variable, so a reader knows how to run it."""
+    readme = (ROOT / "README.md").read_text()
+    asked: set[str] = set()
+    for f in (ROOT / "tests").rglob("*.py"):
+        for line in f.read_text().splitlines():
+            if "skip" in line:
+                asked |= set(re.findall(r"MXCONV_[A-Z0-9_]+", line))
+    assert asked, "no skip names a variable: this test reads the wrong files"
+    assert {v for v in asked if v not in readme} == set()
