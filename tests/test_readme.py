@@ -219,3 +219,19 @@ def test_readme_names_every_variable_a_skipped_test_asks_for() -> None:
                 asked |= set(re.findall(r"MXCONV_[A-Z0-9_]+", line))
     assert asked, "no skip names a variable: this test reads the wrong files"
     assert {v for v in asked if v not in readme} == set()
+
+
+def test_docs_index_lists_every_page() -> None:
+    index = (ROOT / "docs" / "README.md").read_text()
+    pages = {p.name for p in (ROOT / "docs").iterdir() if p.suffix in (".md", ".json") and p.name != "README.md"}
+    assert {p for p in pages if f"]({p})" not in index} == set()
+    assert "docs/README.md" in (ROOT / "README.md").read_text()
+
+
+def test_version_flags_and_license() -> None:
+    for flag in ("--version", "-V"):
+        code, out, _ = mx(flag)
+        assert code == 0 and out.strip() == f"mxconv {mxconv.__version__}"
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
