@@ -219,3 +219,19 @@ def test_inspect_quiet_is_one_line(ws: Path) -> None:
                        ("gpt-marlin", "gpt-oss, mxconv kernel output (marlin, bf16)")):
         code, out, err = mx("inspect", ws / name, "--quiet")
         assert code == 0 and len(out.splitlines()) == 1 and says in out and out.endswith("mxfp4 experts\n" if name != "gpt" else "bf16 experts\n"), out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_at_80_columns_splits_no_name_and_keeps_examples_whole(command: str) -> None:
+    """Help wraps at spaces only: no option name or hyphenated word is cut ("--require-" / "exact"), every
+    line fits 80 columns, and each example is whole lines a shell takes as they are (a long one goes on
+    with a trailing backslash)."""
+    text = _on_terminal(80, command, "-h")
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, text
+    assert not [line for line in lines if re.search(r"\w-$", line)], text
+    examples = [line.strip() for line in lines if line.strip().startswith("mxconv ")]
+    assert examples or command == "demo", text
+    for i, line in enumerate(lines):
+        if line.strip().startswith("mxconv ") and line.rstrip().endswith("\\"):
+            assert lines[i + 1].strip().startswith("--"), (line, lines[i + 1])  # continued by its next option

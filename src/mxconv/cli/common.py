@@ -52,6 +52,27 @@ class Command(TyperCommand):
     and a bad option value is one plain line naming the option, the value and what it accepts
     (Typer's pydantic conversion would prefix "Value error, ")."""
 
+    def get_help(self, ctx: typer.Context) -> str:
+        """The help text, wrapped at the terminal's width only at spaces: an option name ("--require-exact")
+        or a word with a hyphen is never split across lines. Examples are blocks Click does not rewrap
+        ("\\b" paragraphs), each at most 80 columns, so they copy and paste as they are."""
+        import importlib
+
+        # the Click that formats this context (Typer vendors its own copy): wrap_text reads TextWrapper
+        # from its _textwrap module at each call
+        click_textwrap = importlib.import_module(type(ctx).__module__.rsplit(".", 1)[0] + "._textwrap")
+        plain = click_textwrap.TextWrapper
+
+        class _Whole(plain):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **{**kwargs, "break_on_hyphens": False, "break_long_words": False})
+
+        click_textwrap.TextWrapper = _Whole
+        try:
+            return super().get_help(ctx)
+        finally:
+            click_textwrap.TextWrapper = plain
+
     def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
         pieces = super().collect_usage_pieces(ctx)
         return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]

@@ -33,6 +33,7 @@ def inspect(
     Reads headers and the manifest only (no weights). A tensor-parallel output (repack --tp N) shows
     every rank's directory, shard files and bytes; OUTPUT/rank-N shows that rank. Example:
 
+    \b
         mxconv inspect openai/gpt-oss-20b
     """
     with errors(debug):

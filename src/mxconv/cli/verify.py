@@ -71,6 +71,7 @@ def verify(
     shards: named by file, tensor and rule); 2 on bad usage, a PATH that is no mxconv output, or a
     --reference / --reference-outputs that cannot be read. Example:
 
+    \b
         mxconv verify ./gpt-oss-20b-trtllm --reference openai/gpt-oss-20b
     """
     with errors(debug):
