@@ -235,3 +235,12 @@ def test_help_at_80_columns_splits_no_name_and_keeps_examples_whole(command: str
     for i, line in enumerate(lines):
         if line.strip().startswith("mxconv ") and line.rstrip().endswith("\\"):
             assert lines[i + 1].strip().startswith("--"), (line, lines[i + 1])  # continued by its next option
+
+
+def test_summary_speaks_people_and_hides_a_sub_second_rate(ws: Path, tmp_path: Path) -> None:
+    code, out, err = mx("quantize", ws / "gpt", tmp_path / "q", "--device", "cpu")
+    assert code == 0, err
+    for label in ("│ time ", "│ peak host memory (RSS) ", "│ relative RMS error ", "│ MoE layers converted "):
+        assert label in out, (label, out)
+    for raw in ("seconds", "gb per s", "peak host rss bytes", "throughput"):  # a tiny run: no rate worth showing
+        assert raw not in out, (raw, out)

@@ -243,13 +243,26 @@ def print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
 
 
+# Summary keys (the --json names) as people read them; other keys: underscores as spaces.
+SUMMARY_LABELS = {
+    "seconds": "time", "gb_per_s": "throughput", "compute_seconds": "compute time", "stage_seconds": "time per stage",
+    "peak_host_rss_bytes": "peak host memory (RSS)", "relative_rms_error": "relative RMS error",
+    "moe_layers_converted": "MoE layers converted", "bytes_in": "bytes in", "bytes_out": "bytes out",
+}
+# Below this run time a throughput measures start-up, not conversion: the summary leaves it out.
+MEANINGFUL_RATE_SECONDS = 1.0
+
+
 def summary_table(plan_summary: dict[str, Any], title: str) -> Table:
-    """Two-column summary: bytes human-readable, seconds rounded, nested values compact."""
+    """Two-column summary: human labels (SUMMARY_LABELS), bytes human-readable, seconds rounded, nested
+    values compact; a throughput only for a run long enough to measure one."""
     t = Table(title=title, show_header=False)
     t.add_column("key", style="bold")
     t.add_column("value")
     for k, v in plan_summary.items():
         if v is None:
+            continue
+        if k == "gb_per_s" and float(plan_summary.get("seconds") or 0.0) < MEANINGFUL_RATE_SECONDS:
             continue
         if isinstance(v, (int, float)) and ("bytes" in k) and not isinstance(v, bool):
             v = human_bytes(v)
@@ -265,5 +278,5 @@ def summary_table(plan_summary: dict[str, Any], title: str) -> Table:
             v = ", ".join(f"{a}={b}" for a, b in v.items())
         elif isinstance(v, list):
             v = ", ".join(map(str, v))
-        t.add_row(k.replace("_", " "), str(v))
+        t.add_row(SUMMARY_LABELS.get(k, k.replace("_", " ")), str(v))
     return t
