@@ -19,7 +19,7 @@ from mxconv.layouts.canonical import LayoutSizes
 from mxconv.output.engine_quant_config import quant_config_of
 from mxconv.errors import BadInput, LayoutError
 from mxconv.source.manifest import load_manifest, missing_manifest_message
-from mxconv.layouts.vllm_backends import vllm_refusal
+from mxconv.layouts.vllm_serving import OutputForm, served_backends, served_methods, vllm_serving
 
 
 def canonical_expert_bytes(E: int, H: int, I: int, has_bias: bool, scale_bytes: int = 1) -> int:
@@ -36,7 +36,9 @@ def backend_table(
     weight_format: str = "mxfp4",
 ) -> list[dict[str, Any]]:
     """Per backend/activation: padded sizes, kernel bytes, padding overhead vs canonical MXFP4, and
-    the vLLM 0.33 backends that would hold the output as is (``model_activation``: "silu" | "swigluoai").
+    the vLLM 0.33 backends that would hold the output as is, per vLLM quantization method
+    (``vllm_methods``; :func:`mxconv.layouts.vllm_serving.vllm_serving`, the manifest's rule;
+    ``model_activation``: "silu" | "swigluoai").
     ``weight_format`` "int4" (a compressed-tensors INT4 source): what ``repack`` does with it, i.e. the
     layouts that take INT4 as it is (trtllm: MxInt4), and an error row for the others."""
     rows = []
@@ -55,13 +57,10 @@ def backend_table(
                 Hp, Ip = layout.padded_sizes(H, I, row_order, act, opts, **fmt_kw)
                 sizes = LayoutSizes(E, H, I, Hp, Ip, row_order, has_bias, weight_format)
                 nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, opts).values()) * layers
-                served: list[str] = []
-                if weight_format == "mxfp4":  # the vLLM backends a layout lists are MXFP4 ones
-                    desc = layout.describe(sizes, act, opts)
-                    compat, arch = desc.get("engine_compat", {}).get("vllm"), desc.get("arch")
-                    model = {"activation": model_activation, "has_expert_bias": has_bias}
-                    served = [b for b in getattr(layout, "vllm_backends", {}).get(act, ())
-                              if vllm_refusal(b, (H, I, Hp, Ip), model, compat, arch=arch) is None]
+                desc = layout.describe(sizes, act, opts)
+                model = {"activation": model_activation, "has_expert_bias": has_bias}
+                servings = vllm_serving(OutputForm(name, act, weight_format, (H, I, Hp, Ip), model,
+                                                   desc.get("engine_compat", {}).get("vllm"), desc.get("arch")))
                 rows.append(
                     {
                         "backend": name,
@@ -70,7 +69,8 @@ def backend_table(
                         "padded_intermediate_size": Ip,
                         "expert_bytes": nbytes,
                         "padding_overhead": nbytes / base - 1 if base else 0.0,
-                        "vllm_backends": served,
+                        "vllm_backends": list(served_backends(servings)),
+                        "vllm_methods": served_methods(servings),
                     }
                 )
             except LayoutError as exc:
@@ -291,13 +291,18 @@ def engine_forms(ckpt: Checkpoint, family: str | None) -> tuple[list[tuple[str, 
     if m.get("kind") == "kernel":
         fmt = m.get("weight_format")
         kind = SourceKind.CT_INT4 if fmt == "int4" else (SourceKind.GPT_OSS_MXFP4 if gpt_oss else SourceKind.CT_MXFP4)
-        label = f"its canonical {fmt} form (this output: repack --backend {m.get('backend')} --activation {m.get('activation')})"
-        return [(label, kind)], {"served_vllm_backends": list(m.get("served_vllm_backends") or [])}
+        forms: list[tuple[str, Any]] = [(f"its canonical {fmt} form", kind)]
+        if kind is SourceKind.CT_MXFP4:  # the same bytes may be held under quant_method mxfp4 (Mxfp4MoEMethod)
+            forms.append(("this output, as quant_method mxfp4", SourceKind.MXFP4))
+        methods = {k: list(v) for k, v in quant_config_of(m).served_vllm_methods}
+        return forms, {"served_vllm_methods": methods}
     as_is = source_kind(quantization_dict(ckpt), ckpt.config.get("model_type"))
-    forms: list[tuple[str, Any]] = [("as is", as_is)]
+    forms = [("as is", as_is)]
     if m.get("kind") != "canonical":
         mx4, mx8 = (SourceKind.GPT_OSS_MXFP4, SourceKind.MXCONV_MXFP8) if gpt_oss else (SourceKind.CT_MXFP4, SourceKind.CT_MXFP8)
         forms += [(f"quantize --format {f}", k) for f, k in (("mxfp4", mx4), ("mxfp8", mx8)) if k != as_is]
+        if not gpt_oss:  # a repack output is loaded under the method holding its bytes: quant_method mxfp4
+            forms.append(("repack, as quant_method mxfp4", SourceKind.MXFP4))
     return forms, None
 
 
@@ -325,10 +330,26 @@ def inspect_engine(source: str, engine: str, gpus: tuple[str, ...] | None, revis
     lay = ((ckpt.manifest or {}).get("layout") or {})
     for k in ("hidden_size", "intermediate_size"):
         model[k] = lay.get(k, model.get(k))
-    report = engine_report(engine, chosen, forms, model)
+    report = engine_report(engine, chosen, forms, model, _repack_source(source, ckpt))
     if served is not None:
         for g in report["gpus"]:
             for row in g["rows"]:
-                row["this_output_holds_it"] = row.get("backend") in served["served_vllm_backends"]
+                if row.get("method"):  # held under the method this form is loaded with (vllm_serving's rule)
+                    row["this_output_holds_it"] = row.get("backend") in served["served_vllm_methods"].get(row["method"], [])
+                    row["this_output_served"] = served["served_vllm_methods"]
     doc["engine"] = report
     return doc
+
+
+def _repack_source(given: str, ckpt: Checkpoint) -> tuple[str, str]:
+    """(what a repack command starts from, the stem of its output paths): the checkpoint as the user named
+    it, or for a kernel output the source its manifest records; outputs beside a local source, in the
+    current directory for a Hugging Face repo id."""
+    m = ckpt.manifest or {}
+    if m.get("kind") == "kernel":
+        src = m.get("source") or {}
+        given = str(src.get("repo_id") or src.get("path") or given)
+    local = Path(given).expanduser()
+    if local.is_dir():
+        return str(local.resolve()), str(local.resolve())
+    return given, given.rstrip("/").rsplit("/", 1)[-1]

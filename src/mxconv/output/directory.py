@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -83,7 +84,8 @@ def check_output_dir(out: Path, sources: list[Path], overwrite: bool) -> bool:
         if pid is not None:
             raise BadInput(f"OUTPUT {out} is being written by another mxconv run (pid {pid}); wait for it or choose another directory")
     if not overwrite and not interrupted:
-        raise BadInput(f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
+        raise BadInput(f"OUTPUT {out} is not empty; set overwrite=True (RunSettings) to replace its contents",
+                       cli=f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
     return interrupted
 
 
@@ -136,6 +138,9 @@ def check_free_space(where: Path, needed: int, hint: str = "") -> None:
     probe = where
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    why = _not_writable(probe)
+    if why is not None:  # before the free space: an unwritable place (/proc, a read-only mount) reads as 0 B free
+        raise BadInput(f"{where}: cannot write there: {probe} is not writable ({why}); choose an OUTPUT in a writable directory")
     free = shutil.disk_usage(probe).free
     if free < needed:
         raise BadInput(
@@ -143,6 +148,18 @@ def check_free_space(where: Path, needed: int, hint: str = "") -> None:
             f"{human_bytes(free)} ({free} bytes) are free on the filesystem of {probe}{hint}; free "
             f"{human_bytes(needed - free)} or choose an OUTPUT on another disk"
         )
+
+
+def _not_writable(directory: Path) -> str | None:
+    """Why no file can be created in ``directory`` (the OS's words), or None when one can: a file is
+    created and removed, so permissions, read-only mounts and pseudo filesystems all answer truly."""
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".mxconv-write-check-")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(name)
+    return None
 
 
 @contextmanager

@@ -132,15 +132,23 @@ def _fingerprint(root: Path, files: list[Path]) -> str:
 
 def resolve_source(source: str, revision: str | None = None) -> tuple[Path, SourceInfo]:
     """Local directory or Hugging Face repo id -> (local directory, SourceInfo)."""
+    if check_source_name(source):
+        root = Path(source).expanduser().resolve()
+        return root, SourceInfo(path=str(root), revision=revision)
+    return _fetch_from_hub(source, revision)
+
+
+def check_source_name(source: str) -> bool:
+    """True for a local directory, False for a Hugging Face repo id; BadInput for anything else (a file,
+    a missing path that is no repo id). No file is read and nothing is fetched: commands call it first."""
     p = Path(source).expanduser()
     if p.exists():
         if not p.is_dir():
             raise BadInput(f"{source}: not a directory (expected a checkpoint directory or a repo id)")
-        root = p.resolve()
-        return root, SourceInfo(path=str(root), revision=revision)
+        return True
     if not _REPO_ID.match(source):
         raise BadInput(f"{source}: no such directory, and not a Hugging Face repo id (org/name)")
-    return _fetch_from_hub(source, revision)
+    return False
 
 
 def _fetch_from_hub(repo_id: str, revision: str | None) -> tuple[Path, SourceInfo]:

@@ -275,6 +275,18 @@ def validate_manifest(m: Any, path: Path | str) -> dict[str, Any]:
     return m
 
 
+def complete_output_dir(path: str | Path) -> Path:
+    """The directory of the complete mxconv output at ``path`` (resolved), or BadInput: no such directory,
+    or one without ``mxconv.json`` (not an output, still being written, or left by an interrupted run).
+    Reads no weights and imports no torch: commands call it before their heavy imports."""
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise BadInput(f"{path}: no such directory")
+    if not (root / MANIFEST_NAME).exists():
+        raise BadInput(missing_manifest_message(root))
+    return root
+
+
 def missing_manifest_message(root: Path) -> str:
     """Why ``root`` has no usable mxconv.json, and what to run instead (for BadInput)."""
     if (root / IN_PROGRESS).exists():
