@@ -35,6 +35,8 @@ from mxconv.errors import BadInput
 from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, VLLM_VERSION, vllm_refusal
 
 SCHEMA_VERSION = 1
+VLLM_QUANT_METHOD = "mxconv"  # config.json quant_method of a kernel-layout output (vLLM: "Unknown quantization method: mxconv")
+VLLM_LOAD_FORMAT = "mxconv"  # the load format mxconv's vLLM plugin registers (mxconv.integrations.vllm)
 BLOCK_SHAPE = (1, 32)
 ACT_SCHEMES = ("none", "dynamic_mxfp8", "dynamic_mxfp4", "dynamic_fp8_per_token",
                "dynamic_fp8_per_token_group", "static_fp8_per_tensor", "unknown")
