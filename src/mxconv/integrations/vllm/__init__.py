@@ -43,7 +43,7 @@ def register() -> None:
 
 
 def refit(llm: Any, source: Any, **kwargs: Any) -> Any:
-    """See :func:`mxconv.integrations.vllm.refit.refit`."""
-    from mxconv.integrations.vllm.refit import refit as _refit
+    """See :func:`mxconv.integrations.vllm.refitting.refit`."""
+    from mxconv.integrations.vllm.refitting import refit as _refit
 
     return _refit(llm, source, **kwargs)

@@ -125,3 +125,4 @@ class MxconvModelLoader(DefaultModelLoader):
                 getattr(module, key).data.copy_(tensors[key])
         method.mxconv_aside = {k: tensors[k] for k in mapping.kept_aside if k in tensors}
         method.mxconv_mapping = mapping
+        method.mxconv_src = src  # where the layer came from (refit converts the same way)

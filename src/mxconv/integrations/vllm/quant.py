@@ -70,6 +70,7 @@ class MxconvMoEMethod(GptOssMxfp4MoEMethod):
                           self.mxfp4_backend.value, root)  # fmt: skip
         self.mxconv_mapping: BackendMapping | None = None  # set by the loader with the tensors below
         self.mxconv_aside: dict[str, Any] = {}
+        self.mxconv_src: Any = None  # the LayerSource the loader read (mxconv.engines.loader)
 
     def process_weights_after_loading(self, layer: Any) -> None:
         """vLLM's own post-load set-up, with the conversion answered from what the loader placed."""
