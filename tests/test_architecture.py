@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "src" / "mxconv"
-BACKEND_PACKAGES = ("layouts", "engines", "kernels")  # where a backend's name may be spelled
+BACKEND_PACKAGES = ("layouts", "engines", "kernels", "integrations")  # where a backend's name may be spelled
 # "cpu" is a backend too, but also the device name every layer passes around: not checked.
 BACKEND_NAMES = {"trtllm", "marlin", "aiter", "triton", "deepgemm", "cutlass", "humming", "flashinfer-cutlass"}
 ENVIRONMENT_MODULE = "mxconv.environment"

@@ -45,10 +45,54 @@ def test_piped_inspect_prints_every_cell_whole(ws: Path) -> None:
     r = _piped("inspect", ws / "gpt-q4")
     assert r.returncode == 0, r.stderr
     assert "…" not in r.stdout
-    for cell in ("AITER_MXFP4_MXFP4", "AITER_MXFP4_BF16", "MARLIN, BATCHED_MARLIN", "vLLM 0.33 backends", "padding overhead"):
+    for cell in ("AITER_MXFP4_MXFP4", "AITER_MXFP4_BF16", "BATCHED_MARLIN", "vLLM 0.33 backends", "overhead"):
         assert cell in r.stdout, (cell, r.stdout)
     rows = [line for line in r.stdout.splitlines() if line.startswith("│ aiter")]
     assert len(rows) == 2 and all(line.endswith("│") for line in rows)  # one line per row: nothing wrapped
+
+
+def _on_terminal(columns: int, *args: object) -> str:
+    """``mxconv ARGS`` writing to a pseudo-terminal ``columns`` wide, as a user's window shows it."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    src = str(Path(mxconv.__file__).parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR", "TTY_COMPATIBLE")}
+    env.update(PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]), TERM="xterm", NO_COLOR="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mxconv.cli", *map(str, args)], stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed its end
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert proc.wait(timeout=300) == 0
+    os.close(master)
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode()).replace("\r\n", "\n")
+
+
+def test_inspect_at_100_columns_keeps_names_whole(ws: Path) -> None:
+    """A refusal is a numbered note under the table, not a cell; backend names are never cut."""
+    text = _on_terminal(100, "inspect", ws / "gpt", "--gpu", "sm90")
+    table = [line for line in text.splitlines() if line[:1] in "┏┃┡│└┌"]
+    assert "…" not in text and max(len(line) for line in table) <= 100, text  # commands are long lines of their own
+    for name in ("flashinfer-cutlass mxfp8", "FLASHINFER_CUTLASS_MXFP4_MXFP8", "BATCHED_MARLIN", "FLASHINFER_TRTLLM_MXFP4_MXFP8"):
+        assert name in text, (name, text)
+    row = next(line for line in text.splitlines() if line.startswith("│ triton fp8"))
+    assert "│ no [1]" in row and "gfx950 only" not in row  # the reason is note [1] under the table
+    assert any(line.startswith("[1] refused: triton: --activation fp8") for line in text.splitlines())
+    src = (ws / 'gpt').resolve()
+    command = f"mxconv repack {src} {src}-triton-bf16 --backend triton --activation bf16"
+    assert any(line.endswith(command) for line in text.splitlines()), text  # one line, whatever the width
 
 
 def test_piped_verify_table_and_progress_lines(ws: Path) -> None:
@@ -168,3 +212,35 @@ def test_failure_figures_for_nan_and_short_forms() -> None:
     assert apart(float("nan"), 0.95) == ("nan", "0.95")
     assert apart(0.5, 0.95) == ("0.5", "0.95")  # far apart: no extra digits
     assert apart(0.9999985, 0.999999) == ("0.9999985", "0.999999")  # the issue's "0.999999 < 0.999999"
+
+
+def test_inspect_quiet_is_one_line(ws: Path) -> None:
+    for name, says in (("gpt", "gpt-oss, checkpoint, 2 MoE layers"), ("gpt-q4", "gpt-oss, mxconv canonical output, 2 MoE layers"),
+                       ("gpt-marlin", "gpt-oss, mxconv kernel output (marlin, bf16)")):
+        code, out, err = mx("inspect", ws / name, "--quiet")
+        assert code == 0 and len(out.splitlines()) == 1 and says in out and out.endswith("mxfp4 experts\n" if name != "gpt" else "bf16 experts\n"), out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_at_80_columns_splits_no_name_and_keeps_examples_whole(command: str) -> None:
+    """Help wraps at spaces only: no option name or hyphenated word is cut ("--require-" / "exact"), every
+    line fits 80 columns, and each example is whole lines a shell takes as they are (a long one goes on
+    with a trailing backslash)."""
+    text = _on_terminal(80, command, "-h")
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, text
+    assert not [line for line in lines if re.search(r"\w-$", line)], text
+    examples = [line.strip() for line in lines if line.strip().startswith("mxconv ")]
+    assert examples or command == "demo", text
+    for i, line in enumerate(lines):
+        if line.strip().startswith("mxconv ") and line.rstrip().endswith("\\"):
+            assert lines[i + 1].strip().startswith("--"), (line, lines[i + 1])  # continued by its next option
+
+
+def test_summary_speaks_people_and_hides_a_sub_second_rate(ws: Path, tmp_path: Path) -> None:
+    code, out, err = mx("quantize", ws / "gpt", tmp_path / "q", "--device", "cpu")
+    assert code == 0, err
+    for label in ("│ time ", "│ peak host memory (RSS) ", "│ relative RMS error ", "│ MoE layers converted "):
+        assert label in out, (label, out)
+    for raw in ("seconds", "gb per s", "peak host rss bytes", "throughput"):  # a tiny run: no rate worth showing
+        assert raw not in out, (raw, out)

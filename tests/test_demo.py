@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mxconv.cli.demo import show_results
 from mxconv.demo import run_demo
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
@@ -17,8 +18,13 @@ from mxconv.source.checkpoint import open_checkpoint
 from support.checkpoints import make_checkpoint
 
 
-def test_the_demo_passes_and_shows_every_format_and_backend(tmp_path: Path) -> None:
+@pytest.mark.slow  # ~40 s on 2 cores: every backend's repack and verify
+def test_the_demo_passes_and_shows_every_format_and_backend(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     result = run_demo(tmp_path, torch.device("cpu"))
+    show_results(result, as_json=False, quiet=True, workdir=tmp_path)  # --quiet: the verdict line alone
+    assert capsys.readouterr().out == "demo passed\n"
+    show_results(result, as_json=False, quiet=False, workdir=None)  # the table names temporary paths: say how to keep them
+    assert "to keep them, run: mxconv demo --workdir DIR" in capsys.readouterr().out
     assert result["passed"], [s for s in result["steps"] if not s["ok"]]
     steps = {(s["source"].split(" ")[0], s["step"]): s for s in result["steps"]}
     assert steps["qwen3-moe", "verify fp8-block vs mxfp4"]["rel_rms"] == 0.0  # the exact re-encode

@@ -15,6 +15,7 @@ from mxconv.examples import make_checkpoint
 from mxconv.layouts.engine_picks import MXFP8_BACKENDS, VLLM, Gpu, SourceKind
 from mxconv.layouts.engine_report import holders, pick_row
 from mxconv.layouts.vllm_backends import home_platform, vllm_refusal
+from mxconv.layouts.vllm_serving import VllmMethod
 
 MODEL = {"hidden_size": 2048, "intermediate_size": 768, "activation": "silu", "has_expert_bias": False,
          "num_experts": 8, "row_order": "halves"}  # fmt: skip
@@ -25,12 +26,13 @@ VLLM_MXFP8_BACKENDS = ("FLASHINFER_TRTLLM", "DEEPGEMM", "MARLIN", "XPU", "AITER_
 def test_every_mxfp8_backend_is_held_or_has_a_reason() -> None:
     assert set(MXFP8_BACKENDS) == set(VLLM_MXFP8_BACKENDS)
     for name in VLLM_MXFP8_BACKENDS:
-        held = holders(name, "vllm_mxfp8_backends")
+        held = holders(name, VllmMethod.CT_MXFP8)
         assert bool(held) != bool(MXFP8_BACKENDS[name]), f"{name}: held {held}, reason {MXFP8_BACKENDS[name]!r}"
-    canonical = [{"output": "canonical (canonical-compressed-tensors)", "layout": "canonical-compressed-tensors"}]
-    assert holders("TRITON_MXFP8", "vllm_mxfp8_backends") == canonical
-    assert holders("EMULATION", "vllm_mxfp8_backends") == canonical
-    assert [h["output"] for h in holders("MARLIN", "vllm_mxfp8_backends")] == ["repack --backend marlin --activation bf16 --format mxfp8"]
+    canonical = [{"output": "canonical (canonical-compressed-tensors)", "layout": "canonical-compressed-tensors",
+                  "weight_format": "mxfp8"}]
+    assert holders("TRITON_MXFP8", VllmMethod.CT_MXFP8) == canonical
+    assert holders("EMULATION", VllmMethod.CT_MXFP8) == canonical
+    assert [h["output"] for h in holders("MARLIN", VllmMethod.CT_MXFP8)] == ["repack --backend marlin --activation bf16 --format mxfp8"]
 
 
 @pytest.mark.parametrize(("gpu", "backend"), [(Gpu.GFX950, "TRITON_MXFP8"), (Gpu.CPU, "EMULATION")])
@@ -100,3 +102,49 @@ def test_bf16_source_mxfp8_holder_says_format(qwen8: dict[str, Path]) -> None:
     row = next(r for r in rows if r["form"] == "quantize --format mxfp8")
     assert row["backend"] == "HUMMING"
     assert [h["output"] for h in row["held_by"]] == ["repack --backend humming --activation bf16 --format mxfp8"]
+
+
+CT_MXFP8 = "CompressedTensorsW8A8Mxfp8MoEMethod"
+
+
+def test_one_served_by_answer_for_mxfp8_outputs(qwen8: dict[str, Path]) -> None:
+    """The manifest, inspect's backend table and inspect --engine ask one rule (layouts.vllm_serving): MXFP8
+    outputs are held under the method vLLM loads an MXFP8 checkpoint with, CompressedTensorsW8A8Mxfp8MoEMethod."""
+    want = {"q8": ["TRITON_MXFP8", "EMULATION"], "humming": ["HUMMING"], "marlin": ["MARLIN"]}
+    for name, backends in want.items():
+        m = json.loads((qwen8[name] / "mxconv.json").read_text())
+        assert m["served_vllm_methods"] == m["quant_config"]["served_vllm_methods"] == {CT_MXFP8: backends}, name
+    code, out, err = mx("inspect", qwen8["q8"], "--json")
+    assert code == 0, err
+    table = {(b["backend"], b["activation"]): b for b in json.loads(out)["backends"]}
+    assert table["humming", "bf16"]["vllm_methods"] == {CT_MXFP8: ["HUMMING"]}
+    assert table["marlin", "bf16"]["vllm_methods"] == {CT_MXFP8: ["MARLIN"]}
+    row = _engine_json(qwen8["humming"], "sm90")["engine"]["gpus"][0]["rows"][0]
+    assert row["method"] == CT_MXFP8 and row["this_output_served"] == {CT_MXFP8: ["HUMMING"]}
+
+
+def test_mxfp8_holders_print_whole_commands_with_format(qwen8: dict[str, Path]) -> None:
+    code, out, err = mx("inspect", qwen8["src"], "--gpu", "sm90")
+    assert code == 0, err
+    src = qwen8["src"]
+    want = f"mxconv repack {src} {src}-humming-bf16-mxfp8 --backend humming --activation bf16 --format mxfp8"
+    assert any(line.endswith(want) for line in out.splitlines()), out
+    code, out, err = mx("inspect", qwen8["q8"], "--gpu", "cpu")
+    assert code == 0, err
+    assert any(line.endswith(f"mxconv quantize {qwen8['q8']} {qwen8['q8']}-mxfp8 --format mxfp8") for line in out.splitlines()), out
+    assert "HUMMING (ct-mxfp8)" in out and "ct-mxfp8: compressed-tensors MXFP8 (CompressedTensorsW8A8Mxfp8MoEMethod)" in out
+
+
+def test_an_mxfp8_output_with_expert_biases_is_held_by_no_mxfp8_backend(tmp_path: Path) -> None:
+    """Before: gpt-oss experts repacked for humming with --format mxfp8 listed HUMMING as served, though
+    CompressedTensorsW8A8Mxfp8MoEMethod (the method loading MXFP8 bytes) creates no expert biases."""
+    make_checkpoint(tmp_path / "src", "gpt-oss-bf16", hidden_size=96, intermediate_size=64)
+    code, out, err = mx("repack", tmp_path / "src", tmp_path / "hum", "--backend", "humming", "--format", "mxfp8",
+                        "--device", "cpu", "--json")  # fmt: skip
+    assert code == 0, err
+    m = json.loads((tmp_path / "hum" / "mxconv.json").read_text())
+    assert m["served_vllm_backends"] == [] and m["served_vllm_methods"] == {}
+    why = f"compressed-tensors MXFP8 ({CT_MXFP8}) creates no expert biases; the model has them"
+    assert m["quant_config"]["not_served"] == {"HUMMING": why}
+    assert any(n.startswith("note: no vLLM 0.33 MXFP8 MoE backend holds these bytes") and why in n
+               for n in json.loads(out)["notes"])  # fmt: skip

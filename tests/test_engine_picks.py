@@ -16,6 +16,7 @@ from mxconv.layouts import register_layout, unregister_layout
 from mxconv.layouts.engine_picks import MXFP4_BACKENDS, PICKS, SGLANG, VLLM, Gpu, SourceKind, picks
 from mxconv.layouts.engine_report import engine_padding, holders, pick_row, source_kind
 from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, vllm_padded_sizes
+from mxconv.layouts.vllm_serving import VllmMethod
 from support.cli import mx
 from support.toy_backend import ToyLayout
 
@@ -62,14 +63,22 @@ def test_each_row_pick(key: tuple) -> None:
     assert p.cite and p.why  # every row says where it comes from and why
 
 
+def mxfp4_holders(name: str) -> list[dict]:
+    """Holders of the Mxfp4MoeBackend value ``name``: under the two methods that load MXFP4 (the same names,
+    EMULATION, MARLIN, HUMMING, XPU, are Fp8MoeBackend values too, held by MXFP8 outputs)."""
+    return [h for m in (VllmMethod.MXFP4, VllmMethod.CT_MXFP4) for h in holders(name, m)]
+
+
 def test_every_vllm_mxfp4_backend_is_held_or_has_a_reason() -> None:
     assert set(MXFP4_BACKENDS) == set(VLLM_MXFP4_ENUM)
     for name in VLLM_MXFP4_ENUM:
-        assert holders(name) or MXFP4_BACKENDS[name], f"{name}: neither held by an mxconv output nor explained"
-    # the canonical outputs hold XPU and EMULATION as is (issue 23 item 4)
-    assert {h["output"] for h in holders("XPU")} == {f"canonical ({lay})" for lay in CANONICAL_VLLM_BACKENDS}
-    assert [h["output"] for h in holders("EMULATION")] == ["canonical (canonical-gpt-oss)"]
-    assert ("repack --backend triton --activation bf16") in {h["output"] for h in holders("TRITON")}
+        held = mxfp4_holders(name)
+        assert held or MXFP4_BACKENDS[name], f"{name}: neither held by an mxconv output nor explained"
+        assert not (held and MXFP4_BACKENDS[name]), f"{name}: held by {held}, yet a stale reason says none is"
+    # the canonical outputs hold XPU and EMULATION as is
+    assert {h["output"] for h in mxfp4_holders("XPU")} == {f"canonical ({lay})" for lay in CANONICAL_VLLM_BACKENDS}
+    assert [h["output"] for h in mxfp4_holders("EMULATION")] == ["canonical (canonical-gpt-oss)"]
+    assert ("repack --backend triton --activation bf16") in {h["output"] for h in mxfp4_holders("TRITON")}
 
 
 def test_a_backend_registered_later_is_joined_by_its_vllm_backends() -> None:
@@ -111,20 +120,23 @@ def test_ct_int4_on_sm90_is_held_by_repack_backend_humming() -> None:
         ("repack --backend humming --activation bf16", [7168, 2048], None)]
     odd = pick_row(VLLM, K.CT_INT4, G.SM90, dict(model, intermediate_size=48))
     assert "repack refuses these sizes" in odd["held_by"][0]["refusal"] and "multiple of 32" in odd["held_by"][0]["refusal"]
-    assert holders("HUMMING", "vllm_int4_backends") == [
-        {"output": "repack --backend humming --activation bf16", "backend": "humming", "activation": "bf16"}]
+    assert holders("HUMMING", VllmMethod.CT_WNA16) == [
+        {"output": "repack --backend humming --activation bf16", "backend": "humming", "activation": "bf16", "weight_format": "int4"}]
 
 
 def test_ct_mxfp8_on_sm90_is_held_by_repack_backend_humming() -> None:
-    """MXFP8 -> Fp8MoeBackend.HUMMING on SM90: held by the humming layout's MXFP8 form (vllm_mxfp8_backends),
-    unpadded; the Fp8MoeBackend holders are not the Mxfp4MoeBackend ones of the same name."""
+    """MXFP8 -> Fp8MoeBackend.HUMMING on SM90 under CompressedTensorsW8A8Mxfp8MoEMethod: held by the humming
+    layout's MXFP8 form (vllm_mxfp8_backends), unpadded; the Fp8MoeBackend holders are not the Mxfp4MoeBackend
+    ones of the same name."""
     model = dict(MODEL, hidden_size=7168, intermediate_size=2048, activation="silu", row_order="halves", has_expert_bias=False)
     row = pick_row(VLLM, K.CT_MXFP8, G.SM90, model)
     assert row["backend"] == "HUMMING" and row["engine_padding"] == [7168, 2048] and "note" not in row
     assert [(h["output"], h["padded"], h["refusal"]) for h in row["held_by"]] == [
         ("repack --backend humming --activation bf16 --format mxfp8", [7168, 2048], None)]
-    assert holders("HUMMING", "vllm_mxfp8_backends") == [
-        {"output": "repack --backend humming --activation bf16 --format mxfp8", "backend": "humming", "activation": "bf16"}]
+    assert holders("HUMMING", VllmMethod.CT_MXFP8) == [
+        {"output": "repack --backend humming --activation bf16 --format mxfp8", "backend": "humming", "activation": "bf16",
+         "weight_format": "mxfp8"}]
+    assert row["method"] == "CompressedTensorsW8A8Mxfp8MoEMethod"
 
 
 def test_padding_is_vllm_padded_sizes_and_compressed_tensors_pads_nothing() -> None:
@@ -177,9 +189,66 @@ def test_cli_qwen_source_table_and_a_repacked_output(tmp_path: Path) -> None:
     assert code == 0, err
     code, out, err = mx("inspect", str(tmp_path / "m"), "--gpu", "sm90", "--json")
     assert code == 0, err
-    (row,) = json.loads(out)["engine"]["gpus"][0]["rows"]
+    row = json.loads(out)["engine"]["gpus"][0]["rows"][0]
     assert row["kind"] == "ct-mxfp4" and row["backend"] == "MARLIN" and row["form"].startswith("its canonical mxfp4 form")
     assert isinstance(row["this_output_holds_it"], bool)
+
+
+def test_one_served_by_answer_for_a_qwen_marlin_output(tmp_path: Path) -> None:
+    """A Qwen compressed-tensors MXFP4 output repacked for marlin is padded as Mxfp4MoEMethod pads it
+    (H 160 -> 256, I 96 -> 128); the compressed-tensors method pads nothing. The manifest, inspect's
+    backend table and inspect --engine (source and output) all say: MARLIN under Mxfp4MoEMethod only."""
+    make_checkpoint(tmp_path / "src", "qwen3-moe")
+    for args in (("quantize", tmp_path / "src", tmp_path / "q"), ("repack", tmp_path / "q", tmp_path / "m", "--backend", "marlin")):
+        code, _, err = mx(*args, "--quiet")
+        assert code == 0, err
+    m = json.loads((tmp_path / "m" / "mxconv.json").read_text())
+    held = {"Mxfp4MoEMethod": ["MARLIN", "BATCHED_MARLIN"]}
+    assert m["served_vllm_methods"] == held and m["served_vllm_backends"] == ["MARLIN", "BATCHED_MARLIN"]
+    assert m["quant_config"]["served_vllm_methods"] == held
+
+    code, out, err = mx("inspect", tmp_path / "q", "--gpu", "sm90", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    (marlin,) = [b for b in doc["backends"] if (b["backend"], b["activation"]) == ("marlin", "bf16")]
+    assert marlin["vllm_methods"] == held
+    (ct,) = [r for r in doc["engine"]["gpus"][0]["rows"] if r["kind"] == "ct-mxfp4"]
+    (h,) = [h for h in ct["held_by"] if h["output"] == "repack --backend marlin --activation bf16"]
+    assert ct["method"] == "CompressedTensorsW4A4Mxfp4MoEMethod" and ct["engine_padding"] == [160, 96]
+    assert h["refusal"] == "vLLM's compressed-tensors methods pad nothing; these tensors are padded from (160, 96) to (256, 128)"
+    assert h["served_elsewhere"] == held
+
+    for gpu, kind, holds in (("sm90", "ct-mxfp4", False), ("sm120", "mxfp4", True)):  # sm120: Mxfp4MoEMethod picks MARLIN
+        code, out, err = mx("inspect", tmp_path / "m", "--gpu", gpu, "--json")
+        assert code == 0, err
+        (row,) = [r for r in json.loads(out)["engine"]["gpus"][0]["rows"] if r["kind"] == kind]
+        assert row["backend"] == "MARLIN" and row["this_output_holds_it"] is holds, row
+    code, out, err = mx("inspect", tmp_path / "m", "--gpu", "sm90")
+    text = " ".join(out.split())
+    assert code == 0 and "this output: yes" not in text and "to (160, 96)" not in text
+    assert "MARLIN, BATCHED_MARLIN under quant_method mxfp4 (Mxfp4MoEMethod" in text
+
+
+def test_engine_table_gives_whole_commands_with_paths(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "src", "qwen3-moe")
+    code, out, err = mx("inspect", tmp_path / "src", "--gpu", "sm90")
+    assert code == 0, err
+    want = f"mxconv repack {tmp_path / 'src'} {tmp_path / 'src'}-humming-bf16 --backend humming --activation bf16"
+    assert any(line.endswith(want) for line in out.splitlines()), out
+
+
+def test_sglang_shows_only_its_own_rows(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "qwen", "qwen3-moe")
+    code, out, err = mx("inspect", tmp_path / "qwen", "--engine", "sglang-0.5.23", "--json")
+    assert code == 0, err
+    eng = json.loads(out)["engine"]
+    assert eng["gpus"] == [] and "records picks only where sglang-0.5.23 picks otherwise" in eng["note"]
+    make_checkpoint(tmp_path / "gpt", "gpt-oss-mxfp4")
+    code, out, err = mx("inspect", tmp_path / "gpt", "--engine", "sglang-0.5.23", "--json")
+    assert code == 0, err
+    eng = json.loads(out)["engine"]
+    assert [g["gpu"] for g in eng["gpus"]] == ["sm100", "sm120"]
+    assert all(r["engine"] == SGLANG for g in eng["gpus"] for r in g["rows"])
 
 
 def test_cli_refuses_an_unknown_gpu_or_engine_before_reading_the_source(tmp_path: Path) -> None:

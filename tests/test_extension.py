@@ -80,7 +80,7 @@ def test_a_backend_from_one_file_runs_its_engine_under_verify_kernel(toy_backend
 def test_the_cli_lists_a_backend_registered_after_it_was_imported(toy_backend, tmp_path: Path) -> None:
     code, stdout, _ = mx("repack", "--help")
     stdout = " ".join(stdout.split())  # the help wraps where the backend list makes it
-    assert code == 0 and "|toy>" in stdout and "toy: bf16" in stdout and "reverse=bool" in stdout
+    assert code == 0 and "| toy." in stdout and "toy: bf16" in stdout and "reverse=bool" in stdout
     code, stdout, _ = mx("verify", "--help")
     assert code == 0 and "or toy" in stdout
     code, _, err = mx("repack", "s", tmp_path / "o", "--backend", "tpu")

@@ -231,6 +231,14 @@ def test_free_space_is_checked_before_writing(src: Path, tmp_path: Path, monkeyp
     assert code == 0, err
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_unwritable_output_location_is_named_not_called_full(src: Path) -> None:
+    """/proc takes no files (and reports 0 B free): the message says it is not writable, not that the disk is full."""
+    code, _, err = mx("quantize", src, "/proc/no-such-output", "--quiet", "--device", "cpu")
+    assert code == 2 and "/proc/no-such-output: cannot write there: /proc is not writable" in err, err
+    assert "free space" not in err
+
+
 class _FullDisk:
     """A binary file that takes ``room`` bytes, then fails every write with ENOSPC."""
 

@@ -229,7 +229,7 @@ def test_vllm_cpu_backend_sizes_and_activations() -> None:
 
 def test_describe() -> None:
     d = LAYOUT.describe(sizes_of(stack(2, 96, 160, "interleaved", False)), "bf16", None)
-    assert (d["name"], d["version"], d["vllm_moe_backend"], d["engine_compat"]["vllm"]) == ("cpu", 1, "CPU", ">=0.33")
+    assert (d["name"], d["version"], d["vllm_moe_backend"], d["engine_compat"]["vllm"]) == ("cpu", 1, "CPU", ">=0.32")  # 0.32 and 0.33 share the CPU prepack
     assert d["padding"] == {"hidden_align": 32, "intermediate_align": 32, "fill": 0} and d["w13_kernel_row_order"] == "interleaved"
 
 

@@ -422,10 +422,10 @@ def test_repack_writes_section_9_bytes_and_manifest(kimi: GroundTruth, repacked:
     assert (qc["weight_dtype"], qc["scale_format"], m["served_vllm_backends"]) == ("int4", "bf16", [])
     assert qc["gemm1"]["scales"][0]["shape"] == [E, 2 * I * H // 32]
     # the source's compressed-tensors config travels with the output (plus the layout marker), under a
-    # quant_method no loader takes for its own: kernel-layout experts are not from_pretrained material
+    # quant_method only mxconv's vLLM plugin takes: kernel-layout experts are not from_pretrained material
     cfg = json.loads((repacked / "config.json").read_text())
     q = cfg["quantization_config"]
-    assert (q["quant_method"], q["mxconv_quant_method"]) == (None, "kernel-layout")
+    assert (q["quant_method"], q["mxconv_quant_method"]) == ("mxconv", "kernel-layout")
     assert q["mxconv_expert_quantization_config"] == kimi.config["quantization_config"] and cfg["mxconv_layout"]["backend"] == "trtllm"
 
 

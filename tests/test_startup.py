@@ -21,18 +21,19 @@ _PROBE = """
 import json, sys
 from typer.testing import CliRunner
 from mxconv.cli import app
+want = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 for args in json.loads(sys.argv[1]):
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == 0, (args, r.exit_code, r.output, r.exception)
+    assert r.exit_code == want, (args, r.exit_code, r.output, r.exception)
 heavy = sorted(m for m in ("torch", "triton") if m in sys.modules)
 assert not heavy, f"imported {heavy}"
 """
 
 
-def _probe(*commands: list[str]) -> subprocess.CompletedProcess:
+def _probe(*commands: list[str], exit_code: int = 0) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-c", _PROBE, json.dumps(list(commands))], env=env,
+    return subprocess.run([sys.executable, "-c", _PROBE, json.dumps(list(commands)), str(exit_code)], env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -55,6 +56,21 @@ def test_help_imports_no_torch() -> None:
 def test_inspect_imports_no_torch(outputs: Path) -> None:
     dirs = ("qwen", "gpt", "gpt-triton", "qwen-marlin-tp2", "qwen-marlin-tp2/rank-1", "qwen-mxfp8")
     r = _probe(*(["inspect", str(outputs / d), *extra] for d in dirs for extra in ([], ["--json"])))
+    assert r.returncode == 0, r.stderr
+
+
+def test_bad_arguments_are_refused_before_torch_is_imported(outputs: Path, tmp_path: Path) -> None:
+    """A typo costs no torch import (seconds) in any command: each of these exits 2 with torch never loaded."""
+    out = str(outputs / "gpt-triton")
+    bad = [
+        ["verify", "/no/such"], ["verify", str(outputs / "qwen")], ["verify", out, "--reference", "/no/such"],
+        ["verify", out, "--reference-outputs", "/no/such"], ["verify", out, "--tokens", "0"],
+        ["inspect", "/no/such"], ["quantize", "/no/such", str(tmp_path / "q")], ["quantize", out, str(tmp_path / "q")],
+        ["repack", "/no/such", str(tmp_path / "r"), "--backend", "marlin"],
+        ["repack", str(outputs / "qwen"), str(tmp_path / "r"), "--backend", "no-such-backend"],
+        ["demo", "--workdir", "/proc/no-such/dir"],
+    ]
+    r = _probe(*bad, exit_code=2)
     assert r.returncode == 0, r.stderr
 
 

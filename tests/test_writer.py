@@ -138,7 +138,7 @@ def test_prepare_output_dir_rules(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("x")
-    with pytest.raises(BadInput, match="not empty; pass --overwrite"):
+    with pytest.raises(BadInput, match=r"not empty; set overwrite=True \(RunSettings\)"):
         prepare_output_dir(out, [src], overwrite=False)
     (out / "model-00001-of-00001.safetensors").write_bytes(b"old")
     (out / "mxconv.json").write_text("{}")
@@ -158,11 +158,17 @@ def test_overwrite_removes_only_what_mxconv_wrote(tmp_path: Path) -> None:
     (out / "rank-data").mkdir()
     (out / "my-lora.safetensors").write_bytes(b"user")
     (out / "chat_template.jinja").write_text("old")
+    (out / "notes.txt").write_text("mine")  # listed, but the manifest records no size and sha256 for it
+    (out / "tokenizer.json").write_text("edited")  # listed and recorded, but changed since
     (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
-    (out / "mxconv.json").write_text(json.dumps({"tensors": {"a": {"file": "rank-0/x"}}, "output_files": ["chat_template.jinja"]}))
-    prepare_output_dir(out, [src], overwrite=True)
+    recorded = {"chat_template.jinja": {"size": 3, "sha256": hashlib.sha256(b"old").hexdigest()},
+                "tokenizer.json": {"size": 6, "sha256": hashlib.sha256(b"before").hexdigest()}}
+    (out / "mxconv.json").write_text(json.dumps({"tensors": {"a": {"file": "rank-0/x"}}, "output_file_hashes": recorded,
+                                                 "output_files": ["chat_template.jinja", "notes.txt", "tokenizer.json"]}))
+    notes = prepare_output_dir(out, [src], overwrite=True)
     left = sorted(p.name for p in out.iterdir())
-    assert left == [IN_PROGRESS, "my-lora.safetensors", "rank-data"]
+    assert left == [IN_PROGRESS, "my-lora.safetensors", "notes.txt", "rank-data", "tokenizer.json"]
+    assert "kept notes.txt, tokenizer.json" in notes[-1]
 
 
 def test_interrupted_output_is_cleaned_without_overwrite(tmp_path: Path) -> None:

@@ -7,9 +7,15 @@ from __future__ import annotations
 
 
 class MxconvError(Exception):
-    """Base class: an expected failure the CLI reports without a traceback."""
+    """Base class: an expected failure the CLI reports without a traceback. The message speaks the
+    library (setting names); ``cli``, where given, is the same message in the CLI's words (its flags),
+    which the CLI prints instead."""
 
     exit_code = 2
+
+    def __init__(self, *args: object, cli: str | None = None) -> None:
+        super().__init__(*args)
+        self.cli = cli
 
 
 class BadInput(MxconvError):
@@ -22,6 +28,13 @@ class Unsupported(BadInput):
     """Input that may well be sound but that this mxconv cannot read (a manifest format newer than it
     knows, a backend not registered in this process): exit 2, never "verification failed", since
     nothing says the files are damaged."""
+
+
+class OutputDamaged(BadInput):
+    """An mxconv output's own files are not what its manifest says: a malformed ``mxconv.json``, a
+    file name in it that leaves the output's directory, a tensor missing from the file named for it or
+    stored there with another shape or dtype. Exit 2 where the output is read as an input (the loader,
+    ``inspect``, a ``repack`` SOURCE); ``verify`` reports it as a failed verification (exit 1)."""
 
 
 class LayoutError(BadInput):

@@ -16,10 +16,10 @@ from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import LayoutSizes
-from mxconv.output.engine_quant_config import HOLDER_ATTRIBUTES, quant_config_of
+from mxconv.output.engine_quant_config import quant_config_of
 from mxconv.errors import BadInput, LayoutError
 from mxconv.source.manifest import load_manifest, missing_manifest_message
-from mxconv.layouts.vllm_backends import vllm_refusal
+from mxconv.layouts.vllm_serving import OutputForm, served_backends, served_methods, vllm_serving
 
 
 def canonical_expert_bytes(E: int, H: int, I: int, has_bias: bool, scale_bytes: int = 1, per_byte: int = 2) -> int:
@@ -35,11 +35,13 @@ def backend_table(
     E: int, H: int, I: int, row_order: str, has_bias: bool, layers: int, model_activation: str = "silu",
     weight_format: str = "mxfp4",
 ) -> list[dict[str, Any]]:
-    """Per backend/activation: padded sizes, kernel bytes, padding overhead vs the canonical experts,
-    and the vLLM 0.33 backends that would hold the output as is (``model_activation``: "silu" |
-    "swigluoai"). ``weight_format`` "int4" or "mxfp8" (a source of that format): what ``repack`` does
-    with it, i.e. the layouts that take it as it is (INT4: trtllm MxInt4, humming; MXFP8: humming,
-    marlin), and an error row for the others."""
+    """Per backend/activation: padded sizes, kernel bytes, padding overhead vs the canonical experts, and
+    the vLLM 0.33 backends that would hold the output as is, per vLLM quantization method
+    (``vllm_methods``; :func:`mxconv.layouts.vllm_serving.vllm_serving`, the manifest's rule;
+    ``model_activation``: "silu" | "swigluoai").
+    ``weight_format`` "int4" or "mxfp8" (a source of that format): what ``repack`` does with it, i.e. the
+    layouts that take it as it is (INT4: trtllm MxInt4, humming; MXFP8: humming, marlin), and an error
+    row for the others."""
     rows = []
     base = canonical_expert_bytes(E, H, I, has_bias, 2 if weight_format == "int4" else 1,
                                   1 if weight_format == "mxfp8" else 2) * layers  # fmt: skip
@@ -58,13 +60,10 @@ def backend_table(
                 Hp, Ip = layout.padded_sizes(H, I, row_order, act, opts, **fmt_kw)
                 sizes = LayoutSizes(E, H, I, Hp, Ip, row_order, has_bias, weight_format)
                 nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, opts).values()) * layers
-                served: list[str] = []
-                if weight_format in ("mxfp4", "mxfp8"):  # the layout's vLLM backends of the format's oracle
-                    desc = layout.describe(sizes, act, opts)
-                    compat, arch = desc.get("engine_compat", {}).get("vllm"), desc.get("arch")
-                    model = {"activation": model_activation, "has_expert_bias": has_bias}
-                    served = [b for b in getattr(layout, HOLDER_ATTRIBUTES[weight_format], {}).get(act, ())  # MXFP8 methods pad nothing
-                              if vllm_refusal(b, (H, I, Hp, Ip), model, compat, weight_format == "mxfp4", arch) is None]
+                desc = layout.describe(sizes, act, opts)
+                model = {"activation": model_activation, "has_expert_bias": has_bias}
+                servings = vllm_serving(OutputForm(name, act, weight_format, (H, I, Hp, Ip), model,
+                                                   desc.get("engine_compat", {}).get("vllm"), desc.get("arch")))
                 rows.append(
                     {
                         "backend": name,
@@ -73,7 +72,8 @@ def backend_table(
                         "padded_intermediate_size": Ip,
                         "expert_bytes": nbytes,
                         "padding_overhead": nbytes / base - 1 if base else 0.0,
-                        "vllm_backends": served,
+                        "vllm_backends": list(served_backends(servings)),
+                        "vllm_methods": served_methods(servings),
                     }
                 )
             except LayoutError as exc:
@@ -295,13 +295,18 @@ def engine_forms(ckpt: Checkpoint, family: str | None) -> tuple[list[tuple[str, 
         fmt = m.get("weight_format")
         kinds = {"int4": (SourceKind.CT_INT4, SourceKind.CT_INT4), "mxfp8": (SourceKind.MXCONV_MXFP8, SourceKind.CT_MXFP8)}
         kind = kinds.get(str(fmt), (SourceKind.GPT_OSS_MXFP4, SourceKind.CT_MXFP4))[0 if gpt_oss else 1]
-        label = f"its canonical {fmt} form (this output: repack --backend {m.get('backend')} --activation {m.get('activation')})"
-        return [(label, kind)], {"served_vllm_backends": list(m.get("served_vllm_backends") or [])}
+        forms: list[tuple[str, Any]] = [(f"its canonical {fmt} form", kind)]
+        if kind is SourceKind.CT_MXFP4:  # the same bytes may be held under quant_method mxfp4 (Mxfp4MoEMethod)
+            forms.append(("this output, as quant_method mxfp4", SourceKind.MXFP4))
+        methods = {k: list(v) for k, v in quant_config_of(m).served_vllm_methods}
+        return forms, {"served_vllm_methods": methods}
     as_is = source_kind(quantization_dict(ckpt), ckpt.config.get("model_type"))
-    forms: list[tuple[str, Any]] = [("as is", as_is)]
+    forms = [("as is", as_is)]
     if m.get("kind") != "canonical":
         mx4, mx8 = (SourceKind.GPT_OSS_MXFP4, SourceKind.MXCONV_MXFP8) if gpt_oss else (SourceKind.CT_MXFP4, SourceKind.CT_MXFP8)
         forms += [(f"quantize --format {f}", k) for f, k in (("mxfp4", mx4), ("mxfp8", mx8)) if k != as_is]
+        if not gpt_oss:  # a repack output is loaded under the method holding its bytes: quant_method mxfp4
+            forms.append(("repack, as quant_method mxfp4", SourceKind.MXFP4))
     return forms, None
 
 
@@ -329,10 +334,26 @@ def inspect_engine(source: str, engine: str, gpus: tuple[str, ...] | None, revis
     lay = ((ckpt.manifest or {}).get("layout") or {})
     for k in ("hidden_size", "intermediate_size"):
         model[k] = lay.get(k, model.get(k))
-    report = engine_report(engine, chosen, forms, model)
+    report = engine_report(engine, chosen, forms, model, _repack_source(source, ckpt))
     if served is not None:
         for g in report["gpus"]:
             for row in g["rows"]:
-                row["this_output_holds_it"] = row.get("backend") in served["served_vllm_backends"]
+                if row.get("method"):  # held under the method this form is loaded with (vllm_serving's rule)
+                    row["this_output_holds_it"] = row.get("backend") in served["served_vllm_methods"].get(row["method"], [])
+                    row["this_output_served"] = served["served_vllm_methods"]
     doc["engine"] = report
     return doc
+
+
+def _repack_source(given: str, ckpt: Checkpoint) -> tuple[str, str]:
+    """(what a repack command starts from, the stem of its output paths): the checkpoint as the user named
+    it, or for a kernel output the source its manifest records; outputs beside a local source, in the
+    current directory for a Hugging Face repo id."""
+    m = ckpt.manifest or {}
+    if m.get("kind") == "kernel":
+        src = m.get("source") or {}
+        given = str(src.get("repo_id") or src.get("path") or given)
+    local = Path(given).expanduser()
+    if local.is_dir():
+        return str(local.resolve()), str(local.resolve())
+    return given, given.rstrip("/").rsplit("/", 1)[-1]

@@ -52,6 +52,27 @@ class Command(TyperCommand):
     and a bad option value is one plain line naming the option, the value and what it accepts
     (Typer's pydantic conversion would prefix "Value error, ")."""
 
+    def get_help(self, ctx: typer.Context) -> str:
+        """The help text, wrapped at the terminal's width only at spaces: an option name ("--require-exact")
+        or a word with a hyphen is never split across lines. Examples are blocks Click does not rewrap
+        ("\\b" paragraphs), each at most 80 columns, so they copy and paste as they are."""
+        import importlib
+
+        # the Click that formats this context (Typer vendors its own copy): wrap_text reads TextWrapper
+        # from its _textwrap module at each call
+        click_textwrap = importlib.import_module(type(ctx).__module__.rsplit(".", 1)[0] + "._textwrap")
+        plain = click_textwrap.TextWrapper
+
+        class _Whole(plain):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **{**kwargs, "break_on_hyphens": False, "break_long_words": False})
+
+        click_textwrap.TextWrapper = _Whole
+        try:
+            return super().get_help(ctx)
+        finally:
+            click_textwrap.TextWrapper = plain
+
     def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
         pieces = super().collect_usage_pieces(ctx)
         return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
@@ -148,7 +169,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
 ) -> None:
     """mxconv: MoE checkpoints -> kernel-ready MX weights."""
 
@@ -170,7 +191,7 @@ def errors(debug: bool) -> Iterator[None]:
     except MxconvError as exc:
         if debug:
             raise
-        say(err, "error:", "bold red", str(exc))
+        say(err, "error:", "bold red", exc.cli or str(exc))  # the CLI's words (flags) where the library gave them
         raise typer.Exit(exc.exit_code) from None
     except OSError as exc:
         if debug:
@@ -222,13 +243,26 @@ def print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
 
 
+# Summary keys (the --json names) as people read them; other keys: underscores as spaces.
+SUMMARY_LABELS = {
+    "seconds": "time", "gb_per_s": "throughput", "compute_seconds": "compute time", "stage_seconds": "time per stage",
+    "peak_host_rss_bytes": "peak host memory (RSS)", "relative_rms_error": "relative RMS error",
+    "moe_layers_converted": "MoE layers converted", "bytes_in": "bytes in", "bytes_out": "bytes out",
+}
+# Below this run time a throughput measures start-up, not conversion: the summary leaves it out.
+MEANINGFUL_RATE_SECONDS = 1.0
+
+
 def summary_table(plan_summary: dict[str, Any], title: str) -> Table:
-    """Two-column summary: bytes human-readable, seconds rounded, nested values compact."""
+    """Two-column summary: human labels (SUMMARY_LABELS), bytes human-readable, seconds rounded, nested
+    values compact; a throughput only for a run long enough to measure one."""
     t = Table(title=title, show_header=False)
     t.add_column("key", style="bold")
     t.add_column("value")
     for k, v in plan_summary.items():
         if v is None:
+            continue
+        if k == "gb_per_s" and float(plan_summary.get("seconds") or 0.0) < MEANINGFUL_RATE_SECONDS:
             continue
         if isinstance(v, (int, float)) and ("bytes" in k) and not isinstance(v, bool):
             v = human_bytes(v)
@@ -244,5 +278,5 @@ def summary_table(plan_summary: dict[str, Any], title: str) -> Table:
             v = ", ".join(f"{a}={b}" for a, b in v.items())
         elif isinstance(v, list):
             v = ", ".join(map(str, v))
-        t.add_row(k.replace("_", " "), str(v))
+        t.add_row(SUMMARY_LABELS.get(k, k.replace("_", " ")), str(v))
     return t

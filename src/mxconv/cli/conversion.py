@@ -50,9 +50,9 @@ def convert(source: str, output: Path, quant: QuantOptions, repack: RepackOption
         device_of(run.device)  # a malformed --device is refused before anything is read (torch: now)
     conversion = Conversion.open(source, quant, repack, revision=run.revision)
     plan = conversion.plan
-    conversion.check_output(output, run.overwrite)
+    output_warnings = conversion.check_output(output, run.overwrite)  # kept files that verify will fail on
     if not run.as_json:
-        for warning in plan.warnings:  # shown even with --quiet: the output would compute wrongly
+        for warning in [*plan.warnings, *output_warnings]:  # shown even with --quiet (a wrong output, or one verify fails)
             say(err, "warning:", "bold yellow", warning)
     device = device_of(run.device)
     memory_plan = conversion.plan_memory(device, settings.budget)  # exit 2 when one expert does not fit
@@ -64,7 +64,8 @@ def convert(source: str, output: Path, quant: QuantOptions, repack: RepackOption
         print_json(summary)
     elif not run.quiet:
         for n in summary.get("notes", []):
-            say(err, n, "dim")
+            if n not in output_warnings:  # said before the run
+                say(err, n, "dim")
         out.print(summary_table({k: v for k, v in summary.items() if k != "notes"}, f"mxconv {plan.command}: done"))
 
 

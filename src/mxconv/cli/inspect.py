@@ -25,6 +25,7 @@ def inspect(
     engine: EngineOpt = None,
     gpu: GpuOpt = None,
     as_json: JsonOpt = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="One line: path, family, kind, layers, experts, expert format.")] = False,
     debug: DebugOpt = False,
 ) -> None:
     """What a checkpoint is: family, sizes, formats, bytes, and per-backend padded sizes/overhead.
@@ -32,12 +33,16 @@ def inspect(
     Reads headers and the manifest only (no weights). A tensor-parallel output (repack --tp N) shows
     every rank's directory, shard files and bytes; OUTPUT/rank-N shows that rank. Example:
 
+    \b
         mxconv inspect openai/gpt-oss-20b
     """
     with errors(debug):
         doc = _document(path, revision, engine, gpu)
         if as_json:
             print_json(doc)
+            return
+        if quiet:
+            out.print(_one_line(doc), soft_wrap=True)
             return
         t = Table(title=f"mxconv inspect {doc['path']}", show_header=False)
         t.add_column("key", style="bold")
@@ -85,20 +90,92 @@ def inspect(
                 q.add_row(key, value)
             out.print(q)
         if doc.get("backends"):
-            src_fmt = (doc.get("model") or {}).get("expert_format")
-            fmt = str(src_fmt).upper() if src_fmt in ("int4", "mxfp8") else "MXFP4"
-            b = Table(title=f"per-backend kernel layout ({fmt} experts)")
-            for col in ("backend", "activation", "padded H", "padded I", "expert bytes", "padding overhead", "vLLM 0.33 backends"):
-                b.add_column(col)
-            for row in doc["backends"]:
-                if "error" in row:
-                    b.add_row(row["backend"], row["activation"], "-", "-", "-", row["error"], "-")
-                else:
-                    b.add_row(row["backend"], row["activation"], str(row["padded_hidden_size"]), str(row["padded_intermediate_size"]),
-                              human_bytes(row["expert_bytes"]), f"{100 * row['padding_overhead']:+.1f}%", ", ".join(row["vllm_backends"]) or "-")
-            out.print(b)
-        for table in _engine_tables(doc["engine"]) if doc.get("engine") else ():
-            out.print(table)
+            _print_with_notes(*_backend_table(doc))
+        if doc.get("engine"):
+            for table, notes in _engine_tables(doc["engine"]):
+                _print_with_notes(table, notes)
+            if doc["engine"].get("note"):
+                out.print(doc["engine"]["note"])
+
+
+def _one_line(doc: dict) -> str:
+    """``inspect --quiet``: "PATH: family, kind (backend, activation), N MoE layers, E experts, format experts"."""
+    model, m = doc.get("model") or {}, doc.get("manifest") or {}
+    kind = (f"mxconv {doc['kind']} output" if m else "checkpoint") + (
+        f" ({m.get('backend')}, {m.get('activation')})" if doc["kind"] == "kernel" else "")
+    parts = [str(doc.get("family") or "unknown family"), kind]
+    layers = doc.get("moe_layers") or model.get("num_layers")
+    parts += [f"{layers} MoE layers" if "moe_layers" in doc else f"{layers} layers"] if layers else []
+    parts += [f"{model['num_experts']} experts"] if model.get("num_experts") else []
+    parts += [f"{model['expert_format']} experts"] if model.get("expert_format") else []
+    return f"{doc['path']}: " + ", ".join(parts)
+
+
+class _Notes:
+    """Text too long for a table cell, numbered under the table; a cell holds "[n]". Commands go on
+    lines of their own, never wrapped (copy-pasteable at any width)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, list[str]]] = []
+        self.after: list[str] = []
+
+    def ref(self, text: str, commands: list[str] | None = None, unnumbered: bool = False) -> str:
+        if unnumbered:
+            self.after.append(text)
+            return ""
+        self.items.append((text, commands or []))
+        return f"[{len(self.items)}]"
+
+
+def _print_with_notes(table: Table, notes: _Notes) -> None:
+    out.print(table)
+    for i, (text, commands) in enumerate(notes.items, 1):
+        if text:
+            out.print(f"[{i}] {text}")
+        for c in commands:
+            out.print(("    " if text else f"[{i}] ") + c, soft_wrap=True)
+    for text in notes.after:
+        out.print(text)
+
+
+def _served_cell(methods: dict[str, list[str]], tags_used: set[str]) -> str:
+    """The vLLM backends holding a layout's bytes, one per line, each with the methods it is held under
+    when that is not quant_method mxfp4 alone (the legend under the table names them)."""
+    from mxconv.layouts.vllm_serving import VllmMethod
+
+    by_backend: dict[str, list[str]] = {}
+    for m, names in methods.items():
+        for b in names:
+            by_backend.setdefault(b, []).append(VllmMethod(m).tag)
+    lines = []
+    for b, tags in by_backend.items():
+        marked = tags != [VllmMethod.MXFP4.tag]
+        tags_used.update(tags if marked else ())
+        lines.append(b + (f" ({', '.join(tags)})" if marked else ""))
+    return "\n".join(lines) or "-"
+
+
+def _backend_table(doc: dict) -> tuple[Table, _Notes]:
+    """Per backend/activation: padding, bytes and the vLLM backends holding the bytes; refusals numbered
+    under the table, and the vLLM quantization methods named there. Narrow enough for 100 columns."""
+    from mxconv.layouts.vllm_serving import VllmMethod
+
+    src_fmt = (doc.get("model") or {}).get("expert_format")
+    fmt = str(src_fmt).upper() if src_fmt in ("int4", "mxfp8") else "MXFP4"
+    b, notes, tags = Table(title=f"per-backend kernel layout ({fmt} experts)"), _Notes(), set()
+    for col in ("backend, activation", "padded H, I", "bytes", "overhead", "vLLM 0.33 backends"):
+        b.add_column(col, no_wrap=True)
+    for row in doc["backends"]:
+        name = f"{row['backend']} {row['activation']}"
+        if "error" in row:
+            b.add_row(name, "-", "-", "no " + notes.ref("refused: " + row["error"]), "-")
+        else:
+            b.add_row(name, f"{row['padded_hidden_size']}, {row['padded_intermediate_size']}", human_bytes(row["expert_bytes"]),
+                      f"{100 * row['padding_overhead']:+.1f}%", _served_cell(row["vllm_methods"], tags))
+    legend = "; ".join(f"{m.tag}: {m.label}" for m in VllmMethod if m.tag in tags)
+    notes.ref(f"vLLM 0.33 backends: those holding these bytes under {VllmMethod.MXFP4.label}"
+              + (f", or as marked ({legend})" if legend else ""), unnumbered=True)
+    return b, notes
 
 
 def _ranks_table(ranks: list[dict]) -> Table:
@@ -136,22 +213,46 @@ def _document(path: str, revision: str | None, engine: str | None, gpu: str | No
     return inspect_engine(path, engine or "vllm-0.33", (gpu,) if gpu else None, revision)
 
 
-def _engine_tables(report: dict) -> list[Table]:
+def _holder_cell(h: dict, notes: _Notes) -> str:
+    """One mxconv output in the engine table: short name, padding, yes/no; the reason and the command
+    that writes it numbered under the table."""
+    from mxconv.layouts.vllm_serving import VllmMethod
+
+    name = h.get("layout") or f"{h['backend']} {h['activation']}" + "".join(f" {k}={v}" for k, v in (h.get("options") or {}).items())
+    pads = f" ({h['padded'][0]}, {h['padded'][1]})" if h.get("padded") else ""
+    if h.get("refusal") is None:
+        return f"{name}{pads}: yes " + notes.ref("", [h["command"]] if h.get("command") else [])
+    why = f"{h['output']}: not as is: {h['refusal']}"
+    elsewhere = "; ".join(f"{', '.join(bs)} under {VllmMethod(m).label}" for m, bs in (h.get("served_elsewhere") or {}).items())
+    return f"{name}{pads}: no " + notes.ref(why + (f". It is held by {elsewhere}" if elsewhere else ""))
+
+
+def _this_output(row: dict) -> str:
+    """Why the inspected output is not what ``row``'s engine picks, and what holds it instead."""
+    from mxconv.layouts.vllm_serving import VllmMethod
+
+    held = "; ".join(f"{', '.join(bs)} under {VllmMethod(m).label}" for m, bs in row.get("this_output_served", {}).items())
+    return f"this output does not hold {row['backend']}'s bytes under {VllmMethod(row['method']).label}" + (
+        f"; it holds those of {held}" if held else "; no vLLM backend holds it as is")
+
+
+def _engine_tables(report: dict) -> list[tuple[Table, _Notes]]:
     """``inspect --engine``: one table per GPU: each form of the checkpoint, the engine's pick, the padding
-    it allocates (H, I per rank), the mxconv outputs holding those bytes (and why one does not)."""
+    it allocates (H, I per rank), the mxconv outputs holding those bytes (why one does not, and the
+    command writing one that does, numbered under the table)."""
     tables = []
     for g in report["gpus"]:
-        t = Table(title=f"{report['engine']} on {g['gpu']}: default MoE backend")
-        for col in ("form", "engine sees", "picks", "engine pads (H, I)", "mxconv output holding it"):
-            t.add_column(col)
+        t, notes = Table(title=f"{report['engine']} on {g['gpu']}: default MoE backend"), _Notes()
+        for col in ("form (engine sees)", "picks", "pads H, I", "mxconv output holding it"):
+            t.add_column(col, no_wrap=col in ("picks", "pads H, I"))
         for r in g["rows"]:
-            held = [h["output"] + (f" (pads to {tuple(h['padded'])})" if h.get("padded") else "")
-                    + (f": not as is, {h['refusal']}" if h.get("refusal") else "") for h in r.get("held_by", [])]
+            held = []
             if "this_output_holds_it" in r:
-                held.insert(0, "this output: " + ("yes" if r["this_output_holds_it"] else "no, it holds other bytes"))
-            notes = [n for n in (r.get("note"), None if r.get("backend") else r.get("why")) if n]
+                held.append("this output: " + ("yes" if r["this_output_holds_it"] else "no " + notes.ref(_this_output(r))))
+            held += [_holder_cell(h, notes) for h in r.get("held_by", [])]
+            held += [notes.ref(n) for n in (r.get("note"), None if r.get("backend") else r.get("why")) if n]
             pad = r.get("engine_padding")
-            t.add_row(r["form"], str(r.get("kind") or "-"), str(r.get("backend") or "none"),
-                      str(tuple(pad)) if pad else "-", "\n".join(held + notes) or "-")
-        tables.append(t)
+            t.add_row(r["form"] + (f" ({r['kind']})" if r.get("kind") else ""), str(r.get("backend") or "none"),
+                      f"{pad[0]}, {pad[1]}" if pad else "-", "\n".join(held) or "-")
+        tables.append((t, notes))
     return tables

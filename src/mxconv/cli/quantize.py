@@ -57,11 +57,12 @@ def quantize(
     the blocks get power-of-two scales, exact wherever the block's spread allows (counted otherwise).
     Examples:
 
+    \b
         mxconv quantize Qwen/Qwen3-30B-A3B ./qwen3-mxfp4 --format mxfp4
-
-        mxconv quantize Qwen/Qwen3-30B-A3B ./qwen3-mxfp8 --format mxfp8 --targets linear
-
-        mxconv quantize ./qwen3-mxfp4 ./qwen3-fp8 --format fp8-block --require-exact
+        mxconv quantize Qwen/Qwen3-30B-A3B ./qwen3-mxfp8 --format mxfp8 \\
+            --targets linear
+        mxconv quantize ./qwen3-mxfp4 ./qwen3-fp8 --format fp8-block \\
+            --require-exact
     """
     with errors(run.debug):
         quant = QuantOptions(format.value, scale_rounding, run.allow_nonfinite, tuple(include or ()) or None,

@@ -31,9 +31,10 @@ RepackFmt = Enum("RepackFmt", {str(f): str(f) for f in (WeightFormat.MXFP4, Weig
 ACTIVATION_HELP = "The engine's activation format; the backend's first is the default"
 
 
-def backend_metavar() -> str:
-    """``--backend``'s metavar in ``--help``: the registered backends, e.g. ``<a|b>``."""
-    return "<" + "|".join(backend_names()) + ">"
+def backend_help() -> str:
+    """``--backend``'s help in ``--help``: the registered backends, spaced so that the help wraps
+    between names at any width (a metavar ``<a|b|...>`` is one word that overflows 80 columns)."""
+    return "Engine backend whose kernel layout to write: " + " | ".join(backend_names()) + "."
 
 
 def activation_help() -> str:
@@ -67,7 +68,7 @@ class _RepackCommand(Command):
         """The help, --backend and --activation listing the backends registered now."""
         for param in self.params:
             if param.name == "backend":
-                param.metavar = backend_metavar()
+                param.help = backend_help()
             elif param.name == "activation":
                 param.help = activation_help()
         super().format_help(ctx, formatter)
@@ -109,6 +110,7 @@ def repack(
     mxconv.json's quant_config says what each tensor is and which vLLM backends hold the bytes
     as they are (Python: mxconv.output.engine_quant_config.quant_config_of). Example:
 
+    \b
         mxconv repack openai/gpt-oss-20b ./gpt-oss-20b-trtllm --backend trtllm
     """
     from mxconv.errors import BadInput, LayoutError

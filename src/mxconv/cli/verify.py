@@ -45,10 +45,10 @@ class _VerifyCommand(Command):
 def verify(
     path: Annotated[Path, typer.Argument(metavar="PATH", help="A checkpoint written by mxconv quantize or repack.")],
     reference: Annotated[Optional[str], typer.Option("--reference", metavar="SOURCE", help="The checkpoint the conversion came from (bf16 or MXFP4).")] = None,
-    reference_outputs: Annotated[Optional[Path], typer.Option("--reference-outputs", metavar="FILE", help="Compare with outputs saved earlier by --save-reference.")] = None,
+    reference_outputs: Annotated[Optional[Path], typer.Option("--reference-outputs", metavar="FILE", exists=True, dir_okay=False, help="Compare with outputs saved earlier by --save-reference.")] = None,
     save_reference: Annotated[Optional[Path], typer.Option("--save-reference", metavar="FILE", help="Save the reference's outputs (safetensors) for later runs without the source.")] = None,
     layers: Annotated[Optional[str], typer.Option("--layers", metavar="L,L", help="MoE layers to check, e.g. 0,3 (default: all).")] = None,
-    tokens: Annotated[int, typer.Option("--tokens", metavar="N", help="Synthetic tokens per layer.")] = 64,
+    tokens: Annotated[int, typer.Option("--tokens", metavar="N", min=1, help="Synthetic tokens per layer.")] = 64,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the synthetic hidden states.")] = 0,
     revision: Annotated[Optional[str], typer.Option("--revision", metavar="REV", help="Hub revision of a repo-id --reference.")] = None,
     kernel: Annotated[bool, typer.Option("--kernel", help=(
@@ -71,11 +71,13 @@ def verify(
     shards: named by file, tensor and rule); 2 on bad usage, a PATH that is no mxconv output, or a
     --reference / --reference-outputs that cannot be read. Example:
 
+    \b
         mxconv verify ./gpt-oss-20b-trtllm --reference openai/gpt-oss-20b
     """
-    from mxconv.verify import verify as run_verify
-
     with errors(debug):
+        _check_paths(path, reference)  # before torch is imported: a typo is answered at once
+        from mxconv.verify import verify as run_verify
+
         locations = _kernel_locations(kernel, triton_kernels, marlin_ops)
         with step_progress(f"verify {path}", quiet or as_json) as on_step:
             rep = run_verify(
@@ -123,6 +125,17 @@ def _say_verdict(rep) -> None:
     """The last line on stdout: PASS or FAIL, then what the run covered (rep.scope)."""
     verdict, scope = rep.verdict.split(" ", 1)
     say(out, verdict, "bold green" if rep.passed else "bold red", scope)
+
+
+def _check_paths(path: Path, reference: str | None) -> None:
+    """PATH is a complete mxconv output and --reference a directory or a repo id: BadInput otherwise,
+    from the headers-free checks the library runs later (no torch, nothing read or fetched)."""
+    from mxconv.source.checkpoint import check_source_name
+    from mxconv.source.manifest import complete_output_dir
+
+    complete_output_dir(path)
+    if reference is not None:
+        check_source_name(reference)
 
 
 def _kernel_locations(kernel: bool, triton_kernels: Path | None, marlin_ops: Path | None) -> KernelLocations:

@@ -34,11 +34,11 @@ import torch
 from mxconv.engines.runner import EngineRunner, require_runner
 from mxconv.engines.staged_read import StagedReader, StagingOptions, read_tensors
 from mxconv.environment import KernelLocations
-from mxconv.errors import BadInput
+from mxconv.errors import BadInput, OutputDamaged
 from mxconv.families.base import ModelInfo
 from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES
 from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
-from mxconv.source.manifest import load_manifest
+from mxconv.source.manifest import load_manifest, stored_problem, tensor_file
 from mxconv.source.st_format import TensorInfo, read_header
 
 EXPERT_TENSORS = KERNEL_TENSOR_NAMES  # biases and W4A8 input scales where the output has them
@@ -102,18 +102,21 @@ def output_root(path: str | Path, rank: int | None = None) -> tuple[Path, int | 
     return _find_root(Path(path).expanduser().resolve(), rank)
 
 
-def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, manifest: dict[str, Any] | None = None) -> LayerSource:
+def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, manifest: dict[str, Any] | None = None,
+                  need_runner: bool = True) -> LayerSource:  # fmt: skip
     """Find layer ``layer``'s expert tensors (of ``rank`` for a TP output) from the manifest.
 
     ``path`` is an output root (``mxconv.json`` there) or a ``rank-N/`` directory of a TP output.
-    BadInput for a canonical checkpoint, a backend without an engine runner, a TP output without a
+    BadInput for a canonical checkpoint, a backend without an engine runner (unless ``need_runner``
+    is False: an engine integration that runs the engine's own kernel), a TP output without a
     rank, a rank or layer that does not exist, or tensors the manifest does not list.
     """
     root, rank = _find_root(Path(path).expanduser().resolve(), rank)
     m = manifest if manifest is not None else load_manifest(root)
     if m.get("kind") != "kernel":
         raise BadInput(f"{root}: a {m.get('kind')} checkpoint; load_layer reads kernel-layout outputs (mxconv repack)")
-    require_runner(m.get("backend"), where=f"{root}: ")
+    if need_runner:
+        require_runner(m.get("backend"), where=f"{root}: ")
     tp = int(m.get("tp_size") or 1)
     if tp > 1 and rank is None:
         raise BadInput(f"{root}: a TP output with {tp} ranks; pass rank=0..{tp - 1} or the rank-N/ directory")
@@ -136,7 +139,7 @@ def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, mani
             if key.endswith("bias") or (key.endswith("input_scale") and not _needs_input_scales(m)):
                 continue
             raise BadInput(f"{root}: the manifest lists no {key_prefix}{name}")
-        files[key], names[key] = root / info["file"], name
+        files[key], names[key] = tensor_file(root, m, key_prefix + name), name
     if ("w13_bias" in files) != ("w2_bias" in files):
         raise BadInput(f"{root}: layer {layer} has only one of w13_bias / w2_bias")
     lay = m["layout"]
@@ -149,17 +152,26 @@ def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, mani
 
 def layer_infos(src: LayerSource, headers: dict[Path, dict[str, TensorInfo]] | None = None) -> dict[str, TensorInfo]:
     """Where each stored expert tensor of ``src`` lives (file, dtype, shape, byte range), from the
-    validated headers of its files (``headers``: a cache of them, filled as files are read)."""
+    validated headers of its files (``headers``: a cache of them, filled as files are read), checked
+    against the manifest as ``mxconv verify`` checks it (:func:`~mxconv.source.manifest.stored_problem`):
+    OutputDamaged naming the file and the tensor where a file is missing or damaged, or does not hold
+    the tensor with the manifest's shape and dtype."""
     headers = {} if headers is None else headers
+    prefix = f"{rank_dir_name(src.rank)}/" if src.tp_size > 1 else ""
     out: dict[str, TensorInfo] = {}
     for key, f in src.files.items():
         if f not in headers:
-            if not f.is_file():
-                raise BadInput(f"{f}: missing (named by {src.root / MANIFEST_NAME})")
-            headers[f] = read_header(f)[0]
+            if not f.exists():
+                raise OutputDamaged(f"{f}: missing (named by {src.root / MANIFEST_NAME})")
+            try:
+                headers[f] = read_header(f)[0]
+            except BadInput as exc:
+                raise OutputDamaged(str(exc)) from None
         info = headers[f].get(src.names[key])
-        if info is None:
-            raise BadInput(f"{f}: does not hold {src.names[key]} (named by {src.root / MANIFEST_NAME})")
+        problem = stored_problem(src.root, src.manifest, prefix + src.names[key], info)
+        if problem:
+            raise OutputDamaged(f"{f}: {problem} (named by {src.root / MANIFEST_NAME})")
+        assert info is not None
         out[key] = info
     return out
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mxconv.errors import BadInput
+from mxconv.errors import BadInput, OutputDamaged
 from mxconv.source.st_format import TensorInfo
 
 MIB = 1 << 20
@@ -130,7 +130,7 @@ def _read_exact(fd: int, target: memoryview, offset: int, seg: Segment) -> None:
         except OSError as exc:
             raise BadInput(f"{info.file}: tensor {info.name!r}: {exc}") from exc
         if n <= 0:
-            raise BadInput(f"{info.file}: tensor {info.name!r} is truncated (the file ends at byte {offset + got}, "
+            raise OutputDamaged(f"{info.file}: tensor {info.name!r} is truncated (the file ends at byte {offset + got}, "
                            f"the tensor needs bytes up to {info.end})")  # fmt: skip
         got += n
 
@@ -147,7 +147,7 @@ def _check_hashes_given(ordered: list[tuple[str, TensorInfo]], hashes: dict[str,
     """Refuse, before anything is read, a hash check that would leave a tensor unchecked."""
     for key, info in ordered:
         if key not in hashes:
-            raise BadInput(f"{info.file}: tensor {info.name!r}: no sha256 to check its bytes against "
+            raise OutputDamaged(f"{info.file}: tensor {info.name!r}: no sha256 to check its bytes against "
                            "(a hash check needs one for every tensor read)")  # fmt: skip
 
 
@@ -156,7 +156,7 @@ def _check_sizes(fds: dict[Path, int], infos: list[tuple[str, TensorInfo]]) -> N
     sizes = {f: os.fstat(fd).st_size for f, fd in fds.items()}
     for _, info in infos:
         if info.end > sizes[info.file]:
-            raise BadInput(f"{info.file}: tensor {info.name!r} is truncated (the file has {sizes[info.file]} bytes, "
+            raise OutputDamaged(f"{info.file}: tensor {info.name!r} is truncated (the file has {sizes[info.file]} bytes, "
                            f"the tensor needs bytes {info.begin}..{info.end})")  # fmt: skip
 
 
@@ -201,7 +201,7 @@ class StagedReader:
         if hashes is not None:
             for key, info in ordered:
                 if digests[key] != hashes[key]:
-                    raise BadInput(f"{info.file}: tensor {info.name!r}: sha256 mismatch with the manifest (corrupted or modified bytes)")
+                    raise OutputDamaged(f"{info.file}: tensor {info.name!r}: sha256 mismatch with the manifest (corrupted or modified bytes)")
         return out
 
     def read_hashed(self, infos: dict[str, TensorInfo]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from mxconv.examples.builder import Builder, GroundTruth, LayerTruth, write_shards, write_side_files
-from mxconv.examples.models import gpt_oss, mlp, per_expert_layer, qwen_mixtral
+from mxconv.examples.models import GPT_OSS_HEAD_DIM, gpt_oss, mlp, per_expert_layer, qwen_mixtral
 
 __all__ = [
     "KINDS", "Builder", "GroundTruth", "KindSpec", "LayerTruth", "make_checkpoint", "mlp", "per_expert_layer",
@@ -45,8 +45,9 @@ class KindSpec:
     builder: Callable[[int], Builder] = Builder
 
 
-def _gpt_oss(b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int, **_: Any) -> Any:
-    return gpt_oss(b, kind, L, E, H, I, top_k, V)
+def _gpt_oss(b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int,
+            head_dim: int = GPT_OSS_HEAD_DIM, **_: Any) -> Any:  # fmt: skip
+    return gpt_oss(b, kind, L, E, H, I, top_k, V, head_dim)
 
 
 def _qwen_mixtral(
@@ -86,7 +87,8 @@ def make_checkpoint(
     ``path`` and return its truth.
 
     ``options`` go to the kind's generator, which ignores those it has no use for: ``dtype``
-    (qwen*, mixtral: bf16/fp16/fp32) and ``mlp_only_layers`` (Qwen: those layers dense) here.
+    (qwen*, mixtral: bf16/fp16/fp32), ``mlp_only_layers`` (Qwen: those layers dense) and ``head_dim``
+    (gpt-oss, default 16; vLLM's CPU attention needs 32, 64, ...) here.
     """
     spec = spec or _SPECS.get(kind)
     if spec is None:

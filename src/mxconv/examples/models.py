@@ -24,9 +24,10 @@ def attention(b: Builder, p: str, H: int, heads: int, kv_heads: int, hd: int, dt
 GPT_OSS_HEADS, GPT_OSS_KV_HEADS, GPT_OSS_HEAD_DIM = 4, 2, 16
 
 
-def gpt_oss_config(L: int, E: int, H: int, I: int, top_k: int, V: int, mx: bool) -> dict[str, Any]:
+def gpt_oss_config(L: int, E: int, H: int, I: int, top_k: int, V: int, mx: bool,
+                   head_dim: int = GPT_OSS_HEAD_DIM) -> dict[str, Any]:  # fmt: skip
     """config.json of a gpt-oss checkpoint with these sizes (``mx``: the MXFP4 release's quantization_config)."""
-    heads, kv_heads, head_dim = GPT_OSS_HEADS, GPT_OSS_KV_HEADS, GPT_OSS_HEAD_DIM
+    heads, kv_heads = GPT_OSS_HEADS, GPT_OSS_KV_HEADS
     config: dict[str, Any] = {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
@@ -75,11 +76,12 @@ def gpt_oss_config(L: int, E: int, H: int, I: int, top_k: int, V: int, mx: bool)
     return config
 
 
-def gpt_oss(b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
+def gpt_oss(b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int,
+            head_dim: int = GPT_OSS_HEAD_DIM) -> tuple[dict[str, Any], dict[int, LayerTruth]]:  # fmt: skip
     mx = kind == "gpt-oss-mxfp4"
-    heads, kv_heads, head_dim = GPT_OSS_HEADS, GPT_OSS_KV_HEADS, GPT_OSS_HEAD_DIM
+    heads, kv_heads = GPT_OSS_HEADS, GPT_OSS_KV_HEADS
     bf = torch.bfloat16
-    config = gpt_oss_config(L, E, H, I, top_k, V, mx)
+    config = gpt_oss_config(L, E, H, I, top_k, V, mx, head_dim)
     truths: dict[int, LayerTruth] = {}
     b.add("model.embed_tokens.weight", b.randn((V, H), 1.0, bf))
     for li in range(L):

@@ -188,7 +188,7 @@ class CpuLayout(LayoutBase):
         return {
             "name": self.name,
             "version": self.version,
-            "engine_compat": {"vllm": ">=0.33", "cpu": "x86-64 with AMX, vLLM CPU build"},
+            "engine_compat": {"vllm": ">=0.32", "cpu": "x86-64 with AMX, vLLM CPU build"},
             "activation": activation,
             "vllm_moe_backend": VLLM_BACKEND,
             "padding": {"hidden_align": ALIGN, "intermediate_align": ALIGN, "fill": PAD_FILL},

@@ -6,10 +6,9 @@ parallel only, the engine's declared dependencies installed), named as the engin
 file and function it comes from (paths under ``vllm/model_executor/layers/`` for vLLM 0.33.0 and
 ``sglang/srt/`` for SGLang 0.5.23) and why the candidates before it do not run.
 
-This module holds the engines' picks only. Which mxconv output holds a backend's bytes is each
-layout's ``vllm_backends`` (and ``CANONICAL_VLLM_BACKENDS`` for canonical outputs); the padding a
-vLLM MXFP4 backend allocates is ``vllm_backends.vllm_padded_sizes``. :mod:`mxconv.layouts.engine_report`
-joins them. No torch.
+This module holds the engines' picks only. Which mxconv output holds a backend's bytes, under which
+vLLM quantization method, is :func:`mxconv.layouts.vllm_serving.vllm_serving` (the rule the manifest
+uses too); :mod:`mxconv.layouts.engine_report` joins them. No torch.
 """
 
 from __future__ import annotations
@@ -43,25 +42,6 @@ class SourceKind(StrEnum):
     CT_MXFP8 = "ct-mxfp8"  # compressed-tensors mxfp8-quantized: CompressedTensorsW8A8Mxfp8MoEMethod
     CT_INT4 = "ct-int4"  # compressed-tensors pack-quantized int4 group 32: CompressedTensorsWNA16MoEMethod
     MXCONV_MXFP8 = "mxconv-gpt-oss-mxfp8"  # quant_method null + mxconv_quant_method mxfp8
-
-
-# The enum each backend name belongs to (vLLM 0.33).
-MXFP4_ORACLE = "Mxfp4MoeBackend"  # fused_moe/oracle/mxfp4.py
-WNA16_ORACLE = "WNA16MoEBackend"  # fused_moe/oracle/int_wna16.py
-FP8_ORACLE = "Fp8MoeBackend"  # fused_moe/oracle/fp8.py (MXFP8 through oracle/mxfp8.py)
-
-# Manifest layout name of the canonical mxconv output of each kind (vllm_backends.CANONICAL_VLLM_BACKENDS
-# and UNPADDED_LAYOUTS are keyed by it); None: mxconv writes no canonical output of that kind.
-CANONICAL_LAYOUT = {
-    SourceKind.GPT_OSS_MXFP4: "canonical-gpt-oss", SourceKind.MXFP4: None, SourceKind.CT_MXFP4: "canonical-compressed-tensors",
-    SourceKind.CT_MXFP8: "canonical-compressed-tensors", SourceKind.CT_INT4: None, SourceKind.MXCONV_MXFP8: "canonical-gpt-oss",
-}
-# The layout attribute naming the vLLM backends of each oracle that hold a layout's bytes, and the
-# canonical weight format those bytes come from (engine_report joins through these; other oracles: none).
-HOLDER_ATTRIBUTE = {MXFP4_ORACLE: ("vllm_backends", "mxfp4"), WNA16_ORACLE: ("vllm_int4_backends", "int4"),
-                    FP8_ORACLE: ("vllm_mxfp8_backends", "mxfp8")}
-ORACLE = {SourceKind.GPT_OSS_MXFP4: MXFP4_ORACLE, SourceKind.MXFP4: MXFP4_ORACLE, SourceKind.CT_MXFP4: MXFP4_ORACLE,
-          SourceKind.CT_MXFP8: FP8_ORACLE, SourceKind.CT_INT4: WNA16_ORACLE, SourceKind.MXCONV_MXFP8: MXFP4_ORACLE}
 
 
 @dataclass(frozen=True)
@@ -158,9 +138,10 @@ PICKS: tuple[Pick, ...] = (
 )
 
 # Every Mxfp4MoeBackend value of vLLM 0.33 (fused_moe/oracle/mxfp4.py, class Mxfp4MoeBackend; AITER
-# is an alias of AITER_MXFP4_BF16), with why no mxconv output holds its bytes; None where a
-# registered layout's vllm_backends (or CANONICAL_VLLM_BACKENDS) names it. A reason is shown only while
-# no registered output holds the backend, so a backend added later replaces it by registering.
+# is an alias of AITER_MXFP4_BF16). Whether an mxconv output holds a backend's bytes is asked of the
+# layout registry (engine_report.holders), never written here; a value is the reason no output can,
+# for the backends no registered layout names (tests/test_engine_picks.py fails on a reason given for
+# a backend a layout holds, so a layout added later cannot leave a stale one behind).
 MXFP4_BACKENDS: dict[str, str | None] = {
     "None": "not a backend (the enum's unset value)",
     "B12X_MXFP4_MXFP8": "opt-in only (moe_backend b12x); b12x plans on the compressed-tensors tensors; no manifest names it yet",
@@ -168,30 +149,31 @@ MXFP4_BACKENDS: dict[str, str | None] = {
     "DEEPGEMM_MXFP4": None,
     "FLASHINFER_TRTLLM_MXFP4_MXFP8": None,
     "FLASHINFER_TRTLLM_MXFP4_BF16": None,
-    "FLASHINFER_CUTLASS_MXFP4_MXFP8": "FlashInfer CUTLASS interleaved weights and scales (issue 20 item 3)",
-    "FLASHINFER_CUTLASS_MXFP4_BF16": "FlashInfer CUTLASS SM90 mixed-GEMM interleave (issue 20 item 3)",
-    "CUTLASS_MXFP4_MXFP4": "weights as stored, scales in swizzle_mxfp4_scales tiles (issue 20 item 2)",
+    "FLASHINFER_CUTLASS_MXFP4_MXFP8": None,
+    "FLASHINFER_CUTLASS_MXFP4_BF16": None,
+    "CUTLASS_MXFP4_MXFP4": None,
     "BATCHED_MARLIN": None,
     "MARLIN": None,
     "AITER_MXFP4_BF16": None,
     "AITER_TRITON_MXFP4_BF16": None,
-    "AITER_MXFP4_FP8": "the ROCm triton_kernels layout plus static FP8 input scales (issue 23 item 2)",
+    "AITER_MXFP4_FP8": None,
     "AITER_MXFP4_MXFP4": None,
     "AITER_TRITON_MXFP4_MXFP4": "aiter's gfx1250 a4w4 layout; mxconv has no gfx1250 layout",
     "TRITON": None,
     "TRITON_UNFUSED": "not in vLLM 0.33's default lists (left out for an MTP bug); no layout declares it",
     "XPU": None,
-    "CPU": "the AMX VNNI prepack of prepare_mxfp4_moe_layer_for_cpu (issue 23 item 3)",
+    "CPU": None,
     "EMULATION": None,
-    "HUMMING": "humming's own transform at load time (issue 20 item 1)",
+    "HUMMING": None,
     "FLASHINFER_MOE_EP_CUTEDSL": "opt-in MoE-EP megakernel on the checkpoint tensors; no manifest names it yet",
     "FLASHINFER_MOE_EP_DEEP_GEMM": "opt-in MoE-EP megakernel on the checkpoint tensors; no manifest names it yet",
 }
 
 
-# The Fp8MoeBackend values vLLM 0.33 runs MXFP8 experts on (fused_moe/oracle/mxfp8.py, _SUPPORTED_BACKENDS)
-# with why no mxconv output holds their bytes yet; None where a layout's vllm_mxfp8_backends or
-# CANONICAL_MXFP8_VLLM_BACKENDS names it.
+# The Fp8MoeBackend values vLLM 0.33 runs MXFP8 experts on (fused_moe/oracle/mxfp8.py, _SUPPORTED_BACKENDS),
+# the same way: whether an output holds one under CompressedTensorsW8A8Mxfp8MoEMethod is asked of the layout
+# registry (engine_report.holders), a value is the reason no output can (tests/test_engine_mxfp8.py fails on
+# a stale one).
 MXFP8_BACKENDS: dict[str, str | None] = {
     "FLASHINFER_TRTLLM": "the TRT-LLM MXFP8 x MXFP8 weight shuffle of prepare_fp8_moe_layer_for_fi (issue 32 item 1)",
     "DEEPGEMM": "DeepGEMM's MXFP8 grouped-GEMM scale layout (issue 32 item 1)",

@@ -30,9 +30,7 @@ CANONICAL_VLLM_BACKENDS = {"canonical-gpt-oss": ("EMULATION", "XPU"), "canonical
 # biases) and convert_to_fp8_moe_kernel_format (fused_moe/oracle/fp8.py) leaves EMULATION's and TRITON_MXFP8's
 # tensors as loaded. mxconv's gpt-oss MXFP8 (quant_method null) is not loaded by vLLM at all.
 CANONICAL_MXFP8_VLLM_BACKENDS = {"canonical-compressed-tensors": ("TRITON_MXFP8", "EMULATION")}
-# Layouts only CompressedTensorsW4A4Mxfp4MoEMethod loads; it has no maybe_roundup_sizes: nothing is padded.
-UNPADDED_LAYOUTS = {"canonical-compressed-tensors", "cutlass"}
-# Backends that method reaches only for per-rank (H, I) multiples of this: its CUTLASS branch
+# Backends CompressedTensorsW4A4Mxfp4MoEMethod (no maybe_roundup_sizes: nothing padded) reaches only for per-rank (H, I) multiples of this: its CUTLASS branch
 # (process_weights_after_loading) reshapes the swizzled [roundup(N, 128), roundup(K/32, 4)] scales
 # back to [N, K/32], which fails unless N and K/32 are already whole tiles.
 UNPADDED_ALIGN = {"CUTLASS_MXFP4_MXFP4": 128}
@@ -158,6 +156,8 @@ def vllm_refusal(backend: str, sizes: tuple[int, int, int, int], model: dict[str
     if not padded_by_engine and (H % align or I % align):
         return (f"vLLM's compressed-tensors MXFP4 method pads nothing and loads {backend} only for H and I per rank "
                 f"multiples of {align}; these are ({H}, {I})")
+    if not padded_by_engine and (H, I) != (Hp, Ip):
+        return f"vLLM's compressed-tensors methods pad nothing; these tensors are padded from {(H, I)} to {(Hp, Ip)}"
     if want is not None and want != (Hp, Ip):
         return f"vLLM pads (H, I) = ({H}, {I}) to {want} for {backend}; these tensors are padded to {(Hp, Ip)}"
     if act not in EXPERT_ACTIVATIONS.get(backend, (act,)):

@@ -8,32 +8,37 @@ that fails or is interrupted (SIGINT/SIGTERM) removes everything it wrote. A run
 ``.mxconv-in-progress`` marker (or a ``*.mxconv-staging-<pid>`` directory), but never ``mxconv.json``
 in OUTPUT: it never looks complete, and the next run cleans it up. docs/reliability.md tells users.
 
+A run holds OUTPUT's lock (:mod:`mxconv.output.lock`) from before its checks to the end, removes
+only what an mxconv output owns (:mod:`mxconv.output.ownership`) and writes every file new, never
+through a link (:mod:`mxconv.output.files`).
+
 Also here: the checks before a run (:func:`check_output_dir`, :func:`check_free_space`), the
-in-progress marker, :func:`writing` (an OSError reported as :class:`OutputWriteError` naming the
-output file) and atomic writes of small files (:func:`atomic_write_json`). The shards themselves
-are streamed by :mod:`mxconv.output.writer`.
+in-progress marker and :func:`writing` (an OSError reported as :class:`OutputWriteError` naming the
+output file). The shards themselves are streamed by :mod:`mxconv.output.writer`.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
-import re
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
-from mxconv.source.file_names import IN_PROGRESS, INDEX_NAME, MANIFEST_NAME, RANK_DIR
-from mxconv.source.in_progress import live_writer, marker_text, process_alive
 from mxconv.errors import BadInput
 from mxconv.interrupt import deferred_signals, next_step, output_complete
+from mxconv.output.files import TMP_SUFFIX, atomic_write_text
+from mxconv.output.lock import OutputLock
+from mxconv.output.ownership import (ASIDE, RUN_FILES, STAGING, OldOutput, entries, is_ours, kept_weight_files, remove,
+                                     side_dirs)
 from mxconv.sizes import human_bytes
+from mxconv.source.file_names import IN_PROGRESS, MANIFEST_NAME
+from mxconv.source.in_progress import live_writer, marker_text, process_alive
 
-TMP_SUFFIX = ".mxconv-tmp"
-STAGING = "mxconv-staging"  # OUT.mxconv-staging-<pid>: an --overwrite's new output, until the swap
-ASIDE = "mxconv-old"  # OUT.mxconv-old-<pid>: the old output during the swap, deleted right after
+__all__ = ["ASIDE", "STAGING", "TMP_SUFFIX", "OutputTarget", "OutputWriteError", "check_free_space", "check_output_dir",
+           "kept_weight_files", "prepare_output_dir", "writing"]
 DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # the errnos of a full disk or quota
 
 
@@ -51,35 +56,13 @@ class OutputWriteError(BadInput):
         return cls(f"cannot write {path}: {exc.strerror or exc}")
 
 
-_OUR_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-# Weight files of a checkpoint; loaders read model.safetensors in preference to an index, so one
-# left behind by an old output would shadow the new shards: an overwrite never keeps either.
-_WEIGHT_FILES = {INDEX_NAME, "model.safetensors"}
-_SIDE_DIR = re.compile(rf"^(?P<base>.*)\.(?:{STAGING}|{ASIDE})-(?P<pid>\d+)$")
-
-
-def _side_dirs(out: Path) -> list[tuple[Path, int]]:
-    """Staging and set-aside directories of ``--overwrite`` runs into ``out`` (beside it as
-    ``OUT.mxconv-staging-<pid>``, or inside it as ``.mxconv-staging-<pid>``), with their pids."""
-    found = []
-    for parent, base in ((out.parent, out.name), (out, "")):
-        try:
-            entries = list(parent.iterdir()) if parent.is_dir() else []
-        except OSError:
-            continue
-        for p in entries:
-            m = _SIDE_DIR.match(p.name)
-            if m and m["base"] == base and p.is_dir():
-                found.append((p, int(m["pid"])))
-    return found
-
-
 def check_output_dir(out: Path, sources: list[Path], overwrite: bool) -> bool:
     """Validate OUTPUT without touching it; returns True when it holds an interrupted mxconv run.
 
     OUTPUT must not be (or be inside, or contain) a SOURCE, must not be a file, must not be written
     by another live mxconv run (in place or staged beside it), and must be empty unless
-    ``overwrite`` or it is an interrupted mxconv run (marker present, no manifest).
+    ``overwrite`` or it is an interrupted mxconv run (marker present, no manifest). Made without
+    the lock this answers for now only; :class:`OutputTarget` asks again holding it.
     """
     out = out.expanduser().resolve()
     for src in sources:
@@ -90,76 +73,60 @@ def check_output_dir(out: Path, sources: list[Path], overwrite: bool) -> bool:
             raise BadInput(f"OUTPUT {out} contains the SOURCE ({src}); choose another directory")
     if out.exists() and not out.is_dir():
         raise BadInput(f"OUTPUT {out} exists and is not a directory")
-    for side, pid in _side_dirs(out):
+    for side, pid in side_dirs(out):
         if pid != os.getpid() and process_alive(pid):
             raise BadInput(f"OUTPUT {out} is being written by another mxconv run (pid {pid}, in {side}); wait for it or choose another directory")
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists() or not entries(out):
         return False
-    interrupted = (out / IN_PROGRESS).exists() and not (out / MANIFEST_NAME).exists()
+    interrupted = os.path.lexists(out / IN_PROGRESS) and not os.path.lexists(out / MANIFEST_NAME)
     if interrupted:
         pid = live_writer(out)
         if pid is not None:
             raise BadInput(f"OUTPUT {out} is being written by another mxconv run (pid {pid}); wait for it or choose another directory")
     if not overwrite and not interrupted:
-        raise BadInput(f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
+        raise BadInput(f"OUTPUT {out} is not empty; set overwrite=True (RunSettings) to replace its contents",
+                       cli=f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
     return interrupted
 
 
-def _previous_outputs(out: Path) -> set[str]:
-    """Top-level names a previous mxconv run wrote into ``out`` (from its manifest, if any)."""
-    try:
-        m = json.loads((out / MANIFEST_NAME).read_text())
-        files = {str(t["file"]).split("/")[0] for t in m.get("tensors", {}).values()}
-        return files | set(m.get("output_files", []))
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        return set()
-
-
-def _is_ours(p: Path, previous: set[str]) -> bool:
-    """Whether entry ``p`` of OUTPUT belongs to an mxconv output, so that replacing the output
-    removes it: what the old manifest lists, shards, index, ``model.safetensors``, temporary files,
-    dead runs' staging directories, and ``rank-N`` directories holding a (possibly unfinished)
-    checkpoint. Anything else (a README, a LoRA, ``rank-data``) is the user's and stays."""
-    name = p.name
-    if p.is_dir() and not p.is_symlink():
-        if _SIDE_DIR.match(name) and name.startswith("."):
-            return True
-        if not RANK_DIR.fullmatch(name):
-            return False
-        inner = [q.name for q in p.iterdir()]
-        return name in previous or not inner or any(
-            n in (INDEX_NAME, IN_PROGRESS) or n.endswith(TMP_SUFFIX) or _OUR_SHARD.match(n) for n in inner
-        )
-    return name in previous or name in _WEIGHT_FILES or name.endswith(TMP_SUFFIX) or bool(_OUR_SHARD.match(name))
-
-
-def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p)
-    else:
-        p.unlink(missing_ok=True)
-
-
 def _write_marker(d: Path) -> None:
-    (d / IN_PROGRESS).write_text(marker_text(os.getpid()))
+    atomic_write_text(d / IN_PROGRESS, marker_text(os.getpid()))
+
+
+def _clear_in_place(out: Path, interrupted: bool) -> list[str]:
+    """Remove what an earlier mxconv run wrote into ``out`` (see :mod:`mxconv.output.ownership`);
+    returns the notes to show."""
+    if not out.exists() or not entries(out):
+        return []
+    notes = [f"cleaning up an interrupted mxconv run in {out}" if interrupted else f"overwriting {out}"]
+    old = OldOutput.read(out)
+    # The manifest goes first so that a crash from here on never leaves a 'complete' look.
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    for p in entries(out):
+        if is_ours(p, old):
+            remove(p)
+    notes += _kept_listed_note(out, old)
+    return notes
+
+
+def _kept_listed_note(out: Path, old: OldOutput, replaced: frozenset[str] = frozenset()) -> list[str]:
+    """A note naming what the old manifest lists that stays (not the file it recorded there)."""
+    kept = sorted(n for n in old.listed - replaced - set(RUN_FILES) if os.path.lexists(out / n))
+    if not kept:
+        return []
+    return [f"note: kept {', '.join(kept)} in {out}: the earlier {MANIFEST_NAME} lists them, but they are not the "
+            "files mxconv wrote there (changed since, or that manifest records no size and sha256 for them); "
+            "delete them yourself if they are not yours"]
 
 
 def prepare_output_dir(out: Path, sources: list[Path], overwrite: bool) -> list[str]:
     """Check OUTPUT (see :func:`check_output_dir`), clear what an earlier mxconv run wrote there, in
     place, and drop the in-progress marker. Files mxconv did not write are never deleted.
-    (:class:`OutputTarget` uses this for a new OUTPUT or an interrupted run; an ``--overwrite`` of
-    a finished output is staged beside it instead.)"""
+    (:class:`OutputTarget` does this, holding the output's lock, for a new OUTPUT or an interrupted
+    run; an ``--overwrite`` of a finished output is staged beside it instead.)"""
     interrupted = check_output_dir(out, sources, overwrite)
     out = out.expanduser().resolve()
-    notes: list[str] = []
-    if out.exists() and any(out.iterdir()):
-        notes.append(f"cleaning up an interrupted mxconv run in {out}" if interrupted else f"overwriting {out}")
-        previous = _previous_outputs(out)
-        # The manifest goes first so that a crash from here on never leaves a 'complete' look.
-        (out / MANIFEST_NAME).unlink(missing_ok=True)
-        for p in list(out.iterdir()):
-            if p.name != IN_PROGRESS and _is_ours(p, previous):
-                _remove(p)
+    notes = _clear_in_place(out, interrupted)
     out.mkdir(parents=True, exist_ok=True)
     _write_marker(out)
     return notes
@@ -171,6 +138,9 @@ def check_free_space(where: Path, needed: int, hint: str = "") -> None:
     probe = where
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    why = _not_writable(probe)
+    if why is not None:  # before the free space: an unwritable place (/proc, a read-only mount) reads as 0 B free
+        raise BadInput(f"{where}: cannot write there: {probe} is not writable ({why}); choose an OUTPUT in a writable directory")
     free = shutil.disk_usage(probe).free
     if free < needed:
         raise BadInput(
@@ -178,6 +148,18 @@ def check_free_space(where: Path, needed: int, hint: str = "") -> None:
             f"{human_bytes(free)} ({free} bytes) are free on the filesystem of {probe}{hint}; free "
             f"{human_bytes(needed - free)} or choose an OUTPUT on another disk"
         )
+
+
+def _not_writable(directory: Path) -> str | None:
+    """Why no file can be created in ``directory`` (the OS's words), or None when one can: a file is
+    created and removed, so permissions, read-only mounts and pseudo filesystems all answer truly."""
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".mxconv-write-check-")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.close(fd)
+    os.unlink(name)
+    return None
 
 
 @contextmanager
@@ -207,13 +189,15 @@ def _staging_dir(out: Path) -> Path:
 class OutputTarget:
     """Where one run writes, and how what it wrote becomes OUTPUT.
 
-    :meth:`prepare` checks OUTPUT (:func:`check_output_dir`), removes what dead runs left beside it,
-    checks free space and picks :attr:`write_dir`: OUTPUT itself when it is new, empty or holds an
-    interrupted run (cleaned up in place), or, for ``--overwrite`` of existing contents, a staging
-    directory on the same filesystem, so that the old output stays whole until the new one is
-    complete. :meth:`commit` (after the manifest is written) moves a staged output in: the old
-    output's files go aside, the new ones in, the manifest last, the old files are deleted; signals
-    are held meanwhile. :meth:`abort` removes what this run wrote and says what OUTPUT holds now.
+    :meth:`prepare` checks OUTPUT (:func:`check_output_dir`), takes its lock
+    (:class:`~mxconv.output.lock.OutputLock`: one writer per OUTPUT) and checks again holding it,
+    removes what dead runs left beside it, checks free space and picks :attr:`write_dir`: OUTPUT itself
+    when it is new, empty or holds an interrupted run (cleaned up in place), or, for ``--overwrite``
+    of existing contents, a staging directory on the same filesystem, so that the old output stays
+    whole until the new one is complete. :meth:`commit` (after the manifest is written) moves a
+    staged output in: the old output's files go aside, the new ones in, the manifest last, the old
+    files are deleted; signals are held meanwhile. :meth:`abort` removes what this run wrote and says
+    what OUTPUT holds now. Both give the lock up.
     """
 
     def __init__(self, out: Path, sources: list[Path], overwrite: bool) -> None:
@@ -226,6 +210,7 @@ class OutputTarget:
         self.committed = False
         self._kept: frozenset[str] | None = None  # in place: entries that predate this run's writes
         self._made_parents: list[Path] = []
+        self._lock: OutputLock | None = None
 
     @property
     def staged(self) -> bool:
@@ -235,31 +220,54 @@ class OutputTarget:
         """Make :attr:`write_dir` ready (see the class doc) for about ``needed_bytes``; returns it.
         A signal noted after an earlier output of this command was complete stops it here."""
         next_step()
-        interrupted = check_output_dir(self.out, self.sources, self.overwrite)
-        for side, _pid in _side_dirs(self.out):  # a dead run's (check_output_dir refused live ones)
+        check_output_dir(self.out, self.sources, self.overwrite)  # refusals before anything is made
+        if not self.out.exists():
+            check_free_space(self.out, needed_bytes)
+        self._take_lock()
+        interrupted = check_output_dir(self.out, self.sources, self.overwrite)  # now for certain
+        for side, _pid in side_dirs(self.out):  # a dead run's (check_output_dir refused live ones)
             with writing(side):
-                _remove(side)
-        if self.out.is_dir() and any(self.out.iterdir()) and not interrupted:
-            staging = _staging_dir(self.out)
-            check_free_space(staging.parent, needed_bytes, " (--overwrite keeps the old output until the new one is complete)")
-            self.write_dir = staging  # before mkdir: from here on abort() removes it
-            with writing(staging):
-                staging.mkdir()
-                _write_marker(staging)
-            self.notes.append(f"overwriting {self.out}: writing the new output to {staging}; the old one is replaced only once it is complete")
-            return staging
-        self.created = not self.out.exists()
-        # the missing directories above OUTPUT, outermost first: abort() removes them again (empty)
-        self._made_parents = [d for d in reversed(self.out.parents) if not d.exists()]
+                remove(side)
+        kept = kept_weight_files(self.out)
+        if kept:
+            self.notes.append(kept_weights_warning(self.out, kept))
+        if entries(self.out) and not interrupted:
+            return self._prepare_staging(needed_bytes)
         if not interrupted:
             check_free_space(self.out, needed_bytes)
         with writing(self.out):
-            self.notes += prepare_output_dir(self.out, self.sources, self.overwrite)
+            self.notes += _clear_in_place(self.out, interrupted)
+            _write_marker(self.out)
         self.write_dir = self.out
-        self._kept = frozenset(p.name for p in self.out.iterdir()) - {IN_PROGRESS}
+        self._kept = frozenset(p.name for p in entries(self.out)) - {IN_PROGRESS}
         if interrupted:  # counted once what the interrupted run left is gone
             check_free_space(self.out, needed_bytes)
         return self.out
+
+    def _take_lock(self) -> None:
+        """Make OUTPUT (and the directories above it) where missing, remembering which this run
+        made, and take its lock (BadInput naming the run that holds it)."""
+        with writing(self.out):
+            for d in [d for d in [*reversed(self.out.parents), self.out] if not d.exists()]:
+                try:
+                    d.mkdir()
+                except FileExistsError:  # made by another run meanwhile
+                    continue
+                if d == self.out:
+                    self.created = True
+                else:
+                    self._made_parents.append(d)  # outermost first; abort() removes them again (empty)
+            self._lock = OutputLock.acquire(self.out)
+
+    def _prepare_staging(self, needed_bytes: int) -> Path:
+        staging = _staging_dir(self.out)
+        check_free_space(staging.parent, needed_bytes, " (--overwrite keeps the old output until the new one is complete)")
+        self.write_dir = staging  # before mkdir: from here on abort() removes it
+        with writing(staging):
+            staging.mkdir()
+            _write_marker(staging)
+        self.notes.append(f"overwriting {self.out}: writing the new output to {staging}; the old one is replaced only once it is complete")
+        return staging
 
     def commit(self) -> None:
         """The output in :attr:`write_dir` is complete (manifest written): make it OUTPUT. From then
@@ -267,12 +275,14 @@ class OutputTarget:
         if not self.staged:
             self.committed = True
             output_complete()
+            self._release()
             return
         out, new = self.out, self.write_dir
         assert new is not None
         pid = os.getpid()
         aside = out / f".{ASIDE}-{pid}" if new.parent == out else out.parent / f"{out.name}.{ASIDE}-{pid}"
         moves: list[tuple[Path, Path]] = []
+        made_aside = False
 
         def move(src: Path, dst: Path) -> None:
             os.replace(src, dst)
@@ -281,15 +291,17 @@ class OutputTarget:
         with deferred_signals(), writing(out):
             try:
                 aside.mkdir()
+                made_aside = True
                 _write_marker(out)  # until the new manifest is in, OUTPUT reads as an interrupted run
-                previous = _previous_outputs(out)
-                incoming = sorted(p.name for p in new.iterdir() if p.name not in (MANIFEST_NAME, IN_PROGRESS))
-                if (out / MANIFEST_NAME).exists():
+                old = OldOutput.read(out)
+                incoming = frozenset(p.name for p in new.iterdir() if p.name not in (MANIFEST_NAME, *RUN_FILES))
+                if os.path.lexists(out / MANIFEST_NAME):
                     move(out / MANIFEST_NAME, aside / MANIFEST_NAME)
-                for p in sorted(out.iterdir()):
-                    if p not in (new, aside) and p.name != IN_PROGRESS and (p.name in incoming or _is_ours(p, previous)):
+                for p in sorted(entries(out)):
+                    if p not in (new, aside) and p.name not in RUN_FILES and (p.name in incoming or is_ours(p, old)):
                         move(p, aside / p.name)
-                for name in incoming:
+                kept_note = _kept_listed_note(out, old, incoming)
+                for name in sorted(incoming):
                     move(new / name, out / name)
                 move(new / MANIFEST_NAME, out / MANIFEST_NAME)
             except BaseException:
@@ -298,7 +310,8 @@ class OutputTarget:
                         os.replace(dst, src)
                     except OSError:
                         pass
-                shutil.rmtree(aside, ignore_errors=True)
+                if made_aside:
+                    shutil.rmtree(aside, ignore_errors=True)
                 (out / IN_PROGRESS).unlink(missing_ok=True)
                 raise
             self.committed = True
@@ -306,9 +319,29 @@ class OutputTarget:
             (out / IN_PROGRESS).unlink(missing_ok=True)
             shutil.rmtree(new, ignore_errors=True)
             shutil.rmtree(aside, ignore_errors=True)
+            self.notes += kept_note
+            self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
 
     def abort(self) -> str:
-        """Remove what this run wrote (best effort); returns what OUTPUT holds now, as a clause."""
+        """Remove what this run wrote (best effort), give the lock up and remove the directories this
+        run made for OUTPUT where they are empty again; returns what OUTPUT holds now, as a clause."""
+        try:
+            said = self._remove_written()
+        finally:
+            self._release()
+        if self.created:
+            for d in [self.out, *reversed(self._made_parents)]:  # innermost first; a non-empty one stays
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+        return said
+
+    def _remove_written(self) -> str:
         out = self.out
         if self.committed:
             return f"the conversion had finished: {out} holds the complete new output"
@@ -317,31 +350,21 @@ class OutputTarget:
         try:
             if self.staged:
                 if self.write_dir.exists():
-                    _remove(self.write_dir)
+                    remove(self.write_dir)
                 return f"the unfinished new output was removed; {out} still holds the earlier output, unchanged"
             if self._kept is None:
                 return f"{out} holds an unfinished output (no mxconv.json); rerunning the command cleans it up"
-            for p in list(out.iterdir()) if out.is_dir() else []:
+            for p in entries(out) if out.is_dir() else []:
                 if p.name not in self._kept:
-                    _remove(p)
-            if self.created and out.is_dir() and not any(out.iterdir()):
-                out.rmdir()
-                for d in reversed(self._made_parents):  # innermost first; a non-empty one stays
-                    if d.is_dir() and not any(d.iterdir()):
-                        d.rmdir()
+                    remove(p)
             return f"the unfinished output in {out} was removed"
         except OSError as exc:
             return f"could not remove everything this run wrote ({exc}); {out} has no mxconv.json, rerunning the command cleans it up"
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name("." + path.name + TMP_SUFFIX)
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+def kept_weights_warning(out: Path, names: list[str]) -> str:
+    """What replacing the output in ``out`` keeps that ``verify`` will fail on (see
+    :func:`~mxconv.output.ownership.kept_weight_files`), as a warning to show before the run."""
+    return (f"{out} keeps {', '.join(names)} (mxconv did not write {'them' if len(names) > 1 else 'it'}): "
+            "verify of the new output will fail on weight files its index does not name (a loader may read one "
+            f"instead of the indexed shards); move {'them' if len(names) > 1 else 'it'} out of {out} before using the output")

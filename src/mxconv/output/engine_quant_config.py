@@ -14,8 +14,9 @@ with :meth:`EngineQuantConfig.from_json`. It says, for every MoE layer:
   layout's ``kernel_specs`` (shapes per TP rank), canonical outputs from the manifest's tensors;
 * the activation function and its parameters, and the routing method (vLLM ``RoutingMethodType``);
 * the vLLM 0.33 backend names that hold exactly these bytes after loading (``served_vllm_backends``:
-  ``Mxfp4MoeBackend`` values for MXFP4, ``WNA16MoEBackend`` for INT4, ``Fp8MoeBackend`` for MXFP8),
-  and why the other candidates do not (``not_served``).
+  ``Mxfp4MoeBackend`` values for MXFP4, ``WNA16MoEBackend`` for INT4, ``Fp8MoeBackend`` for MXFP8), under
+  which vLLM quantization method (``served_vllm_methods``; :func:`mxconv.layouts.vllm_serving.vllm_serving`,
+  the one rule), and why the other candidates do not (``not_served``).
 
 vLLM facts below are from vLLM 0.33.0: ``fused_moe/oracle/mxfp4.py``
 (``mxfp4_round_up_hidden_size_and_intermediate_size``, ``_backend_activation_key``),
@@ -33,14 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from mxconv.errors import BadInput
-from mxconv.layouts.vllm_backends import (
-    CANONICAL_MXFP8_VLLM_BACKENDS, CANONICAL_VLLM_BACKENDS, UNPADDED_LAYOUTS, VLLM_VERSION, vllm_refusal,
-)
+from mxconv.layouts.vllm_backends import VLLM_VERSION
+from mxconv.layouts.vllm_serving import OutputForm, VllmMethod, not_served, served_backends, served_methods, vllm_serving
 
-SCHEMA_VERSION = 1
-# canonical weight format of a kernel output -> the layout attribute naming the vLLM backends (of that
-# format's oracle: Mxfp4MoeBackend, WNA16MoEBackend, Fp8MoeBackend) that hold its bytes (engine_picks.HOLDER_ATTRIBUTE)
-HOLDER_ATTRIBUTES = {"mxfp4": "vllm_backends", "int4": "vllm_int4_backends", "mxfp8": "vllm_mxfp8_backends"}
+SCHEMA_VERSION = 2  # 2: served_vllm_methods
+VLLM_QUANT_METHOD = "mxconv"  # config.json quant_method of a kernel-layout output (vLLM: "Unknown quantization method: mxconv")
+VLLM_LOAD_FORMAT = "mxconv"  # the load format mxconv's vLLM plugin registers (mxconv.integrations.vllm)
 BLOCK_SHAPE = (1, 32)
 ACT_SCHEMES = ("none", "dynamic_mxfp8", "dynamic_mxfp4", "dynamic_fp8_per_token",
                "dynamic_fp8_per_token_group", "static_fp8_per_tensor", "unknown")
@@ -127,6 +126,8 @@ class EngineQuantConfig:
     routing: Routing
     served_vllm_backends: tuple[str, ...]
     not_served: tuple[tuple[str, str], ...] = ()  # (vLLM backend, reason)
+    # (vLLM quantization method class, backends holding the bytes under it): layouts.vllm_serving's rule
+    served_vllm_methods: tuple[tuple[str, tuple[str, ...]], ...] = ()
     engine: str = "vllm"
     engine_version: str = ".".join(map(str, VLLM_VERSION))
     schema_version: int = SCHEMA_VERSION
@@ -135,14 +136,16 @@ class EngineQuantConfig:
         """JSON-able dict (tuples as lists, ``not_served`` as an object)."""
         d = _plain(self)
         d["not_served"] = {name: why for name, why in self.not_served}
+        d["served_vllm_methods"] = {m: list(names) for m, names in self.served_vllm_methods}
         return d
 
     @classmethod
     def from_json(cls, d: Any) -> "EngineQuantConfig":
         """Inverse of :meth:`to_json`; BadInput naming the field when ``d`` is not one."""
-        if not isinstance(d, dict) or not isinstance(d.get("not_served", {}), dict):
-            raise BadInput("quant_config: not a JSON object with a not_served object")
-        d = dict(d, not_served=[[k, v] for k, v in d.get("not_served", {}).items()])
+        if not isinstance(d, dict) or not all(isinstance(d.get(k, {}), dict) for k in ("not_served", "served_vllm_methods")):
+            raise BadInput("quant_config: not a JSON object with not_served and served_vllm_methods objects")
+        d = dict(d, not_served=[[k, v] for k, v in d.get("not_served", {}).items()],
+                 served_vllm_methods=[[k, v] for k, v in d.get("served_vllm_methods", {}).items()])
         return typing.cast(EngineQuantConfig, _build(cls, d, "quant_config"))
 
     def summary_rows(self) -> list[tuple[str, str]]:
@@ -162,7 +165,9 @@ class EngineQuantConfig:
         for gemm, g in (("gemm1", self.gemm1), ("gemm2", self.gemm2)):
             for kind, refs in (("weight", g.weights), ("scale", g.scales), ("bias", g.biases)):
                 rows += [(f"{gemm} {kind}", f"{t.name} {t.dtype} {list(t.shape)}") for t in refs]
-        rows.append(("vLLM backends", ", ".join(self.served_vllm_backends) or "none"))
+        rows += [(f"vLLM backends ({VllmMethod(m).tag})", ", ".join(names)) for m, names in self.served_vllm_methods]
+        if not self.served_vllm_methods:
+            rows.append(("vLLM backends", "none"))
         rows += [(f"not {name}", why) for name, why in self.not_served]
         return rows
 
@@ -323,24 +328,14 @@ def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
         raise BadInput(f"manifest lacks what the quant config needs ({type(exc).__name__}: {exc})") from None
     pattern = _layer_pattern(prefix, layer)
     refs = (_kernel_refs(manifest, pattern) if kind == "kernel" else None) or _table_refs(manifest, layer, prefix, pattern)
-    candidates: tuple[str, ...] = ()  # the backends of the layout's oracle for its weight format
-    if kind == "kernel" and fmt in HOLDER_ATTRIBUTES:
-        from mxconv.layouts import get_layout
-
-        attr = HOLDER_ATTRIBUTES[fmt]
-        try:
-            candidates = tuple(getattr(get_layout(str(backend)), attr, {}).get(act, ()))
-        except BadInput:
-            pass
-    elif fmt in ("mxfp4", "mxfp8"):
-        canonical = CANONICAL_VLLM_BACKENDS if fmt == "mxfp4" else CANONICAL_MXFP8_VLLM_BACKENDS
-        candidates = canonical.get(str(lay.get("name")), ())
-    compat = (lay.get("engine_compat") or {}).get("vllm")
-    # the WNA16 and MXFP8 methods pad nothing (their layouts' own padding is inside the tensors)
-    padded_by_engine = str(lay.get("name")) not in UNPADDED_LAYOUTS and fmt not in ("int4", "mxfp8")
-    arch, tp = lay.get("arch"), int(manifest.get("tp_size") or 1)  # the GPU the bytes are for, where recorded
-    refusals = [(b, vllm_refusal(b, (H, I, Hp, Ip), model, compat, padded_by_engine, None if arch is None else str(arch), tp))
-                for b in candidates]
+    form = OutputForm(str(backend) if kind == "kernel" else str(lay.get("name")), act, fmt, (H, I, Hp, Ip), model,
+                      (lay.get("engine_compat") or {}).get("vllm"), None if lay.get("arch") is None else str(lay["arch"]),
+                      int(manifest.get("tp_size") or 1))
+    try:
+        servings = vllm_serving(form)
+    except BadInput:  # a backend not registered here: nothing is known about who serves it
+        servings = ()
+    candidates = tuple(dict.fromkeys(s.backend for s in servings))
     gemm1, gemm2 = _gemm_tensors(refs, pattern)
     fp8 = fmt == "fp8-block"
     return EngineQuantConfig(
@@ -350,8 +345,9 @@ def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
         else activation_quant(act, candidates),
         gemm1=gemm1, gemm2=gemm2, tensors_per="tp_rank" if kind == "kernel" else "checkpoint",
         tp_size=int(manifest.get("tp_size") or 1), activation=_activation(model, lay), routing=routing,
-        served_vllm_backends=tuple(b for b, why in refusals if why is None),
-        not_served=tuple((b, why) for b, why in refusals if why is not None),
+        served_vllm_backends=served_backends(servings),
+        served_vllm_methods=tuple((m, tuple(b)) for m, b in served_methods(servings).items()),
+        not_served=tuple(not_served(servings).items()),
     )
 
 
@@ -364,7 +360,9 @@ def quant_config_of(manifest: dict[str, Any]) -> EngineQuantConfig:
 
 
 def attach(manifest: dict[str, Any]) -> None:
-    """Write ``quant_config`` and ``served_vllm_backends`` into ``manifest`` (``convert.execute``)."""
+    """Write ``quant_config``, ``served_vllm_backends`` and ``served_vllm_methods`` into ``manifest``
+    (``convert.execute``)."""
     qc = from_manifest(manifest)
     manifest["quant_config"] = qc.to_json()
     manifest["served_vllm_backends"] = list(qc.served_vllm_backends)
+    manifest["served_vllm_methods"] = {m: list(names) for m, names in qc.served_vllm_methods}

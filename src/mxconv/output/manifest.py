@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mxconv import __version__
-from mxconv.output.directory import atomic_write_json
+from mxconv.output.files import atomic_write_json
 from mxconv.output.writer import WrittenTensor
 from mxconv.source.file_names import IN_PROGRESS, MANIFEST_NAME
 from mxconv.source.manifest import FORMAT_VERSION

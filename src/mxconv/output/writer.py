@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from mxconv.output.directory import TMP_SUFFIX, OutputWriteError, atomic_write_json, writing
+from mxconv.output.directory import OutputWriteError, writing
+from mxconv.output.files import TMP_SUFFIX, FileRecord, atomic_write_json, clear_name, no_follow
 from mxconv.output.shards import PlannedTensor, ShardPlan, shard_header
 from mxconv.source.diskio import read_ahead, start_writeback
 from mxconv.source.file_names import INDEX_NAME
@@ -91,6 +92,7 @@ class ShardedWriter:
     written: dict[str, WrittenTensor] = field(default_factory=dict)
     bytes_written: int = 0
     display_dir: Path | None = None
+    index_record: FileRecord | None = None  # the index's size and sha256, once :meth:`finish` wrote it
 
     def __post_init__(self) -> None:
         # sha256 runs on its own thread while the same bytes are being written (hashlib and file
@@ -149,8 +151,9 @@ class ShardedWriter:
             if fut.done() and fut.exception() is not None:
                 raise fut.exception()  # type: ignore[misc]
         shard = self.shards[si]
-        try:
-            self._files[si] = open(self._tmp(shard), "wb")
+        try:  # a new file, never one reached through a link (mxconv.output.files)
+            clear_name(self._tmp(shard))
+            self._files[si] = open(self._tmp(shard), "xb", opener=no_follow)
         except OSError as exc:
             raise OutputWriteError.from_os_error(exc, self._shown(shard)) from exc
         self._fpos[si] = 0
@@ -272,7 +275,7 @@ class ShardedWriter:
         weight_map = {name: w.file for name, w in self.written.items()}
         total = sum(s.nbytes for s in self.shards)
         with writing(self.display_dir or self.out_dir, self.out_dir):
-            atomic_write_json(self.out_dir / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+            self.index_record = atomic_write_json(self.out_dir / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
         return self.written
 
     def abort(self) -> None:

@@ -16,7 +16,6 @@ torch is imported lazily, in the phases that compute, so planning (and ``mxconv 
 
 from __future__ import annotations
 
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -25,7 +24,9 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from mxconv.families import detect_family
 from mxconv.interrupt import Interrupted, deferred_signals
-from mxconv.output.directory import DISK_FULL, OutputTarget, OutputWriteError, atomic_write_json, check_output_dir, writing
+from mxconv.output.directory import (DISK_FULL, OutputTarget, OutputWriteError, check_output_dir, kept_weight_files,
+                                     kept_weights_warning, writing)
+from mxconv.output.files import FileRecord, atomic_write_json, copy_side_file
 from mxconv.output.manifest import tensor_table, write_manifest
 from mxconv.output.shards import ShardPlan, shards_size
 from mxconv.output.writer import ShardedWriter
@@ -40,7 +41,7 @@ from mxconv.run.plan import Plan, build_plan
 from mxconv.run.plan_costs import memory_plan_for, work_items
 from mxconv.run.trace import StageTimes, write_trace
 from mxconv.source.checkpoint import Checkpoint, open_checkpoint
-from mxconv.source.file_names import CONFIG_NAME, rank_dir_name, rank_dirs
+from mxconv.source.file_names import CONFIG_NAME, INDEX_NAME, rank_dir_name, rank_dirs
 from mxconv.source.copy_check import refuse_nonfinite_copy
 
 if TYPE_CHECKING:
@@ -96,10 +97,14 @@ class Conversion:
         ckpt = source if isinstance(source, Checkpoint) else open_checkpoint(str(source), revision)
         return cls(build_plan(ckpt, detect_family(ckpt), quant, repack))
 
-    def check_output(self, out_dir: Path, overwrite: bool) -> None:
+    def check_output(self, out_dir: Path, overwrite: bool) -> list[str]:
         """Refuse an OUTPUT this run could not write (a SOURCE, a file, another live run, not empty
-        without ``overwrite``) before anything is computed; touches nothing."""
+        without ``overwrite``) before anything is computed; touches nothing. Returns the warnings to
+        show before the run: files in OUTPUT that it keeps and that verify will fail on."""
         check_output_dir(out_dir, [self.plan.ckpt.root], overwrite)
+        out = out_dir.expanduser().resolve()
+        kept = kept_weight_files(out)
+        return [kept_weights_warning(out, kept)] if kept else []
 
     def plan_memory(self, device: torch.device | str, budget: MemoryBudget | None = None) -> MemoryPlan:
         """The run's memory plan on ``device`` under ``budget`` (pipeline depth, experts per group);
@@ -175,6 +180,8 @@ def _prepare(plan: Plan, output: _Output, max_shard_size: int) -> None:
     output.rank_dirs = rank_dirs(write_dir, len(plan.dests))
     for d in output.rank_dirs:
         with writing(target.out, write_dir):
+            if d != write_dir and d.is_symlink():  # a link named like a rank directory: replaced, never written through
+                d.unlink()
             d.mkdir(parents=True, exist_ok=True)
     for d, shards in zip(output.rank_dirs, shard_plans):
         output.writers.append(ShardedWriter(d, shards, display_dir=target.out / d.relative_to(write_dir)))
@@ -207,24 +214,28 @@ def _finalize(plan: Plan, output: _Output, argv: tuple[str, ...] | None, stats: 
     assert write_dir is not None
     cfg = output_config(plan)
     tensors: dict[str, Any] = {}
+    files: dict[str, FileRecord] = {}  # every file but shards and manifest: what a later --overwrite may delete
     for r, (d, w) in enumerate(zip(rank_dirs, output.writers)):
         written = w.finish()
-        with writing(target.out, write_dir):
-            atomic_write_json(d / CONFIG_NAME, cfg)
-            for f in plan.ckpt.extra_files:
-                shutil.copyfile(f, d / f.name)
         prefix = "" if len(output.writers) == 1 else f"{rank_dir_name(r)}/"
+        assert w.index_record is not None
+        files[prefix + INDEX_NAME] = w.index_record
+        with writing(target.out, write_dir):
+            files[prefix + CONFIG_NAME] = atomic_write_json(d / CONFIG_NAME, cfg)
+            for f in plan.ckpt.extra_files:  # regular source files within a size bound; never written through a link
+                files[prefix + f.name] = copy_side_file(f, d / f.name)
         for name, entry in tensor_table(written, prefix).items():
             tensors[prefix + name if prefix else name] = entry
+    with writing(target.out, write_dir):
+        if len(rank_dirs) > 1:
+            files[CONFIG_NAME] = atomic_write_json(write_dir / CONFIG_NAME, cfg)
     fp8 = stats.fp8_tiles.to_json() if plan.weight_format == WeightFormat.FP8_BLOCK else None
-    manifest = build_manifest(plan, tensors, rank_dirs, list(argv) if argv is not None else None, fp8)
+    manifest = build_manifest(plan, tensors, rank_dirs, list(argv) if argv is not None else None, fp8, files)
     note = served_backends_note(manifest)
     if note:
         target.notes.append(note)
     with deferred_signals():  # a signal waits for the commit, then stops nothing (interrupt.output_complete)
         with writing(target.out, write_dir):
-            if len(rank_dirs) > 1:
-                atomic_write_json(write_dir / CONFIG_NAME, cfg)
             write_manifest(write_dir, manifest)
         target.commit()
     target.notes.extend(run_notes(plan))

@@ -10,7 +10,9 @@ from typing import Any, Iterable
 
 from mxconv.families.base import MoELayerRef
 from mxconv.families.gpt_oss_output import FORMAT_KEY
-from mxconv.output.engine_quant_config import attach
+from mxconv.layouts import get_layout
+from mxconv.output.engine_quant_config import VLLM_LOAD_FORMAT, VLLM_QUANT_METHOD, attach
+from mxconv.output.files import FileRecord
 from mxconv.output.manifest import base_manifest
 from mxconv.run.linear_config import with_linears
 from mxconv.run.linears import manifest_extras
@@ -42,14 +44,19 @@ def output_config(plan: Plan) -> dict[str, Any]:
             "tp_size": plan.repack.tp,
             "manifest": "mxconv.json",
         }
-        # Kernel-layout experts are for engine integrations (mxconv.engines.loader), never for from_pretrained:
-        # with a quant_method a loader knows, transformers finds none of its expert tensors and leaves the
-        # experts randomly initialised. quant_method null makes transformers and vLLM refuse the directory.
+        # Kernel-layout experts are for engine integrations (mxconv's vLLM plugin, mxconv.engines.loader),
+        # never for from_pretrained. quant_method "mxconv": vLLM without the plugin stops ("Unknown
+        # quantization method: mxconv"), with it loads the output (load_format mxconv). transformers
+        # does not know it either (docs/vllm-plugin.md: what it does then).
+        vllm_backends = getattr(get_layout(plan.repack.backend), "vllm_backends", {}).get(plan.repack.activation, ())
         cfg["quantization_config"] = {
-            "quant_method": None,
+            "quant_method": VLLM_QUANT_METHOD,
             FORMAT_KEY: "kernel-layout",  # the key gpt-oss MXFP8 outputs use too
-            "mxconv_note": (f"MoE experts in the {plan.repack.backend} kernel layout (mxconv.json); load them with "
-                            "mxconv.engines.loader or an engine integration, not with from_pretrained"),
+            "mxconv_backend": plan.repack.backend,
+            "mxconv_vllm_moe_backend": vllm_backends[0] if vllm_backends else None,
+            "mxconv_note": (f"MoE experts in the {plan.repack.backend} kernel layout (mxconv.json): serve with vLLM and "
+                            f"mxconv's plugin (pip install 'mxconv[vllm]'; --load-format {VLLM_LOAD_FORMAT}), or load "
+                            "them with mxconv.engines.loader; not with from_pretrained"),
             "mxconv_expert_quantization_config": cfg.get("quantization_config"),
         }
     return cfg
@@ -155,10 +162,12 @@ def fp8_block_numerics(source_format: str, source_scale_scheme: str | None, src_
 
 
 def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], argv: list[str] | None,
-                   fp8_tiles: dict[str, Any] | None = None) -> dict[str, Any]:
+                   fp8_tiles: dict[str, Any] | None = None, files: dict[str, FileRecord] | None = None) -> dict[str, Any]:
     """The manifest of ``plan``'s output: ``tensors`` (the written tensor table), the engines'
-    quant_config and served backends, and ``output_files``: the top-level names this run wrote (a
-    later --overwrite removes exactly these, and nothing else)."""
+    quant_config and served backends, ``output_files``: the top-level names this run wrote, and
+    ``output_file_hashes``: size and sha256 of each file it wrote but the shards (which ``tensors``
+    covers) and the manifest, by path (``files``). A later --overwrite deletes such a file only while
+    it still has the recorded size and sha256 (mxconv.output.ownership)."""
     numerics, from_mx_untouched = numerics_of(plan)
     repack = plan.repack
     manifest = base_manifest(
@@ -185,16 +194,19 @@ def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], a
         manifest["output_files"] = sorted({CONFIG_NAME, *(d.name for d in rank_dirs)})
     else:
         manifest["output_files"] = sorted({CONFIG_NAME, INDEX_NAME, *(f.name for f in plan.ckpt.extra_files)})
+    if files is not None:
+        manifest["output_file_hashes"] = {name: files[name].to_json() for name in sorted(files)}
     return manifest
 
 
 def served_backends_note(manifest: dict[str, Any]) -> str | None:
-    """A kernel-layout output that no vLLM MXFP4 MoE backend holds as it is: the note that says so."""
+    """A kernel-layout output that no vLLM MoE backend of its format holds as it is: the note that says so."""
     if manifest["kind"] != "kernel" or manifest["served_vllm_backends"]:
         return None
     quant_config = manifest["quant_config"]
     why = "; ".join(f"{b}: {r}" for b, r in quant_config["not_served"].items())
-    return (f"note: no vLLM {quant_config['engine_version']} MXFP4 MoE backend holds these bytes as they are"
+    fmt = str(manifest["weight_format"]).upper()  # MXFP4, MXFP8 (Fp8MoeBackend) or INT4 (WNA16MoEBackend)
+    return (f"note: no vLLM {quant_config['engine_version']} {fmt} MoE backend holds these bytes as they are"
             + (f" ({why})" if why else f" ({manifest['weight_format']} experts)")
             + "; mxconv.engines.loader and its kernels read them, and the manifest's quant_config describes them")
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo, MoELayerRef
+from mxconv.families.config_values import check_config_values
 from mxconv.families.quant_config import FLOAT_DTYPES
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import Layout
@@ -352,6 +353,7 @@ def build_plan(ckpt: Checkpoint, reader: FamilyReader, quant: QuantOptions, repa
     """Plan a quantize (``repack`` None) or repack run of ``ckpt`` from headers only."""
     _check_request(ckpt, quant, repack)
     info = reader.model_info()
+    check_config_values(ckpt, info)
     _check_sizes(ckpt, info)
     refs = _select_layers(reader, quant)
     fp8_warnings = []

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
-from mxconv.source.file_names import CONFIG_NAME, IN_PROGRESS, INDEX_NAME, MANIFEST_NAME
+from mxconv.source.file_names import CONFIG_NAME, IN_PROGRESS, INDEX_NAME, MANIFEST_NAME, plain_name
 from mxconv.source.manifest import load_manifest, missing_manifest_message
-from mxconv.source.st_format import TensorInfo, loads_unique, read_header, read_tensor
+from mxconv.source.json_files import read_json
+from mxconv.source.side_files import side_file_size
+from mxconv.source.st_format import TensorInfo, read_header, read_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -120,23 +121,6 @@ def _copied_along(name: str) -> bool:
     return any(fnmatch.fnmatch(name, pat) for pat in HUB_SMALL_FILES)
 
 
-def _load_json(path: Path, what: str, *, unique_keys: bool = False) -> Any:
-    """Parse ``path`` (BadInput naming it when missing or malformed); ``unique_keys`` also refuses a
-    key repeated within one object (index and manifest: a repeated tensor name is ambiguous)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BadInput(f"{path}: {what} is missing") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInput(f"{path}: cannot read {what} ({getattr(exc, 'strerror', None) or exc})") from None
-    if unique_keys:
-        return loads_unique(text, str(path), f"malformed {what}")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadInput(f"{path}: malformed {what} (invalid JSON: {exc})") from None
-
-
 def _fingerprint(root: Path, files: list[Path]) -> str:
     """sha256 over (name, size, mtime_ns) of the files: cheap identity of a local checkpoint."""
     h = hashlib.sha256()
@@ -148,15 +132,23 @@ def _fingerprint(root: Path, files: list[Path]) -> str:
 
 def resolve_source(source: str, revision: str | None = None) -> tuple[Path, SourceInfo]:
     """Local directory or Hugging Face repo id -> (local directory, SourceInfo)."""
+    if check_source_name(source):
+        root = Path(source).expanduser().resolve()
+        return root, SourceInfo(path=str(root), revision=revision)
+    return _fetch_from_hub(source, revision)
+
+
+def check_source_name(source: str) -> bool:
+    """True for a local directory, False for a Hugging Face repo id; BadInput for anything else (a file,
+    a missing path that is no repo id). No file is read and nothing is fetched: commands call it first."""
     p = Path(source).expanduser()
     if p.exists():
         if not p.is_dir():
             raise BadInput(f"{source}: not a directory (expected a checkpoint directory or a repo id)")
-        root = p.resolve()
-        return root, SourceInfo(path=str(root), revision=revision)
+        return True
     if not _REPO_ID.match(source):
         raise BadInput(f"{source}: no such directory, and not a Hugging Face repo id (org/name)")
-    return _fetch_from_hub(source, revision)
+    return False
 
 
 def _fetch_from_hub(repo_id: str, revision: str | None) -> tuple[Path, SourceInfo]:
@@ -169,8 +161,7 @@ def _fetch_from_hub(repo_id: str, revision: str | None) -> tuple[Path, SourceInf
         small = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_SMALL_FILES))
         index = small / INDEX_NAME
         if index.exists():
-            wm = _load_json(index, "index").get("weight_map", {})
-            shards = sorted(set(wm.values())) if isinstance(wm, dict) else []
+            shards = _shard_names(index, read_json(index, "index"))
         else:
             shards = ["*.safetensors"]
         root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_SMALL_FILES + shards))
@@ -183,23 +174,27 @@ def _fetch_from_hub(repo_id: str, revision: str | None) -> tuple[Path, SourceInf
     return root, info
 
 
+def _shard_names(index_path: Path, index: Any) -> list[str]:
+    """The shard files an index's ``weight_map`` names, each a plain file name of its directory
+    (BadInput naming the index otherwise: a name with a directory part, '..' or an absolute path
+    would read a file outside the checkpoint)."""
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise BadInput(f"{index_path}: malformed index (no 'weight_map' object of tensor -> file)")
+    return [plain_name(s, f"{index_path}: weight_map") for s in sorted(set(wm.values()))]
+
+
 def _indexed_tensors(index_path: Path) -> tuple[dict[str, TensorInfo], list[Path]]:
     """The tensors of an indexed checkpoint, every shard header validated, and the index's
     ``weight_map`` checked against the shards both ways: each mapped tensor is in its shard, and
     each tensor of a shard is mapped to that shard (a tensor the map does not name would be dropped
     silently by every loader; one mapped elsewhere is a duplicate)."""
     root = index_path.parent
-    index = _load_json(index_path, "index", unique_keys=True)
-    wm = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-        raise BadInput(f"{index_path}: malformed index (no 'weight_map' object of tensor -> file)")
-    shard_names = sorted(set(wm.values()))
-    for s in shard_names:
-        if not s or "/" in s or "\\" in s or s.startswith("."):
-            raise BadInput(f"{index_path}: shard name {s!r} is not a plain file name")
-    shard_files = [root / s for s in shard_names]
+    index = read_json(index_path, "index")
+    shard_files = [root / s for s in _shard_names(index_path, index)]
+    wm = index["weight_map"]
     for f in shard_files:
-        if not f.is_file():
+        if not f.exists():
             raise BadInput(f"{index_path}: names shard {f.name!r}, which does not exist")
     headers = {f.name: read_header(f)[0] for f in shard_files}
     tensors: dict[str, TensorInfo] = {}
@@ -221,7 +216,7 @@ def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoi
     root, sinfo = resolve_source(str(source), revision)
     if (root / IN_PROGRESS).exists() and not (root / MANIFEST_NAME).exists():
         raise BadInput(missing_manifest_message(root))  # an output being written, or an interrupted run
-    config = _load_json(root / CONFIG_NAME, "config.json")
+    config = read_json(root / CONFIG_NAME, "config.json")
     if not isinstance(config, dict):
         raise BadInput(f"{root / CONFIG_NAME}: malformed config.json (not a JSON object)")
     index_path = root / INDEX_NAME
@@ -240,7 +235,8 @@ def open_checkpoint(source: str | Path, revision: str | None = None) -> Checkpoi
     manifest = None
     if (root / MANIFEST_NAME).exists():
         manifest = load_manifest(root)
-    extra = [f for f in sorted(root.iterdir()) if f.is_file() and _copied_along(f.name)]
+    # copied into the output: regular files within a size bound only (a FIFO or a device is refused here)
+    extra = [f for f in sorted(root.iterdir()) if _copied_along(f.name) and side_file_size(f) is not None]
     if not sinfo.fingerprint:
         sinfo.fingerprint = _fingerprint(root, shard_files + [root / CONFIG_NAME])
     return Checkpoint(

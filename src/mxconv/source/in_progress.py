@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 
 from mxconv.source.file_names import IN_PROGRESS
 
 _MARKER_PID = re.compile(r"\(pid (\d+)\)")
+_MARKER_LIMIT = 4096  # a marker is one line
 
 
 def marker_text(pid: int) -> str:
@@ -22,17 +24,29 @@ def marker_text(pid: int) -> str:
     return f"an mxconv run (pid {pid}) is writing this directory; it is incomplete until mxconv.json exists\n"
 
 
-def marker_pid(marker: Path) -> int | None:
-    """The pid a marker file names, None when it names none (OSError when it cannot be read)."""
-    m = _MARKER_PID.search(marker.read_text(errors="replace"))
+def pid_in(text: str) -> int | None:
+    """The pid that marker text (:func:`marker_text`) names, None when it names none."""
+    m = _MARKER_PID.search(text)
     return int(m.group(1)) if m else None
+
+
+def marker_pid(marker: Path) -> int | None:
+    """The pid a marker file names, None when it names none or is no regular file (mxconv writes
+    neither a link nor a FIFO there); OSError when it cannot be read. Reads at most 4 kB."""
+    fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return pid_in(os.read(fd, _MARKER_LIMIT).decode(errors="replace"))
+    finally:
+        os.close(fd)
 
 
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` exists (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: a number no pid can be
         return False
     except PermissionError:
         return True
@@ -44,7 +58,7 @@ def live_writer(directory: Path) -> int | None:
     in-progress marker names a live process), else None."""
     marker = directory / IN_PROGRESS
     try:
-        pid = marker_pid(marker) if marker.is_file() else None
+        pid = marker_pid(marker)
     except OSError:
         return None
     return pid if pid is not None and pid != os.getpid() and process_alive(pid) else None

@@ -15,10 +15,13 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from mxconv.errors import BadInput, Unsupported
-from mxconv.source.file_names import CONFIG_NAME, IN_PROGRESS, MANIFEST_NAME, RANK_DIR
+from mxconv.errors import BadInput, OutputDamaged, Unsupported
+from mxconv.source.file_names import (
+    CONFIG_NAME, IN_PROGRESS, MANIFEST_NAME, PLAIN_RULE, RANK_DIR, is_plain_name, manifest_file_problem,
+)
 from mxconv.source.in_progress import live_writer
-from mxconv.source.st_format import loads_unique
+from mxconv.source.json_files import read_json
+from mxconv.source.st_format import TensorInfo
 
 FORMAT_VERSION = 1  # the newest manifest format this mxconv reads (and the one it writes)
 REQUIRED_KEYS = (
@@ -186,6 +189,8 @@ _LINEARS = _obj(
      "left_alone": _map(STR)},
     {"scale_rounding": _nullable(STR)},
 )
+# output_file_hashes (mxconv.output.files.FileRecord): each file but shards and manifest, by path
+_FILE_RECORD = _obj({"size": NONNEG, "sha256": NONEMPTY})
 SCHEMA: Check = _obj(
     {
         "format_version": POSITIVE,
@@ -205,8 +210,8 @@ SCHEMA: Check = _obj(
         "layers": _list(_LAYER),
         "tensors": _map(_TENSOR),
     },
-    {"numerics": _map(ANY), "output_files": _list(STR), "source_bytes_by_role": _map(NONNEG), "linears": _LINEARS,
-     "fp8_tiles": _map(ANY)},
+    {"numerics": _map(ANY), "output_files": _list(STR), "output_file_hashes": _map(_FILE_RECORD),
+     "source_bytes_by_role": _map(NONNEG), "linears": _LINEARS, "fp8_tiles": _map(ANY)},
 )
 
 
@@ -234,6 +239,13 @@ def _consistency(m: dict[str, Any]) -> None:
         raise _Invalid("model.top_k", f"{model['top_k']} is more than num_experts={model['num_experts']}")
     if not m["layers"]:
         raise _Invalid("layers", "is empty, but every mxconv output converts at least one MoE layer")
+    for key, entry in m["tensors"].items():
+        problem = manifest_file_problem(key, entry["file"], m["tp_size"])
+        if problem:
+            raise _Invalid(f"tensors.{key}.file", problem)
+    for i, name in enumerate(m.get("output_files", [])):
+        if not is_plain_name(name):
+            raise _Invalid(f"output_files[{i}]", f"is {name!r}, not {PLAIN_RULE}")
     seen: set[int] = set()
     for i, layer in enumerate(m["layers"]):
         if layer["layer"] in seen:
@@ -245,21 +257,34 @@ def _consistency(m: dict[str, Any]) -> None:
 
 def validate_manifest(m: Any, path: Path | str) -> dict[str, Any]:
     """Check a parsed ``mxconv.json`` against :data:`SCHEMA` (types, required keys, enums) and the
-    rules between fields; BadInput ``"{path}: malformed manifest: field 'a.b' ..."`` naming the
-    first field that breaks one."""
+    rules between fields, file names included (each a plain name inside the output, see
+    :func:`~mxconv.source.file_names.manifest_file_problem`); OutputDamaged
+    ``"{path}: malformed manifest: field 'a.b' ..."`` naming the first field that breaks one."""
     if not isinstance(m, dict):
-        raise BadInput(f"{path}: malformed manifest (not a JSON object)")
+        raise OutputDamaged(f"{path}: malformed manifest (not a JSON object)")
     missing = [k for k in REQUIRED_KEYS if k not in m]
     if missing:
-        raise BadInput(f"{path}: manifest lacks required keys {missing}")
+        raise OutputDamaged(f"{path}: manifest lacks required keys {missing}")
     if _is_int(m["format_version"]) and m["format_version"] > FORMAT_VERSION:
         raise Unsupported(f"{path}: manifest format_version {m['format_version']} is newer than this mxconv understands")
     try:
         SCHEMA(m, "")
         _consistency(m)
     except _Invalid as exc:
-        raise BadInput(f"{path}: malformed manifest: field {exc.field!r} {exc.why}") from None
+        raise OutputDamaged(f"{path}: malformed manifest: field {exc.field!r} {exc.why}") from None
     return m
+
+
+def complete_output_dir(path: str | Path) -> Path:
+    """The directory of the complete mxconv output at ``path`` (resolved), or BadInput: no such directory,
+    or one without ``mxconv.json`` (not an output, still being written, or left by an interrupted run).
+    Reads no weights and imports no torch: commands call it before their heavy imports."""
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise BadInput(f"{path}: no such directory")
+    if not (root / MANIFEST_NAME).exists():
+        raise BadInput(missing_manifest_message(root))
+    return root
 
 
 def missing_manifest_message(root: Path) -> str:
@@ -275,8 +300,8 @@ def missing_manifest_message(root: Path) -> str:
             f"pass the output directory {root.parent} (its {MANIFEST_NAME} describes every rank)"
         )
     try:
-        cfg = json.loads((root / CONFIG_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        cfg = read_json(root / CONFIG_NAME, CONFIG_NAME)
+    except BadInput:
         cfg = None
     if isinstance(cfg, dict) and isinstance(cfg.get("mxconv_layout"), dict):
         return (
@@ -292,7 +317,33 @@ def load_manifest(root: Path) -> dict[str, Any]:
     if not path.exists():
         raise BadInput(missing_manifest_message(root))
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInput(f"{path}: malformed manifest ({exc})") from None
-    return validate_manifest(loads_unique(text, str(path), "malformed manifest"), path)
+        doc = read_json(path, "the manifest", "malformed manifest")
+    except BadInput as exc:
+        raise OutputDamaged(str(exc)) from None
+    return validate_manifest(doc, path)
+
+
+def tensor_file(root: Path, manifest: dict[str, Any], key: str) -> Path:
+    """The file the manifest of the output at ``root`` names for tensor entry ``key``, inside ``root``
+    (OutputDamaged where the name leaves it: :func:`~mxconv.source.file_names.manifest_file_problem`;
+    :func:`validate_manifest` refuses such a manifest already, this guards one built elsewhere)."""
+    entry = manifest["tensors"][key]
+    problem = manifest_file_problem(key, entry.get("file"), int(manifest.get("tp_size") or 1))
+    if problem:
+        raise OutputDamaged(f"{root / MANIFEST_NAME}: tensor {key!r}: file {problem}")
+    return root / entry["file"]
+
+
+def stored_problem(root: Path, manifest: dict[str, Any], key: str, info: TensorInfo | None) -> str | None:
+    """What the files of the output at ``root`` contradict of manifest entry ``key``, given ``info``,
+    where its tensor was found (None: not found); None when they agree. The one check of where a
+    tensor is, and of its shape and dtype, that ``verify`` (which finds tensors through the index)
+    and the loader (through the file the manifest names) share."""
+    entry = manifest["tensors"][key]
+    if info is None:
+        return f"{key}: listed in the manifest but missing from the checkpoint"
+    if info.file != tensor_file(root, manifest, key):
+        return f"{key}: stored in {info.file.relative_to(root).as_posix()}, manifest says {entry['file']}"
+    if list(info.shape) != entry.get("shape") or info.dtype != entry.get("dtype"):
+        return f"{key}: {info.dtype}{list(info.shape)} on disk, manifest says {entry.get('dtype')}{entry.get('shape')}"
+    return None

@@ -29,15 +29,14 @@ tables are keyed by safetensors name, and the torch ones (``ST_DTYPES``, ``TORCH
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
+from mxconv.source.json_files import loads_strict, open_regular
 
 if TYPE_CHECKING:
     import torch
@@ -123,34 +122,6 @@ def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return (bits + 7) // 8
 
 
-class _DuplicateKey(ValueError):
-    """A JSON object holds the same key twice (raised from :func:`loads_unique`'s hook)."""
-
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
-def loads_unique(text: str | bytes, where: str, problem: str) -> Any:
-    """``json.loads`` that refuses duplicate keys (which plain ``json`` silently resolves to the last
-    one): BadInput ``"{where}: {problem} (...)"`` for invalid JSON or a repeated key."""
-    try:
-        return json.loads(text, object_pairs_hook=_unique_pairs)
-    except _DuplicateKey as exc:
-        raise BadInput(f"{where}: {problem} (key {exc.key!r} appears twice in one object)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInput(f"{where}: {problem} (invalid JSON: {exc})") from None
-
-
 def _is_int(v: Any) -> bool:
     """A JSON integer (``True``/``False`` are Python ints, but not safetensors sizes)."""
     return isinstance(v, int) and not isinstance(v, bool)
@@ -221,8 +192,11 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """
     path = Path(path)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        f, size = open_regular(path, "the safetensors file")
+    except FileNotFoundError:
+        raise BadInput(f"{path}: cannot read (No such file or directory)") from None
+    try:
+        with f:
             head = f.read(8)
             if len(head) < 8:
                 raise BadInput(f"{path}: not a safetensors file (only {len(head)} bytes; truncated?)")
@@ -234,7 +208,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             raw = f.read(n)
     except OSError as exc:
         raise BadInput(f"{path}: cannot read ({exc.strerror or exc})") from None
-    header = loads_unique(raw, str(path), "corrupt safetensors header")
+    header = loads_strict(raw, str(path), "corrupt safetensors header", document=False)
     if not isinstance(header, dict):
         raise BadInput(f"{path}: corrupt safetensors header (not a JSON object)")
     data_start = 8 + n

@@ -27,12 +27,12 @@ import torch
 from mxconv.engines.runner import KERNEL_THRESHOLDS
 from mxconv.environment import KernelLocations
 from mxconv.source.checkpoint import open_checkpoint
-from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name, rank_dirs
+from mxconv.source.file_names import rank_dir_name, rank_dirs
 from mxconv.errors import BadInput, Unsupported
 from mxconv.interrupt import next_step
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names
-from mxconv.source.manifest import load_manifest, missing_manifest_message
+from mxconv.source.manifest import complete_output_dir, load_manifest
 from mxconv.verify.hashing import TensorHashes
 from mxconv.verify.integrity import check_integrity, check_manifest_claims, model_info_of
 from mxconv.verify.layout import recover_layer, reference_layer
@@ -222,12 +222,7 @@ def _output_dir(path: str | Path, tokens: int, reference: str | None, reference_
         raise BadInput("give either --reference or --reference-outputs, not both")
     if save_reference and not reference:
         raise BadInput("--save-reference needs --reference (the outputs saved are the reference's)")
-    root = Path(path).expanduser().resolve()
-    if not root.is_dir():
-        raise BadInput(f"{path}: no such directory")
-    if not (root / MANIFEST_NAME).exists():
-        raise BadInput(missing_manifest_message(root))
-    return root
+    return complete_output_dir(path)
 
 
 def _open_run(root: Path, manifest: dict, reference: str | None, reference_outputs: str | None, save_reference: str | None,

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from mxconv.source.checkpoint import Checkpoint, layer_index
-from mxconv.source.file_names import rank_dir_name
+from mxconv.source.file_names import WEIGHT_FILE, rank_dir_name
+from mxconv.source.manifest import stored_problem
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.layouts import get_layout
@@ -30,27 +30,14 @@ def check_integrity(root: Path, manifest: dict[str, Any],
     seen: set[str] = set()
     for key, entry in manifest["tensors"].items():
         rank, name = 0, key
-        if tp > 1:
+        if tp > 1:  # "rank-R/<name>", R < tp: load_manifest checked the key with the file name
             prefix, _, name = key.partition("/")
-            try:
-                rank = int(prefix.removeprefix("rank-"))
-                if not 0 <= rank < tp:
-                    raise ValueError
-            except ValueError:
-                problems.setdefault(None, []).append(f"{key}: manifest names no valid rank directory (rank-0 .. rank-{tp - 1})")
-                continue
+            rank = int(prefix.removeprefix("rank-"))
         ckpt = ckpts[rank]
         seen.add(key)
-        where = problems.setdefault(layer_index(name), [])
-        info = ckpt.tensors.get(name)
-        if info is None:
-            where.append(f"{key}: listed in the manifest but missing from the checkpoint")
-            continue
-        rel = info.file.relative_to(root).as_posix()
-        if rel != entry["file"]:
-            where.append(f"{key}: stored in {rel}, manifest says {entry['file']}")
-        if list(info.shape) != list(entry["shape"]) or info.dtype != entry["dtype"]:
-            where.append(f"{key}: {info.dtype}{list(info.shape)} on disk, manifest says {entry['dtype']}{entry['shape']}")
+        problem = stored_problem(root, manifest, key, ckpt.tensors.get(name))
+        if problem:
+            problems.setdefault(layer_index(name), []).append(problem)
             continue
         expected.append(Expected(key, ckpt, name, entry["sha256"]))
     for r, ckpt in enumerate(ckpts):
@@ -64,9 +51,6 @@ def check_integrity(root: Path, manifest: dict[str, Any],
     return problems, expected
 
 
-_WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|gguf)$")
-
-
 def stray_weight_files(root: Path, directory: Path, shard_files: list[Path]) -> list[str]:
     """Weight files in ``directory`` that are not its indexed ``shard_files``: a loader may read one
     instead of the indexed shards (transformers takes ``model.safetensors`` first), so they fail
@@ -76,7 +60,7 @@ def stray_weight_files(root: Path, directory: Path, shard_files: list[Path]) -> 
         f"{f.relative_to(root).as_posix()}: a weight file the output's index does not name (a loader such as "
         "transformers may read it instead of the indexed shards); remove it"
         for f in sorted(directory.iterdir())
-        if f.is_file() and _WEIGHT_FILE.search(f.name) and f.name not in shards
+        if f.is_file() and WEIGHT_FILE.search(f.name) and f.name not in shards
     ]
 
 

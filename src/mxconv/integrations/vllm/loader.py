@@ -1,0 +1,128 @@
+"""vLLM load format ``mxconv``: vLLM's default loader for every non-expert tensor of an mxconv
+kernel-layout output, and the expert tensors read from the files the manifest names straight into the
+MoE layers' parameters, after the checks of :mod:`.checks` (docs/vllm-plugin.md).
+
+Imports vLLM: only :func:`mxconv.integrations.vllm.register` imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import torch
+import vllm
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from mxconv.engines.loader import LayerSource, layer_infos, read_layer_tensors, resolve_layer
+from mxconv.errors import BadInput
+import mxconv.integrations.vllm.checks as checks
+from mxconv.integrations.vllm.mappings import BackendMapping
+from mxconv.integrations.vllm.quant import MxconvMoEMethod
+from mxconv.source.file_names import MANIFEST_NAME
+from mxconv.source.manifest import load_manifest
+from mxconv.source.st_format import torch_dtype
+
+EXTRA_KEYS = ("check_hashes",)  # model_loader_extra_config keys this loader takes (the rest go to vLLM's)
+
+
+def expert_names(manifest: dict[str, Any]) -> set[str]:
+    """Checkpoint names of the output's expert tensors (the loader reads them itself)."""
+    out = set()
+    for key, entry in manifest.get("tensors", {}).items():
+        if entry.get("role") == "expert":
+            out.add(key.split("/", 1)[1] if key.startswith("rank-") else key)
+    return out
+
+
+def moe_modules(model: torch.nn.Module, manifest: dict[str, Any], root: Path) -> dict[int, torch.nn.Module]:
+    """{manifest layer: vLLM MoE module with mxconv's method}; BadInput unless they pair one to one."""
+    prefixes = {int(l["layer"]): str(l["module_prefix"]) + ".experts" for l in manifest.get("layers", [])}
+    found: dict[int, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        if not isinstance(getattr(module, "quant_method", None), MxconvMoEMethod):
+            continue
+        hits = [L for L, p in prefixes.items() if name == p or name.startswith(p + ".")]
+        if len(hits) != 1 or hits[0] in found:
+            raise BadInput(f"{root}: vLLM's MoE layer {name} matches no single MoE layer of {MANIFEST_NAME}")
+        found[hits[0]] = module
+    missing = sorted(set(prefixes) - set(found))
+    if missing:
+        raise BadInput(f"{root}: {MANIFEST_NAME} lists MoE layers {missing} that vLLM's model does not have")
+    return found
+
+
+class MxconvModelLoader(DefaultModelLoader):
+    """``load_format="mxconv"``. ``model_loader_extra_config={"check_hashes": True}`` also compares each
+    expert tensor's sha256 with the manifest's as it is read; sizes and dtypes are always checked."""
+
+    def __init__(self, load_config: Any) -> None:
+        extra = dict(load_config.model_loader_extra_config or {})
+        self.check_hashes = extra.pop("check_hashes", False)
+        if not isinstance(self.check_hashes, bool):
+            raise BadInput(f"model_loader_extra_config check_hashes must be true or false, got {self.check_hashes!r}")
+        # vLLM's default loader reads the non-expert tensors as the safetensors load format does
+        super().__init__(dataclasses.replace(load_config, load_format="safetensors", model_loader_extra_config=extra))
+        self._skip: set[str] = set()
+
+    def get_all_weights(self, model_config: Any, model: torch.nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """vLLM's weights iterator over the output's files, less the expert tensors (read by this loader)."""
+        for name, tensor in super().get_all_weights(model_config, model):
+            if name not in self._skip:
+                yield name, tensor
+
+    def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+        root = Path(str(model_config.model)).expanduser().resolve()
+        if not (root / MANIFEST_NAME).is_file():
+            raise BadInput(f"{root}: no {MANIFEST_NAME}, so not an mxconv kernel-layout output: load_format "
+                           f"'mxconv' reads only those (mxconv repack); load this checkpoint without it")  # fmt: skip
+        manifest = load_manifest(root)
+        mapping = checks.check_model(manifest, getattr(model_config.hf_config, "model_type", None), root)
+        checks.check_version(manifest, vllm.__version__, root)
+        tp = get_tensor_model_parallel_world_size()
+        checks.check_tp(manifest, tp, root)
+        checks.check_dtype(manifest, str(model_config.dtype), root)
+        modules = moe_modules(model, manifest, root)
+        rank = get_tensor_model_parallel_rank()
+        planned = {}
+        for layer, module in sorted(modules.items()):
+            checks.check_backend(manifest, module.quant_method.mxfp4_backend.value, root)
+            src = resolve_layer(root, layer, rank=rank if tp > 1 else None, manifest=manifest, need_runner=False)
+            self._check_layer(src, module, mapping, root)
+            planned[layer] = (src, module)
+        self._skip = expert_names(manifest)
+        super().load_weights(model, model_config)  # every other tensor, vLLM's way
+        for layer, (src, module) in planned.items():
+            self._fill(src, module, mapping)
+
+    def _check_layer(self, src: LayerSource, module: torch.nn.Module, mapping: BackendMapping, root: Path) -> None:
+        """Every path inside the output; each stored tensor of the shape and dtype vLLM's parameter has."""
+        for key, f in src.files.items():
+            checks.inside(root, str(f.relative_to(root)) if f.is_relative_to(root) else str(f))
+        infos = layer_infos(src)
+        for key, info in infos.items():
+            param = getattr(module, key, None)
+            if param is None:
+                raise BadInput(f"{root}: layer {src.layer} stores {key}, which vLLM's MoE layer does not have")
+            want_dtype = torch_dtype(info.dtype) if key in mapping.kept_aside else param.dtype
+            checks.check_param(root, src.layer, key, (tuple(param.shape), str(want_dtype)),
+                               (tuple(info.shape), str(torch_dtype(info.dtype))), src.manifest)  # fmt: skip
+        absent = [k for k in mapping.into_params if k not in infos]
+        if absent:
+            raise BadInput(f"{root}: layer {src.layer} stores no {', '.join(absent)}")
+
+    def _fill(self, src: LayerSource, module: torch.nn.Module, mapping: BackendMapping) -> None:
+        """Read the layer's stored tensors and copy them into vLLM's parameters (kept-aside ones held
+        for the conversion step, which returns them)."""
+        method: MxconvMoEMethod = module.quant_method
+        param = getattr(module, mapping.into_params[0])
+        tensors = read_layer_tensors(src, param.device, check_hashes=self.check_hashes)
+        with torch.no_grad():
+            for key in mapping.into_params:
+                getattr(module, key).data.copy_(tensors[key])
+        method.mxconv_aside = {k: tensors[k] for k in mapping.kept_aside if k in tensors}
+        method.mxconv_mapping = mapping
+        method.mxconv_src = src  # where the layer came from (refit converts the same way)
