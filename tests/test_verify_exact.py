@@ -63,7 +63,8 @@ def test_undamaged_outputs_are_the_reference_byte_for_byte(ws: dict[str, Path], 
     code, rep, err = _verify(ws[out], "--reference", ws[ref])
     assert code == 0, err
     assert rep["verdict"] == f"PASS (integrity, layout, bytes and numerics vs {ws[ref]})"
-    assert rep["scope"]["checked"] == ["integrity", "layout", "bytes", "numerics"] and rep["scope"]["bytes_against"] == str(ws[ref])
+    assert rep["scope"]["checked"] == ["integrity", "layout", "bytes", "numerics"]
+    assert rep["scope"]["bytes_against"] == str(ws[ref])
     assert all(layer["layout"] == "bit-exact" for layer in rep["layers"])
 
 
@@ -120,7 +121,8 @@ DAMAGE = [
 ]
 
 
-@pytest.mark.parametrize("out, ref, tensor, damage, line", DAMAGE, ids=[f"{d[0]}-{d[2].split('.', 3)[-1]}-{i}" for i, d in enumerate(DAMAGE)])
+@pytest.mark.parametrize("out, ref, tensor, damage, line", DAMAGE,
+                         ids=[f"{d[0]}-{d[2].split('.', 3)[-1]}-{i}" for i, d in enumerate(DAMAGE)])
 def test_rehashed_damage_fails_against_the_float_source(ws: dict[str, Path], tmp_path: Path, out: str, ref: str,
                                                         tensor: str, damage: Callable, line: str) -> None:
     k = copy_checkpoint(ws[out], tmp_path / "k")

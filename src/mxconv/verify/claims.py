@@ -54,7 +54,8 @@ def check_model_claims(manifest: dict[str, Any], info: ModelInfo, ckpts: list[Ch
         problems += _kernel_shapes(manifest, ckpts)
     elif own_reader is not None:
         problems += _converted_formats(manifest, own_reader)
-    if manifest["weight_format"] in ("mxfp4", "mxfp8") and info.expert_format in _QUANTIZED_FROM and not manifest.get("scale_rounding"):
+    quantized = manifest["weight_format"] in ("mxfp4", "mxfp8") and info.expert_format in _QUANTIZED_FROM
+    if quantized and not manifest.get("scale_rounding"):
         problems.append(f"manifest scale_rounding is {manifest.get('scale_rounding')!r}, but MX experts quantized from "
                         f"{info.expert_format} ones (model.expert_format) were rounded by a rule the manifest must name")
     return problems + _quant_config(manifest)
@@ -201,7 +202,8 @@ def _quant_config(manifest: dict[str, Any]) -> list[str]:
         have = stored.get(key) if isinstance(stored.get(key), dict) else {}
         problems += [f"manifest quant_config.{key}.{k} is {have.get(k)!r}, but the manifest's model gives {v!r}"
                      for k, v in want[key].items() if have.get(k) != v]
-        problems += [f"manifest quant_config.{key}.{k}: not a field of the quant config" for k in sorted(set(have) - set(want[key]))]
+        problems += [f"manifest quant_config.{key}.{k}: not a field of the quant config"
+                     for k in sorted(set(have) - set(want[key]))]
     return problems
 
 

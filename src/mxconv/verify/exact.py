@@ -46,7 +46,8 @@ def check_expert_bytes(run: Run, L: int, prefix: str, canon: CanonicalExperts | 
     """The exact check of layer ``L`` (module docstring): ``rep.layout`` becomes "bit-exact" or
     "FAIL"; a layer whose bytes cannot be re-derived is recorded in ``run.bytes_refused``."""
     rcanon = canonical_from_layer(ref_layer)
-    if canon is not None and rcanon is not None and run.weight_format in ("mxfp4", "int4") and rcanon.weight_format == run.weight_format:
+    same = rcanon is not None and run.weight_format in ("mxfp4", "int4") and rcanon.weight_format == run.weight_format
+    if canon is not None and rcanon is not None and same:
         diff = first_difference(canon, rcanon)
         _verdict(rep, None if diff is None else f"{prefix}.experts: recovered canonical bytes differ from the reference: {diff}")
         return
@@ -162,7 +163,8 @@ def _first_rederived_difference(run: Run, L: int, prefix: str, got: Stacks, ref_
             return f"layer {L}: {prefix}.experts: the reference's experts {e0}..{e1 - 1} cannot be converted again: {exc}"
         for key in sorted(set(got) | set(want), key=_canonical_order):
             if key not in got or key not in want:
-                return f"layer {L}: {prefix}.experts {key.split('.')[0]}: present in {'the reference' if key in want else 'the output'} only"
+                side = "the reference" if key in want else "the output"
+                return f"layer {L}: {prefix}.experts {key.split('.')[0]}: present in {side} only"
             have = got[key][e0:e1]
             if tuple(have.shape) != tuple(want[key].shape):
                 return (f"layer {L}: {prefix}.experts {key}: {list(have.shape)} in the output, {list(want[key].shape)} from "
