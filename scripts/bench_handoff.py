@@ -27,6 +27,7 @@ attention) is written, repacked to the ``triton`` layout with ``mxconv repack``,
     PYTHONPATH=src python scripts/bench_handoff.py --small --device cpu --dir /tmp/h --out /tmp/h.json
     ... --reuse --skip memory,verify --read-threads 8,16 --piece-mib 16,8   # the loader, two stagings
     ... --reuse --skip load,memory --verify-runs reference,kernel            # verify only
+    ... --skip load,memory --verify-runs reference --source bf16             # verify's exact path from bf16
 """
 
 from __future__ import annotations
@@ -284,6 +285,9 @@ def main() -> None:
                     help="which verify runs to time (comma list of plain, reference, kernel)")
     ap.add_argument("--bytecode", choices=("write", "as-is"), default="write",
                     help="verify children: write .pyc files (once, before the timing; as an installed torch has them) or keep the environment's setting")
+    ap.add_argument("--source", choices=("mxfp4", "bf16"), default="mxfp4",
+                    help="the source's experts: MXFP4 (repack moves the bytes; verify --reference compares them) or bf16 "
+                         "(repack quantizes them; verify --reference quantizes the reference again, on the GPU, and compares bytes)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the source and output an earlier run left in --dir (e.g. to time another mxconv on them)")
     a = ap.parse_args()
@@ -291,11 +295,11 @@ def main() -> None:
     work = Path(a.dir)
     src, out = work / "src", work / "out"
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                           "layers": a.layers, **shape}  # fmt: skip
+                           "layers": a.layers, "source": a.source, **shape}  # fmt: skip
     if not (a.reuse and (out / "mxconv.json").exists()):
         shutil.rmtree(work, ignore_errors=True)
         t0 = time.perf_counter()
-        generate(src, "repack", V=1024, layers=a.layers, device=device, **shape)
+        generate(src, "repack" if a.source == "mxfp4" else "quantize", V=1024, layers=a.layers, device=device, **shape)
         res["generate_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "mxconv.cli", "repack", str(src), str(out), "--backend", "triton",

@@ -239,9 +239,9 @@ def test_verify_says_what_a_pass_covers_and_strict_demands_numerics(ws: Path, tm
     assert "FAIL --strict: numerics not checked (no --reference or --reference-outputs given); pass --reference SOURCE" in err
     code, out, _ = mx("verify", k, "--strict", "--reference", ws / "gpt-q4", "--layers", "1")
     assert code == 0 and out.strip().splitlines()[-1] == (
-        f"PASS (integrity, layout, numerics vs {ws / 'gpt-q4'}; layout, numerics of layers 1 only)")
+        f"PASS (integrity, layout, bytes and numerics vs {ws / 'gpt-q4'}; layout, bytes, numerics of layers 1 only)")
     code, out, err = mx("verify", k, "--strict", "--reference", ws / "gpt-q4")
-    assert code == 1 and out.strip().splitlines()[-1] == f"FAIL (integrity, layout, numerics vs {ws / 'gpt-q4'})"
+    assert code == 1 and out.strip().splitlines()[-1] == f"FAIL (integrity, layout, bytes and numerics vs {ws / 'gpt-q4'})"
 
 
 def test_verify_help_teaches_strict() -> None:

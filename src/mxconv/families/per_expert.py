@@ -138,21 +138,12 @@ class PerExpertReader(PerExpertPlan, BlockFP8Output, CompressedTensorsOutput, Fa
     # ---- FamilyReader -------------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
         p = self._plan()
-        return ModelInfo(
-            family=self.name,
-            num_layers=p.num_layers,
-            moe_layers=p.layers,
-            num_experts=p.num_experts,
-            top_k=p.top_k,
-            hidden_size=p.hidden_size,
-            intermediate_size=p.intermediate_size,
-            expert_format=p.expert_format,
-            row_order="halves",
-            has_expert_bias=False,
-            activation="silu",
-            source_scale_scheme=p.scale_scheme,
-            **self.routing_fields(),
-        )
+        return ModelInfo(family=self.name, moe_layers=p.layers, expert_format=p.expert_format,
+                         source_scale_scheme=p.scale_scheme, **self.config_claims())
+
+    def config_claims(self) -> dict[str, Any]:
+        return {**self.config_sizes(), "row_order": "halves", "has_expert_bias": False, "activation": "silu",
+                **self.routing_fields()}
 
     def layer_refs(self) -> list[MoELayerRef]:
         if self._refs_cache is not None:

@@ -59,6 +59,16 @@ class PerExpertPlan:
     (``moe_module``, ``proj_names``, ``router_module``), ``ckpt``, the config hooks and helpers."""
 
     # ---- plan ---------------------------------------------------------------------------------
+    def config_sizes(self) -> dict[str, int]:
+        """The model's sizes as config.json gives them (ModelInfo field names), before any header."""
+        return {
+            "num_layers": self.cfg_int("num_hidden_layers"),
+            "num_experts": self.cfg_int("num_local_experts", "num_experts", "n_routed_experts"),
+            "top_k": self.cfg_int("num_experts_per_tok", "experts_per_token"),
+            "hidden_size": self.cfg_int("hidden_size"),
+            "intermediate_size": self.cfg_int("moe_intermediate_size", "intermediate_size"),
+        }
+
     def _scan(self) -> tuple[str, dict[int, set[int]], dict[int, dict[str, str]]]:
         """(root, {layer: expert indices seen}, {layer: {param seen: first tensor name}}) from the names."""
         pat = re.compile(
@@ -153,11 +163,9 @@ class PerExpertPlan:
             return self._plan_cache
         ck = self.ckpt
         scheme = read_quant_scheme(ck, self.title)
-        num_layers = self.cfg_int("num_hidden_layers")
-        E = self.cfg_int("num_local_experts", "num_experts", "n_routed_experts")
-        top_k = self.cfg_int("num_experts_per_tok", "experts_per_token")
-        H = self.cfg_int("hidden_size")
-        I = self.cfg_int("moe_intermediate_size", "intermediate_size")
+        sizes = self.config_sizes()
+        num_layers, E, top_k = sizes["num_layers"], sizes["num_experts"], sizes["top_k"]
+        H, I = sizes["hidden_size"], sizes["intermediate_size"]
         if E == 0 or top_k == 0 or top_k > E:
             raise BadInput(f"{ck.root / 'config.json'}: num_experts_per_tok={top_k} with {E} routed experts")
         root, found, params = self._scan()

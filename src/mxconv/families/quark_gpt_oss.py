@@ -88,9 +88,7 @@ class QuarkGptOssReader(GptOssReader):
             return self._plan_cache
         ck = self.ckpt
         self._scheme()
-        num_layers, E = self._cfg_int("num_hidden_layers"), self._cfg_int("num_local_experts", "num_experts")
-        top_k = self._cfg_int("num_experts_per_tok", "experts_per_token")
-        H, I = self._cfg_int("hidden_size"), self._cfg_int("moe_intermediate_size", "intermediate_size")
+        num_layers, E, top_k, H, I = self._config_sizes()
         if H % 32 or I % 32:
             raise BadInput(f"{ck.root / 'config.json'}: hidden_size {H} / intermediate_size {I} not multiples of 32")
         roots: set[str] = set()

@@ -172,6 +172,15 @@ def to_format(stack: MXStack | None, float_w: torch.Tensor | FP8BlockStack | Int
                           where, stats, device)
 
 
+def source_stack(layer: MoELayer, which: str) -> torch.Tensor | FP8BlockStack | Int4Stack | None:
+    """``layer``'s ``which`` ("w13" | "w2") stack when it is not MX: INT4, block-FP8 or float (None
+    for an MX layer, whose stack is ``{which}_mx``). What :func:`to_format` takes as ``float_w``."""
+    for form in (f"{which}_int4", f"{which}_fp8", which):
+        if getattr(layer, form) is not None:
+            return getattr(layer, form)
+    return None
+
+
 @dataclass
 class RunStats:
     errors: ErrorStats = field(default_factory=ErrorStats)
@@ -194,19 +203,13 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
             return lambda idx: plan.reader.source_location(
                 ref, which, (int(idx[0]) + layer.first_expert, *(int(i) for i in idx[1:])))
 
-        def source(which: str) -> torch.Tensor | FP8BlockStack | Int4Stack | None:
-            for form in (f"{which}_int4", f"{which}_fp8", which):
-                if getattr(layer, form) is not None:
-                    return getattr(layer, form)
-            return None
-
         counted = stats.errors.tensors
         if fmt == WeightFormat.FP8_BLOCK:
             results = [_fp8_block_layer(plan, layer, where, stats, device)]
             stats.compute_seconds += time.perf_counter() - t0
             return results
-        w13 = to_format(layer.w13_mx, source("w13"), fmt, plan.quant, where("w13"), stats.errors, device)
-        w2 = to_format(layer.w2_mx, source("w2"), fmt, plan.quant, where("w2"), stats.errors, device)
+        w13 = to_format(layer.w13_mx, source_stack(layer, "w13"), fmt, plan.quant, where("w13"), stats.errors, device)
+        w2 = to_format(layer.w2_mx, source_stack(layer, "w2"), fmt, plan.quant, where("w2"), stats.errors, device)
         if layer.first_expert:  # a later group of a layer's experts: its stacks are counted once, by the first
             stats.errors.tensors = counted
         if layout is None:
@@ -251,8 +254,7 @@ def _fp8_block_layer(plan: Plan, layer: MoELayer, where: Callable[[str], Callabl
     counted = stats.errors.tensors
     stacks = {}
     for which, halves in (("w13", 2), ("w2", 1)):
-        src = getattr(layer, f"{which}_mx") or getattr(layer, f"{which}_int4") or getattr(layer, f"{which}_fp8")
-        src = getattr(layer, which) if src is None else src
+        src = getattr(layer, f"{which}_mx") or source_stack(layer, which)
         w = Where(ref, which, layer.first_expert, where(which))
         s = to_fp8_block(src, halves, w, plan.quant.require_exact, tiles, stats.errors, device)
         stacks[which] = FP8BlockStack([(to_host(d), to_host(sc)) for d, sc in s.parts], s.block)

@@ -3,14 +3,20 @@
 1. Integrity (:mod:`.integrity`) — every tensor the manifest lists exists with its shape, dtype and
    sha256; no unlisted tensors; every shard the index names exists (header validation included).
    Damage that keeps the output from reading at all (a malformed manifest, shards and index that
-   disagree, a bad header) fails here too, naming file, tensor and rule: exit 1, not 2.
+   disagree, a bad header) fails here too, naming file, tensor and rule: exit 1, not 2. The
+   manifest's model and layout claims hold against config.json, the tensor shapes and, with
+   ``--reference``, the reference's model (:mod:`.claims`).
 2. Layout (:mod:`.layout`) — kernel-layout tensors are inverted with the backend's inverse (padding
-   must hold its fill), re-laid-out and compared byte for byte with what is stored; with an MXFP4
-   reference the recovered canonical bytes must equal the reference bytes exactly.
+   must hold its fill), re-laid-out and compared byte for byte with what is stored. With
+   ``--reference`` (:mod:`.exact`) the recovered canonical bytes must be the reference's own (same
+   format) or the reference converted again with the recorded options, byte for byte, and every
+   tensor the output copied must be the reference's; where the bytes cannot be re-derived, the
+   scope says so.
 3. Numerics (:mod:`.numerics`) — seeded hidden states through router + experts of the converted
    weights vs the reference (a source checkpoint or outputs saved earlier), with per-format
    thresholds. A value that is not a number fails, never passes: an E8M0 scale byte 0xFF, a NaN/Inf
    bias or router (converted or reference, named by tensor and index), or a non-finite layer output.
+   They do not run on a manifest whose model claims do not hold.
 
 :func:`verify` orchestrates them: each check fills its part of a :class:`LayerReport` (or the
 report's general problems); :class:`VerifyReport` is the result, and its :class:`Scope` says which
@@ -34,11 +40,13 @@ from mxconv.families import detect_family
 from mxconv.layouts import backend_names
 from mxconv.source.manifest import complete_output_dir, load_manifest
 from mxconv.verify.hashing import TensorHashes
-from mxconv.verify.integrity import check_integrity, check_manifest_claims, model_info_of
+from mxconv.verify.claims import check_model_claims, reference_mismatch
+from mxconv.verify.exact import check_expert_bytes, copies_differ, refused_summary, start_copies
+from mxconv.verify.integrity import MODEL_FIELDS, check_integrity, check_manifest_claims, model_info_of
 from mxconv.verify.layout import recover_layer, reference_layer
 from mxconv.verify.prefetch import LayerBytes, LayerReads
 from mxconv.verify.fp8_block import check_fp8_tiles
-from mxconv.verify.linears import LINEAR_THRESHOLDS, check_linears
+from mxconv.verify.linears import LINEAR_THRESHOLDS, check_linears, quantized_linear_tensors
 from mxconv.verify.numerics import (
     check_layer_numerics, converted_nonfinite, load_reference_outputs, save_reference_outputs,
 )
@@ -120,13 +128,19 @@ def _verify_layers(run: Run, kernel: bool, kernel_locations: KernelLocations | N
         run.kernel_locations = kernel_locations
         run.klayout, run.kernel_size_problems = kernel_preflight(run.manifest, kernel_locations)
     general: list[str] = list(integ.get(None, []))
+    _read_back(run, general)
+    claims: list[str] = []  # what the manifest says about the model that the output (or the reference) contradicts
     if reference:
-        _open_reference(run, reference, revision)
+        claims += _open_reference(run, reference, revision)
+        start_copies(run, quantized_linear_tensors(run))
     if reference_outputs:
         _load_saved(run, reference_outputs)
-    _read_back(run, general)
+    own_reader = run.own_reader if run.own_error is None else None  # a canonical output that reads back
     if run.own_error is None:
-        general.extend(check_manifest_claims(run.manifest, run.info, run.ckpts, run.own_reader))
+        claims += check_manifest_claims(run.manifest, run.info, run.ckpts, own_reader)
+    claims += check_model_claims(run.manifest, run.info, run.ckpts, own_reader)
+    run.model_broken = bool(claims)  # the numerics would run on a model the output is not
+    general += claims
     reports: dict[int, LayerReport] = {}
     with LayerReads(run, {L: lay_table[L]["module_prefix"] for L in chosen}) as reads:
         for i, L in enumerate(chosen):
@@ -146,6 +160,7 @@ def _verify_layers(run: Run, kernel: bool, kernel_locations: KernelLocations | N
         rep.problems[:0] = probs
     linears, lin_problems = check_linears(run, set(chosen) if layers else None)
     general.extend(lin_problems)
+    general.extend(copies_differ(run))
     notes = _finish(run)
     step("done", steps, steps)
     if linears:
@@ -183,13 +198,24 @@ def _expert_keys(run: Run, lays: list[dict]) -> set[str]:
 
 
 NO_REFERENCE = "no --reference or --reference-outputs given"
+MODEL_BROKEN = "they would run on the manifest's model, which the output contradicts (FAIL lines)"
 
 
 def _scope(run: Run, layers: list[int] | None) -> Scope:
-    """What this run checked: integrity and layout always, numerics against a reference when one was
-    given, the engine kernel with ``--kernel``."""
+    """What this run checked: integrity and layout always; with ``--reference`` the bytes (or why the
+    experts' could not be re-derived); numerics against a reference when one was given and the
+    manifest's model holds; the engine kernel with ``--kernel``."""
     scope = Scope(["integrity", "layout"], layers=layers)
-    if run.ref_reader is not None or run.saved is not None:
+    if run.ref_reader is not None:
+        refused = refused_summary(run, layers or [int(l["layer"]) for l in run.manifest["layers"]])
+        scope.bytes_against = run.reference
+        if refused is None:
+            scope.checked.append("bytes")
+        else:
+            scope.not_checked["bytes"] = refused
+    if run.model_broken:
+        scope.not_checked["numerics"] = MODEL_BROKEN
+    elif run.ref_reader is not None or run.saved is not None:
         scope.checked.append("numerics")
         scope.numerics_against = run.reference or f"saved outputs {run.reference_outputs}"
     else:
@@ -241,17 +267,19 @@ def _open_run(root: Path, manifest: dict, reference: str | None, reference_outpu
                reference=reference, reference_outputs=reference_outputs, save_reference=save_reference)
 
 
-def _open_reference(run: Run, reference: str, revision: str | None) -> None:
+def _open_reference(run: Run, reference: str, revision: str | None) -> list[str]:
+    """Open ``--reference``: BadInput (exit 2) when its tensors are not the output's shapes (a different
+    model); otherwise the manifest's model fields it contradicts, the output's damage (exit 1)."""
     run.ref_ckpt = open_checkpoint(reference, revision)
     run.ref_reader = detect_family(run.ref_ckpt)
-    rinfo = run.ref_reader.model_info()
-    for field_name in ("num_experts", "hidden_size", "intermediate_size", "top_k", "row_order"):
-        a, b = getattr(rinfo, field_name), getattr(run.info, field_name)
-        if a != b:
-            raise BadInput(
-                f"--reference {reference}: a different model ({field_name} {a} vs {b} in {run.root}); "
-                "pass the checkpoint this one was converted from"
-            )
+    run.ref_info = rinfo = run.ref_reader.model_info()
+    own = run.own_reader.model_info() if run.own_reader is not None and run.own_error is None else None
+    mismatch = reference_mismatch(run.manifest, run.ckpts, own, rinfo, run.ref_ckpt)
+    if mismatch:
+        raise BadInput(f"--reference {reference}: a different model ({mismatch}; the output is {run.root}); "
+                       "pass the checkpoint this one was converted from")
+    return [f"manifest model.{f} is {getattr(run.info, f)!r}, but the reference {reference}, whose tensors have this "
+            f"output's shapes, gives {getattr(rinfo, f)!r}" for f in MODEL_FIELDS if getattr(rinfo, f) != getattr(run.info, f)]
 
 
 def _load_saved(run: Run, reference_outputs: str) -> None:
@@ -286,12 +314,17 @@ def _check_layer(run: Run, L: int, lay: dict, rep: LayerReport, read: LayerBytes
         rep.problems.append(f"layer {L}: {bad_value}")
     ref_layer = None
     if run.ref_reader is not None:
-        ref_layer, ref_bad = reference_layer(run, L, lay["module_prefix"], canon, rep, read.reference)
+        ref_layer, ref_bad = reference_layer(run, L, rep, read.reference)
         bad_value = bad_value or ref_bad
-        if not bad_value and ref_layer is not None and conv_layer is not None:
-            check_fp8_tiles(run.manifest, L, ref_layer, conv_layer, rep)
+        if not bad_value:
+            check_expert_bytes(run, L, lay["module_prefix"], canon, conv_layer, ref_layer, rep)
+            if conv_layer is not None:
+                check_fp8_tiles(run.manifest, L, ref_layer, conv_layer, rep)
     if bad_value:
         rep.numerics = "FAIL"
+        return
+    if run.model_broken:
+        rep.numerics = "not run"
         return
     fwd = check_layer_numerics(run, L, lay, canon, conv_layer, ref_layer, rep)
     if fwd is None or run.klayout is None:

@@ -81,6 +81,11 @@ class TensorHashes:
             if key not in skip and key not in self._jobs:
                 self._jobs[key] = self._read_pool.submit(sha256_of, e.ckpt, e.name)
 
+    def start_other(self, ckpt: Checkpoint, names: list[str]) -> dict[str, Future[str]]:
+        """Read and hash tensors ``names`` of another checkpoint (verify's ``--reference``) on the
+        pool, beside the output's: name -> the future sha256 hex."""
+        return {n: self._read_pool.submit(sha256_of, ckpt, n) for n in names}
+
     def problems(self) -> dict[int | None, list[str]]:
         """Mismatches by layer (None = not in a layer), after hashing whatever was neither recorded nor
         started; a truncated tensor is named with its file."""

@@ -69,7 +69,7 @@ _LAYOUT_KEYS_SET_BY_CONVERT = frozenset({"hidden_size", "intermediate_size", "in
                                          "padded_intermediate_size", "tp_ranges", "options", "w13_row_order", "kernel_params"})
 # ModelInfo fields a canonical output's own config and tensors must repeat (not the formats: those
 # of the output differ from the source's, which the manifest's model table describes).
-_MODEL_FIELDS = ("family", "num_layers", "moe_layers", "num_experts", "top_k", "hidden_size", "intermediate_size",
+MODEL_FIELDS = ("family", "num_layers", "moe_layers", "num_experts", "top_k", "hidden_size", "intermediate_size",
                  "row_order", "has_expert_bias", "routing", "norm_topk_prob", "n_group", "topk_group",
                  "routed_scaling_factor", "activation", "swiglu_alpha", "swiglu_limit")
 
@@ -108,7 +108,7 @@ def check_manifest_claims(manifest: dict[str, Any], info: ModelInfo, ckpts: list
                     problems.append(f"manifest layers: layer {row['layer']} {key} {name!r} is not in the checkpoint")
     elif own_reader is not None:
         own = own_reader.model_info()
-        for f in _MODEL_FIELDS:
+        for f in MODEL_FIELDS:
             if getattr(own, f) != getattr(info, f):
                 problems.append(f"manifest model.{f} is {getattr(info, f)!r}, but the checkpoint's config and tensors give "
                                 f"{getattr(own, f)!r}")

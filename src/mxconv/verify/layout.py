@@ -1,7 +1,7 @@
 """verify, check 2 (layout): kernel-layout tensors inverted with the backend's inverse (padding must
 hold its fill), laid out again and compared byte for byte with what is stored; canonical outputs read
-back by their own family reader; with a reference of the same format the recovered canonical bytes
-must equal the reference's exactly."""
+back by their own family reader. With ``--reference`` the recovered canonical bytes are compared with
+the reference's (:mod:`mxconv.verify.exact`)."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def _read_rank(ckpt: Checkpoint, prefix: str, device: torch.device | str) -> dic
     return {k: read_tensor(ckpt.tensors[n]).to(device) for k, n in names.items() if n in ckpt.tensors}
 
 
-def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
+def first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
     for name in ("w13", "w13_scale", "w2", "w2_scale"):
         x, y = getattr(a, name), getattr(b, name).to(getattr(a, name).device)
         if x.shape != y.shape:
@@ -158,7 +158,7 @@ def _first_difference(a: CanonicalExperts, b: CanonicalExperts) -> str | None:
     return None
 
 
-def _canonical_from_layer(layer: MoELayer) -> CanonicalExperts | None:
+def canonical_from_layer(layer: MoELayer) -> CanonicalExperts | None:
     if layer.w13_int4 is not None and layer.w2_int4 is not None:
         return CanonicalExperts(layer.w13_int4.data, layer.w13_int4.scales, layer.w2_int4.data, layer.w2_int4.scales,
                                 row_order=layer.row_order, weight_format="int4")
@@ -226,14 +226,12 @@ def recover_layer(run: Run, L: int, lay: dict[str, Any], rep: LayerReport,
     assert run.own_reader is not None
     conv_layer = run.own_reader.read_layer(ref)
     rep.layout = "ok"
-    return _canonical_from_layer(conv_layer), conv_layer
+    return canonical_from_layer(conv_layer), conv_layer
 
 
-def reference_layer(run: Run, L: int, prefix: str, canon: CanonicalExperts | None, rep: LayerReport,
-                    ref_layer: MoELayer | None = None) -> tuple[MoELayer, str | None]:
+def reference_layer(run: Run, L: int, rep: LayerReport, ref_layer: MoELayer | None = None) -> tuple[MoELayer, str | None]:
     """Layer ``L`` of ``--reference`` (``ref_layer`` when it was read already) and the first value in
-    it that is not a number (None when all are); where the reference holds the output's own format,
-    the recovered canonical bytes must equal its bytes (``rep.layout`` becomes "bit-exact" or "FAIL")."""
+    it that is not a number (None when all are). Its bytes are compared by :mod:`mxconv.verify.exact`."""
     assert run.ref_reader is not None
     if ref_layer is None:
         rrefs = {r.layer: r for r in run.ref_reader.layer_refs()}
@@ -243,12 +241,4 @@ def reference_layer(run: Run, L: int, prefix: str, canon: CanonicalExperts | Non
     ref_bad = run.ref_reader.nonfinite_problem(ref_layer)
     if ref_bad:
         rep.problems.append(f"layer {L}: the reference {run.reference} holds a value that is not a number: {ref_bad}")
-    rcanon = _canonical_from_layer(ref_layer)
-    if rcanon is not None and canon is not None and run.weight_format in WEIGHT_FORMATS and rcanon.weight_format == run.weight_format:
-        diff = _first_difference(canon, rcanon)
-        if diff:
-            rep.layout = "FAIL"
-            rep.problems.append(f"{prefix}.experts: recovered canonical bytes differ from the reference: {diff}")
-        else:
-            rep.layout = "bit-exact"
     return ref_layer, ref_bad

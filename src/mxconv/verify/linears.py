@@ -10,8 +10,8 @@ quantized again with amax/448; the fp8 config must leave exactly them out of ``m
 * With ``--reference``: each one against the reference's weight (float, block-FP8 dequantized in
   fp32, or MXFP8): relative RMS error within :data:`LINEAR_THRESHOLDS` (MXFP8 E4M3 weights: ≈ 0.027,
   mx-numerics.md §6; exactly 0 for a linear that was MXFP8 already), and the bytes equal the
-  reference quantized again with the manifest's scale rounding (what mxconv writes, on any device);
-  every tensor the output copied is the reference's, byte for byte.
+  reference quantized again with the manifest's scale rounding (what mxconv writes, on any device).
+  The tensors the output copied are compared with the reference's by :mod:`mxconv.verify.exact`.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def check_linears(run: Run, layers: set[int] | None) -> tuple[list[LinearReport]
     claimed = run.manifest.get("linears")
     fp8 = run.manifest.get("weight_format") == FP8_BLOCK  # its linears are block FP8, not MXFP8
     kind = "block-FP8" if fp8 else "MXFP8"
-    found = [(m, is_fp8_block_linear(ckpt, m) if fp8 else is_mx) for m, _, is_mx in linear_modules(ckpt)]
+    found = _found(run)
     mx = [m for m, quantized in found if quantized]
     if not mx and claimed is None:
         return [], []
@@ -77,13 +77,25 @@ def check_linears(run: Run, layers: set[int] | None) -> tuple[list[LinearReport]
         if config_quantizes(qc, m) != quantized:
             general.append(f"{m}: config.json's quantization_config describes it as "
                            f"{'not quantized' if quantized else 'quantized'}, but its weight is {'' if quantized else 'not '}{kind}")
-    scales = ("weight", "weight_scale_inv") if fp8 else ("weight", "weight_scale")
-    if claimed is not None and run.ref_ckpt is not None:
-        general += _copies_differ(run, {f"{m}.{p}" for m in mx for p in scales})
     rounding = (claimed or {}).get("scale_rounding") or run.manifest.get("scale_rounding")
     check = _check_fp8 if fp8 else _check_one
     reports = [check(run, m, rounding) for m in mx if layers is None or layer_index(m) in layers]
     return reports, general
+
+
+def _found(run: Run) -> list[tuple[str, bool]]:
+    """(module, quantized) of every linear of the output: MXFP8, or block FP8 in an fp8-block output."""
+    ckpt = run.ckpts[0]
+    fp8 = run.manifest.get("weight_format") == FP8_BLOCK
+    return [(m, is_fp8_block_linear(ckpt, m) if fp8 else is_mx) for m, _, is_mx in linear_modules(ckpt)]
+
+
+def quantized_linear_tensors(run: Run) -> set[str]:
+    """The weight and scale tensors of the output's quantized linears, which :func:`check_linears`
+    checks against the reference (not as copies: an MXFP8 linear carried from an MXFP8 source is
+    held to that source's bytes, or to the reference quantized again)."""
+    scale = "weight_scale_inv" if run.manifest.get("weight_format") == FP8_BLOCK else "weight_scale"
+    return {f"{m}.{p}" for m, quantized in _found(run) if quantized for p in ("weight", scale)}
 
 
 def _bad_value(rep: LinearReport, tensors: dict[str, torch.Tensor]) -> bool:
@@ -192,23 +204,6 @@ def _check_one(run: Run, module: str, rounding: str | None) -> LinearReport:
             how = "the reference's MXFP8 bytes" if ref_is_mx else f"the reference quantized with {rounding} scales"
             rep.problems.append(f"{module}: bytes differ from {how}")
     return rep
-
-
-def _copies_differ(run: Run, mx_names: set[str]) -> list[str]:
-    """Tensors the output copied (not quantized; MXFP8 linears carried over are checked as linears)
-    whose bytes are not the reference's."""
-    from mxconv.verify.hashing import sha256_of
-
-    assert run.ref_ckpt is not None
-    out = []
-    for name, entry in run.manifest["tensors"].items():
-        if entry.get("role") not in ("copy", "router") or name in mx_names:
-            continue
-        if name not in run.ref_ckpt.tensors:
-            out.append(f"{name}: copied into the output but not in the reference {run.reference}")
-        elif sha256_of(run.ref_ckpt, name) != entry["sha256"]:
-            out.append(f"{name}: not the reference's bytes (tensors left alone are copied byte for byte)")
-    return out
 
 
 def role_summary(reports: list[LinearReport]) -> list[dict[str, Any]]:

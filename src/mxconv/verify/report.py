@@ -70,17 +70,23 @@ class Scope:
     """What one verify run covered, and what it did not and why: the verdict line states it, so a
     PASS never claims more than was checked."""
 
-    checked: list[str]  # "integrity", "layout", "numerics", "kernel"
+    checked: list[str]  # "integrity", "layout", "bytes", "numerics", "kernel"
     not_checked: dict[str, str] = field(default_factory=dict)  # check -> why it did not run
     numerics_against: str | None = None  # the --reference SOURCE, or the --reference-outputs FILE
+    bytes_against: str | None = None  # --reference: the SOURCE the output's bytes were compared with
     kernel: str | None = None  # --kernel: the backend whose engine kernel ran
     layers: list[int] | None = None  # --layers: the layers layout, numerics and kernel covered (None: all)
 
     def summary(self) -> str:
-        """e.g. "integrity, layout; numerics not checked: no --reference or --reference-outputs given"."""
-        done = [f"numerics vs {self.numerics_against}" if c == "numerics" and self.numerics_against else c
-                for c in self.checked if c != "kernel"]
-        parts = [", ".join(done)]
+        """e.g. "integrity, layout; numerics not checked: no --reference or --reference-outputs given",
+        "integrity, layout, bytes and numerics vs /data/src"."""
+        done = [c for c in self.checked if c not in ("kernel", "bytes")]
+        bytes_vs = f"bytes vs {self.bytes_against}" if "bytes" in self.checked else None
+        if "numerics" in done and self.numerics_against:
+            both = bytes_vs is not None and self.bytes_against == self.numerics_against
+            done[done.index("numerics")] = f"{'bytes and ' if both else ''}numerics vs {self.numerics_against}"
+            bytes_vs = None if both else bytes_vs
+        parts = [", ".join(done + ([bytes_vs] if bytes_vs else []))]
         if self.kernel is not None:
             parts.append(f"kernel: the {self.kernel} engine kernel")
         per_layer = [c for c in self.checked if c != "integrity"]  # integrity covers every tensor
@@ -88,12 +94,16 @@ class Scope:
             parts.append(f"{', '.join(per_layer)} of layers {','.join(map(str, self.layers))} only")
         by_reason: dict[str, list[str]] = {}
         for what, why in self.not_checked.items():
-            by_reason.setdefault(why, []).append(what)
+            if what != "bytes":
+                by_reason.setdefault(why, []).append(what)
         parts += [f"{', '.join(whats)} not checked: {why}" for why, whats in by_reason.items()]
+        if "bytes" in self.not_checked:  # with --reference: the copies were compared, the experts' bytes not
+            parts.append(f"expert bytes not re-derived: {self.not_checked['bytes']}")
         return "; ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
         return {"checked": self.checked, "not_checked": self.not_checked, "numerics_against": self.numerics_against,
+                "bytes_against": self.bytes_against,
                 "kernel": self.kernel, "layers": self.layers, "summary": self.summary()}
 
 
@@ -158,6 +168,11 @@ class Run:
     kernel_locations: KernelLocations | None = None  # --kernel: --triton-kernels / --marlin-ops
     kernel_size_problems: list[str] = field(default_factory=list)
     hashes: Any = None  # verify.hashing.TensorHashes: the sha256 checks (the layer reads record their digests)
+    ref_info: ModelInfo | None = None  # --reference: the reference's model
+    model_broken: bool = False  # the manifest's model claims do not hold: the numerics do not run on them
+    bytes_refused: dict[str, list[int]] = field(default_factory=dict)  # why expert bytes were not re-derived -> layers
+    ref_copies: dict[str, Any] | None = None  # --reference: sha256 futures of the reference tensors the output copied
+    ref_missing: list[str] = field(default_factory=list)  # tensors the output copied that the reference lacks
 
     @property
     def kind(self) -> str:

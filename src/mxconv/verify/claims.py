@@ -1,0 +1,264 @@
+"""verify, check 1 (integrity), the manifest's model and layout claims against what the output shows
+itself, for every output kind: a claim the loader or an engine acts on (top_k, sizes, routing) that
+no byte contradicts would otherwise pass.
+
+* **config.json**: the fields the model family reads from config.json alone
+  (:meth:`~mxconv.families.base.FamilyReader.config_claims`: sizes, top_k, routing, activation) must
+  be the manifest's ``model`` ones. A canonical output is read back whole by its own reader
+  (:func:`mxconv.verify.integrity.check_manifest_claims`); a kernel output, whose experts no longer
+  carry the family's names, is held to its config here.
+* **The layout table** repeats the model: ``hidden_size``, the intermediate size (``intermediate_size``
+  of a canonical output, ``intermediate_size_total`` and the TP ranges of a kernel output),
+  ``w13_row_order``; the padded sizes are the layout's padding of them; a kernel output holds a
+  weight format its backend takes.
+* **Tensor shapes**: every router is ``[num_experts, hidden]``; every kernel expert tensor of every
+  layer and rank has the shape and dtype the layout gives for the manifest's sizes, and every layer
+  holding kernel experts is in the manifest's ``layers``.
+* **The engines' quant config** (``quant_config``): its routing and activation are what the manifest's
+  model gives.
+
+Options that change bytes but not shapes (``weight_format`` between MX formats, ``scale_rounding``,
+the layout options) are covered by the layout check and, with ``--reference``, the exact bytes
+(:mod:`mxconv.verify.exact`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from mxconv.errors import BadInput, LayoutError
+from mxconv.families import reader_class
+from mxconv.families.base import FamilyReader, ModelInfo
+from mxconv.layouts import get_layout
+from mxconv.layouts.canonical import WEIGHT_FORMATS, LayoutSizes
+from mxconv.layouts.padding import tp_ranges
+from mxconv.source.checkpoint import Checkpoint
+from mxconv.source.file_names import rank_dir_name
+from mxconv.verify.layout import manifest_sizes
+
+_KERNEL_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<name>w13_weight|w13_weight_scale|w13_bias|w2_weight|"
+                            r"w2_weight_scale|w2_bias|w13_input_scale|w2_input_scale)$")
+
+_QUANTIZED_FROM = frozenset({"bf16", "fp16", "fp32", "fp8_block"})  # source expert formats an MX output is quantized from
+
+
+def check_model_claims(manifest: dict[str, Any], info: ModelInfo, ckpts: list[Checkpoint],
+                       own_reader: FamilyReader | None = None) -> list[str]:
+    """Problems (module docstring) with the manifest's model and layout claims; [] when they hold.
+    ``own_reader``: a canonical output read back by its family reader (None where it does not read)."""
+    problems = _layout_repeats_model(manifest, info)
+    if manifest["kind"] == "kernel":
+        problems += config_disagreements(manifest, info, ckpts[0])
+        problems += _router_shapes(manifest, info, ckpts[0])
+        problems += _kernel_shapes(manifest, ckpts)
+    elif own_reader is not None:
+        problems += _converted_formats(manifest, own_reader)
+    quantized = manifest["weight_format"] in ("mxfp4", "mxfp8") and info.expert_format in _QUANTIZED_FROM
+    if quantized and not manifest.get("scale_rounding"):
+        problems.append(f"manifest scale_rounding is {manifest.get('scale_rounding')!r}, but MX experts quantized from "
+                        f"{info.expert_format} ones (model.expert_format) were rounded by a rule the manifest must name")
+    return problems + _quant_config(manifest)
+
+
+def _converted_formats(manifest: dict[str, Any], own_reader: FamilyReader) -> list[str]:
+    """Every layer a canonical output's manifest lists as converted holds its ``weight_format``."""
+    want = {"fp8-block": "fp8_block"}.get(manifest["weight_format"], manifest["weight_format"])
+    refs = {r.layer: r for r in own_reader.layer_refs()}
+    problems = []
+    for row in manifest["layers"]:
+        ref = refs.get(row["layer"])
+        have = None if ref is None else own_reader.layer_format(ref)
+        if have is not None and have != want:
+            problems.append(f"manifest weight_format is {manifest['weight_format']!r}, but layer {row['layer']}'s "
+                            f"experts ({row['module_prefix']}.experts) are {have}")
+            break
+    return problems
+
+
+def config_disagreements(manifest: dict[str, Any], info: ModelInfo, ckpt: Checkpoint) -> list[str]:
+    """The manifest's model fields that ``ckpt``'s config.json, read by the manifest family's reader,
+    gives otherwise (nothing for a family not registered in this process)."""
+    try:
+        claims = reader_class(manifest["family"])(ckpt).config_claims()
+    except KeyError:
+        return []
+    except BadInput as exc:
+        return [f"{ckpt.root / 'config.json'}: does not give the model the manifest describes: {exc}"]
+    return [f"manifest model.{f} is {getattr(info, f)!r}, but {ckpt.root / 'config.json'} gives {v!r}"
+            for f, v in claims.items() if getattr(info, f) != v]
+
+
+def _layout_repeats_model(manifest: dict[str, Any], info: ModelInfo) -> list[str]:
+    """The layout table's sizes and row order against the model's, and the padding of a layout."""
+    lay = manifest["layout"]
+    problems = []
+
+    def differs(key: str, want: Any, why: str) -> None:
+        if lay.get(key) != want:
+            problems.append(f"manifest layout.{key} is {lay.get(key)!r}, but {why} gives {want!r}")
+
+    differs("hidden_size", info.hidden_size, "the manifest's model.hidden_size")
+    differs("w13_row_order", info.row_order, "the manifest's model.row_order")
+    if manifest["kind"] != "kernel":
+        differs("intermediate_size", info.intermediate_size, "the manifest's model.intermediate_size")
+        differs("padded_hidden_size", info.hidden_size, "a canonical output (never padded)")
+        differs("padded_intermediate_size", info.intermediate_size, "a canonical output (never padded)")
+        return problems
+    tp = int(manifest.get("tp_size") or 1)
+    if "intermediate_size_total" in lay or tp == 1:
+        differs("intermediate_size_total" if "intermediate_size_total" in lay else "intermediate_size",
+                info.intermediate_size, "the manifest's model.intermediate_size")
+    ranges = tp_ranges(info.intermediate_size, tp)
+    if "tp_ranges" in lay:
+        differs("tp_ranges", [list(r) for r in ranges], f"splitting model.intermediate_size over tp_size {tp}")
+    return problems + _padding(manifest, max(e - s for s, e in ranges))
+
+
+def _padding(manifest: dict[str, Any], width: int) -> list[str]:
+    """A kernel output's weight format and padded sizes against its backend's rules."""
+    lay = manifest["layout"]
+    try:
+        layout = get_layout(manifest["backend"])
+        options = layout.resolve_options(lay.get("options") or {})
+    except (BadInput, LayoutError):  # the layout check of every layer names it
+        return []
+    fmt = manifest["weight_format"]
+    takes = getattr(layout, "weight_formats", ("mxfp4",))
+    if fmt not in takes:
+        return [f"manifest weight_format is {fmt!r}, but backend {manifest['backend']} holds {' or '.join(takes)} experts"]
+    kw = {} if fmt == "mxfp4" else {"weight_format": fmt}
+    problems = []
+    if lay.get("intermediate_size") != width:
+        problems.append(f"manifest layout.intermediate_size is {lay.get('intermediate_size')!r}, but the widest TP rank "
+                        f"of model.intermediate_size has {width}")
+    try:
+        padded = layout.padded_sizes(int(lay["hidden_size"]), width, lay["w13_row_order"], manifest["activation"], options, **kw)
+    except (LayoutError, ValueError, TypeError) as exc:
+        return problems + [f"manifest layout: the {manifest['backend']} layout cannot take these sizes: {exc}"]
+    for key, want in zip(("padded_hidden_size", "padded_intermediate_size"), padded):
+        if lay.get(key) != want:
+            problems.append(f"manifest layout.{key} is {lay.get(key)!r}, but the {manifest['backend']} layout pads "
+                            f"hidden_size {lay['hidden_size']}, intermediate_size {width} to {want}")
+    return problems
+
+
+def _router_shapes(manifest: dict[str, Any], info: ModelInfo, ckpt: Checkpoint) -> list[str]:
+    """Every router of the manifest's layers is [num_experts, hidden] (biases [num_experts])."""
+    problems = []
+    for row in manifest["layers"]:
+        for key, want in (("router_weight", [info.num_experts, info.hidden_size]), ("router_bias", [info.num_experts]),
+                          ("correction_bias", [info.num_experts])):
+            t = ckpt.tensors.get(row.get(key) or "")
+            if t is not None and list(t.shape) != want:
+                problems.append(f"{row[key]}: shape {list(t.shape)}, but the manifest's model (num_experts "
+                                f"{info.num_experts}, hidden_size {info.hidden_size}) makes it {want}")
+    return problems
+
+
+def _kernel_shapes(manifest: dict[str, Any], ckpts: list[Checkpoint]) -> list[str]:
+    """Every layer's kernel expert tensors, on every rank, have the shapes and dtypes the layout gives
+    for the manifest's sizes, and every layer that holds some is one of the manifest's layers."""
+    try:
+        layout = get_layout(manifest["backend"])
+        specs = layout.kernel_specs(manifest_sizes(manifest), manifest["activation"],
+                                    layout.resolve_options(manifest["layout"].get("options") or {}))
+    except (BadInput, LayoutError, ValueError, TypeError):  # the layout check of every layer names it
+        return []
+    listed = {row["module_prefix"] for row in manifest["layers"]}
+    problems = []
+    for r, ckpt in enumerate(ckpts):
+        where = f"{rank_dir_name(r)}/" if len(ckpts) > 1 else ""
+        held: dict[str, set[str]] = {}
+        for name, t in ckpt.tensors.items():
+            m = _KERNEL_EXPERT.match(name)
+            if m is None:
+                continue
+            held.setdefault(m["prefix"], set()).add(m["name"])
+            spec = specs.get(m["name"])
+            if spec is None:
+                problems.append(f"{where}{name}: the {manifest['backend']} layout of the manifest's sizes has no such tensor")
+            elif list(t.shape) != list(spec.shape) or t.dtype != spec.st_dtype:
+                problems.append(f"{where}{name}: {t.dtype}{list(t.shape)}, but the {manifest['backend']} layout of the "
+                                f"manifest's sizes gives {spec.st_dtype}{list(spec.shape)}")
+        for prefix in sorted(set(held) - listed):
+            problems.append(f"{where}{prefix}.experts: kernel expert tensors of a layer the manifest's layers do not list")
+    return problems
+
+
+def _quant_config(manifest: dict[str, Any]) -> list[str]:
+    """The stored engine quant config's routing and activation against the manifest's model."""
+    from mxconv.output.engine_quant_config import SCHEMA_VERSION, from_manifest
+
+    stored = manifest.get("quant_config")
+    if not isinstance(stored, dict) or stored.get("schema_version") != SCHEMA_VERSION:
+        return []
+    try:
+        want = from_manifest(manifest).to_json()
+    except BadInput:
+        return []
+    problems = []
+    for key in ("routing", "activation"):
+        have = stored.get(key) if isinstance(stored.get(key), dict) else {}
+        problems += [f"manifest quant_config.{key}.{k} is {have.get(k)!r}, but the manifest's model gives {v!r}"
+                     for k, v in want[key].items() if have.get(k) != v]
+        problems += [f"manifest quant_config.{key}.{k}: not a field of the quant config"
+                     for k in sorted(set(have) - set(want[key]))]
+    return problems
+
+
+def copied_tensors(manifest: dict[str, Any]) -> dict[str, list[str]]:
+    """The tensors an output copied as they are (roles copy and router): name -> its manifest keys
+    (``rank-N/name`` in a TP output, one per rank)."""
+    tp = int(manifest.get("tp_size") or 1)
+    out: dict[str, list[str]] = {}
+    for key, entry in manifest["tensors"].items():
+        if entry.get("role") in ("copy", "router"):
+            out.setdefault(key.partition("/")[2] if tp > 1 else key, []).append(key)
+    return out
+
+
+def reference_mismatch(manifest: dict[str, Any], ckpts: list[Checkpoint], own: ModelInfo | None, rinfo: ModelInfo,
+                       ref_ckpt: Checkpoint) -> str | None:
+    """How ``--reference``'s tensors differ in shape from the output's (a different model: bad input),
+    or None when they match: the tensors the output copied outside the experts (same names, same
+    shapes) and the experts' sizes, from the output's own reader (canonical) or the layout of the
+    reference's sizes against the stored kernel tensors (kernel)."""
+    for name, keys in copied_tensors(manifest).items():
+        if ".experts." in name:  # a MoE layer left unconverted: the reference may hold it converted
+            continue
+        t, shape = ref_ckpt.tensors.get(name), manifest["tensors"][keys[0]]["shape"]
+        if t is None:
+            return f"it has no tensor {name}"
+        if list(t.shape) != list(shape):
+            return f"{name} is {list(t.shape)} there, {shape} here"
+    sizes = ("num_experts", "hidden_size", "intermediate_size")
+    if own is not None:
+        for f in sizes:
+            if getattr(own, f) != getattr(rinfo, f):
+                return f"{f} {getattr(rinfo, f)} vs {getattr(own, f)} here"
+    if manifest["kind"] == "kernel":
+        return _kernel_mismatch(manifest, ckpts[0], rinfo)
+    return None
+
+
+def _kernel_mismatch(manifest: dict[str, Any], ckpt: Checkpoint, rinfo: ModelInfo) -> str | None:
+    """How the first layer's stored kernel tensors differ from the layout of the reference's sizes."""
+    try:
+        layout = get_layout(manifest["backend"])
+        options = layout.resolve_options(manifest["layout"].get("options") or {})
+        fmt = manifest["weight_format"] if manifest["weight_format"] in WEIGHT_FORMATS else "mxfp4"
+        width = max(e - s for s, e in tp_ranges(rinfo.intermediate_size, int(manifest.get("tp_size") or 1)))
+        padded = layout.padded_sizes(rinfo.hidden_size, width, rinfo.row_order, manifest["activation"], options,
+                                     **({} if fmt == "mxfp4" else {"weight_format": fmt}))
+        specs = layout.kernel_specs(LayoutSizes(rinfo.num_experts, rinfo.hidden_size, width, *padded, rinfo.row_order,
+                                                rinfo.has_expert_bias, fmt), manifest["activation"], options)
+    except (BadInput, LayoutError, ValueError) as exc:
+        return f"the {manifest['backend']} layout cannot take its sizes: {exc}"
+    prefix = manifest["layers"][0]["module_prefix"] if manifest["layers"] else ""
+    for name, spec in specs.items():
+        t = ckpt.tensors.get(f"{prefix}.experts.{name}")
+        if t is not None and list(t.shape) != list(spec.shape):
+            return (f"its sizes (num_experts {rinfo.num_experts}, hidden_size {rinfo.hidden_size}, intermediate_size "
+                    f"{rinfo.intermediate_size}) make {prefix}.experts.{name} {list(spec.shape)}, it is {list(t.shape)} here")
+    return None
