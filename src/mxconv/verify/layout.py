@@ -13,7 +13,7 @@ from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput, LayoutError
 from mxconv.families.base import Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES, CanonicalExperts, LayoutSizes
+from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES, WEIGHT_FORMATS, CanonicalExperts, LayoutSizes
 from mxconv.layouts.padding import unpad_canonical
 from mxconv.source.st_format import read_tensor
 from mxconv.verify.report import LayerReport, Run
@@ -29,7 +29,7 @@ def manifest_sizes(manifest: dict[str, Any]) -> LayoutSizes:
         padded_intermediate_size=int(lay["padded_intermediate_size"]),
         row_order=lay["w13_row_order"],
         has_bias=bool(model["has_expert_bias"]),
-        weight_format="int4" if manifest["weight_format"] == "int4" else "mxfp4",
+        weight_format=manifest["weight_format"] if manifest["weight_format"] in WEIGHT_FORMATS else "mxfp4",
     )
 
 
@@ -162,16 +162,16 @@ def canonical_from_layer(layer: MoELayer) -> CanonicalExperts | None:
     if layer.w13_int4 is not None and layer.w2_int4 is not None:
         return CanonicalExperts(layer.w13_int4.data, layer.w13_int4.scales, layer.w2_int4.data, layer.w2_int4.scales,
                                 row_order=layer.row_order, weight_format="int4")
-    if layer.w13_mx is None or layer.w13_mx.fmt != "mxfp4":
+    if layer.w13_mx is None or layer.w13_mx.fmt not in ("mxfp4", "mxfp8"):
         return None
     return CanonicalExperts(layer.w13_mx.data, layer.w13_mx.scales, layer.w2_mx.data, layer.w2_mx.scales,
-                            layer.w13_bias, layer.w2_bias, layer.row_order, input_scales=layer.input_scales)
+                            layer.w13_bias, layer.w2_bias, layer.row_order, layer.w13_mx.fmt, layer.input_scales)
 
 
 def canonical_stack(c: CanonicalExperts, which: str) -> MXStack | Int4Stack:
     """``c``'s w13 or w2 with its scales, as the stack type of its weight format."""
     data, scales = getattr(c, which), getattr(c, f"{which}_scale")
-    return Int4Stack(data, scales) if c.weight_format == "int4" else MXStack("mxfp4", data, scales)
+    return Int4Stack(data, scales) if c.weight_format == "int4" else MXStack(c.weight_format, data, scales)
 
 
 def kernel_nonfinite(canon: CanonicalExperts, prefix: str) -> str | None:
