@@ -19,6 +19,8 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from mxconv.engines.loader import LayerSource, layer_infos, read_layer_tensors, resolve_layer
 from mxconv.errors import BadInput
+from mxconv.layouts import get_layout
+from mxconv.layouts.canonical import LayoutSizes
 import mxconv.integrations.vllm.checks as checks
 from mxconv.integrations.vllm.mappings import BackendMapping
 from mxconv.integrations.vllm.quant import MxconvMoEMethod
@@ -53,6 +55,42 @@ def moe_modules(model: torch.nn.Module, manifest: dict[str, Any], root: Path) ->
     if missing:
         raise BadInput(f"{root}: {MANIFEST_NAME} lists MoE layers {missing} that vLLM's model does not have")
     return found
+
+
+def vllm_kernel_specs(src: LayerSource, module: torch.nn.Module) -> dict[str, Any]:
+    """The output's backend's kernel tensor specs (``layout.kernel_specs``) for this rank at vLLM's
+    padded sizes (vLLM's parameters: ``w2_weight`` is ``[E, Hp, Ip/2]``): what vLLM's conversion returns."""
+    m, lay = src.manifest, src.manifest.get("layout", {})
+    e, hp, ip = (int(v) for v in module.w2_weight.shape)
+    layout = get_layout(src.backend)
+    sizes = LayoutSizes(e, int(lay.get("hidden_size") or m["model"]["hidden_size"]), src.intermediate_size, hp, 2 * ip,
+                        str(m.get("model", {}).get("row_order") or "interleaved"), hasattr(module, "w13_bias"),
+                        str(m.get("weight_format") or "mxfp4"))  # fmt: skip
+    return dict(layout.kernel_specs(sizes, str(m.get("activation")), layout.resolve_options(lay.get("options") or {})))
+
+
+def check_layer(src: LayerSource, module: torch.nn.Module, mapping: BackendMapping, root: Path) -> None:
+    """Every path inside the output; each stored tensor of the shape and dtype of vLLM's parameter
+    (``into_params``) or of what vLLM's conversion returns at vLLM's padding (``kept_aside``: the
+    layout's kernel tensor specs for vLLM's padded sizes)."""
+    for key, f in src.files.items():
+        checks.inside(root, str(f.relative_to(root)) if f.is_relative_to(root) else str(f))
+    infos = layer_infos(src)
+    specs = vllm_kernel_specs(src, module)
+    for key, info in infos.items():
+        param = getattr(module, key, None)
+        if param is None or key not in specs:
+            raise BadInput(f"{root}: layer {src.layer} stores {key}, which vLLM's MoE layer does not have")
+        stored = (tuple(info.shape), str(torch_dtype(info.dtype)))
+        if key in mapping.into_params:
+            checks.check_param(root, src.layer, key, (tuple(param.shape), str(param.dtype)), stored, src.manifest)
+        else:
+            spec = specs[key]
+            checks.check_param(root, src.layer, key, (tuple(spec.shape), str(spec.dtype)), stored, src.manifest,
+                               f"vLLM's {mapping.vllm_backend} conversion returns")  # fmt: skip
+    absent = [k for k in (*mapping.into_params, *mapping.kept_aside) if k not in infos and "bias" not in k]
+    if absent:
+        raise BadInput(f"{root}: layer {src.layer} stores no {', '.join(absent)}")
 
 
 class MxconvModelLoader(DefaultModelLoader):
@@ -91,38 +129,22 @@ class MxconvModelLoader(DefaultModelLoader):
         for layer, module in sorted(modules.items()):
             checks.check_backend(manifest, module.quant_method.mxfp4_backend.value, root)
             src = resolve_layer(root, layer, rank=rank if tp > 1 else None, manifest=manifest, need_runner=False)
-            self._check_layer(src, module, mapping, root)
+            check_layer(src, module, mapping, root)
             planned[layer] = (src, module)
         self._skip = expert_names(manifest)
         super().load_weights(model, model_config)  # every other tensor, vLLM's way
         for layer, (src, module) in planned.items():
             self._fill(src, module, mapping)
 
-    def _check_layer(self, src: LayerSource, module: torch.nn.Module, mapping: BackendMapping, root: Path) -> None:
-        """Every path inside the output; each stored tensor of the shape and dtype vLLM's parameter has."""
-        for key, f in src.files.items():
-            checks.inside(root, str(f.relative_to(root)) if f.is_relative_to(root) else str(f))
-        infos = layer_infos(src)
-        for key, info in infos.items():
-            param = getattr(module, key, None)
-            if param is None:
-                raise BadInput(f"{root}: layer {src.layer} stores {key}, which vLLM's MoE layer does not have")
-            want_dtype = torch_dtype(info.dtype) if key in mapping.kept_aside else param.dtype
-            checks.check_param(root, src.layer, key, (tuple(param.shape), str(want_dtype)),
-                               (tuple(info.shape), str(torch_dtype(info.dtype))), src.manifest)  # fmt: skip
-        absent = [k for k in mapping.into_params if k not in infos]
-        if absent:
-            raise BadInput(f"{root}: layer {src.layer} stores no {', '.join(absent)}")
-
     def _fill(self, src: LayerSource, module: torch.nn.Module, mapping: BackendMapping) -> None:
         """Read the layer's stored tensors and copy them into vLLM's parameters (kept-aside ones held
         for the conversion step, which returns them)."""
         method: MxconvMoEMethod = module.quant_method
-        param = getattr(module, mapping.into_params[0])
-        tensors = read_layer_tensors(src, param.device, check_hashes=self.check_hashes)
+        tensors = read_layer_tensors(src, module.w2_weight.device, check_hashes=self.check_hashes)
         with torch.no_grad():
             for key in mapping.into_params:
-                getattr(module, key).data.copy_(tensors[key])
+                if key in tensors:
+                    getattr(module, key).data.copy_(tensors[key])
         method.mxconv_aside = {k: tensors[k] for k in mapping.kept_aside if k in tensors}
         method.mxconv_mapping = mapping
         method.mxconv_src = src  # where the layer came from (refit converts the same way)
