@@ -303,3 +303,51 @@ def test_refit_gives_the_tokens_of_a_fresh_load(vllm_here: Any, ckpts: dict[str,
            for o in outs]  # fmt: skip
     del llm
     assert got == want
+
+
+def _restored(out: Path, name: str, change: Any) -> None:
+    """Rewrite expert tensor ``name`` of output ``out`` as ``change(tensor)``, its manifest entry (shape,
+    dtype, sha256) rewritten to match: a damage only a check against vLLM's parameters can see."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    from mxconv.source.st_format import st_name
+
+    m = json.loads((out / "mxconv.json").read_text())
+    f = out / m["tensors"][name]["file"]
+    tensors = load_file(f)
+    tensors[name] = change(tensors[name]).contiguous()
+    save_file(tensors, f, metadata={"format": "pt"})
+    t = tensors[name]
+    m["tensors"][name].update(shape=list(t.shape), dtype=st_name(t.dtype),
+                              sha256=hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest())  # fmt: skip
+    (out / "mxconv.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("name, change, needles", [
+    ("model.layers.1.mlp.experts.w2_weight", lambda t: t[:, :, :-16],
+     ("layer 1 w2_weight", "vLLM holds torch.uint8[6, 96, 32]", "stores torch.uint8[6, 96, 16]")),
+    ("model.layers.0.mlp.experts.w13_bias", lambda t: t.bfloat16(),
+     ("layer 0 w13_bias", "vLLM's CPU conversion returns torch.float32[6, 128]", "stores torch.bfloat16[6, 128]")),
+])  # fmt: skip
+def test_refuses_a_wrong_size_or_dtype_before_reading_experts(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch, name: str, change: Any,
+                                                              needles: tuple[str, ...]) -> None:  # fmt: skip
+    """A stored expert tensor of another size or dtype than vLLM holds (manifest and file agreeing, so
+    the files' own check passes) is refused naming layer, tensor and both specs; no expert tensor of
+    any layer is read first."""
+    import mxconv.integrations.vllm.loader as plugin_loader
+
+    bad = _copy(ckpts["mx-cpu"], tmp_path / "bad")
+    _restored(bad, name, change)
+    reads: list[int] = []
+    real = plugin_loader.read_layer_tensors
+
+    def counted(src: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append(src.layer)
+        return real(src, *args, **kwargs)
+
+    monkeypatch.setattr(plugin_loader, "read_layer_tensors", counted)
+    _raises(vllm_here, bad, *needles, load_format="mxconv")
+    assert reads == []
