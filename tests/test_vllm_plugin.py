@@ -351,3 +351,51 @@ def test_refuses_a_wrong_size_or_dtype_before_reading_experts(vllm_here: Any, ck
     monkeypatch.setattr(plugin_loader, "read_layer_tensors", counted)
     _raises(vllm_here, bad, *needles, load_format="mxconv")
     assert reads == []
+
+
+_TP2_SITE = """# this test's processes only: mxconv's plugin registered (its entry point is not installed in every test
+# environment) and, without AMX, vLLM's CPU MXFP4 gate lifted as the in-process tests lift it
+from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+import torch
+if not torch.cpu._is_amx_tile_supported():
+    cpu_moe.CPUExpertsMxfp4._supports_current_device = staticmethod(lambda: True)
+from mxconv.integrations.vllm import register
+register()
+"""
+
+_TP2_RUN = """import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+              tensor_parallel_size=2, **json.loads(sys.argv[2]))
+    sp = SamplingParams(max_tokens=8, temperature=0, logprobs=5, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[3])], sp, use_tqdm=False)
+    print("RESULT", json.dumps([[list(o.outputs[0].token_ids),
+                                 [{str(t): lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]] for o in outs]))
+"""
+
+
+def test_tp2_output_generates_what_the_source_generates_at_tp2(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's CPU build at tensor_parallel_size=2 (its worker processes; threads bound one core a rank,
+    VLLM_CPU_OMP_THREADS_BIND, as the 2-core machines here need): a `repack --tp 2 --backend cpu`
+    output, rank N's experts and non-expert tensors read from rank-N/, gives the source's tokens and
+    logprobs at TP 2 bit for bit."""
+    dst = tmp_path / "tp2"
+    code, out, err = mx("repack", ckpts["mx"], dst, "--backend", "cpu", "--tp", "2", "--device", "cpu", "--quiet")
+    assert code == 0, out + err
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_TP2_SITE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT / "src")]), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # fmt: skip
+
+    def run(path: Path, **kwargs: Any) -> Any:
+        r = subprocess.run([sys.executable, "-c", _TP2_RUN, str(path), json.dumps(kwargs), json.dumps(PROMPTS)],
+                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)  # fmt: skip
+        lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+        assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-4000:]
+        return json.loads(lines[-1][len("RESULT "):])
+
+    want = run(ckpts["mx"])
+    assert run(dst, load_format="mxconv") == want

@@ -24,7 +24,7 @@ from mxconv.layouts.canonical import LayoutSizes
 import mxconv.integrations.vllm.checks as checks
 from mxconv.integrations.vllm.mappings import BackendMapping
 from mxconv.integrations.vllm.quant import MxconvMoEMethod
-from mxconv.source.file_names import MANIFEST_NAME
+from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
 from mxconv.source.manifest import load_manifest
 from mxconv.source.st_format import torch_dtype
 
@@ -93,6 +93,17 @@ def check_layer(src: LayerSource, module: torch.nn.Module, mapping: BackendMappi
         raise BadInput(f"{root}: layer {src.layer} stores no {', '.join(absent)}")
 
 
+class _ModelAt:
+    """``model_config`` with ``model`` pointing at another directory (the weights vLLM's default loader
+    reads), every other attribute the config's own."""
+
+    def __init__(self, model_config: Any, path: Path) -> None:
+        self._config, self.model = model_config, str(path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
 class MxconvModelLoader(DefaultModelLoader):
     """``load_format="mxconv"``. ``model_loader_extra_config={"check_hashes": True}`` also compares each
     expert tensor's sha256 with the manifest's as it is read; sizes and dtypes are always checked."""
@@ -105,12 +116,19 @@ class MxconvModelLoader(DefaultModelLoader):
         # vLLM's default loader reads the non-expert tensors as the safetensors load format does
         super().__init__(dataclasses.replace(load_config, load_format="safetensors", model_loader_extra_config=extra))
         self._skip: set[str] = set()
+        self._weights_dir: Path | None = None  # rank-N/ of a TP output: its non-expert tensors, whole
 
     def get_all_weights(self, model_config: Any, model: torch.nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """vLLM's weights iterator over the output's files, less the expert tensors (read by this loader)."""
-        for name, tensor in super().get_all_weights(model_config, model):
+        """vLLM's weights iterator over the output's files (a TP output: this rank's ``rank-N/``, which
+        holds every non-expert tensor whole, for vLLM's own sharding), less the expert tensors (read by
+        this loader)."""
+        cfg = model_config if self._weights_dir is None else _ModelAt(model_config, self._weights_dir)
+        for name, tensor in super().get_all_weights(cfg, model):
             if name not in self._skip:
                 yield name, tensor
+
+    def download_model(self, model_config: Any) -> None:
+        """Nothing to download: an mxconv output is a local directory (checked in load_weights)."""
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         root = Path(str(model_config.model)).expanduser().resolve()
@@ -132,6 +150,7 @@ class MxconvModelLoader(DefaultModelLoader):
             check_layer(src, module, mapping, root)
             planned[layer] = (src, module)
         self._skip = expert_names(manifest)
+        self._weights_dir = checks.inside(root, rank_dir_name(rank)) if tp > 1 else None
         super().load_weights(model, model_config)  # every other tensor, vLLM's way
         for layer, (src, module) in planned.items():
             self._fill(src, module, mapping)
