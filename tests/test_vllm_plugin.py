@@ -252,9 +252,10 @@ def test_the_entry_point_is_the_register_function() -> None:
     assert getattr(importlib.import_module(module), attr) is plugin.register
 
 
-def _perturbed(src: Path, dst: Path) -> Path:
+def _perturbed(src: Path, dst: Path, non_experts: bool = False) -> Path:
     """``src`` with every routed-expert weight changed (MXFP4 blocks: bytes reversed; bf16: down_proj
-    doubled), everything else the same."""
+    doubled) and, with ``non_experts``, the attention and embedding weights scaled by 1.5; everything
+    else the same."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
@@ -262,21 +263,25 @@ def _perturbed(src: Path, dst: Path) -> Path:
         t = load_file(f)
         for name in [n for n in t if ".experts." in n and not n.endswith(("_bias", "_scales"))]:
             t[name] = t[name].flip(0).contiguous() if t[name].dtype == torch.uint8 else (t[name] * 2).contiguous()
+        for name in [n for n in t if non_experts and ("self_attn" in n or "embed" in n) and n.endswith("weight")]:
+            t[name] = (t[name].float() * 1.5).to(t[name].dtype)
         save_file(t, f, metadata={"format": "pt"})
     return dst
 
 
-@pytest.mark.parametrize("source, output", [("mx", "mx-cpu"), ("bf", "bf-cpu")])
+@pytest.mark.parametrize("source, output, non_experts", [("mx", "mx-cpu", False), ("bf", "bf-cpu", False),
+                                                         ("mx", "mx-cpu", True)])  # fmt: skip
 def test_refit_gives_the_tokens_of_a_fresh_load(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path,
-                                                source: str, output: str) -> None:  # fmt: skip
+                                                source: str, output: str, non_experts: bool) -> None:  # fmt: skip
     """refit(llm, NEW) into the parameters vLLM holds (same data_ptr) generates what a fresh load of NEW
-    converted by mxconv generates."""
+    converted by mxconv generates; NEW's attention and embedding weights changed too: they go through
+    vLLM's own reload."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from mxconv.integrations.vllm import refit
 
-    new = _perturbed(ckpts[source], tmp_path / "new")
+    new = _perturbed(ckpts[source], tmp_path / "new", non_experts)
     fresh = tmp_path / "fresh"
     if source == "bf":
         code, out, err = mx("quantize", new, tmp_path / "new-mx", "--format", "mxfp4", "--device", "cpu", "--quiet")
