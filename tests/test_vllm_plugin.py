@@ -252,9 +252,10 @@ def test_the_entry_point_is_the_register_function() -> None:
     assert getattr(importlib.import_module(module), attr) is plugin.register
 
 
-def _perturbed(src: Path, dst: Path) -> Path:
+def _perturbed(src: Path, dst: Path, non_experts: bool = False) -> Path:
     """``src`` with every routed-expert weight changed (MXFP4 blocks: bytes reversed; bf16: down_proj
-    doubled), everything else the same."""
+    doubled) and, with ``non_experts``, the attention and embedding weights scaled by 1.5; everything
+    else the same."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
@@ -262,21 +263,25 @@ def _perturbed(src: Path, dst: Path) -> Path:
         t = load_file(f)
         for name in [n for n in t if ".experts." in n and not n.endswith(("_bias", "_scales"))]:
             t[name] = t[name].flip(0).contiguous() if t[name].dtype == torch.uint8 else (t[name] * 2).contiguous()
+        for name in [n for n in t if non_experts and ("self_attn" in n or "embed" in n) and n.endswith("weight")]:
+            t[name] = (t[name].float() * 1.5).to(t[name].dtype)
         save_file(t, f, metadata={"format": "pt"})
     return dst
 
 
-@pytest.mark.parametrize("source, output", [("mx", "mx-cpu"), ("bf", "bf-cpu")])
+@pytest.mark.parametrize("source, output, non_experts", [("mx", "mx-cpu", False), ("bf", "bf-cpu", False),
+                                                         ("mx", "mx-cpu", True)])  # fmt: skip
 def test_refit_gives_the_tokens_of_a_fresh_load(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path,
-                                                source: str, output: str) -> None:  # fmt: skip
+                                                source: str, output: str, non_experts: bool) -> None:  # fmt: skip
     """refit(llm, NEW) into the parameters vLLM holds (same data_ptr) generates what a fresh load of NEW
-    converted by mxconv generates."""
+    converted by mxconv generates; NEW's attention and embedding weights changed too: they go through
+    vLLM's own reload."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from mxconv.integrations.vllm import refit
 
-    new = _perturbed(ckpts[source], tmp_path / "new")
+    new = _perturbed(ckpts[source], tmp_path / "new", non_experts)
     fresh = tmp_path / "fresh"
     if source == "bf":
         code, out, err = mx("quantize", new, tmp_path / "new-mx", "--format", "mxfp4", "--device", "cpu", "--quiet")
@@ -303,3 +308,99 @@ def test_refit_gives_the_tokens_of_a_fresh_load(vllm_here: Any, ckpts: dict[str,
            for o in outs]  # fmt: skip
     del llm
     assert got == want
+
+
+def _restored(out: Path, name: str, change: Any) -> None:
+    """Rewrite expert tensor ``name`` of output ``out`` as ``change(tensor)``, its manifest entry (shape,
+    dtype, sha256) rewritten to match: a damage only a check against vLLM's parameters can see."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    from mxconv.source.st_format import st_name
+
+    m = json.loads((out / "mxconv.json").read_text())
+    f = out / m["tensors"][name]["file"]
+    tensors = load_file(f)
+    tensors[name] = change(tensors[name]).contiguous()
+    save_file(tensors, f, metadata={"format": "pt"})
+    t = tensors[name]
+    m["tensors"][name].update(shape=list(t.shape), dtype=st_name(t.dtype),
+                              sha256=hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest())  # fmt: skip
+    (out / "mxconv.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("name, change, needles", [
+    ("model.layers.1.mlp.experts.w2_weight", lambda t: t[:, :, :-16],
+     ("layer 1 w2_weight", "vLLM holds torch.uint8[6, 96, 32]", "stores torch.uint8[6, 96, 16]")),
+    ("model.layers.0.mlp.experts.w13_bias", lambda t: t.bfloat16(),
+     ("layer 0 w13_bias", "vLLM's CPU conversion returns torch.float32[6, 128]", "stores torch.bfloat16[6, 128]")),
+])  # fmt: skip
+def test_refuses_a_wrong_size_or_dtype_before_reading_experts(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch, name: str, change: Any,
+                                                              needles: tuple[str, ...]) -> None:  # fmt: skip
+    """A stored expert tensor of another size or dtype than vLLM holds (manifest and file agreeing, so
+    the files' own check passes) is refused naming layer, tensor and both specs; no expert tensor of
+    any layer is read first."""
+    import mxconv.integrations.vllm.loader as plugin_loader
+
+    bad = _copy(ckpts["mx-cpu"], tmp_path / "bad")
+    _restored(bad, name, change)
+    reads: list[int] = []
+    real = plugin_loader.read_layer_tensors
+
+    def counted(src: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append(src.layer)
+        return real(src, *args, **kwargs)
+
+    monkeypatch.setattr(plugin_loader, "read_layer_tensors", counted)
+    _raises(vllm_here, bad, *needles, load_format="mxconv")
+    assert reads == []
+
+
+_TP2_SITE = """# this test's processes only: mxconv's plugin registered (its entry point is not installed in every test
+# environment) and, without AMX, vLLM's CPU MXFP4 gate lifted as the in-process tests lift it
+from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+import torch
+if not torch.cpu._is_amx_tile_supported():
+    cpu_moe.CPUExpertsMxfp4._supports_current_device = staticmethod(lambda: True)
+from mxconv.integrations.vllm import register
+register()
+"""
+
+_TP2_RUN = """import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+              tensor_parallel_size=2, **json.loads(sys.argv[2]))
+    sp = SamplingParams(max_tokens=8, temperature=0, logprobs=5, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[3])], sp, use_tqdm=False)
+    print("RESULT", json.dumps([[list(o.outputs[0].token_ids),
+                                 [{str(t): lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]] for o in outs]))
+"""
+
+
+def test_tp2_output_generates_what_the_source_generates_at_tp2(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's CPU build at tensor_parallel_size=2 (its worker processes; threads bound one core a rank,
+    VLLM_CPU_OMP_THREADS_BIND, as the 2-core machines here need): a `repack --tp 2 --backend cpu`
+    output, rank N's experts and non-expert tensors read from rank-N/, gives the source's tokens and
+    logprobs at TP 2 bit for bit."""
+    dst = tmp_path / "tp2"
+    code, out, err = mx("repack", ckpts["mx"], dst, "--backend", "cpu", "--tp", "2", "--device", "cpu", "--quiet")
+    assert code == 0, out + err
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_TP2_SITE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT / "src")]), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # fmt: skip
+
+    def run(path: Path, **kwargs: Any) -> Any:
+        r = subprocess.run([sys.executable, "-c", _TP2_RUN, str(path), json.dumps(kwargs), json.dumps(PROMPTS)],
+                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)  # fmt: skip
+        lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+        assert r.returncode == 0 and lines, (r.stdout + r.stderr)[-4000:]
+        return json.loads(lines[-1][len("RESULT "):])
+
+    want = run(ckpts["mx"])
+    assert run(dst, load_format="mxconv") == want

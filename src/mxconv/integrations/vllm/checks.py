@@ -50,13 +50,31 @@ def check_model(manifest: dict[str, Any], model_type: str | None, root: Path) ->
     return mapping_for(manifest.get("backend"), f"{root}: ")
 
 
+def served_by(manifest: dict[str, Any]) -> tuple[str, ...]:
+    """The vLLM MoE backends that hold the output's bytes and that its backend's mapping covers: the
+    manifest's ``served_vllm_backends`` (the one 'served by' rule, :mod:`mxconv.layouts.vllm_serving`),
+    else the layout's ``vllm_moe_backend``, else the mapping's own. BadInput when none is left."""
+    m = mapping_for(manifest.get("backend"))
+    lay = manifest.get("layout", {})
+    if "served_vllm_backends" in manifest:
+        names = [str(b) for b in manifest.get("served_vllm_backends") or ()]
+    else:
+        names = [str(lay["vllm_moe_backend"])] if lay.get("vllm_moe_backend") else list(m.vllm_backends)
+    held = tuple(b for b in names if b in m.vllm_backends)
+    if not held:
+        why = "; ".join(f"{b}: {r}" for b, r in (manifest.get("quant_config", {}).get("not_served") or {}).items())
+        raise BadInput(f"{manifest.get('backend')} output: no vLLM MoE backend holds these bytes"
+                       f"{' (' + why + ')' if why else ''}; repack the source for the vLLM that serves it")  # fmt: skip
+    return held
+
+
 def check_backend(manifest: dict[str, Any], selected: str, root: Path) -> None:
-    """The MoE backend vLLM selected here must be the one the output's bytes are for."""
-    want = str(manifest.get("layout", {}).get("vllm_moe_backend") or mapping_for(manifest.get("backend")).vllm_backend)
-    if selected != want:
-        raise BadInput(f"{root}: holds {manifest.get('backend')} kernel bytes for vLLM's {want} MXFP4 MoE backend, "
-                       f"but vLLM selected its {selected} backend on this machine (and its moe_backend setting): "
-                       f"{_repack_hint(selected)}, or run where vLLM selects {want}")  # fmt: skip
+    """The MoE backend vLLM selected here must be one the output's bytes are for."""
+    held = served_by(manifest)
+    if selected not in held:
+        raise BadInput(f"{root}: holds {manifest.get('backend')} kernel bytes for vLLM's {' / '.join(held)} MXFP4 MoE "
+                       f"backend, but vLLM selected its {selected} backend on this machine (and its moe_backend "
+                       f"setting): {_repack_hint(selected)}, or run where vLLM selects {held[0]}")  # fmt: skip
 
 
 def check_tp(manifest: dict[str, Any], tp_size: int, root: Path) -> None:
@@ -78,15 +96,16 @@ def check_dtype(manifest: dict[str, Any], dtype: str, root: Path) -> None:
 
 
 def check_param(root: Path, layer: int, name: str, param: tuple[tuple[int, ...], str],
-                stored: tuple[tuple[int, ...], str], manifest: dict[str, Any]) -> None:  # fmt: skip
-    """vLLM's parameter ``name`` (its padded shape and dtype) must be the stored tensor's."""
+                stored: tuple[tuple[int, ...], str], manifest: dict[str, Any], held_as: str = "vLLM holds") -> None:  # fmt: skip
+    """vLLM's parameter ``name`` (its padded shape and dtype), or what vLLM's conversion returns for it
+    (``held_as``), must be the stored tensor's."""
     if tuple(param[0]) == tuple(stored[0]) and param[1] == stored[1]:
         return
     lay = manifest.get("layout", {})
-    raise BadInput(f"{root}: layer {layer} {name}: vLLM holds {param[1]}{list(param[0])}, the output stores "
+    raise BadInput(f"{root}: layer {layer} {name}: {held_as} {param[1]}{list(param[0])}, the output stores "
                    f"{stored[1]}{list(stored[0])} (padded hidden {lay.get('padded_hidden_size')}, intermediate "
-                   f"{lay.get('padded_intermediate_size')} in mxconv.json): vLLM pads differently here; repack the "
-                   f"source for this vLLM and TP size")  # fmt: skip
+                   f"{lay.get('padded_intermediate_size')} in mxconv.json): vLLM pads differently here or the output "
+                   f"is damaged; repack the source for this vLLM and TP size")  # fmt: skip
 
 
 def inside(root: Path, name: str) -> Path:

@@ -19,10 +19,12 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from mxconv.engines.loader import LayerSource, layer_infos, read_layer_tensors, resolve_layer
 from mxconv.errors import BadInput
+from mxconv.layouts import get_layout
+from mxconv.layouts.canonical import LayoutSizes
 import mxconv.integrations.vllm.checks as checks
 from mxconv.integrations.vllm.mappings import BackendMapping
 from mxconv.integrations.vllm.quant import MxconvMoEMethod
-from mxconv.source.file_names import MANIFEST_NAME
+from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
 from mxconv.source.manifest import load_manifest
 from mxconv.source.st_format import torch_dtype
 
@@ -55,6 +57,53 @@ def moe_modules(model: torch.nn.Module, manifest: dict[str, Any], root: Path) ->
     return found
 
 
+def vllm_kernel_specs(src: LayerSource, module: torch.nn.Module) -> dict[str, Any]:
+    """The output's backend's kernel tensor specs (``layout.kernel_specs``) for this rank at vLLM's
+    padded sizes (vLLM's parameters: ``w2_weight`` is ``[E, Hp, Ip/2]``): what vLLM's conversion returns."""
+    m, lay = src.manifest, src.manifest.get("layout", {})
+    e, hp, ip = (int(v) for v in module.w2_weight.shape)
+    layout = get_layout(src.backend)
+    sizes = LayoutSizes(e, int(lay.get("hidden_size") or m["model"]["hidden_size"]), src.intermediate_size, hp, 2 * ip,
+                        str(m.get("model", {}).get("row_order") or "interleaved"), hasattr(module, "w13_bias"),
+                        str(m.get("weight_format") or "mxfp4"))  # fmt: skip
+    return dict(layout.kernel_specs(sizes, str(m.get("activation")), layout.resolve_options(lay.get("options") or {})))
+
+
+def check_layer(src: LayerSource, module: torch.nn.Module, mapping: BackendMapping, root: Path) -> None:
+    """Every path inside the output; each stored tensor of the shape and dtype of vLLM's parameter
+    (``into_params``) or of what vLLM's conversion returns at vLLM's padding (``kept_aside``: the
+    layout's kernel tensor specs for vLLM's padded sizes)."""
+    for key, f in src.files.items():
+        checks.inside(root, str(f.relative_to(root)) if f.is_relative_to(root) else str(f))
+    infos = layer_infos(src)
+    specs = vllm_kernel_specs(src, module)
+    for key, info in infos.items():
+        param = getattr(module, key, None)
+        if param is None or key not in specs:
+            raise BadInput(f"{root}: layer {src.layer} stores {key}, which vLLM's MoE layer does not have")
+        stored = (tuple(info.shape), str(torch_dtype(info.dtype)))
+        if key in mapping.into_params:
+            checks.check_param(root, src.layer, key, (tuple(param.shape), str(param.dtype)), stored, src.manifest)
+        else:
+            spec = specs[key]
+            checks.check_param(root, src.layer, key, (tuple(spec.shape), str(spec.dtype)), stored, src.manifest,
+                               f"vLLM's {mapping.vllm_backend} conversion returns")  # fmt: skip
+    absent = [k for k in (*mapping.into_params, *mapping.kept_aside) if k not in infos and "bias" not in k]
+    if absent:
+        raise BadInput(f"{root}: layer {src.layer} stores no {', '.join(absent)}")
+
+
+class _ModelAt:
+    """``model_config`` with ``model`` pointing at another directory (the weights vLLM's default loader
+    reads), every other attribute the config's own."""
+
+    def __init__(self, model_config: Any, path: Path) -> None:
+        self._config, self.model = model_config, str(path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
 class MxconvModelLoader(DefaultModelLoader):
     """``load_format="mxconv"``. ``model_loader_extra_config={"check_hashes": True}`` also compares each
     expert tensor's sha256 with the manifest's as it is read; sizes and dtypes are always checked."""
@@ -67,12 +116,19 @@ class MxconvModelLoader(DefaultModelLoader):
         # vLLM's default loader reads the non-expert tensors as the safetensors load format does
         super().__init__(dataclasses.replace(load_config, load_format="safetensors", model_loader_extra_config=extra))
         self._skip: set[str] = set()
+        self._weights_dir: Path | None = None  # rank-N/ of a TP output: its non-expert tensors, whole
 
     def get_all_weights(self, model_config: Any, model: torch.nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """vLLM's weights iterator over the output's files, less the expert tensors (read by this loader)."""
-        for name, tensor in super().get_all_weights(model_config, model):
+        """vLLM's weights iterator over the output's files (a TP output: this rank's ``rank-N/``, which
+        holds every non-expert tensor whole, for vLLM's own sharding), less the expert tensors (read by
+        this loader)."""
+        cfg = model_config if self._weights_dir is None else _ModelAt(model_config, self._weights_dir)
+        for name, tensor in super().get_all_weights(cfg, model):
             if name not in self._skip:
                 yield name, tensor
+
+    def download_model(self, model_config: Any) -> None:
+        """Nothing to download: an mxconv output is a local directory (checked in load_weights)."""
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         root = Path(str(model_config.model)).expanduser().resolve()
@@ -91,38 +147,23 @@ class MxconvModelLoader(DefaultModelLoader):
         for layer, module in sorted(modules.items()):
             checks.check_backend(manifest, module.quant_method.mxfp4_backend.value, root)
             src = resolve_layer(root, layer, rank=rank if tp > 1 else None, manifest=manifest, need_runner=False)
-            self._check_layer(src, module, mapping, root)
+            check_layer(src, module, mapping, root)
             planned[layer] = (src, module)
         self._skip = expert_names(manifest)
+        self._weights_dir = checks.inside(root, rank_dir_name(rank)) if tp > 1 else None
         super().load_weights(model, model_config)  # every other tensor, vLLM's way
         for layer, (src, module) in planned.items():
             self._fill(src, module, mapping)
-
-    def _check_layer(self, src: LayerSource, module: torch.nn.Module, mapping: BackendMapping, root: Path) -> None:
-        """Every path inside the output; each stored tensor of the shape and dtype vLLM's parameter has."""
-        for key, f in src.files.items():
-            checks.inside(root, str(f.relative_to(root)) if f.is_relative_to(root) else str(f))
-        infos = layer_infos(src)
-        for key, info in infos.items():
-            param = getattr(module, key, None)
-            if param is None:
-                raise BadInput(f"{root}: layer {src.layer} stores {key}, which vLLM's MoE layer does not have")
-            want_dtype = torch_dtype(info.dtype) if key in mapping.kept_aside else param.dtype
-            checks.check_param(root, src.layer, key, (tuple(param.shape), str(want_dtype)),
-                               (tuple(info.shape), str(torch_dtype(info.dtype))), src.manifest)  # fmt: skip
-        absent = [k for k in mapping.into_params if k not in infos]
-        if absent:
-            raise BadInput(f"{root}: layer {src.layer} stores no {', '.join(absent)}")
 
     def _fill(self, src: LayerSource, module: torch.nn.Module, mapping: BackendMapping) -> None:
         """Read the layer's stored tensors and copy them into vLLM's parameters (kept-aside ones held
         for the conversion step, which returns them)."""
         method: MxconvMoEMethod = module.quant_method
-        param = getattr(module, mapping.into_params[0])
-        tensors = read_layer_tensors(src, param.device, check_hashes=self.check_hashes)
+        tensors = read_layer_tensors(src, module.w2_weight.device, check_hashes=self.check_hashes)
         with torch.no_grad():
             for key in mapping.into_params:
-                getattr(module, key).data.copy_(tensors[key])
+                if key in tensors:
+                    getattr(module, key).data.copy_(tensors[key])
         method.mxconv_aside = {k: tensors[k] for k in mapping.kept_aside if k in tensors}
         method.mxconv_mapping = mapping
         method.mxconv_src = src  # where the layer came from (refit converts the same way)

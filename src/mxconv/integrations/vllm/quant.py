@@ -18,6 +18,8 @@ from mxconv.errors import BadInput
 from mxconv.integrations.vllm.checks import check_backend
 from mxconv.integrations.vllm.mappings import BackendMapping
 from mxconv.output.engine_quant_config import VLLM_LOAD_FORMAT, VLLM_QUANT_METHOD
+from mxconv.source.file_names import MANIFEST_NAME
+from mxconv.source.manifest import load_manifest
 
 _CONVERT = "convert_gpt_oss_weight_to_mxfp4_moe_kernel_format"  # the vLLM function the plugin steps in for
 _LAYER_HOOK = "_mxconv_converted"  # set on a layer only while vLLM converts it
@@ -66,8 +68,10 @@ class MxconvMoEMethod(GptOssMxfp4MoEMethod):
                            f"not {load_format!r}")  # fmt: skip
         super().__init__(moe)  # vLLM selects its MXFP4 MoE backend here (moe_backend honoured)
         if config.vllm_backend is not None:
-            check_backend({"backend": config.mxconv_backend, "layout": {"vllm_moe_backend": config.vllm_backend}},
-                          self.mxfp4_backend.value, root)  # fmt: skip
+            manifest = {"backend": config.mxconv_backend, "layout": {"vllm_moe_backend": config.vllm_backend}}
+            if (root / MANIFEST_NAME).is_file():  # its served_vllm_backends: every backend holding the bytes
+                manifest = load_manifest(root)
+            check_backend(manifest, self.mxfp4_backend.value, root)
         self.mxconv_mapping: BackendMapping | None = None  # set by the loader with the tensors below
         self.mxconv_aside: dict[str, Any] = {}
         self.mxconv_src: Any = None  # the LayerSource the loader read (mxconv.engines.loader)
@@ -82,10 +86,10 @@ class MxconvMoEMethod(GptOssMxfp4MoEMethod):
 
         def converted(kwargs: dict[str, Any]) -> tuple[Any, ...]:
             selected = kwargs["mxfp4_backend"].value
-            if selected != mapping.vllm_backend:
+            if selected not in mapping.vllm_backends:
                 raise BadInput(f"{_model_root()}: vLLM converts for {selected}, the output holds {mapping.vllm_backend} bytes")
             params = {k: kwargs[k].data for k in mapping.into_params}
-            return mapping.converted(params, self.mxconv_aside)
+            return mapping.converted(params, self.mxconv_aside, layer, self.mxconv_src.manifest)
 
         setattr(layer, _LAYER_HOOK, converted)
         try:

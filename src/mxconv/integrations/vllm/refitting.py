@@ -11,7 +11,11 @@ family reader, quantizes float experts as the output's were (its manifest's ``we
 intermediate channels, lays it out with the output's backend and copies it into the layer's
 parameters in place: no parameter is reallocated (same ``data_ptr``), so captured graphs stay valid.
 Every converted tensor is checked against the parameter (shape, element size) before that layer is
-written. Non-expert weights are not pushed: vLLM's own weight reload carries those.
+written. The non-expert tensors (attention, embeddings, norms, routers) go first, through vLLM's own
+in-place reload (``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``,
+vLLM 0.32: its layer-wise reload loads them with the model's weight loaders, re-runs each layer's
+post-load processing, e.g. the CPU build's linear prepack, and copies the result into the storage the
+engine holds); MoE layers receive nothing there and keep their kernel tensors until the experts follow.
 """
 
 from __future__ import annotations
@@ -33,13 +37,25 @@ from mxconv.run.options import QuantOptions, ScaleRounding
 from mxconv.source.checkpoint import open_checkpoint
 
 
-def refit(llm: Any, source: str | Path) -> list[int]:
-    """Push the routed experts of checkpoint ``source`` into ``llm`` (a ``vllm.LLM`` that loaded an
-    mxconv output with ``load_format="mxconv"``) on every worker; returns the MoE layers written (of
-    the first worker). BadInput when ``llm`` holds no mxconv-loaded layer, ``source`` lacks one of its
-    layers, or a layer converts to other shapes than vLLM holds."""
-    done = llm.apply_model(functools.partial(refit_model, str(Path(source).expanduser().resolve())))
+def refit(llm: Any, source: str | Path, non_experts: bool = True) -> list[int]:
+    """Push checkpoint ``source`` into ``llm`` (a ``vllm.LLM`` that loaded an mxconv output with
+    ``load_format="mxconv"``) on every worker: its non-expert tensors through vLLM's reload (unless
+    ``non_experts`` is false), then its routed experts; returns the MoE layers written (of the first
+    worker). BadInput when ``llm`` holds no mxconv-loaded layer, ``source`` lacks one of its layers, or
+    a layer converts to other shapes than vLLM holds."""
+    path = str(Path(source).expanduser().resolve())
+    if non_experts:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": non_expert_tensors(path), "is_checkpoint_format": True})
+    done = llm.apply_model(functools.partial(refit_model, path))
     return list(done[0])
+
+
+def non_expert_tensors(source: str) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of checkpoint ``source`` that no MoE layer's experts are built from, by checkpoint
+    name (what the model's ``load_weights`` takes), read whole."""
+    ckpt = open_checkpoint(source)
+    experts = {n for ref in detect_family(ckpt).layer_refs() for n in ref.source_names}
+    return [(name, ckpt.read(name)) for name in ckpt.tensors if name not in experts]
 
 
 def _stacks(layer: MoELayer) -> dict[str, torch.Tensor]:
