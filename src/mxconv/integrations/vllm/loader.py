@@ -119,13 +119,26 @@ class MxconvModelLoader(DefaultModelLoader):
         self._weights_dir: Path | None = None  # rank-N/ of a TP output: its non-expert tensors, whole
 
     def get_all_weights(self, model_config: Any, model: torch.nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
-        """vLLM's weights iterator over the output's files (a TP output: this rank's ``rank-N/``, which
-        holds every non-expert tensor whole, for vLLM's own sharding), less the expert tensors (read by
-        this loader)."""
+        """vLLM's weights over the output's files (a TP output: this rank's ``rank-N/``, which holds every
+        non-expert tensor whole, for vLLM's own sharding), less the expert tensors (read by this loader)."""
         cfg = model_config if self._weights_dir is None else _ModelAt(model_config, self._weights_dir)
-        for name, tensor in super().get_all_weights(cfg, model):
-            if name not in self._skip:
-                yield name, tensor
+        yield from super().get_all_weights(cfg, model)
+
+    def _get_weights_iterator(self, source: Any) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """The files vLLM's default loader picks (``_prepare_weights``), each tensor read unless it is an
+        expert tensor: those are skipped by name before a byte of them is read (vLLM's own iterator
+        reads every tensor of a file, so the experts would be read twice)."""
+        from safetensors import safe_open
+
+        _, files, use_safetensors, _ = self._prepare_weights(source.model_or_path, source.subfolder, source.revision,
+                                                             source.fall_back_to_pt, source.allow_patterns_overrides)  # fmt: skip
+        if not use_safetensors:
+            raise BadInput(f"{source.model_or_path}: no safetensors files; an mxconv output always has them")
+        for path in sorted(files):
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    if name not in self._skip:
+                        yield source.prefix + name, f.get_tensor(name)
 
     def download_model(self, model_config: Any) -> None:
         """Nothing to download: an mxconv output is a local directory (checked in load_weights)."""
