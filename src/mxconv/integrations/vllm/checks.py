@@ -7,10 +7,10 @@ string, ``selected`` the ``Mxfp4MoeBackend`` name vLLM picked, shapes are tuples
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from mxconv.errors import BadInput
 from mxconv.integrations.vllm.mappings import MAPPINGS, BackendMapping, mapping_for
+from mxconv.source.manifest import Manifest
 
 SUPPORTED_FAMILIES = ("gpt_oss",)  # vLLM model types whose MoE method the plugin wraps
 
@@ -22,12 +22,12 @@ def _repack_hint(vllm_backend: str) -> str:
         f"mxconv's vLLM plugin loads no output for vLLM's {vllm_backend} backend yet")
 
 
-def check_version(manifest: dict[str, Any], version: str, root: Path) -> None:
+def check_version(manifest: Manifest, version: str, root: Path) -> None:
     """vLLM ``version`` must satisfy the layout's ``engine_compat.vllm`` (a PEP 440 specifier set)."""
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
     from packaging.version import InvalidVersion, Version
 
-    spec = str((manifest.get("layout", {}).get("engine_compat") or {}).get("vllm") or "")
+    spec = str(manifest.layout.engine_compat.get("vllm") or "")
     try:
         ok = not spec or SpecifierSet(spec).contains(Version(Version(version).base_version), prereleases=True)
     except (InvalidSpecifier, InvalidVersion) as exc:
@@ -36,41 +36,41 @@ def check_version(manifest: dict[str, Any], version: str, root: Path) -> None:
     if not ok:
         raise BadInput(f"{root}: written for vLLM {spec} (layout.engine_compat.vllm in mxconv.json), and this is "
                        f"vLLM {version}: install a vLLM that matches, or repack the source with an mxconv "
-                       f"release whose {manifest.get('backend')} layout supports vLLM {version}")  # fmt: skip
+                       f"release whose {manifest.backend} layout supports vLLM {version}")  # fmt: skip
 
 
-def check_model(manifest: dict[str, Any], model_type: str | None, root: Path) -> BackendMapping:
+def check_model(manifest: Manifest, model_type: str | None, root: Path) -> BackendMapping:
     """A kernel-layout output of a family and backend the plugin loads; returns the backend's mapping."""
-    if manifest.get("kind") != "kernel":
-        raise BadInput(f"{root}: a {manifest.get('kind')} checkpoint, not a kernel-layout output (mxconv repack); "
+    if not manifest.is_kernel:
+        raise BadInput(f"{root}: a {manifest.kind} checkpoint, not a kernel-layout output (mxconv repack); "
                        "load it with vLLM's default load format")  # fmt: skip
     if model_type not in SUPPORTED_FAMILIES:
         raise BadInput(f"{root}: a {model_type} model; mxconv's vLLM plugin loads {', '.join(SUPPORTED_FAMILIES)} "
                        "outputs so far (use mxconv.engines.loader for the others)")  # fmt: skip
-    return mapping_for(manifest.get("backend"), f"{root}: ")
+    return mapping_for(manifest.backend, f"{root}: ")
 
 
-def check_backend(manifest: dict[str, Any], selected: str, root: Path) -> None:
+def check_backend(manifest: Manifest, selected: str, root: Path) -> None:
     """The MoE backend vLLM selected here must be the one the output's bytes are for."""
-    want = str(manifest.get("layout", {}).get("vllm_moe_backend") or mapping_for(manifest.get("backend")).vllm_backend)
+    want = str(manifest.layout.extra.get("vllm_moe_backend") or mapping_for(manifest.backend).vllm_backend)
     if selected != want:
-        raise BadInput(f"{root}: holds {manifest.get('backend')} kernel bytes for vLLM's {want} MXFP4 MoE backend, "
+        raise BadInput(f"{root}: holds {manifest.backend} kernel bytes for vLLM's {want} MXFP4 MoE backend, "
                        f"but vLLM selected its {selected} backend on this machine (and its moe_backend setting): "
                        f"{_repack_hint(selected)}, or run where vLLM selects {want}")  # fmt: skip
 
 
-def check_tp(manifest: dict[str, Any], tp_size: int, root: Path) -> None:
+def check_tp(manifest: Manifest, tp_size: int, root: Path) -> None:
     """vLLM's tensor-parallel size must be the output's (rank-N/ directory = TP rank N)."""
-    have = int(manifest.get("tp_size") or 1)
+    have = manifest.tp_size
     if have != tp_size:
         raise BadInput(f"{root}: written for tensor_parallel_size {have} (tp_size in mxconv.json), and vLLM runs "
                        f"with {tp_size}: start vLLM with tensor_parallel_size={have}, or repack the source with "
                        f"--tp {tp_size}")  # fmt: skip
 
 
-def check_dtype(manifest: dict[str, Any], dtype: str, root: Path) -> None:
+def check_dtype(manifest: Manifest, dtype: str, root: Path) -> None:
     """vLLM's model dtype must be the activation dtype the layout was written for."""
-    act = str(manifest.get("activation") or "bf16")
+    act = str(manifest.activation or "bf16")
     want = {"bf16": "bfloat16"}.get(act, act)
     if dtype.replace("torch.", "") != want:
         raise BadInput(f"{root}: written for {want} activations (activation {act} in mxconv.json), and vLLM runs "
@@ -78,14 +78,14 @@ def check_dtype(manifest: dict[str, Any], dtype: str, root: Path) -> None:
 
 
 def check_param(root: Path, layer: int, name: str, param: tuple[tuple[int, ...], str],
-                stored: tuple[tuple[int, ...], str], manifest: dict[str, Any]) -> None:  # fmt: skip
+                stored: tuple[tuple[int, ...], str], manifest: Manifest) -> None:  # fmt: skip
     """vLLM's parameter ``name`` (its padded shape and dtype) must be the stored tensor's."""
     if tuple(param[0]) == tuple(stored[0]) and param[1] == stored[1]:
         return
-    lay = manifest.get("layout", {})
+    lay = manifest.layout
     raise BadInput(f"{root}: layer {layer} {name}: vLLM holds {param[1]}{list(param[0])}, the output stores "
-                   f"{stored[1]}{list(stored[0])} (padded hidden {lay.get('padded_hidden_size')}, intermediate "
-                   f"{lay.get('padded_intermediate_size')} in mxconv.json): vLLM pads differently here; repack the "
+                   f"{stored[1]}{list(stored[0])} (padded hidden {lay.padded_hidden_size}, intermediate "
+                   f"{lay.padded_intermediate_size} in mxconv.json): vLLM pads differently here; repack the "
                    f"source for this vLLM and TP size")  # fmt: skip
 
 

@@ -23,24 +23,24 @@ import mxconv.integrations.vllm.checks as checks
 from mxconv.integrations.vllm.mappings import BackendMapping
 from mxconv.integrations.vllm.quant import MxconvMoEMethod
 from mxconv.source.file_names import MANIFEST_NAME
-from mxconv.source.manifest import load_manifest
+from mxconv.source.manifest import Manifest, load_manifest
 from mxconv.source.st_format import torch_dtype
 
 EXTRA_KEYS = ("check_hashes",)  # model_loader_extra_config keys this loader takes (the rest go to vLLM's)
 
 
-def expert_names(manifest: dict[str, Any]) -> set[str]:
+def expert_names(manifest: Manifest) -> set[str]:
     """Checkpoint names of the output's expert tensors (the loader reads them itself)."""
     out = set()
-    for key, entry in manifest.get("tensors", {}).items():
-        if entry.get("role") == "expert":
+    for key, entry in manifest.tensors.items():
+        if entry.role == "expert":
             out.add(key.split("/", 1)[1] if key.startswith("rank-") else key)
     return out
 
 
-def moe_modules(model: torch.nn.Module, manifest: dict[str, Any], root: Path) -> dict[int, torch.nn.Module]:
+def moe_modules(model: torch.nn.Module, manifest: Manifest, root: Path) -> dict[int, torch.nn.Module]:
     """{manifest layer: vLLM MoE module with mxconv's method}; BadInput unless they pair one to one."""
-    prefixes = {int(l["layer"]): str(l["module_prefix"]) + ".experts" for l in manifest.get("layers", [])}
+    prefixes = {entry.layer: entry.module_prefix + ".experts" for entry in manifest.layers}
     found: dict[int, torch.nn.Module] = {}
     for name, module in model.named_modules():
         if not isinstance(getattr(module, "quant_method", None), MxconvMoEMethod):
