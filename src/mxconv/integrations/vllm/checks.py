@@ -52,9 +52,15 @@ def check_model(manifest: Manifest, model_type: str | None, root: Path) -> Backe
 
 def check_backend(manifest: Manifest, selected: str, root: Path) -> None:
     """The MoE backend vLLM selected here must be the one the output's bytes are for."""
-    want = str(manifest.layout.extra.get("vllm_moe_backend") or mapping_for(manifest.backend).vllm_backend)
+    vllm_backend = manifest.layout.extra.get("vllm_moe_backend")
+    check_selected_backend(manifest.backend, None if vllm_backend is None else str(vllm_backend), selected, root)
+
+
+def check_selected_backend(backend: str | None, vllm_backend: str | None, selected: str, root: Path) -> None:
+    """vLLM's selected MoE backend must be ``vllm_backend`` (None: the one mxconv's ``backend`` maps to)."""
+    want = str(vllm_backend or mapping_for(backend).vllm_backend)
     if selected != want:
-        raise BadInput(f"{root}: holds {manifest.backend} kernel bytes for vLLM's {want} MXFP4 MoE backend, "
+        raise BadInput(f"{root}: holds {backend} kernel bytes for vLLM's {want} MXFP4 MoE backend, "
                        f"but vLLM selected its {selected} backend on this machine (and its moe_backend setting): "
                        f"{_repack_hint(selected)}, or run where vLLM selects {want}")  # fmt: skip
 

@@ -15,7 +15,7 @@ from vllm.model_executor.layers.quantization import mxfp4 as vllm_mxfp4
 from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config, GptOssMxfp4MoEMethod
 
 from mxconv.errors import BadInput
-from mxconv.integrations.vllm.checks import check_backend
+from mxconv.integrations.vllm.checks import check_selected_backend
 from mxconv.integrations.vllm.mappings import BackendMapping
 from mxconv.output.engine_quant_config import VLLM_LOAD_FORMAT, VLLM_QUANT_METHOD
 
@@ -66,8 +66,7 @@ class MxconvMoEMethod(GptOssMxfp4MoEMethod):
                            f"not {load_format!r}")  # fmt: skip
         super().__init__(moe)  # vLLM selects its MXFP4 MoE backend here (moe_backend honoured)
         if config.vllm_backend is not None:
-            check_backend({"backend": config.mxconv_backend, "layout": {"vllm_moe_backend": config.vllm_backend}},
-                          self.mxfp4_backend.value, root)  # fmt: skip
+            check_selected_backend(config.mxconv_backend, config.vllm_backend, self.mxfp4_backend.value, root)
         self.mxconv_mapping: BackendMapping | None = None  # set by the loader with the tensors below
         self.mxconv_aside: dict[str, Any] = {}
         self.mxconv_src: Any = None  # the LayerSource the loader read (mxconv.engines.loader)
