@@ -33,6 +33,7 @@ EXPECTED = {
     (VLLM, K.CT_INT4, G.SM90): "HUMMING", (VLLM, K.CT_INT4, G.SM100): "FLASHINFER_TRTLLM", (VLLM, K.CT_INT4, G.SM120): "MARLIN",
     (VLLM, K.CT_INT4, G.GFX950): "TRITON",
     (VLLM, K.CT_MXFP8, G.SM90): "HUMMING", (VLLM, K.CT_MXFP8, G.SM100): "FLASHINFER_TRTLLM", (VLLM, K.CT_MXFP8, G.SM120): "MARLIN",
+    (VLLM, K.CT_MXFP8, G.GFX950): "TRITON_MXFP8", (VLLM, K.CT_MXFP8, G.CPU): "EMULATION",
     **{(VLLM, K.MXCONV_MXFP8, g): None for g in G},
     (SGLANG, K.GPT_OSS_MXFP4, G.SM100): "flashinfer_mxfp4 (trtllm_sm100)",
     (SGLANG, K.GPT_OSS_MXFP4, G.SM120): "flashinfer_mxfp4 (cutlass_sm120)",
@@ -62,15 +63,22 @@ def test_each_row_pick(key: tuple) -> None:
     assert p.cite and p.why  # every row says where it comes from and why
 
 
+def mxfp4_holders(name: str) -> list[dict]:
+    """Holders of the Mxfp4MoeBackend value ``name``: under the two methods that load MXFP4 (the same names,
+    EMULATION, MARLIN, HUMMING, XPU, are Fp8MoeBackend values too, held by MXFP8 outputs)."""
+    return [h for m in (VllmMethod.MXFP4, VllmMethod.CT_MXFP4) for h in holders(name, m)]
+
+
 def test_every_vllm_mxfp4_backend_is_held_or_has_a_reason() -> None:
     assert set(MXFP4_BACKENDS) == set(VLLM_MXFP4_ENUM)
     for name in VLLM_MXFP4_ENUM:
-        assert holders(name) or MXFP4_BACKENDS[name], f"{name}: neither held by an mxconv output nor explained"
-        assert not (holders(name) and MXFP4_BACKENDS[name]), f"{name}: held by {holders(name)}, yet a stale reason says none is"
+        held = mxfp4_holders(name)
+        assert held or MXFP4_BACKENDS[name], f"{name}: neither held by an mxconv output nor explained"
+        assert not (held and MXFP4_BACKENDS[name]), f"{name}: held by {held}, yet a stale reason says none is"
     # the canonical outputs hold XPU and EMULATION as is
-    assert {h["output"] for h in holders("XPU")} == {f"canonical ({lay})" for lay in CANONICAL_VLLM_BACKENDS}
-    assert [h["output"] for h in holders("EMULATION")] == ["canonical (canonical-gpt-oss)"]
-    assert ("repack --backend triton --activation bf16") in {h["output"] for h in holders("TRITON")}
+    assert {h["output"] for h in mxfp4_holders("XPU")} == {f"canonical ({lay})" for lay in CANONICAL_VLLM_BACKENDS}
+    assert [h["output"] for h in mxfp4_holders("EMULATION")] == ["canonical (canonical-gpt-oss)"]
+    assert ("repack --backend triton --activation bf16") in {h["output"] for h in mxfp4_holders("TRITON")}
 
 
 def test_a_backend_registered_later_is_joined_by_its_vllm_backends() -> None:
@@ -93,10 +101,12 @@ def test_a_backend_registered_later_is_joined_by_its_vllm_backends() -> None:
 
 
 def test_a_pick_no_output_holds_says_so() -> None:
-    """Compressed-tensors MXFP8 on SM90 goes to HUMMING through the FP8 oracle, which no layout records."""
-    row = pick_row(VLLM, K.CT_MXFP8, G.SM90, MODEL)
-    assert row["backend"] == "HUMMING" and row["held_by"] == []
-    assert row["note"].startswith("no mxconv output records holding vllm-0.33's HUMMING bytes")
+    """Compressed-tensors MXFP8 on SM100 goes to FLASHINFER_TRTLLM through the FP8 oracle, which no
+    layout's vllm_mxfp8_backends names."""
+    row = pick_row(VLLM, K.CT_MXFP8, G.SM100, MODEL)
+    assert row["backend"] == "FLASHINFER_TRTLLM" and row["held_by"] == []
+    assert row["note"] == ("no mxconv output holds FLASHINFER_TRTLLM bytes yet: the TRT-LLM MXFP8 x MXFP8 weight shuffle "
+                           "of prepare_fp8_moe_layer_for_fi (issue 32 item 1)")
     sm100 = pick_row(VLLM, K.CT_INT4, G.SM100, MODEL)  # a WNA16 pick no layout's vllm_int4_backends names
     assert sm100["held_by"] == [] and sm100["note"] == "no mxconv output holds FLASHINFER_TRTLLM bytes yet"
 
@@ -114,13 +124,28 @@ def test_ct_int4_on_sm90_is_held_by_repack_backend_humming() -> None:
         {"output": "repack --backend humming --activation bf16", "backend": "humming", "activation": "bf16", "weight_format": "int4"}]
 
 
+def test_ct_mxfp8_on_sm90_is_held_by_repack_backend_humming() -> None:
+    """MXFP8 -> Fp8MoeBackend.HUMMING on SM90 under CompressedTensorsW8A8Mxfp8MoEMethod: held by the humming
+    layout's MXFP8 form (vllm_mxfp8_backends), unpadded; the Fp8MoeBackend holders are not the Mxfp4MoeBackend
+    ones of the same name."""
+    model = dict(MODEL, hidden_size=7168, intermediate_size=2048, activation="silu", row_order="halves", has_expert_bias=False)
+    row = pick_row(VLLM, K.CT_MXFP8, G.SM90, model)
+    assert row["backend"] == "HUMMING" and row["engine_padding"] == [7168, 2048] and "note" not in row
+    assert [(h["output"], h["padded"], h["refusal"]) for h in row["held_by"]] == [
+        ("repack --backend humming --activation bf16 --format mxfp8", [7168, 2048], None)]
+    assert holders("HUMMING", VllmMethod.CT_MXFP8) == [
+        {"output": "repack --backend humming --activation bf16 --format mxfp8", "backend": "humming", "activation": "bf16",
+         "weight_format": "mxfp8"}]
+    assert row["method"] == "CompressedTensorsW8A8Mxfp8MoEMethod"
+
+
 def test_padding_is_vllm_padded_sizes_and_compressed_tensors_pads_nothing() -> None:
     trt = picks(VLLM, K.GPT_OSS_MXFP4, G.SM100)
     assert engine_padding(trt, 2880, 1440, "swigluoai") == vllm_padded_sizes(trt.backend, 2880, 1440, "swigluoai") == (3072, 1536)
     ct = picks(VLLM, K.CT_MXFP4, G.SM90)
     assert engine_padding(ct, 2880, 1440, "silu") == (2880, 1440)
     assert engine_padding(picks(VLLM, K.CT_INT4, G.SM90), 7168, 2048, "silu") == (7168, 2048)  # WNA16 pads nothing
-    assert engine_padding(picks(VLLM, K.CT_MXFP8, G.SM90), 7168, 2048, "silu") is None  # the FP8 oracle: not known
+    assert engine_padding(picks(VLLM, K.CT_MXFP8, G.SM90), 7168, 2048, "silu") == (7168, 2048)  # MXFP8 pads nothing
 
 
 def test_a_holder_padded_otherwise_says_why() -> None:

@@ -29,6 +29,7 @@ from mxconv.engines.loader import (
     run_kernel_layer,
 )
 from mxconv.engines.runner import KERNEL_THRESHOLDS
+from mxconv.examples import make_checkpoint
 from mxconv.families import detect_family
 from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.source.checkpoint import open_checkpoint
@@ -79,7 +80,8 @@ def _reference(q4: Path, layer: int) -> tuple[torch.Tensor, Routing, torch.Tenso
     rb = ck.read(ref.router_bias).float() if ref.router_bias else None
     r = route(x, rw, info, rb)
     fn = expert_fn(lay.w13_mx, lay.w2_mx, lay.w13_bias, lay.w2_bias)
-    canon = CanonicalExperts(lay.w13_mx.data, lay.w13_mx.scales, lay.w2_mx.data, lay.w2_mx.scales, lay.w13_bias, lay.w2_bias, lay.row_order)
+    canon = CanonicalExperts(lay.w13_mx.data, lay.w13_mx.scales, lay.w2_mx.data, lay.w2_mx.scales, lay.w13_bias, lay.w2_bias,
+                             lay.row_order, lay.w13_mx.fmt)  # fmt: skip
     logits = x @ rw.t() + (rb if rb is not None else 0)
     return x, r, moe_forward(x, r, fn, info.num_experts, info, lay.row_order), canon, logits
 
@@ -159,7 +161,8 @@ def _swap_gate_up(c: CanonicalExperts) -> CanonicalExperts:
         I = c.w13.shape[1] // 2
         perm = torch.cat([torch.arange(I, 2 * I), torch.arange(I)])
     rows = lambda t: None if t is None else t[:, perm].contiguous()
-    return CanonicalExperts(rows(c.w13), rows(c.w13_scale), c.w2, c.w2_scale, rows(c.w13_bias), c.w2_bias, c.row_order)
+    return CanonicalExperts(rows(c.w13), rows(c.w13_scale), c.w2, c.w2_scale, rows(c.w13_bias), c.w2_bias, c.row_order,
+                            c.weight_format)  # fmt: skip
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -226,3 +229,46 @@ def run_planted_bugs(case: Case, src: LayerSource, tag: str) -> None:
         plant(tensors)
         eng = build_engine_layer(src, tensors)
         _check(f"{tag}/{bug}", eng.forward(x.cuda(), r.ids, r.weights), ref, r, False, experts=list(hot))
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP8 experts through vLLM's Marlin MoE GEMM (Fp8MoeBackend.MARLIN; layouts/marlin_mxfp8.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mxfp8_marlin(tmp_path_factory) -> Case:
+    """A Qwen-style layer (H 256, I 192) quantized to MXFP8 and repacked for marlin at TP 1 (I as is)
+    and TP 2 (96 per rank: vLLM's per-half padding to 128 inside the tensors)."""
+    root = tmp_path_factory.mktemp("marlin-mxfp8")
+    make_checkpoint(root / "src", "qwen3-moe", hidden_size=256, intermediate_size=192, num_experts=8, top_k=2)
+    code, text = mx("quantize", root / "src", root / "q8", "--format", "mxfp8", "--quiet", "--device", "cpu")
+    assert code == 0, text
+    outputs = {}
+    for name, tp in (("marlin", "1"), ("marlin-tp2", "2")):
+        code, text = mx("repack", root / "q8", root / name, "--backend", "marlin", "--tp", tp, "--quiet", "--device", "cpu")
+        assert code == 0, text
+        outputs[name] = root / name
+    return Case("qwen", root / "q8", outputs)
+
+
+@pytest.mark.parametrize("name", ["marlin", "marlin-tp2"])
+def test_mxfp8_marlin_kernel_matches_reference(mxfp8_marlin: Case, name: str) -> None:
+    """vLLM's moe_wna16_marlin_gemm (float8_e4m3fn weights, E8M0 group-32 scales, bf16 activations) on
+    the files, layers 0 and 1, within the kernel bound of the fp32 reference on the MXFP8 weights;
+    ``verify --kernel --reference`` passes."""
+    need_kernels("marlin")
+    out_dir = mxfp8_marlin.outputs[name]
+    manifest = load_manifest(out_dir)
+    assert manifest["weight_format"] == "mxfp8" and manifest["layout"]["variant"] == "mxfp8"
+    for layer in (0, 1):
+        x, r, ref, _, _ = _reference(mxfp8_marlin.q4, layer)
+        _check(f"qwen/mxfp8-{name}/layer{layer}", run_kernel_layer(out_dir, manifest, layer, x, r), ref, r, True)
+    code, text = mx("verify", out_dir, "--kernel", "--reference", mxfp8_marlin.q4)
+    assert code == 0, text
+
+
+def test_mxfp8_marlin_planted_bugs_exceed_the_bound(mxfp8_marlin: Case) -> None:
+    """Swapped experts, swapped gate/up, permuted and flipped w2 scale bytes each leave the bound."""
+    need_kernels("marlin")
+    run_planted_bugs(mxfp8_marlin, resolve_layer(mxfp8_marlin.outputs["marlin"], 0), "qwen/marlin-mxfp8")

@@ -8,6 +8,9 @@
 2. Kernel: outputs repacked from the quantized test checkpoints (TP 1 and 2) run through humming's
    GEMMs (``mxconv.engines.humming_moe``) within the kernel bound of the reference; ``verify
    --kernel --reference`` passes; planted layout bugs fail the bound.
+3. The same for MXFP8 experts (vLLM's Fp8MoeBackend.HUMMING: nothing padded by vLLM, humming's
+   ``ModeloptMxfp8WeightSchema``, which ``_humming_fp8_weight_schema`` picks for E8M0 scales) and
+   compressed-tensors INT4.
 """
 
 from __future__ import annotations
@@ -92,6 +95,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().cpu().view(torch.uint8)
 
 
+def _same_bytes(w: str, theirs: dict[str, torch.Tensor], cpu: dict[str, torch.Tensor], gpu: dict[str, torch.Tensor]) -> None:
+    """humming's tensors of GEMM ``w`` equal mxconv's CPU and CUDA ones: shape, dtype and bytes."""
+    for name, t in theirs.items():
+        ours = cpu[f"{w}_{name}"]
+        assert tuple(t.shape) == tuple(ours.shape) and t.dtype == ours.dtype, (w, name, t.shape, t.dtype, ours.shape)
+        assert torch.equal(_bytes(t), _bytes(ours)), f"{w}_{name}: bytes differ from humming's transform"
+        assert torch.equal(_bytes(gpu[f"{w}_{name}"]), _bytes(ours)), f"{w}_{name}: CUDA path differs"
+
+
 @pytest.mark.parametrize("order,bias,H,I", [("halves", False, 192, 96), ("interleaved", True, 160, 224),
                                             ("halves", True, 1440, 352)])  # fmt: skip
 def test_bytes_equal_hummings_own_transform(order: str, bias: bool, H: int, I: int) -> None:
@@ -112,11 +124,7 @@ def test_bytes_equal_hummings_own_transform(order: str, bias: bool, H: int, I: i
         config, theirs = _humming_transform(tensors, w, n, k, c.num_experts, method, bias)
         assert config == LayerConfig(**configs[w]), (config, configs[w])
         assert sorted(theirs) == sorted(x.removeprefix(f"{w}_") for x in cpu if x.startswith(f"{w}_"))
-        for name, t in theirs.items():
-            ours = cpu[f"{w}_{name}"]
-            assert tuple(t.shape) == tuple(ours.shape) and t.dtype == ours.dtype, (w, name, t.shape, t.dtype, ours.shape)
-            assert torch.equal(_bytes(t), _bytes(ours)), f"{w}_{name}: bytes differ from humming's transform"
-            assert torch.equal(_bytes(gpu[f"{w}_{name}"]), _bytes(ours)), f"{w}_{name}: CUDA path differs"
+        _same_bytes(w, theirs, cpu, gpu)
 
 
 @pytest.fixture(scope="module")
@@ -125,26 +133,40 @@ def humming_cases(tmp_path_factory) -> dict[str, Case]:
     return repacked_cases(tmp_path_factory.mktemp("humming-gpu"), repacks, required=True)
 
 
+@pytest.fixture(scope="module")
+def humming_mxfp8_cases(tmp_path_factory) -> dict[str, Case]:
+    """The same repacks of the test checkpoints quantized to MXFP8 (vLLM's Fp8MoeBackend.HUMMING form)."""
+    repacks = {"humming": ["--backend", "humming"], "humming-tp2": ["--backend", "humming", "--tp", "2"]}
+    return repacked_cases(tmp_path_factory.mktemp("humming-mxfp8-gpu"), repacks, required=True, fmt="mxfp8")
+
+
+def _cases(request: pytest.FixtureRequest, fmt: str) -> dict[str, Case]:
+    return request.getfixturevalue("humming_cases" if fmt == "mxfp4" else "humming_mxfp8_cases")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 @pytest.mark.parametrize("family", list(KINDS))
 @pytest.mark.parametrize("name", ["humming", "humming-tp2"])
-def test_kernel_matches_reference(humming_cases: dict[str, Case], family: str, name: str) -> None:
+def test_kernel_matches_reference(request: pytest.FixtureRequest, fmt: str, family: str, name: str) -> None:
     _humming()
-    case = humming_cases[family]
+    case = _cases(request, fmt)[family]
     out_dir = case.outputs[name]
     manifest = load_manifest(out_dir)
+    assert manifest["weight_format"] == fmt
     for layer in (0, 1):
         x, r, ref, _, _ = _reference(case.q4, layer)
         got = run_kernel_layer(out_dir, manifest, layer, x, r)
-        _check(f"{family}/{name}/layer{layer}", got, ref, r, True)
+        _check(f"{family}/{fmt}-{name}/layer{layer}", got, ref, r, True)
     code, text = mx("verify", out_dir, "--kernel", "--reference", case.q4)
     assert code == 0, text
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 @pytest.mark.parametrize("family", list(KINDS))
-def test_planted_bugs_exceed_the_bound(humming_cases: dict[str, Case], family: str) -> None:
+def test_planted_bugs_exceed_the_bound(request: pytest.FixtureRequest, fmt: str, family: str) -> None:
     _humming()
-    case = humming_cases[family]
-    run_planted_bugs(case, resolve_layer(case.outputs["humming"], 0), f"{family}/humming")
+    case = _cases(request, fmt)[family]
+    run_planted_bugs(case, resolve_layer(case.outputs["humming"], 0), f"{family}/humming-{fmt}")
 
 
 # --- compressed-tensors INT4 (vLLM WNA16 -> HUMMING): layouts/humming_int4.py -------------------
@@ -179,11 +201,7 @@ def test_int4_bytes_equal_hummings_own_transform(codes: str, low: int, H: int, I
         config, theirs = _humming_transform(vllm, w, n, k, E, CT_INT4, False)
         assert config == LayerConfig(**configs[w]), (config, configs[w])
         assert sorted(theirs) == ["weight", "weight_scale"]
-        for name, t in theirs.items():
-            ours = cpu[f"{w}_{name}"]
-            assert tuple(t.shape) == tuple(ours.shape) and t.dtype == ours.dtype, (w, name, t.shape, t.dtype, ours.shape)
-            assert torch.equal(_bytes(t), _bytes(ours)), f"{w}_{name}: bytes differ from humming's transform"
-            assert torch.equal(_bytes(gpu[f"{w}_{name}"]), _bytes(ours)), f"{w}_{name}: CUDA path differs"
+        _same_bytes(w, theirs, cpu, gpu)
 
 
 @pytest.mark.parametrize("tp", ["1", "2"])
@@ -209,3 +227,38 @@ def test_int4_kernel_verify_passes_and_a_planted_swap_fails(tmp_path, tp: str) -
     patch_tensor(out, name, lambda t: t[[1, 0, *range(2, t.shape[0])]].contiguous(), fix_manifest=True)
     code, text = mx("verify", out, "--kernel", "--reference", src)
     assert code != 0, text
+
+
+# --- MXFP8 experts (vLLM Fp8MoeBackend.HUMMING): layouts/humming_mx.py ------------------------------
+
+MXFP8_SCHEMA = {"quant_method": "modelopt", "quant_algo": "mxfp8"}  # _humming_fp8_weight_schema for E8M0 scales
+
+
+@pytest.mark.parametrize("order,bias,H,I", [("halves", False, 192, 96), ("interleaved", True, 160, 224),
+                                            ("halves", True, 1440, 352)])  # fmt: skip
+def test_mxfp8_bytes_equal_hummings_own_transform(order: str, bias: bool, H: int, I: int) -> None:
+    """The MXFP8 layer as vLLM's MXFP8 methods hold it (float8_e4m3fn [E, N, K], uint8 E8M0 scales, nothing
+    padded) through humming's ModeloptMxfp8WeightSchema and prepare_and_transform_humming_tensors."""
+    _humming()
+    from humming.config import LayerConfig
+
+    g = torch.Generator().manual_seed(H + I)
+    u8 = lambda *s, lo=0, hi=256: torch.randint(lo, hi, s, dtype=torch.uint8, generator=g)  # noqa: E731
+    E = 4
+    c = CanonicalExperts(u8(E, 2 * I, H, hi=0x7F), u8(E, 2 * I, H // 32, lo=112, hi=136), u8(E, H, I, hi=0x7F),
+                         u8(E, H, I // 32, lo=112, hi=136),
+                         torch.randn(E, 2 * I, generator=g).to(torch.bfloat16) if bias else None,
+                         torch.randn(E, H, generator=g).to(torch.bfloat16) if bias else None, order, "mxfp8")  # fmt: skip
+    layout = get_layout("humming")
+    opts = layout.resolve_options()
+    cpu = layout.to_kernel(c, "bf16", opts)
+    gpu = layout.to_kernel(c.to("cuda"), "bf16", opts)
+    configs = layout.describe(c.sizes(H, I), "bf16", opts)["layer_configs"]
+    for w, n, k in (("w13", 2 * I, H), ("w2", H, I)):
+        vllm = {"weight": getattr(c, w).view(torch.float8_e4m3fn), "weight_scale": getattr(c, f"{w}_scale")}
+        if bias:
+            vllm["bias"] = getattr(c, f"{w}_bias")
+        config, theirs = _humming_transform(vllm, w, n, k, E, MXFP8_SCHEMA, bias)
+        assert config == LayerConfig(**configs[w]), (config, configs[w])
+        assert sorted(theirs) == sorted(x.removeprefix(f"{w}_") for x in cpu if x.startswith(f"{w}_"))
+        _same_bytes(w, theirs, cpu, gpu)

@@ -506,7 +506,8 @@ def test_other_backends_refuse_int4(kimi: GroundTruth, tmp_path: Path, backend: 
     act = get_layout(backend).activations[0]
     code, _, err = mx("repack", kimi.path, tmp_path / "out", "--backend", backend, "--activation", act, "--device", "cpu")
     assert code == 2
-    assert f"experts are int4 (compressed-tensors INT4, bf16 group scales); backend {backend} takes mxfp4 experts only" in err
+    takes = ", ".join(get_layout(backend).weight_formats)  # mxfp4 (and mxfp8 for marlin)
+    assert f"experts are int4 (compressed-tensors INT4, bf16 group scales); backend {backend} takes {takes} experts only" in err
     assert "backends that take int4: trtllm, humming" in err
     assert not (tmp_path / "out" / "mxconv.json").exists()
 
@@ -582,4 +583,4 @@ def test_inspect_of_an_int4_source_shows_what_repack_does(kimi: GroundTruth) -> 
     assert "bf16 activations only" in rows["trtllm", "mxfp8"]["error"]
     for (backend, _), r in rows.items():
         if backend not in INT4_BACKENDS:
-            assert r["error"].startswith("takes mxfp4 experts, not int4"), r
+            assert r["error"].startswith(f"takes {', '.join(get_layout(backend).weight_formats)} experts, not int4"), r

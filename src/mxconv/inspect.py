@@ -22,11 +22,11 @@ from mxconv.source.manifest import Manifest, load_manifest, missing_manifest_mes
 from mxconv.layouts.vllm_serving import OutputForm, served_backends, served_methods, vllm_serving
 
 
-def canonical_expert_bytes(E: int, H: int, I: int, has_bias: bool, scale_bytes: int = 1) -> int:
-    """Canonical (unpadded) bytes of one layer's 4-bit experts, bf16 biases included: MXFP4
-    (``scale_bytes`` 1, E8M0 scales) or INT4 (2, bf16 group-32 scales)."""
-    w13 = 2 * I * (H // 2 + scale_bytes * H // 32)
-    w2 = H * (I // 2 + scale_bytes * I // 32)
+def canonical_expert_bytes(E: int, H: int, I: int, has_bias: bool, scale_bytes: int = 1, per_byte: int = 2) -> int:
+    """Canonical (unpadded) bytes of one layer's experts, bf16 biases included: MXFP4 (``scale_bytes``
+    1, E8M0 scales; ``per_byte`` 2 values a byte), MXFP8 (1, 1) or INT4 (2, 2: bf16 group-32 scales)."""
+    w13 = 2 * I * (H // per_byte + scale_bytes * H // 32)
+    w2 = H * (I // per_byte + scale_bytes * I // 32)
     bias = 2 * (2 * I + H) if has_bias else 0
     return E * (w13 + w2) + E * bias
 
@@ -35,22 +35,25 @@ def backend_table(
     E: int, H: int, I: int, row_order: str, has_bias: bool, layers: int, model_activation: str = "silu",
     weight_format: str = "mxfp4",
 ) -> list[dict[str, Any]]:
-    """Per backend/activation: padded sizes, kernel bytes, padding overhead vs canonical MXFP4, and
+    """Per backend/activation: padded sizes, kernel bytes, padding overhead vs the canonical experts, and
     the vLLM 0.33 backends that would hold the output as is, per vLLM quantization method
     (``vllm_methods``; :func:`mxconv.layouts.vllm_serving.vllm_serving`, the manifest's rule;
     ``model_activation``: "silu" | "swigluoai").
-    ``weight_format`` "int4" (a compressed-tensors INT4 source): what ``repack`` does with it, i.e. the
-    layouts that take INT4 as it is (trtllm: MxInt4), and an error row for the others."""
+    ``weight_format`` "int4" or "mxfp8" (a source of that format): what ``repack`` does with it, i.e. the
+    layouts that take it as it is (INT4: trtllm MxInt4, humming; MXFP8: humming, marlin), and an error
+    row for the others."""
     rows = []
-    base = canonical_expert_bytes(E, H, I, has_bias, 2 if weight_format == "int4" else 1) * layers
+    base = canonical_expert_bytes(E, H, I, has_bias, 2 if weight_format == "int4" else 1,
+                                  1 if weight_format == "mxfp8" else 2) * layers  # fmt: skip
     for name in backend_names():
         layout = get_layout(name)
         formats = getattr(layout, "weight_formats", ("mxfp4",))
         fmt_kw = {"weight_format": weight_format} if weight_format != "mxfp4" else {}
         for act in layout.activations:
             if weight_format not in formats:
+                hint = "repack the bf16 source with --format mxfp4" if weight_format == "mxfp8" else "quantize the source to mxfp4 first"
                 rows.append({"backend": name, "activation": act, "error": (
-                    f"takes {', '.join(formats)} experts, not {weight_format}: quantize the source to mxfp4 first")})
+                    f"takes {', '.join(formats)} experts, not {weight_format}: {hint}")})
                 continue
             try:
                 opts = layout.resolve_options()
@@ -159,7 +162,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
                                         reader),
             "backends": backend_table(
                 info.num_experts, info.hidden_size, info.intermediate_size, info.row_order, info.has_expert_bias, len(refs),
-                info.activation, "int4" if info.expert_format == "int4" else "mxfp4",
+                info.activation, info.expert_format if info.expert_format in ("int4", "mxfp8") else "mxfp4",
             ),
         }
     )
@@ -287,7 +290,8 @@ def engine_forms(ckpt: Checkpoint, family: str | None) -> tuple[list[tuple[str, 
     gpt_oss = family == "gpt-oss"
     if m is not None and m.is_kernel:
         fmt = m.weight_format
-        kind = SourceKind.CT_INT4 if fmt == "int4" else (SourceKind.GPT_OSS_MXFP4 if gpt_oss else SourceKind.CT_MXFP4)
+        kinds = {"int4": (SourceKind.CT_INT4, SourceKind.CT_INT4), "mxfp8": (SourceKind.MXCONV_MXFP8, SourceKind.CT_MXFP8)}
+        kind = kinds.get(fmt, (SourceKind.GPT_OSS_MXFP4, SourceKind.CT_MXFP4))[0 if gpt_oss else 1]
         forms: list[tuple[str, Any]] = [(f"its canonical {fmt} form", kind)]
         if kind is SourceKind.CT_MXFP4:  # the same bytes may be held under quant_method mxfp4 (Mxfp4MoEMethod)
             forms.append(("this output, as quant_method mxfp4", SourceKind.MXFP4))

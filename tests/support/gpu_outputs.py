@@ -37,19 +37,19 @@ def need_kernels(backend: str) -> None:
 @dataclass
 class Case:
     family: str
-    q4: Path
+    q4: Path  # the quantized checkpoint the outputs come from (MXFP4 unless repacked_cases was given another format)
     outputs: dict[str, Path]  # output name (e.g. "marlin-tp2") -> its directory, those repack wrote
 
 
-def repacked_cases(root: Path, repacks: dict[str, list[str]], *, required: bool) -> dict[str, Case]:
-    """Per family of KINDS: a test checkpoint quantized to MXFP4 on the CPU (``q4``), then repacked
-    with each ``repacks`` entry's extra arguments. A failed repack fails the setup when ``required``,
-    else it is printed and left out of the case's outputs."""
+def repacked_cases(root: Path, repacks: dict[str, list[str]], *, required: bool, fmt: str = "mxfp4") -> dict[str, Case]:
+    """Per family of KINDS: a test checkpoint quantized to ``fmt`` (MXFP4, or MXFP8) on the CPU (``q4``,
+    whatever the format), then repacked with each ``repacks`` entry's extra arguments. A failed repack
+    fails the setup when ``required``, else it is printed and left out of the case's outputs."""
     out: dict[str, Case] = {}
     for fam, (kind, hidden) in KINDS.items():
         make_checkpoint(root / f"{fam}-src", kind, hidden_size=hidden, intermediate_size=INTERMEDIATE, num_experts=8, top_k=2)
-        q4 = root / f"{fam}-q4"
-        code, stdout, stderr = mx("quantize", root / f"{fam}-src", q4, "--quiet", "--device", "cpu")
+        q4 = root / f"{fam}-q4" if fmt == "mxfp4" else root / f"{fam}-{fmt}"
+        code, stdout, stderr = mx("quantize", root / f"{fam}-src", q4, "--format", fmt, "--quiet", "--device", "cpu")
         assert code == 0, stdout + stderr
         outputs: dict[str, Path] = {}
         pad = ["--layout-option", "pad_hidden=true"] if hidden % 64 else []

@@ -160,7 +160,8 @@ def _backend_table(doc: dict) -> tuple[Table, _Notes]:
     under the table, and the vLLM quantization methods named there. Narrow enough for 100 columns."""
     from mxconv.layouts.vllm_serving import VllmMethod
 
-    fmt = "INT4" if (doc.get("model") or {}).get("expert_format") == "int4" else "MXFP4"
+    src_fmt = (doc.get("model") or {}).get("expert_format")
+    fmt = str(src_fmt).upper() if src_fmt in ("int4", "mxfp8") else "MXFP4"
     b, notes, tags = Table(title=f"per-backend kernel layout ({fmt} experts)"), _Notes(), set()
     for col in ("backend, activation", "padded H, I", "bytes", "overhead", "vLLM 0.33 backends"):
         b.add_column(col, no_wrap=True)

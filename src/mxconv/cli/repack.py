@@ -1,9 +1,10 @@
-"""``mxconv repack``: MXFP4 (or bf16) checkpoint -> the expert tensors one engine backend holds after
+"""``mxconv repack``: MXFP4 / MXFP8 (or bf16) checkpoint -> the expert tensors one engine backend holds after
 its load-time processing. Backends and their typed options come from the layout registry
 (:mod:`mxconv.layouts`); nothing here names a backend."""
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Annotated, Any, Optional
 
 import typer
@@ -23,6 +24,9 @@ def registered_backend(name: str) -> str:
         raise ValueError(f"{name!r} is not one of {', '.join(repr(c) for c in choices)}.")
     return name
 
+
+# --format's choices: the MX formats a layout can hold (INT4 sources stay INT4 without it)
+RepackFmt = Enum("RepackFmt", {str(f): str(f) for f in (WeightFormat.MXFP4, WeightFormat.MXFP8)}, type=str)  # type: ignore[misc]
 
 ACTIVATION_HELP = "The engine's activation format; the backend's first is the default"
 
@@ -84,7 +88,7 @@ class _RepackCommand(Command):
 @app.command(cls=_RepackCommand)
 @run_options
 def repack(
-    source: Annotated[str, typer.Argument(metavar="SOURCE", help=SOURCE_HELP + " MXFP4 (moved, never re-quantized) or bf16 (quantized on the way).")],
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help=SOURCE_HELP + " MXFP4 or MXFP8 (moved, never re-quantized) or bf16 (quantized on the way).")],
     output: OutputArg,
     backend: Annotated[str, typer.Option("--backend", parser=registered_backend, metavar="NAME", help="Engine backend whose kernel layout to write.")],
     activation: Annotated[Optional[str], typer.Option("--activation", metavar="NAME", help=ACTIVATION_HELP + ".")] = None,
@@ -92,11 +96,12 @@ def repack(
     layout_option: Annotated[Optional[list[str]], typer.Option("--layout-option", metavar="NAME=VALUE", help="A backend option (repeatable); each backend's options are listed below.")] = None,
     marlin_scale_layout: Annotated[Optional[str], typer.Option("--marlin-scale-layout", metavar="current|legacy", help="Same as --layout-option marlin_scale_layout=VALUE: current (vLLM >= 0.12, the default) | legacy (<= 0.11.2).")] = None,
     triton_layout: Annotated[Optional[str], typer.Option("--triton-layout", metavar="3.5|3.6|3.8", help="Same as --layout-option triton_layout=VALUE: 3.5 (triton_kernels vendored by vLLM 0.12-0.33, the default) | 3.6 (vLLM 0.20) | 3.8 (matmul API; the 3.6 bytes).")] = None,
-    scale_rounding: Annotated[ScaleRounding, typer.Option("--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way (auto = even, the least MXFP4 error; see quantize --help).")] = ScaleRounding.AUTO,
+    format: Annotated[Optional[RepackFmt], typer.Option("--format", help="Expert format in the layout: mxfp4 or mxfp8 (the backend must take it; see the backend table). Default: an MXFP8 or INT4 source keeps its format, anything else becomes mxfp4.")] = None,
+    scale_rounding: Annotated[ScaleRounding, typer.Option("--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way (auto = the format's default: even for mxfp4, the least error; see quantize --help).")] = ScaleRounding.AUTO,
     *,
     run: RunOptions,
 ) -> None:
-    """MXFP4 (or bf16) checkpoint -> kernel-ready expert tensors for one engine backend.
+    """MXFP4 / MXFP8 (or bf16) checkpoint -> kernel-ready expert tensors for one engine backend.
 
     Writes exactly what vLLM's fused-MoE layer holds after its load-time processing
     (model.layers.L.mlp.experts.w13_weight, ...), padding included, so the engine can skip it.
@@ -127,5 +132,6 @@ def repack(
             opts = layout.resolve_options(given)
         except LayoutError as exc:
             raise BadInput(f"--backend {backend}: {exc}") from None
-        quant = QuantOptions(WeightFormat.MXFP4, scale_rounding, run.allow_nonfinite)
-        convert(source, output, quant, RepackOptions(backend, act, tp, opts), run)
+        fmt = None if format is None else WeightFormat(format.value)
+        quant = QuantOptions(fmt or WeightFormat.MXFP4, scale_rounding, run.allow_nonfinite)
+        convert(source, output, quant, RepackOptions(backend, act, tp, opts, weight_format=fmt), run)

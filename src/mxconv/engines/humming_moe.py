@@ -23,8 +23,8 @@ from mxconv.engines import discover
 from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, gated_activation, softmax_topk
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
-from mxconv.layouts.canonical import LayoutSizes, round_up
-from mxconv.layouts.humming import INTERMEDIATE_ALIGN, layer_configs
+from mxconv.layouts.canonical import LayoutSizes
+from mxconv.layouts.humming import LAYOUT, layer_configs
 
 HUMMING_VERSION = "0.1.19"
 GEMM_TYPE = "grouped_contiguous"
@@ -111,7 +111,8 @@ def _check_tensors(tensors: dict[str, torch.Tensor], cfgs: dict[str, dict[str, A
         cfg = cfgs[w]
         E, n, kk = int(cfg["num_experts"]), int(cfg["shape_n"]), int(cfg["shape_k"])
         scale_dtype = torch.bfloat16 if cfg.get("bs_dtype") == "bfloat16" else torch.float8_e8m0fnu  # INT4: bf16
-        want = {f"{w}_weight": ((E, kk // 16, 2 * n), torch.int32),
+        words = 4 * n if cfg.get("b_dtype") == "float8e4m3" else 2 * n  # four E4M3 bytes or eight nibbles a word
+        want = {f"{w}_weight": ((E, kk // 16, words), torch.int32),
                 f"{w}_weight_scale": ((E, kk // 32, n), scale_dtype)}  # fmt: skip
         if cfg.get("has_bias"):
             want[f"{w}_bias"] = ((E, n), torch.bfloat16)
@@ -158,10 +159,9 @@ class HummingRunner:
         name = str(common.get("name", "experts"))
         E, H = int(common["num_experts"]), int(common["hidden_size"])
         row_order = str(layout_fields["w13_kernel_row_order"])
-        int4 = layout_fields.get("variant") == "int4"  # compressed-tensors INT4: nothing padded by vLLM
-        ip = rank_intermediate_size if int4 else round_up(rank_intermediate_size, INTERMEDIATE_ALIGN)
-        sizes = LayoutSizes(E, H, rank_intermediate_size, H, ip, row_order, "w13_bias" in tensors,
-                            "int4" if int4 else "mxfp4")  # fmt: skip
+        fmt = str(layout_fields.get("variant") or "mxfp4")  # int4 / mxfp8 layouts record theirs
+        _, ip = LAYOUT.padded_sizes(H, rank_intermediate_size, row_order, "bf16", weight_format=fmt)
+        sizes = LayoutSizes(E, H, rank_intermediate_size, H, ip, row_order, "w13_bias" in tensors, fmt)
         cfgs = layer_configs(sizes, str(layout_fields.get("int4_codes", "uint4")))  # this rank's (TP ranks may differ in I)
         configs = {w: LayerConfig(**cfgs[w]) for w in ("w13", "w2")}
         tuning = {w: json.dumps(get_heuristics_config(layer_config=c, gemm_type=GEMM_TYPE, device=device))

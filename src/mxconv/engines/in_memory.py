@@ -13,14 +13,19 @@ Input names (:func:`canonical_experts`), one layer, TP=1:
 
 * canonical, float (any float dtype): ``w13`` [E, 2I, H] (rows in ``row_order``), ``w2`` [E, H, I];
 * canonical, MXFP4: ``w13`` uint8 [E, 2I, H/2] + ``w13_scale`` uint8 [E, 2I, H/32], ``w2`` + ``w2_scale``;
+* canonical, MXFP8: ``w13`` float8_e4m3fn [E, 2I, H] + ``w13_scale`` uint8 [E, 2I, H/32], ``w2`` + ``w2_scale``;
 * gpt-oss source names: ``gate_up_proj`` [E, H, 2I] / ``down_proj`` [E, I, H] (bf16, interleaved
-  rows), or ``gate_up_proj_blocks`` / ``_scales`` and ``down_proj_blocks`` / ``_scales`` (MXFP4);
+  rows), or ``gate_up_proj_blocks`` / ``_scales`` and ``down_proj_blocks`` / ``_scales`` (MXFP4
+  uint8 pairs, or MXFP8 float8_e4m3fn values as ``quantize --format mxfp8`` writes them);
 * biases, optional: ``w13_bias`` [E, 2I] / ``w2_bias`` [E, H] (``gate_up_proj_bias`` / ``down_proj_bias``).
 
 The work is the conversion's own: float experts are quantized by ``mxconv.run.compute.to_format``
 (the kernels and expert chunks ``quantize`` / ``repack`` use; MX bytes move untouched) and laid out
 by the backend's ``to_kernel``, so the bytes equal the files ``repack`` writes from the same source
-(tests/test_in_memory.py). A layout with a ``float_to_kernel`` (triton: one fused kernel from bf16 to
+(tests/test_in_memory.py). The experts' format in the layout is ``ConvertOptions.quant``'s, as
+``repack --format``: left out, MX bytes keep theirs (MXFP8 stays MXFP8) and floats become MXFP4;
+MXFP4 bytes asked for as MXFP8 are re-coded losslessly, MXFP8 bytes are never re-quantized to MXFP4
+(BadInput). A layout with a ``float_to_kernel`` (triton: one fused kernel from bf16 to
 its Hopper buffers) is asked first for float experts and gives the same bytes; where it answers None
 (it does not apply, or an element is NaN/Inf) the general path runs. Everything runs on the tensors' device.
 """
@@ -36,7 +41,7 @@ import torch
 from mxconv.engines.loader import EngineLayer
 from mxconv.errors import BadInput
 from mxconv.families.base import MXStack
-from mxconv.layouts import get_layout
+from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import LayoutOptions
 from mxconv.layouts.canonical import ROW_ORDERS, CanonicalExperts
 from mxconv.layouts.padding import KernelChoice
@@ -61,13 +66,15 @@ _CANONICAL = ("w13", "w13_scale", "w2", "w2_scale", "w13_bias", "w2_bias")
 class ConvertOptions:
     """What :func:`convert_layer` writes: ``backend`` (a registered layout), its ``activation``
     (None: the backend's default), its ``layout_options`` (as for ``repack --layout-option``), the
-    quantization of float experts (``quant``, as ``repack`` of a float source) and whether CUDA
-    stacks may use the Triton layout kernels (``kernel_choice``; the bytes are the same)."""
+    experts' format and the quantization of float experts (``quant``, as ``repack --format`` and
+    ``--scale-rounding`` of a float source; None: MX bytes keep their format, floats become MXFP4
+    with its default rule) and whether CUDA stacks may use the Triton layout kernels
+    (``kernel_choice``; the bytes are the same)."""
 
     backend: str
     activation: str | None = None
     layout_options: LayoutOptions | Mapping[str, Any] = field(default_factory=dict)
-    quant: QuantOptions = field(default_factory=QuantOptions)
+    quant: QuantOptions | None = None
     kernel_choice: KernelChoice = KernelChoice.AUTO
 
 
@@ -93,31 +100,60 @@ def _rename(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     return out, implied
 
 
-def _stack(t: dict[str, torch.Tensor], which: str, fmt: str, quant: QuantOptions, device: torch.device) -> MXStack:
-    """One canonical stack in ``fmt``: MXFP4 bytes (uint8 with a ``*_scale``) as they are, floats quantized."""
+def _mx_bytes(t: dict[str, torch.Tensor], which: str) -> MXStack | None:
+    """``which`` given as MX bytes (with a ``*_scale``): uint8 pairs are MXFP4, float8_e4m3fn values
+    MXFP8; None for floats."""
     w, scale = t[which], t.get(f"{which}_scale")
+    if scale is None:
+        return None
+    if w.dtype == torch.float8_e4m3fn:
+        return MXStack("mxfp8", w.view(torch.uint8), scale.view(torch.uint8))
+    if w.dtype != torch.uint8:
+        raise BadInput(f"in-memory conversion: {which} with {which}_scale must be uint8 MXFP4 pairs or float8_e4m3fn "
+                       f"MXFP8 values, got {w.dtype}")  # fmt: skip
+    if w.shape[-1] == 32 * scale.shape[-1] != 0:
+        raise BadInput(f"in-memory conversion: {which} is uint8 with 32 bytes per {which}_scale byte: give MXFP8 "
+                       f"values as float8_e4m3fn (uint8 means MXFP4 pairs, 16 bytes per scale byte)")  # fmt: skip
+    return MXStack("mxfp4", w, scale.view(torch.uint8))
+
+
+def _stack(t: dict[str, torch.Tensor], which: str, fmt: str, quant: QuantOptions, device: torch.device) -> MXStack:
+    """One canonical stack in ``fmt``: MX bytes as they are (MXFP4 re-coded losslessly to MXFP8), floats quantized."""
+    w = t[which]
     if w.dim() != 3:
         raise BadInput(f"in-memory conversion: {which} must be [E, N, K], got {list(w.shape)}")
-    if scale is not None:
-        if w.dtype != torch.uint8:
-            raise BadInput(f"in-memory conversion: {which} with {which}_scale must be uint8 MXFP4 pairs, got {w.dtype}")
-        got = to_format(MXStack("mxfp4", w, scale.view(torch.uint8)), None, fmt, quant, which, None, device)
-    elif not w.dtype.is_floating_point:
-        raise BadInput(f"in-memory conversion: {which} is {w.dtype}: give floats, or MXFP4 bytes with {which}_scale")
+    mx = _mx_bytes(t, which)
+    if mx is not None:
+        if mx.fmt == "mxfp8" and fmt != "mxfp8":
+            raise BadInput(f"in-memory conversion: {which} holds MXFP8 values and {fmt} was asked for; MX bytes are "
+                           "moved as they are, never re-quantized to MXFP4 (give the float experts, or leave quant out)")  # fmt: skip
+        got = to_format(mx, None, fmt, quant, which, None, device)
+    elif not w.dtype.is_floating_point or w.dtype == torch.float8_e4m3fn:
+        raise BadInput(f"in-memory conversion: {which} is {w.dtype}: give floats, or MX bytes with {which}_scale")
     else:
         got = to_format(None, w, fmt, quant, f"in-memory {which}", None, device)
     assert isinstance(got, MXStack)
     return got
 
 
+def resolve_quant(tensors: Mapping[str, torch.Tensor], quant: QuantOptions | None) -> QuantOptions:
+    """``quant``, or where it is None the format ``tensors`` keep (names of the module docstring):
+    MXFP8 for MXFP8 bytes, MXFP4 otherwise, with that format's default scale rule."""
+    if quant is not None:
+        return quant
+    t, _ = _rename(tensors)
+    return QuantOptions("mxfp8" if t["w13"].dtype == torch.float8_e4m3fn and "w13_scale" in t else "mxfp4")
+
+
 def canonical_experts(tensors: Mapping[str, torch.Tensor], *, row_order: str | None = None,
                       quant: QuantOptions | None = None) -> CanonicalExperts:  # fmt: skip
     """The canonical MX stack of one layer's experts given under the names of the module docstring,
-    on their device (float experts quantized per ``quant``, MXFP4 bytes moved untouched).
+    on their device (float experts quantized per ``quant``, MX bytes moved untouched; ``quant``
+    None: :func:`resolve_quant`).
     ``row_order``: of the w13 rows, "interleaved" or "halves" (default: what the names imply,
     "halves" for canonical names)."""
     t, implied = _rename(tensors)
-    q = quant or QuantOptions()
+    q = resolve_quant(tensors, quant)
     device = t["w13"].device
     w13, w2 = _stack(t, "w13", q.fmt, q, device), _stack(t, "w2", q.fmt, q, device)
     bias = {k: None if t.get(k) is None else t[k].to(device) for k in ("w13_bias", "w2_bias")}
@@ -140,7 +176,12 @@ def convert_layer(tensors: Mapping[str, torch.Tensor], options: ConvertOptions, 
     fused = _fused(layout, t, row_order or implied or "halves", activation, layout_options, options)
     if fused is not None:
         return dict(fused)
-    canon = canonical_experts(tensors, row_order=row_order, quant=options.quant)
+    quant = resolve_quant(tensors, options.quant)
+    if quant.fmt not in layout.weight_formats:
+        others = [n for n in backend_names() if quant.fmt in get_layout(n).weight_formats]
+        raise BadInput(f"in-memory conversion: backend {options.backend} takes {', '.join(layout.weight_formats)} "
+                       f"experts, not {quant.fmt} (backends that take {quant.fmt}: {', '.join(others) or 'none'})")  # fmt: skip
+    canon = canonical_experts(tensors, row_order=row_order, quant=quant)
     return dict(layout.to_kernel(canon, activation, layout_options, options.kernel_choice))
 
 
@@ -168,7 +209,7 @@ def _fused(layout: Any, t: dict[str, torch.Tensor], row_order: str, activation: 
     fused = getattr(layout, "float_to_kernel", None)
     if fused is None or row_order not in ROW_ORDERS or not _consistent_floats(t):
         return None
-    q = options.quant
+    q = options.quant or QuantOptions()
     return fused(t, row_order, activation, layout_options, str(q.fmt), str(q.scale_rounding), options.kernel_choice)
 
 

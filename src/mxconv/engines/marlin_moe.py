@@ -1,5 +1,7 @@
 """Run a MoE layer through vLLM's own Marlin MoE GEMM (``_moe_C::moe_wna16_marlin_gemm``) from
-the tensors exactly as ``mxconv repack --backend marlin`` writes them (docs/layout-marlin.md).
+the tensors exactly as ``mxconv repack --backend marlin`` writes them (docs/layout-marlin.md). MXFP8
+outputs (manifest layout ``variant: mxfp8``, §13) run the same calls with the float8_e4m3fn weight
+type, Hp = H and Ip = roundup(I, 64) (w13 [E, H/16, 8*Ip], w2 [E, Ip/16, 4*H]).
 
 Tensors per layer and rank (Hp = round_up(H, 256), Ip = round_up(I, 128)):
 
@@ -49,6 +51,25 @@ def scalar_type_id(exponent: int, mantissa: int, signed: bool, bias: int, finite
 
 # float4_e2m1f: 2 exponent bits, 1 mantissa bit, signed, no bias, finite values only, no NaN.
 FLOAT4_E2M1F_ID = scalar_type_id(2, 1, True, 0, True, NAN_REPR_NONE)
+NAN_REPR_EXTD_RANGE_MAX_MIN = 2  # vLLM ScalarType NanRepr.EXTD_RANGE_MAX_MIN: NaN = all exponent and mantissa bits set
+# float8_e4m3fn (vLLM scalar_types.float8_e4m3fn): the weight type of the MXFP8 form (layouts/marlin_mxfp8.py)
+FLOAT8_E4M3FN_ID = scalar_type_id(4, 3, True, 0, True, NAN_REPR_EXTD_RANGE_MAX_MIN)
+
+
+@dataclass(frozen=True)
+class MarlinForm:
+    """What the kernel call depends on per weight format: the weight's scalar type, int32 words a
+    stored row holds per output row (16 K values of 4 or 8 bits), and the sizes vLLM lets through."""
+
+    weight_format: str
+    quant_type_id: int
+    words_per_n: int
+    hidden_multiple: int
+    intermediate_multiple: int
+
+
+FORMS = {"mxfp4": MarlinForm("mxfp4", FLOAT4_E2M1F_ID, 2, MARLIN_HIDDEN_MULTIPLE, MARLIN_INTERMEDIATE_MULTIPLE),
+         "mxfp8": MarlinForm("mxfp8", FLOAT8_E4M3FN_ID, 4, 64, 64)}  # fmt: skip
 
 
 def moe_block_size(tokens: int, top_k: int, num_experts: int) -> int:
@@ -87,11 +108,11 @@ def marlin_workspace(device: torch.device) -> torch.Tensor:
 
 def _gemm(a: torch.Tensor, out: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
           workspace: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
-          block: int, top_k: int, mul_topk_weights: bool, m: int, n: int, k: int) -> torch.Tensor:  # fmt: skip
+          block: int, top_k: int, mul_topk_weights: bool, m: int, n: int, k: int, quant_type_id: int) -> torch.Tensor:  # fmt: skip
     sorted_ids, expert_ids, post_pad = align
     return torch.ops._moe_C.moe_wna16_marlin_gemm(
         a, out, w, bias, scale, None, None, None, workspace, sorted_ids, expert_ids, post_pad, topk_weights,
-        block, top_k, mul_topk_weights, FLOAT4_E2M1F_ID, m, n, k,
+        block, top_k, mul_topk_weights, quant_type_id, m, n, k,
         False, True, False, -1, -1, -1,  # atomic add, fp32 reduce, float zero points, thread_k/n, blocks/SM
     )  # fmt: skip
 
@@ -117,6 +138,7 @@ class MarlinExperts:
     activation: str
     swiglu_alpha: float = SWIGLU_ALPHA
     swiglu_limit: float = SWIGLU_LIMIT
+    quant_type_id: int = FLOAT4_E2M1F_ID  # the stored weights' scalar type (MarlinForm)
     last_block: int = field(default=0, repr=False)
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
@@ -136,10 +158,12 @@ class MarlinExperts:
         self.last_block = block
         align = align_block_size(ids32, E, block)
         h = torch.empty(T * k, 2 * Ip, dtype=torch.bfloat16, device=a.device)
-        h = _gemm(a, h, self.w13, self.b13, self.w13_scale, self.workspace, align, topk_weights, block, k, False, T, 2 * Ip, Hp)
+        h = _gemm(a, h, self.w13, self.b13, self.w13_scale, self.workspace, align, topk_weights, block, k, False, T, 2 * Ip, Hp,
+                  self.quant_type_id)  # fmt: skip
         inter = self.activate(h)
         y = torch.empty(T * k, Hp, dtype=torch.bfloat16, device=a.device)
-        y = _gemm(inter, y, self.w2, self.b2, self.w2_scale, self.workspace, align, topk_weights, block, 1, True, T * k, Hp, Ip)
+        y = _gemm(inter, y, self.w2, self.b2, self.w2_scale, self.workspace, align, topk_weights, block, 1, True, T * k, Hp, Ip,
+                  self.quant_type_id)  # fmt: skip
         return y.view(T, k, Hp).sum(dim=1)[:, : self.hidden_size]
 
 
@@ -165,12 +189,16 @@ def build_experts(
     if layout.get("scale_layout", "current") != "current":
         raise BadInput(f"{name}: legacy Marlin scales (vLLM <= 0.11.2) are not what vLLM 0.33's kernel reads; repack with --marlin-scale-layout current")
     E, Hp, Ip = num_experts, padded_hidden_size, padded_intermediate_size
-    if Hp % MARLIN_HIDDEN_MULTIPLE or Ip % MARLIN_INTERMEDIATE_MULTIPLE:
-        raise BadInput(f"{name}: Marlin sizes must be multiples of 256 / 128, got hidden {Hp}, intermediate {Ip}")
+    form = FORMS.get(str(layout.get("variant") or "mxfp4"))
+    if form is None:
+        raise BadInput(f"{name}: the Marlin layout's variant {layout.get('variant')!r} is not one this runner knows ({', '.join(FORMS)})")
+    if Hp % form.hidden_multiple or Ip % form.intermediate_multiple:
+        raise BadInput(f"{name}: Marlin {form.weight_format} sizes must be multiples of {form.hidden_multiple} / "
+                       f"{form.intermediate_multiple}, got hidden {Hp}, intermediate {Ip}")  # fmt: skip
     want = {
-        "w13_weight": ((E, Hp // 16, 4 * Ip), (torch.int32,)),
+        "w13_weight": ((E, Hp // 16, form.words_per_n * 2 * Ip), (torch.int32,)),
         "w13_weight_scale": ((E, Hp // 32, 2 * Ip), (torch.float8_e8m0fnu, torch.uint8)),
-        "w2_weight": ((E, Ip // 16, 2 * Hp), (torch.int32,)),
+        "w2_weight": ((E, Ip // 16, form.words_per_n * Hp), (torch.int32,)),
         "w2_weight_scale": ((E, Ip // 32, Hp), (torch.float8_e8m0fnu, torch.uint8)),
         "w13_bias": ((E, 2 * Ip), (torch.bfloat16,)),
         "w2_bias": ((E, Hp), (torch.bfloat16,)),
@@ -195,7 +223,7 @@ def build_experts(
         held["w13_bias"], held["w2_bias"], marlin_workspace(held["w13_weight"].device),  # type: ignore[union-attr]
         E, hidden_size, Hp, Ip, row_order, activation,
         SWIGLU_ALPHA if swiglu_alpha is None else float(swiglu_alpha),
-        SWIGLU_LIMIT if swiglu_limit is None else float(swiglu_limit),
+        SWIGLU_LIMIT if swiglu_limit is None else float(swiglu_limit), form.quant_type_id,
     )  # fmt: skip
 
 

@@ -27,9 +27,11 @@ Canonical (unpadded) MXFP4 expert stack, one MoE layer, one TP rank:
 (AMD Quark), one float32 per expert of the **whole layer** for w13's and w2's input, kept whole by
 expert groups and TP slices because the engine reduces them over every expert of the layer.
 
-`weight_format` is "mxfp4" (above) or "int4": compressed-tensors INT4, same shapes, w13/w2 bytes
-offset-binary int4 pairs (low nibble = even k) and w13_scale/w2_scale **bf16** group-32 scales
-(see mxconv.mx.int4). A layout lists the formats it takes in ``LayoutBase.weight_formats``.
+`weight_format` is "mxfp4" (above), "mxfp8" (one E4M3 byte per value: w13 [E, 2I, H] and w2
+[E, H, I] uint8, the same E8M0 scales) or "int4": compressed-tensors INT4, the MXFP4 shapes, w13/w2
+bytes offset-binary int4 pairs (low nibble = even k) and w13_scale/w2_scale **bf16** group-32 scales
+(see mxconv.mx.int4). :func:`values_per_byte` says how many values a weight byte holds. A layout
+lists the formats it takes in ``LayoutBase.weight_formats``.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
 _V = TypeVar("_V")
 
 ROW_ORDERS = ("interleaved", "halves")
-WEIGHT_FORMATS = ("mxfp4", "int4")
+WEIGHT_FORMATS = ("mxfp4", "mxfp8", "int4")
 
 # Names of the kernel tensors every backend produces (vLLM FusedMoE parameter names, without prefix).
 KERNEL_TENSOR_NAMES = (
@@ -62,6 +64,12 @@ KERNEL_TENSOR_NAMES = (
     "w13_input_scale",  # static FP8 input scales (W4A8 layouts only): 0-dim float32
     "w2_input_scale",
 )
+
+
+def values_per_byte(weight_format: str) -> int:
+    """Weight values one byte of a canonical ``weight_format`` stack holds: 1 for MXFP8 (E4M3), 2
+    for the 4-bit formats (MXFP4, INT4)."""
+    return 1 if weight_format == "mxfp8" else 2
 
 
 def round_up(x: int, m: int) -> int:
@@ -91,7 +99,7 @@ class InputScales:
 
 @dataclass
 class CanonicalExperts:
-    """One MoE layer's MXFP4 experts in canonical form (see module docstring for shapes)."""
+    """One MoE layer's experts in canonical form (MXFP4, MXFP8 or INT4; module docstring for shapes)."""
 
     w13: torch.Tensor
     w13_scale: torch.Tensor
@@ -100,7 +108,7 @@ class CanonicalExperts:
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
     row_order: str = "halves"
-    weight_format: str = "mxfp4"  # "mxfp4" | "int4" (bf16 scales)
+    weight_format: str = "mxfp4"  # "mxfp4" | "mxfp8" | "int4" (bf16 scales)
     input_scales: InputScales | None = None  # W4A8 sources: static FP8 input scales (module docstring)
 
     @property
@@ -108,9 +116,14 @@ class CanonicalExperts:
         return int(self.w13.shape[0])
 
     @property
+    def values_per_byte(self) -> int:
+        """Weight values per byte of w13 / w2 (:func:`values_per_byte` of the weight format)."""
+        return values_per_byte(self.weight_format)
+
+    @property
     def hidden_size(self) -> int:
         """H: input width of w13 (= output rows of w2)."""
-        return int(self.w13.shape[2]) * 2
+        return int(self.w13.shape[2]) * self.values_per_byte
 
     @property
     def intermediate_size(self) -> int:
@@ -166,17 +179,18 @@ class CanonicalExperts:
             raise LayoutError(f"unknown expert weight format {self.weight_format!r} (expected one of {WEIGHT_FORMATS})")
         scale_dtype = torch.bfloat16 if self.weight_format == "int4" else torch.uint8
         E, n13, hb = self.w13.shape
-        H, I = hb * 2, n13 // 2
+        vpb = self.values_per_byte
+        H, I = hb * vpb, n13 // 2
         want = {
-            "w13": (self.w13, (E, 2 * I, H // 2)),
+            "w13": (self.w13, (E, 2 * I, H // vpb)),
             "w13_scale": (self.w13_scale, (E, 2 * I, H // 32)),
-            "w2": (self.w2, (E, H, I // 2)),
+            "w2": (self.w2, (E, H, I // vpb)),
             "w2_scale": (self.w2_scale, (E, H, I // 32)),
         }
         if n13 % 2:
             raise LayoutError(f"w13 has an odd number of rows ({n13}); expected 2*I")
         if H % 32 or I % 32:
-            raise LayoutError(f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 32 for MXFP4")
+            raise LayoutError(f"hidden ({H}) and intermediate ({I}) sizes must be multiples of 32 for {self.weight_format}")
         for name, (t, shape) in want.items():
             if tuple(t.shape) != shape:
                 raise LayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
@@ -202,7 +216,7 @@ class LayoutSizes:
     padded_intermediate_size: int
     row_order: str
     has_bias: bool
-    weight_format: str = "mxfp4"  # canonical expert format the kernel tensors hold ("mxfp4" | "int4")
+    weight_format: str = "mxfp4"  # canonical expert format the kernel tensors hold ("mxfp4" | "mxfp8" | "int4")
 
 
 # Kernel tensors: name (see KERNEL_TENSOR_NAMES) -> tensor. Biases absent when the model has none.

@@ -66,6 +66,8 @@ _WNA16 = "fused_moe/oracle/int_wna16.py: _get_priority_backends, select_wna16_mo
 _MXFP8 = "fused_moe/oracle/mxfp8.py: _SUPPORTED_BACKENDS, select_mxfp8_moe_backend"
 _HUMMING_FIRST = "prioritize_humming (quantization/utils/humming/priority.py) moves HUMMING ahead of Marlin on capability 90"
 _NO_AITER = "AITER needs VLLM_ROCM_USE_AITER=1 (off by default)"
+_NATIVE_MXFP8 = "; fused_moe/experts/mxfp8_native_moe.py: Mxfp8NativeTritonExperts._supports_current_device"
+_FP8_AS_IS = "fused_moe/oracle/fp8.py: convert_to_fp8_moe_kernel_format changes nothing for it"
 
 PICKS: tuple[Pick, ...] = (
     # gpt-oss MXFP4: no activation key declared, so _filter_by_activation keeps the BF16-activation variants
@@ -115,6 +117,14 @@ PICKS: tuple[Pick, ...] = (
          "first in the list; the TRT-LLM FP8 experts take (MXFP8, MXFP8 dynamic) on the SM100 family"),
     Pick(VLLM, SourceKind.CT_MXFP8, Gpu.SM120, "MARLIN", _MXFP8,
          "DEEPGEMM when deep_gemm is installed; Marlin takes MXFP8 weights (MarlinExpertsBase._supports_quant_scheme)"),
+    Pick(VLLM, SourceKind.CT_MXFP8, Gpu.GFX950, "TRITON_MXFP8", _MXFP8 + _NATIVE_MXFP8,
+         f"FLASHINFER_TRTLLM, DEEPGEMM, MARLIN and HUMMING run on CUDA only, XPU on XPU; AITER_MXFP8 needs "
+         f"VLLM_ROCM_USE_AITER=1 (off by default); TRITON_MXFP8 runs where ROCm supports_mx (gfx95x), on the checkpoint's "
+         f"bytes as loaded ({_FP8_AS_IS})"),
+    Pick(VLLM, SourceKind.CT_MXFP8, Gpu.CPU, "EMULATION", _MXFP8 + "; fused_moe/experts/mxfp8_emulation_moe.py: "
+         "Mxfp8EmulationTritonExperts._supports_current_device",
+         "every other MXFP8 backend needs a GPU; EMULATION's experts accept any device and dequantize to bf16 for "
+         f"vLLM's Triton MoE kernel (on x86 vLLM's CPU build expects triton-cpu; not run here) ({_FP8_AS_IS})"),
     *(Pick(VLLM, SourceKind.MXCONV_MXFP8, gpu, None, "quantization/mxfp4.py: GptOssMxfp4Config.override_quantization_method",
            "quant_method null: vLLM stops at start-up (mxconv's own gpt-oss MXFP8 variant)") for gpu in Gpu),
     # SGLang 0.5.23, gpt-oss MXFP4, where it picks otherwise than vLLM 0.33
@@ -157,6 +167,22 @@ MXFP4_BACKENDS: dict[str, str | None] = {
     "HUMMING": None,
     "FLASHINFER_MOE_EP_CUTEDSL": "opt-in MoE-EP megakernel on the checkpoint tensors; no manifest names it yet",
     "FLASHINFER_MOE_EP_DEEP_GEMM": "opt-in MoE-EP megakernel on the checkpoint tensors; no manifest names it yet",
+}
+
+
+# The Fp8MoeBackend values vLLM 0.33 runs MXFP8 experts on (fused_moe/oracle/mxfp8.py, _SUPPORTED_BACKENDS),
+# the same way: whether an output holds one under CompressedTensorsW8A8Mxfp8MoEMethod is asked of the layout
+# registry (engine_report.holders), a value is the reason no output can (tests/test_engine_mxfp8.py fails on
+# a stale one).
+MXFP8_BACKENDS: dict[str, str | None] = {
+    "FLASHINFER_TRTLLM": "the TRT-LLM MXFP8 x MXFP8 weight shuffle of prepare_fp8_moe_layer_for_fi (issue 32 item 1)",
+    "DEEPGEMM": "DeepGEMM's MXFP8 grouped-GEMM scale layout (issue 32 item 1)",
+    "MARLIN": None,
+    "XPU": "prepare_fp8_moe_layer_for_xpu; mxconv has no XPU layout",
+    "AITER_MXFP8": "aiter's shuffle_mxfp8_moe_weights (issue 32 item 1)",
+    "HUMMING": None,
+    "TRITON_MXFP8": None,
+    "EMULATION": None,
 }
 
 

@@ -15,9 +15,9 @@ from typing import Any
 from mxconv.errors import BadInput, LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import LayoutSizes
-from mxconv.layouts.engine_picks import ENGINES, MXFP4_BACKENDS, PICKS, VLLM, Gpu, Pick, SourceKind, picks
-from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, platform_of, vllm_padded_sizes
-from mxconv.layouts.vllm_serving import OutputForm, VllmMethod, candidates, served_methods, vllm_serving
+from mxconv.layouts.engine_picks import ENGINES, MXFP4_BACKENDS, MXFP8_BACKENDS, PICKS, VLLM, Gpu, Pick, SourceKind, picks
+from mxconv.layouts.vllm_backends import platform_of, vllm_padded_sizes
+from mxconv.layouts.vllm_serving import CANONICAL_LAYOUTS, OutputForm, VllmMethod, candidates, served_methods, vllm_serving
 
 # compressed-tensors "format" -> kind (mxconv's own CT_FORMATS names and compressed-tensors' INT4 one)
 _CT_KINDS = {"mxfp4-pack-quantized": SourceKind.CT_MXFP4, "mxfp8-quantized": SourceKind.CT_MXFP8,
@@ -41,9 +41,15 @@ def source_kind(quant: dict[str, Any] | None, model_type: str | None) -> SourceK
     return None
 
 
-# The vLLM quantization method each kind of checkpoint is loaded with (None: none that loads 4-bit experts).
+# The vLLM quantization method each kind of checkpoint is loaded with (None: none; mxconv's gpt-oss MXFP8
+# says quant_method null).
 METHOD = {SourceKind.GPT_OSS_MXFP4: VllmMethod.MXFP4, SourceKind.MXFP4: VllmMethod.MXFP4, SourceKind.CT_MXFP4: VllmMethod.CT_MXFP4,
-          SourceKind.CT_INT4: VllmMethod.CT_WNA16, SourceKind.CT_MXFP8: None, SourceKind.MXCONV_MXFP8: None}
+          SourceKind.CT_INT4: VllmMethod.CT_WNA16, SourceKind.CT_MXFP8: VllmMethod.CT_MXFP8, SourceKind.MXCONV_MXFP8: None}
+# Why no output holds a picked backend, by the enum the method's backends are named in (Fp8MoeBackend for
+# MXFP8; the others: Mxfp4MoeBackend's table, which has no reasons for WNA16MoEBackend names).
+NOT_HELD_REASONS = {VllmMethod.CT_MXFP8: MXFP8_BACKENDS}
+# A holder's weight format -> what its repack command adds (a bf16 or MXFP4 source becomes MXFP8 only when asked)
+FORMAT_FLAG = {"mxfp8": " --format mxfp8"}
 
 
 def holders(backend: str, method: VllmMethod | None = None) -> list[dict[str, Any]]:
@@ -56,11 +62,12 @@ def holders(backend: str, method: VllmMethod | None = None) -> list[dict[str, An
     out: list[dict[str, Any]] = []
     for name in backend_names():
         for act in get_layout(name).activations:
-            fmt = next((f for f in ("mxfp4", "int4") if names_it(name, act, f)), None)
+            fmt = next((f for f in ("mxfp4", "int4", "mxfp8") if names_it(name, act, f)), None)
             if fmt is not None:
-                out.append({"output": f"repack --backend {name} --activation {act}", "backend": name, "activation": act,
-                            "weight_format": fmt})
-    out += [{"output": f"canonical ({lay})", "layout": lay} for lay in CANONICAL_VLLM_BACKENDS if names_it(lay, None, "mxfp4")]
+                out.append({"output": f"repack --backend {name} --activation {act}{FORMAT_FLAG.get(fmt, '')}", "backend": name,
+                            "activation": act, "weight_format": fmt})
+    out += [{"output": f"canonical ({lay})", "layout": lay, "weight_format": fmt}
+            for fmt in ("mxfp4", "mxfp8") for lay in CANONICAL_LAYOUTS if names_it(lay, None, fmt)]
     return out
 
 
@@ -89,7 +96,7 @@ def _form(h: dict[str, Any], gpu: Gpu, model: dict[str, Any]) -> tuple[dict[str,
     repack refuses these sizes."""
     H, I, order = int(model["hidden_size"]), int(model["intermediate_size"]), str(model.get("row_order", "halves"))
     if "layout" in h:  # a canonical output: its tensors are the checkpoint's
-        return {**h, "padded": [H, I]}, OutputForm(h["layout"], None, "mxfp4", (H, I, H, I), model)
+        return {**h, "padded": [H, I]}, OutputForm(h["layout"], None, h["weight_format"], (H, I, H, I), model)
     layout, wfmt = get_layout(h["backend"]), h["weight_format"]
     given = _arch_option(layout, gpu)
     if given:
@@ -144,12 +151,13 @@ def pick_row(engine: str, kind: SourceKind, gpu: Gpu, model: dict[str, Any]) -> 
     if p.engine != VLLM or METHOD[kind] is None:
         row["held_by"] = []
         row["note"] = (f"no mxconv output records holding {p.engine}'s {p.backend} bytes (layouts name vLLM "
-                       "Mxfp4MoeBackend and, for INT4, WNA16MoEBackend names)")  # fmt: skip
+                       "Mxfp4MoeBackend and, for INT4 and MXFP8, WNA16MoEBackend and Fp8MoeBackend names)")  # fmt: skip
         return row
     row["held_by"] = [_check_holder(h, p, model) for h in holders(p.backend, METHOD[kind])]
     if not row["held_by"]:
+        reasons = NOT_HELD_REASONS.get(METHOD[kind], MXFP4_BACKENDS)
         row["note"] = f"no mxconv output holds {p.backend} bytes yet" + (
-            f": {MXFP4_BACKENDS[p.backend]}" if MXFP4_BACKENDS.get(p.backend) else "")
+            f": {reasons[p.backend]}" if reasons.get(p.backend) else "")
     return row
 
 
@@ -158,11 +166,14 @@ def command(h: dict[str, Any], source: str, out_stem: str) -> str:
     (paths as given; quoted for a shell where they need it)."""
     import shlex
 
+    fmt = h.get("weight_format", "mxfp4")
     if "layout" in h:
-        return f"mxconv quantize {shlex.quote(source)} {shlex.quote(out_stem + '-mxfp4')} --format mxfp4"
+        return f"mxconv quantize {shlex.quote(source)} {shlex.quote(f'{out_stem}-{fmt}')} --format {fmt}"
     opts = "".join(f" --layout-option {k}={v}" for k, v in (h.get("options") or {}).items())
-    out = f"{out_stem}-{h['backend']}-{h['activation']}"
-    return f"mxconv repack {shlex.quote(source)} {shlex.quote(out)} --backend {h['backend']} --activation {h['activation']}{opts}"
+    flag = FORMAT_FLAG.get(fmt, "")
+    out = f"{out_stem}-{h['backend']}-{h['activation']}" + flag.replace(" --format ", "-")
+    return (f"mxconv repack {shlex.quote(source)} {shlex.quote(out)} --backend {h['backend']} --activation {h['activation']}"
+            f"{flag}{opts}")
 
 
 def engine_report(engine: str, gpus: tuple[Gpu, ...], forms: list[tuple[str, SourceKind | None]],

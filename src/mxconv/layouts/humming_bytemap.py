@@ -1,5 +1,5 @@
-"""Byte map of humming-kernels 0.1.19's weight transform for 4-bit weights and 16-bit activations
-on SM90 (spec: docs/layout-humming.md), written as torch permutations so CPU and CUDA agree.
+"""Byte map of humming-kernels 0.1.19's weight transform for 4-bit and 8-bit weights and 16-bit
+activations on SM90 (spec: docs/layout-humming.md), written as torch permutations so CPU and CUDA agree.
 
 Derived from ``humming/include/humming/kernel/process.cuh`` (``weight_repack_nk`` with
 kNumBitsB=4, kNumBitsA=16, packed input, interleave_mode 3, no native dequant, no packed-K layout)
@@ -11,7 +11,13 @@ and ``humming/transform.py`` (``transform_humming_weight_scale``, ``transform_hu
     nibble p = 4 * i6 + 2 * i4 + i5             (i4, i5, i6 in 0..1)
 
 nibble p of word (r, c) is the canonical value at n = 64*bx + 16*jj + 8*i4 + ln and
-k = 16*r + 8*i5 + 2*lq + i6. Scales: [N, K/32] transposed to [K/32, N], then an 8x8 transpose inside
+k = 16*r + 8*i5 + 2*lq + i6. 8-bit weights (kNumBitsB=8: :func:`repack_bytes`) keep the same 64 x 64
+block and thread assignment, but a word holds four values, so a row of words is 4N long: with
+
+    c = 256 * bx + 32 * ln + 8 * lq + kk        (kk 0..7)
+    byte p = 2 * i6 + i5
+
+byte p of word (r, c) is the value at n = 64*bx + 8*kk + ln and k = 16*r + 8*i5 + 2*lq + i6. Scales: [N, K/32] transposed to [K/32, N], then an 8x8 transpose inside
 every 64-column chunk. Bias: 32-element chunks permuted ``out[8i + 2a + b] = in[8a + b + 2i]``.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
@@ -32,6 +38,11 @@ SCALE_PAD_BYTE = 127  # F.pad(value=1) on float8_e8m0fnu scales: E8M0 1.0
 # permuted axes of the nibble view [E, BX, JJ, I4, LN, R, I5, LQ, I6] into the stored word order
 _WORD_ORDER = (0, 5, 1, 4, 7, 2, 8, 3, 6)
 _WORD_ORDER_INV = tuple(_WORD_ORDER.index(i) for i in range(9))
+
+
+# 8-bit weights: the value view [E, BX, KK, LN, R, I5, LQ, I6] into the stored byte order
+_BYTE_ORDER = (0, 4, 1, 3, 6, 2, 7, 5)
+_BYTE_ORDER_INV = tuple(_BYTE_ORDER.index(i) for i in range(8))
 
 
 def _nibble_view_shape(E: int, N: int, K: int) -> tuple[int, ...]:
@@ -72,6 +83,27 @@ def unrepack_weights(words: torch.Tensor, name: str) -> torch.Tensor:
     nib = torch.stack((b & 0xF, b >> 4), dim=-1)
     canon = nib.view(_word_view_shape(E, N, K)).permute(_WORD_ORDER_INV).reshape(E, N, K // 2, 2)
     return (canon[..., 0] | (canon[..., 1] << 4)).contiguous()
+
+
+def repack_bytes(values: torch.Tensor, name: str) -> torch.Tensor:
+    """uint8 [E, N, K] (one 8-bit value per byte, padded) -> int32 [E, K/16, 4N] humming words."""
+    import torch
+
+    E, N, K = values.shape
+    check_geometry(N, K, name)
+    view = values.reshape(E, N // 64, 8, 8, K // 16, 2, 4, 2)
+    return view.permute(_BYTE_ORDER).reshape(E, K // 16, 16 * N).view(torch.int32)
+
+
+def unrepack_bytes(words: torch.Tensor, name: str) -> torch.Tensor:
+    """Inverse of :func:`repack_bytes`: int32 [E, K/16, 4N] -> uint8 [E, N, K]."""
+    import torch
+
+    E, kr, n4 = words.shape
+    N, K = n4 // 4, kr * 16
+    check_geometry(N, K, name)
+    b = words.contiguous().view(torch.uint8).view(E, kr, N // 64, 8, 4, 8, 2, 2)
+    return b.permute(_BYTE_ORDER_INV).reshape(E, N, K).contiguous()
 
 
 def _chunk_perm(chunk: int, on_c: bool) -> list[int]:

@@ -67,12 +67,12 @@ def pad_canonical(c: CanonicalExperts, Hp: int, Ip: int, scale_fill: int = 0) ->
     w13 rows follow the row order (interleaved: new pairs appended; halves: each half padded),
     columns (the K axis) are padded at the end; w2 rows padded at the end.
     """
-    H, I = c.hidden_size, c.intermediate_size
+    H, I, vpb = c.hidden_size, c.intermediate_size, c.values_per_byte
     if Hp < H or Ip < I:
         raise LayoutError(f"padded sizes ({Hp}, {Ip}) smaller than ({H}, {I})")
-    w13 = pad_last(_pad_rows(c.w13, 2 * Ip, c.row_order, 0), Hp // 2, 0)
+    w13 = pad_last(_pad_rows(c.w13, 2 * Ip, c.row_order, 0), Hp // vpb, 0)
     s13 = pad_last(_pad_rows(c.w13_scale, 2 * Ip, c.row_order, scale_fill), Hp // 32, scale_fill)
-    w2 = pad_last(_pad_dim1(c.w2, Hp, 0), Ip // 2, 0)
+    w2 = pad_last(_pad_dim1(c.w2, Hp, 0), Ip // vpb, 0)
     s2 = pad_last(_pad_dim1(c.w2_scale, Hp, scale_fill), Ip // 32, scale_fill)
     b13 = None if c.w13_bias is None else _pad_rows(c.w13_bias, 2 * Ip, c.row_order, 0)
     b2 = None if c.w2_bias is None else _pad_dim1(c.w2_bias, Hp, 0)
@@ -202,7 +202,7 @@ def unpad_canonical(
     """
     import torch
 
-    Ip = c.intermediate_size
+    Ip, vpb = c.intermediate_size, c.values_per_byte
     halves = c.row_order == "halves"
 
     def rows13(t: torch.Tensor) -> torch.Tensor:
@@ -213,7 +213,7 @@ def unpad_canonical(
     if check:
         pads13 = [(I, Ip), (Ip + I, 2 * Ip)] if halves else [(2 * I, 2 * Ip)]
         checks: list[tuple[str, torch.Tensor, int | float | None, int]] = [
-            ("w13_weight", c.w13, 0, H // 2),
+            ("w13_weight", c.w13, 0, H // vpb),
             ("w13_weight_scale", c.w13_scale, scale_fill, H // 32),
         ]
         for name, t, fill, kcols in checks:
@@ -222,7 +222,7 @@ def unpad_canonical(
             for lo, hi in pads13:
                 check_fill(name, t[:, lo:hi], fill, (0, lo, 0))
             check_fill(name, t[..., kcols:], fill, (0, 0, kcols))
-        for name, t, fill, kcols in (("w2_weight", c.w2, 0, I // 2), ("w2_weight_scale", c.w2_scale, scale_fill, I // 32)):
+        for name, t, fill, kcols in (("w2_weight", c.w2, 0, I // vpb), ("w2_weight_scale", c.w2_scale, scale_fill, I // 32)):
             if fill is None:
                 continue
             check_fill(name, t[:, H:], fill, (0, H, 0))
@@ -233,9 +233,9 @@ def unpad_canonical(
         if c.w2_bias is not None:
             check_fill("w2_bias", c.w2_bias[:, H:], 0, (0, H))
     return CanonicalExperts(
-        w13=rows13(c.w13)[..., : H // 2].contiguous(),
+        w13=rows13(c.w13)[..., : H // vpb].contiguous(),
         w13_scale=rows13(c.w13_scale)[..., : H // 32].contiguous(),
-        w2=c.w2[:, :H, : I // 2].contiguous(),
+        w2=c.w2[:, :H, : I // vpb].contiguous(),
         w2_scale=c.w2_scale[:, :H, : I // 32].contiguous(),
         w13_bias=None if c.w13_bias is None else rows13(c.w13_bias).contiguous(),
         w2_bias=None if c.w2_bias is None else c.w2_bias[:, :H].contiguous(),
@@ -274,14 +274,15 @@ def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int, pad_to: int |
     """Rank's share of a canonical stack: intermediate channels [start, end).
 
     w13 rows: interleaved -> [2*start, 2*end); halves -> gate[start:end] ++ up[start:end].
-    w2 columns: bytes [start/2, end/2), scale columns [start/32, end/32).
+    w2 columns: bytes [start/v, end/v) (v values per byte: 2 for 4-bit formats, 1 for MXFP8), scale
+    columns [start/32, end/32).
     w2 bias: kept on rank 0 only, zero on the others (the engine sums rank outputs).
     ``pad_to``: zero-pad a narrower last rank to this intermediate width (the widest rank's), so
     every rank's kernel tensors have one shape; the bytes equal padding straight to the layout's Ip.
     """
     import torch
 
-    I = c.intermediate_size
+    I, vpb = c.intermediate_size, c.values_per_byte
     if c.row_order == "interleaved":
         r13 = slice(2 * start, 2 * end)
 
@@ -299,7 +300,7 @@ def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int, pad_to: int |
     part = CanonicalExperts(
         w13=rows(c.w13).contiguous(),
         w13_scale=rows(c.w13_scale).contiguous(),
-        w2=c.w2[..., start // 2 : end // 2].contiguous(),
+        w2=c.w2[..., start // vpb : end // vpb].contiguous(),
         w2_scale=c.w2_scale[..., start // 32 : end // 32].contiguous(),
         w13_bias=None if c.w13_bias is None else rows(c.w13_bias).contiguous(),
         w2_bias=None if w2_bias is None else w2_bias.contiguous(),

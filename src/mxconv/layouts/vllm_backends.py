@@ -25,6 +25,11 @@ VLLM_VERSION = (0, 33)
 
 # Canonical outputs, by manifest layout name: backends whose load-time conversion is a no-op.
 CANONICAL_VLLM_BACKENDS = {"canonical-gpt-oss": ("EMULATION", "XPU"), "canonical-compressed-tensors": ("XPU",)}
+# The same for canonical MXFP8 outputs (Fp8MoeBackend names). CompressedTensorsW8A8Mxfp8MoEMethod.create_weights
+# allocates the checkpoint's tensors unpadded (float8_e4m3fn [E, 2I, H], uint8 E8M0 [E, 2I, H/32], no expert
+# biases) and convert_to_fp8_moe_kernel_format (fused_moe/oracle/fp8.py) leaves EMULATION's and TRITON_MXFP8's
+# tensors as loaded. mxconv's gpt-oss MXFP8 (quant_method null) is not loaded by vLLM at all.
+CANONICAL_MXFP8_VLLM_BACKENDS = {"canonical-compressed-tensors": ("TRITON_MXFP8", "EMULATION")}
 # Backends CompressedTensorsW4A4Mxfp4MoEMethod (no maybe_roundup_sizes: nothing padded) reaches only for per-rank (H, I) multiples of this: its CUTLASS branch
 # (process_weights_after_loading) reshapes the swizzled [roundup(N, 128), roundup(K/32, 4)] scales
 # back to [N, K/32], which fails unless N and K/32 are already whole tiles.
@@ -69,9 +74,9 @@ def platform_of(arch: str | None) -> Platform | None:
 
 
 def home_platform(backend: str) -> Platform | None:
-    """The platform vLLM 0.33 runs ``backend`` on when it runs on one only (AITER: ROCm; the FlashInfer,
+    """The platform vLLM 0.33 runs ``backend`` on when it runs on one only (AITER, TRITON_MXFP8: ROCm; the FlashInfer,
     DeepGEMM, CUTLASS, Marlin, HUMMING and b12x kernels: CUDA); None for the others."""
-    if backend.startswith("AITER_"):
+    if backend.startswith("AITER_") or backend == "TRITON_MXFP8":  # Mxfp8NativeTritonExperts: ROCm with supports_mx
         return Platform.ROCM_CDNA4
     cuda = ("B12X_", "FLASHINFER_", "DEEPGEMM_", "CUTLASS_", "MARLIN", "BATCHED_MARLIN", "HUMMING")
     return Platform.CUDA if backend.startswith(cuda) else None

@@ -5,7 +5,8 @@ M reaches B, M allocates for B exactly the per-rank sizes the output's tensors h
 creates the tensors the output holds (expert biases) with the activation quantization the output was
 laid out for, and B runs the model (:func:`mxconv.layouts.vllm_backends.vllm_refusal`). The methods
 differ in padding: ``Mxfp4MoEMethod`` (``quant_method: mxfp4``; ``GptOssMxfp4MoEMethod`` on gpt-oss)
-rounds sizes up per backend (``maybe_roundup_sizes``), the compressed-tensors methods pad nothing. So a
+rounds sizes up per backend (``maybe_roundup_sizes``), the compressed-tensors methods (MXFP4, INT4, MXFP8)
+pad nothing. So a
 Qwen output repacked for ``marlin`` (padded like ``Mxfp4MoEMethod`` pads it) is MARLIN-served under
 ``Mxfp4MoEMethod`` and not under ``CompressedTensorsW4A4Mxfp4MoEMethod``.
 
@@ -18,8 +19,15 @@ vLLM facts (0.33.0): ``quantization/compressed_tensors/compressed_tensors_moe/co
 (``CompressedTensorsW4A4Mxfp4MoEMethod``: ``create_weights`` registers no expert bias; ``__init__``
 reaches CUTLASS, XPU, b12x, the MoE-EP megakernels and otherwise ``MarlinExperts``;
 ``process_weights_after_loading`` repacks Marlin with ``prepare_moe_fp4_layer_for_marlin(layer)``,
-no input dtype, so BF16 activations only) and ``fused_moe/oracle/mxfp4.py`` (the ``Mxfp4MoeBackend``
-values ``Mxfp4MoEMethod`` selects among).
+no input dtype, so BF16 activations only), ``fused_moe/oracle/mxfp4.py`` (the ``Mxfp4MoeBackend``
+values ``Mxfp4MoEMethod`` selects among) and, for MXFP8 checkpoints,
+``compressed_tensors_moe/compressed_tensors_moe_w8a8_mxfp8.py`` (``CompressedTensorsW8A8Mxfp8MoEMethod``:
+``create_weights`` allocates float8_e4m3fn [E, 2I, H] / [E, H, I] and uint8 E8M0 group-32 scales at the
+checkpoint's sizes, no expert bias; ``__init__`` picks an ``Fp8MoeBackend`` with ``select_mxfp8_moe_backend``
+(``fused_moe/oracle/mxfp8.py``); ``process_weights_after_loading`` hands the tensors to
+``convert_to_fp8_moe_kernel_format`` (``fused_moe/oracle/fp8.py``), which runs humming's transform for
+HUMMING, ``prepare_mxfp8_moe_layer_for_marlin`` for MARLIN and leaves TRITON_MXFP8's and EMULATION's as
+loaded). The online ``Mxfp8OnlineMoEMethod`` quantizes bf16 weights at load time: it loads no MXFP8 bytes.
 """
 
 from __future__ import annotations
@@ -29,15 +37,16 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, vllm_refusal
+from mxconv.layouts.vllm_backends import CANONICAL_MXFP8_VLLM_BACKENDS, CANONICAL_VLLM_BACKENDS, vllm_refusal
 
 
 class VllmMethod(StrEnum):
-    """The vLLM 0.33 fused-MoE quantization methods that load 4-bit experts (their class names)."""
+    """The vLLM 0.33 fused-MoE quantization methods that load MX or INT4 experts (their class names)."""
 
     MXFP4 = "Mxfp4MoEMethod"  # quant_method mxfp4 (GptOssMxfp4MoEMethod on gpt-oss): pads per backend
     CT_MXFP4 = "CompressedTensorsW4A4Mxfp4MoEMethod"  # compressed-tensors mxfp4-pack-quantized: pads nothing
     CT_WNA16 = "CompressedTensorsWNA16MoEMethod"  # compressed-tensors INT4 (pack-quantized): pads nothing
+    CT_MXFP8 = "CompressedTensorsW8A8Mxfp8MoEMethod"  # compressed-tensors mxfp8-quantized (Fp8MoeBackend names): pads nothing
 
     @property
     def pads(self) -> bool:
@@ -47,7 +56,8 @@ class VllmMethod(StrEnum):
     @property
     def tag(self) -> str:
         """Short name for table cells (the legend is :data:`METHOD_LEGEND`)."""
-        return {VllmMethod.MXFP4: "mxfp4", VllmMethod.CT_MXFP4: "ct", VllmMethod.CT_WNA16: "ct-int4"}[self]
+        return {VllmMethod.MXFP4: "mxfp4", VllmMethod.CT_MXFP4: "ct", VllmMethod.CT_WNA16: "ct-int4",
+                VllmMethod.CT_MXFP8: "ct-mxfp8"}[self]
 
     @property
     def label(self) -> str:
@@ -56,12 +66,21 @@ class VllmMethod(StrEnum):
             VllmMethod.MXFP4: "quant_method mxfp4 (Mxfp4MoEMethod; GptOssMxfp4MoEMethod on gpt-oss)",
             VllmMethod.CT_MXFP4: "compressed-tensors MXFP4 (CompressedTensorsW4A4Mxfp4MoEMethod)",
             VllmMethod.CT_WNA16: "compressed-tensors INT4 (CompressedTensorsWNA16MoEMethod)",
+            VllmMethod.CT_MXFP8: "compressed-tensors MXFP8 (CompressedTensorsW8A8Mxfp8MoEMethod)",
         }[self]
 
 
 METHOD_LEGEND = "; ".join(f"{m.tag}: {m.label}" for m in VllmMethod)
-# The canonical outputs' method (their config.json names it): keys of CANONICAL_VLLM_BACKENDS.
-CANONICAL_METHOD = {"canonical-gpt-oss": VllmMethod.MXFP4, "canonical-compressed-tensors": VllmMethod.CT_MXFP4}
+# The canonical outputs' method and the backends holding them as loaded, per (manifest layout name, weight
+# format): their config.json names the method. mxconv's gpt-oss MXFP8 (quant_method null) has none.
+CANONICAL_SERVING = {
+    ("canonical-gpt-oss", "mxfp4"): (VllmMethod.MXFP4, CANONICAL_VLLM_BACKENDS["canonical-gpt-oss"]),
+    ("canonical-compressed-tensors", "mxfp4"): (VllmMethod.CT_MXFP4, CANONICAL_VLLM_BACKENDS["canonical-compressed-tensors"]),
+    ("canonical-compressed-tensors", "mxfp8"): (VllmMethod.CT_MXFP8, CANONICAL_MXFP8_VLLM_BACKENDS["canonical-compressed-tensors"]),
+}
+CANONICAL_LAYOUTS = tuple(dict.fromkeys(lay for lay, _ in CANONICAL_SERVING))
+# The methods whose create_weights registers no expert bias.
+NO_BIAS_METHODS = (VllmMethod.CT_MXFP4, VllmMethod.CT_MXFP8)
 # Backends CompressedTensorsW4A4Mxfp4MoEMethod reaches (its __init__); MARLIN with BF16 activations only.
 CT_MXFP4_BACKENDS = ("XPU", "MARLIN", "CUTLASS_MXFP4_MXFP4", "B12X_MXFP4_MXFP8", "B12X_MXFP4_BF16",
                      "FLASHINFER_MOE_EP_CUTEDSL", "FLASHINFER_MOE_EP_DEEP_GEMM")
@@ -103,27 +122,29 @@ def candidates(layout: str, activation: str | None, weight_format: str) -> list[
     """(method, backend) pairs that could hold an output of ``layout`` (a registered backend or a canonical
     layout name), ``activation`` and ``weight_format``: a kernel layout's declared vLLM backends under every
     method reaching them, a canonical output's backends under its own method."""
-    if layout in CANONICAL_METHOD:
-        names = CANONICAL_VLLM_BACKENDS.get(layout, ()) if weight_format == "mxfp4" else ()
-        return [(CANONICAL_METHOD[layout], b) for b in names]
+    if layout in CANONICAL_LAYOUTS:
+        serving = CANONICAL_SERVING.get((layout, weight_format))
+        return [] if serving is None else [(serving[0], b) for b in serving[1]]
     from mxconv.layouts import get_layout
 
     lay = get_layout(layout)
     act = str(activation)
     if weight_format == "int4":
         return [(VllmMethod.CT_WNA16, b) for b in getattr(lay, "vllm_int4_backends", {}).get(act, ())]
-    if weight_format != "mxfp4":  # MXFP8 and block-FP8 outputs: no layout names an FP8-oracle backend
+    if weight_format == "mxfp8":  # Fp8MoeBackend names, reached by the MXFP8 checkpoint's method
+        return [(VllmMethod.CT_MXFP8, b) for b in getattr(lay, "vllm_mxfp8_backends", {}).get(act, ())]
+    if weight_format != "mxfp4":  # block-FP8 outputs: no layout names a backend for them
         return []
     names = getattr(lay, "vllm_backends", {}).get(act, ())
     return [(VllmMethod.MXFP4, b) for b in names] + [(VllmMethod.CT_MXFP4, b) for b in names if b in CT_MXFP4_BACKENDS]
 
 
 def _refusal(method: VllmMethod, backend: str, form: OutputForm) -> str | None:
-    if method is VllmMethod.CT_MXFP4:
-        if form.model.get("has_expert_bias"):
-            return f"{method.label} creates no expert biases; the model has them"
-        if backend == "MARLIN" and form.activation is not None and form.activation not in CT_MARLIN_ACTIVATIONS:
-            return f"{method.label} runs Marlin with BF16 activations only; this output is laid out for {form.activation}"
+    if method in NO_BIAS_METHODS and form.model.get("has_expert_bias"):
+        return f"{method.label} creates no expert biases; the model has them"
+    if (method is VllmMethod.CT_MXFP4 and backend == "MARLIN" and form.activation is not None
+            and form.activation not in CT_MARLIN_ACTIVATIONS):
+        return f"{method.label} runs Marlin with BF16 activations only; this output is laid out for {form.activation}"
     return vllm_refusal(backend, form.sizes, dict(form.model), form.compat, method.pads, form.arch, form.tp)
 
 

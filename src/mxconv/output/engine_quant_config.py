@@ -13,8 +13,10 @@ with :meth:`EngineQuantConfig.from_json`. It says, for every MoE layer:
   scale and bias tensor of gemm1 (gate/up, w13) and gemm2 (down, w2): kernel outputs from the
   layout's ``kernel_specs`` (shapes per TP rank), canonical outputs from the manifest's tensors;
 * the activation function and its parameters, and the routing method (vLLM ``RoutingMethodType``);
-* the vLLM 0.33 ``Mxfp4MoeBackend`` names that hold exactly these bytes after loading
-  (``served_vllm_backends``), and why the other candidates do not (``not_served``).
+* the vLLM 0.33 backend names that hold exactly these bytes after loading (``served_vllm_backends``:
+  ``Mxfp4MoeBackend`` values for MXFP4, ``WNA16MoEBackend`` for INT4, ``Fp8MoeBackend`` for MXFP8), under
+  which vLLM quantization method (``served_vllm_methods``; :func:`mxconv.layouts.vllm_serving.vllm_serving`,
+  the one rule), and why the other candidates do not (``not_served``).
 
 vLLM facts below are from vLLM 0.33.0: ``fused_moe/oracle/mxfp4.py``
 (``mxfp4_round_up_hidden_size_and_intermediate_size``, ``_backend_activation_key``),
@@ -255,7 +257,7 @@ def _kernel_refs(m: Manifest, pattern: str) -> list[TensorRef] | None:
     try:
         layout = get_layout(str(m.backend))
         sizes = LayoutSizes(m.model.num_experts, *lay.sizes, lay.w13_row_order, m.model.has_expert_bias,
-                            "int4" if m.weight_format == "int4" else "mxfp4")
+                            m.weight_format if m.weight_format in ("int4", "mxfp8") else "mxfp4")
         specs = layout.kernel_specs(sizes, m.activation, layout.resolve_options(lay.option_values))
     except Exception:  # noqa: BLE001 - an unknown or changed layout: fall back to the tensors table
         return None

@@ -203,12 +203,13 @@ def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], a
 
 
 def served_backends_note(manifest: Manifest) -> str | None:
-    """A kernel-layout output that no vLLM MXFP4 MoE backend holds as it is: the note that says so."""
+    """A kernel-layout output that no vLLM MoE backend of its format holds as it is: the note that says so."""
     if not manifest.is_kernel or manifest.served_vllm_backends:
         return None
     quant_config = quant_config_of(manifest)
     why = "; ".join(f"{b}: {r}" for b, r in quant_config.not_served)
-    return (f"note: no vLLM {quant_config.engine_version} MXFP4 MoE backend holds these bytes as they are"
+    fmt = manifest.weight_format.upper()  # MXFP4, MXFP8 (Fp8MoeBackend) or INT4 (WNA16MoEBackend)
+    return (f"note: no vLLM {quant_config.engine_version} {fmt} MoE backend holds these bytes as they are"
             + (f" ({why})" if why else f" ({manifest.weight_format} experts)")
             + "; mxconv.engines.loader and its kernels read them, and the manifest's quant_config describes them")
 

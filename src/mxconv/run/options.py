@@ -161,3 +161,11 @@ class RepackOptions:
     tp: int = 1
     layout_options: LayoutOptions | Mapping[str, Any] = field(default_factory=dict)
     kernel_choice: KernelChoice = KernelChoice.AUTO  # Triton layout kernels on CUDA, or torch ops only (same bytes)
+    # the experts' format in the layout: None keeps an MX or INT4 source's format (MXFP8 stays MXFP8,
+    # INT4 stays INT4) and makes MXFP4 of anything else; MXFP8 re-codes MXFP4 (lossless) or quantizes floats
+    weight_format: WeightFormat | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_format is not None:
+            fmt = _member(WeightFormat, self.weight_format, "--format", (WeightFormat.MXFP4, WeightFormat.MXFP8))
+            object.__setattr__(self, "weight_format", fmt)

@@ -102,7 +102,7 @@ class Plan:
 
     @property
     def weight_format(self) -> WeightFormat:
-        """Format of the written experts: quantize's --format; repack: mxfp4, or int4 (kept) for an INT4 source."""
+        """Format of the written experts: quantize's --format; repack: the layout's (_layout_weight_format)."""
         if self.repack is not None:
             return WeightFormat(self.sizes.weight_format if self.sizes is not None else WeightFormat.MXFP4)
         return self.quant.fmt
@@ -224,21 +224,26 @@ class _LayoutPlan:
     warnings: list[str]
 
 
-def _layout_weight_format(ckpt: Checkpoint, info: ModelInfo, layout: Layout, backend: str) -> WeightFormat:
-    """The experts' format in the layout: INT4 stays INT4 (layouts that take it), all else MXFP4."""
-    if info.expert_format == WeightFormat.MXFP8:
-        raise BadInput(
-            f"{ckpt.root}: experts are MXFP8; backend layouts take MXFP4 experts "
-            "(repack the bf16 source, or quantize it with --format mxfp4 first)"
-        )
-    wfmt = WeightFormat.INT4 if info.expert_format == WeightFormat.INT4 else WeightFormat.MXFP4
-    takes = getattr(layout, "weight_formats", (WeightFormat.MXFP4,))
+def _layout_weight_format(ckpt: Checkpoint, info: ModelInfo, layout: Layout, repack: RepackOptions) -> WeightFormat:
+    """The experts' format in the layout: ``repack.weight_format`` when given, else the source's
+    (INT4 and MXFP8 stay as they are), else MXFP4; BadInput when the layout does not take it."""
+    src, asked = info.expert_format, repack.weight_format
+    if src == WeightFormat.INT4 and asked is not None:
+        raise BadInput(f"{ckpt.root}: experts are INT4 (compressed-tensors, bf16 group scales); repack keeps them INT4 "
+                       f"(--format {asked} applies to float or MX sources; quantize the source first)")
+    if src == WeightFormat.MXFP8 and asked == WeightFormat.MXFP4:
+        raise BadInput(f"{ckpt.root}: experts are MXFP8; repack moves MX bytes as they are and never re-quantizes "
+                       "them to MXFP4 (repack the bf16 source with --format mxfp4, or leave --format out)")
+    wfmt = asked or (WeightFormat(src) if src in (WeightFormat.INT4, WeightFormat.MXFP8) else WeightFormat.MXFP4)
+    takes = layout.weight_formats
     if wfmt not in takes:
-        others = [n for n in backend_names() if wfmt in getattr(get_layout(n), "weight_formats", (WeightFormat.MXFP4,))]
+        others = [n for n in backend_names() if wfmt in get_layout(n).weight_formats]
+        what = {WeightFormat.INT4: " (compressed-tensors INT4, bf16 group scales)"}.get(wfmt, "")
+        lead = f"--format {wfmt}" if asked is not None else f"{ckpt.root}: experts are {wfmt}{what}"
         raise BadInput(
-            f"{ckpt.root}: experts are {wfmt} (compressed-tensors INT4, bf16 group scales); backend {backend} "
-            f"takes {', '.join(takes)} experts only (backends that take {wfmt}: {', '.join(others) or 'none'}; "
-            "or quantize the source first: mxconv quantize SRC OUT --format mxfp4)"
+            f"{lead}; backend {repack.backend} "
+            f"takes {', '.join(takes)} experts only (backends that take {wfmt}: {', '.join(others) or 'none'}"
+            + ("; or quantize the source first: mxconv quantize SRC OUT --format mxfp4)" if wfmt == WeightFormat.INT4 else ")")
         )
     return wfmt
 
@@ -251,7 +256,7 @@ def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _L
             f"--activation {repack.activation!r} is not valid for backend {repack.backend}; "
             f"choose one of {', '.join(layout.activations)}"
         )
-    wfmt = _layout_weight_format(ckpt, info, layout, repack.backend)
+    wfmt = _layout_weight_format(ckpt, info, layout, repack)
     fmt_kw: dict[str, Any] = {} if wfmt == WeightFormat.MXFP4 else {"weight_format": wfmt}
     rank_ranges = tp_ranges(info.intermediate_size, repack.tp)
     widths = {e - s for s, e in rank_ranges}
@@ -267,7 +272,8 @@ def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _L
     if fmt_kw and len(widths) > 1:
         raise BadInput(
             f"--tp {repack.tp} splits intermediate size {info.intermediate_size} unevenly "
-            f"({sorted(widths)} per rank); {wfmt} experts are never padded, so every rank needs the same width"
+            f"({sorted(widths)} per rank); vLLM never pads {wfmt} experts up to a common rank width, so every rank "
+            "needs the same width"
         )
     sizes = LayoutSizes(info.num_experts, info.hidden_size, I_rank, Hp, Ip, info.row_order, info.has_expert_bias, wfmt)
     return _LayoutPlan(layout, repack, sizes, rank_ranges, layout.kernel_specs(sizes, repack.activation, opts),

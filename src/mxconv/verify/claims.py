@@ -31,7 +31,7 @@ from mxconv.errors import BadInput, LayoutError
 from mxconv.families import reader_class
 from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import LayoutSizes
+from mxconv.layouts.canonical import WEIGHT_FORMATS, LayoutSizes
 from mxconv.layouts.padding import tp_ranges
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.source.file_names import rank_dir_name
@@ -252,7 +252,7 @@ def _kernel_mismatch(manifest: Manifest, ckpt: Checkpoint, rinfo: ModelInfo) -> 
     try:
         layout = get_layout(str(backend))
         options = layout.resolve_options(manifest.layout.option_values)
-        fmt = "int4" if manifest.weight_format == "int4" else "mxfp4"
+        fmt = manifest.weight_format if manifest.weight_format in WEIGHT_FORMATS else "mxfp4"
         width = max(e - s for s, e in tp_ranges(rinfo.intermediate_size, manifest.tp_size))
         padded = layout.padded_sizes(rinfo.hidden_size, width, rinfo.row_order, manifest.activation, options,
                                      **({} if fmt == "mxfp4" else {"weight_format": fmt}))

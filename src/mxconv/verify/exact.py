@@ -1,7 +1,7 @@
 """verify with ``--reference``: the output holds exactly the bytes that converting the reference gives.
 
 * **Experts**, layer by layer, in expert chunks on verify's device. Where the reference holds the
-  output's own format (MXFP4, INT4), its canonical bytes must be the output's. Otherwise the
+  output's own format (MXFP4, MXFP8, INT4), its canonical bytes must be the output's. Otherwise the
   reference layer is converted again the way the conversion did it: :func:`mxconv.run.compute.to_format`
   (the quantize entry :mod:`mxconv.kernels.quantize`: Triton on a GPU, torch on the CPU, the same
   bytes) with the manifest's ``weight_format`` and ``scale_rounding``, or
@@ -28,7 +28,7 @@ import torch
 
 from mxconv.errors import BadInput
 from mxconv.families.base import MoELayer
-from mxconv.layouts.canonical import CanonicalExperts
+from mxconv.layouts.canonical import WEIGHT_FORMATS, CanonicalExperts
 from mxconv.run.compute import CHUNK_ELEMENTS, source_stack, to_format
 from mxconv.run.options import QuantOptions
 from mxconv.verify.claims import copied_tensors
@@ -46,7 +46,7 @@ def check_expert_bytes(run: Run, L: int, prefix: str, canon: CanonicalExperts | 
     """The exact check of layer ``L`` (module docstring): ``rep.layout`` becomes "bit-exact" or
     "FAIL"; a layer whose bytes cannot be re-derived is recorded in ``run.bytes_refused``."""
     rcanon = canonical_from_layer(ref_layer)
-    same = rcanon is not None and run.weight_format in ("mxfp4", "int4") and rcanon.weight_format == run.weight_format
+    same = rcanon is not None and run.weight_format in WEIGHT_FORMATS and rcanon.weight_format == run.weight_format
     if canon is not None and rcanon is not None and same:
         diff = first_difference(canon, rcanon)
         _verdict(rep, None if diff is None else f"{prefix}.experts: recovered canonical bytes differ from the reference: {diff}")

@@ -12,7 +12,7 @@ from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput, LayoutError
 from mxconv.families.base import Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES, CanonicalExperts, LayoutSizes
+from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES, WEIGHT_FORMATS, CanonicalExperts, LayoutSizes
 from mxconv.layouts.padding import unpad_canonical
 from mxconv.source.manifest import LayerEntry, Manifest
 from mxconv.source.st_format import read_tensor
@@ -21,9 +21,9 @@ from mxconv.verify.report import LayerReport, Run
 
 def manifest_sizes(manifest: Manifest) -> LayoutSizes:
     """The (per-rank) sizes of the manifest's layout, as the layouts take them."""
-    lay = manifest.layout
+    lay, fmt = manifest.layout, manifest.weight_format
     return LayoutSizes(manifest.model.num_experts, *lay.sizes, lay.w13_row_order, manifest.model.has_expert_bias,
-                       "int4" if manifest.weight_format == "int4" else "mxfp4")
+                       fmt if fmt in WEIGHT_FORMATS else "mxfp4")
 
 
 def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: int) -> CanonicalExperts:
@@ -155,16 +155,16 @@ def canonical_from_layer(layer: MoELayer) -> CanonicalExperts | None:
     if layer.w13_int4 is not None and layer.w2_int4 is not None:
         return CanonicalExperts(layer.w13_int4.data, layer.w13_int4.scales, layer.w2_int4.data, layer.w2_int4.scales,
                                 row_order=layer.row_order, weight_format="int4")
-    if layer.w13_mx is None or layer.w13_mx.fmt != "mxfp4":
+    if layer.w13_mx is None or layer.w13_mx.fmt not in ("mxfp4", "mxfp8"):
         return None
     return CanonicalExperts(layer.w13_mx.data, layer.w13_mx.scales, layer.w2_mx.data, layer.w2_mx.scales,
-                            layer.w13_bias, layer.w2_bias, layer.row_order, input_scales=layer.input_scales)
+                            layer.w13_bias, layer.w2_bias, layer.row_order, layer.w13_mx.fmt, layer.input_scales)
 
 
 def canonical_stack(c: CanonicalExperts, which: str) -> MXStack | Int4Stack:
     """``c``'s w13 or w2 with its scales, as the stack type of its weight format."""
     data, scales = getattr(c, which), getattr(c, f"{which}_scale")
-    return Int4Stack(data, scales) if c.weight_format == "int4" else MXStack("mxfp4", data, scales)
+    return Int4Stack(data, scales) if c.weight_format == "int4" else MXStack(c.weight_format, data, scales)
 
 
 def kernel_nonfinite(canon: CanonicalExperts, prefix: str) -> str | None:

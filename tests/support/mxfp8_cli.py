@@ -1,0 +1,63 @@
+"""The CLI round of an MXFP8 kernel output shared by the layout tests: repack an MXFP8 checkpoint,
+verify it bit-exact against that checkpoint, flip one real scale byte and see verify fail."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from support.cli import mx
+from support.tamper import patch_tensor
+
+from mxconv.source.st_format import read_header, read_tensor
+
+__all__ = ["flip_scale_byte", "quantized_mxfp8", "repack_verify_and_damage"]
+
+
+def flip_scale_byte(out: Path, rank: str | None, name: str) -> None:
+    """Flip one bit of one real scale byte (expert 2) of ``name`` (in ``rank``'s directory, or the
+    output's) and record the new sha256 in the manifest, so only the layout / reference checks can catch it."""
+    where = out / rank if rank else out
+
+    def flip(t: torch.Tensor) -> torch.Tensor:
+        t.view(torch.uint8)[2, 0, 5] ^= 1
+        return t
+
+    patch_tensor(where, name, flip, fix_manifest=False)
+    index = json.loads((where / "model.safetensors.index.json").read_text())
+    t = read_tensor(read_header(where / index["weight_map"][name])[0][name])
+    m = json.loads((out / "mxconv.json").read_text())
+    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    m["tensors"][f"{rank}/{name}" if rank else name]["sha256"] = hashlib.sha256(raw).hexdigest()
+    (out / "mxconv.json").write_text(json.dumps(m))
+
+
+def repack_verify_and_damage(q8: Path, out: Path, backend: str, tp: str, layer: int) -> dict[str, Any]:
+    """``repack q8 out --backend backend --tp tp``; verify --reference q8 must pass with every layer
+    bit-exact; then a flipped scale byte of ``layer``'s w13 (last rank) must fail it (exit 1) naming
+    the difference. Returns the output's manifest (read before the damage)."""
+    code, _, err = mx("repack", q8, out, "--backend", backend, "--tp", tp, "--quiet", "--device", "cpu")
+    assert code == 0, err
+    manifest = json.loads((out / "mxconv.json").read_text())
+    assert manifest["weight_format"] == "mxfp8" and manifest["layout"]["variant"] == "mxfp8"
+    code, text, err = mx("verify", out, "--reference", q8, "--device", "cpu", "--json")
+    assert code == 0, text + err
+    assert {r["layout"] for r in json.loads(text)["layers"]} == {"bit-exact"}
+    flip_scale_byte(out, f"rank-{int(tp) - 1}" if tp != "1" else None, f"model.layers.{layer}.mlp.experts.w13_weight_scale")
+    code, text, err = mx("verify", out, "--reference", q8, "--device", "cpu")
+    assert code == 1, text + err
+    assert "recovered canonical bytes differ from the reference: w13_scale: first difference at expert 2" in text + err
+    return manifest
+
+
+def quantized_mxfp8(root: Path, hidden_size: int, intermediate_size: int) -> Path:
+    """A Qwen-style test checkpoint (halves, no biases) of these sizes under ``root``, quantized to MXFP8."""
+    from mxconv.examples import make_checkpoint
+
+    make_checkpoint(root / "src", "qwen3-moe", hidden_size=hidden_size, intermediate_size=intermediate_size)
+    code, _, err = mx("quantize", root / "src", root / "q8", "--format", "mxfp8", "--quiet", "--device", "cpu")
+    assert code == 0, err
+    return root / "q8"
