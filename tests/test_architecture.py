@@ -117,6 +117,36 @@ def test_the_environment_is_read_in_one_module() -> None:
     assert readers <= {ENVIRONMENT_MODULE}, sorted(readers - {ENVIRONMENT_MODULE})
 
 
+# Modules that may index a manifest's JSON: the typed Manifest's own (parse, schema), and the
+# lenient read of an OLD output's manifest that only narrows what --overwrite removes (a damaged
+# manifest there must still name its files; output.ownership).
+MANIFEST_JSON_MODULES = {"mxconv.source.manifest", "mxconv.source.manifest_schema", "mxconv.output.ownership"}
+
+
+def _indexes_a_manifest(node: ast.AST) -> bool:
+    """``manifest[...]``, ``manifest.get(...)``, ``x.manifest[...]``, ``load_manifest(...)[...]``."""
+    def is_manifest(v: ast.AST) -> bool:
+        return (isinstance(v, ast.Name) and v.id == "manifest") or (isinstance(v, ast.Attribute) and v.attr == "manifest") \
+            or (isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "load_manifest")
+    if isinstance(node, ast.Subscript):
+        return is_manifest(node.value)
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+        and is_manifest(node.func.value)
+
+
+def test_only_the_manifest_module_indexes_manifest_json() -> None:
+    """Every reader takes the typed Manifest (mxconv.source.manifest); nothing else indexes its JSON."""
+    found = [f"{name}:{node.lineno}" for name, (_, tree) in _modules().items() if name not in MANIFEST_JSON_MODULES
+             for node in ast.walk(tree) if _indexes_a_manifest(node)]
+    assert not found, found
+
+
+def test_the_manifest_check_can_fail() -> None:
+    for bad in ('manifest["kind"]', 'manifest.get("tp_size")', 'src.manifest["layout"]', 'load_manifest(root)["layers"]'):
+        assert any(_indexes_a_manifest(n) for n in ast.walk(ast.parse(bad))), bad
+    assert not any(_indexes_a_manifest(n) for n in ast.walk(ast.parse("manifest.layout.option_values")))
+
+
 def test_backend_names_only_where_backends_live() -> None:
     """No string that is a backend's name (compared, listed, defaulted) outside layouts/engines/kernels."""
     spelled = []

@@ -18,6 +18,7 @@ from mxconv.run.conversion import Conversion, RunSettings
 from mxconv.run.options import QuantOptions, RepackOptions
 from mxconv.run.plan import build_plan
 from mxconv.output.engine_quant_config import EngineQuantConfig, activation_quant, from_manifest, quant_config_of
+from mxconv.source.manifest import Manifest
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
@@ -107,7 +108,8 @@ def test_every_generated_config_is_valid_and_stored(outputs: dict[str, dict[str,
     for key, m in outputs.items():
         assert validate(m["quant_config"], SCHEMA) == [], key
         qc = EngineQuantConfig.from_json(m["quant_config"])
-        assert qc == from_manifest(m) == quant_config_of({k: v for k, v in m.items() if k != "quant_config"}), key
+        older = {k: v for k, v in m.items() if k != "quant_config"}  # a manifest written before the quant config
+        assert qc == from_manifest(Manifest.parse(m, key)) == quant_config_of(Manifest.parse(older, key)), key
         assert qc.to_json() == m["quant_config"] and m["served_vllm_backends"] == list(qc.served_vllm_backends), key
 
 
@@ -260,14 +262,14 @@ def test_from_json_refuses_malformed(outputs: dict[str, dict[str, Any]]) -> None
     ):
         with pytest.raises(BadInput, match=re.escape(msg)):
             EngineQuantConfig.from_json(bad)
-    with pytest.raises(BadInput, match="manifest lacks"):
-        from_manifest({"kind": "kernel"})
+    with pytest.raises(BadInput, match="manifest lacks required keys"):  # from_manifest takes parsed manifests only
+        Manifest.parse({"kind": "kernel"}, "mxconv.json")
 
 
 def test_only_mxfp4_outputs_serve_mxfp4_backends(outputs: dict[str, dict[str, Any]]) -> None:
     assert outputs["gpt-oss-bf16/trtllm/bf16"]["served_vllm_backends"] == ["FLASHINFER_TRTLLM_MXFP4_BF16"]
     m = dict(outputs["gpt-oss-bf16/trtllm/bf16"], weight_format="int4")  # e.g. a future MxInt4 trtllm output
-    qc = from_manifest(m)
+    qc = from_manifest(Manifest.parse(m, "mxconv.json"))
     assert (qc.served_vllm_backends, qc.not_served, qc.scale_format, qc.weight_dtype) == ((), (), "bf16", "int4")
 
 

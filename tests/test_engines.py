@@ -26,6 +26,7 @@ import torch
 from mxconv import environment
 from mxconv.engines import discover, marlin_moe, triton_moe
 from mxconv.engines.runner import gated_activation, kernel_unavailable, softmax_topk
+from mxconv.source.manifest import Manifest
 from mxconv.errors import BadInput
 from mxconv.engines.loader import build_engine_layer, read_layer_tensors, resolve_layer
 from support.workspace import MadeCheckpoints, link_workspace
@@ -273,9 +274,9 @@ def test_resolve_layer_errors(cpu_outputs: Path, where: str, layer: int, kwargs:
 
 def test_kernel_unavailable_says_why(cpu_outputs: Path) -> None:
     m = json.loads((cpu_outputs / "marlin" / "mxconv.json").read_text())
-    assert "no engine kernel runner" in kernel_unavailable({**m, "backend": "trtllm"})
+    assert "no engine kernel runner" in kernel_unavailable(Manifest.parse({**m, "backend": "trtllm"}, "mxconv.json"))
     if not HAS_CUDA:
-        assert "CUDA" in kernel_unavailable(m)
+        assert "CUDA" in kernel_unavailable(Manifest.parse(m, "mxconv.json"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +354,7 @@ def test_triton_wrap_refuses_storage_of_another_gpu(made: MadeCheckpoints) -> No
     out = made.repack(made.quantize(made.source("gpt-oss-bf16", hidden_size=128, intermediate_size=96).path),
                       "triton", "--layout-option", "arch=sm100")  # fmt: skip
     src = resolve_layer(out, 1)
-    assert src.manifest["layout"]["arch"] == "sm100"
+    assert src.manifest.layout.extra["arch"] == "sm100"
     with pytest.raises(BadInput, match=r"layer 1: the output holds the sm100 storage \(manifest layout.arch = 'sm100'\);"
                                        r" .* sm90 storage only: repack with --layout-option arch=sm90"):  # fmt: skip
         build_engine_layer(src, read_layer_tensors(src, "cpu"))

@@ -183,7 +183,7 @@ def _bugs(src, canon: CanonicalExperts, hot: tuple[int, int]) -> dict[str, Calla
     from mxconv.layouts import get_layout
 
     layout = get_layout(src.backend)
-    opts = layout.resolve_options(src.manifest["layout"].get("options") or {})
+    opts = layout.resolve_options(src.manifest.layout.option_values)
     e0, e1 = hot
 
     def swap_experts(t: dict[str, torch.Tensor]) -> None:
@@ -193,7 +193,7 @@ def _bugs(src, canon: CanonicalExperts, hot: tuple[int, int]) -> dict[str, Calla
                 u[[e0, e1]] = u[[e1, e0]].clone()
 
     def swap_gate_up(t: dict[str, torch.Tensor]) -> None:
-        bad = layout.to_kernel(_swap_gate_up(canon), src.manifest["activation"], opts)
+        bad = layout.to_kernel(_swap_gate_up(canon), src.manifest.activation, opts)
         for k in ("w13_weight", "w13_weight_scale", "w13_bias"):
             if k in bad:
                 t[k] = bad[k].to(t[k].device).contiguous()

@@ -26,7 +26,7 @@ from mxconv.errors import BadInput
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import LayoutSizes
 from mxconv.run.options import QuantOptions
-from mxconv.source.manifest import load_manifest
+from mxconv.source.manifest import Manifest, load_manifest
 
 H, I = 128, 192  # TP 2: 96 per rank, which marlin's MXFP8 form pads to 128 per half
 MXFP8 = QuantOptions("mxfp8")
@@ -108,14 +108,13 @@ def test_refusals(sources) -> None:
         convert_layer({"w13": raw["w13"], "w2": raw["w2"]}, ConvertOptions("humming"))
 
 
-def _specs(manifest: dict, backend: str) -> dict:
-    lay, model = manifest["layout"], manifest["model"]
-    ranges = lay.get("tp_ranges") or [[0, lay["intermediate_size"]]]
-    sizes = LayoutSizes(int(model["num_experts"]), int(lay["hidden_size"]), ranges[0][1] - ranges[0][0],
-                        int(lay["padded_hidden_size"]), int(lay["padded_intermediate_size"]), lay["w13_row_order"],
-                        bool(model["has_expert_bias"]), "mxfp8")  # fmt: skip
+def _specs(manifest: Manifest, backend: str) -> dict:
+    lay, model = manifest.layout, manifest.model
+    start, end = manifest.rank_ranges[0]
+    sizes = LayoutSizes(model.num_experts, lay.hidden_size, end - start, lay.padded_hidden_size,
+                        lay.padded_intermediate_size, lay.w13_row_order, model.has_expert_bias, "mxfp8")  # fmt: skip
     layout = get_layout(backend)
-    return layout.kernel_specs(sizes, manifest["activation"], layout.resolve_options(lay.get("options") or {}))
+    return layout.kernel_specs(sizes, manifest.activation, layout.resolve_options(lay.option_values))
 
 
 @pytest.mark.parametrize("tp", ["1", "2"])
@@ -126,7 +125,7 @@ def test_loader_reads_an_mxfp8_layer(made: MadeCheckpoints, sources, backend: st
     _, _, q8 = sources[kind]
     out = made.repack(q8, backend, "--tp", tp)
     manifest = load_manifest(out)
-    assert manifest["weight_format"] == "mxfp8"
+    assert manifest.weight_format == "mxfp8"
     specs = _specs(manifest, backend)
     for rank in range(int(tp)):
         where = out / f"rank-{rank}" if tp != "1" else out
@@ -153,8 +152,8 @@ def test_update_layer_quantizes_as_the_mxfp8_output_did(made: MadeCheckpoints, s
     for t in tensors.values():
         t.zero_()
     m = src.manifest
-    layer = EngineLayer(backend, 1, 0, 1, model_info(m), None, tensors, require_runner(backend), dict(m["layout"]),
-                        None, m["weight_format"], m["scale_rounding"])  # fmt: skip
+    layer = EngineLayer(backend, 1, 0, 1, model_info(m), None, tensors, require_runner(backend), m.layout,
+                        None, m.weight_format, m.scale_rounding)  # fmt: skip
     update_layer(layer, _raw(bf16, kind))
     assert (layer.weight_format, layer.scale_rounding) == ("mxfp8", "floor")
     assert {k: t.data_ptr() for k, t in layer.tensors.items()} == held

@@ -24,6 +24,7 @@ from mxconv.layouts.flashinfer_cutlass_bytemap import (
     sm90_weight_interleave,
 )
 from mxconv.layouts.vllm_backends import vllm_padded_sizes
+from mxconv.source.manifest import load_manifest
 
 fi_prepare = pytest.importorskip("flashinfer.fused_moe")
 fi_trace = pytest.importorskip("flashinfer.trace.templates.gemm")
@@ -187,10 +188,10 @@ def test_gpt_oss_20b_specs_and_describe(activation: str, arch: str) -> None:
     assert d["w13_kernel_row_order"] == "up_gate_halves"
 
 
-def test_kernel_unavailable_says_why_on_cpu() -> None:
+def test_kernel_unavailable_says_why_on_cpu(made) -> None:
     if torch.cuda.is_available():
         pytest.skip("CPU-only message")
-    why = LAYOUT.kernel_unavailable({"layout": {"activation": "bf16"}})
-    assert why is not None and "SM90 GPU" in why
-    why = LAYOUT.kernel_unavailable({"layout": {"activation": "mxfp8"}})
-    assert why is not None and "SM100 GPU" in why
+    q4 = made.quantize(made.source("gpt-oss-bf16").path)
+    for activation, gpu in (("bf16", "SM90 GPU"), ("mxfp8", "SM100 GPU")):
+        why = LAYOUT.kernel_unavailable(load_manifest(made.repack(q4, LAYOUT.name, "--activation", activation)))
+        assert why is not None and gpu in why

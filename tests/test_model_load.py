@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from mxconv.errors import BadInput
 from mxconv.layouts import register_layout, unregister_layout
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.source.st_format import read_tensor
+from mxconv.source.manifest import Manifest
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +116,10 @@ def test_stderr_progress_lines() -> None:
                                            "loaded layer 5 (2/2): 3.00 of 3.00 GB, 0.5 s"]  # fmt: skip
 
 
-def test_hash_check_refuses_a_tensor_the_manifest_has_no_hash_for(outputs: Path) -> None:
-    m = json.loads((outputs / "marlin" / "mxconv.json").read_text())  # as an integration hands it over, unvalidated
+def test_a_manifest_without_a_tensor_hash_is_refused_before_any_read(outputs: Path) -> None:
+    """An integration hands the loader a parsed Manifest: one whose tensor has no sha256 never is one."""
+    m = json.loads((outputs / "marlin" / "mxconv.json").read_text())
     name = "model.layers.1.mlp.experts.w2_weight_scale"
     del m["tensors"][name]["sha256"]
-    src = resolve_layer(outputs / "marlin", 1, manifest=m)
-    assert set(read_layer_tensors(src, "cpu")) == set(src.files)  # no check asked for: read as usual
-    with pytest.raises(BadInput, match=rf"{m['tensors'][name]['file']}: tensor '{name}': no sha256 to check"):
-        read_layer_tensors(src, "cpu", check_hashes=True)
+    with pytest.raises(BadInput, match=rf"field 'tensors\.{re.escape(name)}\.sha256' is missing"):
+        Manifest.parse(m, outputs / "marlin" / "mxconv.json")

@@ -156,6 +156,7 @@ def test_the_loader_requires_the_input_scales_of_a_w4a8_output(tmp_path: Path) -
 
     from mxconv.engines.loader import resolve_layer
     from mxconv.errors import BadInput
+    from mxconv.source.manifest import Manifest
 
     make_checkpoint(tmp_path / "src", "gpt-oss-quark-w4a8")
     assert mx("repack", tmp_path / "src", tmp_path / "out", *GFX950, "--activation", "fp8")[0] == 0
@@ -163,7 +164,7 @@ def test_the_loader_requires_the_input_scales_of_a_w4a8_output(tmp_path: Path) -
     manifest = json.loads((tmp_path / "out" / "mxconv.json").read_text())
     del manifest["tensors"]["model.layers.0.mlp.experts.w2_input_scale"]
     with pytest.raises(BadInput, match="lists no model.layers.0.mlp.experts.w2_input_scale"):
-        resolve_layer(tmp_path / "out", 0, manifest=manifest)
+        resolve_layer(tmp_path / "out", 0, manifest=Manifest.parse(manifest, "mxconv.json"))
 
 
 def test_a_config_with_fewer_experts_than_the_tensors_is_refused(tmp_path: Path) -> None:

@@ -138,9 +138,9 @@ def test_verify_kernel_runs_the_engine_on_the_tensors_verify_read(sources, tmp_p
     code, text = mx("repack", sources["qwen-q4"], out, "--backend", backend, "--tp", tp, "--quiet")
     assert code == 0, text
     manifest = load_manifest(out)
-    run = Run(out, manifest, [open_checkpoint(d) for d in rank_dirs(out, tp)], model_info_of(manifest["model"]), TOKENS, 0, "cuda")
-    L = int(manifest["layers"][0]["layer"])
-    with LayerReads(run, {L: manifest["layers"][0]["module_prefix"]}) as reads:
+    run = Run(out, manifest, [open_checkpoint(d) for d in rank_dirs(out, tp)], model_info_of(manifest.model), TOKENS, 0, "cuda")
+    L = manifest.layers[0].layer
+    with LayerReads(run, {L: manifest.layers[0].module_prefix}) as reads:
         held = reads.get(L, []).held()
     g = torch.Generator().manual_seed(3)
     x = torch.randn(TOKENS, run.info.hidden_size, generator=g)
@@ -191,25 +191,26 @@ def _plant(out: Path, mutate: Callable[[CanonicalExperts], None]) -> None:
     import hashlib
 
     manifest = load_manifest(out)
-    layout = get_layout(manifest["backend"])
-    options = layout.resolve_options(manifest["layout"].get("options") or {})
+    layout = get_layout(str(manifest.backend))
+    options = layout.resolve_options(manifest.layout.option_values)
     ckpt = open_checkpoint(out)
     new: dict[str, torch.Tensor] = {}
-    for lay in manifest["layers"]:
-        prefix = lay["module_prefix"]
+    for lay in manifest.layers:
+        prefix = lay.module_prefix
         problems: list[str] = []
         canon = kernel_layer_canonical(manifest, [ckpt], prefix, problems)
         assert canon is not None, problems
         mutate(canon)
-        for k, v in layout.to_kernel(canon, manifest["activation"], options).items():
+        for k, v in layout.to_kernel(canon, manifest.activation, options).items():
             new[f"{prefix}.experts.{k}"] = v.contiguous()
     for shard in sorted({ckpt.tensors[n].file for n in new}):
         tensors = load_file(shard)
         tensors.update({n: t for n, t in new.items() if n in tensors})
         save_file(tensors, shard, metadata={"format": "pt"})
+    doc = manifest.to_json()
     for n, t in new.items():  # a broken converter records the hashes of what it wrote
-        manifest["tensors"][n]["sha256"] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
-    (out / "mxconv.json").write_text(json.dumps(manifest))
+        doc["tensors"][n]["sha256"] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+    (out / "mxconv.json").write_text(json.dumps(doc))
 
 
 @pytest.mark.parametrize("bug", list(BUGS))

@@ -60,8 +60,8 @@ def test_the_held_tensors_give_the_kernel_output_the_files_give(toy_outputs, tp:
     """run_kernel_layer on the tensors verify read (no file read allowed) equals run_kernel_layer reading the files."""
     out = toy_outputs[tp]
     manifest = load_manifest(out)
-    run = Run(out, manifest, [open_checkpoint(d) for d in rank_dirs(out, tp)], model_info_of(manifest["model"]), 8, 0, "cpu")
-    prefixes = {int(l["layer"]): l["module_prefix"] for l in manifest["layers"]}
+    run = Run(out, manifest, [open_checkpoint(d) for d in rank_dirs(out, tp)], model_info_of(manifest.model), 8, 0, "cpu")
+    prefixes = {entry.layer: entry.module_prefix for entry in manifest.layers}
     L = min(prefixes)
     with LayerReads(run, prefixes) as reads:
         held = reads.get(L, []).held()
@@ -80,7 +80,7 @@ def test_held_tensors_are_used_only_where_they_are_the_files_tensors(toy_outputs
     """The same keys from the same files and names: handed over as they are; a key missing, or a
     tensor from another file or name: None (the loader reads the layer from its files)."""
     out = toy_outputs[1]
-    src = resolve_layer(out, min(int(l["layer"]) for l in load_manifest(out)["layers"]))
+    src = resolve_layer(out, min(load_manifest(out).layer_numbers))
     ckpt = open_checkpoint(out)
     held = {k: HeldTensor(src.files[k], src.names[k], ckpt.read(src.names[k])) for k in src.files}
     got = held_layer_tensors(src, held, "cpu")

@@ -86,7 +86,7 @@ def test_mapping_matches_what_vllm_allocates(sources: dict[tuple[int, int], Path
     code, o, err = mx("repack", sources[size], out, "--backend", backend, "--activation", activation, "--device", "cpu", "--quiet")
     assert code == 0, o + err
     manifest = load_manifest(out)
-    lay = manifest["layout"]
+    lay = manifest.layout
     mapping = mapping_for(backend)
     if backend == "deepgemm":  # the one 'served by' rule: DeepGEMM's MXFP4 MoE has no SwiGLU-OAI, gpt-oss's
         with pytest.raises(BadInput, match="swigluoai"):
@@ -94,7 +94,7 @@ def test_mapping_matches_what_vllm_allocates(sources: dict[tuple[int, int], Path
         held: tuple[str, ...] = ("DEEPGEMM_MXFP4",)  # its mapping is still checked against vLLM's parameters
     else:
         held = served_by(manifest)
-    hp, ip = int(lay["padded_hidden_size"]), int(lay["padded_intermediate_size"])
+    hp, ip = lay.padded_hidden_size, lay.padded_intermediate_size
     if vllm_backend is not None:
         assert vllm_backend in held
         assert vllm_padding(vllm_backend, *size) == (hp, ip)

@@ -18,7 +18,7 @@ from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import LayoutSizes
 from mxconv.output.engine_quant_config import quant_config_of
 from mxconv.errors import BadInput, LayoutError
-from mxconv.source.manifest import load_manifest, missing_manifest_message
+from mxconv.source.manifest import Manifest, load_manifest, missing_manifest_message, plain_json
 from mxconv.layouts.vllm_serving import OutputForm, served_backends, served_methods, vllm_serving
 
 
@@ -90,7 +90,7 @@ def role_bytes(ckpt: Checkpoint, routers: list[str], reader: Any = None) -> dict
     now = bytes_by_role(((n, i.nbytes) for n, i in ckpt.tensors.items()), routers)
     m = ckpt.manifest
     if m is not None:
-        return {"before": m.get("source_bytes_by_role"), "before_label": "source", "after": now, "after_label": "this output"}
+        return {"before": plain_json(m.source_bytes_by_role), "before_label": "source", "after": now, "after_label": "this output"}
     doc: dict[str, Any] = {"before": now, "before_label": "this checkpoint", "after": None,
                            "after_label": "quantize --format mxfp8 --targets linear"}
     if reader is not None:
@@ -119,10 +119,10 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
     }
     m = ckpt.manifest
     if m is not None:
-        out["manifest"] = {k: m.get(k) for k in ("tool_version", "created", "family", "kind", "weight_format", "scale_rounding", "backend", "activation", "tp_size")}
-        out["manifest"]["layout"] = m.get("layout")
-        if isinstance(m.get("linears"), dict) and m["linears"].get("targets") == "linear":
-            out["linears"] = m["linears"]  # which linear layers are MXFP8, which were left alone and why
+        out["manifest"] = {k: getattr(m, k) for k in ("tool_version", "created", "family", "kind", "weight_format", "scale_rounding", "backend", "activation", "tp_size")}
+        out["manifest"]["layout"] = m.layout.to_json()
+        if m.linears is not None and m.linears.get("targets") == "linear":
+            out["linears"] = plain_json(m.linears)  # which linear layers are MXFP8, which were left alone and why
         try:  # stored in the manifest, or recomputed from it (manifests older than the quant config)
             qc = quant_config_of(m)
             out["quant_config"], out["served_vllm_backends"] = qc.to_json(), list(qc.served_vllm_backends)
@@ -131,21 +131,18 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
     if ckpt.kind == "kernel":
         if m is None:  # an output that lost its manifest (a TP output's rank-N is read with its root's)
             raise BadInput(missing_manifest_message(ckpt.root))
-        model = dict(m.get("model", {})) if m else {}
-        lay = (m or {}).get("layout") or {}
-        model["source_expert_format"] = model.get("expert_format")
-        model["expert_format"] = (m or {}).get("weight_format")
-        for k in ("padded_hidden_size", "padded_intermediate_size"):
-            if k in lay:
-                model[k] = lay[k]
+        model = m.model.to_json()
+        model["source_expert_format"] = m.model.expert_format
+        model["expert_format"] = m.weight_format
+        model["padded_hidden_size"], model["padded_intermediate_size"] = m.layout.padded_hidden_size, m.layout.padded_intermediate_size
         expert = sum(i.nbytes for n, i in ckpt.tensors.items() if ".experts." in n)
         out.update(
             {
-                "family": m.get("family") if m else None,
+                "family": m.family,
                 "model": model,
                 "bytes": {"experts": expert, "rest": ckpt.total_bytes() - expert},
-                "bytes_by_role": role_bytes(ckpt, [r.get(k) for r in (m or {}).get("layers", []) for k in
-                                                   ("router_weight", "router_bias", "correction_bias") if r.get(k)]),
+                "bytes_by_role": role_bytes(ckpt, [name for r in m.layers for name in
+                                                   (r.router_weight, r.router_bias, r.correction_bias) if name]),
             }
         )
         return out
@@ -195,31 +192,31 @@ def inspect_path(source: str, revision: str | None = None) -> dict[str, Any]:
     return inspect_checkpoint(open_checkpoint(source, revision))
 
 
-def _tp_manifest(root: Path) -> dict[str, Any] | None:
+def _tp_manifest(root: Path) -> Manifest | None:
     """The manifest of the tensor-parallel output ``root`` (tp_size > 1, rank-0/ beside it), else None."""
     if not ((root / MANIFEST_NAME).is_file() and (root / "rank-0").is_dir()):
         return None
     m = load_manifest(root)
-    return m if m["tp_size"] > 1 else None
+    return m if m.tp_size > 1 else None
 
 
-def _open_rank(root: Path, rank: int, m: dict[str, Any]) -> Checkpoint:
+def _open_rank(root: Path, rank: int, m: Manifest) -> Checkpoint:
     """Rank ``rank`` of the TP output ``root``, its headers validated, read with the root manifest ``m``."""
     d = root / rank_dir_name(rank)
     if not d.is_dir():
-        raise BadInput(f"{d}: missing; {root / MANIFEST_NAME} says tp_size {m['tp_size']}, so the output "
-                       f"holds one directory per rank, rank-0 to rank-{m['tp_size'] - 1}")
+        raise BadInput(f"{d}: missing; {root / MANIFEST_NAME} says tp_size {m.tp_size}, so the output "
+                       f"holds one directory per rank, rank-0 to rank-{m.tp_size - 1}")
     ckpt = open_checkpoint(d)
     ckpt.manifest = m
     return ckpt
 
 
-def _rank_entry(ckpt: Checkpoint, rank: int, m: dict[str, Any]) -> dict[str, Any]:
+def _rank_entry(ckpt: Checkpoint, rank: int, m: Manifest) -> dict[str, Any]:
     """One rank of a TP output: its directory, its shard files with their bytes on disk, its slice
     of the intermediate size (``layout.tp_ranges``) and the padded sizes its tensors are laid out at
     (every rank shares them: a narrower rank is padded to the widest one's shape)."""
-    lay = m["layout"]
-    span = (lay.get("tp_ranges") or [None] * m["tp_size"])[rank]  # required of kernel outputs with tp_size > 1
+    lay = m.layout
+    span = plain_json((lay.tp_ranges or [None] * m.tp_size)[rank])  # required of kernel outputs with tp_size > 1
     shards = [{"file": f.name, "bytes": f.stat().st_size} for f in ckpt.shard_files]
     return {
         "rank": rank,
@@ -227,8 +224,8 @@ def _rank_entry(ckpt: Checkpoint, rank: int, m: dict[str, Any]) -> dict[str, Any
         "path": str(ckpt.root),
         "intermediate_range": span,
         "intermediate_size": span[1] - span[0] if span else None,
-        "padded_hidden_size": lay["padded_hidden_size"],
-        "padded_intermediate_size": lay["padded_intermediate_size"],
+        "padded_hidden_size": lay.padded_hidden_size,
+        "padded_intermediate_size": lay.padded_intermediate_size,
         "tensors": len(ckpt.tensors),
         "expert_bytes": sum(i.nbytes for n, i in ckpt.tensors.items() if ".experts." in n),
         "shards": shards,
@@ -236,9 +233,9 @@ def _rank_entry(ckpt: Checkpoint, rank: int, m: dict[str, Any]) -> dict[str, Any
     }
 
 
-def _inspect_tp_output(root: Path, m: dict[str, Any]) -> dict[str, Any]:
+def _inspect_tp_output(root: Path, m: Manifest) -> dict[str, Any]:
     """The whole TP output at ``root``: rank 0's description with counts and bytes over every rank."""
-    ckpts = [_open_rank(root, r, m) for r in range(m["tp_size"])]
+    ckpts = [_open_rank(root, r, m) for r in range(m.tp_size)]
     docs = [inspect_checkpoint(c) for c in ckpts]
     doc = docs[0]
     doc["path"] = str(root)
@@ -248,21 +245,21 @@ def _inspect_tp_output(root: Path, m: dict[str, Any]) -> dict[str, Any]:
     doc["bytes"] = {k: sum(d["bytes"][k] for d in docs) for k in doc["bytes"]}
     roles = doc["bytes_by_role"]
     roles["after"] = dict(sum((Counter(d["bytes_by_role"]["after"]) for d in docs), Counter()))
-    roles["after_label"] = f"this output, {m['tp_size']} ranks"
-    doc["tp_size"] = m["tp_size"]
+    roles["after_label"] = f"this output, {m.tp_size} ranks"
+    doc["tp_size"] = m.tp_size
     doc["ranks"] = [_rank_entry(c, r, m) for r, c in enumerate(ckpts)]
     return doc
 
 
-def _inspect_tp_rank(root: Path, rank: int, m: dict[str, Any]) -> dict[str, Any]:
+def _inspect_tp_rank(root: Path, rank: int, m: Manifest) -> dict[str, Any]:
     """Rank ``rank`` alone of the TP output at ``root``, saying which rank of how many it is."""
-    if rank >= m["tp_size"]:
+    if rank >= m.tp_size:
         raise BadInput(f"{root / rank_dir_name(rank)}: not a rank of this output; {root / MANIFEST_NAME} says "
-                       f"tp_size {m['tp_size']} (rank-0 to rank-{m['tp_size'] - 1})")
+                       f"tp_size {m.tp_size} (rank-0 to rank-{m.tp_size - 1})")
     ckpt = _open_rank(root, rank, m)
     doc = inspect_checkpoint(ckpt)
-    doc["bytes_by_role"]["after_label"] = f"rank {rank} of {m['tp_size']}"
-    doc.update({"tp_size": m["tp_size"], "rank": rank, "output": str(root), "ranks": [_rank_entry(ckpt, rank, m)]})
+    doc["bytes_by_role"]["after_label"] = f"rank {rank} of {m.tp_size}"
+    doc.update({"tp_size": m.tp_size, "rank": rank, "output": str(root), "ranks": [_rank_entry(ckpt, rank, m)]})
     return doc
 
 
@@ -289,12 +286,12 @@ def engine_forms(ckpt: Checkpoint, family: str | None) -> tuple[list[tuple[str, 
     from mxconv.layouts.engine_picks import SourceKind
     from mxconv.layouts.engine_report import source_kind
 
-    m = ckpt.manifest or {}
+    m = ckpt.manifest
     gpt_oss = family == "gpt-oss"
-    if m.get("kind") == "kernel":
-        fmt = m.get("weight_format")
+    if m is not None and m.is_kernel:
+        fmt = m.weight_format
         kinds = {"int4": (SourceKind.CT_INT4, SourceKind.CT_INT4), "mxfp8": (SourceKind.MXCONV_MXFP8, SourceKind.CT_MXFP8)}
-        kind = kinds.get(str(fmt), (SourceKind.GPT_OSS_MXFP4, SourceKind.CT_MXFP4))[0 if gpt_oss else 1]
+        kind = kinds.get(fmt, (SourceKind.GPT_OSS_MXFP4, SourceKind.CT_MXFP4))[0 if gpt_oss else 1]
         forms: list[tuple[str, Any]] = [(f"its canonical {fmt} form", kind)]
         if kind is SourceKind.CT_MXFP4:  # the same bytes may be held under quant_method mxfp4 (Mxfp4MoEMethod)
             forms.append(("this output, as quant_method mxfp4", SourceKind.MXFP4))
@@ -302,7 +299,7 @@ def engine_forms(ckpt: Checkpoint, family: str | None) -> tuple[list[tuple[str, 
         return forms, {"served_vllm_methods": methods}
     as_is = source_kind(quantization_dict(ckpt), ckpt.config.get("model_type"))
     forms = [("as is", as_is)]
-    if m.get("kind") != "canonical":
+    if m is None or m.kind != "canonical":
         mx4, mx8 = (SourceKind.GPT_OSS_MXFP4, SourceKind.MXCONV_MXFP8) if gpt_oss else (SourceKind.CT_MXFP4, SourceKind.CT_MXFP8)
         forms += [(f"quantize --format {f}", k) for f, k in (("mxfp4", mx4), ("mxfp8", mx8)) if k != as_is]
         if not gpt_oss:  # a repack output is loaded under the method holding its bytes: quant_method mxfp4
@@ -331,9 +328,8 @@ def inspect_engine(source: str, engine: str, gpus: tuple[str, ...] | None, revis
         ckpt = open_checkpoint(doc["path"])
     forms, served = engine_forms(ckpt, doc.get("family"))
     model = dict(doc.get("model") or {})
-    lay = ((ckpt.manifest or {}).get("layout") or {})
-    for k in ("hidden_size", "intermediate_size"):
-        model[k] = lay.get(k, model.get(k))
+    if ckpt.manifest is not None:
+        model["hidden_size"], model["intermediate_size"] = ckpt.manifest.layout.hidden_size, ckpt.manifest.layout.intermediate_size
     report = engine_report(engine, chosen, forms, model, _repack_source(source, ckpt))
     if served is not None:
         for g in report["gpus"]:
@@ -349,10 +345,9 @@ def _repack_source(given: str, ckpt: Checkpoint) -> tuple[str, str]:
     """(what a repack command starts from, the stem of its output paths): the checkpoint as the user named
     it, or for a kernel output the source its manifest records; outputs beside a local source, in the
     current directory for a Hugging Face repo id."""
-    m = ckpt.manifest or {}
-    if m.get("kind") == "kernel":
-        src = m.get("source") or {}
-        given = str(src.get("repo_id") or src.get("path") or given)
+    m = ckpt.manifest
+    if m is not None and m.is_kernel:
+        given = str(m.source.repo_id or m.source.path or given)
     local = Path(given).expanduser()
     if local.is_dir():
         return str(local.resolve()), str(local.resolve())

@@ -247,10 +247,13 @@ def update_layer(layer: EngineLayer, tensors: Mapping[str, torch.Tensor], *, qua
     tensor must be one the layer holds, of its size, and every held one must be converted (BadInput
     naming the tensor otherwise, raised before any buffer is written). Returns ``layer``."""
     lay = layer.layout
-    opts = ConvertOptions(layer.backend, activation=lay.get("activation"), layout_options=lay.get("options") or {},
-                          quant=quant or layer_quant(layer))  # fmt: skip
+    if lay is None:
+        raise BadInput(f"update_layer: layer {layer.layer} carries no manifest layout (load it with mxconv.engines.loader)")
+    activation = lay.extra.get("activation")  # the backend's description records it (None: its default)
+    opts = ConvertOptions(layer.backend, activation=None if activation is None else str(activation),
+                          layout_options=lay.option_values, quant=quant or layer_quant(layer))  # fmt: skip
     new = convert_layer({k: v.to(layer.device) for k, v in tensors.items()}, opts,
-                        row_order=row_order or lay.get("w13_row_order"))  # fmt: skip
+                        row_order=row_order or lay.w13_row_order)  # fmt: skip
     _check_fits(layer, new)
     for key, held in layer.tensors.items():
         got = new[key]

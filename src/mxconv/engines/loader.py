@@ -38,7 +38,7 @@ from mxconv.errors import BadInput, OutputDamaged
 from mxconv.families.base import ModelInfo
 from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES
 from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
-from mxconv.source.manifest import load_manifest, stored_problem, tensor_file
+from mxconv.source.manifest import LayoutPart, Manifest, load_manifest, stored_problem, tensor_file
 from mxconv.source.st_format import TensorInfo, read_header
 
 EXPERT_TENSORS = KERNEL_TENSOR_NAMES  # biases and W4A8 input scales where the output has them
@@ -51,7 +51,7 @@ class LayerSource:
     stored kernel tensor ``key`` in :data:`EXPERT_TENSORS` (biases only when the model has them)."""
 
     root: Path  # the directory holding mxconv.json
-    manifest: dict[str, Any]
+    manifest: Manifest
     layer: int
     rank: int
     module_prefix: str
@@ -61,26 +61,23 @@ class LayerSource:
 
     @property
     def backend(self) -> str:
-        return str(self.manifest["backend"])
+        return str(self.manifest.backend)
 
     @property
     def tp_size(self) -> int:
-        return int(self.manifest.get("tp_size") or 1)
+        return self.manifest.tp_size
 
 
-def _needs_input_scales(manifest: dict[str, Any]) -> bool:
+def _needs_input_scales(manifest: Manifest) -> bool:
     """Whether the output's activation reads static input scales (W4A8: ``w13_input_scale``, ...)."""
     from mxconv.layouts import get_layout
 
-    return str(manifest.get("activation")) in get_layout(str(manifest["backend"])).input_scale_activations
+    return str(manifest.activation) in get_layout(str(manifest.backend)).input_scale_activations
 
 
-def model_info(manifest: dict[str, Any]) -> ModelInfo:
+def model_info(manifest: Manifest) -> ModelInfo:
     """The manifest's ``model`` object as a :class:`ModelInfo`."""
-    d = dict(manifest["model"])
-    d["moe_layers"] = tuple(d.get("moe_layers", ()))
-    known = set(ModelInfo.__dataclass_fields__)
-    return ModelInfo(**{k: v for k, v in d.items() if k in known})
+    return ModelInfo.from_part(manifest.model)
 
 
 def _find_root(path: Path, rank: int | None) -> tuple[Path, int | None]:
@@ -102,7 +99,7 @@ def output_root(path: str | Path, rank: int | None = None) -> tuple[Path, int | 
     return _find_root(Path(path).expanduser().resolve(), rank)
 
 
-def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, manifest: dict[str, Any] | None = None,
+def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, manifest: Manifest | None = None,
                   need_runner: bool = True) -> LayerSource:  # fmt: skip
     """Find layer ``layer``'s expert tensors (of ``rank`` for a TP output) from the manifest.
 
@@ -113,23 +110,22 @@ def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, mani
     """
     root, rank = _find_root(Path(path).expanduser().resolve(), rank)
     m = manifest if manifest is not None else load_manifest(root)
-    if m.get("kind") != "kernel":
-        raise BadInput(f"{root}: a {m.get('kind')} checkpoint; load_layer reads kernel-layout outputs (mxconv repack)")
+    if not m.is_kernel:
+        raise BadInput(f"{root}: a {m.kind} checkpoint; load_layer reads kernel-layout outputs (mxconv repack)")
     if need_runner:
-        require_runner(m.get("backend"), where=f"{root}: ")
-    tp = int(m.get("tp_size") or 1)
+        require_runner(m.backend, where=f"{root}: ")
+    tp = m.tp_size
     if tp > 1 and rank is None:
         raise BadInput(f"{root}: a TP output with {tp} ranks; pass rank=0..{tp - 1} or the rank-N/ directory")
     rank = 0 if rank is None else int(rank)
     if not 0 <= rank < tp:
         raise BadInput(f"{root}: rank {rank} does not exist (tp_size {tp}: ranks 0..{tp - 1})")
-    entry = next((l for l in m.get("layers", []) if int(l["layer"]) == int(layer)), None)
+    entry = m.layer(int(layer))
     if entry is None:
-        have = sorted(int(l["layer"]) for l in m.get("layers", []))
-        raise BadInput(f"{root}: no MoE layer {layer} in the manifest (layers: {have})")
-    prefix = str(entry["module_prefix"])
+        raise BadInput(f"{root}: no MoE layer {layer} in the manifest (layers: {sorted(m.layer_numbers)})")
+    prefix = entry.module_prefix
     key_prefix = f"{rank_dir_name(rank)}/" if tp > 1 else ""
-    table = m.get("tensors", {})
+    table = m.tensors
     files: dict[str, Path] = {}
     names: dict[str, str] = {}
     for key in EXPERT_TENSORS:
@@ -142,11 +138,10 @@ def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, mani
         files[key], names[key] = tensor_file(root, m, key_prefix + name), name
     if ("w13_bias" in files) != ("w2_bias" in files):
         raise BadInput(f"{root}: layer {layer} has only one of w13_bias / w2_bias")
-    lay = m["layout"]
-    ranges = lay.get("tp_ranges") or [[0, int(lay["intermediate_size"])]]
+    ranges = m.layout.tp_ranges or ((0, m.layout.intermediate_size),)
     if len(ranges) != tp:
         raise BadInput(f"{root}: manifest layout.tp_ranges has {len(ranges)} entries for tp_size {tp}")
-    start, end = (int(v) for v in ranges[rank])
+    start, end = ranges[rank]
     return LayerSource(root, m, int(layer), rank, prefix, files, names, end - start)
 
 
@@ -179,8 +174,8 @@ def layer_infos(src: LayerSource, headers: dict[Path, dict[str, TensorInfo]] | N
 def layer_hashes(src: LayerSource) -> dict[str, str]:
     """The manifest's sha256 of each stored expert tensor of ``src`` (what ``mxconv verify`` checks)."""
     prefix = f"{rank_dir_name(src.rank)}/" if src.tp_size > 1 else ""
-    table = src.manifest.get("tensors", {})
-    return {key: str(table[prefix + name]["sha256"]) for key, name in src.names.items() if "sha256" in table.get(prefix + name, {})}
+    table = src.manifest.tensors
+    return {key: table[prefix + name].sha256 for key, name in src.names.items() if prefix + name in table}
 
 
 def read_layer_tensors(src: LayerSource, device: str | torch.device = "cuda", *,
@@ -213,7 +208,7 @@ class EngineLayer:
     experts: Any
     tensors: dict[str, torch.Tensor] = field(repr=False)
     runner: EngineRunner = field(repr=False)
-    layout: dict[str, Any] = field(default_factory=dict, repr=False)  # the manifest's ``layout`` object
+    layout: LayoutPart | None = field(default=None, repr=False)  # the manifest's ``layout``
     rewrap: Callable[[dict[str, torch.Tensor]], Any] | None = field(default=None, repr=False)  # tensors -> experts
     weight_format: str = "mxfp4"  # the manifest's: how the output's experts were quantized ...
     scale_rounding: str | None = None  # ... and by which scale rule (None: MX bytes moved untouched)
@@ -258,18 +253,19 @@ def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor],
     """Wrap ``tensors`` (from :func:`read_layer_tensors`, on a CUDA device) for the engine kernel
     of ``src.backend`` through its runner, which finds the kernels (``kernel_locations`` first, then
     the environment and installed copies) and checks the GPU (BadInput otherwise)."""
-    m, lay = src.manifest, src.manifest["layout"]
+    m, lay = src.manifest, src.manifest.layout
+    fields = lay.to_json()  # the runner's contract: the layout object as written (its backend's description)
     info = model_info(m)
     runner = require_runner(src.backend, where=f"{src.root}: ")
     where = f"{src.root} layer {src.layer}" + (f" rank {src.rank}" if src.tp_size > 1 else "")
-    common = dict(num_experts=int(info.num_experts), hidden_size=int(lay["hidden_size"]),
-                  padded_hidden_size=int(lay["padded_hidden_size"]), layout=lay, activation=info.activation,
+    common = dict(num_experts=int(info.num_experts), hidden_size=lay.hidden_size,
+                  padded_hidden_size=lay.padded_hidden_size, layout=fields, activation=info.activation,
                   swiglu_alpha=info.swiglu_alpha, swiglu_limit=info.swiglu_limit, name=where)  # fmt: skip
     def rewrap(held: dict[str, torch.Tensor]) -> Any:
-        return runner.wrap(held, lay, src.intermediate_size, src.tp_size, kernel_locations=kernel_locations, **common)
+        return runner.wrap(held, fields, src.intermediate_size, src.tp_size, kernel_locations=kernel_locations, **common)
 
     return EngineLayer(src.backend, src.layer, src.rank, src.tp_size, info, rewrap(tensors), tensors, runner,
-                       dict(lay), rewrap, str(m.get("weight_format") or "mxfp4"), m.get("scale_rounding"))  # fmt: skip
+                       lay, rewrap, m.weight_format, m.scale_rounding)  # fmt: skip
 
 
 def load_layer(path: str | Path, layer: int, *, device: str | torch.device = "cuda", rank: int | None = None,
@@ -282,7 +278,7 @@ def load_layer(path: str | Path, layer: int, *, device: str | torch.device = "cu
     return build_engine_layer(src, read_layer_tensors(src, device), kernel_locations)
 
 
-def load_layer_from_manifest(root: str | Path, manifest: dict[str, Any], layer: int, *, rank: int | None = None,
+def load_layer_from_manifest(root: str | Path, manifest: Manifest, layer: int, *, rank: int | None = None,
                              device: str | torch.device = "cuda", kernel_locations: KernelLocations | None = None,
                              held: dict[str, HeldTensor] | None = None) -> EngineLayer:  # fmt: skip
     """:func:`load_layer` with the manifest already read (``root`` is the directory holding it);
@@ -314,7 +310,7 @@ def held_layer_tensors(src: LayerSource, held: dict[str, HeldTensor],
     return {k: h.tensor.to(device) for k, h in held.items()}
 
 
-def run_kernel_layer(root: Path, manifest: dict[str, Any], layer: int, hidden: torch.Tensor, routing: Any,
+def run_kernel_layer(root: Path, manifest: Manifest, layer: int, hidden: torch.Tensor, routing: Any,
                      info: ModelInfo | None = None, kernel_locations: KernelLocations | None = None,
                      held: list[dict[str, HeldTensor]] | None = None) -> torch.Tensor:  # fmt: skip
     """The engine kernel's MoE output for one layer of the kernel-layout output at ``root``.
@@ -327,8 +323,8 @@ def run_kernel_layer(root: Path, manifest: dict[str, Any], layer: int, hidden: t
     ones the manifest names (:func:`held_layer_tensors`). Returns [T, H] fp32 on ``hidden``'s
     device. BadInput when the kernel cannot run (see :func:`mxconv.engines.runner.kernel_unavailable`).
     """
-    device = require_runner(manifest.get("backend")).device
-    tp = int(manifest.get("tp_size") or 1)
+    device = require_runner(manifest.backend).device
+    tp = manifest.tp_size
     total: torch.Tensor | None = None
     for rank in range(tp):
         eng = load_layer_from_manifest(root, manifest, layer, rank=rank if tp > 1 else None, device=device,

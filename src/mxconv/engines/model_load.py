@@ -41,7 +41,7 @@ from mxconv.engines.runner import require_runner
 from mxconv.engines.staged_read import StagedReader, StagingOptions
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
-from mxconv.source.manifest import load_manifest
+from mxconv.source.manifest import Manifest, load_manifest
 from mxconv.source.st_format import TensorInfo
 
 
@@ -82,8 +82,8 @@ def _wraps_on(runner: Any, device: torch.device) -> bool:
     return torch.device(runner.device).type == device.type
 
 
-def _layer_list(manifest: dict[str, Any], layers: Any, root: Path) -> list[int]:
-    have = sorted(int(entry["layer"]) for entry in manifest.get("layers", []))
+def _layer_list(manifest: Manifest, layers: Any, root: Path) -> list[int]:
+    have = sorted(manifest.layer_numbers)
     if layers is None:
         return have
     wanted = [int(i) for i in layers]
@@ -105,10 +105,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cuda", layers:
     dev = torch.device(device)
     root, rank = output_root(path, rank)
     manifest = load_manifest(root)
-    entries = manifest.get("layers") or []
-    if not entries:
-        raise BadInput(f"{root}: the manifest lists no MoE layer")
-    first = resolve_layer(root, int(entries[0]["layer"]), rank=rank, manifest=manifest)
+    first = resolve_layer(root, manifest.layers[0].layer, rank=rank, manifest=manifest)  # validated: never empty
     runner = require_runner(first.backend, where=f"{root}: ")
     wrap = _wraps_on(runner, dev)
     if wrap:

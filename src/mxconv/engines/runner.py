@@ -14,6 +14,7 @@ from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.layouts import backend_names, get_layout
 from mxconv.registry import resolve_entry
+from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -84,16 +85,16 @@ def require_runner(backend: Any, where: str = "") -> EngineRunner:
     return runner
 
 
-def kernel_unavailable(manifest: dict[str, Any], device: Any = "cuda", kernel_locations: KernelLocations | None = None) -> str | None:
+def kernel_unavailable(manifest: Manifest, device: Any = "cuda", kernel_locations: KernelLocations | None = None) -> str | None:
     """None when the engine kernel for ``manifest``'s backend can run here (kernels looked for at
     ``kernel_locations`` first), else one line naming what is missing (backend without a runner,
     GPU, kernels, layout variant)."""
-    backend = manifest.get("backend")
+    backend = manifest.backend
     runner = engine_runner(backend)
     if runner is None:
         return f"no engine kernel runner in mxconv for backend {backend!r} (runners: {', '.join(runner_backends())})"
     try:
-        return runner.kernel_unavailable(manifest.get("layout") or {}, device, kernel_locations)
+        return runner.kernel_unavailable(manifest.layout.to_json(), device, kernel_locations)
     except BadInput as exc:
         return str(exc)
 

@@ -41,12 +41,14 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.layouts.canonical import InputScales, TensorSpec
+from mxconv.source.manifest import ModelPart
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +89,13 @@ class ModelInfo:
         d = dict(self.__dict__)
         d["moe_layers"] = list(self.moe_layers)
         return d
+
+    @classmethod
+    def from_part(cls, part: ModelPart) -> "ModelInfo":
+        """The manifest's ``model`` (validated): its fields, an absent optional one at its default
+        here, keys a newer mxconv may add left out."""
+        values = {f.name: getattr(part, f.name) for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if v is not None})
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from mxconv.layouts.canonical import (
     in_kernel_order, round_up,
 )
 from mxconv.source.st_format import torch_dtype
+from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
@@ -161,7 +162,7 @@ class AiterLayout(LayoutBase):
         ),
     )
 
-    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest, kernel_locations: KernelLocations | None = None) -> str | None:
         """AITER's CK MoE kernels run on ROCm only."""
         return "AITER kernels need a ROCm gfx950 GPU and the aiter package"
 

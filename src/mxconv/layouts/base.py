@@ -25,6 +25,7 @@ from mxconv.layouts.canonical import (
     CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec,
 )
 from mxconv.layouts.padding import KernelChoice
+from mxconv.source.manifest import Manifest
 
 
 __all__ = ["EmptyOptions", "Layout", "LayoutBase", "LayoutOption", "LayoutOptions"]
@@ -190,7 +191,7 @@ class LayoutBase:
         the repack, exit 2, with this text); None by default."""
         return None
 
-    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest) -> str | None:
         """Why ``verify --kernel`` cannot run the engine's kernel for a backend without an
         :attr:`engine_runner` (backends with one are asked through their runner instead)."""
         return f"no engine kernel runner exists in mxconv for backend {self.name}"
@@ -214,7 +215,7 @@ class Layout(Protocol):
 
     engine_runner: Any  # "module:attribute" of its mxconv.engines EngineRunner, the runner, or None
 
-    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest) -> str | None:
         """Why the engine kernel cannot run when there is no engine_runner (LayoutBase provides one)."""
         ...
 

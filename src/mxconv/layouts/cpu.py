@@ -43,6 +43,7 @@ from mxconv.layouts.canonical import (
 )
 from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.source.st_format import torch_dtype
+from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
@@ -116,7 +117,7 @@ class CpuLayout(LayoutBase):
     activations: tuple[str, ...] = ACTIVATIONS
     vllm_backends = {"bf16": (VLLM_BACKEND,)}
 
-    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest, kernel_locations: KernelLocations | None = None) -> str | None:
         """vLLM's fused_experts_cpu needs AMX and a vLLM CPU build; mxconv has no runner for it."""
         return ("vLLM's CPU MXFP4 MoE kernel (CPUExpertsMxfp4: torch.ops._C.fused_experts_cpu) needs an x86 CPU "
                 "with AMX and a vLLM CPU build, and mxconv has no runner for it yet; `verify` (without --kernel) "

@@ -42,6 +42,7 @@ from mxconv.layouts.canonical import (
 )
 from mxconv.layouts.padding import KernelChoice, check_fill
 from mxconv.source.st_format import torch_dtype
+from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +115,7 @@ class CutlassLayout(LayoutBase):
     activations: tuple[str, ...] = ACTIVATIONS
     vllm_backends = {"mxfp4": (VLLM_BACKEND,)}
 
-    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest) -> str | None:
         """vLLM's CUTLASS MXFP4 grouped GEMM needs an SM100-family GPU; mxconv does not drive it."""
         import torch
 

@@ -43,6 +43,7 @@ from mxconv.layouts.canonical import (
 )
 from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.source.st_format import torch_dtype
+from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +96,7 @@ class DeepgemmLayout(LayoutBase):
     activations: tuple[str, ...] = ACTIVATIONS
     vllm_backends = {"fp8": (VLLM_BACKEND,)}
 
-    def kernel_unavailable(self, manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest, kernel_locations: KernelLocations | None = None) -> str | None:
         """DeepGEMM's grouped FP8 x FP4 GEMM needs an SM100/SM120 GPU; mxconv does not drive it."""
         import torch
 

@@ -51,6 +51,7 @@ from mxconv.layouts.flashinfer_cutlass_bytemap import (
 from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.layouts.trtllm_bytemap import swizzle_128x4, unswizzle_128x4
 from mxconv.source.st_format import torch_dtype
+from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
@@ -106,11 +107,11 @@ class FlashinferCutlassLayout(LayoutBase):
     activations: tuple[str, ...] = ACTIVATIONS
     vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
 
-    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest) -> str | None:
         """Why mxconv cannot run FlashInfer's CUTLASS fused MoE on these bytes here."""
         import torch
 
-        activation = str(manifest.get("layout", {}).get("activation", ACTIVATIONS[0]))
+        activation = str(manifest.layout.extra.get("activation", ACTIVATIONS[0]))
         arch = ARCH.get(activation, "sm90")
         if not torch.cuda.is_available():
             return f"FlashInfer's CUTLASS MXFP4 MoE for activation {activation} needs an {arch.upper()} GPU"

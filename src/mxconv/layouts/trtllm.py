@@ -67,6 +67,7 @@ from mxconv.layouts.trtllm_bytemap import (
     check_row_order, swizzle_128x4, swizzled_scale_size, unswizzle_128x4, w13_row_dst, w13_row_table, w2_row_dst, w2_row_table,
 )
 from mxconv.source.st_format import torch_dtype
+from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
@@ -138,7 +139,7 @@ class TrtllmLayout(LayoutBase):
         ),
     )
 
-    def kernel_unavailable(self, manifest: dict[str, Any]) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest) -> str | None:
         """FlashInfer's TRT-LLM-gen MoE kernels need an SM100 GPU; mxconv does not drive them yet."""
         import torch
 
@@ -151,7 +152,7 @@ class TrtllmLayout(LayoutBase):
         except Exception as exc:  # noqa: BLE001 - whatever its import raises is the reason
             return f"flashinfer is installed but cannot be imported: {type(exc).__name__}: {exc}"
         if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
-            kind = "MxInt4" if manifest.get("weight_format") == "int4" else "MXFP4"
+            kind = "MxInt4" if manifest.weight_format == "int4" else "MXFP4"
             return f"FlashInfer TRT-LLM-gen {kind} MoE kernels need an SM100 (Blackwell) GPU"
         return "running the TRT-LLM-gen kernel is not wired up in this version"
 

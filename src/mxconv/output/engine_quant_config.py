@@ -36,6 +36,7 @@ from typing import Any
 from mxconv.errors import BadInput
 from mxconv.layouts.vllm_backends import VLLM_VERSION
 from mxconv.layouts.vllm_serving import OutputForm, VllmMethod, not_served, served_backends, served_methods, vllm_serving
+from mxconv.source.manifest import LayerEntry, LayoutPart, Manifest, ModelPart, plain_json
 
 SCHEMA_VERSION = 2  # 2: served_vllm_methods
 VLLM_QUANT_METHOD = "mxconv"  # config.json quant_method of a kernel-layout output (vLLM: "Unknown quantization method: mxconv")
@@ -247,56 +248,54 @@ def _gemm_tensors(named: list[TensorRef], prefix: str) -> tuple[GemmTensors, Gem
     return g[0], g[1]
 
 
-def _kernel_refs(m: dict[str, Any], pattern: str) -> list[TensorRef] | None:
+def _kernel_refs(m: Manifest, pattern: str) -> list[TensorRef] | None:
     """A kernel output's tensors from its layout's kernel_specs; None if the layout cannot say."""
     from mxconv.layouts import get_layout
     from mxconv.layouts.canonical import LayoutSizes
 
-    lay, model = m["layout"], m["model"]
+    lay = m.layout
     try:
-        layout = get_layout(m["backend"])
-        sizes = LayoutSizes(int(model["num_experts"]), int(lay["hidden_size"]), int(lay["intermediate_size"]),
-                            int(lay["padded_hidden_size"]), int(lay["padded_intermediate_size"]),
-                            str(lay["w13_row_order"]), bool(model["has_expert_bias"]),
-                            m["weight_format"] if m["weight_format"] in ("int4", "mxfp8") else "mxfp4")
-        specs = layout.kernel_specs(sizes, m["activation"], layout.resolve_options(lay.get("options") or {}))
+        layout = get_layout(str(m.backend))
+        sizes = LayoutSizes(m.model.num_experts, *lay.sizes, lay.w13_row_order, m.model.has_expert_bias,
+                            m.weight_format if m.weight_format in ("int4", "mxfp8") else "mxfp4")
+        specs = layout.kernel_specs(sizes, m.activation, layout.resolve_options(lay.option_values))
     except Exception:  # noqa: BLE001 - an unknown or changed layout: fall back to the tensors table
         return None
     return [TensorRef(f"{pattern}.experts.{k}", s.st_dtype, tuple(s.shape)) for k, s in specs.items()]
 
 
-def _table_refs(m: dict[str, Any], layer: int, prefix: str, pattern: str) -> list[TensorRef]:
-    """The expert tensors of ``layer`` in the manifest's tensors table (rank 0), as patterns."""
+def _table_refs(m: Manifest, prefix: str, pattern: str) -> list[TensorRef]:
+    """The expert tensors of the layer at ``prefix`` in the manifest's tensors table (rank 0), as patterns."""
     seen: dict[str, TensorRef] = {}
-    for key, entry in m.get("tensors", {}).items():
+    for key, entry in m.tensors.items():
         name = re.sub(r"^rank-0/", "", key)
-        if name.startswith("rank-") or entry.get("role") != "expert" or not name.startswith(prefix + "."):
+        if name.startswith("rank-") or entry.role != "expert" or not name.startswith(prefix + "."):
             continue
         pat = re.sub(r"\.experts\.\d+\.", ".experts.{e}.", pattern + name[len(prefix):])
-        seen.setdefault(pat, TensorRef(pat, str(entry["dtype"]), tuple(int(x) for x in entry["shape"])))
+        seen.setdefault(pat, TensorRef(pat, entry.dtype, entry.shape))
     return list(seen.values())
 
 
-def _activation(model: dict[str, Any], layout: dict[str, Any]) -> Activation:
-    order = str(layout.get("w13_row_order") or model.get("row_order") or "halves")
-    stored = layout.get("w13_kernel_row_order")
+def _activation(model: ModelPart, layout: LayoutPart) -> Activation:
+    order = layout.w13_row_order
+    stored = layout.extra.get("w13_kernel_row_order")
     stored = None if stored is None else str(stored)
-    if model.get("activation") == "swigluoai":
-        kp = layout.get("kernel_params") or {}
-        alpha = float(kp.get("gemm1_alpha", model.get("swiglu_alpha") or 1.702))
-        limit = float(kp.get("gemm1_clamp_limit", model.get("swiglu_limit") or 7.0))
+    if model.activation == "swigluoai":
+        kp = layout.kernel_params or {}
+        alpha = float(kp.get("gemm1_alpha", model.swiglu_alpha or 1.702))
+        limit = float(kp.get("gemm1_clamp_limit", model.swiglu_limit or 7.0))
         beta = float(kp.get("gemm1_beta", 1.0))
         formula = "g = min(gate, limit); u = clamp(up, -limit, limit); out = (u + beta) * g * sigmoid(alpha * g)"
         return Activation("swigluoai", order, formula, alpha, beta, limit, stored)
-    return Activation(str(model.get("activation") or "silu"), order, "out = silu(gate) * up", w13_kernel_row_order=stored)
+    return Activation(model.activation or "silu", order, "out = silu(gate) * up", w13_kernel_row_order=stored)
 
 
-def _routing(model: dict[str, Any], first_layer: dict[str, Any]) -> Routing:
-    method = str(model.get("routing", "softmax_topk"))
+def _routing(model: ModelPart, first_layer: LayerEntry) -> Routing:
+    method = model.routing
     sigmoid = method == "sigmoid_grouped"
-    renorm = True if method == "topk_softmax" else bool(model.get("norm_topk_prob", True))
-    bias = first_layer.get("correction_bias") is not None
-    groups = int(model.get("n_group") or 0) if sigmoid else 0
+    renorm = True if method == "topk_softmax" else model.norm_topk_prob is not False
+    bias = first_layer.correction_bias is not None
+    groups = (model.n_group or 0) if sigmoid else 0
     if not sigmoid:  # vLLM get_routing_method_type
         vllm = "RenormalizeNaive" if renorm else "Default"
     elif bias:
@@ -305,32 +304,24 @@ def _routing(model: dict[str, Any], first_layer: dict[str, Any]) -> Routing:
         vllm = "SigmoidRenorm" if renorm else "Sigmoid"
     return Routing(
         method=method, vllm_routing_method=vllm, scoring_func="sigmoid" if sigmoid else "softmax",
-        top_k=int(model["top_k"]), num_experts=int(model["num_experts"]), renormalize=renorm,
-        routed_scaling_factor=float(model.get("routed_scaling_factor") or 1.0), n_group=groups or None,
-        topk_group=int(model.get("topk_group") or 1) if groups else None,
-        router_bias=first_layer.get("router_bias") is not None, correction_bias=bias,
+        top_k=model.top_k, num_experts=model.num_experts, renormalize=renorm,
+        routed_scaling_factor=float(model.routed_scaling_factor or 1.0), n_group=groups or None,
+        topk_group=(model.topk_group or 1) if groups else None,
+        router_bias=first_layer.router_bias is not None, correction_bias=bias,
     )
 
 
-def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
-    """The quant config of the output ``manifest`` (an ``mxconv.json`` dict) describes.
-
-    Needs ``kind``, ``weight_format``, ``layout``, ``model`` and ``layers``; canonical outputs also
-    the ``tensors`` table. BadInput when the manifest lacks them.
-    """
-    try:
-        kind, lay, model, first = manifest["kind"], manifest["layout"], manifest["model"], manifest["layers"][0]
-        backend, act, fmt = manifest.get("backend"), manifest.get("activation"), str(manifest["weight_format"])
-        layer, prefix = int(first["layer"]), str(first["module_prefix"])
-        H, I, Hp, Ip = (int(lay[k]) for k in ("hidden_size", "intermediate_size", "padded_hidden_size", "padded_intermediate_size"))
-        routing = _routing(model, first)
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise BadInput(f"manifest lacks what the quant config needs ({type(exc).__name__}: {exc})") from None
-    pattern = _layer_pattern(prefix, layer)
-    refs = (_kernel_refs(manifest, pattern) if kind == "kernel" else None) or _table_refs(manifest, layer, prefix, pattern)
-    form = OutputForm(str(backend) if kind == "kernel" else str(lay.get("name")), act, fmt, (H, I, Hp, Ip), model,
-                      (lay.get("engine_compat") or {}).get("vllm"), None if lay.get("arch") is None else str(lay["arch"]),
-                      int(manifest.get("tp_size") or 1))
+def from_manifest(manifest: Manifest) -> EngineQuantConfig:
+    """The quant config of the output ``manifest`` describes (its layout, model and first layer;
+    canonical outputs also its tensors table)."""
+    lay, model, first = manifest.layout, manifest.model, manifest.layers[0]
+    backend, act, fmt, kernel = manifest.backend, manifest.activation, manifest.weight_format, manifest.is_kernel
+    routing = _routing(model, first)
+    pattern = _layer_pattern(first.module_prefix, first.layer)
+    refs = (_kernel_refs(manifest, pattern) if kernel else None) or _table_refs(manifest, first.module_prefix, pattern)
+    arch = lay.extra.get("arch")
+    form = OutputForm(str(backend) if kernel else lay.name, act, fmt, lay.sizes, model.to_json(),
+                      lay.engine_compat.get("vllm"), None if arch is None else str(arch), manifest.tp_size)
     try:
         servings = vllm_serving(form)
     except BadInput:  # a backend not registered here: nothing is known about who serves it
@@ -339,30 +330,29 @@ def from_manifest(manifest: dict[str, Any]) -> EngineQuantConfig:
     gemm1, gemm2 = _gemm_tensors(refs, pattern)
     fp8 = fmt == "fp8-block"
     return EngineQuantConfig(
-        kind=str(kind), backend=backend, layout_activation=act, weight_dtype=fmt, block_shape=(128, 128) if fp8 else BLOCK_SHAPE,
+        kind=manifest.kind, backend=backend, layout_activation=act, weight_dtype=fmt, block_shape=(128, 128) if fp8 else BLOCK_SHAPE,
         scale_format="float32" if fp8 else "bf16" if fmt == "int4" else "e8m0",
         activation_quant=ActivationQuant("dynamic_fp8_per_token_group", "float8_e4m3fn", (1, 128), "float32") if fp8
         else activation_quant(act, candidates),
-        gemm1=gemm1, gemm2=gemm2, tensors_per="tp_rank" if kind == "kernel" else "checkpoint",
-        tp_size=int(manifest.get("tp_size") or 1), activation=_activation(model, lay), routing=routing,
+        gemm1=gemm1, gemm2=gemm2, tensors_per="tp_rank" if kernel else "checkpoint",
+        tp_size=manifest.tp_size, activation=_activation(model, lay), routing=routing,
         served_vllm_backends=served_backends(servings),
         served_vllm_methods=tuple((m, tuple(b)) for m, b in served_methods(servings).items()),
         not_served=tuple(not_served(servings).items()),
     )
 
 
-def quant_config_of(manifest: dict[str, Any]) -> EngineQuantConfig:
+def quant_config_of(manifest: Manifest) -> EngineQuantConfig:
     """The manifest's stored ``quant_config`` when it has one of this schema version, else recomputed."""
-    stored = manifest.get("quant_config")
-    if isinstance(stored, dict) and stored.get("schema_version") == SCHEMA_VERSION:
-        return EngineQuantConfig.from_json(stored)
+    stored = manifest.quant_config
+    if stored is not None and stored.get("schema_version") == SCHEMA_VERSION:
+        return EngineQuantConfig.from_json(plain_json(stored))
     return from_manifest(manifest)
 
 
-def attach(manifest: dict[str, Any]) -> None:
-    """Write ``quant_config``, ``served_vllm_backends`` and ``served_vllm_methods`` into ``manifest``
-    (``convert.execute``)."""
+def quant_config_keys(manifest: Manifest) -> dict[str, Any]:
+    """The manifest keys that say how engines serve ``manifest``'s output: ``quant_config``,
+    ``served_vllm_backends`` and ``served_vllm_methods`` (the writer adds them, run.finalize)."""
     qc = from_manifest(manifest)
-    manifest["quant_config"] = qc.to_json()
-    manifest["served_vllm_backends"] = list(qc.served_vllm_backends)
-    manifest["served_vllm_methods"] = {m: list(names) for m, names in qc.served_vllm_methods}
+    return {"quant_config": qc.to_json(), "served_vllm_backends": list(qc.served_vllm_backends),
+            "served_vllm_methods": {m: list(names) for m, names in qc.served_vllm_methods}}

@@ -1,12 +1,14 @@
 """Writing ``mxconv.json``: what the bytes of a converted checkpoint mean (see contract.md).
 
-Written last and atomically; its presence means the output is complete. Reading and validating it
-is :mod:`mxconv.source.manifest` (:func:`~mxconv.source.manifest.load_manifest`).
+Written last and atomically; its presence means the output is complete. The typed manifest, its
+reading and its validation are :mod:`mxconv.source.manifest`: what is written is a
+:class:`~mxconv.source.manifest.Manifest`, so it passed the checks every reader applies.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,8 @@ from mxconv import __version__
 from mxconv.output.files import atomic_write_json
 from mxconv.output.writer import WrittenTensor
 from mxconv.source.file_names import IN_PROGRESS, MANIFEST_NAME
-from mxconv.source.manifest import FORMAT_VERSION
+from mxconv.source.json_files import dumps_strict
+from mxconv.source.manifest import FORMAT_VERSION, Manifest
 
 
 def base_manifest(
@@ -34,7 +37,7 @@ def base_manifest(
     numerics: dict[str, Any],
     argv: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Every manifest key except ``tensors`` (filled in by :func:`finish_manifest`)."""
+    """Every manifest key except ``tensors`` (filled in by ``run.finalize.build_manifest``)."""
     return {
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
@@ -64,7 +67,14 @@ def tensor_table(written: dict[str, WrittenTensor], prefix: str = "") -> dict[st
     }
 
 
-def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
-    """Write mxconv.json atomically, then drop the in-progress marker."""
-    atomic_write_json(out_dir / MANIFEST_NAME, manifest)
+def manifest_of(doc: dict[str, Any]) -> Manifest:
+    """``doc`` (a manifest being built: enum values, tuples) as the JSON it will be written as, checked
+    and typed as every reader reads it (:meth:`~mxconv.source.manifest.Manifest.parse`)."""
+    return Manifest.parse(json.loads(dumps_strict(doc)), MANIFEST_NAME)
+
+
+def write_manifest(out_dir: Path, manifest: Manifest) -> None:
+    """Write mxconv.json (``manifest``'s JSON, :meth:`~mxconv.source.manifest.Manifest.to_json`)
+    atomically, then drop the in-progress marker."""
+    atomic_write_json(out_dir / MANIFEST_NAME, manifest.to_json())
     (out_dir / IN_PROGRESS).unlink(missing_ok=True)

@@ -11,14 +11,15 @@ from typing import Any, Iterable
 from mxconv.families.base import MoELayerRef
 from mxconv.families.gpt_oss_output import FORMAT_KEY
 from mxconv.layouts import get_layout
-from mxconv.output.engine_quant_config import VLLM_LOAD_FORMAT, VLLM_QUANT_METHOD, attach
+from mxconv.output.engine_quant_config import VLLM_LOAD_FORMAT, VLLM_QUANT_METHOD, quant_config_keys, quant_config_of
 from mxconv.output.files import FileRecord
-from mxconv.output.manifest import base_manifest
+from mxconv.output.manifest import base_manifest, manifest_of
 from mxconv.run.linear_config import with_linears
 from mxconv.run.linears import manifest_extras
 from mxconv.run.options import WeightFormat
 from mxconv.run.plan import Plan, kernel_params
 from mxconv.source.file_names import CONFIG_NAME, INDEX_NAME
+from mxconv.source.manifest import Manifest
 
 
 def output_config(plan: Plan) -> dict[str, Any]:
@@ -162,15 +163,16 @@ def fp8_block_numerics(source_format: str, source_scale_scheme: str | None, src_
 
 
 def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], argv: list[str] | None,
-                   fp8_tiles: dict[str, Any] | None = None, files: dict[str, FileRecord] | None = None) -> dict[str, Any]:
+                   fp8_tiles: dict[str, Any] | None = None, files: dict[str, FileRecord] | None = None) -> Manifest:
     """The manifest of ``plan``'s output: ``tensors`` (the written tensor table), the engines'
     quant_config and served backends, ``output_files``: the top-level names this run wrote, and
     ``output_file_hashes``: size and sha256 of each file it wrote but the shards (which ``tensors``
     covers) and the manifest, by path (``files``). A later --overwrite deletes such a file only while
-    it still has the recorded size and sha256 (mxconv.output.ownership)."""
+    it still has the recorded size and sha256 (mxconv.output.ownership). Checked as every reader
+    checks it (``manifest_of``): an output never gets a manifest its readers refuse."""
     numerics, from_mx_untouched = numerics_of(plan)
     repack = plan.repack
-    manifest = base_manifest(
+    doc = base_manifest(
         source=plan.ckpt.source.to_json(),
         family=plan.info.family,
         kind="kernel" if repack else "canonical",
@@ -185,29 +187,30 @@ def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], a
         numerics=numerics,
         argv=argv,
     )
-    manifest["tensors"] = tensors
-    if fp8_tiles is not None:
-        manifest["fp8_tiles"] = fp8_tiles  # tiles, inexact ones (MXFP4 sources) and the largest error, per layer
-    manifest.update(manifest_extras(plan))  # linear layers, source bytes by role
-    attach(manifest)  # quant_config + served_vllm_backends (reads the tensors table)
+    doc = {**doc, "tensors": tensors}
+    if fp8_tiles is not None:  # tiles, inexact ones (MXFP4 sources) and the largest error, per layer
+        doc = {**doc, "fp8_tiles": fp8_tiles}
+    doc = {**doc, **manifest_extras(plan)}  # linear layers, source bytes by role
+    # quant_config + served_vllm_backends, computed from the manifest so far (reads the tensors table)
+    doc = {**doc, **quant_config_keys(manifest_of(doc))}
     if len(rank_dirs) > 1:
-        manifest["output_files"] = sorted({CONFIG_NAME, *(d.name for d in rank_dirs)})
+        doc = {**doc, "output_files": sorted({CONFIG_NAME, *(d.name for d in rank_dirs)})}
     else:
-        manifest["output_files"] = sorted({CONFIG_NAME, INDEX_NAME, *(f.name for f in plan.ckpt.extra_files)})
+        doc = {**doc, "output_files": sorted({CONFIG_NAME, INDEX_NAME, *(f.name for f in plan.ckpt.extra_files)})}
     if files is not None:
-        manifest["output_file_hashes"] = {name: files[name].to_json() for name in sorted(files)}
-    return manifest
+        doc = {**doc, "output_file_hashes": {name: files[name].to_json() for name in sorted(files)}}
+    return manifest_of(doc)
 
 
-def served_backends_note(manifest: dict[str, Any]) -> str | None:
+def served_backends_note(manifest: Manifest) -> str | None:
     """A kernel-layout output that no vLLM MoE backend of its format holds as it is: the note that says so."""
-    if manifest["kind"] != "kernel" or manifest["served_vllm_backends"]:
+    if not manifest.is_kernel or manifest.served_vllm_backends:
         return None
-    quant_config = manifest["quant_config"]
-    why = "; ".join(f"{b}: {r}" for b, r in quant_config["not_served"].items())
-    fmt = str(manifest["weight_format"]).upper()  # MXFP4, MXFP8 (Fp8MoeBackend) or INT4 (WNA16MoEBackend)
-    return (f"note: no vLLM {quant_config['engine_version']} {fmt} MoE backend holds these bytes as they are"
-            + (f" ({why})" if why else f" ({manifest['weight_format']} experts)")
+    quant_config = quant_config_of(manifest)
+    why = "; ".join(f"{b}: {r}" for b, r in quant_config.not_served)
+    fmt = manifest.weight_format.upper()  # MXFP4, MXFP8 (Fp8MoeBackend) or INT4 (WNA16MoEBackend)
+    return (f"note: no vLLM {quant_config.engine_version} {fmt} MoE backend holds these bytes as they are"
+            + (f" ({why})" if why else f" ({manifest.weight_format} experts)")
             + "; mxconv.engines.loader and its kernels read them, and the manifest's quant_config describes them")
 
 

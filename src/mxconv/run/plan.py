@@ -147,9 +147,10 @@ def _check_request(ckpt: Checkpoint, quant: QuantOptions, repack: RepackOptions 
     if repack is not None and quant.targets != Targets.EXPERTS:
         raise BadInput("--targets linear applies to quantize only (repack lays out the routed experts)")
     if ckpt.kind == "kernel":
+        backend = ckpt.manifest.backend if ckpt.manifest is not None else None
         raise BadInput(
             f"{ckpt.root}: already a kernel-layout checkpoint (backend "
-            f"{(ckpt.manifest or {}).get('backend') or ckpt.config.get('mxconv_layout', {}).get('backend', '?')}); "
+            f"{backend or ckpt.config.get('mxconv_layout', {}).get('backend', '?')}); "
             "convert from its canonical source instead"
         )
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
 from mxconv.source.file_names import CONFIG_NAME, IN_PROGRESS, INDEX_NAME, MANIFEST_NAME, plain_name
-from mxconv.source.manifest import load_manifest, missing_manifest_message
+from mxconv.source.manifest import Manifest, load_manifest, missing_manifest_message
 from mxconv.source.json_files import read_json
 from mxconv.source.side_files import side_file_size
 from mxconv.source.st_format import TensorInfo, read_header, read_tensor
@@ -67,7 +67,7 @@ class Checkpoint:
     tensors: dict[str, TensorInfo]
     shard_files: list[Path]
     source: SourceInfo
-    manifest: dict[str, Any] | None = None
+    manifest: Manifest | None = None
     has_index: bool = False
     extra_files: list[Path] = field(default_factory=list)
 
@@ -104,7 +104,7 @@ class Checkpoint:
     @property
     def kind(self) -> str:
         """'kernel' when an mxconv manifest says so, else 'canonical'."""
-        if self.manifest and self.manifest.get("kind") == "kernel":
+        if self.manifest is not None and self.manifest.is_kernel:
             return "kernel"
         if isinstance(self.config.get("mxconv_layout"), dict):  # e.g. one rank-N/ of a TP output
             return "kernel"

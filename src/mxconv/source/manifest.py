@@ -1,278 +1,263 @@
-"""Reading ``mxconv.json``: what the bytes of a converted checkpoint mean (see contract.md).
+"""``mxconv.json`` as a typed, frozen :class:`Manifest`: what the bytes of a converted checkpoint mean
+(see contract.md).
 
-Every reader (open a source, verify, inspect, the loader) goes through :func:`load_manifest`, which
-validates the file against :data:`SCHEMA` (the contract's required keys plus the ``model`` and
-``layers`` tables verify runs on: types, enums, and the rules between fields), so a tampered or
-truncated manifest is refused with exit 2 naming the field, never a crash later. Where there is no
-manifest, :func:`missing_manifest_message` says why (a run writing it now, an interrupted run, one
-rank of a tensor-parallel output). Writing it is :mod:`mxconv.output.manifest`.
+Every reader (open a source, verify, inspect, the loader, the vLLM plugin) goes through
+:func:`load_manifest`, which checks the file against the published schema
+(:mod:`mxconv.source.manifest_schema`: required keys, types, enums, rules between fields) and
+returns a :class:`Manifest`: a tampered or truncated manifest is refused with exit 2 naming the field,
+never a crash later, and no reader indexes the JSON itself. The writer
+(:mod:`mxconv.output.manifest`) serialises through the same type (:meth:`Manifest.to_json`), which
+gives back exactly the JSON it was parsed from: keys a newer mxconv adds, absent optional keys and
+key order are kept. Where there is no manifest, :func:`missing_manifest_message` says why (a run
+writing it now, an interrupted run, one rank of a tensor-parallel output).
 """
 
 from __future__ import annotations
 
-import json
-import math
+import dataclasses
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, Mapping
 
-from mxconv.errors import BadInput, OutputDamaged, Unsupported
-from mxconv.source.file_names import (
-    CONFIG_NAME, IN_PROGRESS, MANIFEST_NAME, PLAIN_RULE, RANK_DIR, is_plain_name, manifest_file_problem,
-)
+from mxconv.errors import BadInput, OutputDamaged
+from mxconv.source.file_names import CONFIG_NAME, IN_PROGRESS, MANIFEST_NAME, RANK_DIR, manifest_file_problem
 from mxconv.source.in_progress import live_writer
 from mxconv.source.json_files import read_json
+from mxconv.source.manifest_schema import FORMAT_VERSION, REQUIRED_KEYS, SCHEMA, validate_manifest
 from mxconv.source.st_format import TensorInfo
 
-FORMAT_VERSION = 1  # the newest manifest format this mxconv reads (and the one it writes)
-REQUIRED_KEYS = (
-    "format_version",
-    "tool_version",
-    "command",
-    "created",
-    "source",
-    "family",
-    "kind",
-    "weight_format",
-    "scale_rounding",
-    "backend",
-    "activation",
-    "tp_size",
-    "layout",
-    "tensors",
-)
+__all__ = [
+    "FORMAT_VERSION", "REQUIRED_KEYS", "SCHEMA", "LayerEntry", "LayoutPart", "Manifest", "ModelPart", "SourcePart",
+    "TensorEntry", "complete_output_dir", "load_manifest", "missing_manifest_message", "plain_json", "stored_problem",
+    "tensor_file", "validate_manifest",
+]
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
-# ---------------------------------------------------------------------------------------------
-# schema: what every reader of a manifest (verify, inspect, the loader) relies on
-# ---------------------------------------------------------------------------------------------
-
-Check = Callable[[Any, str], None]
-
-
-class _Invalid(Exception):
-    """One field of a manifest breaks the schema: ``field`` is its dotted path, ``why`` the rule."""
-
-    def __init__(self, field: str, why: str) -> None:
-        super().__init__(f"{field}: {why}")
-        self.field, self.why = field, why
+def _frozen(v: Any) -> Any:
+    """Parsed JSON, read-only: objects as mappings, lists as tuples."""
+    if isinstance(v, dict):
+        return MappingProxyType({k: _frozen(x) for k, x in v.items()})
+    if isinstance(v, list):
+        return tuple(_frozen(x) for x in v)
+    return v
 
 
-def _show(v: Any) -> str:
-    text = json.dumps(v) if isinstance(v, (dict, list, str, int, float, bool, type(None))) else repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
+def plain_json(v: Any) -> Any:
+    """A value of a :class:`Manifest` as plain JSON again (mappings as dicts, tuples as lists): the
+    inverse of reading it (parts through their own ``to_json``)."""
+    if isinstance(v, _Part):
+        return v.to_json()
+    if isinstance(v, Mapping):
+        return {k: plain_json(x) for k, x in v.items()}
+    if isinstance(v, (tuple, list)):
+        return [plain_json(x) for x in v]
+    return v
 
 
-def _kind(name: str, test: Callable[[Any], bool]) -> Check:
-    def check(v: Any, at: str) -> None:
-        if not test(v):
-            raise _Invalid(at, f"must be {name}, got {_show(v)}")
+@dataclass(frozen=True, kw_only=True)
+class _Part:
+    """One JSON object of the manifest: its known keys as typed fields (absent optional keys are
+    None), every other key in ``extra`` (read-only, kept as written), ``json_keys`` the keys it was
+    read with, in order, so that :meth:`to_json` gives back exactly that object."""
 
-    return check
+    extra: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    json_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
+    _parts: ClassVar[dict[str, Callable[[Any], Any]]] = {}  # key -> how to read a typed sub-part
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("extra", "json_keys"))
 
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Any:
+        """The part of a validated JSON object (:func:`~mxconv.source.manifest_schema.validate_manifest`)."""
+        names = cls._names()
+        known = {k: cls._parts.get(k, _frozen)(v) for k, v in d.items() if k in names}
+        extra = MappingProxyType({k: _frozen(v) for k, v in d.items() if k not in names})
+        return cls(**known, extra=extra, json_keys=tuple(d))
 
-INT = _kind("an integer", _is_int)
-NONNEG = _kind("a non-negative integer", lambda v: _is_int(v) and v >= 0)
-POSITIVE = _kind("a positive integer", lambda v: _is_int(v) and v > 0)
-STR = _kind("a string", lambda v: isinstance(v, str))
-NONEMPTY = _kind("a non-empty string", lambda v: isinstance(v, str) and bool(v))
-BOOL = _kind("true or false", lambda v: isinstance(v, bool))
-NUMBER = _kind("a finite number", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v))
-ANY: Check = lambda v, at: None  # noqa: E731
-
-
-def _enum(*values: Any) -> Check:
-    return _kind(" or ".join(_show(v) for v in values), lambda v: any(v == x and type(v) is type(x) for x in values))
-
-
-def _nullable(check: Check) -> Check:
-    def nullable(v: Any, at: str) -> None:
-        if v is not None:
-            check(v, at)
-
-    return nullable
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object: the keys it was read with, in order (built in code: every field, then ``extra``)."""
+        names = self._names()
+        keys = self.json_keys or (*names, *self.extra)
+        return {k: plain_json(getattr(self, k) if k in names else self.extra[k]) for k in keys}
 
 
-def _list(item: Check, length: int | None = None) -> Check:
-    def check(v: Any, at: str) -> None:
-        if not isinstance(v, list):
-            raise _Invalid(at, f"must be a list, got {_show(v)}")
-        if length is not None and len(v) != length:
-            raise _Invalid(at, f"must hold {length} items, got {len(v)}")
-        for i, x in enumerate(v):
-            item(x, f"{at}[{i}]")
+@dataclass(frozen=True, kw_only=True)
+class SourcePart(_Part):
+    """Where the checkpoint came from (``source``): a local path or a hub repo id at a revision."""
 
-    return check
+    fingerprint: str
+    revision: str | None = None
+    path: str | None = None
+    repo_id: str | None = None
 
 
-def _obj(required: dict[str, Check], optional: dict[str, Check] | None = None) -> Check:
-    """A JSON object with these keys (others are allowed and not checked)."""
+@dataclass(frozen=True, kw_only=True)
+class ModelPart(_Part):
+    """``model``: the :class:`~mxconv.families.base.ModelInfo` fields the reference runner needs
+    (``ModelInfo.from_part`` builds one; an absent optional field takes ModelInfo's default)."""
 
-    def check(v: Any, at: str) -> None:
-        if not isinstance(v, dict):
-            raise _Invalid(at, f"must be an object, got {_show(v)}")
-        for key, sub in required.items():
-            where = f"{at}.{key}" if at else key
-            if key not in v:
-                raise _Invalid(where, "is missing (a required key)")
-            sub(v[key], where)
-        for key, sub in (optional or {}).items():
-            if key in v:
-                sub(v[key], f"{at}.{key}" if at else key)
-
-    return check
-
-
-def _map(value: Check) -> Check:
-    """A JSON object of any keys, each value checked by ``value``."""
-
-    def check(v: Any, at: str) -> None:
-        if not isinstance(v, dict):
-            raise _Invalid(at, f"must be an object, got {_show(v)}")
-        for key, x in v.items():
-            value(x, f"{at}.{key}")
-
-    return check
+    family: str
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    expert_format: str
+    row_order: str
+    has_expert_bias: bool
+    routing: str
+    norm_topk_prob: bool | None = None
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float | None = None
+    activation: str | None = None
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
+    source_scale_scheme: str | None = None
 
 
-_TENSOR = _obj({"file": NONEMPTY, "shape": _list(NONNEG), "dtype": NONEMPTY, "sha256": NONEMPTY, "role": STR})
-_LAYOUT = _obj(
-    {
-        "name": STR,
-        "version": INT,
-        "engine_compat": _map(STR),
-        "hidden_size": POSITIVE,
-        "intermediate_size": POSITIVE,
-        "padded_hidden_size": POSITIVE,
-        "padded_intermediate_size": POSITIVE,
-        "w13_row_order": _enum("interleaved", "halves"),
-        "kernel_params": _nullable(_map(NUMBER)),
-    },
-    {"options": _map(ANY), "tp_ranges": _list(_list(NONNEG, 2)), "intermediate_size_total": POSITIVE},
-)
-# The ModelInfo fields (families.base) the reference runner needs.
-_MODEL = _obj(
-    {
-        "family": STR,
-        "num_layers": NONNEG,
-        "moe_layers": _list(NONNEG),
-        "num_experts": POSITIVE,
-        "top_k": POSITIVE,
-        "hidden_size": POSITIVE,
-        "intermediate_size": POSITIVE,
-        "expert_format": STR,
-        "row_order": _enum("interleaved", "halves"),
-        "has_expert_bias": BOOL,
-        "routing": _enum("topk_softmax", "softmax_topk", "sigmoid_grouped"),
-    },
-    {
-        "norm_topk_prob": BOOL,
-        "n_group": POSITIVE,
-        "topk_group": POSITIVE,
-        "routed_scaling_factor": NUMBER,
-        "activation": _enum("swigluoai", "silu"),
-        "swiglu_alpha": _nullable(NUMBER),
-        "swiglu_limit": _nullable(NUMBER),
-        "source_scale_scheme": _nullable(STR),
-    },
-)
-_LAYER = _obj(
-    {"layer": NONNEG, "module_prefix": NONEMPTY, "router_weight": NONEMPTY},
-    {"router_bias": _nullable(NONEMPTY), "correction_bias": _nullable(NONEMPTY)},
-)
-# quantize --targets linear (mxconv.run.linears.LinearSelection.to_json): what became MXFP8, what stayed and why.
-_LINEARS = _obj(
-    {"targets": _enum("experts", "linear"), "format": STR, "quantized": _list(NONEMPTY), "carried_mx": _list(NONEMPTY),
-     "left_alone": _map(STR)},
-    {"scale_rounding": _nullable(STR)},
-)
-# output_file_hashes (mxconv.output.files.FileRecord): each file but shards and manifest, by path
-_FILE_RECORD = _obj({"size": NONNEG, "sha256": NONEMPTY})
-SCHEMA: Check = _obj(
-    {
-        "format_version": POSITIVE,
-        "tool_version": STR,
-        "command": _list(STR),
-        "created": STR,
-        "source": _obj({"revision": _nullable(STR), "fingerprint": STR}, {"path": STR, "repo_id": STR}),
-        "family": STR,
-        "kind": _enum("canonical", "kernel"),
-        "weight_format": _enum("mxfp4", "mxfp8", "int4", "fp8-block"),
-        "scale_rounding": _nullable(STR),
-        "backend": _nullable(STR),
-        "activation": _nullable(STR),
-        "tp_size": POSITIVE,
-        "layout": _LAYOUT,
-        "model": _MODEL,
-        "layers": _list(_LAYER),
-        "tensors": _map(_TENSOR),
-    },
-    {"numerics": _map(ANY), "output_files": _list(STR), "output_file_hashes": _map(_FILE_RECORD),
-     "source_bytes_by_role": _map(NONNEG), "linears": _LINEARS, "fp8_tiles": _map(ANY)},
-)
+@dataclass(frozen=True, kw_only=True)
+class LayoutPart(_Part):
+    """``layout``: the layout's name and version, the (per-rank) sizes and their padding, the row
+    order of w13, the activation's kernel parameters, the backend's resolved options and each rank's
+    slice of the intermediate size; the rest of a backend's description (``describe()``: e.g. a
+    Triton arch, a stored row order) stays in ``extra``."""
+
+    name: str
+    version: int
+    engine_compat: Mapping[str, str]
+    hidden_size: int
+    intermediate_size: int
+    padded_hidden_size: int
+    padded_intermediate_size: int
+    w13_row_order: str
+    kernel_params: Mapping[str, float] | None
+    options: Mapping[str, Any] | None = None
+    tp_ranges: tuple[tuple[int, int], ...] | None = None
+    intermediate_size_total: int | None = None
+
+    @property
+    def option_values(self) -> dict[str, Any]:
+        """The recorded layout options (``{}`` when none), for ``Layout.resolve_options``."""
+        return dict(self.options or {})
+
+    def json_value(self, key: str) -> Any:
+        """The JSON value of ``key`` as written (a typed field or a backend's own), None when absent:
+        for comparing the whole table with a layout's ``describe()``."""
+        names = self._names()
+        return plain_json(getattr(self, key) if key in names else self.extra.get(key))
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(hidden, intermediate, padded hidden, padded intermediate), per rank."""
+        return self.hidden_size, self.intermediate_size, self.padded_hidden_size, self.padded_intermediate_size
 
 
-def _consistency(m: dict[str, Any]) -> None:
-    """Rules between fields (after the types are right)."""
-    if "path" not in m["source"] and "repo_id" not in m["source"]:
-        raise _Invalid("source", "needs 'path' or 'repo_id'")
-    if m["kind"] == "kernel" and m["backend"] is None:
-        raise _Invalid("backend", "a kernel-layout output must name its backend, got null")
-    if m["kind"] == "canonical" and m["backend"] is not None:
-        raise _Invalid("backend", f"must be null for a canonical output, got {_show(m['backend'])}")
-    ranges = m["layout"].get("tp_ranges")
-    if m["kind"] == "kernel" and m["tp_size"] > 1 and ranges is None:
-        raise _Invalid("layout.tp_ranges", f"is missing (required with tp_size {m['tp_size']})")
-    if ranges is not None:
-        if len(ranges) != m["tp_size"]:
-            raise _Invalid("layout.tp_ranges", f"must hold tp_size={m['tp_size']} ranges, got {len(ranges)}")
-        for i, (s, e) in enumerate(ranges):
-            if not s < e:
-                raise _Invalid(f"layout.tp_ranges[{i}]", f"must be [start, end) with start < end, got {[s, e]}")
-    model = m["model"]
-    if model["family"] != m["family"]:
-        raise _Invalid("model.family", f"is {_show(model['family'])}, but 'family' is {_show(m['family'])}")
-    if model["top_k"] > model["num_experts"]:
-        raise _Invalid("model.top_k", f"{model['top_k']} is more than num_experts={model['num_experts']}")
-    if not m["layers"]:
-        raise _Invalid("layers", "is empty, but every mxconv output converts at least one MoE layer")
-    for key, entry in m["tensors"].items():
-        problem = manifest_file_problem(key, entry["file"], m["tp_size"])
-        if problem:
-            raise _Invalid(f"tensors.{key}.file", problem)
-    for i, name in enumerate(m.get("output_files", [])):
-        if not is_plain_name(name):
-            raise _Invalid(f"output_files[{i}]", f"is {name!r}, not {PLAIN_RULE}")
-    seen: set[int] = set()
-    for i, layer in enumerate(m["layers"]):
-        if layer["layer"] in seen:
-            raise _Invalid(f"layers[{i}].layer", f"layer {layer['layer']} is listed twice")
-        if layer["layer"] not in model["moe_layers"]:
-            raise _Invalid(f"layers[{i}].layer", f"layer {layer['layer']} is not one of model.moe_layers {model['moe_layers']}")
-        seen.add(layer["layer"])
+@dataclass(frozen=True, kw_only=True)
+class LayerEntry(_Part):
+    """One converted MoE layer (``layers[i]``): its module prefix and router tensors."""
+
+    layer: int
+    module_prefix: str
+    router_weight: str
+    router_bias: str | None = None
+    correction_bias: str | None = None
 
 
-def validate_manifest(m: Any, path: Path | str) -> dict[str, Any]:
-    """Check a parsed ``mxconv.json`` against :data:`SCHEMA` (types, required keys, enums) and the
-    rules between fields, file names included (each a plain name inside the output, see
-    :func:`~mxconv.source.file_names.manifest_file_problem`); OutputDamaged
-    ``"{path}: malformed manifest: field 'a.b' ..."`` naming the first field that breaks one."""
-    if not isinstance(m, dict):
-        raise OutputDamaged(f"{path}: malformed manifest (not a JSON object)")
-    missing = [k for k in REQUIRED_KEYS if k not in m]
-    if missing:
-        raise OutputDamaged(f"{path}: manifest lacks required keys {missing}")
-    if _is_int(m["format_version"]) and m["format_version"] > FORMAT_VERSION:
-        raise Unsupported(f"{path}: manifest format_version {m['format_version']} is newer than this mxconv understands")
-    try:
-        SCHEMA(m, "")
-        _consistency(m)
-    except _Invalid as exc:
-        raise OutputDamaged(f"{path}: malformed manifest: field {exc.field!r} {exc.why}") from None
-    return m
+@dataclass(frozen=True, kw_only=True)
+class TensorEntry(_Part):
+    """One written tensor (``tensors[name]``): its file (``rank-R/...`` for rank R > 0 of a
+    tensor-parallel output), shape, dtype, the sha256 of its bytes and its role."""
+
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+    sha256: str
+    role: str
+
+
+def _layers(v: Any) -> tuple[LayerEntry, ...]:
+    return tuple(LayerEntry.from_json(x) for x in v)
+
+
+def _tensors(v: Any) -> Mapping[str, TensorEntry]:
+    return MappingProxyType({k: TensorEntry.from_json(x) for k, x in v.items()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest(_Part):
+    """A validated ``mxconv.json`` (:meth:`parse`), frozen; :meth:`to_json` writes it back."""
+
+    format_version: int
+    tool_version: str
+    command: tuple[str, ...]
+    created: str
+    source: SourcePart
+    family: str
+    kind: str  # "canonical" | "kernel"
+    weight_format: str  # "mxfp4" | "mxfp8" | "int4" | "fp8-block"
+    scale_rounding: str | None
+    backend: str | None  # the mxconv backend of a kernel-layout output
+    activation: str | None  # its --activation
+    tp_size: int  # positive
+    layout: LayoutPart
+    model: ModelPart
+    layers: tuple[LayerEntry, ...]
+    tensors: Mapping[str, TensorEntry]
+    numerics: Mapping[str, Any] | None = None
+    fp8_tiles: Mapping[str, Any] | None = None
+    linears: Mapping[str, Any] | None = None  # quantize --targets linear (mxconv.run.linears)
+    source_bytes_by_role: Mapping[str, int] | None = None
+    quant_config: Mapping[str, Any] | None = None  # mxconv.output.engine_quant_config.EngineQuantConfig
+    served_vllm_backends: tuple[str, ...] | None = None
+    served_vllm_methods: Mapping[str, tuple[str, ...]] | None = None
+    output_files: tuple[str, ...] | None = None
+    output_file_hashes: Mapping[str, Mapping[str, Any]] | None = None  # name -> {size, sha256}
+
+    _parts: ClassVar[dict[str, Callable[[Any], Any]]] = {
+        "source": SourcePart.from_json, "layout": LayoutPart.from_json, "model": ModelPart.from_json,
+        "layers": _layers, "tensors": _tensors,
+    }
+
+    @classmethod
+    def parse(cls, obj: Any, path: Path | str) -> "Manifest":
+        """``obj`` (parsed JSON) checked against the schema and the rules between fields
+        (:func:`~mxconv.source.manifest_schema.validate_manifest`: OutputDamaged naming the field that
+        breaks one, Unsupported for a newer format), as a Manifest."""
+        return typing.cast(Manifest, cls.from_json(validate_manifest(obj, path)))
+
+    @property
+    def is_kernel(self) -> bool:
+        return self.kind == "kernel"
+
+    @property
+    def layer_numbers(self) -> list[int]:
+        """The converted MoE layers, in the manifest's order."""
+        return [entry.layer for entry in self.layers]
+
+    def layer(self, number: int) -> LayerEntry | None:
+        """The entry of MoE layer ``number`` (None: not converted)."""
+        return next((entry for entry in self.layers if entry.layer == number), None)
+
+    @property
+    def rank_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Each rank's [start, end) of the intermediate size (one range over all of it without tp_ranges)."""
+        if self.layout.tp_ranges is not None:
+            return self.layout.tp_ranges
+        return ((0, self.layout.intermediate_size_total or self.layout.intermediate_size),)
+
+    def with_keys(self, path: Path | str, **values: Any) -> "Manifest":
+        """This manifest with top-level keys set to ``values`` (JSON; new keys go last), checked again
+        (:meth:`parse`; ``path`` names it in the message)."""
+        return Manifest.parse({**self.to_json(), **values}, path)
 
 
 def complete_output_dir(path: str | Path) -> Path:
@@ -311,7 +296,7 @@ def missing_manifest_message(root: Path) -> str:
     return f"{root}: no {MANIFEST_NAME}; not a complete mxconv output"
 
 
-def load_manifest(root: Path) -> dict[str, Any]:
+def load_manifest(root: Path) -> Manifest:
     """Read and validate ``root/mxconv.json`` (BadInput when missing, malformed or off-schema)."""
     path = root / MANIFEST_NAME
     if not path.exists():
@@ -320,30 +305,30 @@ def load_manifest(root: Path) -> dict[str, Any]:
         doc = read_json(path, "the manifest", "malformed manifest")
     except BadInput as exc:
         raise OutputDamaged(str(exc)) from None
-    return validate_manifest(doc, path)
+    return Manifest.parse(doc, path)
 
 
-def tensor_file(root: Path, manifest: dict[str, Any], key: str) -> Path:
+def tensor_file(root: Path, manifest: Manifest, key: str) -> Path:
     """The file the manifest of the output at ``root`` names for tensor entry ``key``, inside ``root``
     (OutputDamaged where the name leaves it: :func:`~mxconv.source.file_names.manifest_file_problem`;
     :func:`validate_manifest` refuses such a manifest already, this guards one built elsewhere)."""
-    entry = manifest["tensors"][key]
-    problem = manifest_file_problem(key, entry.get("file"), int(manifest.get("tp_size") or 1))
+    entry = manifest.tensors[key]
+    problem = manifest_file_problem(key, entry.file, manifest.tp_size)
     if problem:
         raise OutputDamaged(f"{root / MANIFEST_NAME}: tensor {key!r}: file {problem}")
-    return root / entry["file"]
+    return root / entry.file
 
 
-def stored_problem(root: Path, manifest: dict[str, Any], key: str, info: TensorInfo | None) -> str | None:
+def stored_problem(root: Path, manifest: Manifest, key: str, info: TensorInfo | None) -> str | None:
     """What the files of the output at ``root`` contradict of manifest entry ``key``, given ``info``,
     where its tensor was found (None: not found); None when they agree. The one check of where a
     tensor is, and of its shape and dtype, that ``verify`` (which finds tensors through the index)
     and the loader (through the file the manifest names) share."""
-    entry = manifest["tensors"][key]
+    entry = manifest.tensors[key]
     if info is None:
         return f"{key}: listed in the manifest but missing from the checkpoint"
     if info.file != tensor_file(root, manifest, key):
-        return f"{key}: stored in {info.file.relative_to(root).as_posix()}, manifest says {entry['file']}"
-    if list(info.shape) != entry.get("shape") or info.dtype != entry.get("dtype"):
-        return f"{key}: {info.dtype}{list(info.shape)} on disk, manifest says {entry.get('dtype')}{entry.get('shape')}"
+        return f"{key}: stored in {info.file.relative_to(root).as_posix()}, manifest says {entry.file}"
+    if tuple(info.shape) != entry.shape or info.dtype != entry.dtype:
+        return f"{key}: {info.dtype}{list(info.shape)} on disk, manifest says {entry.dtype}{list(entry.shape)}"
     return None

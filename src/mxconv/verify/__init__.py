@@ -38,7 +38,7 @@ from mxconv.errors import BadInput, Unsupported
 from mxconv.interrupt import next_step
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names
-from mxconv.source.manifest import complete_output_dir, load_manifest
+from mxconv.source.manifest import LayerEntry, Manifest, complete_output_dir, load_manifest
 from mxconv.verify.hashing import TensorHashes
 from mxconv.verify.claims import check_model_claims, reference_mismatch
 from mxconv.verify.exact import check_expert_bytes, copies_differ, refused_summary, start_copies
@@ -103,7 +103,7 @@ def verify(
         raise
     except BadInput as exc:  # the output's manifest, index, shards or config are damaged or disagree
         return _unreadable(root, manifest, exc)
-    lay_table = {int(l["layer"]): l for l in run.manifest["layers"]}
+    lay_table = {entry.layer: entry for entry in run.manifest.layers}
     chosen = sorted(set(parse_layers(layers, sorted(lay_table))))
     steps = len(chosen) + 1
     step("integrity (files, headers)", 0, steps)
@@ -115,7 +115,7 @@ def verify(
 
 def _verify_layers(run: Run, kernel: bool, kernel_locations: KernelLocations | None, reference: str | None,
                    reference_outputs: str | None, revision: str | None, layers: str | None, strict: bool,
-                   lay_table: dict[int, dict], chosen: list[int], integ: dict[int | None, list[str]],
+                   lay_table: dict[int, LayerEntry], chosen: list[int], integ: dict[int | None, list[str]],
                    step: Callable[[str, int, int], None]) -> VerifyReport:
     """The checks after the headers: layers (their bytes hashed as they are read; the other tensors
     hashed on the pool meanwhile), then the hash verdicts, the linears and the report."""
@@ -142,7 +142,7 @@ def _verify_layers(run: Run, kernel: bool, kernel_locations: KernelLocations | N
     run.model_broken = bool(claims)  # the numerics would run on a model the output is not
     general += claims
     reports: dict[int, LayerReport] = {}
-    with LayerReads(run, {L: lay_table[L]["module_prefix"] for L in chosen}) as reads:
+    with LayerReads(run, {L: lay_table[L].module_prefix for L in chosen}) as reads:
         for i, L in enumerate(chosen):
             step(f"layer {L}", 1 + i, steps)
             reports[L] = LayerReport(L)
@@ -171,7 +171,7 @@ def _verify_layers(run: Run, kernel: bool, kernel_locations: KernelLocations | N
     if strict and "numerics" in scope.not_checked:
         general.append(f"--strict: numerics not checked ({scope.not_checked['numerics']}); pass --reference SOURCE "
                        "(the checkpoint this one was converted from) or --reference-outputs FILE")
-    return VerifyReport(str(run.root), run.kind, run.manifest.get("backend"), [reports[L] for L in sorted(reports)],
+    return VerifyReport(str(run.root), run.kind, run.manifest.backend, [reports[L] for L in sorted(reports)],
                         general, notes, linears, scope)
 
 
@@ -185,14 +185,14 @@ def _merged(*by_layer: dict[int | None, list[str]]) -> dict[int | None, list[str
     return out
 
 
-def _expert_keys(run: Run, lays: list[dict]) -> set[str]:
+def _expert_keys(run: Run, lays: list[LayerEntry]) -> set[str]:
     """Manifest keys of the expert tensors the layout check reads (and hands to the hasher)."""
     tp = len(run.ckpts)
     keys = set()
     for lay in lays:
         for r, ckpt in enumerate(run.ckpts):
             for name in ckpt.tensors:
-                if name.startswith(f"{lay['module_prefix']}.experts."):
+                if name.startswith(f"{lay.module_prefix}.experts."):
                     keys.add(name if tp == 1 else f"{rank_dir_name(r)}/{name}")
     return keys
 
@@ -207,7 +207,7 @@ def _scope(run: Run, layers: list[int] | None) -> Scope:
     manifest's model holds; the engine kernel with ``--kernel``."""
     scope = Scope(["integrity", "layout"], layers=layers)
     if run.ref_reader is not None:
-        refused = refused_summary(run, layers or [int(l["layer"]) for l in run.manifest["layers"]])
+        refused = refused_summary(run, layers or run.manifest.layer_numbers)
         scope.bytes_against = run.reference
         if refused is None:
             scope.checked.append("bytes")
@@ -222,19 +222,19 @@ def _scope(run: Run, layers: list[int] | None) -> Scope:
         scope.not_checked["numerics"] = NO_REFERENCE
     if run.klayout is not None:
         scope.checked.append("kernel")
-        scope.kernel = run.manifest["backend"]
+        scope.kernel = run.manifest.backend
     return scope
 
 
-def _unreadable(root: Path, manifest: dict | None, exc: BadInput) -> VerifyReport:
+def _unreadable(root: Path, manifest: Manifest | None, exc: BadInput) -> VerifyReport:
     """The report of an output whose own files do not read as a whole: a malformed manifest, a shard
     the index names missing, a tensor the index maps to a shard that lacks it (or one in a shard the
     index does not name), a damaged shard header or config. A failed verification (exit 1) naming
     the file, tensor and rule, not bad usage: the directory claims to be a complete output."""
     why = "the output's own files do not read as a checkpoint"
     scope = Scope(["integrity"], {"layout": why, "numerics": why})
-    kind = manifest["kind"] if manifest else "unknown"
-    return VerifyReport(str(root), kind, manifest.get("backend") if manifest else None, [], [str(exc)], [], scope=scope)
+    kind = manifest.kind if manifest is not None else "unknown"
+    return VerifyReport(str(root), kind, manifest.backend if manifest is not None else None, [], [str(exc)], [], scope=scope)
 
 
 def _output_dir(path: str | Path, tokens: int, reference: str | None, reference_outputs: str | None,
@@ -251,19 +251,19 @@ def _output_dir(path: str | Path, tokens: int, reference: str | None, reference_
     return complete_output_dir(path)
 
 
-def _open_run(root: Path, manifest: dict, reference: str | None, reference_outputs: str | None, save_reference: str | None,
+def _open_run(root: Path, manifest: Manifest, reference: str | None, reference_outputs: str | None, save_reference: str | None,
               tokens: int, seed: int, device: torch.device | str) -> Run:
     """The output (every TP rank) and its manifest, checked against each other."""
-    if manifest["kind"] == "kernel" and manifest["backend"] not in backend_names():  # a plug-in not registered here
-        raise Unsupported(f"{root / 'mxconv.json'}: backend {manifest['backend']!r} is not one this mxconv knows "
+    if manifest.is_kernel and manifest.backend not in backend_names():  # a plug-in not registered here
+        raise Unsupported(f"{root / 'mxconv.json'}: backend {manifest.backend!r} is not one this mxconv knows "
                           f"({', '.join(backend_names())}); a newer mxconv, or a plug-in backend not registered in this process?")
-    tp = int(manifest.get("tp_size") or 1)
+    tp = manifest.tp_size
     dirs = rank_dirs(root, tp)
     for d in dirs:
         if not d.is_dir():
             raise BadInput(f"{d}: missing (manifest says tp_size {tp})")
     ckpts = [open_checkpoint(d) for d in dirs]
-    return Run(root, manifest, ckpts, model_info_of(manifest["model"]), tokens, seed, device,
+    return Run(root, manifest, ckpts, model_info_of(manifest.model), tokens, seed, device,
                reference=reference, reference_outputs=reference_outputs, save_reference=save_reference)
 
 
@@ -302,10 +302,10 @@ def _read_back(run: Run, general: list[str]) -> None:
         run.own_refs = {r.layer: r for r in run.own_reader.layer_refs()}
     except BadInput as exc:
         run.own_error = str(exc)
-        general.append(f"{run.root}: does not read back as a {run.manifest['family']} checkpoint: {exc}")
+        general.append(f"{run.root}: does not read back as a {run.manifest.family} checkpoint: {exc}")
 
 
-def _check_layer(run: Run, L: int, lay: dict, rep: LayerReport, read: LayerBytes) -> None:
+def _check_layer(run: Run, L: int, lay: LayerEntry, rep: LayerReport, read: LayerBytes) -> None:
     """Layout, values that are not numbers, numerics and (``--kernel``) the engine kernel of one MoE
     layer, from its bytes as read."""
     canon, conv_layer = recover_layer(run, L, lay, rep, read.kernel)
@@ -317,7 +317,7 @@ def _check_layer(run: Run, L: int, lay: dict, rep: LayerReport, read: LayerBytes
         ref_layer, ref_bad = reference_layer(run, L, rep, read.reference)
         bad_value = bad_value or ref_bad
         if not bad_value:
-            check_expert_bytes(run, L, lay["module_prefix"], canon, conv_layer, ref_layer, rep)
+            check_expert_bytes(run, L, lay.module_prefix, canon, conv_layer, ref_layer, rep)
             if conv_layer is not None:
                 check_fp8_tiles(run.manifest, L, ref_layer, conv_layer, rep)
     if bad_value:
@@ -344,7 +344,7 @@ def _finish(run: Run) -> list[str]:
         save_reference_outputs(Path(run.save_reference), run.to_save, run.seed, run.tokens)
         notes.append(f"reference outputs saved to {run.save_reference}")
     if run.klayout is not None and not run.kernel_size_problems:
-        notes.append(f"--kernel: the {run.manifest['backend']} engine kernel ran on every checked layer "
+        notes.append(f"--kernel: the {run.manifest.backend} engine kernel ran on every checked layer "
                      f"(bound vs the converted bytes: relative RMS <= {KERNEL_THRESHOLDS['rel_rms']}, cosine >= "
                      f"{KERNEL_THRESHOLDS['cosine']})")
     return notes

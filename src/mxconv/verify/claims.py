@@ -35,6 +35,7 @@ from mxconv.layouts.canonical import WEIGHT_FORMATS, LayoutSizes
 from mxconv.layouts.padding import tp_ranges
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.source.file_names import rank_dir_name
+from mxconv.source.manifest import Manifest, plain_json
 from mxconv.verify.layout import manifest_sizes
 
 _KERNEL_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<name>w13_weight|w13_weight_scale|w13_bias|w2_weight|"
@@ -43,44 +44,44 @@ _KERNEL_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<name>w13_weight|w13_
 _QUANTIZED_FROM = frozenset({"bf16", "fp16", "fp32", "fp8_block"})  # source expert formats an MX output is quantized from
 
 
-def check_model_claims(manifest: dict[str, Any], info: ModelInfo, ckpts: list[Checkpoint],
+def check_model_claims(manifest: Manifest, info: ModelInfo, ckpts: list[Checkpoint],
                        own_reader: FamilyReader | None = None) -> list[str]:
     """Problems (module docstring) with the manifest's model and layout claims; [] when they hold.
     ``own_reader``: a canonical output read back by its family reader (None where it does not read)."""
     problems = _layout_repeats_model(manifest, info)
-    if manifest["kind"] == "kernel":
+    if manifest.is_kernel:
         problems += config_disagreements(manifest, info, ckpts[0])
         problems += _router_shapes(manifest, info, ckpts[0])
         problems += _kernel_shapes(manifest, ckpts)
     elif own_reader is not None:
         problems += _converted_formats(manifest, own_reader)
-    quantized = manifest["weight_format"] in ("mxfp4", "mxfp8") and info.expert_format in _QUANTIZED_FROM
-    if quantized and not manifest.get("scale_rounding"):
-        problems.append(f"manifest scale_rounding is {manifest.get('scale_rounding')!r}, but MX experts quantized from "
+    quantized = manifest.weight_format in ("mxfp4", "mxfp8") and info.expert_format in _QUANTIZED_FROM
+    if quantized and not manifest.scale_rounding:
+        problems.append(f"manifest scale_rounding is {manifest.scale_rounding!r}, but MX experts quantized from "
                         f"{info.expert_format} ones (model.expert_format) were rounded by a rule the manifest must name")
     return problems + _quant_config(manifest)
 
 
-def _converted_formats(manifest: dict[str, Any], own_reader: FamilyReader) -> list[str]:
+def _converted_formats(manifest: Manifest, own_reader: FamilyReader) -> list[str]:
     """Every layer a canonical output's manifest lists as converted holds its ``weight_format``."""
-    want = {"fp8-block": "fp8_block"}.get(manifest["weight_format"], manifest["weight_format"])
+    want = {"fp8-block": "fp8_block"}.get(manifest.weight_format, manifest.weight_format)
     refs = {r.layer: r for r in own_reader.layer_refs()}
     problems = []
-    for row in manifest["layers"]:
-        ref = refs.get(row["layer"])
+    for row in manifest.layers:
+        ref = refs.get(row.layer)
         have = None if ref is None else own_reader.layer_format(ref)
         if have is not None and have != want:
-            problems.append(f"manifest weight_format is {manifest['weight_format']!r}, but layer {row['layer']}'s "
-                            f"experts ({row['module_prefix']}.experts) are {have}")
+            problems.append(f"manifest weight_format is {manifest.weight_format!r}, but layer {row.layer}'s "
+                            f"experts ({row.module_prefix}.experts) are {have}")
             break
     return problems
 
 
-def config_disagreements(manifest: dict[str, Any], info: ModelInfo, ckpt: Checkpoint) -> list[str]:
+def config_disagreements(manifest: Manifest, info: ModelInfo, ckpt: Checkpoint) -> list[str]:
     """The manifest's model fields that ``ckpt``'s config.json, read by the manifest family's reader,
     gives otherwise (nothing for a family not registered in this process)."""
     try:
-        claims = reader_class(manifest["family"])(ckpt).config_claims()
+        claims = reader_class(manifest.family)(ckpt).config_claims()
     except KeyError:
         return []
     except BadInput as exc:
@@ -89,83 +90,87 @@ def config_disagreements(manifest: dict[str, Any], info: ModelInfo, ckpt: Checkp
             for f, v in claims.items() if getattr(info, f) != v]
 
 
-def _layout_repeats_model(manifest: dict[str, Any], info: ModelInfo) -> list[str]:
+def _layout_repeats_model(manifest: Manifest, info: ModelInfo) -> list[str]:
     """The layout table's sizes and row order against the model's, and the padding of a layout."""
-    lay = manifest["layout"]
+    lay = manifest.layout
     problems = []
 
     def differs(key: str, want: Any, why: str) -> None:
-        if lay.get(key) != want:
-            problems.append(f"manifest layout.{key} is {lay.get(key)!r}, but {why} gives {want!r}")
+        have = plain_json(getattr(lay, key))
+        if have != want:
+            problems.append(f"manifest layout.{key} is {have!r}, but {why} gives {want!r}")
 
     differs("hidden_size", info.hidden_size, "the manifest's model.hidden_size")
     differs("w13_row_order", info.row_order, "the manifest's model.row_order")
-    if manifest["kind"] != "kernel":
+    if not manifest.is_kernel:
         differs("intermediate_size", info.intermediate_size, "the manifest's model.intermediate_size")
         differs("padded_hidden_size", info.hidden_size, "a canonical output (never padded)")
         differs("padded_intermediate_size", info.intermediate_size, "a canonical output (never padded)")
         return problems
-    tp = int(manifest.get("tp_size") or 1)
-    if "intermediate_size_total" in lay or tp == 1:
-        differs("intermediate_size_total" if "intermediate_size_total" in lay else "intermediate_size",
+    tp = manifest.tp_size
+    total = lay.intermediate_size_total is not None
+    if total or tp == 1:
+        differs("intermediate_size_total" if total else "intermediate_size",
                 info.intermediate_size, "the manifest's model.intermediate_size")
     ranges = tp_ranges(info.intermediate_size, tp)
-    if "tp_ranges" in lay:
+    if lay.tp_ranges is not None:
         differs("tp_ranges", [list(r) for r in ranges], f"splitting model.intermediate_size over tp_size {tp}")
     return problems + _padding(manifest, max(e - s for s, e in ranges))
 
 
-def _padding(manifest: dict[str, Any], width: int) -> list[str]:
+def _padding(manifest: Manifest, width: int) -> list[str]:
     """A kernel output's weight format and padded sizes against its backend's rules."""
-    lay = manifest["layout"]
+    lay, backend = manifest.layout, manifest.backend
     try:
-        layout = get_layout(manifest["backend"])
-        options = layout.resolve_options(lay.get("options") or {})
+        layout = get_layout(str(backend))
+        options = layout.resolve_options(lay.option_values)
     except (BadInput, LayoutError):  # the layout check of every layer names it
         return []
-    fmt = manifest["weight_format"]
+    fmt = manifest.weight_format
     takes = getattr(layout, "weight_formats", ("mxfp4",))
     if fmt not in takes:
-        return [f"manifest weight_format is {fmt!r}, but backend {manifest['backend']} holds {' or '.join(takes)} experts"]
+        return [f"manifest weight_format is {fmt!r}, but backend {backend} holds {' or '.join(takes)} experts"]
     kw = {} if fmt == "mxfp4" else {"weight_format": fmt}
     problems = []
-    if lay.get("intermediate_size") != width:
-        problems.append(f"manifest layout.intermediate_size is {lay.get('intermediate_size')!r}, but the widest TP rank "
+    if lay.intermediate_size != width:
+        problems.append(f"manifest layout.intermediate_size is {lay.intermediate_size!r}, but the widest TP rank "
                         f"of model.intermediate_size has {width}")
     try:
-        padded = layout.padded_sizes(int(lay["hidden_size"]), width, lay["w13_row_order"], manifest["activation"], options, **kw)
+        padded = layout.padded_sizes(lay.hidden_size, width, lay.w13_row_order, manifest.activation, options, **kw)
     except (LayoutError, ValueError, TypeError) as exc:
-        return problems + [f"manifest layout: the {manifest['backend']} layout cannot take these sizes: {exc}"]
+        return problems + [f"manifest layout: the {backend} layout cannot take these sizes: {exc}"]
     for key, want in zip(("padded_hidden_size", "padded_intermediate_size"), padded):
-        if lay.get(key) != want:
-            problems.append(f"manifest layout.{key} is {lay.get(key)!r}, but the {manifest['backend']} layout pads "
-                            f"hidden_size {lay['hidden_size']}, intermediate_size {width} to {want}")
+        if getattr(lay, key) != want:
+            problems.append(f"manifest layout.{key} is {getattr(lay, key)!r}, but the {backend} layout pads "
+                            f"hidden_size {lay.hidden_size}, intermediate_size {width} to {want}")
     return problems
 
 
-def _router_shapes(manifest: dict[str, Any], info: ModelInfo, ckpt: Checkpoint) -> list[str]:
+def _router_shapes(manifest: Manifest, info: ModelInfo, ckpt: Checkpoint) -> list[str]:
     """Every router of the manifest's layers is [num_experts, hidden] (biases [num_experts])."""
     problems = []
-    for row in manifest["layers"]:
+    for row in manifest.layers:
         for key, want in (("router_weight", [info.num_experts, info.hidden_size]), ("router_bias", [info.num_experts]),
                           ("correction_bias", [info.num_experts])):
-            t = ckpt.tensors.get(row.get(key) or "")
+            name = getattr(row, key)
+            t = ckpt.tensors.get(name or "")
             if t is not None and list(t.shape) != want:
-                problems.append(f"{row[key]}: shape {list(t.shape)}, but the manifest's model (num_experts "
+                problems.append(f"{name}: shape {list(t.shape)}, but the manifest's model (num_experts "
                                 f"{info.num_experts}, hidden_size {info.hidden_size}) makes it {want}")
     return problems
 
 
-def _kernel_shapes(manifest: dict[str, Any], ckpts: list[Checkpoint]) -> list[str]:
+def _kernel_shapes(manifest: Manifest, ckpts: list[Checkpoint]) -> list[str]:
     """Every layer's kernel expert tensors, on every rank, have the shapes and dtypes the layout gives
     for the manifest's sizes, and every layer that holds some is one of the manifest's layers."""
+    backend = manifest.backend
     try:
-        layout = get_layout(manifest["backend"])
-        specs = layout.kernel_specs(manifest_sizes(manifest), manifest["activation"],
-                                    layout.resolve_options(manifest["layout"].get("options") or {}))
+        layout = get_layout(str(backend))
+        specs = layout.kernel_specs(manifest_sizes(manifest), manifest.activation,
+                                    layout.resolve_options(manifest.layout.option_values))
     except (BadInput, LayoutError, ValueError, TypeError):  # the layout check of every layer names it
         return []
-    listed = {row["module_prefix"] for row in manifest["layers"]}
+    listed = {row.module_prefix for row in manifest.layers}
     problems = []
     for r, ckpt in enumerate(ckpts):
         where = f"{rank_dir_name(r)}/" if len(ckpts) > 1 else ""
@@ -177,20 +182,20 @@ def _kernel_shapes(manifest: dict[str, Any], ckpts: list[Checkpoint]) -> list[st
             held.setdefault(m["prefix"], set()).add(m["name"])
             spec = specs.get(m["name"])
             if spec is None:
-                problems.append(f"{where}{name}: the {manifest['backend']} layout of the manifest's sizes has no such tensor")
+                problems.append(f"{where}{name}: the {backend} layout of the manifest's sizes has no such tensor")
             elif list(t.shape) != list(spec.shape) or t.dtype != spec.st_dtype:
-                problems.append(f"{where}{name}: {t.dtype}{list(t.shape)}, but the {manifest['backend']} layout of the "
+                problems.append(f"{where}{name}: {t.dtype}{list(t.shape)}, but the {backend} layout of the "
                                 f"manifest's sizes gives {spec.st_dtype}{list(spec.shape)}")
         for prefix in sorted(set(held) - listed):
             problems.append(f"{where}{prefix}.experts: kernel expert tensors of a layer the manifest's layers do not list")
     return problems
 
 
-def _quant_config(manifest: dict[str, Any]) -> list[str]:
+def _quant_config(manifest: Manifest) -> list[str]:
     """The stored engine quant config's routing and activation against the manifest's model."""
     from mxconv.output.engine_quant_config import SCHEMA_VERSION, from_manifest
 
-    stored = manifest.get("quant_config")
+    stored = plain_json(manifest.quant_config)
     if not isinstance(stored, dict) or stored.get("schema_version") != SCHEMA_VERSION:
         return []
     try:
@@ -207,18 +212,17 @@ def _quant_config(manifest: dict[str, Any]) -> list[str]:
     return problems
 
 
-def copied_tensors(manifest: dict[str, Any]) -> dict[str, list[str]]:
+def copied_tensors(manifest: Manifest) -> dict[str, list[str]]:
     """The tensors an output copied as they are (roles copy and router): name -> its manifest keys
     (``rank-N/name`` in a TP output, one per rank)."""
-    tp = int(manifest.get("tp_size") or 1)
     out: dict[str, list[str]] = {}
-    for key, entry in manifest["tensors"].items():
-        if entry.get("role") in ("copy", "router"):
-            out.setdefault(key.partition("/")[2] if tp > 1 else key, []).append(key)
+    for key, entry in manifest.tensors.items():
+        if entry.role in ("copy", "router"):
+            out.setdefault(key.partition("/")[2] if manifest.tp_size > 1 else key, []).append(key)
     return out
 
 
-def reference_mismatch(manifest: dict[str, Any], ckpts: list[Checkpoint], own: ModelInfo | None, rinfo: ModelInfo,
+def reference_mismatch(manifest: Manifest, ckpts: list[Checkpoint], own: ModelInfo | None, rinfo: ModelInfo,
                        ref_ckpt: Checkpoint) -> str | None:
     """How ``--reference``'s tensors differ in shape from the output's (a different model: bad input),
     or None when they match: the tensors the output copied outside the experts (same names, same
@@ -227,7 +231,7 @@ def reference_mismatch(manifest: dict[str, Any], ckpts: list[Checkpoint], own: M
     for name, keys in copied_tensors(manifest).items():
         if ".experts." in name:  # a MoE layer left unconverted: the reference may hold it converted
             continue
-        t, shape = ref_ckpt.tensors.get(name), manifest["tensors"][keys[0]]["shape"]
+        t, shape = ref_ckpt.tensors.get(name), list(manifest.tensors[keys[0]].shape)
         if t is None:
             return f"it has no tensor {name}"
         if list(t.shape) != list(shape):
@@ -237,25 +241,26 @@ def reference_mismatch(manifest: dict[str, Any], ckpts: list[Checkpoint], own: M
         for f in sizes:
             if getattr(own, f) != getattr(rinfo, f):
                 return f"{f} {getattr(rinfo, f)} vs {getattr(own, f)} here"
-    if manifest["kind"] == "kernel":
+    if manifest.is_kernel:
         return _kernel_mismatch(manifest, ckpts[0], rinfo)
     return None
 
 
-def _kernel_mismatch(manifest: dict[str, Any], ckpt: Checkpoint, rinfo: ModelInfo) -> str | None:
+def _kernel_mismatch(manifest: Manifest, ckpt: Checkpoint, rinfo: ModelInfo) -> str | None:
     """How the first layer's stored kernel tensors differ from the layout of the reference's sizes."""
+    backend = manifest.backend
     try:
-        layout = get_layout(manifest["backend"])
-        options = layout.resolve_options(manifest["layout"].get("options") or {})
-        fmt = manifest["weight_format"] if manifest["weight_format"] in WEIGHT_FORMATS else "mxfp4"
-        width = max(e - s for s, e in tp_ranges(rinfo.intermediate_size, int(manifest.get("tp_size") or 1)))
-        padded = layout.padded_sizes(rinfo.hidden_size, width, rinfo.row_order, manifest["activation"], options,
+        layout = get_layout(str(backend))
+        options = layout.resolve_options(manifest.layout.option_values)
+        fmt = manifest.weight_format if manifest.weight_format in WEIGHT_FORMATS else "mxfp4"
+        width = max(e - s for s, e in tp_ranges(rinfo.intermediate_size, manifest.tp_size))
+        padded = layout.padded_sizes(rinfo.hidden_size, width, rinfo.row_order, manifest.activation, options,
                                      **({} if fmt == "mxfp4" else {"weight_format": fmt}))
         specs = layout.kernel_specs(LayoutSizes(rinfo.num_experts, rinfo.hidden_size, width, *padded, rinfo.row_order,
-                                                rinfo.has_expert_bias, fmt), manifest["activation"], options)
+                                                rinfo.has_expert_bias, fmt), manifest.activation, options)
     except (BadInput, LayoutError, ValueError) as exc:
-        return f"the {manifest['backend']} layout cannot take its sizes: {exc}"
-    prefix = manifest["layers"][0]["module_prefix"] if manifest["layers"] else ""
+        return f"the {backend} layout cannot take its sizes: {exc}"
+    prefix = manifest.layers[0].module_prefix  # validated: never empty
     for name, spec in specs.items():
         t = ckpt.tensors.get(f"{prefix}.experts.{name}")
         if t is not None and list(t.shape) != list(spec.shape):

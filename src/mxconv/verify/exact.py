@@ -92,7 +92,7 @@ def _refusal(run: Run, ref_layer: MoELayer) -> str | None:
         return f"the output was converted from {source_fmt} experts (its manifest's model), the reference holds {ref_model_fmt}"
     if fmt == "fp8-block":
         return "the reference's experts are block-FP8 already" if ref_fmt == "fp8_block" else None
-    if not run.manifest.get("scale_rounding"):
+    if not run.manifest.scale_rounding:
         return f"the manifest records no scale rounding for quantizing {ref_fmt} experts to {fmt}"
     return None
 
@@ -131,7 +131,7 @@ def _rederived(run: Run, part: MoELayer, device: torch.device) -> Stacks:
             for j, (data, sinv) in enumerate(stack.parts):
                 out[f"{which}.{j}"], out[f"{which}_scale_inv.{j}"] = data, sinv
         return out
-    quant = QuantOptions(fmt=fmt, scale_rounding=run.manifest.get("scale_rounding") or "auto", allow_nonfinite=True)
+    quant = QuantOptions(fmt=fmt, scale_rounding=run.manifest.scale_rounding or "auto", allow_nonfinite=True)
     for which in ("w13", "w2"):
         stack = to_format(getattr(part, f"{which}_mx"), source_stack(part, which), fmt, quant,
                           f"{part.ref.module_prefix}.experts ({which})", None, device)
@@ -146,7 +146,7 @@ def _how(run: Run) -> str:
     fmt = run.weight_format
     if fmt == "fp8-block":
         return "the reference block-quantized again (fp8-block)"
-    return f"the reference converted again ({fmt}, {run.manifest.get('scale_rounding') or 'no'} scale rounding)"
+    return f"the reference converted again ({fmt}, {run.manifest.scale_rounding or 'no'} scale rounding)"
 
 
 def _first_rederived_difference(run: Run, L: int, prefix: str, got: Stacks, ref_layer: MoELayer) -> str | None:
@@ -246,7 +246,7 @@ def copies_differ(run: Run) -> list[str]:
     for name, job in sorted(run.ref_copies.items()):
         digest = _digest(run, name, job)
         out += [f"{key}: not the reference's bytes (tensors left alone are copied byte for byte)"
-                for key in keys_of[name] if digest != run.manifest["tensors"][key]["sha256"]]
+                for key in keys_of[name] if digest != run.manifest.tensors[key].sha256]
     return out
 
 

@@ -15,6 +15,7 @@ from mxconv.families.base import MoELayer
 from mxconv.mx.fp8_block import MAX_EXACT_SPREAD, TILE, tile_exponents
 from mxconv.mx.numerics import dequantize_fp8_block, dequantize_mx
 from mxconv.verify.report import LayerReport
+from mxconv.source.manifest import Manifest
 
 _PROJ = ("gate", "up", "down")
 
@@ -29,10 +30,10 @@ def _tile_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return padded.view(E, nb, TILE, kb, TILE).all(dim=4).all(dim=2)
 
 
-def check_fp8_tiles(manifest: dict[str, Any], L: int, ref_layer: MoELayer, conv_layer: MoELayer, rep: LayerReport) -> None:
+def check_fp8_tiles(manifest: Manifest, L: int, ref_layer: MoELayer, conv_layer: MoELayer, rep: LayerReport) -> None:
     """The tile check of layer ``L`` (module docstring) when the output is block-FP8 and the reference
     MXFP4; ``rep`` gets ``fp8_tiles`` and a problem per rule broken. Anything else: nothing."""
-    if manifest.get("weight_format") != "fp8-block" or ref_layer.w13_mx is None or ref_layer.w13_mx.fmt != "mxfp4":
+    if manifest.weight_format != "fp8-block" or ref_layer.w13_mx is None or ref_layer.w13_mx.fmt != "mxfp4":
         return
     if conv_layer.w13_fp8 is None or conv_layer.w2_fp8 is None or ref_layer.w2_mx is None:
         return
@@ -55,7 +56,7 @@ def check_fp8_tiles(manifest: dict[str, Any], L: int, ref_layer: MoELayer, conv_
         inexact += int((~can_be_exact).sum())
         equal += int(same.sum())
     rep.fp8_tiles = {"tiles": tiles, "bit_equal": equal, "inexact": inexact}
-    claimed = ((manifest.get("fp8_tiles") or {}).get("layers") or {}).get(str(L), {}).get("inexact")
+    claimed = ((manifest.fp8_tiles or {}).get("layers") or {}).get(str(L), {}).get("inexact")
     if claimed is not None and claimed != inexact:
         rep.problems.append(f"layer {L} fp8-block: the manifest's fp8_tiles says {claimed} inexact block(s), "
                             f"the reference's spreads give {inexact}")

@@ -4,14 +4,12 @@ layout is what the files hold."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.source.file_names import WEIGHT_FILE, rank_dir_name
-from mxconv.source.manifest import stored_problem
+from mxconv.source.manifest import Manifest, ModelPart, stored_problem
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.layouts import get_layout
@@ -19,7 +17,7 @@ from mxconv.verify.hashing import Expected
 from mxconv.verify.layout import manifest_sizes
 
 
-def check_integrity(root: Path, manifest: dict[str, Any],
+def check_integrity(root: Path, manifest: Manifest,
                     ckpts: list[Checkpoint]) -> tuple[dict[int | None, list[str]], list[Expected]]:
     """Problems by layer (None = not in a layer) that the headers show — a listed tensor missing, in
     another file, of another shape or dtype, an unlisted tensor or weight file — and the tensors
@@ -28,7 +26,7 @@ def check_integrity(root: Path, manifest: dict[str, Any],
     expected: list[Expected] = []
     tp = len(ckpts)
     seen: set[str] = set()
-    for key, entry in manifest["tensors"].items():
+    for key, entry in manifest.tensors.items():
         rank, name = 0, key
         if tp > 1:  # "rank-R/<name>", R < tp: load_manifest checked the key with the file name
             prefix, _, name = key.partition("/")
@@ -39,7 +37,7 @@ def check_integrity(root: Path, manifest: dict[str, Any],
         if problem:
             problems.setdefault(layer_index(name), []).append(problem)
             continue
-        expected.append(Expected(key, ckpt, name, entry["sha256"]))
+        expected.append(Expected(key, ckpt, name, entry.sha256))
     for r, ckpt in enumerate(ckpts):
         for name in ckpt.tensors:
             key = name if tp == 1 else f"{rank_dir_name(r)}/{name}"
@@ -74,7 +72,7 @@ MODEL_FIELDS = ("family", "num_layers", "moe_layers", "num_experts", "top_k", "h
                  "routed_scaling_factor", "activation", "swiglu_alpha", "swiglu_limit")
 
 
-def check_manifest_claims(manifest: dict[str, Any], info: ModelInfo, ckpts: list[Checkpoint],
+def check_manifest_claims(manifest: Manifest, info: ModelInfo, ckpts: list[Checkpoint],
                           own_reader: FamilyReader | None) -> list[str]:
     """What the manifest says that the files can contradict (the schema checked its types):
 
@@ -87,25 +85,25 @@ def check_manifest_claims(manifest: dict[str, Any], info: ModelInfo, ckpts: list
     from mxconv.run.plan import kernel_params
 
     problems: list[str] = []
-    lay = manifest["layout"]
+    lay = manifest.layout
     want = kernel_params(info)
-    if lay.get("kernel_params") != want:
-        problems.append(f"manifest layout.kernel_params is {lay.get('kernel_params')}, but the model's activation gives {want}")
-    if manifest["kind"] == "kernel":
+    if lay.json_value("kernel_params") != want:
+        problems.append(f"manifest layout.kernel_params is {lay.json_value('kernel_params')}, but the model's activation gives {want}")
+    if manifest.is_kernel:
         try:
-            layout = get_layout(manifest["backend"])
-            desc = layout.describe(manifest_sizes(manifest), manifest["activation"], layout.resolve_options(lay.get("options") or {}))
+            layout = get_layout(str(manifest.backend))
+            desc = layout.describe(manifest_sizes(manifest), manifest.activation, layout.resolve_options(lay.option_values))
         except BadInput:  # unknown backend or options: the layout check of every layer says so
             desc = {}
         for key, value in json.loads(json.dumps(desc)).items():
-            if key not in _LAYOUT_KEYS_SET_BY_CONVERT and lay.get(key) != value:
-                problems.append(f"manifest layout.{key} is {lay.get(key)!r}, but the {manifest['backend']} layout of these "
+            if key not in _LAYOUT_KEYS_SET_BY_CONVERT and lay.json_value(key) != value:
+                problems.append(f"manifest layout.{key} is {lay.json_value(key)!r}, but the {manifest.backend} layout of these "
                                 f"sizes and options has {value!r}")
-        for row in manifest["layers"]:
+        for row in manifest.layers:
             for key in ("router_weight", "router_bias", "correction_bias"):
-                name = row.get(key)
+                name = getattr(row, key)
                 if name and name not in ckpts[0].tensors:
-                    problems.append(f"manifest layers: layer {row['layer']} {key} {name!r} is not in the checkpoint")
+                    problems.append(f"manifest layers: layer {row.layer} {key} {name!r} is not in the checkpoint")
     elif own_reader is not None:
         own = own_reader.model_info()
         for f in MODEL_FIELDS:
@@ -113,19 +111,16 @@ def check_manifest_claims(manifest: dict[str, Any], info: ModelInfo, ckpts: list
                 problems.append(f"manifest model.{f} is {getattr(info, f)!r}, but the checkpoint's config and tensors give "
                                 f"{getattr(own, f)!r}")
         refs = {r.layer: r for r in own_reader.layer_refs()}
-        for row in manifest["layers"]:
-            ref = refs.get(row["layer"])
+        for row in manifest.layers:
+            ref = refs.get(row.layer)
             for key in ("module_prefix", "router_weight", "router_bias", "correction_bias"):
-                if ref is not None and row.get(key) != getattr(ref, key):
-                    problems.append(f"manifest layers: layer {row['layer']} {key} is {row.get(key)!r}, but the checkpoint "
+                if ref is not None and getattr(row, key) != getattr(ref, key):
+                    problems.append(f"manifest layers: layer {row.layer} {key} is {getattr(row, key)!r}, but the checkpoint "
                                     f"has {getattr(ref, key)!r}")
     return problems
 
 
-def model_info_of(d: dict[str, Any]) -> ModelInfo:
+def model_info_of(model: ModelPart) -> ModelInfo:
     """The manifest's ``model`` table (validated by load_manifest) -> ModelInfo; keys a newer mxconv
     may add are ignored."""
-    known = {f.name for f in dataclasses.fields(ModelInfo)}
-    d = {k: v for k, v in d.items() if k in known}
-    d["moe_layers"] = tuple(d["moe_layers"])
-    return ModelInfo(**d)
+    return ModelInfo.from_part(model)

@@ -32,6 +32,7 @@ from mxconv.errors import BadInput, LayoutError
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import Layout
 from mxconv.verify.reference_moe import Comparison, Routing, apart, compare
+from mxconv.source.manifest import Manifest
 
 @dataclass
 class KernelResult:
@@ -50,21 +51,21 @@ class KernelResult:
         }
 
 
-def kernel_preflight(manifest: dict[str, Any], kernel_locations: KernelLocations | None = None) -> tuple[Layout, list[str]]:
+def kernel_preflight(manifest: Manifest, kernel_locations: KernelLocations | None = None) -> tuple[Layout, list[str]]:
     """The output's layout and the size problems that make its kernel compute wrongly (FAIL).
     BadInput (exit 2) when the kernel cannot run on this machine (kernels looked for at
     ``kernel_locations`` first), naming what is missing."""
-    backend = manifest.get("backend")
+    backend = manifest.backend
     if not backend:
         choices = " or ".join(runner_backends())
         raise BadInput(f"--kernel: a canonical checkpoint has no backend kernel (repack it with --backend {choices})")
     layout = get_layout(backend)
-    lay = manifest.get("layout") or {}
+    lay = manifest.layout
     try:
-        options = layout.resolve_options(lay.get("options") or {})
+        options = layout.resolve_options(lay.option_values)
     except LayoutError as exc:  # the output's own manifest is damaged: a verification failure (exit 1)
         return layout, [f"the manifest's layout options: {exc}"]
-    problems = layout.size_warnings(int(lay.get("hidden_size", 0)), int(lay.get("intermediate_size", 0)), options)
+    problems = layout.size_warnings(lay.hidden_size, lay.intermediate_size, options)
     if problems:
         return layout, problems
     reason = (layout.kernel_unavailable(manifest) if engine_runner(backend) is None
@@ -95,7 +96,7 @@ def _judge(what: str, cmp: Comparison, bound: dict[str, float]) -> list[str]:
 def check_kernel_layer(
     layout: Layout,
     root: Path,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     layer: int,
     x: torch.Tensor,
     routing: Routing,

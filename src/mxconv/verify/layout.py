@@ -5,7 +5,6 @@ the reference's (:mod:`mxconv.verify.exact`)."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
@@ -15,22 +14,16 @@ from mxconv.families.base import Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES, WEIGHT_FORMATS, CanonicalExperts, LayoutSizes
 from mxconv.layouts.padding import unpad_canonical
+from mxconv.source.manifest import LayerEntry, Manifest
 from mxconv.source.st_format import read_tensor
 from mxconv.verify.report import LayerReport, Run
 
 
-def manifest_sizes(manifest: dict[str, Any]) -> LayoutSizes:
-    lay, model = manifest["layout"], manifest["model"]
-    return LayoutSizes(
-        num_experts=int(model["num_experts"]),
-        hidden_size=int(lay["hidden_size"]),
-        intermediate_size=int(lay["intermediate_size"]),
-        padded_hidden_size=int(lay["padded_hidden_size"]),
-        padded_intermediate_size=int(lay["padded_intermediate_size"]),
-        row_order=lay["w13_row_order"],
-        has_bias=bool(model["has_expert_bias"]),
-        weight_format=manifest["weight_format"] if manifest["weight_format"] in WEIGHT_FORMATS else "mxfp4",
-    )
+def manifest_sizes(manifest: Manifest) -> LayoutSizes:
+    """The (per-rank) sizes of the manifest's layout, as the layouts take them."""
+    lay, fmt = manifest.layout, manifest.weight_format
+    return LayoutSizes(manifest.model.num_experts, *lay.sizes, lay.w13_row_order, manifest.model.has_expert_bias,
+                       fmt if fmt in WEIGHT_FORMATS else "mxfp4")
 
 
 def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: int) -> CanonicalExperts:
@@ -66,26 +59,26 @@ def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: in
 
 
 def kernel_layer_canonical(
-    manifest: dict[str, Any], ckpts: list[Checkpoint], prefix: str, problems: list[str],
+    manifest: Manifest, ckpts: list[Checkpoint], prefix: str, problems: list[str],
     device: torch.device | str = "cpu", pre_read: list[dict[str, torch.Tensor]] | None = None,
 ) -> CanonicalExperts | None:
     """Invert one layer's kernel tensors (all ranks) on ``device``, check the round trip; None on
     failure. ``pre_read``: the tensors already read (per rank, by short name; verify's layer reads,
     which hash them as they pass); otherwise they are read here."""
-    backend = manifest["backend"]
+    backend = str(manifest.backend)
     try:
         layout = get_layout(backend)
     except BadInput as exc:
         problems.append(f"manifest backend: {exc}")
         return None
-    activation = manifest["activation"]
+    activation = manifest.activation
     try:
-        options = layout.resolve_options(manifest["layout"].get("options") or {})
+        options = layout.resolve_options(manifest.layout.option_values)
     except LayoutError as exc:
         problems.append(f"{prefix}.experts: not a valid {backend} layout: manifest layout options: {exc}")
         return None
     sizes = manifest_sizes(manifest)
-    ranges = [tuple(r) for r in manifest["layout"].get("tp_ranges") or [[0, sizes.intermediate_size]]]
+    ranges = list(manifest.layout.tp_ranges or ((0, sizes.intermediate_size),))
     parts: list[CanonicalExperts] = []
     for rank, ckpt in enumerate(ckpts):
         tensors = _read_rank(ckpt, prefix, device) if pre_read is None else {k: t.to(device) for k, t in pre_read[rank].items()}
@@ -198,13 +191,13 @@ def kernel_nonfinite(canon: CanonicalExperts, prefix: str) -> str | None:
     return f"{what} in {prefix}.experts.{name} at canonical [{', '.join(map(str, idx))}] ({coords})"
 
 
-def recover_layer(run: Run, L: int, lay: dict[str, Any], rep: LayerReport,
+def recover_layer(run: Run, L: int, lay: LayerEntry, rep: LayerReport,
                   stored: list[dict[str, torch.Tensor]] | None = None) -> tuple[CanonicalExperts | None, MoELayer | None]:
     """The layout check of one MoE layer: its canonical experts as the converted checkpoint holds them
     (a kernel output inverted and laid out again, from ``stored`` when its tensors were read already;
     a canonical output read back by its own reader), and for a canonical output the layer read back.
     ``rep.layout`` says how it went."""
-    prefix = lay["module_prefix"]
+    prefix = lay.module_prefix
     if run.kind == "kernel":
         lprobs: list[str] = []
         canon = None

@@ -58,8 +58,8 @@ class LinearReport:
 def check_linears(run: Run, layers: set[int] | None) -> tuple[list[LinearReport], list[str]]:
     """Per-linear reports (only layers in ``layers`` when given) and problems of the whole output."""
     ckpt = run.ckpts[0]
-    claimed = run.manifest.get("linears")
-    fp8 = run.manifest.get("weight_format") == FP8_BLOCK  # its linears are block FP8, not MXFP8
+    claimed = run.manifest.linears  # mxconv.run.linears.LinearSelection.to_json
+    fp8 = run.manifest.weight_format == FP8_BLOCK  # its linears are block FP8, not MXFP8
     kind = "block-FP8" if fp8 else "MXFP8"
     found = _found(run)
     mx = [m for m, quantized in found if quantized]
@@ -77,7 +77,7 @@ def check_linears(run: Run, layers: set[int] | None) -> tuple[list[LinearReport]
         if config_quantizes(qc, m) != quantized:
             general.append(f"{m}: config.json's quantization_config describes it as "
                            f"{'not quantized' if quantized else 'quantized'}, but its weight is {'' if quantized else 'not '}{kind}")
-    rounding = (claimed or {}).get("scale_rounding") or run.manifest.get("scale_rounding")
+    rounding = (claimed or {}).get("scale_rounding") or run.manifest.scale_rounding
     check = _check_fp8 if fp8 else _check_one
     reports = [check(run, m, rounding) for m in mx if layers is None or layer_index(m) in layers]
     return reports, general
@@ -86,7 +86,7 @@ def check_linears(run: Run, layers: set[int] | None) -> tuple[list[LinearReport]
 def _found(run: Run) -> list[tuple[str, bool]]:
     """(module, quantized) of every linear of the output: MXFP8, or block FP8 in an fp8-block output."""
     ckpt = run.ckpts[0]
-    fp8 = run.manifest.get("weight_format") == FP8_BLOCK
+    fp8 = run.manifest.weight_format == FP8_BLOCK
     return [(m, is_fp8_block_linear(ckpt, m) if fp8 else is_mx) for m, _, is_mx in linear_modules(ckpt)]
 
 
@@ -94,7 +94,7 @@ def quantized_linear_tensors(run: Run) -> set[str]:
     """The weight and scale tensors of the output's quantized linears, which :func:`check_linears`
     checks against the reference (not as copies: an MXFP8 linear carried from an MXFP8 source is
     held to that source's bytes, or to the reference quantized again)."""
-    scale = "weight_scale_inv" if run.manifest.get("weight_format") == FP8_BLOCK else "weight_scale"
+    scale = "weight_scale_inv" if run.manifest.weight_format == FP8_BLOCK else "weight_scale"
     return {f"{m}.{p}" for m, quantized in _found(run) if quantized for p in ("weight", scale)}
 
 

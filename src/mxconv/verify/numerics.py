@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -18,6 +17,7 @@ from mxconv.verify.reference_moe import ExpertFn, Routing, apart, compare, hidde
 from mxconv.source.st_format import read_tensor
 from mxconv.verify.layout import canonical_stack, kernel_nonfinite
 from mxconv.verify.report import THRESHOLDS, LayerReport, Run
+from mxconv.source.manifest import LayerEntry
 
 _FORMAT_CODES = ("float", "mxfp4", "mxfp8", "int4")
 
@@ -58,11 +58,11 @@ def expert_fn(w13: MXStack | FP8BlockStack | torch.Tensor, w2: MXStack | FP8Bloc
     return fn
 
 
-def _router(ckpt: Checkpoint, lay: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _router(ckpt: Checkpoint, lay: LayerEntry) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     def opt(name: str | None) -> torch.Tensor | None:
         return None if not name else ckpt.read(name).float()
 
-    return ckpt.read(lay["router_weight"]).float(), opt(lay.get("router_bias")), opt(lay.get("correction_bias"))
+    return ckpt.read(lay.router_weight).float(), opt(lay.router_bias), opt(lay.correction_bias)
 
 
 def _output_nonfinite(out: torch.Tensor, what: str) -> str | None:
@@ -83,17 +83,17 @@ def run_layer(info: ModelInfo, row_order: str, experts: ExpertFn, router: tuple,
     return out, Routing(r.ids.cpu(), r.weights.cpu())
 
 
-def converted_nonfinite(run: Run, lay: dict[str, Any], canon: CanonicalExperts | None, conv_layer: MoELayer | None) -> str | None:
+def converted_nonfinite(run: Run, lay: LayerEntry, canon: CanonicalExperts | None, conv_layer: MoELayer | None) -> str | None:
     """The first value of the converted layer that is not a number (NaN scale byte, NaN/Inf bias or
     router), named by tensor and index; None when every value is one."""
     if conv_layer is not None and run.own_reader is not None:
         return run.own_reader.nonfinite_problem(conv_layer)
     if canon is None:
         return None
-    bad = kernel_nonfinite(canon, lay["module_prefix"])
+    bad = kernel_nonfinite(canon, lay.module_prefix)
     if bad is None:
         try:
-            bad = nonfinite_tensors(run.ckpts[0], (lay["router_weight"], lay.get("router_bias"), lay.get("correction_bias")))
+            bad = nonfinite_tensors(run.ckpts[0], (lay.router_weight, lay.router_bias, lay.correction_bias))
         except BadInput:
             pass  # a router the checkpoint lacks: the integrity check names it
     return bad
@@ -109,7 +109,7 @@ class LayerForward:
     reference: tuple[torch.Tensor, torch.Tensor, dict[str, float]] | None  # output, top-k ids, threshold
 
 
-def check_layer_numerics(run: Run, L: int, lay: dict[str, Any], canon: CanonicalExperts | None, conv_layer: MoELayer | None,
+def check_layer_numerics(run: Run, L: int, lay: LayerEntry, canon: CanonicalExperts | None, conv_layer: MoELayer | None,
                          ref_layer: MoELayer | None, rep: LayerReport) -> LayerForward | None:
     """The numerics check of one layer: the converted weights' output vs the reference's (``rep``
     gets the comparison, the threshold and the verdict). None where nothing ran."""
@@ -169,7 +169,7 @@ def _saved_outputs(run: Run, L: int) -> tuple[torch.Tensor, torch.Tensor, str]:
     return ref_out, ref_ids, _FORMAT_CODES[code]
 
 
-def _reference_outputs(run: Run, L: int, lay: dict[str, Any], ref_layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+def _reference_outputs(run: Run, L: int, lay: LayerEntry, ref_layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Layer ``L``'s output, top-k ids and weight format computed from ``--reference`` (kept for
     ``--save-reference``)."""
     assert run.ref_ckpt is not None

@@ -14,6 +14,7 @@ from mxconv.source.checkpoint import Checkpoint
 from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.verify.reference_moe import Comparison
 from mxconv.verify.kernel import KernelResult
+from mxconv.source.manifest import Manifest
 
 # Pass/fail thresholds of the numerics check, by (converted weight format, reference kind).
 # MX error figures from mx-numerics.md §6: a weight's relative RMS error is ≈ 0.115 (MXFP4) and
@@ -148,7 +149,7 @@ class Run:
     """One verify run: the output, its manifest, the reference (if any), the options."""
 
     root: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     ckpts: list[Checkpoint]  # one per TP rank
     info: ModelInfo
     tokens: int
@@ -176,8 +177,8 @@ class Run:
 
     @property
     def kind(self) -> str:
-        return self.manifest["kind"]
+        return self.manifest.kind
 
     @property
     def weight_format(self) -> str:
-        return self.manifest["weight_format"]
+        return self.manifest.weight_format

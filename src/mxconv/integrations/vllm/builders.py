@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from mxconv.errors import BadInput
+from mxconv.source.manifest import Manifest
 
 _WEIGHTS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
 
 
-def triton_kernels_objects(mapping: Any, t: dict[str, torch.Tensor], layer: Any, manifest: dict[str, Any]) -> tuple[Any, ...]:
+def triton_kernels_objects(mapping: Any, t: dict[str, torch.Tensor], layer: Any, manifest: Manifest) -> tuple[Any, ...]:
     """TRITON: the stored buffers wrapped, not copied, as triton_kernels Tensors and PrecisionConfigs
     (:func:`mxconv.engines.triton_moe.wrap_matrix`, what ``verify --kernel`` runs on an H200), and the
     four weight/scale parameters deleted from the layer as vLLM's conversion deletes them. Hopper
@@ -26,7 +27,7 @@ def triton_kernels_objects(mapping: Any, t: dict[str, torch.Tensor], layer: Any,
     from mxconv.engines import discover
     from mxconv.engines.triton_moe import MatrixGeometry, _arch_refusal, constrain_hopper, wrap_matrix
 
-    lay = manifest.get("layout", {})
+    lay = manifest.layout.to_json()  # the triton runner reads the layout's own describe() fields
     refusal = _arch_refusal(lay)
     if refusal is not None:
         raise BadInput(f"mxconv's vLLM plugin: {refusal}")
@@ -42,7 +43,7 @@ def triton_kernels_objects(mapping: Any, t: dict[str, torch.Tensor], layer: Any,
     return w13, w2, pc13, pc2, t.get("w13_bias"), t.get("w2_bias")
 
 
-def aiter_shuffled(mapping: Any, t: dict[str, torch.Tensor], layer: Any, manifest: dict[str, Any]) -> tuple[Any, ...]:
+def aiter_shuffled(mapping: Any, t: dict[str, torch.Tensor], layer: Any, manifest: Manifest) -> tuple[Any, ...]:
     """AITER: the stored (already shuffled) uint8 weights viewed as ``torch.float4_e2m1fn_x2`` and
     flagged ``is_shuffled`` as vLLM's conversion leaves them; scales and float32 biases as stored."""
     fp4 = getattr(torch, "float4_e2m1fn_x2", None)

@@ -25,24 +25,24 @@ import mxconv.integrations.vllm.checks as checks
 from mxconv.integrations.vllm.mappings import BackendMapping
 from mxconv.integrations.vllm.quant import MxconvMoEMethod
 from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
-from mxconv.source.manifest import load_manifest
+from mxconv.source.manifest import Manifest, load_manifest
 from mxconv.source.st_format import torch_dtype
 
 EXTRA_KEYS = ("check_hashes",)  # model_loader_extra_config keys this loader takes (the rest go to vLLM's)
 
 
-def expert_names(manifest: dict[str, Any]) -> set[str]:
+def expert_names(manifest: Manifest) -> set[str]:
     """Checkpoint names of the output's expert tensors (the loader reads them itself)."""
     out = set()
-    for key, entry in manifest.get("tensors", {}).items():
-        if entry.get("role") == "expert":
+    for key, entry in manifest.tensors.items():
+        if entry.role == "expert":
             out.add(key.split("/", 1)[1] if key.startswith("rank-") else key)
     return out
 
 
-def moe_modules(model: torch.nn.Module, manifest: dict[str, Any], root: Path) -> dict[int, torch.nn.Module]:
+def moe_modules(model: torch.nn.Module, manifest: Manifest, root: Path) -> dict[int, torch.nn.Module]:
     """{manifest layer: vLLM MoE module with mxconv's method}; BadInput unless they pair one to one."""
-    prefixes = {int(l["layer"]): str(l["module_prefix"]) + ".experts" for l in manifest.get("layers", [])}
+    prefixes = {entry.layer: entry.module_prefix + ".experts" for entry in manifest.layers}
     found: dict[int, torch.nn.Module] = {}
     for name, module in model.named_modules():
         if not isinstance(getattr(module, "quant_method", None), MxconvMoEMethod):
@@ -60,13 +60,12 @@ def moe_modules(model: torch.nn.Module, manifest: dict[str, Any], root: Path) ->
 def vllm_kernel_specs(src: LayerSource, module: torch.nn.Module) -> dict[str, Any]:
     """The output's backend's kernel tensor specs (``layout.kernel_specs``) for this rank at vLLM's
     padded sizes (vLLM's parameters: ``w2_weight`` is ``[E, Hp, Ip/2]``): what vLLM's conversion returns."""
-    m, lay = src.manifest, src.manifest.get("layout", {})
+    m = src.manifest
     e, hp, ip = (int(v) for v in module.w2_weight.shape)
     layout = get_layout(src.backend)
-    sizes = LayoutSizes(e, int(lay.get("hidden_size") or m["model"]["hidden_size"]), src.intermediate_size, hp, 2 * ip,
-                        str(m.get("model", {}).get("row_order") or "interleaved"), hasattr(module, "w13_bias"),
-                        str(m.get("weight_format") or "mxfp4"))  # fmt: skip
-    return dict(layout.kernel_specs(sizes, str(m.get("activation")), layout.resolve_options(lay.get("options") or {})))
+    sizes = LayoutSizes(e, m.layout.hidden_size, src.intermediate_size, hp, 2 * ip, m.model.row_order,
+                        hasattr(module, "w13_bias"), m.weight_format)  # fmt: skip
+    return dict(layout.kernel_specs(sizes, str(m.activation), layout.resolve_options(m.layout.option_values())))
 
 
 def check_layer(src: LayerSource, module: torch.nn.Module, mapping: BackendMapping, root: Path) -> None:

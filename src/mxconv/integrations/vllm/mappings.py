@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
+
+if TYPE_CHECKING:
+    from mxconv.source.manifest import Manifest
 
 CONVERTED_ORDER = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale", "w13_bias", "w2_bias")
 """The order of the six tensors vLLM's conversion to kernel format returns."""
@@ -68,7 +71,7 @@ class BackendMapping:
         return self.vllm_backends[0]
 
     def converted(self, params: dict[str, Any], aside: dict[str, Any], layer: Any = None,
-                  manifest: dict[str, Any] | None = None) -> tuple[Any, ...]:  # fmt: skip
+                  manifest: Manifest | None = None) -> tuple[Any, ...]:  # fmt: skip
         """The six objects vLLM's conversion returns (:data:`CONVERTED_ORDER`): the parameters the
         loader filled, the tensors kept aside, or what :attr:`build` makes of them; None for a bias the
         output does not have."""
@@ -77,7 +80,7 @@ class BackendMapping:
         tensors = {k: aside[k] if k in aside else params[k] for k in _ALL if k in aside or k in params}
         if self.build is not None:
             module, _, name = self.build.partition(":")
-            return tuple(getattr(importlib.import_module(module), name)(self, tensors, layer, manifest or {}))
+            return tuple(getattr(importlib.import_module(module), name)(self, tensors, layer, manifest))
         return tuple(tensors.get(name) for name in CONVERTED_ORDER)
 
 

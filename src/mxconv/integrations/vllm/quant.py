@@ -15,7 +15,7 @@ from vllm.model_executor.layers.quantization import mxfp4 as vllm_mxfp4
 from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config, GptOssMxfp4MoEMethod
 
 from mxconv.errors import BadInput
-from mxconv.integrations.vllm.checks import check_backend
+from mxconv.integrations.vllm.checks import check_backend, check_selected_backend, held_backends
 from mxconv.integrations.vllm.mappings import BackendMapping
 from mxconv.output.engine_quant_config import VLLM_LOAD_FORMAT, VLLM_QUANT_METHOD
 from mxconv.source.file_names import MANIFEST_NAME
@@ -68,10 +68,11 @@ class MxconvMoEMethod(GptOssMxfp4MoEMethod):
                            f"not {load_format!r}")  # fmt: skip
         super().__init__(moe)  # vLLM selects its MXFP4 MoE backend here (moe_backend honoured)
         if config.vllm_backend is not None:
-            manifest = {"backend": config.mxconv_backend, "layout": {"vllm_moe_backend": config.vllm_backend}}
             if (root / MANIFEST_NAME).is_file():  # its served_vllm_backends: every backend holding the bytes
-                manifest = load_manifest(root)
-            check_backend(manifest, self.mxfp4_backend.value, root)
+                check_backend(load_manifest(root), self.mxfp4_backend.value, root)
+            else:
+                held = held_backends(config.mxconv_backend, config.vllm_backend)
+                check_selected_backend(config.mxconv_backend, held, self.mxfp4_backend.value, root)
         self.mxconv_mapping: BackendMapping | None = None  # set by the loader with the tensors below
         self.mxconv_aside: dict[str, Any] = {}
         self.mxconv_src: Any = None  # the LayerSource the loader read (mxconv.engines.loader)

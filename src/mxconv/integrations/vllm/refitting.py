@@ -71,14 +71,14 @@ def _stacks(layer: MoELayer) -> dict[str, torch.Tensor]:
 
 def rank_kernel(layer: MoELayer, src: LayerSource) -> dict[str, torch.Tensor]:
     """Rank ``src.rank``'s kernel tensors of ``layer``, as ``repack`` wrote the output ``src`` is from."""
-    m, lay = src.manifest, src.manifest["layout"]
-    quant = QuantOptions(str(m.get("weight_format") or "mxfp4"), m.get("scale_rounding") or ScaleRounding.AUTO)
+    m, lay = src.manifest, src.manifest.layout
+    quant = QuantOptions(m.weight_format, m.scale_rounding or ScaleRounding.AUTO)
     canon = canonical_experts(_stacks(layer), row_order=layer.row_order, quant=quant)
     if src.tp_size > 1:
-        start, end = (int(v) for v in lay["tp_ranges"][src.rank])
-        canon = slice_tp(canon, start, end, src.rank, pad_to=int(lay["intermediate_size"]))
+        start, end = m.rank_ranges[src.rank]
+        canon = slice_tp(canon, start, end, src.rank, pad_to=lay.intermediate_size)
     layout = get_layout(src.backend)
-    return dict(layout.to_kernel(canon, str(m["activation"]), layout.resolve_options(lay.get("options") or {})))
+    return dict(layout.to_kernel(canon, str(m.activation), layout.resolve_options(lay.option_values)))
 
 
 def refit_model(source: str, model: torch.nn.Module) -> list[int]:
