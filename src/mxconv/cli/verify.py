@@ -78,10 +78,10 @@ def verify(
         mxconv verify ./gpt-oss-20b-trtllm --reference openai/gpt-oss-20b
     """
     with errors(debug):
+        locations = _kernel_locations(kernel, triton_kernels, marlin_ops)  # the flags first, then the paths
         _check_paths(path, reference)  # before torch is imported: a typo is answered at once
         from mxconv.verify import verify as run_verify
 
-        locations = _kernel_locations(kernel, triton_kernels, marlin_ops)
         with step_progress(f"verify {path}", quiet or as_json) as on_step:
             rep = run_verify(
                 path,
