@@ -65,7 +65,7 @@ def vllm_kernel_specs(src: LayerSource, module: torch.nn.Module) -> dict[str, An
     layout = get_layout(src.backend)
     sizes = LayoutSizes(e, m.layout.hidden_size, src.intermediate_size, hp, 2 * ip, m.model.row_order,
                         hasattr(module, "w13_bias"), m.weight_format)  # fmt: skip
-    return dict(layout.kernel_specs(sizes, str(m.activation), layout.resolve_options(m.layout.option_values())))
+    return dict(layout.kernel_specs(sizes, str(m.activation), layout.resolve_options(m.layout.option_values)))
 
 
 def check_layer(src: LayerSource, module: torch.nn.Module, mapping: BackendMapping, root: Path) -> None:
