@@ -309,3 +309,65 @@ def test_overwrite_says_up_front_which_kept_files_verify_will_fail_on(src: Path,
     assert (out / "adapter_model.safetensors").read_bytes() == b"lora"
     code, _, err = mx("verify", out, "--quiet")
     assert code == 1 and "adapter_model.safetensors: a weight file the output's index does not name" in err, err
+
+
+def test_overwrite_of_a_complete_output_deletes_only_what_its_manifest_lists(src: Path, tmp_path: Path) -> None:
+    """A rank-0/ directory (with an index and the user's notes) and a shard-named file that the old
+    manifest (tp_size 1) does not list were deleted by name. They stay now, and the run warns before
+    it starts about the weight file verify will fail on."""
+    out = tmp_path / "o"
+    code, _, err = quantize(src, out)
+    assert code == 0, err
+    (out / "rank-0").mkdir()
+    (out / "rank-0" / "notes.txt").write_text("mine")
+    (out / "rank-0" / "model.safetensors.index.json").write_text("{}")
+    (out / "model-00007-of-00009.safetensors").write_text("mine")
+    (out / "model.safetensors").write_text("mine")
+    code, _, err = quantize(src, out, "--overwrite")
+    assert code == 0, err
+    assert (out / "rank-0" / "notes.txt").read_text() == "mine"
+    assert (out / "rank-0" / "model.safetensors.index.json").read_text() == "{}"
+    assert (out / "model-00007-of-00009.safetensors").read_text() == "mine"
+    assert (out / "model.safetensors").read_text() == "mine"
+    flat = " ".join(err.split())
+    assert f"warning: {out} keeps model-00007-of-00009.safetensors, model.safetensors (mxconv did not write them)" in flat, err
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_overwrite_never_deletes_a_file_mxconv_did_not_write_inside_a_rank_directory(
+        made: MadeCheckpoints, src: Path, tmp_path: Path, tp: int) -> None:
+    """A TP output's rank-0/ is mxconv's (its manifest lists it), but notes.txt inside it is not:
+    the whole directory was removed (rmtree). Now its files go one by one; notes.txt stays, in the
+    directory left behind (new output of one rank) or in the new output's rank-0/ (two ranks)."""
+    q4 = made.quantize(src)
+    out = tmp_path / "o"
+    code, _, err = mx("repack", q4, out, "--backend", "trtllm", "--tp", "2", "--quiet", "--device", "cpu")
+    assert code == 0, err
+    (out / "rank-0" / "notes.txt").write_text("mine")
+    extra = ("--tp", "2") if tp == 2 else ()
+    code, _, err = mx("repack", q4, out, "--backend", "trtllm", *extra, "--overwrite", "--device", "cpu")
+    assert code == 0, err
+    assert (out / "rank-0" / "notes.txt").read_text() == "mine"
+    assert "kept rank-0/notes.txt" in " ".join(err.split()), err
+    if tp == 1:
+        assert sorted(p.name for p in (out / "rank-0").iterdir()) == ["notes.txt"] and not (out / "rank-1").exists()
+    code, _, err = mx("verify", out, "--quiet")
+    assert code == 0, err
+
+
+def test_cleaning_up_an_interrupted_run_keeps_the_users_files_in_a_rank_directory(tmp_path: Path) -> None:
+    """An interrupted run is cleaned up by name, but a rank directory was removed whole: notes.txt in it too."""
+    from mxconv.output.directory import prepare_output_dir
+
+    source, out = tmp_path / "src", tmp_path / "out"
+    source.mkdir()
+    (out / "rank-0").mkdir(parents=True)
+    (out / IN_PROGRESS).write_text(f"an mxconv run (pid {dead_pid()}) is writing this directory\n")
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json", "notes.txt"):
+        (out / "rank-0" / name).write_text("x")
+    (out / "rank-1").mkdir()
+    (out / "rank-1" / "model-00001-of-00002.safetensors").write_text("x")
+    notes = prepare_output_dir(out, [source], overwrite=False)
+    assert sorted(p.name for p in out.iterdir()) == [IN_PROGRESS, "rank-0"]
+    assert [p.name for p in (out / "rank-0").iterdir()] == ["notes.txt"]
+    assert any("kept rank-0/notes.txt" in n for n in notes), notes
