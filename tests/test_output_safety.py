@@ -143,10 +143,10 @@ def test_a_side_file_that_is_no_regular_file_or_is_huge_is_refused_at_once(src: 
     side.unlink()
     if kind == "fifo":
         os.mkfifo(side)
-        rule = "is a FIFO (named pipe); mxconv copies the files beside the weights"
+        rule = "is a FIFO; mxconv copies the files beside the weights"
     elif kind == "device":
         side.symlink_to("/dev/zero")
-        rule = "is a device; mxconv copies the files beside the weights"
+        rule = "is a character device; mxconv copies the files beside the weights"
     else:
         with open(side, "wb") as f:
             f.truncate(SIDE_FILE_LIMIT + 1)  # sparse: takes no room
@@ -371,3 +371,49 @@ def test_cleaning_up_an_interrupted_run_keeps_the_users_files_in_a_rank_director
     assert sorted(p.name for p in out.iterdir()) == [IN_PROGRESS, "rank-0"]
     assert [p.name for p in (out / "rank-0").iterdir()] == ["notes.txt"]
     assert any("kept rank-0/notes.txt" in n for n in notes), notes
+
+
+def test_an_old_manifest_that_is_not_strict_json_names_nothing_to_delete(src: Path, tmp_path: Path) -> None:
+    """The old output's manifest was read with Python's lenient parser, unlike every other manifest
+    read: a key written twice (the last wins) could record the user's notes.txt, which --overwrite
+    then deleted. mxconv writes strict JSON; read as every reader reads it, such a manifest names
+    nothing, so only temporary files go (the old shards stay, with the warning)."""
+    out = tmp_path / "o"
+    code, _, err = quantize(src, out)
+    assert code == 0, err
+    (out / "notes.txt").write_text("mine")
+    record = {"notes.txt": {"size": 4, "sha256": hashlib.sha256(b"mine").hexdigest()}}
+    text = (out / "mxconv.json").read_text().rstrip()
+    assert text.endswith("}") and '"output_file_hashes"' in text
+    (out / "mxconv.json").write_text(text[:-1] + ', "output_file_hashes": ' + json.dumps(record) + "}")
+    code, _, err = quantize(src, out, "--overwrite")
+    assert code == 0, err
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_one_rule_and_one_set_of_words_for_a_file_that_is_not_regular(tmp_path: Path) -> None:
+    """config.json, the index, manifests, shards, side files, the marker and the old output's files are
+    opened by one primitive: a FIFO is refused without being opened (an open would wait), a link is
+    refused where it must not be followed, and the words for the kind are the same everywhere."""
+    from mxconv.errors import BadInput
+    from mxconv.source.json_files import read_json
+    from mxconv.source.regular_files import NotRegular, open_regular
+    from mxconv.source.side_files import open_side_file
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(NotRegular, match="a FIFO"):
+        open_regular(fifo)
+    for read in (lambda p: read_json(p, "config.json"), open_side_file):
+        with pytest.raises(BadInput, match=r"is a FIFO[,;]"):
+            read(fifo)
+        with pytest.raises(BadInput, match=r"is a character device[,;]"):
+            read(Path("/dev/null"))
+    real = tmp_path / "real"
+    real.write_text("x")
+    (tmp_path / "link").symlink_to(real)
+    f, size = open_regular(tmp_path / "link")
+    f.close()
+    assert size == 1
+    with pytest.raises(NotRegular, match="a symbolic link"):
+        open_regular(tmp_path / "link", follow=False)

@@ -24,19 +24,18 @@ writes one of the same name, and puts the user's files of a replaced rank direct
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mxconv.errors import BadInput
 from mxconv.output.files import TMP_SUFFIX, FileRecord, is_recorded_file
 from mxconv.source.file_names import (CONFIG_NAME, IN_PROGRESS, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, RANK_DIR, WEIGHT_FILE,
                                      is_plain_name)
-from mxconv.source.side_files import SIDE_FILE_LIMIT
+from mxconv.source.json_files import loads_strict, read_bounded
 
 STAGING = "mxconv-staging"  # OUT.mxconv-staging-<pid>: an --overwrite's new output, until the swap
 ASIDE = "mxconv-old"  # OUT.mxconv-old-<pid>: the old output during the swap, deleted right after
@@ -72,18 +71,12 @@ def side_dirs(out: Path) -> list[tuple[Path, int]]:
 
 def _read_manifest(out: Path) -> dict[str, Any] | None:
     """The old manifest as a JSON object, or None: missing, a link or no regular file (mxconv writes
-    neither), too large, or not JSON. Whatever it says only narrows what is removed."""
+    neither), too large, or not strict JSON (the rules every reader applies). Whatever it says only
+    narrows what is removed: where it says nothing, nothing but temporary files is."""
+    path = out / MANIFEST_NAME
     try:
-        fd = os.open(out / MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > SIDE_FILE_LIMIT:
-                return None
-            m = json.loads(f.read(SIDE_FILE_LIMIT + 1))
-    except (OSError, ValueError, RecursionError):
+        m = loads_strict(read_bounded(path, "the manifest", follow=False), str(path), "malformed manifest")
+    except (BadInput, OSError):
         return None
     return m if isinstance(m, dict) else None
 
