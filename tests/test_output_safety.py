@@ -143,10 +143,10 @@ def test_a_side_file_that_is_no_regular_file_or_is_huge_is_refused_at_once(src: 
     side.unlink()
     if kind == "fifo":
         os.mkfifo(side)
-        rule = "is a FIFO (named pipe); mxconv copies the files beside the weights"
+        rule = "is a FIFO; mxconv copies the files beside the weights"
     elif kind == "device":
         side.symlink_to("/dev/zero")
-        rule = "is a device; mxconv copies the files beside the weights"
+        rule = "is a character device; mxconv copies the files beside the weights"
     else:
         with open(side, "wb") as f:
             f.truncate(SIDE_FILE_LIMIT + 1)  # sparse: takes no room
@@ -309,3 +309,111 @@ def test_overwrite_says_up_front_which_kept_files_verify_will_fail_on(src: Path,
     assert (out / "adapter_model.safetensors").read_bytes() == b"lora"
     code, _, err = mx("verify", out, "--quiet")
     assert code == 1 and "adapter_model.safetensors: a weight file the output's index does not name" in err, err
+
+
+def test_overwrite_of_a_complete_output_deletes_only_what_its_manifest_lists(src: Path, tmp_path: Path) -> None:
+    """A rank-0/ directory (with an index and the user's notes) and a shard-named file that the old
+    manifest (tp_size 1) does not list were deleted by name. They stay now, and the run warns before
+    it starts about the weight file verify will fail on."""
+    out = tmp_path / "o"
+    code, _, err = quantize(src, out)
+    assert code == 0, err
+    (out / "rank-0").mkdir()
+    (out / "rank-0" / "notes.txt").write_text("mine")
+    (out / "rank-0" / "model.safetensors.index.json").write_text("{}")
+    (out / "model-00007-of-00009.safetensors").write_text("mine")
+    (out / "model.safetensors").write_text("mine")
+    code, _, err = quantize(src, out, "--overwrite")
+    assert code == 0, err
+    assert (out / "rank-0" / "notes.txt").read_text() == "mine"
+    assert (out / "rank-0" / "model.safetensors.index.json").read_text() == "{}"
+    assert (out / "model-00007-of-00009.safetensors").read_text() == "mine"
+    assert (out / "model.safetensors").read_text() == "mine"
+    flat = " ".join(err.split())
+    assert f"warning: {out} keeps model-00007-of-00009.safetensors, model.safetensors (mxconv did not write them)" in flat, err
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_overwrite_never_deletes_a_file_mxconv_did_not_write_inside_a_rank_directory(
+        made: MadeCheckpoints, src: Path, tmp_path: Path, tp: int) -> None:
+    """A TP output's rank-0/ is mxconv's (its manifest lists it), but notes.txt inside it is not:
+    the whole directory was removed (rmtree). Now its files go one by one; notes.txt stays, in the
+    directory left behind (new output of one rank) or in the new output's rank-0/ (two ranks)."""
+    q4 = made.quantize(src)
+    out = tmp_path / "o"
+    code, _, err = mx("repack", q4, out, "--backend", "trtllm", "--tp", "2", "--quiet", "--device", "cpu")
+    assert code == 0, err
+    (out / "rank-0" / "notes.txt").write_text("mine")
+    extra = ("--tp", "2") if tp == 2 else ()
+    code, _, err = mx("repack", q4, out, "--backend", "trtllm", *extra, "--overwrite", "--device", "cpu")
+    assert code == 0, err
+    assert (out / "rank-0" / "notes.txt").read_text() == "mine"
+    assert "kept rank-0/notes.txt" in " ".join(err.split()), err
+    if tp == 1:
+        assert sorted(p.name for p in (out / "rank-0").iterdir()) == ["notes.txt"] and not (out / "rank-1").exists()
+    code, _, err = mx("verify", out, "--quiet")
+    assert code == 0, err
+
+
+def test_cleaning_up_an_interrupted_run_keeps_the_users_files_in_a_rank_directory(tmp_path: Path) -> None:
+    """An interrupted run is cleaned up by name, but a rank directory was removed whole: notes.txt in it too."""
+    from mxconv.output.directory import prepare_output_dir
+
+    source, out = tmp_path / "src", tmp_path / "out"
+    source.mkdir()
+    (out / "rank-0").mkdir(parents=True)
+    (out / IN_PROGRESS).write_text(f"an mxconv run (pid {dead_pid()}) is writing this directory\n")
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "config.json", "notes.txt"):
+        (out / "rank-0" / name).write_text("x")
+    (out / "rank-1").mkdir()
+    (out / "rank-1" / "model-00001-of-00002.safetensors").write_text("x")
+    notes = prepare_output_dir(out, [source], overwrite=False)
+    assert sorted(p.name for p in out.iterdir()) == [IN_PROGRESS, "rank-0"]
+    assert [p.name for p in (out / "rank-0").iterdir()] == ["notes.txt"]
+    assert any("kept rank-0/notes.txt" in n for n in notes), notes
+
+
+def test_an_old_manifest_that_is_not_strict_json_names_nothing_to_delete(src: Path, tmp_path: Path) -> None:
+    """The old output's manifest was read with Python's lenient parser, unlike every other manifest
+    read: a key written twice (the last wins) could record the user's notes.txt, which --overwrite
+    then deleted. mxconv writes strict JSON; read as every reader reads it, such a manifest names
+    nothing, so only temporary files go (the old shards stay, with the warning)."""
+    out = tmp_path / "o"
+    code, _, err = quantize(src, out)
+    assert code == 0, err
+    (out / "notes.txt").write_text("mine")
+    record = {"notes.txt": {"size": 4, "sha256": hashlib.sha256(b"mine").hexdigest()}}
+    text = (out / "mxconv.json").read_text().rstrip()
+    assert text.endswith("}") and '"output_file_hashes"' in text
+    (out / "mxconv.json").write_text(text[:-1] + ', "output_file_hashes": ' + json.dumps(record) + "}")
+    code, _, err = quantize(src, out, "--overwrite")
+    assert code == 0, err
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_one_rule_and_one_set_of_words_for_a_file_that_is_not_regular(tmp_path: Path) -> None:
+    """config.json, the index, manifests, shards, side files, the marker and the old output's files are
+    opened by one primitive: a FIFO is refused without being opened (an open would wait), a link is
+    refused where it must not be followed, and the words for the kind are the same everywhere."""
+    from mxconv.errors import BadInput
+    from mxconv.source.json_files import read_json
+    from mxconv.source.regular_files import NotRegular, open_regular
+    from mxconv.source.side_files import open_side_file
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(NotRegular, match="a FIFO"):
+        open_regular(fifo)
+    for read in (lambda p: read_json(p, "config.json"), open_side_file):
+        with pytest.raises(BadInput, match=r"is a FIFO[,;]"):
+            read(fifo)
+        with pytest.raises(BadInput, match=r"is a character device[,;]"):
+            read(Path("/dev/null"))
+    real = tmp_path / "real"
+    real.write_text("x")
+    (tmp_path / "link").symlink_to(real)
+    f, size = open_regular(tmp_path / "link")
+    f.close()
+    assert size == 1
+    with pytest.raises(NotRegular, match="a symbolic link"):
+        open_regular(tmp_path / "link", follow=False)

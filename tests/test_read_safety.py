@@ -160,6 +160,42 @@ def test_a_source_shard_may_be_a_link_out_of_its_directory(outs: Path, tmp_path:
     assert open_checkpoint(src).tensors
 
 
+def _move_out_and_link(out: Path, name: str) -> Path:
+    """Move ``out / name`` (a rank directory or a shard) to ``out/../elsewhere`` and leave a link to it
+    under its name: the output's bytes, but read from outside the output. Returns the moved path."""
+    moved = out.parent / "elsewhere" / name
+    moved.parent.mkdir(parents=True, exist_ok=True)
+    (out / name).rename(moved)
+    (out / name).symlink_to(moved, target_is_directory=moved.is_dir())
+    return moved
+
+
+@pytest.mark.parametrize("what", ["rank directory", "shard"])
+def test_a_linked_rank_directory_or_shard_is_refused_by_verify_the_loader_and_the_plugin(
+        outs: Path, tmp_path: Path, what: str) -> None:
+    """A rank directory (or a shard) of the output replaced by a link to the same bytes elsewhere:
+    verify ended in an internal error (a ValueError from the resolved path), the loader read through
+    the link and the vLLM plugin refused it by a rule of its own. All three refuse it with one rule."""
+    from mxconv.integrations.vllm.checks import inside
+
+    out = copy_checkpoint(outs / "tp", tmp_path / "tp")
+    shard = json.loads((out / "mxconv.json").read_text())["tensors"]["rank-1/model.layers.0.mlp.experts.w13_weight"]["file"]
+    linked = "rank-1" if what == "rank directory" else shard
+    _move_out_and_link(out, linked)
+    rule = rf"{re.escape(str(out / linked))} is a symbolic link \(mxconv writes no links into an output"
+    code, _, err = mx("verify", out, "--quiet")
+    _clean(code, err)
+    assert code == 1 and re.search(rule, err), err
+    with pytest.raises(OutputDamaged, match=rule):
+        read_layer_tensors(resolve_layer(out, 0, rank=1), "cpu", check_hashes=True)
+    with pytest.raises(OutputDamaged, match=rule):
+        inside(out, linked)
+    inside(out, "rank-0")  # the other rank is a plain directory of the output
+    for bad in ("../tp/rank-0", str(out / "rank-0")):
+        with pytest.raises(OutputDamaged, match="not a path of plain names inside the output"):
+            inside(out, bad)
+
+
 def test_loader_and_verify_check_where_a_tensor_is_with_one_rule(outs: Path, tmp_path: Path) -> None:
     """A manifest whose shape for a tensor is not the file's: verify failed it, the loader read it."""
     out = copy_checkpoint(outs / "marlin", tmp_path / "out")

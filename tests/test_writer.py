@@ -141,7 +141,7 @@ def test_prepare_output_dir_rules(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match=r"not empty; set overwrite=True \(RunSettings\)"):
         prepare_output_dir(out, [src], overwrite=False)
     (out / "model-00001-of-00001.safetensors").write_bytes(b"old")
-    (out / "mxconv.json").write_text("{}")
+    (out / "mxconv.json").write_text(json.dumps({"tensors": {"a": {"file": "model-00001-of-00001.safetensors"}}}))
     notes = prepare_output_dir(out, [src], overwrite=True)
     assert notes == [f"overwriting {out.resolve()}"]
     assert not (out / "mxconv.json").exists() and not (out / "model-00001-of-00001.safetensors").exists()
@@ -154,7 +154,8 @@ def test_overwrite_removes_only_what_mxconv_wrote(tmp_path: Path) -> None:
     src.mkdir()
     out = tmp_path / "out"
     (out / "rank-0").mkdir(parents=True)
-    (out / "rank-0" / "model.safetensors.index.json").write_text("{}")
+    (out / "rank-0" / "model.safetensors.index.json").write_text("{}")  # recorded below
+    (out / "rank-0" / "model-00001-of-00001.safetensors").write_bytes(b"old")  # listed below
     (out / "rank-data").mkdir()
     (out / "my-lora.safetensors").write_bytes(b"user")
     (out / "chat_template.jinja").write_text("old")
@@ -162,8 +163,10 @@ def test_overwrite_removes_only_what_mxconv_wrote(tmp_path: Path) -> None:
     (out / "tokenizer.json").write_text("edited")  # listed and recorded, but changed since
     (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
     recorded = {"chat_template.jinja": {"size": 3, "sha256": hashlib.sha256(b"old").hexdigest()},
-                "tokenizer.json": {"size": 6, "sha256": hashlib.sha256(b"before").hexdigest()}}
-    (out / "mxconv.json").write_text(json.dumps({"tensors": {"a": {"file": "rank-0/x"}}, "output_file_hashes": recorded,
+                "tokenizer.json": {"size": 6, "sha256": hashlib.sha256(b"before").hexdigest()},
+                "rank-0/model.safetensors.index.json": {"size": 2, "sha256": hashlib.sha256(b"{}").hexdigest()}}
+    tensors = {"a": {"file": "rank-0/model-00001-of-00001.safetensors"}, "b": {"file": "model-00001-of-00002.safetensors"}}
+    (out / "mxconv.json").write_text(json.dumps({"tensors": tensors, "output_file_hashes": recorded,
                                                  "output_files": ["chat_template.jinja", "notes.txt", "tokenizer.json"]}))
     notes = prepare_output_dir(out, [src], overwrite=True)
     left = sorted(p.name for p in out.iterdir())

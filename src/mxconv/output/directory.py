@@ -31,8 +31,9 @@ from mxconv.errors import BadInput
 from mxconv.interrupt import deferred_signals, next_step, output_complete
 from mxconv.output.files import TMP_SUFFIX, atomic_write_text
 from mxconv.output.lock import OutputLock
-from mxconv.output.ownership import (ASIDE, RUN_FILES, STAGING, OldOutput, entries, is_ours, kept_weight_files, remove,
-                                     side_dirs)
+from mxconv.output.ownership import (ASIDE, RUN_FILES, STAGING, OldOutput, clear_old_rank_dirs, entries, is_ours,
+                                     is_rank_dir, kept_inside_note, kept_listed_note, kept_weight_files, remove,
+                                     remove_ours, side_dirs)
 from mxconv.sizes import human_bytes
 from mxconv.source.file_names import IN_PROGRESS, MANIFEST_NAME
 from mxconv.source.in_progress import live_writer, marker_text, process_alive
@@ -102,21 +103,12 @@ def _clear_in_place(out: Path, interrupted: bool) -> list[str]:
     old = OldOutput.read(out)
     # The manifest goes first so that a crash from here on never leaves a 'complete' look.
     (out / MANIFEST_NAME).unlink(missing_ok=True)
+    kept_inside: list[str] = []
     for p in entries(out):
         if is_ours(p, old):
-            remove(p)
-    notes += _kept_listed_note(out, old)
+            kept_inside += remove_ours(p, old)
+    notes += kept_listed_note(out, old) + kept_inside_note(out, kept_inside)
     return notes
-
-
-def _kept_listed_note(out: Path, old: OldOutput, replaced: frozenset[str] = frozenset()) -> list[str]:
-    """A note naming what the old manifest lists that stays (not the file it recorded there)."""
-    kept = sorted(n for n in old.listed - replaced - set(RUN_FILES) if os.path.lexists(out / n))
-    if not kept:
-        return []
-    return [f"note: kept {', '.join(kept)} in {out}: the earlier {MANIFEST_NAME} lists them, but they are not the "
-            "files mxconv wrote there (changed since, or that manifest records no size and sha256 for them); "
-            "delete them yourself if they are not yours"]
 
 
 def prepare_output_dir(out: Path, sources: list[Path], overwrite: bool) -> list[str]:
@@ -290,17 +282,22 @@ class OutputTarget:
 
         with deferred_signals(), writing(out):
             try:
+                old = OldOutput.read(out)  # before the marker, which would make it read as an interrupted run's
                 aside.mkdir()
                 made_aside = True
                 _write_marker(out)  # until the new manifest is in, OUTPUT reads as an interrupted run
-                old = OldOutput.read(out)
                 incoming = frozenset(p.name for p in new.iterdir() if p.name not in (MANIFEST_NAME, *RUN_FILES))
                 if os.path.lexists(out / MANIFEST_NAME):
                     move(out / MANIFEST_NAME, aside / MANIFEST_NAME)
+                in_place = []  # old rank directories the new output has no name for: emptied of ours after the swap
                 for p in sorted(entries(out)):
-                    if p not in (new, aside) and p.name not in RUN_FILES and (p.name in incoming or is_ours(p, old)):
+                    if p in (new, aside) or p.name in RUN_FILES or not (p.name in incoming or is_ours(p, old)):
+                        continue
+                    if p.name not in incoming and is_rank_dir(p):
+                        in_place.append(p)
+                    else:
                         move(p, aside / p.name)
-                kept_note = _kept_listed_note(out, old, incoming)
+                kept_note = kept_listed_note(out, old, incoming)
                 for name in sorted(incoming):
                     move(new / name, out / name)
                 move(new / MANIFEST_NAME, out / MANIFEST_NAME)
@@ -317,9 +314,9 @@ class OutputTarget:
             self.committed = True
             output_complete()  # a signal held during the swap is only noted when the block ends
             (out / IN_PROGRESS).unlink(missing_ok=True)
+            self.notes += kept_note + clear_old_rank_dirs(out, aside, in_place, old)
             shutil.rmtree(new, ignore_errors=True)
             shutil.rmtree(aside, ignore_errors=True)
-            self.notes += kept_note
             self._release()
 
     def _release(self) -> None:

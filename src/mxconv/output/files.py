@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator
 
 from mxconv.errors import BadInput
 from mxconv.source.json_files import dumps_strict
+from mxconv.source.regular_files import NotRegular, open_regular
 from mxconv.source.side_files import SIDE_FILE_LIMIT, open_side_file
 
 TMP_SUFFIX = ".mxconv-tmp"
@@ -115,28 +115,30 @@ def _read_exactly(f: IO[bytes], size: int, src: Path) -> Iterator[bytes]:
 def copy_side_file(src: Path, dst: Path) -> FileRecord:
     """Copy source side file ``src`` (a regular file within the size bound, links in the source
     followed: :func:`~mxconv.source.side_files.open_side_file`) to ``dst`` as a new file."""
-    fd, size = open_side_file(src)
-    with os.fdopen(fd, "rb") as f:
+    f, size = open_side_file(src)
+    with f:
         return write_new_file(dst, _read_exactly(f, size, src))
 
 
 def is_recorded_file(path: Path, record: FileRecord) -> bool:
-    """Whether ``path`` is still the file a manifest recorded: a regular file (not a link) of the
-    recorded size and sha256, no larger than a side file may be (so the check reads little)."""
+    """Whether ``path`` is still the file a manifest recorded: a regular file (not a link:
+    :func:`~mxconv.source.regular_files.open_regular` without following) of the recorded size and
+    sha256, no larger than a side file may be (so the check reads little)."""
     if record.size > SIDE_FILE_LIMIT:
         return False
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        f, size = open_regular(path, follow=False)
+    except (NotRegular, OSError):
         return False
     h = hashlib.sha256()
+    left = record.size + 1  # a byte more than recorded: one that grew is not it
     try:
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != record.size:
+        with f:
+            if size != record.size:
                 return False
-            while chunk := f.read(_CHUNK):
+            while left and (chunk := f.read(min(left, _CHUNK))):
                 h.update(chunk)
+                left -= len(chunk)
     except OSError:
         return False
-    return h.hexdigest() == record.sha256
+    return left == 1 and h.hexdigest() == record.sha256

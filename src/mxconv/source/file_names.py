@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mxconv.errors import BadInput
+from mxconv.errors import BadInput, OutputDamaged
 
 INDEX_NAME = "model.safetensors.index.json"  # the shard index: {"metadata": ..., "weight_map": {tensor: shard}}
 MANIFEST_NAME = "mxconv.json"  # what the bytes of an mxconv output mean; written last (contract.md)
@@ -38,6 +38,37 @@ def plain_name(name: Any, where: str) -> str:
     if not is_plain_name(name):
         raise BadInput(f"{where}: file name {name!r} is not {PLAIN_RULE}; a checkpoint's files lie in its own directory")
     return name
+
+
+OWN_FILE_RULE = ("mxconv writes no links into an output, so its rank directories and the files its manifest names "
+                 "are never links, and never lead outside it")
+
+
+def output_path_problem(root: Path, name: str) -> str | None:
+    """Why ``name`` (a rank directory, or a file the manifest names, relative to the output at ``root``,
+    parts joined by '/') is not one of the output's own to read; None when it is. It must be a path of
+    plain names (:func:`is_plain_name`) none of which is a symbolic link below ``root``: with no link
+    and no '..', it cannot resolve outside ``root``. (A source's files may be links, the Hugging Face
+    cache's; an output's are not, and a link there would let a read leave the output.) Checks the
+    disk: one ``lstat`` per part."""
+    parts = name.split("/") if isinstance(name, str) else []
+    if not parts or not all(is_plain_name(part) for part in parts):
+        return f"{name!r} is not a path of plain names inside the output"
+    p = root
+    for part in parts:
+        p = p / part
+        if p.is_symlink():
+            return f"{p} is a symbolic link ({OWN_FILE_RULE})"
+    return None
+
+
+def output_path(root: Path, name: str, where: str) -> Path:
+    """``root / name`` when :func:`output_path_problem` finds nothing, else OutputDamaged
+    ``"{where}: {problem}"`` (exit 1 in ``verify``, a BadInput where the output is read)."""
+    problem = output_path_problem(root, name)
+    if problem:
+        raise OutputDamaged(f"{where}: {problem}")
+    return root / name
 
 
 def rank_dir_name(rank: int) -> str:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from pathlib import Path
 
 from mxconv.source.file_names import IN_PROGRESS
+from mxconv.source.regular_files import NotRegular, open_regular, read_at_most
 
 _MARKER_PID = re.compile(r"\(pid (\d+)\)")
 _MARKER_LIMIT = 4096  # a marker is one line
@@ -32,14 +32,14 @@ def pid_in(text: str) -> int | None:
 
 def marker_pid(marker: Path) -> int | None:
     """The pid a marker file names, None when it names none or is no regular file (mxconv writes
-    neither a link nor a FIFO there); OSError when it cannot be read. Reads at most 4 kB."""
-    fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    neither a link nor a FIFO there: :func:`~mxconv.source.regular_files.open_regular` without
+    following); OSError when it cannot be read. Reads at most 4 kB."""
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return pid_in(os.read(fd, _MARKER_LIMIT).decode(errors="replace"))
-    finally:
-        os.close(fd)
+        f, _size = open_regular(marker, follow=False)
+    except NotRegular:
+        return None
+    with f:
+        return pid_in(read_at_most(f, _MARKER_LIMIT).decode(errors="replace"))
 
 
 def process_alive(pid: int) -> bool:

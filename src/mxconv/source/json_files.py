@@ -5,11 +5,12 @@ every safetensors header comes from a directory mxconv did not make, or one that
 since. Two rules hold for all of them, so that no such file can hang a command, exhaust its memory or
 end it in an internal error:
 
-* **Regular files of bounded size** (:func:`open_regular`, :func:`read_bounded`): the path is
-  ``stat``-ed before it is opened (a symbolic link is followed: the Hugging Face cache links every file
-  of a snapshot to its blob), and anything but a regular file (a FIFO, ``/dev/zero``, a directory, a
-  socket) is refused without being opened; the file is opened non-blocking and checked again, and at
-  most ``limit`` bytes are read (:data:`MAX_JSON_BYTES` for a JSON file).
+* **Regular files of bounded size** (:func:`open_regular`, :func:`read_bounded`, on
+  :mod:`mxconv.source.regular_files`): the path is ``stat``-ed before it is opened (a symbolic link is
+  followed: the Hugging Face cache links every file of a snapshot to its blob), and anything but a
+  regular file (a FIFO, ``/dev/zero``, a directory, a socket) is refused without being opened; the
+  file is opened non-blocking and checked again, and at most ``limit`` bytes are read
+  (:data:`MAX_JSON_BYTES` for a JSON file).
 * **Strict JSON** (:func:`loads_strict`): malformed text, a key repeated within one object, the
   ``NaN`` / ``Infinity`` literals, a number that overflows a double, an integer beyond 64 bits and
   nesting deeper than :data:`MAX_NESTING` levels are refused, naming the file and the rule (Python's
@@ -24,59 +25,48 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from mxconv.errors import BadInput
+from mxconv.source import regular_files
 
 MAX_JSON_BYTES = 64 << 20  # config.json, index, mxconv.json: the largest real ones are a few MB
 MAX_NESTING = 64  # real configs nest 4 or 5 levels; Python's parser gives up near 1000
 _INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit signed or unsigned integer holds
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
 
-
-def _not_regular(path: Path, what: str, mode: int) -> BadInput:
-    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+def _not_regular(path: Path, what: str, kind: str) -> BadInput:
     return BadInput(f"{path}: {what} is {kind}, not a regular file; mxconv reads a checkpoint's files only from "
                     "regular files (or links to them)")
 
 
-def open_regular(path: str | Path, what: str) -> tuple[BinaryIO, int]:
+def open_regular(path: str | Path, what: str, *, follow: bool = True) -> tuple[BinaryIO, int]:
     """``path`` opened for reading and its size, once it is known to be a regular file (a link to one
-    counts). FileNotFoundError where nothing is there; BadInput for anything else that is not a
-    regular file, refused before it is opened (a FIFO would block the open, a device read forever),
-    and for a file that cannot be opened."""
+    counts, unless ``follow`` is False): :func:`mxconv.source.regular_files.open_regular`.
+    FileNotFoundError where nothing is there; BadInput for anything else that is not a regular file,
+    refused before it is opened (a FIFO would block the open, a device read forever), and for a file
+    that cannot be opened."""
     path = Path(path)
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise _not_regular(path, what, st.st_mode)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        return regular_files.open_regular(path, follow=follow)
+    except regular_files.NotRegular as exc:
+        raise _not_regular(path, what, exc.kind) from None
     except FileNotFoundError:
         raise
     except OSError as exc:
         raise BadInput(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
-    f = os.fdopen(fd, "rb")
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):  # replaced between the stat and the open
-        f.close()
-        raise _not_regular(path, what, st.st_mode)
-    return f, st.st_size
 
 
-def read_bounded(path: str | Path, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
+def read_bounded(path: str | Path, what: str, limit: int = MAX_JSON_BYTES, *, follow: bool = True) -> bytes:
     """The bytes of regular file ``path`` (:func:`open_regular`), BadInput where it holds more than
     ``limit`` bytes (checked on its size, and on what is read: a file that grows is cut short)."""
-    f, size = open_regular(path, what)
+    f, size = open_regular(path, what, follow=follow)
     with f:
         if size > limit:
             raise BadInput(f"{path}: {what} is {size} bytes, more than the {limit} bytes mxconv reads of such a file")
         try:
-            data = f.read(limit + 1)
+            data = regular_files.read_at_most(f, limit)
         except OSError as exc:
             raise BadInput(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
     if len(data) > limit:

@@ -22,7 +22,8 @@ from types import MappingProxyType
 from typing import Any, Callable, ClassVar, Mapping
 
 from mxconv.errors import BadInput, OutputDamaged
-from mxconv.source.file_names import CONFIG_NAME, IN_PROGRESS, MANIFEST_NAME, RANK_DIR, manifest_file_problem
+from mxconv.source.file_names import (CONFIG_NAME, IN_PROGRESS, MANIFEST_NAME, RANK_DIR, manifest_file_problem,
+                                     output_path, rank_dir_name)
 from mxconv.source.in_progress import live_writer
 from mxconv.source.json_files import read_json
 from mxconv.source.manifest_schema import FORMAT_VERSION, REQUIRED_KEYS, SCHEMA, validate_manifest
@@ -30,7 +31,7 @@ from mxconv.source.st_format import TensorInfo
 
 __all__ = [
     "FORMAT_VERSION", "REQUIRED_KEYS", "SCHEMA", "LayerEntry", "LayoutPart", "Manifest", "ModelPart", "SourcePart",
-    "TensorEntry", "complete_output_dir", "load_manifest", "missing_manifest_message", "plain_json", "stored_problem",
+    "TensorEntry", "check_own_paths", "complete_output_dir", "load_manifest", "missing_manifest_message", "plain_json", "stored_problem",
     "tensor_file", "validate_manifest",
 ]
 
@@ -311,12 +312,24 @@ def load_manifest(root: Path) -> Manifest:
 def tensor_file(root: Path, manifest: Manifest, key: str) -> Path:
     """The file the manifest of the output at ``root`` names for tensor entry ``key``, inside ``root``
     (OutputDamaged where the name leaves it: :func:`~mxconv.source.file_names.manifest_file_problem`;
-    :func:`validate_manifest` refuses such a manifest already, this guards one built elsewhere)."""
+    :func:`validate_manifest` refuses such a manifest already, this guards one built elsewhere; and
+    where the file or its rank directory is a link: :func:`~mxconv.source.file_names.output_path`)."""
     entry = manifest.tensors[key]
     problem = manifest_file_problem(key, entry.file, manifest.tp_size)
     if problem:
         raise OutputDamaged(f"{root / MANIFEST_NAME}: tensor {key!r}: file {problem}")
-    return root / entry.file
+    return output_path(root, entry.file, f"{root / MANIFEST_NAME}: tensor {key!r}")
+
+
+def check_own_paths(root: Path, manifest: Manifest) -> None:
+    """OutputDamaged (:func:`~mxconv.source.file_names.output_path`) where a rank directory of the
+    output at ``root`` or a file its manifest names for a tensor is a link: checked before the ranks
+    are opened, so that no shard is read from outside the output."""
+    tp = manifest.tp_size
+    for r in range(tp) if tp > 1 else []:
+        output_path(root, rank_dir_name(r), f"{root / MANIFEST_NAME} (tp_size {tp})")
+    for key in manifest.tensors:
+        tensor_file(root, manifest, key)
 
 
 def stored_problem(root: Path, manifest: Manifest, key: str, info: TensorInfo | None) -> str | None:
@@ -328,7 +341,8 @@ def stored_problem(root: Path, manifest: Manifest, key: str, info: TensorInfo | 
     if info is None:
         return f"{key}: listed in the manifest but missing from the checkpoint"
     if info.file != tensor_file(root, manifest, key):
-        return f"{key}: stored in {info.file.relative_to(root).as_posix()}, manifest says {entry.file}"
+        stored = info.file.relative_to(root).as_posix() if info.file.is_relative_to(root) else info.file
+        return f"{key}: stored in {stored}, manifest says {entry.file}"
     if tuple(info.shape) != entry.shape or info.dtype != entry.dtype:
         return f"{key}: {info.dtype}{list(info.shape)} on disk, manifest says {entry.dtype}{list(entry.shape)}"
     return None

@@ -14,35 +14,26 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from mxconv.errors import BadInput
 from mxconv.sizes import human_bytes
+from mxconv.source.regular_files import NotRegular, kind_of, open_regular
 
 SIDE_FILE_LIMIT = 256 * 2**20  # tokenizer.json of the largest vocabularies is ~35 MB
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
+def _refused(path: Path, kind: str) -> BadInput:
+    return BadInput(f"{path}: is {kind}; mxconv copies the files beside the weights (tokenizer, configs, chat template) "
+                    "only from regular files: replace it with the file itself or remove it")
 
 
-def _checked_size(path: Path, st: os.stat_result) -> int | None:
-    """``st``'s size when it is a regular file within the limit; None for a directory."""
-    if stat.S_ISDIR(st.st_mode):
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        raise BadInput(f"{path}: is {_kind(st.st_mode)}; mxconv copies the files beside the weights (tokenizer, "
-                       "configs, chat template) only from regular files: replace it with the file itself or remove it")
-    if st.st_size > SIDE_FILE_LIMIT:
-        raise BadInput(f"{path}: is {human_bytes(st.st_size)} ({st.st_size} bytes), more than the {SIDE_FILE_LIMIT} bytes "
+def _within_limit(path: Path, size: int) -> int:
+    if size > SIDE_FILE_LIMIT:
+        raise BadInput(f"{path}: is {human_bytes(size)} ({size} bytes), more than the {SIDE_FILE_LIMIT} bytes "
                        "(256 MiB) a file copied beside the weights (tokenizer, configs, chat template) may take; "
                        "remove it from the source")
-    return st.st_size
+    return size
 
 
 def side_file_size(path: Path) -> int | None:
@@ -54,21 +45,28 @@ def side_file_size(path: Path) -> int | None:
         return None
     except OSError as exc:
         raise BadInput(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    return _checked_size(path, st)
+    if stat.S_ISDIR(st.st_mode):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise _refused(path, kind_of(st.st_mode))
+    return _within_limit(path, st.st_size)
 
 
-def open_side_file(path: Path) -> tuple[int, int]:
-    """Open side file ``path`` for reading without waiting (a FIFO opens at once, then is refused):
-    ``(fd, size)``, the checks of :func:`side_file_size` made on the open file. The caller closes ``fd``."""
+def open_side_file(path: Path) -> tuple[BinaryIO, int]:
+    """Side file ``path`` opened for reading (:func:`mxconv.source.regular_files.open_regular`: a FIFO
+    or a device is refused without being opened, a name swapped for one since the listing too) and its
+    size: ``(file, size)``, with the checks of :func:`side_file_size`. The caller closes the file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        f, size = open_regular(path)
+    except NotRegular as exc:
+        if stat.S_ISDIR(exc.mode):
+            raise BadInput(f"{path}: is a directory, not a file to copy beside the weights") from None
+        raise _refused(path, exc.kind) from None
     except OSError as exc:
         raise BadInput(f"{path}: cannot read it ({exc.strerror or exc})") from None
     try:
-        size = _checked_size(path, os.fstat(fd))
-        if size is None:
-            raise BadInput(f"{path}: is a directory, not a file to copy beside the weights")
-    except BaseException:
-        os.close(fd)
+        _within_limit(path, size)
+    except BadInput:
+        f.close()
         raise
-    return fd, size
+    return f, size

@@ -38,7 +38,7 @@ from mxconv.errors import BadInput, Unsupported
 from mxconv.interrupt import next_step
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names
-from mxconv.source.manifest import LayerEntry, Manifest, complete_output_dir, load_manifest
+from mxconv.source.manifest import LayerEntry, Manifest, check_own_paths, complete_output_dir, load_manifest
 from mxconv.verify.hashing import TensorHashes
 from mxconv.verify.claims import check_model_claims, reference_mismatch
 from mxconv.verify.exact import check_expert_bytes, copies_differ, refused_summary, start_copies
@@ -258,6 +258,7 @@ def _open_run(root: Path, manifest: Manifest, reference: str | None, reference_o
         raise Unsupported(f"{root / 'mxconv.json'}: backend {manifest.backend!r} is not one this mxconv knows "
                           f"({', '.join(backend_names())}); a newer mxconv, or a plug-in backend not registered in this process?")
     tp = manifest.tp_size
+    check_own_paths(root, manifest)  # a linked rank directory or shard: damage, before anything is read through it
     dirs = rank_dirs(root, tp)
     for d in dirs:
         if not d.is_dir():

@@ -12,6 +12,7 @@ from typing import Any
 
 from mxconv.errors import BadInput
 from mxconv.integrations.vllm.mappings import MAPPINGS, BackendMapping, mapping_for
+from mxconv.source.file_names import MANIFEST_NAME, output_path
 from mxconv.source.manifest import Manifest
 
 SUPPORTED_FAMILIES = ("gpt_oss",)  # vLLM model types whose MoE method the plugin wraps
@@ -123,10 +124,7 @@ def check_param(root: Path, layer: int, name: str, param: tuple[tuple[int, ...],
 
 
 def inside(root: Path, name: str) -> Path:
-    """``root / name`` when it stays inside ``root`` (no absolute path, no ``..``, no link out); BadInput
-    otherwise. (A shared safe-name check in source/file_names.py should replace this one.)"""
-    p = Path(name)
-    target = (root / p).resolve()
-    if p.is_absolute() or ".." in p.parts or not target.is_relative_to(root.resolve()):
-        raise BadInput(f"{root}/mxconv.json: names {name!r}, a path outside the output")
-    return target
+    """``root / name`` when it is one of the output's own paths: plain names, none a link (the rule
+    verify and the loader apply, :func:`~mxconv.source.file_names.output_path`); OutputDamaged (a
+    BadInput) otherwise."""
+    return output_path(root, name, f"{root / MANIFEST_NAME}")
