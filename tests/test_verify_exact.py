@@ -78,9 +78,9 @@ def _signs_flipped(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _byte_up(at: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+def _byte_up(at: tuple[int, ...], by: int = 1) -> Callable[[torch.Tensor], torch.Tensor]:
     def up(t: torch.Tensor) -> torch.Tensor:
-        t.view(torch.uint8)[at] += 1
+        t.view(torch.uint8)[at] += by
         return t
 
     return up
@@ -152,6 +152,38 @@ def test_bytes_that_cannot_be_re_derived_are_named_in_the_verdict(ws: dict[str, 
     patch_tensor(d, "model.layers.0.self_attn.q_proj.weight", torch.zeros_like, fix_manifest=True)
     code, rep, err = _verify(d, "--reference", src)
     assert code == 1 and "model.layers.0.self_attn.q_proj.weight: not the reference's bytes" in err
+
+
+def test_an_edited_expert_format_does_not_turn_off_the_exact_check(ws: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 29 item 6: a scale byte +5 (rehashed) and ``model.expert_format`` edited to the output's
+    own format: against the output's own source (same fingerprint) the format disagreement is the
+    output's damage (exit 1), also with ``numerics.source_format`` edited to match; without a
+    reference ``numerics.source_format`` contradicts it."""
+    q = copy_checkpoint(ws["gpt-q4"], tmp_path / "q")
+    patch_tensor(q, GPT_SCALES, _byte_up((0, 0, 0), 5), fix_manifest=True)
+    _edit_manifest(q, lambda m: m["model"].update(expert_format="mxfp4"))
+    code, rep, err = _verify(q)
+    assert code == 1, err
+    assert ("manifest model.expert_format is 'mxfp4', but its numerics.source_format gives 'bf16'" in _problems(rep))
+    code, rep, err = _verify(q, "--reference", ws["gpt"])
+    assert code == 1, err
+    _edit_manifest(q, lambda m: m["numerics"].update(source_format="mxfp4"))
+    code, rep, err = _verify(q, "--reference", ws["gpt"])
+    assert code == 1, err
+    assert any(p.startswith(f"manifest model.expert_format is 'mxfp4', but the reference {ws['gpt']}, this output's "
+                            "source (the fingerprint its manifest records), holds bf16 experts") for p in _problems(rep))
+
+
+def test_bytes_not_re_derived_are_said_under_quiet_and_fail_strict(ws: dict[str, Path], tmp_path: Path) -> None:
+    k, src = ws["qwen-trt-from-q4"], ws["qwen"]
+    old = copy_checkpoint(k, tmp_path / "old")  # a manifest from before numerics.upstream
+    _edit_manifest(old, lambda m: m["numerics"].pop("upstream", None))
+    code, stdout, err = mx("verify", old, "--reference", src, "--quiet", "--tokens", "8", "--device", "cpu")
+    assert code == 0, err
+    assert "expert bytes not re-derived: the output was converted from mxfp4 experts" in err
+    code, stdout, err = mx("verify", old, "--reference", src, "--strict", "--quiet", "--tokens", "8", "--device", "cpu")
+    assert code == 1, err
+    assert "--strict: expert bytes not re-derived (the output was converted from mxfp4 experts" in err
 
 
 # ---- manifest claims ------------------------------------------------------------------------------

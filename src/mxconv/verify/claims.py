@@ -59,7 +59,29 @@ def check_model_claims(manifest: Manifest, info: ModelInfo, ckpts: list[Checkpoi
     if quantized and not manifest.scale_rounding:
         problems.append(f"manifest scale_rounding is {manifest.scale_rounding!r}, but MX experts quantized from "
                         f"{info.expert_format} ones (model.expert_format) were rounded by a rule the manifest must name")
-    return problems + _quant_config(manifest)
+    return problems + _source_format(manifest, info) + _quant_config(manifest)
+
+
+def _source_format(manifest: Manifest, info: ModelInfo) -> list[str]:
+    """``model.expert_format`` is what ``numerics.source_format`` records: the exact check decides from
+    it whether the output's expert bytes can be re-derived from a reference, so an edit of one alone
+    must not pass."""
+    recorded = (manifest.numerics or {}).get("source_format")
+    if recorded is None or recorded == info.expert_format:
+        return []
+    return [f"manifest model.expert_format is {info.expert_format!r}, but its numerics.source_format gives {recorded!r}"]
+
+
+def reference_source_claims(manifest: Manifest, info: ModelInfo, rinfo: ModelInfo, ref_ckpt: Checkpoint,
+                            reference: str) -> list[str]:
+    """With a ``--reference`` that is the output's own source (the fingerprint its manifest records),
+    the experts the conversion read are the reference's: a manifest that says they were of another
+    format is the output's damage (it would turn the exact check of the expert bytes off)."""
+    fingerprint = ref_ckpt.source.fingerprint
+    if not fingerprint or fingerprint != manifest.source.fingerprint or rinfo.expert_format == info.expert_format:
+        return []
+    return [f"manifest model.expert_format is {info.expert_format!r}, but the reference {reference}, this output's source "
+            f"(the fingerprint its manifest records), holds {rinfo.expert_format} experts"]
 
 
 def _converted_formats(manifest: Manifest, own_reader: FamilyReader) -> list[str]:
