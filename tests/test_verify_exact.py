@@ -39,7 +39,7 @@ def ws(made: MadeCheckpoints) -> dict[str, Path]:
         "qwen-fp8": made.quantize(qwen, "--format", "fp8-block"),
         "gpt-trt": made.repack(gpt, "trtllm"),  # quantized on the way: scale rounding recorded
         "gpt-marlin-tp2": made.repack(gpt, "marlin", "--tp", "2"),
-        "qwen-trt-from-q4": made.repack(qwen_q4, "trtllm"),  # MXFP4 bytes carried: nothing to re-derive from bf16
+        "qwen-trt-from-q4": made.repack(qwen_q4, "trtllm"),  # MXFP4 bytes carried: re-derived through numerics.upstream
     }
 
 
@@ -58,7 +58,8 @@ def _edit_manifest(out: Path, edit: Callable[[dict[str, Any]], None]) -> None:
 
 
 @pytest.mark.parametrize("out, ref", [("gpt-q4", "gpt"), ("gpt-q8", "gpt"), ("qwen-q4", "qwen"), ("qwen-fp8", "qwen"),
-                                      ("gpt-trt", "gpt"), ("gpt-marlin-tp2", "gpt"), ("qwen-trt-from-q4", "qwen-q4")])
+                                      ("gpt-trt", "gpt"), ("gpt-marlin-tp2", "gpt"), ("qwen-trt-from-q4", "qwen-q4"),
+                                      ("qwen-trt-from-q4", "qwen")])
 def test_undamaged_outputs_are_the_reference_byte_for_byte(ws: dict[str, Path], out: str, ref: str) -> None:
     code, rep, err = _verify(ws[out], "--reference", ws[ref])
     assert code == 0, err
@@ -140,9 +141,11 @@ def _problems(rep: dict[str, Any]) -> list[str]:
 
 
 def test_bytes_that_cannot_be_re_derived_are_named_in_the_verdict(ws: dict[str, Path], tmp_path: Path) -> None:
-    """A repack of an MXFP4 checkpoint against its bf16 origin: no rule made its bytes from bf16. The
-    copied tensors are still compared; the verdict says the experts' bytes were not."""
-    k, src = ws["qwen-trt-from-q4"], ws["qwen"]
+    """A repack of an MXFP4 checkpoint against its bf16 origin, with a manifest from before
+    ``numerics.upstream``: no recorded rule made its bytes from bf16. The copied tensors are still
+    compared; the verdict says the experts' bytes were not."""
+    k, src = copy_checkpoint(ws["qwen-trt-from-q4"], tmp_path / "old"), ws["qwen"]
+    _edit_manifest(k, lambda m: m["numerics"].pop("upstream"))
     code, rep, err = _verify(k, "--reference", src)
     assert code == 0, err
     why = "the output was converted from mxfp4 experts (its manifest's model), the reference holds bf16"
@@ -177,13 +180,48 @@ def test_an_edited_expert_format_does_not_turn_off_the_exact_check(ws: dict[str,
 def test_bytes_not_re_derived_are_said_under_quiet_and_fail_strict(ws: dict[str, Path], tmp_path: Path) -> None:
     k, src = ws["qwen-trt-from-q4"], ws["qwen"]
     old = copy_checkpoint(k, tmp_path / "old")  # a manifest from before numerics.upstream
-    _edit_manifest(old, lambda m: m["numerics"].pop("upstream", None))
+    _edit_manifest(old, lambda m: m["numerics"].pop("upstream"))
     code, stdout, err = mx("verify", old, "--reference", src, "--quiet", "--tokens", "8", "--device", "cpu")
     assert code == 0, err
     assert "expert bytes not re-derived: the output was converted from mxfp4 experts" in err
     code, stdout, err = mx("verify", old, "--reference", src, "--strict", "--quiet", "--tokens", "8", "--device", "cpu")
     assert code == 1, err
     assert "--strict: expert bytes not re-derived (the output was converted from mxfp4 experts" in err
+
+
+def _head_zeroed(t: torch.Tensor) -> torch.Tensor:
+    t.view(torch.uint8).view(-1)[:64] = 0
+    return t
+
+
+@pytest.mark.parametrize("tensor, damage", [(f"{EXPERTS}.w13_weight_scale", _byte_up((0, 0, 0), 5)),
+                                            (f"{EXPERTS}.w13_weight", _head_zeroed)], ids=["scale+5", "w13-head-zeroed"])
+def test_a_repack_of_a_quantize_output_is_exact_against_the_first_source(ws: dict[str, Path], tmp_path: Path,
+                                                                        tensor: str, damage: Callable) -> None:
+    """Issue 29 item 7: ``quantize src q`` then ``repack q k``: k's manifest carries q's rounding and
+    source format (``numerics.upstream``), so ``verify k --reference src`` re-derives bf16 -> MXFP4 with
+    it and compares the canonical bytes the layout gives back; rehashed damage fails."""
+    k = ws["qwen-trt-from-q4"]
+    up = json.loads((k / "mxconv.json").read_text())["numerics"]["upstream"]
+    q = json.loads((ws["qwen-q4"] / "mxconv.json").read_text())
+    assert up == {"source_format": "bf16", "weight_format": "mxfp4", "scale_rounding": q["scale_rounding"],
+                  "fingerprint": q["source"]["fingerprint"]}
+    d = copy_checkpoint(k, tmp_path / "k")
+    patch_tensor(d, tensor, damage, fix_manifest=True)
+    code, rep, err = _verify(d, "--reference", ws["qwen"])
+    assert code == 1, err
+    assert any(re.match(rf"layer 0: {re.escape(tensor)} at canonical w13(_scale)? \[0, .+: the output holds .+, the "
+                        r"reference converted again \(mxfp4, even scale rounding upstream\) gives", p)
+               for p in _problems(rep)), _problems(rep)
+
+
+def test_an_upstream_whose_source_is_the_reference_must_name_its_format(ws: dict[str, Path], tmp_path: Path) -> None:
+    k = copy_checkpoint(ws["qwen-trt-from-q4"], tmp_path / "k")
+    _edit_manifest(k, lambda m: m["numerics"]["upstream"].update(source_format="fp16"))
+    code, rep, err = _verify(k, "--reference", ws["qwen"])
+    assert code == 1, err
+    assert any(p.startswith(f"manifest numerics.upstream.source_format is 'fp16', but the reference {ws['qwen']}, "
+                            "the source of this output's input") for p in _problems(rep)), _problems(rep)
 
 
 # ---- manifest claims ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from mxconv.run.linears import manifest_extras
 from mxconv.run.options import WeightFormat
 from mxconv.run.plan import Plan, kernel_params
 from mxconv.source.file_names import CONFIG_NAME, INDEX_NAME
-from mxconv.source.manifest import Manifest
+from mxconv.source.manifest import Manifest, plain_json
 
 
 def output_config(plan: Plan) -> dict[str, Any]:
@@ -162,6 +162,23 @@ def fp8_block_numerics(source_format: str, source_scale_scheme: str | None, src_
     }
 
 
+def upstream_of(input_manifest: Manifest | None) -> dict[str, Any] | None:
+    """The manifest's ``numerics.upstream`` (docs/contract.md) where this run kept the MX bytes of an
+    mxconv output that an earlier run quantized (or re-encoded them exactly): that run's source format,
+    weight format, scale rounding and source fingerprint, so that ``verify --reference`` of the first
+    source re-derives the bytes through it. A chain carries the first run's; None where the input is
+    no mxconv output or its experts were not rounded by mxconv (an MXFP4 release, INT4)."""
+    if input_manifest is None:
+        return None
+    carried = (input_manifest.numerics or {}).get("upstream")
+    if carried is not None:
+        return plain_json(carried)
+    if not input_manifest.scale_rounding:
+        return None
+    return {"source_format": input_manifest.model.expert_format, "weight_format": input_manifest.weight_format,
+            "scale_rounding": input_manifest.scale_rounding, "fingerprint": input_manifest.source.fingerprint}
+
+
 def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], argv: list[str] | None,
                    fp8_tiles: dict[str, Any] | None = None, files: dict[str, FileRecord] | None = None) -> Manifest:
     """The manifest of ``plan``'s output: ``tensors`` (the written tensor table), the engines'
@@ -171,6 +188,9 @@ def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], a
     it still has the recorded size and sha256 (mxconv.output.ownership). Checked as every reader
     checks it (``manifest_of``): an output never gets a manifest its readers refuse."""
     numerics, from_mx_untouched = numerics_of(plan)
+    upstream = upstream_of(plan.ckpt.manifest) if from_mx_untouched and not numerics["requantized"] else None
+    if upstream is not None:
+        numerics = {**numerics, "upstream": upstream}
     repack = plan.repack
     doc = base_manifest(
         source=plan.ckpt.source.to_json(),

@@ -180,6 +180,13 @@ _LINEARS = _obj(
      "left_alone": _map(STR)},
     {"scale_rounding": _nullable(STR)},
 )
+# The E8M0 scale rules a manifest records (mxconv.run.options.ScaleRounding but "auto", which
+# QuantOptions resolves to one of these before anything is written); null: no rounding was applied.
+SCALE_ROUNDINGS = ("rceil", "floor", "even")
+# numerics.upstream (mxconv.run.finalize.upstream_of): the earlier mxconv run whose MX bytes this one kept
+_UPSTREAM = _obj({"source_format": NONEMPTY, "weight_format": _enum("mxfp4", "mxfp8"),
+                  "scale_rounding": _enum(*SCALE_ROUNDINGS), "fingerprint": STR})
+_NUMERICS = _obj({}, {"upstream": _UPSTREAM, "source_format": NONEMPTY, "requantized": BOOL})
 # output_file_hashes (mxconv.output.files.FileRecord): each file but shards and manifest, by path
 _FILE_RECORD = _obj({"size": NONNEG, "sha256": NONEMPTY})
 SCHEMA: Check = _obj(
@@ -201,7 +208,7 @@ SCHEMA: Check = _obj(
         "layers": _list(_LAYER),
         "tensors": _map(_TENSOR),
     },
-    {"numerics": _map(ANY), "output_files": _list(STR), "output_file_hashes": _map(_FILE_RECORD),
+    {"numerics": _NUMERICS, "output_files": _list(STR), "output_file_hashes": _map(_FILE_RECORD),
      "source_bytes_by_role": _map(NONNEG), "linears": _LINEARS, "fp8_tiles": _map(ANY)},
 )
 

@@ -66,22 +66,37 @@ def _source_format(manifest: Manifest, info: ModelInfo) -> list[str]:
     """``model.expert_format`` is what ``numerics.source_format`` records: the exact check decides from
     it whether the output's expert bytes can be re-derived from a reference, so an edit of one alone
     must not pass."""
-    recorded = (manifest.numerics or {}).get("source_format")
-    if recorded is None or recorded == info.expert_format:
-        return []
-    return [f"manifest model.expert_format is {info.expert_format!r}, but its numerics.source_format gives {recorded!r}"]
+    numerics = manifest.numerics or {}
+    recorded, up = numerics.get("source_format"), numerics.get("upstream")
+    problems = []
+    if recorded is not None and recorded != info.expert_format:
+        problems.append(f"manifest model.expert_format is {info.expert_format!r}, but its numerics.source_format gives "
+                        f"{recorded!r}")
+    if up is not None and up["weight_format"] != info.expert_format:  # the upstream run made the experts this one read
+        problems.append(f"manifest numerics.upstream.weight_format is {up['weight_format']!r}, but model.expert_format "
+                        f"(the experts this conversion read) is {info.expert_format!r}")
+    return problems
 
 
 def reference_source_claims(manifest: Manifest, info: ModelInfo, rinfo: ModelInfo, ref_ckpt: Checkpoint,
                             reference: str) -> list[str]:
     """With a ``--reference`` that is the output's own source (the fingerprint its manifest records),
     the experts the conversion read are the reference's: a manifest that says they were of another
-    format is the output's damage (it would turn the exact check of the expert bytes off)."""
+    format is the output's damage (it would turn the exact check of the expert bytes off). The same
+    for the source of the output's input (``numerics.upstream``)."""
     fingerprint = ref_ckpt.source.fingerprint
-    if not fingerprint or fingerprint != manifest.source.fingerprint or rinfo.expert_format == info.expert_format:
+    if not fingerprint:
         return []
-    return [f"manifest model.expert_format is {info.expert_format!r}, but the reference {reference}, this output's source "
-            f"(the fingerprint its manifest records), holds {rinfo.expert_format} experts"]
+    problems = []
+    if fingerprint == manifest.source.fingerprint and rinfo.expert_format != info.expert_format:
+        problems.append(f"manifest model.expert_format is {info.expert_format!r}, but the reference {reference}, this "
+                        f"output's source (the fingerprint its manifest records), holds {rinfo.expert_format} experts")
+    up = (manifest.numerics or {}).get("upstream")
+    if up is not None and fingerprint == up["fingerprint"] and rinfo.expert_format != up["source_format"]:
+        problems.append(f"manifest numerics.upstream.source_format is {up['source_format']!r}, but the reference "
+                        f"{reference}, the source of this output's input (numerics.upstream.fingerprint), holds "
+                        f"{rinfo.expert_format} experts")
+    return problems
 
 
 def _converted_formats(manifest: Manifest, own_reader: FamilyReader) -> list[str]:
