@@ -292,6 +292,60 @@ def test_quantize_output_option_edits_fail_with_the_reference(ws: dict[str, Path
     assert code == 1, err
 
 
+SERVED_EDITS = [
+    (lambda m: m.update(served_vllm_backends=[*m["served_vllm_backends"], "MARLIN"]), "manifest served_vllm_backends"),
+    (lambda m: m["served_vllm_methods"].update(Mxfp4MoEMethod=["MARLIN"]), "manifest served_vllm_methods"),
+    (lambda m: m["quant_config"].update(served_vllm_backends=[]), "manifest quant_config.served_vllm_backends"),
+    (lambda m: m["quant_config"].update(served_vllm_methods={}), "manifest quant_config.served_vllm_methods"),
+]
+
+
+@pytest.mark.parametrize("edit, field", SERVED_EDITS, ids=[f for _, f in SERVED_EDITS])
+def test_edited_served_lists_fail(ws: dict[str, Path], tmp_path: Path, edit: Callable, field: str) -> None:
+    """Issue 29 item 7: the served lists are derived again by the one rule (vllm_serving) and compared."""
+    k = copy_checkpoint(ws["gpt-trt"], tmp_path / "k")
+    assert json.loads((k / "mxconv.json").read_text())["served_vllm_backends"]  # trtllm bf16: vLLM serves it
+    _edit_manifest(k, edit)
+    code, rep, err = _verify(k)
+    assert code == 1, err
+    assert any(p.startswith(f"{field} is ") and "but the vLLM serving rule (mxconv.layouts.vllm_serving) gives" in p
+               for p in _problems(rep)), _problems(rep)
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda m: m["numerics"].update(rounding="rtz"),
+     "manifest numerics.rounding is 'rtz', but the manifest's weight_format and model give 'rne'"),
+    (lambda m: m["numerics"].update(element_format="e4m3"),
+     "manifest numerics.element_format is 'e4m3', but the manifest's weight_format and model give 'e2m1'"),
+], ids=["rounding", "element_format"])
+def test_edited_numerics_fail(ws: dict[str, Path], tmp_path: Path, edit: Callable, line: str) -> None:
+    q = copy_checkpoint(ws["gpt-q4"], tmp_path / "q")
+    _edit_manifest(q, edit)
+    code, rep, err = _verify(q)
+    assert code == 1 and line in _problems(rep), err
+
+
+def test_edited_requantized_fails_against_the_source(ws: dict[str, Path], tmp_path: Path) -> None:
+    """numerics.requantized depends on the source layers' formats: derived where the reference is the source."""
+    q = copy_checkpoint(ws["gpt-q4"], tmp_path / "q")
+    _edit_manifest(q, lambda m: m["numerics"].update(requantized=True))
+    code, rep, err = _verify(q, "--reference", ws["gpt"])
+    assert code == 1, err
+    assert (f"manifest numerics.requantized is True, but converting the reference {ws['gpt']} (this output's source) "
+            "gives False") in _problems(rep)
+
+
+def test_an_unknown_scale_rounding_is_the_outputs_damage(ws: dict[str, Path], tmp_path: Path) -> None:
+    """Not a CLI flag's message blaming the reference: the output's manifest breaks its schema (exit 1)."""
+    q = copy_checkpoint(ws["gpt-q4"], tmp_path / "q")
+    _edit_manifest(q, lambda m: m.update(scale_rounding="up"))
+    for args in ((), ("--reference", ws["gpt"])):
+        code, rep, err = _verify(q, *args)
+        assert code == 1, err
+        assert f"{q / 'mxconv.json'}: malformed manifest: field 'scale_rounding' must be" in err and '"up"' in err
+        assert "--scale-rounding" not in err and "reference" not in " ".join(_problems(rep))
+
+
 def test_a_reference_of_other_shapes_is_still_a_different_model(ws: dict[str, Path]) -> None:
     code, _, err = mx("verify", ws["gpt-trt"], "--reference", ws["qwen"], "--device", "cpu")
     assert code == 2 and "a different model" in err and "pass the checkpoint this one was converted from" in err

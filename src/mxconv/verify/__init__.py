@@ -283,7 +283,7 @@ def _open_reference(run: Run, reference: str, revision: str | None) -> list[str]
                        "pass the checkpoint this one was converted from")
     return [f"manifest model.{f} is {getattr(run.info, f)!r}, but the reference {reference}, whose tensors have this "
             f"output's shapes, gives {getattr(rinfo, f)!r}" for f in MODEL_FIELDS if getattr(rinfo, f) != getattr(run.info, f)
-            ] + reference_source_claims(run.manifest, run.info, rinfo, run.ref_ckpt, reference)
+            ] + reference_source_claims(run.manifest, run.info, run.ref_reader, run.ref_ckpt, reference)
 
 
 def _load_saved(run: Run, reference_outputs: str) -> None:
