@@ -355,7 +355,7 @@ def test_a_reference_of_other_shapes_is_still_a_different_model(ws: dict[str, Pa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("out", ["gpt-q4", "gpt-q8", "qwen-fp8", "gpt-trt", "gpt-marlin-tp2"])
+@pytest.mark.parametrize("out", ["gpt-q4", "gpt-q8", "qwen-fp8", "gpt-trt", "gpt-marlin-tp2", "qwen-trt-from-q4"])
 def test_cpu_made_outputs_are_exact_when_verify_re_derives_on_cuda(ws: dict[str, Path], tmp_path: Path, out: str) -> None:
     """Conversion on the CPU (torch quantizer), verify on the GPU (Triton quantizer): the same bytes."""
     ref = ws["qwen" if out.startswith("qwen") else "gpt"]
