@@ -23,10 +23,11 @@ def test_quant_options_resolve_auto_and_strings_once() -> None:
     q = QuantOptions("mxfp8", "auto", targets="linear", include="layers\\.0\\.")
     assert (q.fmt, q.scale_rounding, q.targets, q.include) == (WeightFormat.MXFP8, ScaleRounding.RCEIL, Targets.LINEAR, ("layers\\.0\\.",))
     assert QuantOptions("mxfp4", "floor").scale_rounding is ScaleRounding.FLOOR
-    with pytest.raises(BadInput, match="--format 'int4' is not supported"):
+    with pytest.raises(BadInput, match="QuantOptions.fmt 'int4' is not supported"):
         QuantOptions("int4")
-    with pytest.raises(BadInput, match="--scale-rounding 'up' is not supported"):
+    with pytest.raises(BadInput, match="QuantOptions.scale_rounding 'up' is not supported") as caught:
         QuantOptions("mxfp4", "up")
+    assert caught.value.cli is not None and caught.value.cli.startswith("--scale-rounding 'up' is not supported")
     with pytest.raises(dataclasses.FrozenInstanceError):
         q.fmt = WeightFormat.MXFP4  # type: ignore[misc]
 

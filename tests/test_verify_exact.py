@@ -39,7 +39,7 @@ def ws(made: MadeCheckpoints) -> dict[str, Path]:
         "qwen-fp8": made.quantize(qwen, "--format", "fp8-block"),
         "gpt-trt": made.repack(gpt, "trtllm"),  # quantized on the way: scale rounding recorded
         "gpt-marlin-tp2": made.repack(gpt, "marlin", "--tp", "2"),
-        "qwen-trt-from-q4": made.repack(qwen_q4, "trtllm"),  # MXFP4 bytes carried: nothing to re-derive from bf16
+        "qwen-trt-from-q4": made.repack(qwen_q4, "trtllm"),  # MXFP4 bytes carried: re-derived through numerics.upstream
     }
 
 
@@ -58,7 +58,8 @@ def _edit_manifest(out: Path, edit: Callable[[dict[str, Any]], None]) -> None:
 
 
 @pytest.mark.parametrize("out, ref", [("gpt-q4", "gpt"), ("gpt-q8", "gpt"), ("qwen-q4", "qwen"), ("qwen-fp8", "qwen"),
-                                      ("gpt-trt", "gpt"), ("gpt-marlin-tp2", "gpt"), ("qwen-trt-from-q4", "qwen-q4")])
+                                      ("gpt-trt", "gpt"), ("gpt-marlin-tp2", "gpt"), ("qwen-trt-from-q4", "qwen-q4"),
+                                      ("qwen-trt-from-q4", "qwen")])
 def test_undamaged_outputs_are_the_reference_byte_for_byte(ws: dict[str, Path], out: str, ref: str) -> None:
     code, rep, err = _verify(ws[out], "--reference", ws[ref])
     assert code == 0, err
@@ -78,9 +79,9 @@ def _signs_flipped(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _byte_up(at: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+def _byte_up(at: tuple[int, ...], by: int = 1) -> Callable[[torch.Tensor], torch.Tensor]:
     def up(t: torch.Tensor) -> torch.Tensor:
-        t.view(torch.uint8)[at] += 1
+        t.view(torch.uint8)[at] += by
         return t
 
     return up
@@ -140,9 +141,11 @@ def _problems(rep: dict[str, Any]) -> list[str]:
 
 
 def test_bytes_that_cannot_be_re_derived_are_named_in_the_verdict(ws: dict[str, Path], tmp_path: Path) -> None:
-    """A repack of an MXFP4 checkpoint against its bf16 origin: no rule made its bytes from bf16. The
-    copied tensors are still compared; the verdict says the experts' bytes were not."""
-    k, src = ws["qwen-trt-from-q4"], ws["qwen"]
+    """A repack of an MXFP4 checkpoint against its bf16 origin, with a manifest from before
+    ``numerics.upstream``: no recorded rule made its bytes from bf16. The copied tensors are still
+    compared; the verdict says the experts' bytes were not."""
+    k, src = copy_checkpoint(ws["qwen-trt-from-q4"], tmp_path / "old"), ws["qwen"]
+    _edit_manifest(k, lambda m: m["numerics"].pop("upstream"))
     code, rep, err = _verify(k, "--reference", src)
     assert code == 0, err
     why = "the output was converted from mxfp4 experts (its manifest's model), the reference holds bf16"
@@ -152,6 +155,73 @@ def test_bytes_that_cannot_be_re_derived_are_named_in_the_verdict(ws: dict[str, 
     patch_tensor(d, "model.layers.0.self_attn.q_proj.weight", torch.zeros_like, fix_manifest=True)
     code, rep, err = _verify(d, "--reference", src)
     assert code == 1 and "model.layers.0.self_attn.q_proj.weight: not the reference's bytes" in err
+
+
+def test_an_edited_expert_format_does_not_turn_off_the_exact_check(ws: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 29 item 6: a scale byte +5 (rehashed) and ``model.expert_format`` edited to the output's
+    own format: against the output's own source (same fingerprint) the format disagreement is the
+    output's damage (exit 1), also with ``numerics.source_format`` edited to match; without a
+    reference ``numerics.source_format`` contradicts it."""
+    q = copy_checkpoint(ws["gpt-q4"], tmp_path / "q")
+    patch_tensor(q, GPT_SCALES, _byte_up((0, 0, 0), 5), fix_manifest=True)
+    _edit_manifest(q, lambda m: m["model"].update(expert_format="mxfp4"))
+    code, rep, err = _verify(q)
+    assert code == 1, err
+    assert ("manifest model.expert_format is 'mxfp4', but its numerics.source_format gives 'bf16'" in _problems(rep))
+    code, rep, err = _verify(q, "--reference", ws["gpt"])
+    assert code == 1, err
+    _edit_manifest(q, lambda m: m["numerics"].update(source_format="mxfp4"))
+    code, rep, err = _verify(q, "--reference", ws["gpt"])
+    assert code == 1, err
+    assert any(p.startswith(f"manifest model.expert_format is 'mxfp4', but the reference {ws['gpt']}, this output's "
+                            "source (the fingerprint its manifest records), holds bf16 experts") for p in _problems(rep))
+
+
+def test_bytes_not_re_derived_are_said_under_quiet_and_fail_strict(ws: dict[str, Path], tmp_path: Path) -> None:
+    k, src = ws["qwen-trt-from-q4"], ws["qwen"]
+    old = copy_checkpoint(k, tmp_path / "old")  # a manifest from before numerics.upstream
+    _edit_manifest(old, lambda m: m["numerics"].pop("upstream"))
+    code, stdout, err = mx("verify", old, "--reference", src, "--quiet", "--tokens", "8", "--device", "cpu")
+    assert code == 0, err
+    assert "expert bytes not re-derived: the output was converted from mxfp4 experts" in err
+    code, stdout, err = mx("verify", old, "--reference", src, "--strict", "--quiet", "--tokens", "8", "--device", "cpu")
+    assert code == 1, err
+    assert "--strict: expert bytes not re-derived (the output was converted from mxfp4 experts" in err
+
+
+def _head_zeroed(t: torch.Tensor) -> torch.Tensor:
+    t.view(torch.uint8).view(-1)[:64] = 0
+    return t
+
+
+@pytest.mark.parametrize("tensor, damage", [(f"{EXPERTS}.w13_weight_scale", _byte_up((0, 0, 0), 5)),
+                                            (f"{EXPERTS}.w13_weight", _head_zeroed)], ids=["scale+5", "w13-head-zeroed"])
+def test_a_repack_of_a_quantize_output_is_exact_against_the_first_source(ws: dict[str, Path], tmp_path: Path,
+                                                                        tensor: str, damage: Callable) -> None:
+    """Issue 29 item 7: ``quantize src q`` then ``repack q k``: k's manifest carries q's rounding and
+    source format (``numerics.upstream``), so ``verify k --reference src`` re-derives bf16 -> MXFP4 with
+    it and compares the canonical bytes the layout gives back; rehashed damage fails."""
+    k = ws["qwen-trt-from-q4"]
+    up = json.loads((k / "mxconv.json").read_text())["numerics"]["upstream"]
+    q = json.loads((ws["qwen-q4"] / "mxconv.json").read_text())
+    assert up == {"source_format": "bf16", "weight_format": "mxfp4", "scale_rounding": q["scale_rounding"],
+                  "fingerprint": q["source"]["fingerprint"]}
+    d = copy_checkpoint(k, tmp_path / "k")
+    patch_tensor(d, tensor, damage, fix_manifest=True)
+    code, rep, err = _verify(d, "--reference", ws["qwen"])
+    assert code == 1, err
+    assert any(re.match(rf"layer 0: {re.escape(tensor)} at canonical w13(_scale)? \[0, .+: the output holds .+, the "
+                        r"reference converted again \(mxfp4, even scale rounding upstream\) gives", p)
+               for p in _problems(rep)), _problems(rep)
+
+
+def test_an_upstream_whose_source_is_the_reference_must_name_its_format(ws: dict[str, Path], tmp_path: Path) -> None:
+    k = copy_checkpoint(ws["qwen-trt-from-q4"], tmp_path / "k")
+    _edit_manifest(k, lambda m: m["numerics"]["upstream"].update(source_format="fp16"))
+    code, rep, err = _verify(k, "--reference", ws["qwen"])
+    assert code == 1, err
+    assert any(p.startswith(f"manifest numerics.upstream.source_format is 'fp16', but the reference {ws['qwen']}, "
+                            "the source of this output's input") for p in _problems(rep)), _problems(rep)
 
 
 # ---- manifest claims ------------------------------------------------------------------------------
@@ -222,6 +292,60 @@ def test_quantize_output_option_edits_fail_with_the_reference(ws: dict[str, Path
     assert code == 1, err
 
 
+SERVED_EDITS = [
+    (lambda m: m.update(served_vllm_backends=[*m["served_vllm_backends"], "MARLIN"]), "manifest served_vllm_backends"),
+    (lambda m: m["served_vllm_methods"].update(Mxfp4MoEMethod=["MARLIN"]), "manifest served_vllm_methods"),
+    (lambda m: m["quant_config"].update(served_vllm_backends=[]), "manifest quant_config.served_vllm_backends"),
+    (lambda m: m["quant_config"].update(served_vllm_methods={}), "manifest quant_config.served_vllm_methods"),
+]
+
+
+@pytest.mark.parametrize("edit, field", SERVED_EDITS, ids=[f for _, f in SERVED_EDITS])
+def test_edited_served_lists_fail(ws: dict[str, Path], tmp_path: Path, edit: Callable, field: str) -> None:
+    """Issue 29 item 7: the served lists are derived again by the one rule (vllm_serving) and compared."""
+    k = copy_checkpoint(ws["gpt-trt"], tmp_path / "k")
+    assert json.loads((k / "mxconv.json").read_text())["served_vllm_backends"]  # trtllm bf16: vLLM serves it
+    _edit_manifest(k, edit)
+    code, rep, err = _verify(k)
+    assert code == 1, err
+    assert any(p.startswith(f"{field} is ") and "but the vLLM serving rule (mxconv.layouts.vllm_serving) gives" in p
+               for p in _problems(rep)), _problems(rep)
+
+
+@pytest.mark.parametrize("edit, line", [
+    (lambda m: m["numerics"].update(rounding="rtz"),
+     "manifest numerics.rounding is 'rtz', but the manifest's weight_format and model give 'rne'"),
+    (lambda m: m["numerics"].update(element_format="e4m3"),
+     "manifest numerics.element_format is 'e4m3', but the manifest's weight_format and model give 'e2m1'"),
+], ids=["rounding", "element_format"])
+def test_edited_numerics_fail(ws: dict[str, Path], tmp_path: Path, edit: Callable, line: str) -> None:
+    q = copy_checkpoint(ws["gpt-q4"], tmp_path / "q")
+    _edit_manifest(q, edit)
+    code, rep, err = _verify(q)
+    assert code == 1 and line in _problems(rep), err
+
+
+def test_edited_requantized_fails_against_the_source(ws: dict[str, Path], tmp_path: Path) -> None:
+    """numerics.requantized depends on the source layers' formats: derived where the reference is the source."""
+    q = copy_checkpoint(ws["gpt-q4"], tmp_path / "q")
+    _edit_manifest(q, lambda m: m["numerics"].update(requantized=True))
+    code, rep, err = _verify(q, "--reference", ws["gpt"])
+    assert code == 1, err
+    assert (f"manifest numerics.requantized is True, but converting the reference {ws['gpt']} (this output's source) "
+            "gives False") in _problems(rep)
+
+
+def test_an_unknown_scale_rounding_is_the_outputs_damage(ws: dict[str, Path], tmp_path: Path) -> None:
+    """Not a CLI flag's message blaming the reference: the output's manifest breaks its schema (exit 1)."""
+    q = copy_checkpoint(ws["gpt-q4"], tmp_path / "q")
+    _edit_manifest(q, lambda m: m.update(scale_rounding="up"))
+    for args in ((), ("--reference", ws["gpt"])):
+        code, rep, err = _verify(q, *args)
+        assert code == 1, err
+        assert f"{q / 'mxconv.json'}: malformed manifest: field 'scale_rounding' must be" in err and '"up"' in err
+        assert "--scale-rounding" not in err and "reference" not in " ".join(_problems(rep))
+
+
 def test_a_reference_of_other_shapes_is_still_a_different_model(ws: dict[str, Path]) -> None:
     code, _, err = mx("verify", ws["gpt-trt"], "--reference", ws["qwen"], "--device", "cpu")
     assert code == 2 and "a different model" in err and "pass the checkpoint this one was converted from" in err
@@ -231,7 +355,7 @@ def test_a_reference_of_other_shapes_is_still_a_different_model(ws: dict[str, Pa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("out", ["gpt-q4", "gpt-q8", "qwen-fp8", "gpt-trt", "gpt-marlin-tp2"])
+@pytest.mark.parametrize("out", ["gpt-q4", "gpt-q8", "qwen-fp8", "gpt-trt", "gpt-marlin-tp2", "qwen-trt-from-q4"])
 def test_cpu_made_outputs_are_exact_when_verify_re_derives_on_cuda(ws: dict[str, Path], tmp_path: Path, out: str) -> None:
     """Conversion on the CPU (torch quantizer), verify on the GPU (Triton quantizer): the same bytes."""
     ref = ws["qwen" if out.startswith("qwen") else "gpt"]

@@ -57,7 +57,8 @@ def verify(
     marlin_ops: MarlinOpsOpt = None,
     strict: Annotated[bool, typer.Option("--strict", help=(
         "Fail (exit 1) unless numerics were checked too: without --reference or --reference-outputs a PASS "
-        "covers integrity and layout only (the verdict line says so), which --strict does not accept."))] = False,
+        "covers integrity and layout only (the verdict line says so), which --strict does not accept; with "
+        "--reference, also unless the expert bytes were re-derived from it."))] = False,
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -98,30 +99,38 @@ def verify(
                 device=device_of(device),
                 on_step=on_step,
             )
-        problems = rep.problems + [p for r in rep.layers for p in r.problems] + [p for r in rep.linears for p in r.problems]
-        if as_json:
-            print_json(rep.to_json())
-        elif not quiet and rep.layers:
-            out.print(_layer_table(rep))
-            if rep.linears:
-                from mxconv.verify.linears import role_summary
-
-                lt = Table(title="MXFP8 linear layers")
-                for col in ("role", "linears", "passed", "max rel RMS", "bit-exact bytes"):
-                    lt.add_column(col)
-                for row in role_summary(rep.linears):
-                    worst = "-" if row["max_rel_rms"] is None else f"{row['max_rel_rms']:.3g}"
-                    lt.add_row(row["role"], str(row["linears"]), str(row["linears"] - row["failed"]), worst, str(row["bit_exact"]))
-                out.print(lt)
-            for n in rep.notes:
-                say(err, n, "dim")
-            _say_verdict(rep)
-        elif not quiet:  # PATH's files do not read as a checkpoint: no layer was checked, no table
-            _say_verdict(rep)
-        for p in problems:  # the reasons for a failure: shown with --quiet and --json too
-            say(err, "FAIL", "red", p)
+        _show(rep, as_json, quiet)
         if not rep.passed:
             raise typer.Exit(1)
+
+
+def _show(rep: Any, as_json: bool, quiet: bool) -> None:
+    """The report: JSON, or the layer tables, notes and verdict; the FAIL lines (and a byte check that
+    was skipped) under --quiet too."""
+    problems = rep.problems + [p for r in rep.layers for p in r.problems] + [p for r in rep.linears for p in r.problems]
+    if as_json:
+        print_json(rep.to_json())
+    elif not quiet and rep.layers:
+        out.print(_layer_table(rep))
+        if rep.linears:
+            from mxconv.verify.linears import role_summary
+
+            lt = Table(title="MXFP8 linear layers")
+            for col in ("role", "linears", "passed", "max rel RMS", "bit-exact bytes"):
+                lt.add_column(col)
+            for row in role_summary(rep.linears):
+                worst = "-" if row["max_rel_rms"] is None else f"{row['max_rel_rms']:.3g}"
+                lt.add_row(row["role"], str(row["linears"]), str(row["linears"] - row["failed"]), worst, str(row["bit_exact"]))
+            out.print(lt)
+        for n in rep.notes:
+            say(err, n, "dim")
+        _say_verdict(rep)
+    elif not quiet:  # PATH's files do not read as a checkpoint: no layer was checked, no table
+        _say_verdict(rep)
+    elif "bytes" in rep.scope.not_checked:  # --quiet: a reference was given, its bytes not compared: said still
+        say(err, "note:", "yellow", f"expert bytes not re-derived: {rep.scope.not_checked['bytes']}")
+    for p in problems:  # the reasons for a failure: shown with --quiet and --json too
+        say(err, "FAIL", "red", p)
 
 
 def _say_verdict(rep) -> None:

@@ -19,7 +19,7 @@ from mxconv.run.linears import manifest_extras
 from mxconv.run.options import WeightFormat
 from mxconv.run.plan import Plan, kernel_params
 from mxconv.source.file_names import CONFIG_NAME, INDEX_NAME
-from mxconv.source.manifest import Manifest
+from mxconv.source.manifest import Manifest, plain_json
 
 
 def output_config(plan: Plan) -> dict[str, Any]:
@@ -120,27 +120,41 @@ def manifest_layout(plan: Plan) -> dict[str, Any]:
 
 
 def numerics_of(plan: Plan) -> tuple[dict[str, Any], bool]:
-    """The manifest's ``numerics``, and whether the experts' MX bytes were kept (same format, or the
-    lossless MXFP4 -> MXFP8 re-coding): then no scale rounding was applied."""
-    fmt = plan.weight_format
+    """The manifest's ``numerics`` of ``plan``'s output, and whether the experts' MX bytes were kept
+    (:func:`recorded_numerics`)."""
     # From the converted layers' own formats (a mixed source holds MX and float layers).
     src_formats = {plan.reader.layer_format(r) for r in plan.refs}
+    return recorded_numerics(plan.weight_format, plan.info.expert_format, plan.info.source_scale_scheme, src_formats,
+                             plan.ckpt.manifest)
+
+
+def recorded_numerics(fmt: str, source_format: str, source_scale_scheme: str | None, src_formats: set[str],
+                      input_manifest: Manifest | None) -> tuple[dict[str, Any], bool]:
+    """The manifest's ``numerics`` of an output in ``fmt`` converted from layers of ``src_formats``
+    (a source of ``source_format``, the model's), and whether the experts' MX bytes were kept (same
+    format, or the lossless MXFP4 -> MXFP8 re-coding): then no scale rounding was applied, and an
+    mxconv input's own rounding is carried as ``upstream`` (:func:`upstream_of`). verify derives the
+    same from the reference where the reference is the source."""
     if fmt == WeightFormat.FP8_BLOCK:
-        return fp8_block_numerics(plan.info.expert_format, plan.info.source_scale_scheme, src_formats), True
-    lossless = src_formats == {WeightFormat.MXFP4} and fmt == WeightFormat.MXFP8
-    numerics = {
-        "element_format": {WeightFormat.MXFP4: "e2m1", WeightFormat.INT4: "int4"}.get(fmt, "e4m3"),
-        "scale_format": "bf16" if fmt == WeightFormat.INT4 else "e8m0",
-        "block_size": 32,
-        "block_axis": "input (last dim of [out, in])",
-        "rounding": "rne",
-        "packing": "low_nibble_first" if fmt in (WeightFormat.MXFP4, WeightFormat.INT4) else None,
-        "source_format": plan.info.expert_format,
-        "source_scale_scheme": plan.info.source_scale_scheme,
-        "requantized": any(f in (WeightFormat.MXFP4, WeightFormat.MXFP8) and f != fmt for f in src_formats) and not lossless,
-        "lossless_conversion": "mxfp4 -> mxfp8 (same block scales, E2M1 values are E4M3 values)" if lossless else None,
-    }
-    return numerics, src_formats == {fmt} or lossless
+        numerics, kept = fp8_block_numerics(source_format, source_scale_scheme, src_formats), True
+    else:
+        lossless = src_formats == {WeightFormat.MXFP4} and fmt == WeightFormat.MXFP8
+        numerics = {
+            "element_format": {WeightFormat.MXFP4: "e2m1", WeightFormat.INT4: "int4"}.get(fmt, "e4m3"),
+            "scale_format": "bf16" if fmt == WeightFormat.INT4 else "e8m0",
+            "block_size": 32,
+            "block_axis": "input (last dim of [out, in])",
+            "rounding": "rne",
+            "packing": "low_nibble_first" if fmt in (WeightFormat.MXFP4, WeightFormat.INT4) else None,
+            "source_format": source_format,
+            "source_scale_scheme": source_scale_scheme,
+            "requantized": any(f in (WeightFormat.MXFP4, WeightFormat.MXFP8) and f != fmt for f in src_formats)
+            and not lossless,
+            "lossless_conversion": "mxfp4 -> mxfp8 (same block scales, E2M1 values are E4M3 values)" if lossless else None,
+        }
+        kept = src_formats == {fmt} or lossless
+    upstream = upstream_of(input_manifest) if kept and not numerics["requantized"] else None
+    return (numerics if upstream is None else {**numerics, "upstream": upstream}), kept
 
 
 def fp8_block_numerics(source_format: str, source_scale_scheme: str | None, src_formats: set[str]) -> dict[str, Any]:
@@ -160,6 +174,23 @@ def fp8_block_numerics(source_format: str, source_scale_scheme: str | None, src_
         "requantized": not from_mx,
         "lossless_conversion": None,
     }
+
+
+def upstream_of(input_manifest: Manifest | None) -> dict[str, Any] | None:
+    """The manifest's ``numerics.upstream`` (docs/contract.md) where this run kept the MX bytes of an
+    mxconv output that an earlier run quantized (or re-encoded them exactly): that run's source format,
+    weight format, scale rounding and source fingerprint, so that ``verify --reference`` of the first
+    source re-derives the bytes through it. A chain carries the first run's; None where the input is
+    no mxconv output or its experts were not rounded by mxconv (an MXFP4 release, INT4)."""
+    if input_manifest is None:
+        return None
+    carried = (input_manifest.numerics or {}).get("upstream")
+    if carried is not None:
+        return plain_json(carried)
+    if not input_manifest.scale_rounding:
+        return None
+    return {"source_format": input_manifest.model.expert_format, "weight_format": input_manifest.weight_format,
+            "scale_rounding": input_manifest.scale_rounding, "fingerprint": input_manifest.source.fingerprint}
 
 
 def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], argv: list[str] | None,

@@ -91,15 +91,17 @@ def check_patterns(flag: str, spec: str | Sequence[str] | None) -> None:
             raise BadInput(f"{flag}: invalid regular expression {p!r} ({exc})") from None
 
 
-def _member(enum: type[StrEnum], value: Any, flag: str, allowed: Sequence[StrEnum] | None = None) -> Any:
-    """``value`` (a member or its string) as a member of ``enum``, or BadInput naming ``flag``."""
+def _member(enum: type[StrEnum], value: Any, setting: str, flag: str, allowed: Sequence[StrEnum] | None = None) -> Any:
+    """``value`` (a member or its string) as a member of ``enum``, or BadInput naming the library's
+    ``setting`` (e.g. ``QuantOptions.scale_rounding``), and the CLI's ``flag`` in the CLI's words."""
     choices = list(allowed or enum)
     try:
         member = enum(value)
     except ValueError:
         member = None
     if member not in choices:
-        raise BadInput(f"{flag} {str(value)!r} is not supported; choose one of {', '.join(choices)}")
+        why = f"{str(value)!r} is not supported; choose one of {', '.join(choices)}"
+        raise BadInput(f"{setting} {why}", cli=f"{flag} {why}")
     return member
 
 
@@ -121,18 +123,19 @@ class QuantOptions:
     require_exact: bool = False  # fp8-block from MXFP4: a tile that cannot be re-encoded exactly is an error
 
     def __post_init__(self) -> None:
-        fmt = _member(WeightFormat, self.fmt, "--format", QUANTIZE_FORMATS)
-        rounding = _member(ScaleRounding, self.scale_rounding, "--scale-rounding")
+        fmt = _member(WeightFormat, self.fmt, "QuantOptions.fmt", "--format", QUANTIZE_FORMATS)
+        rounding = _member(ScaleRounding, self.scale_rounding, "QuantOptions.scale_rounding", "--scale-rounding")
         object.__setattr__(self, "fmt", fmt)
         if fmt == WeightFormat.FP8_BLOCK:
             if rounding != ScaleRounding.AUTO:
-                raise BadInput("--scale-rounding picks the E8M0 rule of MX formats; fp8-block tile scales are "
-                               "powers of two from MXFP4 sources and amax/448 from floats (docs/numerics.md)")
+                why = ("picks the E8M0 rule of MX formats; fp8-block tile scales are powers of two from MXFP4 sources "
+                       "and amax/448 from floats (docs/numerics.md)")
+                raise BadInput(f"QuantOptions.scale_rounding {why}", cli=f"--scale-rounding {why}")
         else:
             object.__setattr__(self, "scale_rounding", ScaleRounding(resolve_scale_mode(fmt, rounding)))
         if self.require_exact and fmt != WeightFormat.FP8_BLOCK:
             raise BadInput("--require-exact applies to --format fp8-block (the re-encode of MXFP4 experts)")
-        object.__setattr__(self, "targets", _member(Targets, self.targets, "--targets"))
+        object.__setattr__(self, "targets", _member(Targets, self.targets, "QuantOptions.targets", "--targets"))
         for flag, name in (("--include", "include"), ("--ignore", "ignore")):
             spec = getattr(self, name)
             check_patterns(flag, spec)
@@ -167,5 +170,6 @@ class RepackOptions:
 
     def __post_init__(self) -> None:
         if self.weight_format is not None:
-            fmt = _member(WeightFormat, self.weight_format, "--format", (WeightFormat.MXFP4, WeightFormat.MXFP8))
+            fmt = _member(WeightFormat, self.weight_format, "RepackOptions.weight_format", "--format",
+                          (WeightFormat.MXFP4, WeightFormat.MXFP8))
             object.__setattr__(self, "weight_format", fmt)

@@ -174,12 +174,20 @@ _LAYER = _obj(
     {"layer": NONNEG, "module_prefix": NONEMPTY, "router_weight": NONEMPTY},
     {"router_bias": _nullable(NONEMPTY), "correction_bias": _nullable(NONEMPTY)},
 )
+# The E8M0 scale rules a manifest records (mxconv.run.options.ScaleRounding but "auto", which
+# QuantOptions resolves to one of these before anything is written); null: no rounding was applied.
+SCALE_ROUNDINGS = ("rceil", "floor", "even")
+ROUNDING = _nullable(_enum(*SCALE_ROUNDINGS))
 # quantize --targets linear (mxconv.run.linears.LinearSelection.to_json): what became MXFP8, what stayed and why.
 _LINEARS = _obj(
     {"targets": _enum("experts", "linear"), "format": STR, "quantized": _list(NONEMPTY), "carried_mx": _list(NONEMPTY),
      "left_alone": _map(STR)},
-    {"scale_rounding": _nullable(STR)},
+    {"scale_rounding": ROUNDING},
 )
+# numerics.upstream (mxconv.run.finalize.upstream_of): the earlier mxconv run whose MX bytes this one kept
+_UPSTREAM = _obj({"source_format": NONEMPTY, "weight_format": _enum("mxfp4", "mxfp8"),
+                  "scale_rounding": _enum(*SCALE_ROUNDINGS), "fingerprint": STR})
+_NUMERICS = _obj({}, {"upstream": _UPSTREAM, "source_format": NONEMPTY, "requantized": BOOL})
 # output_file_hashes (mxconv.output.files.FileRecord): each file but shards and manifest, by path
 _FILE_RECORD = _obj({"size": NONNEG, "sha256": NONEMPTY})
 SCHEMA: Check = _obj(
@@ -192,7 +200,7 @@ SCHEMA: Check = _obj(
         "family": STR,
         "kind": _enum("canonical", "kernel"),
         "weight_format": _enum("mxfp4", "mxfp8", "int4", "fp8-block"),
-        "scale_rounding": _nullable(STR),
+        "scale_rounding": ROUNDING,
         "backend": _nullable(STR),
         "activation": _nullable(STR),
         "tp_size": POSITIVE,
@@ -201,8 +209,9 @@ SCHEMA: Check = _obj(
         "layers": _list(_LAYER),
         "tensors": _map(_TENSOR),
     },
-    {"numerics": _map(ANY), "output_files": _list(STR), "output_file_hashes": _map(_FILE_RECORD),
-     "source_bytes_by_role": _map(NONNEG), "linears": _LINEARS, "fp8_tiles": _map(ANY)},
+    {"numerics": _NUMERICS, "output_files": _list(STR), "output_file_hashes": _map(_FILE_RECORD),
+     "source_bytes_by_role": _map(NONNEG), "linears": _LINEARS, "fp8_tiles": _map(ANY), "quant_config": _map(ANY),
+     "served_vllm_backends": _list(STR), "served_vllm_methods": _map(_list(STR))},
 )
 
 

@@ -40,7 +40,7 @@ from mxconv.families import detect_family
 from mxconv.layouts import backend_names
 from mxconv.source.manifest import LayerEntry, Manifest, check_own_paths, complete_output_dir, load_manifest
 from mxconv.verify.hashing import TensorHashes
-from mxconv.verify.claims import check_model_claims, reference_mismatch
+from mxconv.verify.claims import check_model_claims, reference_mismatch, reference_source_claims
 from mxconv.verify.exact import check_expert_bytes, copies_differ, refused_summary, start_copies
 from mxconv.verify.integrity import MODEL_FIELDS, check_integrity, check_manifest_claims, model_info_of
 from mxconv.verify.layout import recover_layer, reference_layer
@@ -171,6 +171,9 @@ def _verify_layers(run: Run, kernel: bool, kernel_locations: KernelLocations | N
     if strict and "numerics" in scope.not_checked:
         general.append(f"--strict: numerics not checked ({scope.not_checked['numerics']}); pass --reference SOURCE "
                        "(the checkpoint this one was converted from) or --reference-outputs FILE")
+    if strict and "bytes" in scope.not_checked:  # a reference was given, but the experts' bytes were not held to it
+        general.append(f"--strict: expert bytes not re-derived ({scope.not_checked['bytes']}); a PASS would rest on "
+                       "the numerics' tolerance alone")
     return VerifyReport(str(run.root), run.kind, run.manifest.backend, [reports[L] for L in sorted(reports)],
                         general, notes, linears, scope)
 
@@ -280,7 +283,8 @@ def _open_reference(run: Run, reference: str, revision: str | None) -> list[str]
         raise BadInput(f"--reference {reference}: a different model ({mismatch}; the output is {run.root}); "
                        "pass the checkpoint this one was converted from")
     return [f"manifest model.{f} is {getattr(run.info, f)!r}, but the reference {reference}, whose tensors have this "
-            f"output's shapes, gives {getattr(rinfo, f)!r}" for f in MODEL_FIELDS if getattr(rinfo, f) != getattr(run.info, f)]
+            f"output's shapes, gives {getattr(rinfo, f)!r}" for f in MODEL_FIELDS if getattr(rinfo, f) != getattr(run.info, f)
+            ] + reference_source_claims(run.manifest, run.info, run.ref_reader, run.ref_ckpt, reference)
 
 
 def _load_saved(run: Run, reference_outputs: str) -> None:

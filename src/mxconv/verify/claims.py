@@ -14,8 +14,8 @@ no byte contradicts would otherwise pass.
 * **Tensor shapes**: every router is ``[num_experts, hidden]``; every kernel expert tensor of every
   layer and rank has the shape and dtype the layout gives for the manifest's sizes, and every layer
   holding kernel experts is in the manifest's ``layers``.
-* **The engines' quant config** (``quant_config``): its routing and activation are what the manifest's
-  model gives.
+* **The engines' quant config** (``quant_config``), the served lists and ``numerics``: derived again
+  by the rules that wrote them (:mod:`mxconv.verify.recorded`).
 
 Options that change bytes but not shapes (``weight_format`` between MX formats, ``scale_rounding``,
 the layout options) are covered by the layout check and, with ``--reference``, the exact bytes
@@ -37,6 +37,7 @@ from mxconv.source.checkpoint import Checkpoint
 from mxconv.source.file_names import rank_dir_name
 from mxconv.source.manifest import Manifest, plain_json
 from mxconv.verify.layout import manifest_sizes
+from mxconv.verify.recorded import numerics_claims, quant_config_claims
 
 _KERNEL_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<name>w13_weight|w13_weight_scale|w13_bias|w2_weight|"
                             r"w2_weight_scale|w2_bias|w13_input_scale|w2_input_scale)$")
@@ -59,7 +60,48 @@ def check_model_claims(manifest: Manifest, info: ModelInfo, ckpts: list[Checkpoi
     if quantized and not manifest.scale_rounding:
         problems.append(f"manifest scale_rounding is {manifest.scale_rounding!r}, but MX experts quantized from "
                         f"{info.expert_format} ones (model.expert_format) were rounded by a rule the manifest must name")
-    return problems + _quant_config(manifest)
+    return problems + _source_format(manifest, info) + quant_config_claims(manifest) + numerics_claims(manifest)
+
+
+def _source_format(manifest: Manifest, info: ModelInfo) -> list[str]:
+    """``model.expert_format`` is what ``numerics.source_format`` records: the exact check decides from
+    it whether the output's expert bytes can be re-derived from a reference, so an edit of one alone
+    must not pass."""
+    numerics = manifest.numerics or {}
+    recorded, up = numerics.get("source_format"), numerics.get("upstream")
+    problems = []
+    if recorded is not None and recorded != info.expert_format:
+        problems.append(f"manifest model.expert_format is {info.expert_format!r}, but its numerics.source_format gives "
+                        f"{recorded!r}")
+    if up is not None and up["weight_format"] != info.expert_format:  # the upstream run made the experts this one read
+        problems.append(f"manifest numerics.upstream.weight_format is {up['weight_format']!r}, but model.expert_format "
+                        f"(the experts this conversion read) is {info.expert_format!r}")
+    return problems
+
+
+def reference_source_claims(manifest: Manifest, info: ModelInfo, ref_reader: FamilyReader, ref_ckpt: Checkpoint,
+                            reference: str) -> list[str]:
+    """With a ``--reference`` that is the output's own source (the fingerprint its manifest records),
+    the experts the conversion read are the reference's: a manifest that says they were of another
+    format is the output's damage (it would turn the exact check of the expert bytes off), and every
+    ``numerics`` field is derived (:func:`~mxconv.verify.recorded.numerics_claims`). The format for the
+    source of the output's input (``numerics.upstream``) too."""
+    fingerprint = ref_ckpt.source.fingerprint
+    if not fingerprint:
+        return []
+    problems, rinfo = [], ref_reader.model_info()
+    if fingerprint == manifest.source.fingerprint:
+        if rinfo.expert_format != info.expert_format:
+            problems.append(f"manifest model.expert_format is {info.expert_format!r}, but the reference {reference}, this "
+                            f"output's source (the fingerprint its manifest records), holds {rinfo.expert_format} experts")
+        else:
+            problems += numerics_claims(manifest, (ref_reader, ref_ckpt.manifest), reference)
+    up = (manifest.numerics or {}).get("upstream")
+    if up is not None and fingerprint == up["fingerprint"] and rinfo.expert_format != up["source_format"]:
+        problems.append(f"manifest numerics.upstream.source_format is {up['source_format']!r}, but the reference "
+                        f"{reference}, the source of this output's input (numerics.upstream.fingerprint), holds "
+                        f"{rinfo.expert_format} experts")
+    return problems
 
 
 def _converted_formats(manifest: Manifest, own_reader: FamilyReader) -> list[str]:
@@ -188,27 +230,6 @@ def _kernel_shapes(manifest: Manifest, ckpts: list[Checkpoint]) -> list[str]:
                                 f"manifest's sizes gives {spec.st_dtype}{list(spec.shape)}")
         for prefix in sorted(set(held) - listed):
             problems.append(f"{where}{prefix}.experts: kernel expert tensors of a layer the manifest's layers do not list")
-    return problems
-
-
-def _quant_config(manifest: Manifest) -> list[str]:
-    """The stored engine quant config's routing and activation against the manifest's model."""
-    from mxconv.output.engine_quant_config import SCHEMA_VERSION, from_manifest
-
-    stored = plain_json(manifest.quant_config)
-    if not isinstance(stored, dict) or stored.get("schema_version") != SCHEMA_VERSION:
-        return []
-    try:
-        want = from_manifest(manifest).to_json()
-    except BadInput:
-        return []
-    problems = []
-    for key in ("routing", "activation"):
-        have = stored.get(key) if isinstance(stored.get(key), dict) else {}
-        problems += [f"manifest quant_config.{key}.{k} is {have.get(k)!r}, but the manifest's model gives {v!r}"
-                     for k, v in want[key].items() if have.get(k) != v]
-        problems += [f"manifest quant_config.{key}.{k}: not a field of the quant config"
-                     for k in sorted(set(have) - set(want[key]))]
     return problems
 
 

@@ -14,15 +14,22 @@
   tensor, read on the hash pool beside the layer checks, must be the one the manifest records, which
   the integrity check holds to the output's bytes.
 
+* **Chains**: an output whose input was an mxconv output (``quantize src q``, then ``repack q k``) kept
+  the input's MX bytes; its manifest's ``numerics.upstream`` records how the input made them (source
+  format, weight format, scale rounding). Against the first source, the reference is quantized that
+  way first, then converted as this conversion did.
+
 Where a layer's bytes cannot be re-derived (a re-quantization the manifest records no scale rounding
-for; an output converted from experts of another format than the reference's), it is said in the
-verdict's scope (:func:`refused_summary`); the numerics check still runs.
+for; an output converted from experts of another format than the reference's, with no upstream run
+recorded that starts from it), it is said in the verdict's scope (:func:`refused_summary`); the
+numerics check still runs.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import replace
+from typing import Any, Mapping
 
 import torch
 
@@ -88,6 +95,8 @@ def _refusal(run: Run, ref_layer: MoELayer) -> str | None:
         return f"{fmt} experts are carried from a source of that format as they are; the reference's are {ref_fmt}"
     assert run.ref_info is not None
     source_fmt, ref_model_fmt = run.info.expert_format, run.ref_info.expert_format
+    if _upstream(run) is not None:
+        return None  # the MX bytes of the output's input re-derived first, with the rounding they were made with
     if source_fmt != ref_model_fmt:
         return f"the output was converted from {source_fmt} experts (its manifest's model), the reference holds {ref_model_fmt}"
     if fmt == "fp8-block":
@@ -95,6 +104,31 @@ def _refusal(run: Run, ref_layer: MoELayer) -> str | None:
     if not run.manifest.scale_rounding:
         return f"the manifest records no scale rounding for quantizing {ref_fmt} experts to {fmt}"
     return None
+
+
+def _upstream(run: Run) -> Mapping[str, Any] | None:
+    """The manifest's ``numerics.upstream`` where it applies to the reference: the output's input was
+    an mxconv output whose MX bytes this conversion kept (or re-encoded exactly), made from experts of
+    the reference's format; None otherwise (also where the reference holds the input's format)."""
+    up = (run.manifest.numerics or {}).get("upstream")
+    assert run.ref_info is not None
+    if up is None or run.info.expert_format == run.ref_info.expert_format:
+        return None
+    return up if up["source_format"] == run.ref_info.expert_format else None
+
+
+def _through_upstream(run: Run, part: MoELayer, device: torch.device) -> MoELayer:
+    """``part`` of the reference as the output's input held it (:func:`_upstream`): its experts
+    quantized with the upstream run's format and scale rounding."""
+    up = _upstream(run)
+    if up is None or part.w13_mx is not None:
+        return part
+    fmt = up["weight_format"]
+    quant = QuantOptions(fmt=fmt, scale_rounding=up["scale_rounding"], allow_nonfinite=True)
+    mx = {which: to_format(None, source_stack(part, which), fmt, quant, f"{part.ref.module_prefix}.experts ({which})",
+                           None, device) for which in ("w13", "w2")}
+    return replace(part, w13=None, w2=None, w13_fp8=None, w2_fp8=None, w13_int4=None, w2_int4=None,
+                   w13_mx=mx["w13"], w2_mx=mx["w2"])
 
 
 def _output_stacks(run: Run, canon: CanonicalExperts | None, conv_layer: MoELayer | None) -> Stacks | None:
@@ -118,8 +152,10 @@ def _output_stacks(run: Run, canon: CanonicalExperts | None, conv_layer: MoELaye
 
 
 def _rederived(run: Run, part: MoELayer, device: torch.device) -> Stacks:
-    """Experts ``part`` of the reference converted as the conversion did (module docstring)."""
+    """Experts ``part`` of the reference converted as the conversion did (module docstring), through
+    the upstream run first where the manifest records one (:func:`_upstream`)."""
     fmt = run.weight_format
+    part = _through_upstream(run, part, device)
     out: Stacks = {}
     if fmt == "fp8-block":
         from mxconv.run.fp8_compute import LayerTiles, Where, to_fp8_block
@@ -143,7 +179,10 @@ def _rederived(run: Run, part: MoELayer, device: torch.device) -> Stacks:
 
 
 def _how(run: Run) -> str:
-    fmt = run.weight_format
+    fmt, up = run.weight_format, _upstream(run)
+    if up is not None:
+        then = "" if fmt == up["weight_format"] else f", then {fmt}"
+        return f"the reference converted again ({up['weight_format']}, {up['scale_rounding']} scale rounding upstream{then})"
     if fmt == "fp8-block":
         return "the reference block-quantized again (fp8-block)"
     return f"the reference converted again ({fmt}, {run.manifest.scale_rounding or 'no'} scale rounding)"
