@@ -219,6 +219,25 @@ def test_refuses_a_damaged_output(vllm_here: Any, ckpts: dict[str, Path], tmp_pa
     _raises(vllm_here, bad, name, "sha256", load_format="mxconv", model_loader_extra_config={"check_hashes": True})
 
 
+def test_the_manifest_is_read_once_a_load(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """vLLM builds one MoE method a layer (L of them) and the loader checks the output too: mxconv.json
+    is read and validated once for all of them."""
+    import mxconv.integrations.vllm.quant as plugin_quant
+
+    out = _copy(ckpts["mx-cpu"], tmp_path / "once")  # a directory no earlier load read
+    reads: list[Path] = []
+    real = plugin_quant.load_manifest
+
+    def counted(root: Path) -> Any:
+        reads.append(root)
+        return real(root)
+
+    monkeypatch.setattr(plugin_quant, "load_manifest", counted)
+    assert _generate(vllm_here, out, load_format="mxconv")
+    assert reads == [out.resolve()]
+
+
 def test_refuses_a_vllm_outside_engine_compat(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path) -> None:
     out = _copy(ckpts["mx-cpu"], tmp_path / "future")
     m = json.loads((out / "mxconv.json").read_text())

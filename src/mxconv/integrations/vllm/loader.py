@@ -23,9 +23,9 @@ from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import LayoutSizes
 import mxconv.integrations.vllm.checks as checks
 from mxconv.integrations.vllm.mappings import BackendMapping
-from mxconv.integrations.vllm.quant import MxconvMoEMethod
+from mxconv.integrations.vllm.quant import MxconvMoEMethod, output_manifest
 from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
-from mxconv.source.manifest import Manifest, load_manifest
+from mxconv.source.manifest import Manifest
 from mxconv.source.st_format import torch_dtype
 
 EXTRA_KEYS = ("check_hashes",)  # model_loader_extra_config keys this loader takes (the rest go to vLLM's)
@@ -144,10 +144,10 @@ class MxconvModelLoader(DefaultModelLoader):
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         root = Path(str(model_config.model)).expanduser().resolve()
-        if not (root / MANIFEST_NAME).is_file():
+        manifest = output_manifest(root)  # read once for the MoE methods and this loader
+        if manifest is None:
             raise BadInput(f"{root}: no {MANIFEST_NAME}, so not an mxconv kernel-layout output: load_format "
                            f"'mxconv' reads only those (mxconv repack); load this checkpoint without it")  # fmt: skip
-        manifest = load_manifest(root)
         mapping = checks.check_model(manifest, getattr(model_config.hf_config, "model_type", None), root)
         checks.check_version(manifest, vllm.__version__, root)
         tp = get_tensor_model_parallel_world_size()
