@@ -219,6 +219,49 @@ def test_refuses_a_damaged_output(vllm_here: Any, ckpts: dict[str, Path], tmp_pa
     _raises(vllm_here, bad, name, "sha256", load_format="mxconv", model_loader_extra_config={"check_hashes": True})
 
 
+def _drop(out: Path, name: str) -> Path:
+    """Remove tensor ``name`` from its shard of output ``out`` and from the index; its manifest entry stays."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    f = out / index["weight_map"].pop(name)
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    tensors = load_file(f)
+    del tensors[name]
+    save_file(tensors, f, metadata={"format": "pt"})
+    return f
+
+
+def test_refuses_an_output_missing_a_non_expert_tensor(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """model.norm.weight gone from its shard and the index, still in mxconv.json: verify fails, and the
+    plugin refuses before reading any byte (vLLM itself would leave the norm at its initial value: it
+    does not check that every weight of a quantized model was loaded)."""
+    import mxconv.integrations.vllm.loader as plugin_loader
+
+    bad = _copy(ckpts["mx-cpu"], tmp_path / "no-norm")
+    f = _drop(bad, "model.norm.weight")
+    code, out, err = mx("verify", bad)
+    assert code == 1, out + err
+    reads: list[int] = []
+    real = plugin_loader.read_layer_tensors
+    monkeypatch.setattr(plugin_loader, "read_layer_tensors", lambda src, *a, **k: reads.append(src.layer) or real(src, *a, **k))
+    _raises(vllm_here, bad, str(f), "model.norm.weight: listed in the manifest but missing", "mxconv verify",
+            load_format="mxconv")  # fmt: skip
+    assert reads == []
+
+
+def test_refuses_an_mxfp8_output(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's gpt-oss MXFP4 method loads MXFP4 only: an MXFP8 kernel output is refused by its format
+    (before vLLM's backend selection or any read), not by what follows from it."""
+    mx8, dst = tmp_path / "mx8", tmp_path / "mx8-humming"
+    for cmd, src, out_dir, *opts in (("quantize", ckpts["bf"], mx8, "--format", "mxfp8"),
+                                     ("repack", mx8, dst, "--backend", "humming")):  # fmt: skip
+        code, out, err = mx(cmd, src, out_dir, *opts, "--device", "cpu", "--quiet")
+        assert code == 0, out + err
+    _raises(vllm_here, dst, "holds mxfp8 experts", "takes mxfp4 only", load_format="mxconv")
+
+
 def test_the_manifest_is_read_once_a_load(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """vLLM builds one MoE method a layer (L of them) and the loader checks the output too: mxconv.json

@@ -15,7 +15,7 @@ from vllm.model_executor.layers.quantization import mxfp4 as vllm_mxfp4
 from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config, GptOssMxfp4MoEMethod
 
 from mxconv.errors import BadInput
-from mxconv.integrations.vllm.checks import check_backend, check_selected_backend, held_backends
+from mxconv.integrations.vllm.checks import check_backend, check_selected_backend, check_weight_format, held_backends
 from mxconv.integrations.vllm.mappings import BackendMapping
 from mxconv.output.engine_quant_config import VLLM_LOAD_FORMAT, VLLM_QUANT_METHOD
 from mxconv.source.file_names import MANIFEST_NAME
@@ -86,6 +86,8 @@ class MxconvMoEMethod(GptOssMxfp4MoEMethod):
                            f"load_format='{VLLM_LOAD_FORMAT}' (vllm serve --load-format {VLLM_LOAD_FORMAT}), "
                            f"not {load_format!r}")  # fmt: skip
         manifest = output_manifest(root)
+        if manifest is not None:
+            check_weight_format(manifest, root)
         super().__init__(moe)  # vLLM selects its MXFP4 MoE backend here (moe_backend honoured)
         if config.vllm_backend is not None:
             if manifest is not None:  # its served_vllm_backends: every backend holding the bytes
