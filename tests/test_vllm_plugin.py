@@ -313,6 +313,23 @@ def test_the_entry_point_is_the_register_function() -> None:
     assert getattr(importlib.import_module(module), attr) is plugin.register
 
 
+@pytest.mark.parametrize("backend, activation", [("cpu", "bf16"), ("triton", "bf16"), ("deepgemm", "fp8"),
+                                                 ("cutlass", "mxfp4")])  # fmt: skip
+def test_config_names_the_backend_the_served_by_rule_names(ckpts: dict[str, Path], tmp_path: Path, backend: str,
+                                                           activation: str) -> None:  # fmt: skip
+    """config.json's mxconv_vllm_moe_backend (what the plugin checks without a manifest) is the first backend
+    the manifest's served-by rule finds under the plugin's method (GptOssMxfp4MoEMethod), None where none
+    holds the bytes: deepgemm (no SwiGLU-OAI) and cutlass gpt-oss outputs name no backend (the layout's
+    first candidate, DEEPGEMM_MXFP4 / CUTLASS_MXFP4_MXFP4, before)."""
+    out = tmp_path / backend
+    code, o, e = mx("repack", ckpts["mx"], out, "--backend", backend, "--activation", activation, "--device", "cpu", "--quiet")
+    assert code == 0, o + e
+    named = json.loads((out / "config.json").read_text())["quantization_config"]["mxconv_vllm_moe_backend"]
+    served = json.loads((out / "mxconv.json").read_text())["served_vllm_methods"].get("Mxfp4MoEMethod", [None])
+    assert named == served[0]
+    assert (named is None) == (backend in ("deepgemm", "cutlass"))
+
+
 def _perturbed(src: Path, dst: Path, non_experts: bool = False) -> Path:
     """``src`` with every routed-expert weight changed (MXFP4 blocks: bytes reversed; bf16: down_proj
     doubled) and, with ``non_experts``, the attention and embedding weights scaled by 1.5; everything
