@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from mxconv.errors import BadInput
 from support.cli import mx
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -386,6 +387,89 @@ def test_refit_gives_the_tokens_of_a_fresh_load(vllm_here: Any, ckpts: dict[str,
            for o in outs]  # fmt: skip
     del llm
     assert got == want
+
+
+def _params(llm: Any) -> dict[str, torch.Tensor]:
+    return llm.apply_model(lambda model: {n: p.detach().clone() for n, p in model.named_parameters()})[0]
+
+
+def test_refit_writes_nothing_when_a_later_layer_does_not_convert(vllm_here: Any, ckpts: dict[str, Path],
+                                                                 tmp_path: Path) -> None:  # fmt: skip
+    """A bf16 checkpoint whose layer 1 holds a NaN (attention, embeddings and layer 0 changed too): refit
+    refuses naming it, and every parameter vLLM holds, layer 0's experts and the attention included, is
+    as before (every layer is converted and checked before anything is written)."""
+    from safetensors.torch import load_file, save_file
+
+    from mxconv.integrations.vllm import refit
+
+    new = _perturbed(ckpts["bf"], tmp_path / "new", non_experts=True)
+    for f in new.glob("*.safetensors"):
+        t = load_file(f)
+        for name in [n for n in t if n == "model.layers.1.mlp.experts.down_proj"]:
+            t[name][0, 0, 0] = float("nan")
+        save_file(t, f, metadata={"format": "pt"})
+    llm = vllm_here.LLM(model=str(ckpts["bf-cpu"]), skip_tokenizer_init=True, load_format="mxconv", dtype="bfloat16",
+                        max_model_len=256, enforce_eager=True)  # fmt: skip
+    before = _params(llm)
+    with pytest.raises(BadInput, match="non-finite value nan in in-memory w2"):
+        refit(llm, new)
+    after = _params(llm)
+    del llm
+    assert after.keys() == before.keys()
+    assert [n for n in before if not torch.equal(before[n], after[n])] == []
+
+
+def test_refit_refuses_a_backend_whose_parameters_vllm_replaced(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's TRITON conversion deletes the weight parameters and holds triton_kernels objects instead:
+    refit refuses such a layer by name before reading the checkpoint (a layer as mxconv's loader leaves
+    it: its source and mapping on the MoE method, the parameters gone)."""
+    from mxconv.engines.loader import resolve_layer
+    from mxconv.integrations.vllm.mappings import MAPPINGS
+    from mxconv.integrations.vllm.refitting import prepare_model
+
+    out = tmp_path / "triton"
+    code, o, e = mx("repack", ckpts["mx"], out, "--backend", "triton", "--device", "cpu", "--quiet")
+    assert code == 0, o + e
+    layer = torch.nn.Module()
+    layer.quant_method = types.SimpleNamespace(mxconv_src=resolve_layer(out, 0, need_runner=False),
+                                               mxconv_mapping=MAPPINGS["triton"])  # fmt: skip
+    model = torch.nn.Sequential(layer)
+    with pytest.raises(BadInput, match="triton output, which vLLM holds as TRITON kernel objects") as info:
+        prepare_model(str(tmp_path / "no-such-checkpoint"), model)
+    assert "cpu" in str(info.value) and "reload the engine" in str(info.value)
+
+
+def _rank_bytes(t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    return str(t.dtype), t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "marlin"])
+def test_refit_converts_each_rank_share_to_the_bytes_repack_writes(tmp_path: Path, backend: str) -> None:
+    """Each TP rank converts only its share (sliced before quantizing, an uneven split: I = 96 over two
+    ranks is 64 + 32, the last padded): from bf16 experts (quantized in memory) and from their MXFP4
+    bytes, rank r's kernel tensors equal rank-r/ of `repack --tp 2` of the quantized checkpoint."""
+    from mxconv.engines.loader import read_layer_tensors, resolve_layer
+    from mxconv.examples import make_checkpoint
+    from mxconv.families import detect_family
+    from mxconv.integrations.vllm.refitting import rank_kernel
+    from mxconv.source.checkpoint import open_checkpoint
+
+    bf, q, out = tmp_path / "bf", tmp_path / "bf-mx", tmp_path / "out"
+    make_checkpoint(bf, "gpt-oss-bf16", num_layers=1, num_experts=4, hidden_size=64, intermediate_size=96, head_dim=HEAD_DIM)
+    for cmd, src, dst, *opts in (("quantize", bf, q, "--format", "mxfp4"), ("repack", q, out, "--backend", backend, "--tp", "2")):
+        code, o, e = mx(cmd, src, dst, *opts, "--device", "cpu", "--quiet")
+        assert code == 0, o + e
+    for source in (bf, q):
+        reader = detect_family(open_checkpoint(source))
+        ref = reader.layer_refs()[0]
+        layer = reader.read_layer(ref)
+        for rank in (0, 1):
+            src = resolve_layer(out, ref.layer, rank=rank, need_runner=False)
+            want, got = read_layer_tensors(src, "cpu"), rank_kernel(layer, src)
+            assert got.keys() == want.keys()
+            for key in want:
+                (got_dtype, got_bytes), (want_dtype, want_bytes) = _rank_bytes(got[key]), _rank_bytes(want[key])
+                assert got_dtype == want_dtype and torch.equal(got_bytes, want_bytes), (source.name, rank, key)
 
 
 def _restored(out: Path, name: str, change: Any) -> None:
