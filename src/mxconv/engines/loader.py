@@ -145,30 +145,34 @@ def resolve_layer(path: str | Path, layer: int, *, rank: int | None = None, mani
     return LayerSource(root, m, int(layer), rank, prefix, files, names, end - start)
 
 
+def stored_info(root: Path, manifest: Manifest, key: str, headers: dict[Path, dict[str, TensorInfo]]) -> TensorInfo:
+    """Where manifest entry ``key`` of the output at ``root`` lives, from the validated header of the file
+    the manifest names (``headers``: a cache of them, filled as files are read), checked as ``mxconv verify``
+    checks it (:func:`~mxconv.source.manifest.stored_problem`): OutputDamaged naming the file and the
+    tensor where the file is missing or damaged, or does not hold the tensor with the manifest's shape
+    and dtype. Headers only: no tensor byte is read."""
+    f = tensor_file(root, manifest, key)
+    if f not in headers:
+        if not f.exists():
+            raise OutputDamaged(f"{f}: missing (named by {root / MANIFEST_NAME})")
+        try:
+            headers[f] = read_header(f)[0]
+        except BadInput as exc:
+            raise OutputDamaged(str(exc)) from None
+    info = headers[f].get(key.split("/", 1)[1] if manifest.tp_size > 1 else key)
+    problem = stored_problem(root, manifest, key, info)
+    if problem:
+        raise OutputDamaged(f"{f}: {problem} (named by {root / MANIFEST_NAME})")
+    assert info is not None
+    return info
+
+
 def layer_infos(src: LayerSource, headers: dict[Path, dict[str, TensorInfo]] | None = None) -> dict[str, TensorInfo]:
     """Where each stored expert tensor of ``src`` lives (file, dtype, shape, byte range), from the
-    validated headers of its files (``headers``: a cache of them, filled as files are read), checked
-    against the manifest as ``mxconv verify`` checks it (:func:`~mxconv.source.manifest.stored_problem`):
-    OutputDamaged naming the file and the tensor where a file is missing or damaged, or does not hold
-    the tensor with the manifest's shape and dtype."""
+    validated headers of its files (``headers``: a cache of them), each checked by :func:`stored_info`."""
     headers = {} if headers is None else headers
     prefix = f"{rank_dir_name(src.rank)}/" if src.tp_size > 1 else ""
-    out: dict[str, TensorInfo] = {}
-    for key, f in src.files.items():
-        if f not in headers:
-            if not f.exists():
-                raise OutputDamaged(f"{f}: missing (named by {src.root / MANIFEST_NAME})")
-            try:
-                headers[f] = read_header(f)[0]
-            except BadInput as exc:
-                raise OutputDamaged(str(exc)) from None
-        info = headers[f].get(src.names[key])
-        problem = stored_problem(src.root, src.manifest, prefix + src.names[key], info)
-        if problem:
-            raise OutputDamaged(f"{f}: {problem} (named by {src.root / MANIFEST_NAME})")
-        assert info is not None
-        out[key] = info
-    return out
+    return {key: stored_info(src.root, src.manifest, prefix + src.names[key], headers) for key in src.files}
 
 
 def layer_hashes(src: LayerSource) -> dict[str, str]:

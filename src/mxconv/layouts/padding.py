@@ -270,44 +270,52 @@ def tp_ranges(intermediate_size: int, tp: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int, pad_to: int | None = None) -> CanonicalExperts:
-    """Rank's share of a canonical stack: intermediate channels [start, end).
+def tp_share(t: dict[str, Any], row_order: str, start: int, end: int, rank: int) -> dict[str, Any]:
+    """Rank's share of one layer's canonical expert tensors by name: intermediate channels [start, end).
 
-    w13 rows: interleaved -> [2*start, 2*end); halves -> gate[start:end] ++ up[start:end].
-    w2 columns: bytes [start/v, end/v) (v values per byte: 2 for 4-bit formats, 1 for MXFP8), scale
-    columns [start/32, end/32).
-    w2 bias: kept on rank 0 only, zero on the others (the engine sums rank outputs).
-    ``pad_to``: zero-pad a narrower last rank to this intermediate width (the widest rank's), so
-    every rank's kernel tensors have one shape; the bytes equal padding straight to the layout's Ip.
+    w13 rows (``w13``, ``w13_scale``, ``w13_bias``): interleaved -> [2*start, 2*end); halves ->
+    gate[start:end] ++ up[start:end]. w2 columns (``w2``): [start/v, end/v), v values per element (2
+    for 4-bit bytes, 1 for MXFP8 bytes and floats: I over its width); ``w2_scale`` columns
+    [start/32, end/32). ``w2_bias``: rank 0 only, zero on the others (the engine sums rank outputs).
+    Floats and MX bytes alike: quantization blocks run along K in 32s and the ranges are multiples of
+    32, so the share of float experts quantizes to the share of the quantized ones.
     """
     import torch
 
-    I, vpb = c.intermediate_size, c.values_per_byte
-    if c.row_order == "interleaved":
-        r13 = slice(2 * start, 2 * end)
+    I = t["w13"].shape[1] // 2
+    if row_order == "interleaved":
 
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return t[:, r13]
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return x[:, 2 * start : 2 * end]
 
     else:
 
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t[:, start:end], t[:, I + start : I + end]], dim=1)
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x[:, start:end], x[:, I + start : I + end]], dim=1)
 
-    w2_bias = c.w2_bias
-    if w2_bias is not None and rank != 0:
-        w2_bias = torch.zeros_like(w2_bias)
-    part = CanonicalExperts(
-        w13=rows(c.w13).contiguous(),
-        w13_scale=rows(c.w13_scale).contiguous(),
-        w2=c.w2[..., start // vpb : end // vpb].contiguous(),
-        w2_scale=c.w2_scale[..., start // 32 : end // 32].contiguous(),
-        w13_bias=None if c.w13_bias is None else rows(c.w13_bias).contiguous(),
-        w2_bias=None if w2_bias is None else w2_bias.contiguous(),
-        row_order=c.row_order,
-        weight_format=c.weight_format,
-        input_scales=c.input_scales,
-    )
+    per = I // t["w2"].shape[-1]
+    cols = {"w2": (start // per, end // per), "w2_scale": (start // 32, end // 32)}
+    out = {}
+    for key, x in t.items():
+        if x is None:
+            out[key] = None
+        elif key in cols:
+            out[key] = x[..., cols[key][0] : cols[key][1]].contiguous()
+        elif key == "w2_bias":
+            out[key] = (x if rank == 0 else torch.zeros_like(x)).contiguous()
+        else:
+            out[key] = rows(x).contiguous()
+    return out
+
+
+def slice_tp(c: CanonicalExperts, start: int, end: int, rank: int, pad_to: int | None = None) -> CanonicalExperts:
+    """Rank's share of a canonical stack: intermediate channels [start, end) (:func:`tp_share`).
+    ``pad_to``: zero-pad a narrower last rank to this intermediate width (the widest rank's), so
+    every rank's kernel tensors have one shape; the bytes equal padding straight to the layout's Ip.
+    """
+    names = ("w13", "w13_scale", "w2", "w2_scale", "w13_bias", "w2_bias")
+    share = tp_share({k: getattr(c, k) for k in names}, c.row_order, start, end, rank)
+    part = CanonicalExperts(**share, row_order=c.row_order, weight_format=c.weight_format, input_scales=c.input_scales)
     if pad_to is not None and pad_to > end - start:
         part = pad_canonical(part, part.hidden_size, pad_to)
     return part

@@ -10,7 +10,7 @@ from typing import Any, Iterable
 
 from mxconv.families.base import MoELayerRef
 from mxconv.families.gpt_oss_output import FORMAT_KEY
-from mxconv.layouts import get_layout
+from mxconv.layouts.vllm_serving import OutputForm, VllmMethod, served_backends, vllm_serving
 from mxconv.output.engine_quant_config import VLLM_LOAD_FORMAT, VLLM_QUANT_METHOD, quant_config_keys, quant_config_of
 from mxconv.output.files import FileRecord
 from mxconv.output.manifest import base_manifest, manifest_of
@@ -49,7 +49,15 @@ def output_config(plan: Plan) -> dict[str, Any]:
         # never for from_pretrained. quant_method "mxconv": vLLM without the plugin stops ("Unknown
         # quantization method: mxconv"), with it loads the output (load_format mxconv). transformers
         # does not know it either (docs/vllm-plugin.md: what it does then).
-        vllm_backends = getattr(get_layout(plan.repack.backend), "vllm_backends", {}).get(plan.repack.activation, ())
+        # the first backend the one "served by" rule (layouts.vllm_serving, the manifest's served_vllm_methods)
+        # finds under the method the plugin loads with (GptOssMxfp4MoEMethod), not the layout's first candidate
+        lay, sz = plan.layout_desc, plan.sizes
+        assert sz is not None
+        form = OutputForm(plan.repack.backend, plan.repack.activation, plan.weight_format,
+                          (plan.info.hidden_size, sz.intermediate_size, sz.padded_hidden_size, sz.padded_intermediate_size),
+                          plan.info.to_json(), dict(lay.get("engine_compat") or {}).get("vllm"),
+                          None if lay.get("arch") is None else str(lay["arch"]), plan.repack.tp)  # fmt: skip
+        vllm_backends = served_backends(vllm_serving(form), VllmMethod.MXFP4)
         cfg["quantization_config"] = {
             "quant_method": VLLM_QUANT_METHOD,
             FORMAT_KEY: "kernel-layout",  # the key gpt-oss MXFP8 outputs use too

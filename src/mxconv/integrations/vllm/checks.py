@@ -16,6 +16,7 @@ from mxconv.source.file_names import MANIFEST_NAME, output_path
 from mxconv.source.manifest import Manifest
 
 SUPPORTED_FAMILIES = ("gpt_oss",)  # vLLM model types whose MoE method the plugin wraps
+WEIGHT_FORMATS = ("mxfp4",)  # manifest weight_format values that method (GptOssMxfp4MoEMethod) loads
 
 
 def _repack_hint(vllm_backend: str) -> str:
@@ -42,11 +43,23 @@ def check_version(manifest: Manifest, version: str, root: Path) -> None:
                        f"release whose {manifest.backend} layout supports vLLM {version}")  # fmt: skip
 
 
+def check_weight_format(manifest: Manifest, root: Path) -> None:
+    """Experts in a format the plugin's vLLM method loads: it wraps vLLM's gpt-oss MXFP4 method
+    (``GptOssMxfp4MoEMethod``), whose parameters hold MXFP4 only."""
+    if manifest.weight_format not in WEIGHT_FORMATS:
+        raise BadInput(f"{root}: holds {manifest.weight_format} experts (weight_format in mxconv.json); mxconv's vLLM "
+                       f"plugin loads them through vLLM's gpt-oss MXFP4 MoE method, which takes "
+                       f"{', '.join(WEIGHT_FORMATS)} only: repack an MXFP4 checkpoint (mxconv quantize --format mxfp4, "
+                       f"then mxconv repack)")  # fmt: skip
+
+
 def check_model(manifest: Manifest, model_type: str | None, root: Path) -> BackendMapping:
-    """A kernel-layout output of a family and backend the plugin loads; returns the backend's mapping."""
+    """A kernel-layout output of a family, weight format and backend the plugin loads; returns the
+    backend's mapping."""
     if not manifest.is_kernel:
         raise BadInput(f"{root}: a {manifest.kind} checkpoint, not a kernel-layout output (mxconv repack); "
                        "load it with vLLM's default load format")  # fmt: skip
+    check_weight_format(manifest, root)
     if model_type not in SUPPORTED_FAMILIES:
         raise BadInput(f"{root}: a {model_type} model; mxconv's vLLM plugin loads {', '.join(SUPPORTED_FAMILIES)} "
                        "outputs so far (use mxconv.engines.loader for the others)")  # fmt: skip

@@ -17,16 +17,16 @@ import vllm
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from mxconv.engines.loader import LayerSource, layer_infos, read_layer_tensors, resolve_layer
-from mxconv.errors import BadInput
+from mxconv.engines.loader import LayerSource, layer_infos, read_layer_tensors, resolve_layer, stored_info
+from mxconv.errors import BadInput, OutputDamaged
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import LayoutSizes
 import mxconv.integrations.vllm.checks as checks
 from mxconv.integrations.vllm.mappings import BackendMapping
-from mxconv.integrations.vllm.quant import MxconvMoEMethod
+from mxconv.integrations.vllm.quant import MxconvMoEMethod, output_manifest
 from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
-from mxconv.source.manifest import Manifest, load_manifest
-from mxconv.source.st_format import torch_dtype
+from mxconv.source.manifest import Manifest
+from mxconv.source.st_format import TensorInfo, torch_dtype
 
 EXTRA_KEYS = ("check_hashes",)  # model_loader_extra_config keys this loader takes (the rest go to vLLM's)
 
@@ -38,6 +38,24 @@ def expert_names(manifest: Manifest) -> set[str]:
         if entry.role == "expert":
             out.add(key.split("/", 1)[1] if key.startswith("rank-") else key)
     return out
+
+
+def check_stored(root: Path, manifest: Manifest, rank: int) -> None:
+    """Every tensor the manifest lists for this rank (its non-expert tensors too) is in the file the
+    manifest names, with its shape and dtype (:func:`~mxconv.engines.loader.stored_info`, the check
+    ``mxconv verify`` runs; headers only). vLLM leaves a parameter no file gives at its initial value
+    without a word for a quantized model (it does not check that every weight was loaded then), so a
+    damaged output would otherwise load. OutputDamaged naming the file, the tensor and the rule."""
+    prefix = f"{rank_dir_name(rank)}/" if manifest.tp_size > 1 else ""
+    headers: dict[Path, dict[str, TensorInfo]] = {}
+    try:
+        for key in manifest.tensors:
+            if key.startswith(prefix):
+                stored_info(root, manifest, key, headers)
+    except OutputDamaged as exc:
+        raise OutputDamaged(f"{exc}; mxconv's vLLM plugin loads an output only while every tensor its "
+                            f"{MANIFEST_NAME} lists is stored as listed (mxconv verify {root} checks them all): "
+                            f"repack the source") from None  # fmt: skip
 
 
 def moe_modules(model: torch.nn.Module, manifest: Manifest, root: Path) -> dict[int, torch.nn.Module]:
@@ -144,17 +162,18 @@ class MxconvModelLoader(DefaultModelLoader):
 
     def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
         root = Path(str(model_config.model)).expanduser().resolve()
-        if not (root / MANIFEST_NAME).is_file():
+        manifest = output_manifest(root)  # read once for the MoE methods and this loader
+        if manifest is None:
             raise BadInput(f"{root}: no {MANIFEST_NAME}, so not an mxconv kernel-layout output: load_format "
                            f"'mxconv' reads only those (mxconv repack); load this checkpoint without it")  # fmt: skip
-        manifest = load_manifest(root)
         mapping = checks.check_model(manifest, getattr(model_config.hf_config, "model_type", None), root)
         checks.check_version(manifest, vllm.__version__, root)
         tp = get_tensor_model_parallel_world_size()
         checks.check_tp(manifest, tp, root)
         checks.check_dtype(manifest, str(model_config.dtype), root)
-        modules = moe_modules(model, manifest, root)
         rank = get_tensor_model_parallel_rank()
+        check_stored(root, manifest, rank if tp > 1 else 0)
+        modules = moe_modules(model, manifest, root)
         planned = {}
         for layer, module in sorted(modules.items()):
             checks.check_backend(manifest, module.quant_method.mxfp4_backend.value, root)

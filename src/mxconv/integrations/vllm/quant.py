@@ -15,18 +15,37 @@ from vllm.model_executor.layers.quantization import mxfp4 as vllm_mxfp4
 from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config, GptOssMxfp4MoEMethod
 
 from mxconv.errors import BadInput
-from mxconv.integrations.vllm.checks import check_backend, check_selected_backend, held_backends
+from mxconv.integrations.vllm.checks import check_backend, check_selected_backend, check_weight_format, held_backends
 from mxconv.integrations.vllm.mappings import BackendMapping
 from mxconv.output.engine_quant_config import VLLM_LOAD_FORMAT, VLLM_QUANT_METHOD
 from mxconv.source.file_names import MANIFEST_NAME
-from mxconv.source.manifest import load_manifest
+from mxconv.source.manifest import Manifest, load_manifest
 
 _CONVERT = "convert_gpt_oss_weight_to_mxfp4_moe_kernel_format"  # the vLLM function the plugin steps in for
 _LAYER_HOOK = "_mxconv_converted"  # set on a layer only while vLLM converts it
 
 
+_MANIFESTS: dict[Path, tuple[tuple[int, int], Manifest]] = {}  # root -> ((mtime_ns, size), its manifest)
+
+
 def _model_root() -> Path:
     return Path(str(get_current_vllm_config().model_config.model))
+
+
+def output_manifest(root: Path) -> Manifest | None:
+    """The manifest of the output at ``root`` (None: it has none), read and validated once per version
+    of the file (its mtime and size): vLLM builds one MoE method a layer, and the loader reads it again."""
+    root = root.expanduser().resolve()
+    try:
+        st = (root / MANIFEST_NAME).stat()
+    except FileNotFoundError:
+        return None
+    stamp = (st.st_mtime_ns, st.st_size)
+    held = _MANIFESTS.get(root)
+    if held is None or held[0] != stamp:
+        _MANIFESTS.clear()  # one engine's output at a time
+        held = _MANIFESTS[root] = (stamp, load_manifest(root))
+    return held[1]
 
 
 class MxconvConfig(GptOssMxfp4Config):
@@ -66,10 +85,13 @@ class MxconvMoEMethod(GptOssMxfp4MoEMethod):
             raise BadInput(f"{root}: an mxconv kernel-layout output (quant_method {VLLM_QUANT_METHOD}); load it with "
                            f"load_format='{VLLM_LOAD_FORMAT}' (vllm serve --load-format {VLLM_LOAD_FORMAT}), "
                            f"not {load_format!r}")  # fmt: skip
+        manifest = output_manifest(root)
+        if manifest is not None:
+            check_weight_format(manifest, root)
         super().__init__(moe)  # vLLM selects its MXFP4 MoE backend here (moe_backend honoured)
         if config.vllm_backend is not None:
-            if (root / MANIFEST_NAME).is_file():  # its served_vllm_backends: every backend holding the bytes
-                check_backend(load_manifest(root), self.mxfp4_backend.value, root)
+            if manifest is not None:  # its served_vllm_backends: every backend holding the bytes
+                check_backend(manifest, self.mxfp4_backend.value, root)
             else:
                 held = held_backends(config.mxconv_backend, config.vllm_backend)
                 check_selected_backend(config.mxconv_backend, held, self.mxfp4_backend.value, root)
