@@ -260,7 +260,7 @@ def test_mxfp8_marlin_kernel_matches_reference(mxfp8_marlin: Case, name: str) ->
     need_kernels("marlin")
     out_dir = mxfp8_marlin.outputs[name]
     manifest = load_manifest(out_dir)
-    assert manifest["weight_format"] == "mxfp8" and manifest["layout"]["variant"] == "mxfp8"
+    assert manifest.weight_format == "mxfp8" and manifest.layout.json_value("variant") == "mxfp8"
     for layer in (0, 1):
         x, r, ref, _, _ = _reference(mxfp8_marlin.q4, layer)
         _check(f"qwen/mxfp8-{name}/layer{layer}", run_kernel_layer(out_dir, manifest, layer, x, r), ref, r, True)

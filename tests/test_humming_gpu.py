@@ -152,7 +152,7 @@ def test_kernel_matches_reference(request: pytest.FixtureRequest, fmt: str, fami
     case = _cases(request, fmt)[family]
     out_dir = case.outputs[name]
     manifest = load_manifest(out_dir)
-    assert manifest["weight_format"] == fmt
+    assert manifest.weight_format == fmt
     for layer in (0, 1):
         x, r, ref, _, _ = _reference(case.q4, layer)
         got = run_kernel_layer(out_dir, manifest, layer, x, r)
