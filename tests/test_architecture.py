@@ -1,6 +1,7 @@
 """The package's shape is enforced, not described (docs/architecture.md): the import-linter contracts
 of pyproject.toml, no import cycle (in-function imports included), small modules and functions, few
-top-level modules, the environment read in one module, backend names only where backends live."""
+top-level modules, the environment read in one module, backend names only where backends live, no
+getattr/hasattr probing of a backend layout outside layouts/."""
 
 from __future__ import annotations
 
@@ -170,6 +171,55 @@ def test_every_registered_backend_is_in_the_independence_contract() -> None:
     registered = {str(target).split(":")[0] for target in _REGISTRY.values()}
     assert registered == set(independent), registered ^ set(independent)
     assert set(BACKEND_NAMES) | {"cpu"} == set(_REGISTRY), set(_REGISTRY) ^ (set(BACKEND_NAMES) | {"cpu"})
+
+
+# Members every layout has (the Layout protocol, LayoutBase's defaults) that are not also everyday
+# attribute names: a getattr/hasattr naming one of them probes a backend, whatever the object is called.
+_GENERIC_NAMES = {"name", "version", "options"}
+
+
+@cache
+def _layout_members() -> frozenset[str]:
+    from mxconv.layouts.base import Layout, LayoutBase
+
+    names = set(Layout.__annotations__) | set(vars(Layout)) | set(vars(LayoutBase))
+    return frozenset(n for n in names if not n.startswith("_")) - _GENERIC_NAMES
+
+
+def _probes_a_layout(node: ast.AST) -> bool:
+    """``getattr(layout, ...)``, ``hasattr(trtllm_layout, ...)``, ``getattr(get_layout(b), ...)``, or a
+    getattr/hasattr of any object naming a layout member (``getattr(x, "float_to_kernel", None)``). An
+    attribute named ``layout`` is not taken for one: ``manifest.layout`` is the manifest's layout table."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+            and node.args):
+        return False
+    obj, attr = node.args[0], node.args[1] if len(node.args) > 1 else None
+    func = obj.func if isinstance(obj, ast.Call) else None
+    looks_like_layout = (
+        (isinstance(obj, ast.Name) and obj.id.endswith("layout"))
+        or (isinstance(func, ast.Name) and func.id == "get_layout")
+        or (isinstance(func, ast.Attribute) and func.attr == "get_layout")
+    )
+    names_a_member = isinstance(attr, ast.Constant) and attr.value in _layout_members()
+    return looks_like_layout or names_a_member
+
+
+def test_no_probing_of_backend_layouts() -> None:
+    """Outside layouts/, a backend's capabilities are read as the declared members of the Layout protocol
+    (LayoutBase gives each its default), never probed with getattr/hasattr (issue 31, item 2)."""
+    found = [f"{name}:{node.lineno}" for name, (_, tree) in _modules().items() if name.split(".")[1:2] != ["layouts"]
+             for node in ast.walk(tree) if _probes_a_layout(node)]
+    assert not found, found
+
+
+def test_the_probing_check_can_fail() -> None:
+    for bad in ('getattr(layout, "weight_formats", ("mxfp4",))', 'getattr(get_layout(b), "engine_runner", None)',
+                'hasattr(my_layout, "x")', 'getattr(backend_obj, "float_to_kernel", None)',
+                'hasattr(layouts.get_layout(n), "tp_refusal")'):
+        assert any(_probes_a_layout(n) for n in ast.walk(ast.parse(bad))), bad
+    for good in ('getattr(c, f"{w}_scale")', 'getattr(module, "quant_method", None)', 'layout.weight_formats',
+                 'getattr(info, "name")', 'getattr(manifest.layout, key)'):
+        assert not any(_probes_a_layout(n) for n in ast.walk(ast.parse(good))), good
 
 
 @pytest.mark.parametrize("bad", ["cycle", "upward"])

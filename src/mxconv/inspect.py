@@ -47,7 +47,7 @@ def backend_table(
                                   1 if weight_format == "mxfp8" else 2) * layers  # fmt: skip
     for name in backend_names():
         layout = get_layout(name)
-        formats = getattr(layout, "weight_formats", ("mxfp4",))
+        formats = layout.weight_formats
         fmt_kw = {"weight_format": weight_format} if weight_format != "mxfp4" else {}
         for act in layout.activations:
             if weight_format not in formats:

@@ -25,9 +25,9 @@ by the backend's ``to_kernel``, so the bytes equal the files ``repack`` writes f
 (tests/test_in_memory.py). The experts' format in the layout is ``ConvertOptions.quant``'s, as
 ``repack --format``: left out, MX bytes keep theirs (MXFP8 stays MXFP8) and floats become MXFP4;
 MXFP4 bytes asked for as MXFP8 are re-coded losslessly, MXFP8 bytes are never re-quantized to MXFP4
-(BadInput). A layout with a ``float_to_kernel`` (triton: one fused kernel from bf16 to
-its Hopper buffers) is asked first for float experts and gives the same bytes; where it answers None
-(it does not apply, or an element is NaN/Inf) the general path runs. Everything runs on the tensors' device.
+(BadInput). Float experts go first to the layout's ``float_to_kernel`` (a ``Layout`` member, None
+by default; triton: one fused kernel from bf16 to its Hopper buffers), which gives the same bytes;
+where it answers None (none, it does not apply, or an element is NaN/Inf) the general path runs. Everything runs on the tensors' device.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from mxconv.engines.loader import EngineLayer
 from mxconv.errors import BadInput
 from mxconv.families.base import MXStack
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.base import LayoutOptions
+from mxconv.layouts.base import Layout, LayoutOptions
 from mxconv.layouts.canonical import ROW_ORDERS, CanonicalExperts
 from mxconv.layouts.padding import KernelChoice
 from mxconv.run.compute import to_format
@@ -201,16 +201,16 @@ def _consistent_floats(t: Mapping[str, torch.Tensor]) -> bool:
     return sizes_ok and tuple(b13.shape) == (E, n13) and tuple(b2.shape) == (E, H)
 
 
-def _fused(layout: Any, t: dict[str, torch.Tensor], row_order: str, activation: str, layout_options: LayoutOptions,
+def _fused(layout: Layout, t: dict[str, torch.Tensor], row_order: str, activation: str, layout_options: LayoutOptions,
            options: ConvertOptions) -> Mapping[str, torch.Tensor] | None:  # fmt: skip
-    """The layout's one-pass conversion of float experts (its ``float_to_kernel``, where it has one:
-    the same bytes as quantizing, then ``to_kernel``) for a consistent float layer; None when there
-    is none, it does not apply or the experts hold a NaN/Inf (the general path then decides)."""
-    fused = getattr(layout, "float_to_kernel", None)
-    if fused is None or row_order not in ROW_ORDERS or not _consistent_floats(t):
+    """The layout's one-pass conversion of float experts (its ``float_to_kernel``: the same bytes as
+    quantizing, then ``to_kernel``) for a consistent float layer; None when the layout has none (the
+    LayoutBase default), it does not apply or the experts hold a NaN/Inf (the general path then decides)."""
+    if row_order not in ROW_ORDERS or not _consistent_floats(t):
         return None
     q = options.quant or QuantOptions()
-    return fused(t, row_order, activation, layout_options, str(q.fmt), str(q.scale_rounding), options.kernel_choice)
+    return layout.float_to_kernel(t, row_order, activation, layout_options, str(q.fmt), str(q.scale_rounding),
+                                  options.kernel_choice)  # fmt: skip
 
 
 def layer_quant(layer: EngineLayer) -> QuantOptions:

@@ -68,13 +68,13 @@ def engine_runner(backend: Any) -> EngineRunner | None:
     """The engine runner of backend ``backend``, or None when it has none or is not registered."""
     if backend not in backend_names():
         return None
-    entry = getattr(get_layout(backend), "engine_runner", None)
+    entry = get_layout(backend).engine_runner
     return None if entry is None else resolve_entry(entry)
 
 
 def runner_backends() -> tuple[str, ...]:
     """The registered backends whose engine kernel mxconv can run, in registration order."""
-    return tuple(name for name in backend_names() if getattr(get_layout(name), "engine_runner", None) is not None)
+    return tuple(name for name in backend_names() if get_layout(name).engine_runner is not None)
 
 
 def require_runner(backend: Any, where: str = "") -> EngineRunner:

@@ -18,7 +18,7 @@ torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxc
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, make_dataclass
-from typing import Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import (
@@ -26,6 +26,9 @@ from mxconv.layouts.canonical import (
 )
 from mxconv.layouts.padding import KernelChoice
 from mxconv.source.manifest import Manifest
+
+if TYPE_CHECKING:
+    import torch
 
 
 __all__ = ["EmptyOptions", "Layout", "LayoutBase", "LayoutOption", "LayoutOptions"]
@@ -127,6 +130,10 @@ class LayoutBase:
     # vLLM 0.33 ``Mxfp4MoeBackend`` names (fused_moe/oracle/mxfp4.py) that hold this layout's bytes
     # after loading, per activation; mxconv.output.engine_quant_config checks sizes and model against each one.
     vllm_backends: dict[str, tuple[str, ...]] = {}
+    # the same per activation for the INT4 form (vLLM ``compressed-tensors`` WNA16 backends) and the
+    # MXFP8 form (its ``Fp8MoeBackend`` names); empty: no vLLM backend holds that form of these bytes
+    vllm_int4_backends: dict[str, tuple[str, ...]] = {}
+    vllm_mxfp8_backends: dict[str, tuple[str, ...]] = {}
     # activations whose kernel tensors hold the source's static FP8 input scales (W4A8): the source
     # must carry them (CanonicalExperts.input_scales); plan refuses one that does not
     input_scale_activations: tuple[str, ...] = ()
@@ -181,6 +188,16 @@ class LayoutBase:
     # resolved by mxconv.engines (never here: the engines sit above the layouts). None: no runner.
     engine_runner: Any = None
 
+    def float_to_kernel(
+        self, t: Mapping[str, torch.Tensor], row_order: str, activation: str, options: LayoutOptions | None,
+        fmt: str, scale_rounding: str, kernel_choice: KernelChoice = KernelChoice.AUTO,
+    ) -> KernelTensors | None:  # fmt: skip
+        """One layer's float experts ``t`` (canonical names) quantized to ``fmt`` with ``scale_rounding``
+        and laid out as :meth:`to_kernel` lays that quantization out, in one fused pass (the in-memory
+        hand-off); the same bytes as quantizing, then ``to_kernel``. None (the default): no fused pass
+        here, or it does not apply to these tensors; the caller then takes the general path."""
+        return None
+
     def size_warnings(self, hidden_size: int, intermediate_size: int, options: LayoutOptions | None = None) -> list[str]:
         """Plain warnings about sizes the engine accepts but computes wrongly (repack prints them,
         inspect shows them, ``verify --kernel`` fails on them). None by default."""
@@ -205,6 +222,8 @@ class Layout(Protocol):
     activations: tuple[str, ...]  # accepted --activation values; first is the default
     options: tuple[LayoutOption, ...]  # typed options (--layout-option NAME=VALUE)
     vllm_backends: dict[str, tuple[str, ...]]  # activation -> vLLM Mxfp4MoeBackend names served
+    vllm_int4_backends: dict[str, tuple[str, ...]]  # the same for the INT4 form (LayoutBase: {})
+    vllm_mxfp8_backends: dict[str, tuple[str, ...]]  # the same for the MXFP8 form (LayoutBase: {})
     weight_formats: tuple[str, ...]  # canonical weight formats taken (LayoutBase: ("mxfp4",))
     input_scale_activations: tuple[str, ...]  # activations needing the source's FP8 input scales (LayoutBase: ())
     options_type: type[LayoutOptions]  # the frozen dataclass resolve_options makes (LayoutBase: from options)
@@ -217,6 +236,13 @@ class Layout(Protocol):
 
     def kernel_unavailable(self, manifest: Manifest) -> str | None:
         """Why the engine kernel cannot run when there is no engine_runner (LayoutBase provides one)."""
+        ...
+
+    def float_to_kernel(
+        self, t: Mapping[str, torch.Tensor], row_order: str, activation: str, options: LayoutOptions | None,
+        fmt: str, scale_rounding: str, kernel_choice: KernelChoice = KernelChoice.AUTO,
+    ) -> KernelTensors | None:  # fmt: skip
+        """Float experts -> kernel tensors in one fused pass, or None (LayoutBase: None, never)."""
         ...
 
     def tp_refusal(self, tp: int, options: LayoutOptions | None = None) -> str | None:

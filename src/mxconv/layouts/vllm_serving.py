@@ -130,12 +130,12 @@ def candidates(layout: str, activation: str | None, weight_format: str) -> list[
     lay = get_layout(layout)
     act = str(activation)
     if weight_format == "int4":
-        return [(VllmMethod.CT_WNA16, b) for b in getattr(lay, "vllm_int4_backends", {}).get(act, ())]
+        return [(VllmMethod.CT_WNA16, b) for b in lay.vllm_int4_backends.get(act, ())]
     if weight_format == "mxfp8":  # Fp8MoeBackend names, reached by the MXFP8 checkpoint's method
-        return [(VllmMethod.CT_MXFP8, b) for b in getattr(lay, "vllm_mxfp8_backends", {}).get(act, ())]
+        return [(VllmMethod.CT_MXFP8, b) for b in lay.vllm_mxfp8_backends.get(act, ())]
     if weight_format != "mxfp4":  # block-FP8 outputs: no layout names a backend for them
         return []
-    names = getattr(lay, "vllm_backends", {}).get(act, ())
+    names = lay.vllm_backends.get(act, ())
     return [(VllmMethod.MXFP4, b) for b in names] + [(VllmMethod.CT_MXFP4, b) for b in names if b in CT_MXFP4_BACKENDS]
 
 

@@ -169,7 +169,7 @@ def _padding(manifest: Manifest, width: int) -> list[str]:
     except (BadInput, LayoutError):  # the layout check of every layer names it
         return []
     fmt = manifest.weight_format
-    takes = getattr(layout, "weight_formats", ("mxfp4",))
+    takes = layout.weight_formats
     if fmt not in takes:
         return [f"manifest weight_format is {fmt!r}, but backend {backend} holds {' or '.join(takes)} experts"]
     kw = {} if fmt == "mxfp4" else {"weight_format": fmt}
