@@ -87,11 +87,10 @@ def vllm_kernel_specs(src: LayerSource, module: torch.nn.Module) -> dict[str, An
 
 
 def check_layer(src: LayerSource, module: torch.nn.Module, mapping: BackendMapping, root: Path) -> None:
-    """Every path inside the output; each stored tensor of the shape and dtype of vLLM's parameter
-    (``into_params``) or of what vLLM's conversion returns at vLLM's padding (``kept_aside``: the
-    layout's kernel tensor specs for vLLM's padded sizes)."""
-    for key, f in src.files.items():
-        checks.inside(root, str(f.relative_to(root)) if f.is_relative_to(root) else str(f))
+    """Each stored tensor of the shape and dtype of vLLM's parameter (``into_params``) or of what
+    vLLM's conversion returns at vLLM's padding (``kept_aside``: the layout's kernel tensor specs for
+    vLLM's padded sizes). Its paths were checked when ``src`` was resolved (``resolve_layer`` takes
+    every file through ``tensor_file``: plain names inside the output, no link)."""
     infos = layer_infos(src)
     specs = vllm_kernel_specs(src, module)
     for key, info in infos.items():
