@@ -192,7 +192,7 @@ def test_repack_refuses_include_ignore(option: str, tmp_path: Path) -> None:
     q = QuantOptions("mxfp4", **{option: r"layers\.1\."})
     with pytest.raises(BadInput) as ei:
         build_plan(ckpt, detect_family(ckpt), q, RepackOptions("marlin", "bf16"))
-    assert str(ei.value) == "repack converts every MoE layer; --include/--ignore apply to quantize only"
+    assert str(ei.value) == "repack converts every MoE layer; QuantOptions.include/QuantOptions.ignore apply to quantize only"
 
 
 def test_repack_cli_has_no_include_ignore() -> None:

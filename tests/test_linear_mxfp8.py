@@ -290,7 +290,7 @@ def test_unaligned_linear_is_refused_or_skipped(tmp_path: Path) -> None:
     src_dir = make_checkpoint(tmp_path / "src", "qwen3-moe").path
     _add_tensor(src_dir, "model.layers.0.self_attn.extra_proj.weight", torch.randn(16, 40).to(torch.bfloat16))
     ckpt = open_checkpoint(src_dir)
-    with pytest.raises(BadInput, match=r"linear model\.layers\.0\.self_attn\.extra_proj has input size 40 .*--skip-unaligned"):
+    with pytest.raises(BadInput, match=r"linear model\.layers\.0\.self_attn\.extra_proj has input size 40 .*QuantOptions.skip_unaligned"):
         build_plan(ckpt, detect_family(ckpt), LINEAR)
     _convert(src_dir, tmp_path / "q8", QuantOptions("mxfp8"))  # --targets experts: not a linear target, fine
     summary = _convert(src_dir, tmp_path / "out", QuantOptions("mxfp8", targets="linear", skip_unaligned=True))
@@ -306,13 +306,13 @@ def test_unaligned_linear_is_refused_or_skipped(tmp_path: Path) -> None:
 def test_refusals(tmp_path: Path) -> None:
     src_dir = make_checkpoint(tmp_path / "src", "qwen3-moe").path
     ckpt = open_checkpoint(src_dir)
-    with pytest.raises(BadInput, match="pass --format mxfp8"):
+    with pytest.raises(BadInput, match="set QuantOptions.fmt mxfp8"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp4", targets="linear"))
     with pytest.raises(BadInput, match="QuantOptions.targets 'all'"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp8", targets="all"))
     with pytest.raises(BadInput, match="applies to quantize only"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp8", targets="linear"), RepackOptions("trtllm", "bf16"))
-    with pytest.raises(BadInput, match=r"--ignore: invalid regular expression"):
+    with pytest.raises(BadInput, match=r"QuantOptions.ignore: invalid regular expression"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp8", ignore=["ok", "re:("], targets="linear"))
 
 

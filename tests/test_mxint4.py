@@ -567,7 +567,7 @@ def test_partial_quantize_of_int4_is_refused(kimi: GroundTruth) -> None:
     # a two-MoE-layer INT4 checkpoint, one layer ignored
     two = make_checkpoint(Path(str(kimi.path) + "-3"), "kimi-k2-int4", num_layers=3)
     ckpt = open_checkpoint(two.path)
-    with pytest.raises(BadInput, match=r"layers\.2\.mlp\.experts: --include/--ignore would leave this INT4 layer"):
+    with pytest.raises(BadInput, match=r"layers\.2\.mlp\.experts: QuantOptions.include/QuantOptions.ignore would leave this INT4 layer"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp4", ignore=r"layers\.2\."))
 
 

@@ -185,9 +185,9 @@ def build_experts(
     the manifest declares and hold them for the kernel. BadInput for variants vLLM 0.33's kernel
     does not run here: FP8 activations (SM89/SM120 only) and the legacy (vLLM <= 0.11.2) scales."""
     if layout.get("activation", "bf16") != "bf16":
-        raise BadInput(f"{name}: Marlin with {layout.get('activation')} activations (W4A8-FP8) runs on SM89/SM120 only; repack with --activation bf16")
+        raise BadInput(f"{name}: Marlin with {layout.get('activation')} activations (W4A8-FP8) runs on SM89/SM120 only; repack with RepackOptions.activation bf16")
     if layout.get("scale_layout", "current") != "current":
-        raise BadInput(f"{name}: legacy Marlin scales (vLLM <= 0.11.2) are not what vLLM 0.33's kernel reads; repack with --marlin-scale-layout current")
+        raise BadInput(f"{name}: legacy Marlin scales (vLLM <= 0.11.2) are not what vLLM 0.33's kernel reads; repack with RepackOptions.layout_options marlin_scale_layout=current")
     E, Hp, Ip = num_experts, padded_hidden_size, padded_intermediate_size
     form = FORMS.get(str(layout.get("variant") or "mxfp4"))
     if form is None:

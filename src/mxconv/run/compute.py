@@ -123,7 +123,7 @@ def _quantize_chunk(x: torch.Tensor, e0: int, fmt: str, q: QuantOptions, where: 
     if not q.allow_nonfinite:
         val = x[(idx[0] - e0, *idx[1:])].item()
         loc = where(idx) if callable(where) else f"{where} at index {list(idx)} (expert, row, column)"
-        raise BadInput(f"non-finite value {val} in {loc}; pass --allow-nonfinite to write NaN scales (0xFF) for such blocks")
+        raise BadInput(f"non-finite value {val} in {loc}; set QuantOptions.allow_nonfinite to write NaN scales (0xFF) for such blocks")
     x, bad_blocks = _nan_policy(x)
     d, s = quantize_mx(x, fmt, q.scale_rounding)
     data.copy_(d)
