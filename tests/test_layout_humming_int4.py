@@ -97,9 +97,9 @@ def test_round_trip_specs_and_describe(codes: str, low: int) -> None:
 
 def test_the_code_form_humming_would_not_pick_is_refused() -> None:
     with_minus8, without = _stack(1, 64, 64, seed=1, low=-8), _stack(1, 64, 64, seed=1, low=-7)
-    with pytest.raises(LayoutError, match=r"w13_weight: the code q = -8.*int4_codes=uint4"):
+    with pytest.raises(LayoutError, match=r"w13_weight: the code q = -8.*not float4e0m3; int4_codes=auto"):
         LAYOUT.to_kernel(with_minus8, "bf16", _opts("e0m3"))
-    with pytest.raises(LayoutError, match=r"w13_weight: no code of this stack is q = -8.*int4_codes=e0m3"):
+    with pytest.raises(LayoutError, match=r"w13_weight: no code of this stack is q = -8.*not uint4; int4_codes=auto"):
         LAYOUT.to_kernel(without, "bf16", _opts("uint4"))
     with pytest.raises(LayoutError, match="multiple of 32"):
         LAYOUT.padded_sizes(64, 48, "halves", "bf16", weight_format="int4")
