@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from mxconv.errors import BadInput
+from mxconv.errors import BadInput, LayoutError
 from mxconv.families.base import FP8BlockStack, Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts
@@ -258,7 +258,11 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
                 choices = layout.stack_choices(part, plan.repack.layout_options)
                 stats.record_choices(layer, rank, choices)
                 options = layout.with_choices(plan.repack.layout_options, choices)
-                kt = layout.to_kernel(part, plan.repack.activation, options, plan.repack.kernel_choice)
+                try:
+                    kt = layout.to_kernel(part, plan.repack.activation, options, plan.repack.kernel_choice)
+                except LayoutError as exc:  # the layout names the tensor; say whose
+                    rank_tag = f" (rank {rank})" if plan.repack.tp > 1 else ""
+                    raise LayoutError(f"{ref.module_prefix}.experts{rank_tag}: {exc}") from None
                 # a 0-dim tensor (a layer's reduced input scale) is not split over experts: the first group writes it
                 results.append({f"{ref.module_prefix}.experts.{k}": to_host(v) for k, v in kt.items()
                                 if v.dim() or not layer.first_expert})
