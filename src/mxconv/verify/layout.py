@@ -61,10 +61,12 @@ def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: in
 def kernel_layer_canonical(
     manifest: Manifest, ckpts: list[Checkpoint], prefix: str, problems: list[str],
     device: torch.device | str = "cpu", pre_read: list[dict[str, torch.Tensor]] | None = None,
+    layer: int | None = None,
 ) -> CanonicalExperts | None:
     """Invert one layer's kernel tensors (all ranks) on ``device``, check the round trip; None on
     failure. ``pre_read``: the tensors already read (per rank, by short name; verify's layer reads,
-    which hash them as they pass); otherwise they are read here."""
+    which hash them as they pass); otherwise they are read here. ``layer``: its MoE layer number, whose
+    recorded stack choices (``layout.stack_choices``) the inverse uses (None: the entry of ``prefix``)."""
     backend = str(manifest.backend)
     try:
         layout = get_layout(backend)
@@ -87,12 +89,17 @@ def kernel_layer_canonical(
         rank_sizes = LayoutSizes(sizes.num_experts, sizes.hidden_size, sizes.intermediate_size, sizes.padded_hidden_size,
                                  sizes.padded_intermediate_size, sizes.row_order, sizes.has_bias, sizes.weight_format)
         tag = f"{prefix}.experts" + (f" (rank {rank})" if len(ckpts) > 1 else "")
-        try:
-            canon = layout.from_kernel(tensors, rank_sizes, activation, options)
+        recorded = manifest.layout.choices_of(_layer_of(manifest, prefix) if layer is None else layer, rank)
+        try:  # inverted with the choices the run recorded; the layout checks them against the data it gets back
+            canon = layout.from_kernel(tensors, rank_sizes, activation, layout.with_choices(options, recorded))
+            chosen = layout.stack_choices(canon, options) if recorded else {}
+            if chosen != recorded:
+                raise LayoutError(f"the manifest records {recorded} (layout.stack_choices), the layout chooses "
+                                  f"{chosen} for the stacks these bytes hold")
+            again = layout.to_kernel(canon, activation, layout.with_choices(options, recorded))
         except LayoutError as exc:
             problems.append(f"{tag}: not a valid {backend} layout: {exc}")
             return None
-        again = layout.to_kernel(canon, activation, options)
         for k, t in again.items():
             stored = tensors.get(k)
             if stored is None or stored.shape != t.shape or not torch.equal(stored.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)):
@@ -115,6 +122,10 @@ def kernel_layer_canonical(
     except LayoutError as exc:
         problems.append(f"{prefix}.experts: {exc}")
         return None
+
+
+def _layer_of(manifest: Manifest, prefix: str) -> int:
+    return next((entry.layer for entry in manifest.layers if entry.module_prefix == prefix), -1)
 
 
 def _read_rank(ckpt: Checkpoint, prefix: str, device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -202,7 +213,7 @@ def recover_layer(run: Run, L: int, lay: LayerEntry, rep: LayerReport,
         lprobs: list[str] = []
         canon = None
         try:
-            canon = kernel_layer_canonical(run.manifest, run.ckpts, prefix, lprobs, run.device, stored)
+            canon = kernel_layer_canonical(run.manifest, run.ckpts, prefix, lprobs, run.device, stored, layer=L)
         except KeyError as exc:
             lprobs.append(f"{prefix}.experts: kernel tensor {exc} missing")
         rep.layout = "FAIL" if lprobs else "ok"
