@@ -213,6 +213,22 @@ def errors(debug: bool) -> Iterator[None]:
         raise typer.Exit(3) from None
 
 
+@contextmanager
+def in_flags(flags: dict[str, str]) -> Iterator[None]:
+    """The library's errors raised inside, said in the command's flags: each setting name of
+    ``flags`` (e.g. ``VerifyOptions.reference``) becomes its flag (``--reference``) in the message
+    the CLI prints (``MxconvError.cli``), where the library gave none."""
+    try:
+        yield
+    except MxconvError as exc:
+        if exc.cli is None:
+            text = str(exc)
+            for setting in sorted(flags, key=len, reverse=True):
+                text = text.replace(setting, flags[setting])
+            exc.cli = text
+        raise
+
+
 def device_of(spec: str):
     import torch
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
-from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, errors, print_json
+from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, errors, in_flags, print_json
 from mxconv.cli.output import err, out, say, step_progress
 
 KERNEL_HELP = (
@@ -22,6 +22,17 @@ KERNEL_HELP = (
 TritonKernelsOpt = Annotated[Optional[Path], typer.Option("--triton-kernels", metavar="DIR", help=(
     "With --kernel: the folder that contains triton_kernels/ (e.g. extracted from the vLLM 0.33 wheel); "
     "overrides MXCONV_TRITON_KERNELS and an installed copy."))]
+# VerifyOptions' settings as the library's errors name them -> this command's flags (longest first)
+VERIFY_FLAGS = {
+    "VerifyOptions.reference_outputs": "--reference-outputs",
+    "VerifyOptions.save_reference": "--save-reference",
+    "VerifyOptions.reference": "--reference",
+    "VerifyOptions.layers": "--layers",
+    "VerifyOptions.tokens": "--tokens",
+    "VerifyOptions.seed": "--seed",
+    "VerifyOptions.kernel": "--kernel",
+    "RepackOptions.backend": "--backend",
+}
 MarlinOpsOpt = Annotated[Optional[Path], typer.Option("--marlin-ops", metavar="FILE", help=(
     "With --kernel: vLLM's compiled MoE ops library (_moe_C_stable_libtorch.abi3.so from the vLLM 0.33 wheel); "
     "overrides MXCONV_MARLIN_OPS and an installed vLLM."))]
@@ -81,11 +92,10 @@ def verify(
     with errors(debug):
         locations = _kernel_locations(kernel, triton_kernels, marlin_ops)  # the flags first, then the paths
         _check_paths(path, reference)  # before torch is imported: a typo is answered at once
-        from mxconv.verify import verify as run_verify
+        from mxconv.verify import VerifyOptions, verify as run_verify
 
-        with step_progress(f"verify {path}", quiet or as_json) as on_step:
-            rep = run_verify(
-                path,
+        with step_progress(f"verify {path}", quiet or as_json) as on_step, in_flags(VERIFY_FLAGS):
+            options = VerifyOptions(
                 reference=reference,
                 reference_outputs=str(reference_outputs) if reference_outputs else None,
                 save_reference=str(save_reference) if save_reference else None,
@@ -97,8 +107,8 @@ def verify(
                 kernel_locations=locations,
                 strict=strict,
                 device=device_of(device),
-                on_step=on_step,
             )
+            rep = run_verify(path, options, on_step)
         _show(rep, as_json, quiet)
         if not rep.passed:
             raise typer.Exit(1)
