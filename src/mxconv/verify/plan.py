@@ -19,7 +19,6 @@ from mxconv.layouts.base import Layout
 from mxconv.source.checkpoint import Checkpoint, open_checkpoint
 from mxconv.source.file_names import rank_dirs
 from mxconv.source.manifest import LayerEntry, Manifest, check_own_paths
-from mxconv.verify.integrity import model_info_of
 from mxconv.verify.kernel import kernel_preflight
 from mxconv.verify.options import VerifyOptions
 
@@ -59,7 +58,7 @@ class VerifyPlan:
         if options.kernel:
             layout, size_problems = kernel_preflight(manifest, options.kernel_locations)
             kernel = KernelCheck(layout, tuple(size_problems))
-        return cls(root, manifest, ckpts, model_info_of(manifest.model), options, layers, kernel)
+        return cls(root, manifest, ckpts, ModelInfo.from_part(manifest.model), options, layers, kernel)
 
     @property
     def kind(self) -> str:
@@ -126,5 +125,5 @@ def open_output(root: Path, manifest: Manifest) -> tuple[Checkpoint, ...]:
         if not d.is_dir():
             raise BadInput(f"{d}: missing (manifest says tp_size {tp})")
     ckpts = tuple(open_checkpoint(d) for d in dirs)
-    model_info_of(manifest.model)  # the manifest's model table reads as a model: damage otherwise
+    ModelInfo.from_part(manifest.model)  # the manifest's model table reads as a model: damage otherwise
     return ckpts
