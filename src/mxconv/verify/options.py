@@ -44,7 +44,7 @@ class VerifyOptions:
             raise BadInput("give either VerifyOptions.reference or VerifyOptions.reference_outputs, not both")
         if self.save_reference and not self.reference:
             raise BadInput("VerifyOptions.save_reference needs VerifyOptions.reference (the outputs saved are the reference's)")
-        for name in ("reference_outputs", "save_reference"):
+        for name in ("reference", "reference_outputs", "save_reference"):  # a Path given: its text
             value = getattr(self, name)
             if isinstance(value, Path):
                 object.__setattr__(self, name, str(value))
