@@ -21,14 +21,14 @@ from support.cli import mx
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "mxconv"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]+")
-SETTING = re.compile(r"\b(?:QuantOptions|RepackOptions|RunSettings|MemoryBudget)\.[a-z_]+\b")
+SETTING = re.compile(r"\b(?:QuantOptions|RepackOptions|RunSettings|MemoryBudget|VerifyOptions|KernelLocations)\.[a-z_]+\b")
 # Flags of other programs that library messages may name: pip's and vLLM's.
 FOREIGN_FLAGS = {"--no-deps", "--load-format"}
 ERROR_CALLS = {"BadInput", "LayoutError", "Unsupported", "OutputDamaged", "MxconvError"}
 # A whole command a message suggests ("mxconv repack ... --tp 2") is a command, not a setting.
 COMMAND = re.compile(r"mxconv (?:quantize|repack|verify|inspect|demo)\b[^;)\"]*")
 # Being rewritten in other branches of this change (verify's pipeline, the layout variants).
-PENDING = ("verify/", "layouts/")
+PENDING = ("layouts/",)
 
 
 def _library_error_texts() -> list[tuple[str, int, str]]:
