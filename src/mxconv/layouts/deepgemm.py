@@ -19,6 +19,8 @@ the way (``_upcast_e8m0_to_fp32``, then the pack's ``bits >> 23``) gives back ev
 0xFF included. Weights keep the row order they come in (vLLM's DeepGEMM path does not reorder).
 All padding is zero (vLLM allocates the parameters with ``torch.zeros``).
 
+MXFP8 experts (vLLM ``Fp8MoeBackend.DEEPGEMM``, SM100): :mod:`mxconv.layouts.deepgemm_mxfp8`.
+
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
+from mxconv.layouts import deepgemm_mxfp8
 from mxconv.layouts.base import EmptyOptions, LayoutBase
 from mxconv.layouts.canonical import (
     CanonicalExperts,
@@ -95,6 +98,8 @@ class DeepgemmLayout(LayoutBase):
     version = LAYOUT_VERSION
     activations: tuple[str, ...] = ACTIVATIONS
     vllm_backends = {"fp8": (VLLM_BACKEND,)}
+    vllm_mxfp8_backends = {deepgemm_mxfp8.ACTIVATION: (deepgemm_mxfp8.VLLM_BACKEND,)}  # Fp8MoeBackend (deepgemm_mxfp8)
+    weight_formats = ("mxfp4", deepgemm_mxfp8.WEIGHT_FORMAT)
 
     def kernel_unavailable(self, manifest: Manifest, kernel_locations: KernelLocations | None = None) -> str | None:
         """DeepGEMM's grouped FP8 x FP4 GEMM needs an SM100/SM120 GPU; mxconv does not drive it."""
@@ -106,10 +111,12 @@ class DeepgemmLayout(LayoutBase):
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: EmptyOptions | None = None,
+        options: EmptyOptions | None = None, *, weight_format: str = "mxfp4",
     ) -> tuple[int, int]:
-        """(Hp, Ip) = (roundup(H, 128), roundup(I, 128)) for one rank; LayoutError unless H and I
+        """(Hp, Ip) = (roundup(H, 128), roundup(I, 128)) for one rank (MXFP8: (H, I)); LayoutError unless H and I
         are positive multiples of 32 and the row order and activation are known."""
+        if weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
+            return deepgemm_mxfp8.padded_sizes(hidden_size, intermediate_size, row_order, activation)
         self.check_activation(activation)
         check_block_sizes(BACKEND_NAME, hidden_size, intermediate_size, row_order, MX_BLOCK)
         return round_up(hidden_size, ALIGN), round_up(intermediate_size, ALIGN)
@@ -121,6 +128,8 @@ class DeepgemmLayout(LayoutBase):
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the stored tensors (table in the module docstring)."""
+        if sizes.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
+            return deepgemm_mxfp8.kernel_specs(sizes, activation)
         Hp, Ip = self._checked(sizes, activation)
         E = sizes.num_experts
         return in_kernel_order({
@@ -136,6 +145,8 @@ class DeepgemmLayout(LayoutBase):
         """Canonical stack -> stored kernel tensors on ``c``'s device: zero padding to (Hp, Ip),
         weights as they are, scales packed by :func:`pack_ue8m0`, biases as bfloat16 (torch ops only:
         ``kernel_choice`` has nothing to pick here)."""
+        if c.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
+            return deepgemm_mxfp8.to_kernel(c, activation)
         c.validate()
         Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
         p = pad_canonical(c, Hp, Ip, scale_fill=PAD_FILL)
@@ -156,6 +167,8 @@ class DeepgemmLayout(LayoutBase):
         devices, or padding that is not zero (tensor and first index named, in the unpacked
         [E, rows, K/2 or K/32] view).
         """
+        if sizes.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
+            return deepgemm_mxfp8.from_kernel(k, sizes, activation)
         specs = self.kernel_specs(sizes, activation, options)
         check_kernel_tensors(BACKEND_NAME, k, specs)
         padded = CanonicalExperts(
@@ -171,6 +184,8 @@ class DeepgemmLayout(LayoutBase):
 
     def describe(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, Any]:
         """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
+        if sizes.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
+            return deepgemm_mxfp8.describe(sizes, activation)
         self._checked(sizes, activation)
         return {
             "name": self.name,
