@@ -1,4 +1,4 @@
-"""TRT-LLM-gen MXFP8 x MXFP8 form of the "trtllm" layout (docs/layout-trtllm.md section 10): what vLLM
+"""TRT-LLM-gen MXFP8 x MXFP8 form of the "trtllm" layout (docs/layout-trtllm.md section 15): what vLLM
 0.33 holds for ``Fp8MoeBackend.FLASHINFER_TRTLLM`` after loading compressed-tensors MXFP8 experts (SM100
 family; FlashInfer's ``trtllm_fp8_block_scale_moe`` with ``Fp8QuantizationType.MxFp8``,
 ``WeightLayout.MajorK``, shuffled weights, activations quantized to MXFP8 at run time).
