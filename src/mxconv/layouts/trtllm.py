@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.layouts import trtllm_mxint4
+from mxconv.layouts import trtllm_mxfp8, trtllm_mxint4
 from mxconv.layouts.padding import KernelChoice, gather_padded_rows, layout_kernels, unpad_canonical
 from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
 from mxconv.layouts.canonical import (
@@ -127,7 +127,9 @@ class TrtllmLayout(LayoutBase):
     version = LAYOUT_VERSION
     activations = ACTIVATIONS
     vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
-    weight_formats = ("mxfp4", "int4")  # int4: the MxInt4 variant (trtllm_mxint4)
+    weight_formats = ("mxfp4", "int4", "mxfp8")  # int4: the MxInt4 variant (trtllm_mxint4); mxfp8: trtllm_mxfp8
+    # MXFP8 experts: Fp8MoeBackend.FLASHINFER_TRTLLM (prepare_fp8_moe_layer_for_fi), MXFP8 activations only
+    vllm_mxfp8_backends = {act: (trtllm_mxfp8.VLLM_BACKEND,) for act in trtllm_mxfp8.ACTIVATIONS}
     options_type = TrtllmOptions
     options = (
         LayoutOption(
@@ -152,7 +154,7 @@ class TrtllmLayout(LayoutBase):
         except Exception as exc:  # noqa: BLE001 - whatever its import raises is the reason
             return f"flashinfer is installed but cannot be imported: {type(exc).__name__}: {exc}"
         if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
-            kind = "MxInt4" if manifest.weight_format == "int4" else "MXFP4"
+            kind = {"int4": "MxInt4", "mxfp8": "MXFP8"}.get(str(manifest.weight_format), "MXFP4")
             return f"FlashInfer TRT-LLM-gen {kind} MoE kernels need an SM100 (Blackwell) GPU"
         return "running the TRT-LLM-gen kernel is not wired up in this version"
 
@@ -183,6 +185,9 @@ class TrtllmLayout(LayoutBase):
         """
         if weight_format == "int4":
             return trtllm_mxint4.padded_sizes(hidden_size, intermediate_size, row_order, activation)
+        if weight_format == "mxfp8":
+            return trtllm_mxfp8.padded_sizes(hidden_size, intermediate_size, row_order, activation,
+                                             intermediate_align or self.options_of(options).intermediate_align)
         check_row_order(row_order)
         self._check_activation(activation)
         if intermediate_align is None:
@@ -210,6 +215,8 @@ class TrtllmLayout(LayoutBase):
         """Shapes/dtypes of the kernel tensors (biases only when ``sizes.has_bias``)."""
         if sizes.weight_format == "int4":
             return trtllm_mxint4.kernel_specs(sizes, activation)
+        if sizes.weight_format == "mxfp8":
+            return trtllm_mxfp8.kernel_specs(sizes, activation, self.options_of(options).intermediate_align)
         Hp, Ip = self._checked_padding(sizes, activation, options)
         E = sizes.num_experts
         return {  # weights and scales, then biases (the manifest keeps this order)
@@ -228,6 +235,8 @@ class TrtllmLayout(LayoutBase):
         ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
         if c.weight_format == "int4":
             return trtllm_mxint4.to_kernel(c, activation)
+        if c.weight_format == "mxfp8":
+            return trtllm_mxfp8.to_kernel(c, activation, self.options_of(options).intermediate_align)
         c.validate()  # includes: both biases or neither
         Hp, Ip = self._padded(c.hidden_size, c.intermediate_size, c.row_order, activation, options)
         E, H, I = c.num_experts, c.hidden_size, c.intermediate_size
@@ -275,6 +284,8 @@ class TrtllmLayout(LayoutBase):
         """
         if sizes.weight_format == "int4":
             return trtllm_mxint4.from_kernel(k, sizes, activation)
+        if sizes.weight_format == "mxfp8":
+            return trtllm_mxfp8.from_kernel(k, sizes, activation, self.options_of(options).intermediate_align)
         specs = self.kernel_specs(sizes, activation, options)
         check_kernel_tensors(k, specs)
         Hp, Ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
@@ -298,6 +309,8 @@ class TrtllmLayout(LayoutBase):
         """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
         if sizes.weight_format == "int4":
             return trtllm_mxint4.describe(sizes, activation)
+        if sizes.weight_format == "mxfp8":
+            return trtllm_mxfp8.describe(sizes, activation, self.options_of(options).intermediate_align)
         self._checked_padding(sizes, activation, options)
         return {
             "name": self.name,
