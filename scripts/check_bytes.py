@@ -16,8 +16,10 @@ determinism first: a difference between two runs of the same code is a flake, no
 The matrix: every source kind (INT4 included) x ``quantize --format mxfp4|mxfp8`` (gpt-oss-bf16 and
 qwen3-moe also ``--format mxfp8 --targets linear``); every non-INT4 kind's MXFP4 output (and
 gpt-oss-bf16 straight from bf16) x ``repack --backend B --activation A`` for every backend and its
-activations x ``--tp 1|2``; the INT4 (Kimi-K2-Thinking) source through the same repack grid (trtllm
-with bf16 activations gives MxInt4; the rest are refusals). About 4 minutes on 2 CPU cores.
+activations x ``--tp 1|2``; the layout options (triton 3.6/3.8, marlin legacy) of two kinds; every MXFP8
+output x ``repack --format mxfp8`` to humming and marlin, TP 1 and 2; the INT4 (Kimi-K2-Thinking)
+source through the same repack grid (trtllm with bf16 activations gives MxInt4, humming its INT4
+form; the rest are refusals). About 10 minutes on 2 CPU cores.
 A refusal (exit 2) is recorded with its exit code and the first line of stderr, so a change in what
 is refused shows too; any other failure is recorded the same way and reported.
 
@@ -53,8 +55,17 @@ LINEAR_KINDS = ("gpt-oss-bf16", "qwen3-moe")  # interleaved and halves w13 row o
 BF16_REPACK_KINDS = ("gpt-oss-bf16",)  # repacked straight from bf16 as well
 ACTIVATIONS = {
     "trtllm": ("bf16", "mxfp8"), "marlin": ("bf16", "fp8"), "aiter": ("bf16", "mxfp4"),
-    "triton": ("bf16",), "deepgemm": ("fp8",),
+    "triton": ("bf16", "fp8"), "deepgemm": ("fp8",), "cutlass": ("mxfp4",), "humming": ("bf16",),
+    "cpu": ("bf16",), "flashinfer-cutlass": ("bf16", "mxfp8"),
 }
+# Layout options and MXFP8 layouts, repacked from a few kinds only (the two w13 row orders).
+OPTION_KINDS = ("gpt-oss-mxfp4", "qwen3-moe")
+LAYOUT_OPTIONS = {
+    "triton-3.6": ["--backend", "triton", "--layout-option", "triton_layout=3.6"],
+    "triton-3.8": ["--backend", "triton", "--layout-option", "triton_layout=3.8"],
+    "marlin-legacy": ["--backend", "marlin", "--layout-option", "marlin_scale_layout=legacy"],
+}
+MXFP8_BACKENDS = ("humming", "marlin")
 TP_SIZES = (1, 2)
 # mxconv.json keys that change from run to run (or with the output path): (key, sub-key or None).
 VOLATILE = (("tool_version", None), ("command", None), ("created", None),
@@ -163,7 +174,7 @@ def quantize_jobs(kinds: tuple[str, ...]) -> list[Job]:
         for name, extra in variants:
             fmt = name.split("-")[0]
             args = ["quantize", f"src/{kind}", f"out/q.{kind}.{name}", "--format", fmt, *extra]
-            jobs.append((f"quantize/{kind}/{name}", args, name == "mxfp4"))
+            jobs.append((f"quantize/{kind}/{name}", args, name in ("mxfp4", "mxfp8")))
     return jobs
 
 
@@ -177,6 +188,19 @@ def repack_jobs(source: str, label: str) -> list[Job]:
                 args = ["repack", source, out, "--backend", backend, "--activation", act, "--tp", str(tp)]
                 jobs.append((f"repack/{label}/{backend}-{act}/tp{tp}", args, False))
     return jobs
+
+
+def option_jobs(source: str, label: str) -> list[Job]:
+    """``source`` (an MXFP4 output) x every entry of LAYOUT_OPTIONS x TP 1 and 2."""
+    return [(f"repack/{label}/{name}/tp{tp}", ["repack", source, f"out/r.{label}.{name}.tp{tp}", *args, "--tp", str(tp)], False)
+            for name, args in LAYOUT_OPTIONS.items() for tp in TP_SIZES]
+
+
+def mxfp8_jobs(source: str, label: str) -> list[Job]:
+    """``source`` (an MXFP8 output) x every MXFP8 backend layout x TP 1 and 2."""
+    return [(f"repack/{label}/{backend}-mxfp8/tp{tp}",
+             ["repack", source, f"out/r.{label}.{backend}.mxfp8.tp{tp}", "--backend", backend, "--format", "mxfp8", "--tp", str(tp)], False)
+            for backend in MXFP8_BACKENDS for tp in TP_SIZES]
 
 
 def generate_sources(work: Path, gen_dir: Path, kinds: tuple[str, ...]) -> None:
@@ -207,6 +231,10 @@ def run_matrix(src_dir: Path, gen_dir: Path, work: Path, jobs_n: int) -> dict[st
                 second += repack_jobs(f"out/q.{kind}.mxfp4", f"{kind}.mxfp4")
             else:
                 entries[f"repack/{kind}.mxfp4"] = {"skipped": "quantize --format mxfp4 failed"}
+            if kind in OPTION_KINDS and entries[f"quantize/{kind}/mxfp4"]["exit"] == 0:
+                second += option_jobs(f"out/q.{kind}.mxfp4", f"{kind}.mxfp4")
+            if entries[f"quantize/{kind}/mxfp8"]["exit"] == 0:
+                second += mxfp8_jobs(f"out/q.{kind}.mxfp8", f"{kind}.mxfp8")
         entries.update(pool.map(run, second))
     return dict(sorted(entries.items()))
 

@@ -103,6 +103,70 @@ def test_modules_and_functions_are_small() -> None:
     assert not too_long, too_long
 
 
+MAX_PARAMETERS = 8  # self/cls not counted; a longer list is a typed object waiting to be named (issue 31, item 5)
+# Outside kernels/ (a Triton kernel's arguments are its launch contract) and the Typer commands (one
+# parameter per flag). Each entry here is a known debt, to be paid by grouping its arguments:
+PARAMETER_DEBT = {
+    "mxconv.examples:_gpt_oss", "mxconv.examples:_qwen_mixtral", "mxconv.examples:make_checkpoint",
+    "mxconv.examples.models:attention", "mxconv.examples.models:gpt_oss", "mxconv.examples.models:qwen_mixtral_config",
+    "mxconv.examples.models:qwen_mixtral", "mxconv.layouts.marlin:_kernel_scales", "mxconv.layouts.triton_float:_plan",
+    "mxconv.output.manifest:base_manifest", "mxconv.run.fp8_compute:_part", "mxconv.run.memory:plan_memory",
+    "mxconv.run.pipeline:run_pipeline", "mxconv.run.pipeline:_Stages.__init__",
+    # the runners' wrap(**common) hand-off: a typed geometry object through engines.runner, loader and every runner
+    "mxconv.engines.marlin_moe:build_experts", "mxconv.engines.triton_moe:build_experts",
+}
+
+
+def _parameter_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)] + [p.arg for p in (a.vararg, a.kwarg) if p]
+    return len(names) - (1 if names and names[0] in ("self", "cls") else 0)
+
+
+def _is_command(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A Typer command: decorated with ``app.command(...)``."""
+    return any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "command"
+               for d in fn.decorator_list)
+
+
+def _long_signatures(module: str, tree: ast.Module) -> list[tuple[str, int]]:
+    """(qualified name, parameter count) of every function of ``tree`` with more than MAX_PARAMETERS."""
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                count = _parameter_count(child)
+                if count > MAX_PARAMETERS and not (module.startswith("mxconv.cli") and _is_command(child)):
+                    found.append((f"{module}:{prefix}{child.name}", count))
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return found
+
+
+def test_functions_take_few_parameters() -> None:
+    """No function outside kernels/ and the Typer commands takes more than MAX_PARAMETERS parameters;
+    the debt list holds only functions that still do."""
+    found = {name: count for module, (_, tree) in _modules().items() if not module.startswith("mxconv.kernels")
+             for name, count in _long_signatures(module, tree)}
+    new = {name: count for name, count in found.items() if name not in PARAMETER_DEBT}
+    assert not new, f"more than {MAX_PARAMETERS} parameters (group them into a typed, frozen object): {new}"
+    assert not PARAMETER_DEBT - set(found), f"paid off: remove from PARAMETER_DEBT: {sorted(PARAMETER_DEBT - set(found))}"
+
+
+def test_the_parameter_check_can_fail() -> None:
+    wide = "def f(a, b, c, d, e, f, g, h, *, i): pass\nclass C:\n    def m(self, a, b, c, d, e, f, g, h, i): pass\n"
+    assert [n for n, _ in _long_signatures("mxconv.x", ast.parse(wide))] == ["mxconv.x:f", "mxconv.x:C.m"]
+    fine = "def f(self, a, b, c, d, e, f, g, h): pass\n@app.command(cls=Command)\ndef cmd(a, b, c, d, e, f, g, h, i): pass\n"
+    assert _long_signatures("mxconv.cli.x", ast.parse(fine)) == []
+    assert [n for n, _ in _long_signatures("mxconv.run.x", ast.parse(fine))] == ["mxconv.run.x:cmd"]
+
+
 def test_few_top_level_modules() -> None:
     top = sorted(p.name for p in PKG.glob("*.py") if p.name != "__init__.py")
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -450,6 +451,35 @@ def test_verify_reports_each_step_in_order(ws: Path) -> None:
     verify(ws / "qwen-trt", on_step=lambda what, done, total: steps.append((what, done, total)))
     assert steps[0] == ("integrity (files, headers)", 0, 3)
     assert [s[0] for s in steps[1:]] == ["layer 0", "layer 1", "done"] and steps[-1][1:] == (3, 3)
+
+
+def test_verify_errors_name_the_setting_and_the_cli_its_flag(ws: Path) -> None:
+    """The library says VerifyOptions' settings, never a flag; mxconv verify says the same in its flags."""
+    from mxconv.errors import BadInput
+    from mxconv.verify import VerifyOptions, VerifyPlan, verify
+
+    cases = [  # (options, the library's words, the CLI's flags, the CLI's words)
+        (dict(layers="0,x"), "VerifyOptions.layers '0,x': expected comma-separated", ["--layers", "0,x"],
+         "--layers '0,x': expected comma-separated"),
+        (dict(layers=[7]), "VerifyOptions.layers: [7] are not converted MoE layers", ["--layers", "7"],
+         "--layers: [7] are not converted MoE layers"),
+        (dict(reference=str(ws / "qwen")), f"VerifyOptions.reference {ws / 'qwen'}: a different model",
+         ["--reference", str(ws / "qwen")], f"--reference {ws / 'qwen'}: a different model"),
+        (dict(reference=str(ws / "gpt-q4"), reference_outputs="x.st"), "give either VerifyOptions.reference or "
+         "VerifyOptions.reference_outputs, not both", None, None),
+        (dict(save_reference="x.st"), "VerifyOptions.save_reference needs VerifyOptions.reference", None, None),
+        (dict(tokens=0), "VerifyOptions.tokens must be >= 1", None, None),
+    ]
+    for settings, library, flags, cli in cases:
+        with pytest.raises(BadInput) as caught:
+            verify(ws / "gpt-trt", VerifyOptions(**settings))
+        assert library in str(caught.value) and " --" not in str(caught.value), str(caught.value)
+        if flags is not None:
+            code, _, err = mx("verify", ws / "gpt-trt", *flags)
+            assert code == 2 and cli in " ".join(err.split()), err
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        VerifyOptions().tokens = 3  # type: ignore[misc]
+    assert VerifyPlan.__dataclass_params__.frozen  # type: ignore[attr-defined]
 
 
 def test_repack_says_when_no_vllm_backend_holds_the_bytes(ws: Path, tmp_path: Path) -> None:

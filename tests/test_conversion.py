@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mxconv.cli.flags import in_cli_words
 from mxconv.errors import BadInput
 from support.checkpoints import make_checkpoint
 from support.cli import mx
@@ -27,7 +28,7 @@ def test_quant_options_resolve_auto_and_strings_once() -> None:
         QuantOptions("int4")
     with pytest.raises(BadInput, match="QuantOptions.scale_rounding 'up' is not supported") as caught:
         QuantOptions("mxfp4", "up")
-    assert caught.value.cli is not None and caught.value.cli.startswith("--scale-rounding 'up' is not supported")
+    assert in_cli_words(str(caught.value)).startswith("--scale-rounding 'up' is not supported")
     with pytest.raises(dataclasses.FrozenInstanceError):
         q.fmt = WeightFormat.MXFP4  # type: ignore[misc]
 

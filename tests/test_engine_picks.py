@@ -253,7 +253,7 @@ def test_sglang_shows_only_its_own_rows(tmp_path: Path) -> None:
 
 def test_cli_refuses_an_unknown_gpu_or_engine_before_reading_the_source(tmp_path: Path) -> None:
     code, _, err = mx("inspect", str(tmp_path / "no-such-dir"), "--gpu", "sm80")
-    assert code == 2 and "unknown --gpu sm80" in err
+    assert code == 2 and "unknown GPU sm80" in err
     make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4")
     code, _, err = mx("inspect", str(tmp_path / "src"), "--gpu", "sm80")
     assert code == 2 and "sm90, sm100, sm120, gfx950, cpu" in err

@@ -16,7 +16,7 @@ from mxconv.families import detect_family
 from mxconv.families.gpt_oss import MODULES_TO_NOT_CONVERT
 from mxconv.layouts import backend_names, get_layout
 from support.checkpoints import KINDS, make_checkpoint
-from mxconv.verify import verify
+from mxconv.verify import VerifyOptions, verify
 
 import torch
 
@@ -32,14 +32,14 @@ def test_family_end_to_end(kind: str, tmp_path: Path) -> None:
     src = make_checkpoint(tmp_path / "src", kind).path
     q4 = tmp_path / "q4"
     s = _convert(src, q4, QuantOptions("mxfp4"))
-    rep = verify(q4, reference=str(src), tokens=16)
+    rep = verify(q4, VerifyOptions(reference=str(src), tokens=16))
     assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
     if kind != "gpt-oss-mxfp4":
         assert 0.08 < s["relative_rms_error"] < 0.16  # MXFP4 weight error (mx-numerics §6)
     for backend in backend_names():
         k = tmp_path / f"k-{backend}"
         _convert(q4, k, QuantOptions(), RepackOptions(backend, get_layout(backend).activations[0]))  # its default
-        rep = verify(k, reference=str(q4), tokens=16)
+        rep = verify(k, VerifyOptions(reference=str(q4), tokens=16))
         assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
         assert all(r.layout == "bit-exact" for r in rep.layers)
         m = json.loads((k / "mxconv.json").read_text())
@@ -120,7 +120,7 @@ def test_partial_quantize_describes_and_reads_back_skipped_layers(kind: str, tmp
             assert got.is_mx and got.w13_mx.fmt == got.w2_mx.fmt == "mxfp4"
         if want.w13_bias is not None:
             assert torch.equal(got.w13_bias, want.w13_bias) and torch.equal(got.w2_bias, want.w2_bias)
-    rep = verify(out, reference=str(src), tokens=16)
+    rep = verify(out, VerifyOptions(reference=str(src), tokens=16))
     assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
     assert [r.layer for r in rep.layers] == [r.layer for r in refs if r.layer != 1]
 
@@ -134,7 +134,7 @@ def test_partial_quantize_describes_and_reads_back_skipped_layers(kind: str, tmp
     assert _CT_LAYER1 not in qc_all.get("ignore", []) and "mxconv_unconverted_quantization_config" not in qc_all
     all_reader = detect_family(open_checkpoint(tmp_path / "all"))
     assert {all_reader.layer_format(r) for r in all_reader.layer_refs()} == {"mxfp4"}
-    rep = verify(tmp_path / "all", reference=str(src), tokens=16)
+    rep = verify(tmp_path / "all", VerifyOptions(reference=str(src), tokens=16))
     assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
 
 
@@ -192,7 +192,7 @@ def test_repack_refuses_include_ignore(option: str, tmp_path: Path) -> None:
     q = QuantOptions("mxfp4", **{option: r"layers\.1\."})
     with pytest.raises(BadInput) as ei:
         build_plan(ckpt, detect_family(ckpt), q, RepackOptions("marlin", "bf16"))
-    assert str(ei.value) == "repack converts every MoE layer; --include/--ignore apply to quantize only"
+    assert str(ei.value) == "repack converts every MoE layer; QuantOptions.include/QuantOptions.ignore apply to quantize only"
 
 
 def test_repack_cli_has_no_include_ignore() -> None:
@@ -217,5 +217,5 @@ def test_trtllm_intermediate_align_option_reaches_the_plan(tmp_path: Path) -> No
     assert s["sizes"]["padded_intermediate_size"] == 256
     m = json.loads((k / "mxconv.json").read_text())
     assert m["layout"]["padded_intermediate_size"] == 256 and m["layout"]["options"] == {"intermediate_align": 256}
-    rep = verify(k, reference=str(q4), tokens=16)
+    rep = verify(k, VerifyOptions(reference=str(q4), tokens=16))
     assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems

@@ -24,6 +24,7 @@ from test_engines_gpu import _check, _reference, mx, run_planted_bugs
 from mxconv.engines.loader import resolve_layer, run_kernel_layer
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts
+from mxconv.layouts.humming import layer_configs
 from mxconv.source.manifest import load_manifest
 
 pytestmark = pytest.mark.gpu
@@ -175,7 +176,8 @@ CT_INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ty
            "strategy": "group", "group_size": 32, "symmetric": True}  # _humming_wna16_weight_schema's dict
 
 
-@pytest.mark.parametrize("codes,low,H,I", [("uint4", -8, 192, 96), ("e0m3", -7, 160, 224), ("uint4", -8, 1440, 352)])
+@pytest.mark.parametrize("codes,low,H,I", [("uint4", -8, 192, 96), ("e0m3", -7, 160, 224), ("uint4", -8, 1440, 352),
+                                           ("auto", -7, 160, 224), ("auto", -8, 192, 96)])
 def test_int4_bytes_equal_hummings_own_transform(codes: str, low: int, H: int, I: int) -> None:
     """The CT WNA16 layer as vLLM holds it (weight_packed int32 [E, N, K/8], bf16 scales, no padding)
     through humming's compressed-tensors schema (convert_symmetric_integer_weight included)."""
@@ -194,7 +196,7 @@ def test_int4_bytes_equal_hummings_own_transform(codes: str, low: int, H: int, I
     opts = layout.resolve_options({"int4_codes": codes})
     cpu = layout.to_kernel(c, "bf16", opts)
     gpu = layout.to_kernel(c.to("cuda"), "bf16", opts)
-    configs = layout.describe(c.sizes(H, I), "bf16", opts)["layer_configs"]
+    configs = layer_configs(c.sizes(H, I), layout.stack_choices(c, opts))  # auto: each stack's own b_dtype
     for w, n, k in (("w13", 2 * I, H), ("w2", H, I)):
         vllm = {"weight_packed": getattr(c, w).view(torch.int32), "weight_scale": getattr(c, f"{w}_scale"),
                 "weight_shape": torch.tensor([[n, k]] * E, dtype=torch.int64)}  # fmt: skip
@@ -204,8 +206,8 @@ def test_int4_bytes_equal_hummings_own_transform(codes: str, low: int, H: int, I
         _same_bytes(w, theirs, cpu, gpu)
 
 
-@pytest.mark.parametrize("tp", ["1", "2"])
-def test_int4_kernel_verify_passes_and_a_planted_swap_fails(tmp_path, tp: str) -> None:
+@pytest.mark.parametrize("tp,codes", [("1", "e0m3"), ("2", "e0m3"), ("1", "auto"), ("2", "auto")])
+def test_int4_kernel_verify_passes_and_a_planted_swap_fails(tmp_path, tp: str, codes: str) -> None:
     _humming()
     import json
 
@@ -214,8 +216,8 @@ def test_int4_kernel_verify_passes_and_a_planted_swap_fails(tmp_path, tp: str) -
     src = tmp_path / "kimi"
     make_checkpoint(src, "kimi-k2-int4")
     out = tmp_path / "hum"
-    code, text = mx("repack", src, out, "--backend", "humming", "--tp", tp, "--layout-option", "int4_codes=e0m3",
-                    "--quiet", "--device", "cpu")  # fmt: skip
+    code, text = mx("repack", src, out, "--backend", "humming", "--tp", tp, "--layout-option", f"int4_codes={codes}",
+                    "--quiet", "--device", "cpu")  # fmt: skip  (auto: the loader gives the runner each layer's recorded codes)
     assert code == 0, text
     code, text = mx("verify", out, "--kernel", "--reference", src)
     assert code == 0, text

@@ -16,8 +16,10 @@ from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.humming_bytemap import unrepack_weights
 from mxconv.mx.int4 import pack_int4
+from mxconv.source.checkpoint import open_checkpoint
 from support.checkpoints import GroundTruth, make_checkpoint
 from support.cli import mx
+from support.tamper import patch_tensor
 
 LAYOUT = get_layout("humming")
 
@@ -97,9 +99,9 @@ def test_round_trip_specs_and_describe(codes: str, low: int) -> None:
 
 def test_the_code_form_humming_would_not_pick_is_refused() -> None:
     with_minus8, without = _stack(1, 64, 64, seed=1, low=-8), _stack(1, 64, 64, seed=1, low=-7)
-    with pytest.raises(LayoutError, match=r"w13_weight: the code q = -8.*int4_codes=uint4"):
+    with pytest.raises(LayoutError, match=r"w13_weight: the code q = -8.*not float4e0m3; int4_codes=auto"):
         LAYOUT.to_kernel(with_minus8, "bf16", _opts("e0m3"))
-    with pytest.raises(LayoutError, match=r"w13_weight: no code of this stack is q = -8.*int4_codes=e0m3"):
+    with pytest.raises(LayoutError, match=r"w13_weight: no code of this stack is q = -8.*not uint4; int4_codes=auto"):
         LAYOUT.to_kernel(without, "bf16", _opts("uint4"))
     with pytest.raises(LayoutError, match="multiple of 32"):
         LAYOUT.padded_sizes(64, 48, "halves", "bf16", weight_format="int4")
@@ -111,23 +113,106 @@ def test_the_code_form_humming_would_not_pick_is_refused() -> None:
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory: pytest.TempPathFactory) -> GroundTruth:
-    return make_checkpoint(tmp_path_factory.mktemp("kimi") / "src", "kimi-k2-int4")
+    """Two MoE layers (1, 2); the generator's codes stay in [-7, 7] (scale amax / 7): no q = -8, so
+    humming makes every stack float4e0m3, except layer 2's w2, where one code is set to q = -8."""
+    truth = make_checkpoint(tmp_path_factory.mktemp("kimi") / "src", "kimi-k2-int4", num_layers=3)
+    patch_tensor(truth.path, f"{MINUS8_EXPERT}.weight_packed", lambda t: t & ~0xF, fix_manifest=False)  # nibble 0: q = -8
+    return truth
+
+
+MINUS8_EXPERT = "model.layers.2.mlp.experts.1.down_proj"
+AUTO_CHOICES = {"1": [{"w13_weight": "e0m3", "w2_weight": "e0m3"}], "2": [{"w13_weight": "e0m3", "w2_weight": "uint4"}]}
+
+
+def _repack(kimi: GroundTruth, out: Path, *extra: str) -> tuple[int, str]:
+    code, _, err = mx("repack", kimi.path, out, "--backend", "humming", "--device", "cpu", "--quiet", *extra)
+    return code, err
+
+
+def _verify(out: Path, kimi: GroundTruth) -> tuple[bool, str]:
+    code, stdout, err = mx("verify", out, "--reference", kimi.path, "--json")
+    assert code in (0, 1), stdout + err
+    return json.loads(stdout)["passed"], stdout
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_repack_and_verify_a_kimi_source(kimi: GroundTruth, tmp_path: Path, tp: int) -> None:
+    """No option needed: each stack gets the codes humming gives it, recorded per layer, rank and GEMM."""
     out = tmp_path / "hum"
-    args = ("repack", kimi.path, out, "--backend", "humming", "--device", "cpu", "--tp", str(tp), "--quiet")
-    code, _, err = mx(*args)  # the generator's codes stay in [-7, 7]: humming makes them float4e0m3
-    assert code == 2 and "no code of this stack is q = -8" in err and "int4_codes=e0m3" in err
-    code, _, err = mx(*args, "--layout-option", "int4_codes=e0m3")
+    code, err = _repack(kimi, out, "--tp", str(tp))
     assert code == 0, err
     m = json.loads((out / "mxconv.json").read_text())
     lay = m["layout"]
     assert (m["backend"], m["weight_format"], lay["variant"], lay["int4_codes"], lay["options"]) == (
-        "humming", "int4", "int4", "e0m3", {"int4_codes": "e0m3"})
-    assert lay["layer_configs"]["w13"]["b_dtype"] == "float4e0m3"
+        "humming", "int4", "int4", "auto", {"int4_codes": "auto"})
+    assert lay["stack_choices"] == {k: v * tp for k, v in AUTO_CHOICES.items()}
+    assert lay["layer_configs"]["w13"]["b_dtype"] is None  # per stack: stack_choices
     assert m["served_vllm_backends"] == ["HUMMING"]
-    code, stdout, err = mx("verify", out, "--reference", kimi.path, "--json")
-    assert code == 0, stdout + err
-    assert json.loads(stdout)["passed"]
+    # the stored nibbles are the forms recorded: e0m3 never stores "-0" (8); the uint4 stack keeps q = -8 as 0
+    for layer, w, form in (("1", "w2", "e0m3"), ("2", "w2", "uint4")):
+        words = open_checkpoint(out if tp == 1 else out / "rank-0").read(f"model.layers.{layer}.mlp.experts.{w}_weight")
+        nib = unrepack_weights(words, w)
+        nibbles = torch.stack((nib & 0xF, nib >> 4))
+        assert bool((nibbles == (0 if form == "uint4" else 8)).any()) == (form == "uint4")
+    passed, report = _verify(out, kimi)
+    assert passed, report
+
+
+def test_the_recorded_choice_is_what_verify_inverts_with(kimi: GroundTruth, tmp_path: Path) -> None:
+    """The manifest's choice, tampered (the weights untouched, so every sha256 still holds), fails verify:
+    the bytes read back with the other codes are not the reference's, or not what humming would choose."""
+    out = tmp_path / "hum"
+    assert _repack(kimi, out)[0] == 0
+    path = out / "mxconv.json"
+    good = json.loads(path.read_text())
+    for layer, w, other in (("1", "w13_weight", "uint4"), ("2", "w2_weight", "e0m3")):
+        bad = json.loads(json.dumps(good))
+        bad["layout"]["stack_choices"][layer][0][w] = other
+        path.write_text(json.dumps(bad))
+        passed, report = _verify(out, kimi)
+        assert not passed and f"model.layers.{layer}.mlp.experts" in report, report
+    del bad["layout"]["stack_choices"]  # auto without the record cannot be inverted
+    path.write_text(json.dumps(bad))
+    passed, report = _verify(out, kimi)
+    assert not passed and "stack_choices" in report, report
+
+
+def test_explicit_codes_override_and_refuse_what_humming_would_not_pick(kimi: GroundTruth, tmp_path: Path) -> None:
+    auto = tmp_path / "auto"
+    assert _repack(kimi, auto)[0] == 0
+    # e0m3 for every stack: layer 2's w2 holds q = -8, so humming would keep uint4 there
+    code, err = _repack(kimi, tmp_path / "e0m3", "--layout-option", "int4_codes=e0m3")
+    assert code == 2 and "model.layers.2" in err and "w2_weight: the code q = -8" in err, err
+    assert "convert_symmetric_integer_weight" in err
+    code, err = _repack(kimi, tmp_path / "uint4", "--layout-option", "int4_codes=uint4")
+    assert code == 2 and "w13_weight: no code of this stack is q = -8" in err, err
+    # a source without q = -8 (layer 2 alone, via a clean checkpoint): the override writes what auto writes
+    clean = make_checkpoint(tmp_path / "clean", "kimi-k2-int4")
+    for name, extra in (("c-auto", ()), ("c-e0m3", ("--layout-option", "int4_codes=e0m3"))):
+        code, _, err = mx("repack", clean.path, tmp_path / name, "--backend", "humming", "--device", "cpu", "--quiet", *extra)
+        assert code == 0, err
+    digests = [{p.name: p.read_bytes() for p in (tmp_path / n).glob("*.safetensors")} for n in ("c-auto", "c-e0m3")]
+    assert digests[0] == digests[1]
+    m = json.loads((tmp_path / "c-e0m3" / "mxconv.json").read_text())["layout"]
+    assert (m["int4_codes"], m["stack_choices"], m["layer_configs"]["w2"]["b_dtype"]) == (
+        "e0m3", {"1": [{"w13_weight": "e0m3", "w2_weight": "e0m3"}]}, "float4e0m3")
+
+
+def test_a_layer_cut_into_groups_whose_choices_differ_is_refused() -> None:
+    """Under a memory budget a layer is laid out in groups of experts, but humming chooses once per
+    whole stack: a later group whose data gives the other form is refused, naming tensor and rule."""
+    from mxconv.errors import BadInput
+    from mxconv.families.base import MoELayer, MoELayerRef
+    from mxconv.run.compute import RunStats
+
+    ref = MoELayerRef(2, "model.layers.2.mlp", (), "model.layers.2.mlp.gate.weight")
+    stats = RunStats()
+    first, later = (MoELayer(ref, "halves", first_expert=e) for e in (0, 4))
+    stats.record_choices(first, 0, {"w13_weight": "e0m3", "w2_weight": "e0m3"})
+    stats.record_choices(first, 1, {"w13_weight": "e0m3", "w2_weight": "uint4"})
+    stats.record_choices(later, 0, {"w13_weight": "e0m3", "w2_weight": "e0m3"})  # agrees: fine
+    with pytest.raises(BadInput, match=r"model\.layers\.2\.mlp\.experts\.w2_weight \(rank 1\): experts from 4 on give "
+                       r"'e0m3', the layer's earlier experts 'uint4'; the layout chooses once per whole stack") as exc:
+        stats.record_choices(later, 1, {"w13_weight": "e0m3", "w2_weight": "e0m3"})
+    assert exc.value.exit_code == 2 and "max_memory" in str(exc.value)
+    assert stats.stack_choices == {2: [{"w13_weight": "e0m3", "w2_weight": "e0m3"}, {"w13_weight": "e0m3", "w2_weight": "uint4"}]}

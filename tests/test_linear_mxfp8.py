@@ -26,7 +26,7 @@ from mxconv.families import detect_family
 from support.checkpoints import make_checkpoint, write_shards
 from support.tamper import patch_tensor
 from support.workspace import copy_checkpoint
-from mxconv.verify import verify
+from mxconv.verify import VerifyOptions, verify
 
 LINEAR = QuantOptions("mxfp8", targets="linear")
 
@@ -189,7 +189,7 @@ def test_config_names_both_and_compressed_tensors_reads_it(qwen) -> None:
 
 def test_verify_passes_and_checks_every_linear(qwen) -> None:
     src, out, _ = qwen
-    rep = verify(out, reference=str(src))
+    rep = verify(out, VerifyOptions(reference=str(src)))
     assert rep.passed, rep.problems + [p for r in rep.linears for p in r.problems]
     assert {r.module for r in rep.linears} == _mx_modules(_tensors(out))
     assert all(r.numerics == "ok" and r.bytes == "bit-exact" and r.rel_rms < 0.035 for r in rep.linears)
@@ -215,7 +215,7 @@ def test_qwen2_shared_experts_quantized_gate_kept(tmp_path: Path) -> None:
     assert "model.layers.1.mlp.shared_expert_gate" in _qc(tmp_path / "out")["ignore"] or any(
         re.match(p[3:], "model.layers.1.mlp.shared_expert_gate") for p in _qc(tmp_path / "out")["ignore"] if p.startswith("re:"))
     assert got["model.layers.0.self_attn.q_proj.bias"].dtype == torch.bfloat16  # biases copied
-    assert verify(tmp_path / "out", reference=str(src)).passed
+    assert verify(tmp_path / "out", VerifyOptions(reference=str(src))).passed
 
 
 @pytest.mark.parametrize("kind", ["deepseek-v3-fp8", "deepseek-v3.1-fp8-ue8m0"])
@@ -235,7 +235,7 @@ def test_block_fp8_linears_are_dequantized_then_mxfp8(kind: str, tmp_path: Path)
         if kind.endswith("ue8m0"):  # power-of-two tiles -> MXFP8 rceil keeps every value
             back = got[f"{m}.weight"].float().reshape(*d.shape[:-1], -1, 32) * torch.pow(2.0, s.float() - 127).unsqueeze(-1)
             assert torch.equal(back.reshape(d.shape), ref), m
-    rep = verify(tmp_path / "out", reference=str(src_dir))
+    rep = verify(tmp_path / "out", VerifyOptions(reference=str(src_dir)))
     assert rep.passed, rep.problems
     assert any(r.role == "shared_experts" for r in rep.linears)
 
@@ -255,7 +255,7 @@ def test_gpt_oss_attention(tmp_path: Path) -> None:
         assert torch.equal(got[f"{m}.weight"].view(torch.uint8), d) and torch.equal(got[f"{m}.weight_scale"], s)
     for n in ("model.layers.0.self_attn.sinks", "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.router.weight"):
         assert torch.equal(got[n], src[n])
-    assert verify(tmp_path / "out", reference=str(src_dir)).passed
+    assert verify(tmp_path / "out", VerifyOptions(reference=str(src_dir))).passed
 
 
 # ---- selection: --ignore, unaligned inputs, refusals --------------------------------------------------
@@ -274,7 +274,7 @@ def test_ignore_leaves_named_linears_and_the_config_says_so(tmp_path: Path) -> N
         assert m in qc["ignore"] and m not in qc["config_groups"]["group_1"]["targets"]
     assert "model.layers.0.self_attn.k_proj" in _mx_modules(got)
     assert not any(p.startswith("re:") and "self_attn" in p for p in qc["ignore"])  # the family regex went
-    assert verify(tmp_path / "out", reference=str(src_dir)).passed
+    assert verify(tmp_path / "out", VerifyOptions(reference=str(src_dir))).passed
 
 
 def _add_tensor(path: Path, name: str, t: torch.Tensor) -> None:
@@ -290,7 +290,7 @@ def test_unaligned_linear_is_refused_or_skipped(tmp_path: Path) -> None:
     src_dir = make_checkpoint(tmp_path / "src", "qwen3-moe").path
     _add_tensor(src_dir, "model.layers.0.self_attn.extra_proj.weight", torch.randn(16, 40).to(torch.bfloat16))
     ckpt = open_checkpoint(src_dir)
-    with pytest.raises(BadInput, match=r"linear model\.layers\.0\.self_attn\.extra_proj has input size 40 .*--skip-unaligned"):
+    with pytest.raises(BadInput, match=r"linear model\.layers\.0\.self_attn\.extra_proj has input size 40 .*QuantOptions.skip_unaligned"):
         build_plan(ckpt, detect_family(ckpt), LINEAR)
     _convert(src_dir, tmp_path / "q8", QuantOptions("mxfp8"))  # --targets experts: not a linear target, fine
     summary = _convert(src_dir, tmp_path / "out", QuantOptions("mxfp8", targets="linear", skip_unaligned=True))
@@ -300,19 +300,19 @@ def test_unaligned_linear_is_refused_or_skipped(tmp_path: Path) -> None:
     assert "model.layers.0.self_attn.extra_proj" in qc["ignore"]
     m = json.loads((tmp_path / "out" / "mxconv.json").read_text())
     assert "not a multiple of 32" in m["linears"]["left_alone"]["model.layers.0.self_attn.extra_proj"]
-    assert verify(tmp_path / "out", reference=str(src_dir)).passed
+    assert verify(tmp_path / "out", VerifyOptions(reference=str(src_dir))).passed
 
 
 def test_refusals(tmp_path: Path) -> None:
     src_dir = make_checkpoint(tmp_path / "src", "qwen3-moe").path
     ckpt = open_checkpoint(src_dir)
-    with pytest.raises(BadInput, match="pass --format mxfp8"):
+    with pytest.raises(BadInput, match="set QuantOptions.fmt mxfp8"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp4", targets="linear"))
     with pytest.raises(BadInput, match="QuantOptions.targets 'all'"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp8", targets="all"))
     with pytest.raises(BadInput, match="applies to quantize only"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp8", targets="linear"), RepackOptions("trtllm", "bf16"))
-    with pytest.raises(BadInput, match=r"--ignore: invalid regular expression"):
+    with pytest.raises(BadInput, match=r"QuantOptions.ignore: invalid regular expression"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp8", ignore=["ok", "re:("], targets="linear"))
 
 
@@ -336,7 +336,7 @@ def test_requantizing_an_output_carries_its_mxfp8_linears(qwen, tmp_path: Path) 
     _convert(out, again, QuantOptions("mxfp8"))  # --targets experts: the MXFP8 linears stay described as such
     assert _mx_modules(_tensors(again)) == _mx_modules(_tensors(out))
     assert sorted(_qc(again)["config_groups"]["group_1"]["targets"]) == sorted(_mx_modules(_tensors(out)))
-    assert verify(again, reference=str(out)).passed
+    assert verify(again, VerifyOptions(reference=str(out))).passed
     ckpt = open_checkpoint(out)
     with pytest.raises(BadInput, match="MXFP8 already; an output holds one MX format"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp4"))
@@ -360,7 +360,7 @@ def test_verify_catches_a_changed_byte(qwen, tmp_path: Path) -> None:
         return t
 
     patch_tensor(out, name, flip, fix_manifest=True)
-    rep = verify(out, reference=str(src))
+    rep = verify(out, VerifyOptions(reference=str(src)))
     assert not rep.passed
     bad = [r for r in rep.linears if not r.passed]
     assert [r.module for r in bad] == ["model.layers.1.self_attn.o_proj"] and bad[0].bytes == "FAIL"
@@ -370,7 +370,7 @@ def test_verify_catches_wrong_scales_and_nan(qwen, tmp_path: Path) -> None:
     src, out = _copy(qwen, tmp_path)
     patch_tensor(out, "model.layers.0.mlp.down_proj.weight_scale", lambda t: t + 1, fix_manifest=True)  # every block twice as large
     patch_tensor(out, "model.layers.2.self_attn.k_proj.weight_scale", lambda t: t.index_fill_(0, torch.tensor([0]), 0xFF), fix_manifest=True)
-    rep = verify(out, reference=str(src))
+    rep = verify(out, VerifyOptions(reference=str(src)))
     by = {r.module: r for r in rep.linears}
     assert by["model.layers.0.mlp.down_proj"].numerics == "FAIL" and by["model.layers.0.mlp.down_proj"].rel_rms > 0.5
     assert "NaN scale byte" in by["model.layers.2.self_attn.k_proj"].problems[0]
@@ -384,7 +384,7 @@ def test_verify_catches_a_config_that_does_not_say_what_is_quantized(qwen, tmp_p
     cfg["quantization_config"]["ignore"].append("model.layers.0.self_attn.q_proj")
     (out / "config.json").write_text(json.dumps(cfg))
     m = json.loads((out / "mxconv.json").read_text())
-    rep = verify(out, reference=str(src))
+    rep = verify(out, VerifyOptions(reference=str(src)))
     assert not rep.passed
     assert sum("describes it as not quantized" in p for p in rep.problems) == 2
     del m  # the manifest is untouched: only the config lies
@@ -393,7 +393,7 @@ def test_verify_catches_a_config_that_does_not_say_what_is_quantized(qwen, tmp_p
 def test_verify_catches_a_copied_tensor_that_changed(qwen, tmp_path: Path) -> None:
     src, out = _copy(qwen, tmp_path)
     patch_tensor(out, "model.norm.weight", lambda t: t * 2, fix_manifest=True)
-    rep = verify(out, reference=str(src))
+    rep = verify(out, VerifyOptions(reference=str(src)))
     assert any(p.startswith("model.norm.weight: not the reference's bytes") for p in rep.problems)
 
 

@@ -30,7 +30,8 @@ def _round_trips(out: Path) -> Manifest:
 def outputs(made) -> dict[str, Path]:
     q4 = made.quantize(made.source("gpt-oss-bf16").path)
     return {"q4": q4, "q8": made.quantize(made.source("gpt-oss-bf16").path, "--format", "mxfp8"),
-            "trtllm": made.repack(q4, "trtllm"), "aiter-tp2": made.repack(q4, "aiter", "--tp", "2")}
+            "trtllm": made.repack(q4, "trtllm"), "aiter-tp2": made.repack(q4, "aiter", "--tp", "2"),
+            "humming-int4-tp2": made.repack(made.source("kimi-k2-int4").path, "humming", "--tp", "2")}
 
 
 def test_written_manifests_round_trip(outputs: dict[str, Path]) -> None:
@@ -65,6 +66,19 @@ def test_parse_refuses_what_the_schema_refuses(outputs: dict[str, Path]) -> None
     doc = json.loads((outputs["trtllm"] / "mxconv.json").read_text())
     with pytest.raises(OutputDamaged, match="field 'tp_size' must be a positive integer, got 0"):
         Manifest.parse({**doc, "tp_size": 0}, "mxconv.json")
+
+
+def test_stack_choices_are_typed_and_checked(outputs: dict[str, Path]) -> None:
+    """``layout.stack_choices``: per converted layer, one object per rank (humming INT4's codes per GEMM)."""
+    m = _round_trips(outputs["humming-int4-tp2"])
+    assert m.layout.choices_of(1, 1) == {"w13_weight": "e0m3", "w2_weight": "e0m3"}
+    assert m.layout.choices_of(2, 0) == {} and _round_trips(outputs["trtllm"]).layout.stack_choices is None
+    doc = m.to_json()
+    for bad, why in (({"1": [{"w13_weight": "e0m3"}]}, "must hold tp_size=2 objects, got 1"),
+                     ({"7": [{}, {}]}, "names no converted layer"),
+                     ({"1": [{"w13_weight": 4}, {}]}, "must be a non-empty string, got 4")):
+        with pytest.raises(OutputDamaged, match=f"field 'layout.stack_choices.*{why}"):
+            Manifest.parse({**doc, "layout": {**doc["layout"], "stack_choices": bad}}, "mxconv.json")
 
 
 @pytest.mark.slow  # the demo: every format and every registered backend (~40 s on 2 cores)

@@ -194,7 +194,7 @@ def test_plan_refuses_a_budget_below_one_expert_naming_the_sizes() -> None:
     with pytest.raises(BadInput) as exc:
         _plan(500 * MB + 50 * MB, names={0: "model.layers.0.mlp.experts", 1: "x"})
     msg = str(exc.value)
-    assert "--max-memory 550.00 MB is too small for one expert of model.layers.0.mlp.experts" in msg
+    assert "MemoryBudget.host 550.00 MB is too small for one expert of model.layers.0.mlp.experts" in msg
     assert "takes about 66.00 MB (read 10.00 MB, output 2.00 MB, compute 44.00 MB)" in msg
     assert "on top of the 500.00 MB the process holds already; give at least 566.00 MB" in msg
     with pytest.raises(BadInput, match="too small for one expert"):
@@ -211,7 +211,7 @@ def test_plan_on_cuda_keeps_temporaries_on_the_gpu_budget() -> None:
     for dev, split in (("cuda", False), ("cpu", True)):
         m = plan_memory(uncapped, 128, MemoryBudget(6500 * MB, 10**12, dev), baseline=500 * MB)
         assert m.split == split and m.peak_host <= 6500 * MB
-    with pytest.raises(BadInput, match=r"--max-gpu-memory 50.00 MB is too small for one expert of layer 0: .* 61.60 MB on the GPU"):
+    with pytest.raises(BadInput, match=r"MemoryBudget.gpu 50.00 MB is too small for one expert of layer 0: .* 61.60 MB on the GPU"):
         _plan(10**12, gpu=50 * MB, dev="cuda")
 
 

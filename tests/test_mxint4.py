@@ -26,7 +26,7 @@ from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.trtllm import LAYOUT
 from mxconv.source.st_format import read_header, read_tensor
-from mxconv.verify import verify
+from mxconv.verify import VerifyOptions, verify
 from support.checkpoints import GroundTruth, make_checkpoint, pack_int4_words_reference, write_shards
 from support.cli import mx
 from support.tamper import patch_tensor
@@ -472,7 +472,7 @@ def _swap_experts(t: torch.Tensor) -> torch.Tensor:
 def test_planted_bug_fails_verify(kimi: GroundTruth, repacked: Path, tmp_path: Path, tensor: str, bug, where: str) -> None:  # noqa: ANN001
     out = copy_checkpoint(repacked, tmp_path / "bugged")
     patch_tensor(out, f"model.layers.1.mlp.experts.{tensor}", bug, fix_manifest=True)
-    rep = verify(out, reference=str(kimi.path), tokens=32)
+    rep = verify(out, VerifyOptions(reference=str(kimi.path), tokens=32))
     assert not rep.passed
     (layer,) = rep.layers
     assert layer.integrity == "ok" and layer.layout == "FAIL"
@@ -527,7 +527,7 @@ def test_tensor_parallel_ranks(tmp_path: Path) -> None:
     src = make_checkpoint(tmp_path / "src", "kimi-k2-int4", hidden_size=256, intermediate_size=512).path
     code, _, err = mx("repack", src, tmp_path / "tp2", "--backend", "trtllm", "--tp", "2", "--device", "cpu", "--quiet")
     assert code == 0, err
-    rep = verify(tmp_path / "tp2", reference=str(src), tokens=16)
+    rep = verify(tmp_path / "tp2", VerifyOptions(reference=str(src), tokens=16))
     assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
     assert [r.layout for r in rep.layers] == ["bit-exact"]
     w13 = _stored(tmp_path / "tp2" / "rank-1", "model.layers.1.mlp.experts.w13_weight")
@@ -551,12 +551,12 @@ def test_quantize_dequantizes_exactly_then_quantizes(kimi: GroundTruth, tmp_path
     assert torch.equal(_stored(tmp_path / "q4", f"{name}.weight_scale").view(torch.uint8), scales[2])
     m = json.loads((tmp_path / "q4" / "mxconv.json").read_text())
     assert (m["weight_format"], m["numerics"]["source_format"]) == ("mxfp4", "int4")
-    rep = verify(tmp_path / "q4", reference=str(kimi.path), tokens=16)
+    rep = verify(tmp_path / "q4", VerifyOptions(reference=str(kimi.path), tokens=16))
     assert rep.passed and rep.layers[0].threshold == "mxfp4"
     # and the MXFP4 result repacks for every backend as usual
     Conversion.open(tmp_path / "q4", QuantOptions(), RepackOptions("marlin", "bf16")).run(
         tmp_path / "marlin", device=torch.device("cpu"), settings=RunSettings(10**9, True, argv=("test",)))
-    assert verify(tmp_path / "marlin", reference=str(tmp_path / "q4"), tokens=16).passed
+    assert verify(tmp_path / "marlin", VerifyOptions(reference=str(tmp_path / "q4"), tokens=16)).passed
 
 
 def test_partial_quantize_of_int4_is_refused(kimi: GroundTruth) -> None:
@@ -567,7 +567,7 @@ def test_partial_quantize_of_int4_is_refused(kimi: GroundTruth) -> None:
     # a two-MoE-layer INT4 checkpoint, one layer ignored
     two = make_checkpoint(Path(str(kimi.path) + "-3"), "kimi-k2-int4", num_layers=3)
     ckpt = open_checkpoint(two.path)
-    with pytest.raises(BadInput, match=r"layers\.2\.mlp\.experts: --include/--ignore would leave this INT4 layer"):
+    with pytest.raises(BadInput, match=r"layers\.2\.mlp\.experts: QuantOptions.include/QuantOptions.ignore would leave this INT4 layer"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp4", ignore=r"layers\.2\."))
 
 

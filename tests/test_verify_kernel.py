@@ -26,7 +26,7 @@ from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.source.manifest import load_manifest
 from support.checkpoints import make_checkpoint
-from mxconv.verify import verify
+from mxconv.verify import VerifyOptions, verify
 from mxconv.verify.layout import kernel_layer_canonical
 
 cli = CliRunner()
@@ -110,7 +110,7 @@ def test_verify_kernel_passes_on_converted_files(sources, tmp_path: Path, backen
     out = tmp_path / "k"
     code, text = mx("repack", sources[f"{name}-q4"], out, "--backend", backend, "--tp", tp, "--quiet")
     assert code == 0, text
-    rep = verify(out, reference=str(sources[f"{name}-q4"]), tokens=TOKENS, kernel=True)
+    rep = verify(out, VerifyOptions(reference=str(sources[f"{name}-q4"]), tokens=TOKENS, kernel=True))
     assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
     for r in rep.layers:
         assert r.kernel is not None and r.kernel.status == "ok"
@@ -131,25 +131,24 @@ def test_verify_kernel_runs_the_engine_on_the_tensors_verify_read(sources, tmp_p
     the kernel's output from those tensors is the one it gives from the files (to the run-to-run
     spread of the kernel itself: none where it is deterministic)."""
     from mxconv.engines import loader
-    from mxconv.source.file_names import rank_dirs
-    from mxconv.verify.integrity import model_info_of
     from mxconv.verify.prefetch import LayerReads
     from mxconv.verify.reference_moe import Routing
-    from mxconv.verify.report import Run
+    from mxconv.verify.plan import VerifyPlan, open_output
+    from mxconv.verify.state import VerifyState
 
     _kernels_or_skip(backend)
     out = tmp_path / "k"
     code, text = mx("repack", sources["qwen-q4"], out, "--backend", backend, "--tp", tp, "--quiet")
     assert code == 0, text
     manifest = load_manifest(out)
-    run = Run(out, manifest, [open_checkpoint(d) for d in rank_dirs(out, tp)], model_info_of(manifest.model), TOKENS, 0, "cuda")
+    run = VerifyState(VerifyPlan.build(out, manifest, open_output(out, manifest), VerifyOptions(tokens=TOKENS, device="cuda")))
     L = manifest.layers[0].layer
     with LayerReads(run, {L: manifest.layers[0].module_prefix}) as reads:
         held = reads.get(L, []).held()
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(TOKENS, run.info.hidden_size, generator=g)
-    ids = torch.stack([torch.randperm(run.info.num_experts, generator=g)[: run.info.top_k] for _ in range(TOKENS)])
-    routing = Routing(ids.int(), torch.softmax(torch.randn(TOKENS, run.info.top_k, generator=g), -1))
+    x = torch.randn(TOKENS, run.plan.info.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(run.plan.info.num_experts, generator=g)[: run.plan.info.top_k] for _ in range(TOKENS)])
+    routing = Routing(ids.int(), torch.softmax(torch.randn(TOKENS, run.plan.info.top_k, generator=g), -1))
     files = loader.run_kernel_layer(out, manifest, L, x, routing)
     again = loader.run_kernel_layer(out, manifest, L, x, routing)
     from_held = loader.run_kernel_layer(out, manifest, L, x, routing, held=held)
@@ -159,7 +158,7 @@ def test_verify_kernel_runs_the_engine_on_the_tensors_verify_read(sources, tmp_p
         raise AssertionError("verify --kernel read a layer from its files a second time")
 
     monkeypatch.setattr(loader, "read_layer_tensors", no_second_read)
-    rep = verify(out, reference=str(sources["qwen-q4"]), tokens=TOKENS, kernel=True, device="cuda")
+    rep = verify(out, VerifyOptions(reference=str(sources["qwen-q4"]), tokens=TOKENS, kernel=True, device="cuda"))
     assert rep.passed and all(r.kernel is not None and r.kernel.status == "ok" for r in rep.layers), rep.to_json()
 
 def _swap_experts(c: CanonicalExperts) -> None:
@@ -225,7 +224,7 @@ def test_planted_bugs_fail_verify_without_a_kernel_too(tmp_path: Path, bug: str)
     code, text = mx("repack", src, out, "--backend", "marlin", "--quiet", "--device", "cpu")
     assert code == 0, text
     _plant(out, BUGS[bug])
-    rep = verify(out, reference=str(src), tokens=16)
+    rep = verify(out, VerifyOptions(reference=str(src), tokens=16))
     assert not rep.passed and all(r.integrity == "ok" and r.layout == "FAIL" for r in rep.layers), bug
 
 
@@ -238,7 +237,7 @@ def test_verify_kernel_fails_on_planted_layout_bugs(sources, tmp_path: Path, bac
     code, text = mx("repack", sources["gpt-q4"], out, "--backend", backend, "--quiet")
     assert code == 0, text
     _plant(out, BUGS[bug])
-    rep = verify(out, reference=str(sources["gpt-q4"]), tokens=TOKENS, kernel=True)
+    rep = verify(out, VerifyOptions(reference=str(sources["gpt-q4"]), tokens=TOKENS, kernel=True))
     assert not rep.passed
     for r in rep.layers:
         assert r.kernel is not None and r.kernel.status == "FAIL", (bug, r.problems)
@@ -261,7 +260,7 @@ def test_verify_kernel_on_a_gpt_oss_120b_sized_layer(tmp_path_factory, backend: 
     out = root / backend
     code, text = mx("repack", src, out, "--backend", backend, "--quiet")
     assert code == 0, text
-    rep = verify(out, reference=str(src), tokens=32, kernel=True)
+    rep = verify(out, VerifyOptions(reference=str(src), tokens=32, kernel=True))
     assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
     r = rep.layers[0]
     print("VERIFY-KERNEL-120B", json.dumps({"backend": backend, "vs_bytes": r.kernel.vs_converted.to_json(),

@@ -15,13 +15,12 @@ from mxconv.engines import loader
 from mxconv.engines.loader import HeldTensor, held_layer_tensors, resolve_layer, run_kernel_layer
 from mxconv.layouts import register_layout, unregister_layout
 from mxconv.source.checkpoint import open_checkpoint
-from mxconv.source.file_names import rank_dirs
 from mxconv.source.manifest import load_manifest
-from mxconv.verify import verify
-from mxconv.verify.integrity import model_info_of
+from mxconv.verify import VerifyOptions, verify
 from mxconv.verify.prefetch import LayerReads
 from mxconv.verify.reference_moe import Routing
-from mxconv.verify.report import Run
+from mxconv.verify.plan import VerifyPlan, open_output
+from mxconv.verify.state import VerifyState
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def test_verify_kernel_hands_the_engine_the_tensors_it_read(toy_outputs, q4: Pat
     """With every read through the loader refused, verify --kernel still runs the engine on every
     layer (and rank): it wraps the tensors the layout check read."""
     monkeypatch.setattr(loader, "read_layer_tensors", _no_second_read)
-    report = verify(toy_outputs[tp], reference=str(q4), kernel=True, device="cpu", tokens=8)
+    report = verify(toy_outputs[tp], VerifyOptions(reference=str(q4), kernel=True, device="cpu", tokens=8))
     assert report.passed and report.layers, [r.problems for r in report.layers]
     assert all(r.kernel is not None and r.kernel.status == "ok" for r in report.layers)
 
@@ -60,16 +59,16 @@ def test_the_held_tensors_give_the_kernel_output_the_files_give(toy_outputs, tp:
     """run_kernel_layer on the tensors verify read (no file read allowed) equals run_kernel_layer reading the files."""
     out = toy_outputs[tp]
     manifest = load_manifest(out)
-    run = Run(out, manifest, [open_checkpoint(d) for d in rank_dirs(out, tp)], model_info_of(manifest.model), 8, 0, "cpu")
+    run = VerifyState(VerifyPlan.build(out, manifest, open_output(out, manifest), VerifyOptions(tokens=8)))
     prefixes = {entry.layer: entry.module_prefix for entry in manifest.layers}
     L = min(prefixes)
     with LayerReads(run, prefixes) as reads:
         held = reads.get(L, []).held()
     assert held is not None and len(held) == tp
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(8, run.info.hidden_size, generator=g)
-    ids = torch.stack([torch.randperm(run.info.num_experts, generator=g)[: run.info.top_k] for _ in range(8)])
-    routing = Routing(ids, torch.softmax(torch.randn(8, run.info.top_k, generator=g), -1))
+    x = torch.randn(8, run.plan.info.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(run.plan.info.num_experts, generator=g)[: run.plan.info.top_k] for _ in range(8)])
+    routing = Routing(ids, torch.softmax(torch.randn(8, run.plan.info.top_k, generator=g), -1))
     from_files = run_kernel_layer(out, manifest, L, x, routing)
     monkeypatch.setattr(loader, "read_layer_tensors", _no_second_read)
     from_held = run_kernel_layer(out, manifest, L, x, routing, held=held)

@@ -138,7 +138,7 @@ def test_prepare_output_dir_rules(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("x")
-    with pytest.raises(BadInput, match=r"not empty; set overwrite=True \(RunSettings\)"):
+    with pytest.raises(BadInput, match=r"not empty; set RunSettings\.overwrite to replace"):
         prepare_output_dir(out, [src], overwrite=False)
     (out / "model-00001-of-00001.safetensors").write_bytes(b"old")
     (out / "mxconv.json").write_text(json.dumps({"tensors": {"a": {"file": "model-00001-of-00001.safetensors"}}}))

@@ -12,7 +12,7 @@ import torch
 from mxconv.layouts import backend_names, get_layout
 from mxconv.run.conversion import Conversion, RunSettings
 from mxconv.run.options import QuantOptions, RepackOptions, WeightFormat
-from mxconv.verify import verify
+from mxconv.verify import VerifyOptions, verify
 
 # (label, generator kind): one gpt-oss-style source with expert biases (interleaved gate/up,
 # SwiGLU-OAI) and one Qwen-style source (halves, SiLU, no biases). Sizes need backend padding.
@@ -103,7 +103,7 @@ def _repack_step(src: Path, out: Path, backend: str, act: str, device: torch.dev
 
 
 def _verify_step(path: Path, reference: Path) -> dict[str, Any]:
-    rep = verify(path, reference=str(reference), tokens=32, seed=0)
+    rep = verify(path, VerifyOptions(reference=str(reference), tokens=32, seed=0))
     worst = max((r.comparison.rel_rms for r in rep.layers if r.comparison), default=None)
     problems = rep.problems + [p for r in rep.layers for p in r.problems]
     kinds = sorted({r.threshold for r in rep.layers if r.threshold})

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 class MxconvError(Exception):
     """Base class: an expected failure the CLI reports without a traceback. The message speaks the
-    library (setting names); ``cli``, where given, is the same message in the CLI's words (its flags),
-    which the CLI prints instead."""
+    library: it names settings as a Python caller writes them (``QuantOptions.fmt``,
+    ``RunSettings.overwrite``); the CLI names them by their flags (:mod:`mxconv.cli.flags`)."""
 
     exit_code = 2
-
-    def __init__(self, *args: object, cli: str | None = None) -> None:
-        super().__init__(*args)
-        self.cli = cli
 
 
 class BadInput(MxconvError):

@@ -319,7 +319,7 @@ def inspect_engine(source: str, engine: str, gpus: tuple[str, ...] | None, revis
     try:
         chosen = tuple(Gpu(g) for g in gpus) if gpus else tuple(Gpu)
     except ValueError:
-        raise BadInput(f"unknown --gpu {', '.join(gpus or ())}; choose from {', '.join(g.value for g in Gpu)}") from None
+        raise BadInput(f"unknown GPU {', '.join(gpus or ())}; choose from {', '.join(g.value for g in Gpu)}") from None
     doc = inspect_path(source, revision)
     if "ranks" in doc:  # a TP output (or one rank of it): rank 0 read with the root manifest
         root = Path(doc.get("output") or doc["path"])

@@ -17,13 +17,14 @@ from mxconv.source.st_format import read_header, read_tensor
 __all__ = ["flip_scale_byte", "quantized_mxfp8", "repack_verify_and_damage"]
 
 
-def flip_scale_byte(out: Path, rank: str | None, name: str) -> None:
-    """Flip one bit of one real scale byte (expert 2) of ``name`` (in ``rank``'s directory, or the
-    output's) and record the new sha256 in the manifest, so only the layout / reference checks can catch it."""
+def flip_scale_byte(out: Path, rank: str | None, name: str, index: tuple[int, ...] = (2, 0, 5)) -> None:
+    """Flip one bit of one real scale byte (expert 2; at ``index`` of its uint8 view) of ``name`` (in ``rank``'s
+    directory, or the output's) and record the new sha256 in the manifest, so only the layout / reference
+    checks can catch it."""
     where = out / rank if rank else out
 
     def flip(t: torch.Tensor) -> torch.Tensor:
-        t.view(torch.uint8)[2, 0, 5] ^= 1
+        t.view(torch.uint8)[index] ^= 1
         return t
 
     patch_tensor(where, name, flip, fix_manifest=False)
@@ -35,7 +36,8 @@ def flip_scale_byte(out: Path, rank: str | None, name: str) -> None:
     (out / "mxconv.json").write_text(json.dumps(m))
 
 
-def repack_verify_and_damage(q8: Path, out: Path, backend: str, tp: str, layer: int) -> dict[str, Any]:
+def repack_verify_and_damage(q8: Path, out: Path, backend: str, tp: str, layer: int,
+                             flip_at: tuple[int, ...] = (2, 0, 5)) -> dict[str, Any]:
     """``repack q8 out --backend backend --tp tp``; verify --reference q8 must pass with every layer
     bit-exact; then a flipped scale byte of ``layer``'s w13 (last rank) must fail it (exit 1) naming
     the difference. Returns the output's manifest (read before the damage)."""
@@ -46,7 +48,8 @@ def repack_verify_and_damage(q8: Path, out: Path, backend: str, tp: str, layer: 
     code, text, err = mx("verify", out, "--reference", q8, "--device", "cpu", "--json")
     assert code == 0, text + err
     assert {r["layout"] for r in json.loads(text)["layers"]} == {"bit-exact"}
-    flip_scale_byte(out, f"rank-{int(tp) - 1}" if tp != "1" else None, f"model.layers.{layer}.mlp.experts.w13_weight_scale")
+    flip_scale_byte(out, f"rank-{int(tp) - 1}" if tp != "1" else None, f"model.layers.{layer}.mlp.experts.w13_weight_scale",
+                    flip_at)
     code, text, err = mx("verify", out, "--reference", q8, "--device", "cpu")
     assert code == 1, text + err
     assert "recovered canonical bytes differ from the reference: w13_scale: first difference at expert 2" in text + err

@@ -25,6 +25,7 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from mxconv import __version__, sizes
+from mxconv.cli.flags import in_cli_words
 from mxconv.cli.output import err, out, say
 from mxconv.errors import MxconvError
 from mxconv.interrupt import Interrupted, late_signal, stop_signals
@@ -191,7 +192,7 @@ def errors(debug: bool) -> Iterator[None]:
     except MxconvError as exc:
         if debug:
             raise
-        say(err, "error:", "bold red", exc.cli or str(exc))  # the CLI's words (flags) where the library gave them
+        say(err, "error:", "bold red", in_cli_words(str(exc)))  # the library's settings named by their flags
         raise typer.Exit(exc.exit_code) from None
     except OSError as exc:
         if debug:
@@ -213,6 +214,7 @@ def errors(debug: bool) -> Iterator[None]:
         raise typer.Exit(3) from None
 
 
+@contextmanager
 def device_of(spec: str):
     import torch
 

@@ -27,7 +27,6 @@ MarlinOpsOpt = Annotated[Optional[Path], typer.Option("--marlin-ops", metavar="F
     "overrides MXCONV_MARLIN_OPS and an installed vLLM."))]
 
 
-
 class _VerifyCommand(Command):
     """The verify command, whose --kernel help names the backends with an engine runner now (read
     from the layouts, which import no torch, only when help is shown)."""
@@ -81,11 +80,10 @@ def verify(
     with errors(debug):
         locations = _kernel_locations(kernel, triton_kernels, marlin_ops)  # the flags first, then the paths
         _check_paths(path, reference)  # before torch is imported: a typo is answered at once
-        from mxconv.verify import verify as run_verify
+        from mxconv.verify import VerifyOptions, verify as run_verify
 
         with step_progress(f"verify {path}", quiet or as_json) as on_step:
-            rep = run_verify(
-                path,
+            options = VerifyOptions(
                 reference=reference,
                 reference_outputs=str(reference_outputs) if reference_outputs else None,
                 save_reference=str(save_reference) if save_reference else None,
@@ -97,8 +95,8 @@ def verify(
                 kernel_locations=locations,
                 strict=strict,
                 device=device_of(device),
-                on_step=on_step,
             )
+            rep = run_verify(path, options, on_step)
         _show(rep, as_json, quiet)
         if not rep.passed:
             raise typer.Exit(1)

@@ -188,13 +188,13 @@ def require_triton_generation(tk: TritonKernels, wanted: str) -> None:
     if tk.generation != SUPPORTED_TRITON_GENERATION:
         raise BadInput(
             f"triton_kernels at {tk.location} is generation {tk.generation}; mxconv runs the {SUPPORTED_TRITON_GENERATION} "
-            f"generation (matmul_ogs + routing, vendored by vLLM 0.12-0.33): point --triton-kernels or {TRITON_KERNELS_ENV} at that copy"
+            f"generation (matmul_ogs + routing, vendored by vLLM 0.12-0.33): point KernelLocations.triton_kernels or {TRITON_KERNELS_ENV} at that copy"
         )
     if wanted != tk.generation:
         raise BadInput(
             f"the output was laid out for triton_kernels generation {wanted} (manifest layout.triton_layout) but the "
-            f"triton_kernels found ({tk.location}) is generation {tk.generation}; repack with --triton-layout "
-            f"{tk.generation} or point --triton-kernels or {TRITON_KERNELS_ENV} at a {wanted} copy"
+            f"triton_kernels found ({tk.location}) is generation {tk.generation}; repack with RepackOptions.layout_options "
+            f"triton_layout={tk.generation} or point KernelLocations.triton_kernels or {TRITON_KERNELS_ENV} at a {wanted} copy"
         )
 
 

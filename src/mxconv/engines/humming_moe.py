@@ -162,7 +162,10 @@ class HummingRunner:
         fmt = str(layout_fields.get("variant") or "mxfp4")  # int4 / mxfp8 layouts record theirs
         _, ip = LAYOUT.padded_sizes(H, rank_intermediate_size, row_order, "bf16", weight_format=fmt)
         sizes = LayoutSizes(E, H, rank_intermediate_size, H, ip, row_order, "w13_bias" in tensors, fmt)
-        cfgs = layer_configs(sizes, str(layout_fields.get("int4_codes", "uint4")))  # this rank's (TP ranks may differ in I)
+        # this rank's (TP ranks may differ in I); INT4 codes: this layer's and rank's recorded choice
+        # (layout.stack_choices), else the one int4_codes value of an output written before they were recorded
+        codes = common.get("stack_choices") or str(layout_fields.get("int4_codes", "uint4"))
+        cfgs = layer_configs(sizes, codes)
         configs = {w: LayerConfig(**cfgs[w]) for w in ("w13", "w2")}
         tuning = {w: json.dumps(get_heuristics_config(layer_config=c, gemm_type=GEMM_TYPE, device=device))
                   for w, c in configs.items()}  # fmt: skip

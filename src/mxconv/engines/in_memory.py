@@ -164,14 +164,16 @@ def canonical_experts(tensors: Mapping[str, torch.Tensor], *, row_order: str | N
 
 
 def convert_layer(tensors: Mapping[str, torch.Tensor], options: ConvertOptions, *,
-                  row_order: str | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+                  row_order: str | None = None, choices: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """One layer's experts (names of the module docstring) -> the backend's kernel tensors
     (``w13_weight``, ``w13_weight_scale``, ``w2_weight``, ``w2_weight_scale``, biases where given),
-    padded as ``repack`` pads them, on the input's device; bytes equal to ``repack``'s files."""
+    padded as ``repack`` pads them, on the input's device; bytes equal to ``repack``'s files.
+    ``choices``: what the layout must choose for these stacks (a loaded layer's recorded
+    ``layout.stack_choices``; LayoutError where the data gives another choice)."""
     layout = get_layout(options.backend)
     activation = options.activation or layout.activations[0]
     layout.check_activation(activation)
-    layout_options = layout.resolve_options(options.layout_options)
+    layout_options = layout.with_choices(layout.resolve_options(options.layout_options), choices or {})
     t, implied = _rename(tensors)
     fused = _fused(layout, t, row_order or implied or "halves", activation, layout_options, options)
     if fused is not None:
@@ -252,8 +254,8 @@ def update_layer(layer: EngineLayer, tensors: Mapping[str, torch.Tensor], *, qua
     activation = lay.extra.get("activation")  # the backend's description records it (None: its default)
     opts = ConvertOptions(layer.backend, activation=None if activation is None else str(activation),
                           layout_options=lay.option_values, quant=quant or layer_quant(layer))  # fmt: skip
-    new = convert_layer({k: v.to(layer.device) for k, v in tensors.items()}, opts,
-                        row_order=row_order or lay.w13_row_order)  # fmt: skip
+    new = convert_layer({k: v.to(layer.device) for k, v in tensors.items()}, opts, row_order=row_order or lay.w13_row_order,
+                        choices=lay.choices_of(layer.layer, layer.rank))  # fmt: skip
     _check_fits(layer, new)
     for key, held in layer.tensors.items():
         got = new[key]

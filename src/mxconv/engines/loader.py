@@ -264,7 +264,8 @@ def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor],
     where = f"{src.root} layer {src.layer}" + (f" rank {src.rank}" if src.tp_size > 1 else "")
     common = dict(num_experts=int(info.num_experts), hidden_size=lay.hidden_size,
                   padded_hidden_size=lay.padded_hidden_size, layout=fields, activation=info.activation,
-                  swiglu_alpha=info.swiglu_alpha, swiglu_limit=info.swiglu_limit, name=where)  # fmt: skip
+                  swiglu_alpha=info.swiglu_alpha, swiglu_limit=info.swiglu_limit, name=where,
+                  stack_choices=lay.choices_of(src.layer, src.rank))  # fmt: skip
     def rewrap(held: dict[str, torch.Tensor]) -> Any:
         return runner.wrap(held, fields, src.intermediate_size, src.tp_size, kernel_locations=kernel_locations, **common)
 

@@ -106,15 +106,29 @@ def marlin_workspace(device: torch.device) -> torch.Tensor:
     return torch.zeros(sms * BLOCKS_PER_SM, dtype=torch.int32, device=device)
 
 
-def _gemm(a: torch.Tensor, out: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor,
-          workspace: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
-          block: int, top_k: int, mul_topk_weights: bool, m: int, n: int, k: int, quant_type_id: int) -> torch.Tensor:  # fmt: skip
-    sorted_ids, expert_ids, post_pad = align
-    return torch.ops._moe_C.moe_wna16_marlin_gemm(
-        a, out, w, bias, scale, None, None, None, workspace, sorted_ids, expert_ids, post_pad, topk_weights,
-        block, top_k, mul_topk_weights, quant_type_id, m, n, k,
-        False, True, False, -1, -1, -1,  # atomic add, fp32 reduce, float zero points, thread_k/n, blocks/SM
-    )  # fmt: skip
+@dataclass(frozen=True)
+class _Dispatch:
+    """What both GEMMs of one forward share: the tokens' routing aligned to the kernel's blocks
+    (sorted ids, expert ids, padded count), the top-k weights, the block size, the kernel's workspace
+    and the stored weights' scalar type."""
+
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    topk_weights: torch.Tensor
+    block: int
+    workspace: torch.Tensor
+    quant_type_id: int
+
+    def gemm(self, a: torch.Tensor, out: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+             top_k: int, mul_topk_weights: bool, mnk: tuple[int, int, int]) -> torch.Tensor:  # fmt: skip
+        """``a`` times one expert stack (``weights``: packed weights, scales, bias or None) into ``out``."""
+        w, scale, bias = weights
+        m, n, k = mnk
+        sorted_ids, expert_ids, post_pad = self.align
+        return torch.ops._moe_C.moe_wna16_marlin_gemm(
+            a, out, w, bias, scale, None, None, None, self.workspace, sorted_ids, expert_ids, post_pad, self.topk_weights,
+            self.block, top_k, mul_topk_weights, self.quant_type_id, m, n, k,
+            False, True, False, -1, -1, -1,  # atomic add, fp32 reduce, float zero points, thread_k/n, blocks/SM
+        )  # fmt: skip
 
 
 @dataclass
@@ -156,14 +170,12 @@ class MarlinExperts:
         topk_weights = weights.to(torch.float32).contiguous()
         block = moe_block_size(T, k, E)
         self.last_block = block
-        align = align_block_size(ids32, E, block)
+        dispatch = _Dispatch(align_block_size(ids32, E, block), topk_weights, block, self.workspace, self.quant_type_id)
         h = torch.empty(T * k, 2 * Ip, dtype=torch.bfloat16, device=a.device)
-        h = _gemm(a, h, self.w13, self.b13, self.w13_scale, self.workspace, align, topk_weights, block, k, False, T, 2 * Ip, Hp,
-                  self.quant_type_id)  # fmt: skip
+        h = dispatch.gemm(a, h, (self.w13, self.w13_scale, self.b13), k, False, (T, 2 * Ip, Hp))
         inter = self.activate(h)
         y = torch.empty(T * k, Hp, dtype=torch.bfloat16, device=a.device)
-        y = _gemm(inter, y, self.w2, self.b2, self.w2_scale, self.workspace, align, topk_weights, block, 1, True, T * k, Hp, Ip,
-                  self.quant_type_id)  # fmt: skip
+        y = dispatch.gemm(inter, y, (self.w2, self.w2_scale, self.b2), 1, True, (T * k, Hp, Ip))
         return y.view(T, k, Hp).sum(dim=1)[:, : self.hidden_size]
 
 
@@ -185,9 +197,9 @@ def build_experts(
     the manifest declares and hold them for the kernel. BadInput for variants vLLM 0.33's kernel
     does not run here: FP8 activations (SM89/SM120 only) and the legacy (vLLM <= 0.11.2) scales."""
     if layout.get("activation", "bf16") != "bf16":
-        raise BadInput(f"{name}: Marlin with {layout.get('activation')} activations (W4A8-FP8) runs on SM89/SM120 only; repack with --activation bf16")
+        raise BadInput(f"{name}: Marlin with {layout.get('activation')} activations (W4A8-FP8) runs on SM89/SM120 only; repack with RepackOptions.activation bf16")
     if layout.get("scale_layout", "current") != "current":
-        raise BadInput(f"{name}: legacy Marlin scales (vLLM <= 0.11.2) are not what vLLM 0.33's kernel reads; repack with --marlin-scale-layout current")
+        raise BadInput(f"{name}: legacy Marlin scales (vLLM <= 0.11.2) are not what vLLM 0.33's kernel reads; repack with RepackOptions.layout_options marlin_scale_layout=current")
     E, Hp, Ip = num_experts, padded_hidden_size, padded_intermediate_size
     form = FORMS.get(str(layout.get("variant") or "mxfp4"))
     if form is None:

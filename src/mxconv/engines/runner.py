@@ -54,7 +54,8 @@ class EngineRunner(Protocol):
              tp_size: int, kernel_locations: KernelLocations | None = None, **common: Any) -> Any:  # fmt: skip
         """The engine's expert object holding one rank's stored tensors (names without prefix, on
         the GPU) as the kernel takes them (kernels found as for :meth:`kernel_unavailable`). ``common``: num_experts, hidden_size,
-        padded_hidden_size, layout, activation, swiglu_alpha, swiglu_limit, name."""
+        padded_hidden_size, layout, activation, swiglu_alpha, swiglu_limit, name, stack_choices (this layer's
+        and rank's recorded ``layout.stack_choices``: ``{}`` when none)."""
         ...
 
     def forward(self, experts: Any, x: torch.Tensor, topk_ids: torch.Tensor | None, topk_weights: torch.Tensor | None,

@@ -217,7 +217,7 @@ def build_experts(
         raise BadInput(
             f"{name}: triton_kernels' matmul_ogs on Hopper computes wrong results when the reduction size is not a "
             f"multiple of {KERNEL_K_MULTIPLE} (hidden {padded_hidden_size}, intermediate {padded_intermediate_size}; "
-            f"docs/real-kernels.md); repack with --layout-option pad_hidden=true"
+            f"docs/real-kernels.md); repack with RepackOptions.layout_options pad_hidden=true"
         )
     E, Hp, Ip = num_experts, padded_hidden_size, padded_intermediate_size
     if warps == 8 and min(Hp, 2 * Ip) <= 128:

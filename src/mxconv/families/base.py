@@ -378,7 +378,7 @@ class FamilyReader(ABC):
         if not allow_nonfinite:
             problem = self.nonfinite_problem(layer)
             if problem:
-                raise BadInput(f"{self.ckpt.root}: {problem}; pass --allow-nonfinite to carry such values over")
+                raise BadInput(f"{self.ckpt.root}: {problem}; set QuantOptions.allow_nonfinite to carry such values over")
         return layer
 
 

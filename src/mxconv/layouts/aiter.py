@@ -24,7 +24,7 @@ integer id tensors to trace where each byte goes). ``to_kernel`` folds padding, 
 GU16 into one row table per tensor; on CUDA the Triton kernels of ``mxconv.kernels.trtllm_aiter``
 apply it together with W16 / S32x8 in one pass.
 
-Options: :class:`AiterOptions`.
+Options: :class:`AiterOptions`. MXFP8 experts (vLLM ``AITER_MXFP8``): :mod:`mxconv.layouts.aiter_mxfp8`.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
+from mxconv.layouts import aiter_mxfp8
 from mxconv.layouts.aiter_bytemap import (
     ACTIVATIONS, SCALE_PAD_FILL, check_a4w4_rows, check_activation, need, w16_bytes, deinterleave_rows,
     deinterleave_source_rows, gu16_inverse, gu16_source_rows,
@@ -154,13 +155,11 @@ class AiterLayout(LayoutBase):
     version = 1
     activations: tuple[str, ...] = ACTIVATIONS
     vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
+    vllm_mxfp8_backends = {aiter_mxfp8.ACTIVATION: (aiter_mxfp8.VLLM_BACKEND,)}  # Fp8MoeBackend (aiter_mxfp8)
+    weight_formats = ("mxfp4", aiter_mxfp8.WEIGHT_FORMAT)
     options_type = AiterOptions
-    options = (
-        LayoutOption(
-            "check_undefined_scale_padding", bool, True,
-            "verify: require 0x7F in the a4w4 scale padding (false for scales dumped from a live vLLM)",
-        ),
-    )
+    options = (LayoutOption("check_undefined_scale_padding", bool, True, "verify: require 0x7F in the scale padding "
+                            "upstream leaves uninitialised (a4w4; MXFP8 w2) (false for scales dumped from a live vLLM)"),)
 
     def kernel_unavailable(self, manifest: Manifest, kernel_locations: KernelLocations | None = None) -> str | None:
         """AITER's CK MoE kernels run on ROCm only."""
@@ -168,9 +167,11 @@ class AiterLayout(LayoutBase):
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: AiterOptions | None = None,
+        options: AiterOptions | None = None, *, weight_format: str = "mxfp4",
     ) -> tuple[int, int]:
-        """(Hp, Ip) per vLLM 0.33's ROCm table (module docstring). LayoutError if impossible."""
+        """(Hp, Ip) per vLLM 0.33's ROCm table (module docstring); MXFP8: (H, I). LayoutError if impossible."""
+        if weight_format == aiter_mxfp8.WEIGHT_FORMAT:
+            return aiter_mxfp8.padded_sizes(hidden_size, intermediate_size, row_order, activation)
         check_activation(activation)
         _check_row_order(row_order)
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
@@ -184,6 +185,8 @@ class AiterLayout(LayoutBase):
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: AiterOptions) -> dict[str, TensorSpec]:
         """Output shapes/dtypes. a16w4: scales 2-D ``[E*N, round_up(K/32, 8)]``; a4w4: 3-D
         ``[E, N, round_up(K/32, 8)]``; weights ``[E, N, K/2]`` uint8; biases float32."""
+        if sizes.weight_format == aiter_mxfp8.WEIGHT_FORMAT:
+            return aiter_mxfp8.kernel_specs(sizes, activation)
         _check_sizes(sizes, activation)
         e, hp, ip = sizes.num_experts, sizes.padded_hidden_size, sizes.padded_intermediate_size
         u8 = "U8"
@@ -204,6 +207,8 @@ class AiterLayout(LayoutBase):
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
         """Canonical (unpadded) stack -> AITER kernel tensors on ``c``'s device (padding included);
         ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
+        if c.weight_format == aiter_mxfp8.WEIGHT_FORMAT:
+            return aiter_mxfp8.to_kernel(c, activation)
         c.validate()  # includes: both biases or neither
         hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
         sizes = c.sizes(hp, ip)
@@ -216,6 +221,8 @@ class AiterLayout(LayoutBase):
         """Exact inverse of :meth:`to_kernel`. Checks shapes/dtypes, the 0x7F scale column padding
         and vLLM's zero padding (LayoutError naming the tensor and the first offending index).
         Biases come back as float32."""
+        if sizes.weight_format == aiter_mxfp8.WEIGHT_FORMAT:
+            return aiter_mxfp8.from_kernel(k, sizes, activation, self.options_of(options).check_undefined_scale_padding)
         specs = self.kernel_specs(sizes, activation, options)
         t = _validated_inputs(k, specs)
         e, h, i = sizes.num_experts, sizes.hidden_size, sizes.intermediate_size
@@ -264,6 +271,8 @@ class AiterLayout(LayoutBase):
 
     def describe(self, sizes: LayoutSizes, activation: str, options: AiterOptions) -> dict[str, Any]:
         """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
+        if sizes.weight_format == aiter_mxfp8.WEIGHT_FORMAT:
+            return aiter_mxfp8.describe(sizes, activation)
         _check_sizes(sizes, activation)
         hp, ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
         a16w4 = activation == "bf16"
@@ -291,14 +300,8 @@ class AiterLayout(LayoutBase):
             "scale_pad_fill": SCALE_PAD_FILL,
             "scale_pad_defined_upstream": a16w4 or not scale_cols_padded,
             "w13_bias_row_order": "halves" if a16w4 else sizes.row_order,
-            "torch_dtype": {
-                "w13_weight": weight_view,
-                "w2_weight": weight_view,
-                "w13_weight_scale": "uint8",
-                "w2_weight_scale": "uint8",
-                "w13_bias": "float32",
-                "w2_bias": "float32",
-            },
+            "torch_dtype": {"w13_weight": weight_view, "w2_weight": weight_view, "w13_weight_scale": "uint8",
+                            "w2_weight_scale": "uint8", "w13_bias": "float32", "w2_bias": "float32"},
             "stored_dtype": {"weights": "uint8", "scales": "uint8", "biases": "float32"},
         }
 

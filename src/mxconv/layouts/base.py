@@ -198,6 +198,17 @@ class LayoutBase:
         here, or it does not apply to these tensors; the caller then takes the general path."""
         return None
 
+    def stack_choices(self, c: CanonicalExperts, options: LayoutOptions | None) -> dict[str, str]:
+        """What :meth:`to_kernel` chooses from ``c``'s data under ``options``, by kernel tensor name
+        (e.g. humming's INT4 code form per GEMM): the run records it per layer and rank in the
+        manifest (``layout.stack_choices``). None chosen by default."""
+        return {}
+
+    def with_choices(self, options: LayoutOptions | None, choices: Mapping[str, str]) -> LayoutOptions:
+        """``options`` with ``choices`` (a layer's and rank's recorded :meth:`stack_choices`) fixed,
+        for inverting and re-laying those bytes; by default the options as they are."""
+        return self.options_of(options)
+
     def size_warnings(self, hidden_size: int, intermediate_size: int, options: LayoutOptions | None = None) -> list[str]:
         """Plain warnings about sizes the engine accepts but computes wrongly (repack prints them,
         inspect shows them, ``verify --kernel`` fails on them). None by default."""
@@ -243,6 +254,14 @@ class Layout(Protocol):
         fmt: str, scale_rounding: str, kernel_choice: KernelChoice = KernelChoice.AUTO,
     ) -> KernelTensors | None:  # fmt: skip
         """Float experts -> kernel tensors in one fused pass, or None (LayoutBase: None, never)."""
+        ...
+
+    def stack_choices(self, c: CanonicalExperts, options: LayoutOptions | None) -> dict[str, str]:
+        """What to_kernel chooses from ``c``'s data, by tensor name (LayoutBase: {}, nothing)."""
+        ...
+
+    def with_choices(self, options: LayoutOptions | None, choices: Mapping[str, str]) -> LayoutOptions:
+        """``options`` with recorded stack choices fixed (LayoutBase: the options as they are)."""
         ...
 
     def tp_refusal(self, tp: int, options: LayoutOptions | None = None) -> str | None:

@@ -273,6 +273,16 @@ def check_block_sizes(backend: str, hidden_size: int, intermediate_size: int, ro
             raise LayoutError(f"{backend}: {what} size {size} must be a positive multiple of {block}")
 
 
+def check_mxfp8_method_sizes(backend: str, sizes: LayoutSizes, want: tuple[int, int]) -> tuple[int, int]:
+    """``want`` = (H, I) of an MXFP8 form whose bytes vLLM's MXFP8 method (CompressedTensorsW8A8Mxfp8MoEMethod)
+    allocates: nothing padded, no expert biases; LayoutError otherwise."""
+    check_padded_sizes(backend, sizes, want, "vLLM's MXFP8 methods pad nothing")
+    if sizes.has_bias:
+        raise LayoutError(f"{backend} takes no expert biases: vLLM's MXFP8 methods (CompressedTensorsW8A8Mxfp8MoEMethod) "
+                          "create none, so no verified layout holds them")
+    return want
+
+
 def check_padded_sizes(backend: str, sizes: LayoutSizes, want: tuple[int, int], rule: str) -> tuple[int, int]:
     """``want`` (the layout's (Hp, Ip) for ``sizes``' H and I); LayoutError naming ``rule`` (how the
     layout pads) when ``sizes`` records other padded sizes."""

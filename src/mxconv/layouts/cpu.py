@@ -24,39 +24,18 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
-from mxconv.layouts.base import EmptyOptions, LayoutBase
-from mxconv.layouts.canonical import (
-    CanonicalExperts,
-    KernelTensors,
-    LayoutSizes,
-    TensorSpec,
-    bias_specs,
-    check_block_sizes,
-    check_kernel_tensors,
-    check_padded_sizes,
-    in_kernel_order,
-    round_up,
-)
-from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
-from mxconv.source.st_format import torch_dtype
+from mxconv.layouts.padded_stack import PaddedStackLayout, StackForm, Transform
 from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
 
 BACKEND_NAME = "cpu"
-LAYOUT_VERSION = 1
-MX_BLOCK = 32
 BLOCK_N = 32  # sgl-kernels gemm.h block_size_n() = 2 * TILE_N: rows packed together
 ALIGN = 32  # mxfp4_round_up_hidden_size_and_intermediate_size: CPU -> H and I to 32 ("BLOCK_N=32")
-PAD_FILL = 0
-BIAS_DTYPE = "F32"  # the CPU branch of convert_*_to_mxfp4_moe_kernel_format: bias.to(torch.float32)
-ACTIVATIONS = ("bf16",)  # CPUExpertsMxfp4: W4A16, (kMxfp4Static, None)
-VLLM_BACKEND = "CPU"
 
 
 def _blocks(t: torch.Tensor, what: str) -> tuple[int, int, int]:
@@ -109,96 +88,31 @@ def unpack_scale(p: torch.Tensor) -> torch.Tensor:
     return p.reshape(E, NB, G, BLOCK_N).transpose(2, 3).reshape(E, NB * BLOCK_N, G).contiguous()
 
 
-class CpuLayout(LayoutBase):
+class CpuLayout(PaddedStackLayout):
     """vLLM 0.33 ``CPU`` MXFP4 expert tensors (module docstring; docs/layout-cpu.md)."""
 
     name = BACKEND_NAME
-    version = LAYOUT_VERSION
-    activations: tuple[str, ...] = ACTIVATIONS
-    vllm_backends = {"bf16": (VLLM_BACKEND,)}
+    version = 1
+    hidden_align = intermediate_align = ALIGN
+    padding_rule = f"both rounded up to {ALIGN}"
+    bias_dtype = "F32"  # the CPU branch of convert_*_to_mxfp4_moe_kernel_format: bias.to(torch.float32)
+    engine_compat = {"vllm": ">=0.32", "cpu": "x86-64 with AMX, vLLM CPU build"}
+    forms = {  # CPUExpertsMxfp4: W4A16, (kMxfp4Static, None)
+        "bf16": StackForm(
+            "CPU", weight=Transform.pair(pack_weight, unpack_weight), scale=Transform.pair(pack_scale, unpack_scale),
+            notes={
+                "weight_packing": "convert_weight_packed (uint8): per 32-row block [K/2, 32] bytes, "
+                                  "byte j = nibble j | nibble j+32 << 4 of the block's row-major (row, k) pairs",
+                "scale_packing": "convert_scale_packed: per 32-row block [K/32, 32] E8M0 bytes",
+            },
+        ),
+    }
 
-    def kernel_unavailable(self, manifest: Manifest, kernel_locations: KernelLocations | None = None) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest) -> str | None:
         """vLLM's fused_experts_cpu needs AMX and a vLLM CPU build; mxconv has no runner for it."""
         return ("vLLM's CPU MXFP4 MoE kernel (CPUExpertsMxfp4: torch.ops._C.fused_experts_cpu) needs an x86 CPU "
                 "with AMX and a vLLM CPU build, and mxconv has no runner for it yet; `verify` (without --kernel) "
                 "checks these bytes by inverting the packing")
-
-    def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: EmptyOptions | None = None,
-    ) -> tuple[int, int]:
-        """(Hp, Ip) = (roundup(H, 32), roundup(I, 32)) for one rank; LayoutError unless H and I are
-        positive multiples of 32 and the row order and activation are known."""
-        self.check_activation(activation)
-        check_block_sizes(BACKEND_NAME, hidden_size, intermediate_size, row_order, MX_BLOCK)
-        return round_up(hidden_size, ALIGN), round_up(intermediate_size, ALIGN)
-
-    def _checked(self, sizes: LayoutSizes, activation: str) -> tuple[int, int]:
-        """(Hp, Ip) of ``sizes``; LayoutError if its padded sizes are not this layout's."""
-        want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation)
-        return check_padded_sizes(BACKEND_NAME, sizes, want, f"both rounded up to {ALIGN}")
-
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, TensorSpec]:
-        """Shapes/dtypes of the stored tensors (table in the module docstring)."""
-        Hp, Ip = self._checked(sizes, activation)
-        E = sizes.num_experts
-        return in_kernel_order({
-            "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), "U8"),
-            "w13_weight_scale": TensorSpec((E, 2 * Ip, Hp // MX_BLOCK), "U8"),
-            "w2_weight": TensorSpec((E, Hp, Ip // 2), "U8"),
-            "w2_weight_scale": TensorSpec((E, Hp, Ip // MX_BLOCK), "U8"),
-            **bias_specs(sizes, Hp, Ip, BIAS_DTYPE),
-        })
-
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: EmptyOptions,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
-        """Canonical stack -> stored kernel tensors on ``c``'s device: zero padding to (Hp, Ip), then
-        :func:`pack_weight` / :func:`pack_scale`, biases as float32 (torch ops only: ``kernel_choice``
-        has nothing to pick here)."""
-        c.validate()
-        Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
-        p = pad_canonical(c, Hp, Ip, scale_fill=PAD_FILL)
-        out: KernelTensors = {"w13_weight": pack_weight(p.w13), "w13_weight_scale": pack_scale(p.w13_scale)}
-        if p.w13_bias is not None:
-            out["w13_bias"] = p.w13_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
-        out.update({"w2_weight": pack_weight(p.w2), "w2_weight_scale": pack_scale(p.w2_scale)})
-        if p.w2_bias is not None:
-            out["w2_bias"] = p.w2_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
-        return out
-
-    def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: EmptyOptions
-    ) -> CanonicalExperts:
-        """Stored tensors -> canonical (unpadded) stack; biases come back as float32.
-
-        LayoutError for a missing/unexpected tensor, a wrong shape or dtype, tensors on different
-        devices, or padding that is not zero (tensor and first index named, in the unpacked
-        [E, rows, K/2 or K/32] view).
-        """
-        check_kernel_tensors(BACKEND_NAME, k, self.kernel_specs(sizes, activation, options))
-        padded = CanonicalExperts(
-            w13=unpack_weight(k["w13_weight"]), w13_scale=unpack_scale(k["w13_weight_scale"]),
-            w2=unpack_weight(k["w2_weight"]), w2_scale=unpack_scale(k["w2_weight_scale"]),
-            w13_bias=k.get("w13_bias"), w2_bias=k.get("w2_bias"), row_order=sizes.row_order,
-        )
-        return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size, scale_fill=PAD_FILL, check=True)
-
-    def describe(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, Any]:
-        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
-        self._checked(sizes, activation)
-        return {
-            "name": self.name,
-            "version": self.version,
-            "engine_compat": {"vllm": ">=0.32", "cpu": "x86-64 with AMX, vLLM CPU build"},
-            "activation": activation,
-            "vllm_moe_backend": VLLM_BACKEND,
-            "padding": {"hidden_align": ALIGN, "intermediate_align": ALIGN, "fill": PAD_FILL},
-            "w13_kernel_row_order": sizes.row_order,
-            "weight_packing": "convert_weight_packed (uint8): per 32-row block [K/2, 32] bytes, "
-                              "byte j = nibble j | nibble j+32 << 4 of the block's row-major (row, k) pairs",
-            "scale_packing": "convert_scale_packed: per 32-row block [K/32, 32] E8M0 bytes",
-            "bias_dtype": "float32",
-        }
 
 
 LAYOUT = CpuLayout()

@@ -25,37 +25,21 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.base import EmptyOptions, LayoutBase
-from mxconv.layouts.canonical import (
-    CanonicalExperts,
-    KernelTensors,
-    LayoutSizes,
-    TensorSpec,
-    bias_specs,
-    check_block_sizes,
-    check_kernel_tensors,
-    in_kernel_order,
-    round_up,
-)
-from mxconv.layouts.padding import KernelChoice, check_fill
-from mxconv.source.st_format import torch_dtype
+from mxconv.layouts.canonical import round_up
+from mxconv.layouts.padded_stack import PAD_FILL, PaddedStackLayout, StackForm, Transform
+from mxconv.layouts.padding import check_fill
 from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
 
 BACKEND_NAME = "cutlass"
-LAYOUT_VERSION = 1
 MX_BLOCK = 32
 ROW_TILE = 128  # scale rows per tile: 4 groups of 32
 COL_TILE = 4  # scale columns (K blocks of 32) per tile
-PAD_FILL = 0  # swizzle_mxfp4_scales pads with torch.zeros
-BIAS_DTYPE = "BF16"
-ACTIVATIONS = ("mxfp4",)  # CutlassExpertsMxfp4: (kMxfp4Static, kMxfp4Dynamic) only
-VLLM_BACKEND = "CUTLASS_MXFP4_MXFP4"
 
 
 def tiled_shape(rows: int, cols: int) -> tuple[int, int]:
@@ -95,7 +79,7 @@ def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
     return _to_tiles(padded, Np, Cp)
 
 
-def unswizzle_scales(name: str, tiled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def unswizzle_scales(tiled: torch.Tensor, name: str, rows: int, cols: int) -> torch.Tensor:
     """Inverse of :func:`swizzle_scales`: [E, Np, Cp] tiles -> [E, rows, cols]; LayoutError naming
     ``name`` and the first padding element (unswizzled [E, row, K block] index) that is not zero."""
     Np, Cp = tiled_shape(rows, cols)
@@ -107,13 +91,25 @@ def unswizzle_scales(name: str, tiled: torch.Tensor, rows: int, cols: int) -> to
     return flat[:, :rows, :cols].contiguous()
 
 
-class CutlassLayout(LayoutBase):
+class CutlassLayout(PaddedStackLayout):
     """vLLM 0.33 ``CUTLASS_MXFP4_MXFP4`` expert tensors (module docstring; docs/layout-cutlass.md)."""
 
     name = BACKEND_NAME
-    version = LAYOUT_VERSION
-    activations: tuple[str, ...] = ACTIVATIONS
-    vllm_backends = {"mxfp4": (VLLM_BACKEND,)}
+    version = 1
+    hidden_align = intermediate_align = 1  # the weights are stored as the checkpoint holds them
+    padding_rule = "the weights are not padded, only the scale tiles"
+    padding_notes = {"scale_row_align": ROW_TILE, "scale_col_align": COL_TILE}
+    engine_compat = {"vllm": ">=0.33", "gpu": "SM100 family (CutlassExpertsMxfp4)"}
+    forms = {  # CutlassExpertsMxfp4: (kMxfp4Static, kMxfp4Dynamic) only
+        "mxfp4": StackForm(
+            "CUTLASS_MXFP4_MXFP4", scale=Transform(swizzle_scales, unswizzle_scales, tiled_shape),
+            notes={
+                "scale_format": "e8m0",
+                "scale_storage": "per expert: swizzle_mxfp4_scales tiles [N/128, K/128, 32, 4, 4] of the zero-padded "
+                                 "[roundup(N, 128), roundup(K/32, 4)] scales, viewed as that 2-d shape",
+            },
+        ),
+    }
 
     def kernel_unavailable(self, manifest: Manifest) -> str | None:
         """vLLM's CUTLASS MXFP4 grouped GEMM needs an SM100-family GPU; mxconv does not drive it."""
@@ -123,91 +119,6 @@ class CutlassLayout(LayoutBase):
             return ("vLLM's CutlassExpertsMxfp4 (cutlass_mxfp4_moe_mm) needs an SM100-family (Blackwell) GPU "
                     "and vLLM's compiled _C ops")
         return "running vLLM's CUTLASS MXFP4 MoE kernel is not wired up in this version"
-
-    def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: EmptyOptions | None = None,
-    ) -> tuple[int, int]:
-        """(H, I) unchanged (the weights are stored as the checkpoint holds them); LayoutError unless
-        H and I are positive multiples of 32 and the row order and activation are known."""
-        self.check_activation(activation)
-        check_block_sizes(BACKEND_NAME, hidden_size, intermediate_size, row_order, MX_BLOCK)
-        return hidden_size, intermediate_size
-
-    def _checked(self, sizes: LayoutSizes, activation: str) -> tuple[int, int]:
-        """(H, I) of ``sizes``; LayoutError if its padded sizes are not its sizes."""
-        want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation)
-        got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
-        if got != want:
-            raise LayoutError(f"cutlass: padded sizes (Hp, Ip) = {got} must equal (H, I) = {want}: "
-                              "this layout pads the scale tiles only")
-        return want
-
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, TensorSpec]:
-        """Shapes/dtypes of the stored tensors (table in the module docstring)."""
-        H, I = self._checked(sizes, activation)
-        E = sizes.num_experts
-        return in_kernel_order({
-            "w13_weight": TensorSpec((E, 2 * I, H // 2), "U8"),
-            "w13_weight_scale": TensorSpec((E, *tiled_shape(2 * I, H // MX_BLOCK)), "U8"),
-            "w2_weight": TensorSpec((E, H, I // 2), "U8"),
-            "w2_weight_scale": TensorSpec((E, *tiled_shape(H, I // MX_BLOCK)), "U8"),
-            **bias_specs(sizes, H, I, BIAS_DTYPE),
-        })
-
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: EmptyOptions,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
-        """Canonical stack -> stored tensors on ``c``'s device: weights as they are, scales tiled by
-        :func:`swizzle_scales`, biases as bfloat16 (torch ops only: ``kernel_choice`` picks nothing)."""
-        c.validate()
-        self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
-        out: KernelTensors = {"w13_weight": c.w13.contiguous(), "w13_weight_scale": swizzle_scales(c.w13_scale)}
-        if c.w13_bias is not None:
-            out["w13_bias"] = c.w13_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
-        out.update({"w2_weight": c.w2.contiguous(), "w2_weight_scale": swizzle_scales(c.w2_scale)})
-        if c.w2_bias is not None:
-            out["w2_bias"] = c.w2_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
-        return out
-
-    def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: EmptyOptions
-    ) -> CanonicalExperts:
-        """Stored tensors -> canonical stack; biases come back as bfloat16.
-
-        LayoutError for a missing/unexpected tensor, a wrong shape or dtype, tensors on different
-        devices, or scale-tile padding that is not zero (tensor and first index named, in the
-        unswizzled [E, rows, K/32] view).
-        """
-        specs = self.kernel_specs(sizes, activation, options)
-        check_kernel_tensors(BACKEND_NAME, k, specs)
-        H, I = sizes.hidden_size, sizes.intermediate_size
-        return CanonicalExperts(
-            w13=k["w13_weight"].contiguous(),
-            w13_scale=unswizzle_scales("w13_weight_scale", k["w13_weight_scale"], 2 * I, H // MX_BLOCK),
-            w2=k["w2_weight"].contiguous(),
-            w2_scale=unswizzle_scales("w2_weight_scale", k["w2_weight_scale"], H, I // MX_BLOCK),
-            w13_bias=k.get("w13_bias"),
-            w2_bias=k.get("w2_bias"),
-            row_order=sizes.row_order,
-        )
-
-    def describe(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, Any]:
-        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
-        self._checked(sizes, activation)
-        return {
-            "name": self.name,
-            "version": self.version,
-            "engine_compat": {"vllm": ">=0.33", "gpu": "SM100 family (CutlassExpertsMxfp4)"},
-            "activation": activation,
-            "vllm_moe_backend": VLLM_BACKEND,
-            "padding": {"hidden_align": 1, "intermediate_align": 1, "scale_row_align": ROW_TILE,
-                        "scale_col_align": COL_TILE, "fill": PAD_FILL},
-            "w13_kernel_row_order": sizes.row_order,
-            "scale_format": "e8m0",
-            "scale_storage": "per expert: swizzle_mxfp4_scales tiles [N/128, K/128, 32, 4, 4] of the zero-padded "
-                             "[roundup(N, 128), roundup(K/32, 4)] scales, viewed as that 2-d shape",
-            "bias_dtype": "bfloat16",
-        }
 
 
 LAYOUT = CutlassLayout()

@@ -19,6 +19,8 @@ the way (``_upcast_e8m0_to_fp32``, then the pack's ``bits >> 23``) gives back ev
 0xFF included. Weights keep the row order they come in (vLLM's DeepGEMM path does not reorder).
 All padding is zero (vLLM allocates the parameters with ``torch.zeros``).
 
+MXFP8 experts (vLLM ``Fp8MoeBackend.DEEPGEMM``, SM100): :mod:`mxconv.layouts.deepgemm_mxfp8`.
+
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
@@ -26,38 +28,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
-from mxconv.layouts.base import EmptyOptions, LayoutBase
-from mxconv.layouts.canonical import (
-    CanonicalExperts,
-    KernelTensors,
-    LayoutSizes,
-    TensorSpec,
-    bias_specs,
-    check_block_sizes,
-    check_kernel_tensors,
-    check_padded_sizes,
-    in_kernel_order,
-    round_up,
-)
-from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
-from mxconv.source.st_format import torch_dtype
+from mxconv.layouts import deepgemm_mxfp8
+from mxconv.layouts.base import LayoutOptions
+from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec
+from mxconv.layouts.padded_stack import PaddedStackLayout, StackForm, Transform
+from mxconv.layouts.padding import KernelChoice
 from mxconv.source.manifest import Manifest
+from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
 BACKEND_NAME = "deepgemm"
-LAYOUT_VERSION = 1
-MX_BLOCK = 32
 ALIGN = 128  # mxfp4_round_up_hidden_size_and_intermediate_size: DEEPGEMM_MXFP4 -> H and I to 128
 PACK = 4  # UE8M0 scales per int32 word
-PAD_FILL = 0
 SCALE_DTYPE = "I32"  # safetensors names; mxconv.source.st_format.torch_dtype gives the torch ones
-BIAS_DTYPE = "BF16"
-ACTIVATIONS = ("fp8",)  # DeepGemmFP4Experts: FP8 activations, dynamic per token and 128-wide group
-VLLM_BACKEND = "DEEPGEMM_MXFP4"
 
 
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
@@ -88,15 +74,33 @@ def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
     return raw.permute(0, 2, 1, 3).reshape(E, N, J * PACK).contiguous()
 
 
-class DeepgemmLayout(LayoutBase):
+def packed_shape(rows: int, cols: int) -> tuple[int, int]:
+    """[C/4, N]: the per-expert shape :func:`pack_ue8m0` stores N rows of C scale columns in."""
+    return cols // PACK, rows
+
+
+class DeepgemmLayout(PaddedStackLayout):
     """vLLM 0.33 ``DEEPGEMM_MXFP4`` expert tensors (module docstring; docs/layout-deepgemm.md)."""
 
     name = BACKEND_NAME
-    version = LAYOUT_VERSION
-    activations: tuple[str, ...] = ACTIVATIONS
-    vllm_backends = {"fp8": (VLLM_BACKEND,)}
+    version = 1
+    hidden_align = intermediate_align = ALIGN
+    padding_rule = f"both rounded up to {ALIGN}"
+    engine_compat = {"vllm": ">=0.33", "deep_gemm": "vendored by vLLM 0.33", "gpu": "SM100 or SM120"}
+    forms = {  # DeepGemmFP4Experts: FP8 activations, dynamic per token and 128-wide group
+        "fp8": StackForm(
+            "DEEPGEMM_MXFP4", scale=Transform.pair(pack_ue8m0, unpack_ue8m0, packed_shape, SCALE_DTYPE),
+            notes={
+                "scale_format": "ue8m0 packed 4 per int32 (low byte = lowest K block), MN-major",
+                "scale_storage": "[E, K/128, N] int32; the engine tensor is stored.transpose(1, 2) = [E, N, K/128]",
+                "runtime_env": {"VLLM_USE_DEEP_GEMM_E8M0": "1"},
+            },
+        ),
+    }
+    vllm_mxfp8_backends = {deepgemm_mxfp8.ACTIVATION: (deepgemm_mxfp8.VLLM_BACKEND,)}  # Fp8MoeBackend (deepgemm_mxfp8)
+    weight_formats = ("mxfp4", deepgemm_mxfp8.WEIGHT_FORMAT)
 
-    def kernel_unavailable(self, manifest: Manifest, kernel_locations: KernelLocations | None = None) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest) -> str | None:
         """DeepGEMM's grouped FP8 x FP4 GEMM needs an SM100/SM120 GPU; mxconv does not drive it."""
         import torch
 
@@ -104,87 +108,34 @@ class DeepgemmLayout(LayoutBase):
             return "DeepGEMM's m_grouped_fp8_fp4_gemm_nt_contiguous needs an SM100 or SM120 (Blackwell) GPU"
         return "running the DeepGEMM MXFP4 kernel is not wired up in this version"
 
-    def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: EmptyOptions | None = None,
-    ) -> tuple[int, int]:
-        """(Hp, Ip) = (roundup(H, 128), roundup(I, 128)) for one rank; LayoutError unless H and I
-        are positive multiples of 32 and the row order and activation are known."""
-        self.check_activation(activation)
-        check_block_sizes(BACKEND_NAME, hidden_size, intermediate_size, row_order, MX_BLOCK)
-        return round_up(hidden_size, ALIGN), round_up(intermediate_size, ALIGN)
 
-    def _checked(self, sizes: LayoutSizes, activation: str) -> tuple[int, int]:
-        """(Hp, Ip) of ``sizes``; LayoutError if its padded sizes are not this layout's."""
-        want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation)
-        return check_padded_sizes(BACKEND_NAME, sizes, want, f"both rounded up to {ALIGN}")
+    # MXFP8 experts: the deepgemm_mxfp8 form; MXFP4: the padded stack above.
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+                     options: LayoutOptions | None = None, *, weight_format: str = "mxfp4") -> tuple[int, int]:
+        if weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
+            return deepgemm_mxfp8.padded_sizes(hidden_size, intermediate_size, row_order, activation)
+        return super().padded_sizes(hidden_size, intermediate_size, row_order, activation, options)
 
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, TensorSpec]:
-        """Shapes/dtypes of the stored tensors (table in the module docstring)."""
-        Hp, Ip = self._checked(sizes, activation)
-        E = sizes.num_experts
-        return in_kernel_order({
-            "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), "U8"),
-            "w13_weight_scale": TensorSpec((E, Hp // (MX_BLOCK * PACK), 2 * Ip), SCALE_DTYPE),
-            "w2_weight": TensorSpec((E, Hp, Ip // 2), "U8"),
-            "w2_weight_scale": TensorSpec((E, Ip // (MX_BLOCK * PACK), Hp), SCALE_DTYPE),
-            **bias_specs(sizes, Hp, Ip, BIAS_DTYPE),
-        })
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, TensorSpec]:
+        if sizes.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
+            return deepgemm_mxfp8.kernel_specs(sizes, activation)
+        return super().kernel_specs(sizes, activation, options)
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: EmptyOptions,
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: LayoutOptions,
                   kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
-        """Canonical stack -> stored kernel tensors on ``c``'s device: zero padding to (Hp, Ip),
-        weights as they are, scales packed by :func:`pack_ue8m0`, biases as bfloat16 (torch ops only:
-        ``kernel_choice`` has nothing to pick here)."""
-        c.validate()
-        Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
-        p = pad_canonical(c, Hp, Ip, scale_fill=PAD_FILL)
-        out: KernelTensors = {"w13_weight": p.w13.contiguous(), "w13_weight_scale": pack_ue8m0(p.w13_scale)}
-        if p.w13_bias is not None:
-            out["w13_bias"] = p.w13_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
-        out.update({"w2_weight": p.w2.contiguous(), "w2_weight_scale": pack_ue8m0(p.w2_scale)})
-        if p.w2_bias is not None:
-            out["w2_bias"] = p.w2_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
-        return out
+        if c.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
+            return deepgemm_mxfp8.to_kernel(c, activation)
+        return super().to_kernel(c, activation, options, kernel_choice)
 
-    def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: EmptyOptions
-    ) -> CanonicalExperts:
-        """Stored tensors -> canonical (unpadded) stack; biases come back as bfloat16.
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> CanonicalExperts:
+        if sizes.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
+            return deepgemm_mxfp8.from_kernel(k, sizes, activation)
+        return super().from_kernel(k, sizes, activation, options)
 
-        LayoutError for a missing/unexpected tensor, a wrong shape or dtype, tensors on different
-        devices, or padding that is not zero (tensor and first index named, in the unpacked
-        [E, rows, K/2 or K/32] view).
-        """
-        specs = self.kernel_specs(sizes, activation, options)
-        check_kernel_tensors(BACKEND_NAME, k, specs)
-        padded = CanonicalExperts(
-            w13=k["w13_weight"],
-            w13_scale=unpack_ue8m0(k["w13_weight_scale"]),
-            w2=k["w2_weight"],
-            w2_scale=unpack_ue8m0(k["w2_weight_scale"]),
-            w13_bias=k.get("w13_bias"),
-            w2_bias=k.get("w2_bias"),
-            row_order=sizes.row_order,
-        )
-        return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size, scale_fill=PAD_FILL, check=True)
-
-    def describe(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, Any]:
-        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
-        self._checked(sizes, activation)
-        return {
-            "name": self.name,
-            "version": self.version,
-            "engine_compat": {"vllm": ">=0.33", "deep_gemm": "vendored by vLLM 0.33", "gpu": "SM100 or SM120"},
-            "activation": activation,
-            "vllm_moe_backend": VLLM_BACKEND,
-            "padding": {"hidden_align": ALIGN, "intermediate_align": ALIGN, "fill": PAD_FILL},
-            "w13_kernel_row_order": sizes.row_order,
-            "scale_format": "ue8m0 packed 4 per int32 (low byte = lowest K block), MN-major",
-            "scale_storage": "[E, K/128, N] int32; the engine tensor is stored.transpose(1, 2) = [E, N, K/128]",
-            "bias_dtype": "bfloat16",
-            "runtime_env": {"VLLM_USE_DEEP_GEMM_E8M0": "1"},
-        }
+    def describe(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, Any]:
+        if sizes.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
+            return deepgemm_mxfp8.describe(sizes, activation)
+        return super().describe(sizes, activation, options)
 
 
 LAYOUT = DeepgemmLayout()

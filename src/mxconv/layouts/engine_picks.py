@@ -67,6 +67,8 @@ _MXFP8 = "fused_moe/oracle/mxfp8.py: _SUPPORTED_BACKENDS, select_mxfp8_moe_backe
 _HUMMING_FIRST = "prioritize_humming (quantization/utils/humming/priority.py) moves HUMMING ahead of Marlin on capability 90"
 _NO_AITER = "AITER needs VLLM_ROCM_USE_AITER=1 (off by default)"
 _NATIVE_MXFP8 = "; fused_moe/experts/mxfp8_native_moe.py: Mxfp8NativeTritonExperts._supports_current_device"
+# fused_moe/experts/deep_gemm_moe.py:178-188 (vLLM's wheel vendors deep_gemm: utils/import_utils.py has_deep_gemm)
+_DG_MXFP8 = "DeepGemmExperts._supports_quant_scheme takes (kMxfp8Static, kMxfp8Dynamic) on capability family 100 only"
 _FP8_AS_IS = "fused_moe/oracle/fp8.py: convert_to_fp8_moe_kernel_format changes nothing for it"
 
 PICKS: tuple[Pick, ...] = (
@@ -112,11 +114,11 @@ PICKS: tuple[Pick, ...] = (
          "RDNA3 needs gfx1100, FLASHINFER_TRTLLM and Marlin CUDA; TritonWNA16Experts run on ROCm (no expert bias)"),
     # compressed-tensors MXFP8 (quantize --format mxfp8 outside gpt-oss)
     Pick(VLLM, SourceKind.CT_MXFP8, Gpu.SM90, "HUMMING", _MXFP8,
-         f"FLASHINFER_TRTLLM needs the SM100 family, DEEPGEMM deep_gemm; {_HUMMING_FIRST}"),
+         f"FLASHINFER_TRTLLM needs the SM100 family, DEEPGEMM too ({_DG_MXFP8}); {_HUMMING_FIRST}"),
     Pick(VLLM, SourceKind.CT_MXFP8, Gpu.SM100, "FLASHINFER_TRTLLM", _MXFP8,
          "first in the list; the TRT-LLM FP8 experts take (MXFP8, MXFP8 dynamic) on the SM100 family"),
     Pick(VLLM, SourceKind.CT_MXFP8, Gpu.SM120, "MARLIN", _MXFP8,
-         "DEEPGEMM when deep_gemm is installed; Marlin takes MXFP8 weights (MarlinExpertsBase._supports_quant_scheme)"),
+         f"DEEPGEMM needs the SM100 family ({_DG_MXFP8}); Marlin takes MXFP8 weights (MarlinExpertsBase._supports_quant_scheme)"),
     Pick(VLLM, SourceKind.CT_MXFP8, Gpu.GFX950, "TRITON_MXFP8", _MXFP8 + _NATIVE_MXFP8,
          f"FLASHINFER_TRTLLM, DEEPGEMM, MARLIN and HUMMING run on CUDA only, XPU on XPU; AITER_MXFP8 needs "
          f"VLLM_ROCM_USE_AITER=1 (off by default); TRITON_MXFP8 runs where ROCm supports_mx (gfx95x), on the checkpoint's "
@@ -176,10 +178,10 @@ MXFP4_BACKENDS: dict[str, str | None] = {
 # a stale one).
 MXFP8_BACKENDS: dict[str, str | None] = {
     "FLASHINFER_TRTLLM": "the TRT-LLM MXFP8 x MXFP8 weight shuffle of prepare_fp8_moe_layer_for_fi (issue 32 item 1)",
-    "DEEPGEMM": "DeepGEMM's MXFP8 grouped-GEMM scale layout (issue 32 item 1)",
+    "DEEPGEMM": None,  # SM100 only; prepare_fp8_moe_layer_for_deepgemm (layouts/deepgemm_mxfp8.py)
     "MARLIN": None,
     "XPU": "prepare_fp8_moe_layer_for_xpu; mxconv has no XPU layout",
-    "AITER_MXFP8": "aiter's shuffle_mxfp8_moe_weights (issue 32 item 1)",
+    "AITER_MXFP8": None,  # gfx950, VLLM_ROCM_USE_AITER=1; shuffle_mxfp8_moe_weights (layouts/aiter_mxfp8.py)
     "HUMMING": None,
     "TRITON_MXFP8": None,
     "EMULATION": None,

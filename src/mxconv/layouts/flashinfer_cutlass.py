@@ -27,45 +27,27 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from mxconv.layouts.base import EmptyOptions, LayoutBase
-from mxconv.layouts.canonical import (
-    CanonicalExperts,
-    KernelTensors,
-    LayoutSizes,
-    TensorSpec,
-    bias_specs,
-    check_block_sizes,
-    check_kernel_tensors,
-    check_padded_sizes,
-    in_kernel_order,
-    round_up,
-)
 from mxconv.layouts.flashinfer_cutlass_bytemap import (
+    SCALE_FOLD_COLS,
+    SCALE_FOLD_ROWS,
     sm90_scale_fold,
     sm90_scale_unfold,
     sm90_weight_deinterleave,
     sm90_weight_interleave,
 )
-from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
+from mxconv.layouts.padded_stack import PaddedStackLayout, RowMap, StackForm, Transform
 from mxconv.layouts.trtllm_bytemap import swizzle_128x4, unswizzle_128x4
-from mxconv.source.st_format import torch_dtype
 from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
 
 BACKEND_NAME = "flashinfer-cutlass"
-LAYOUT_VERSION = 1
-MX_BLOCK = 32
 ALIGN = 128  # FLASHINFER_CUTLASS_MXFP4_*: H and I rounded up to 128
-PAD_FILL = 0
-BIAS_DTYPE = "BF16"
-ACTIVATIONS = ("bf16", "mxfp8")
 ARCH = {"bf16": "sm90", "mxfp8": "sm100"}
 VLLM_BACKENDS = {"bf16": "FLASHINFER_CUTLASS_MXFP4_BF16", "mxfp8": "FLASHINFER_CUTLASS_MXFP4_MXFP8"}
-ENGINE_COMPAT = {"vllm": ">=0.33", "flashinfer": ">=0.7.2"}
 
 
 def to_w31(t: torch.Tensor, row_order: str) -> torch.Tensor:
@@ -99,19 +81,40 @@ def _unswizzled(s: torch.Tensor) -> torch.Tensor:
     return unswizzle_128x4(s.reshape(E, R * C), R, C)
 
 
-class FlashinferCutlassLayout(LayoutBase):
+def _folded_shape(rows: int, cols: int) -> tuple[int, ...]:
+    """[R/64, C/4, 16, 16]: the per-expert shape :func:`sm90_scale_fold` stores R x C scales in."""
+    return rows // SCALE_FOLD_ROWS, cols // SCALE_FOLD_COLS, 16, 16
+
+
+W31 = RowMap(to_w31, from_w31, "up_gate_halves")
+SM90 = StackForm(
+    VLLM_BACKENDS["bf16"], w13_rows=W31,
+    weight=Transform.pair(sm90_weight_interleave, sm90_weight_deinterleave),
+    scale=Transform.pair(sm90_scale_fold, sm90_scale_unfold, _folded_shape),
+    notes={"arch": ARCH["bf16"], "weight_order": "sm90 mixed-gemm fp4 interleave",
+           "scale_format": "e8m0 uint8, sm90 folded [E, R/64, C/4, 16, 16]"},
+)
+SM100 = StackForm(
+    VLLM_BACKENDS["mxfp8"], w13_rows=W31, scale=Transform.pair(_swizzled, _unswizzled),
+    notes={"arch": ARCH["mxfp8"], "weight_order": "as quantized", "scale_format": "e8m0 uint8, 128x4 swizzled"},
+)
+
+
+class FlashinferCutlassLayout(PaddedStackLayout):
     """vLLM 0.33 ``FLASHINFER_CUTLASS_MXFP4_*`` expert tensors (module docstring)."""
 
     name = BACKEND_NAME
-    version = LAYOUT_VERSION
-    activations: tuple[str, ...] = ACTIVATIONS
-    vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
+    version = 1
+    hidden_align = intermediate_align = ALIGN
+    padding_rule = f"both rounded up to {ALIGN}"
+    engine_compat = {"vllm": ">=0.33", "flashinfer": ">=0.7.2"}
+    forms = {"bf16": SM90, "mxfp8": SM100}
 
     def kernel_unavailable(self, manifest: Manifest) -> str | None:
         """Why mxconv cannot run FlashInfer's CUTLASS fused MoE on these bytes here."""
         import torch
 
-        activation = str(manifest.layout.extra.get("activation", ACTIVATIONS[0]))
+        activation = str(manifest.layout.extra.get("activation", self.activations[0]))
         arch = ARCH.get(activation, "sm90")
         if not torch.cuda.is_available():
             return f"FlashInfer's CUTLASS MXFP4 MoE for activation {activation} needs an {arch.upper()} GPU"
@@ -122,97 +125,6 @@ class FlashinferCutlassLayout(LayoutBase):
         return ("FlashInfer's CUTLASS fused MoE is a JIT build from the flashinfer wheel's sources; mxconv does not "
                 "build or drive it (scripts/fi_cutlass_kernel_pack.py and scripts/fi_cutlass_kernel_run.sh build it and run "
                 "tests/test_flashinfer_cutlass_gpu.py on an output, outside verify)")
-
-    def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: EmptyOptions | None = None,
-    ) -> tuple[int, int]:
-        """(Hp, Ip) = (roundup(H, 128), roundup(I, 128)); LayoutError unless H and I are positive
-        multiples of 32 and the row order and activation are known."""
-        self.check_activation(activation)
-        check_block_sizes(BACKEND_NAME, hidden_size, intermediate_size, row_order, MX_BLOCK)
-        return round_up(hidden_size, ALIGN), round_up(intermediate_size, ALIGN)
-
-    def _checked(self, sizes: LayoutSizes, activation: str) -> tuple[int, int]:
-        want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation)
-        return check_padded_sizes(BACKEND_NAME, sizes, want, f"both rounded up to {ALIGN}")
-
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, TensorSpec]:
-        """Shapes/dtypes of the stored tensors (table in the module docstring)."""
-        Hp, Ip = self._checked(sizes, activation)
-        E = sizes.num_experts
-        if activation == "bf16":
-            s13 = (E, 2 * Ip // 64, Hp // 128, 16, 16)
-            s2 = (E, Hp // 64, Ip // 128, 16, 16)
-        else:
-            s13, s2 = (E, 2 * Ip, Hp // MX_BLOCK), (E, Hp, Ip // MX_BLOCK)
-        return in_kernel_order({
-            "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), "U8"),
-            "w13_weight_scale": TensorSpec(s13, "U8"),
-            "w2_weight": TensorSpec((E, Hp, Ip // 2), "U8"),
-            "w2_weight_scale": TensorSpec(s2, "U8"),
-            **bias_specs(sizes, Hp, Ip, BIAS_DTYPE),
-        })
-
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: EmptyOptions,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
-        """Canonical stack -> stored kernel tensors on ``c``'s device (torch ops only: ``kernel_choice``
-        has nothing to pick here)."""
-        c.validate()
-        Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
-        p = pad_canonical(c, Hp, Ip, scale_fill=PAD_FILL)
-        w13, s13 = to_w31(p.w13, p.row_order), to_w31(p.w13_scale, p.row_order)
-        if activation == "bf16":
-            out: KernelTensors = {
-                "w13_weight": sm90_weight_interleave(w13), "w13_weight_scale": sm90_scale_fold(s13),
-                "w2_weight": sm90_weight_interleave(p.w2), "w2_weight_scale": sm90_scale_fold(p.w2_scale),
-            }
-        else:
-            out = {"w13_weight": w13, "w13_weight_scale": _swizzled(s13),
-                   "w2_weight": p.w2.contiguous(), "w2_weight_scale": _swizzled(p.w2_scale)}
-        if p.w13_bias is not None:
-            out["w13_bias"] = to_w31(p.w13_bias.to(torch_dtype(BIAS_DTYPE)), p.row_order)
-        if p.w2_bias is not None:
-            out["w2_bias"] = p.w2_bias.to(torch_dtype(BIAS_DTYPE)).contiguous()
-        return in_kernel_order(out)
-
-    def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: EmptyOptions
-    ) -> CanonicalExperts:
-        """Stored tensors -> canonical (unpadded) stack; biases come back as bfloat16. LayoutError for
-        a missing/unexpected tensor, a wrong shape or dtype, mixed devices, or non-zero padding."""
-        check_kernel_tensors(BACKEND_NAME, k, self.kernel_specs(sizes, activation, options))
-        if activation == "bf16":
-            w13, s13 = sm90_weight_deinterleave(k["w13_weight"]), sm90_scale_unfold(k["w13_weight_scale"])
-            w2, s2 = sm90_weight_deinterleave(k["w2_weight"]), sm90_scale_unfold(k["w2_weight_scale"])
-        else:
-            w13, s13 = k["w13_weight"], _unswizzled(k["w13_weight_scale"])
-            w2, s2 = k["w2_weight"], _unswizzled(k["w2_weight_scale"])
-        order = sizes.row_order
-        padded = CanonicalExperts(
-            w13=from_w31(w13, order), w13_scale=from_w31(s13, order), w2=w2, w2_scale=s2,
-            w13_bias=from_w31(k["w13_bias"], order) if sizes.has_bias else None,
-            w2_bias=k["w2_bias"] if sizes.has_bias else None, row_order=order,
-        )
-        return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size, scale_fill=PAD_FILL, check=True)
-
-    def describe(self, sizes: LayoutSizes, activation: str, options: EmptyOptions) -> dict[str, Any]:
-        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
-        self._checked(sizes, activation)
-        sm90 = activation == "bf16"
-        return {
-            "name": self.name,
-            "version": self.version,
-            "engine_compat": dict(ENGINE_COMPAT),
-            "activation": activation,
-            "arch": ARCH[activation],
-            "vllm_moe_backend": VLLM_BACKENDS[activation],
-            "padding": {"hidden_align": ALIGN, "intermediate_align": ALIGN, "fill": PAD_FILL},
-            "w13_kernel_row_order": "up_gate_halves",
-            "weight_order": "sm90 mixed-gemm fp4 interleave" if sm90 else "as quantized",
-            "scale_format": "e8m0 uint8, sm90 folded [E, R/64, C/4, 16, 16]" if sm90 else "e8m0 uint8, 128x4 swizzled",
-            "bias_dtype": "bfloat16",
-        }
 
 
 LAYOUT = FlashinferCutlassLayout()

@@ -75,18 +75,23 @@ def _inverse(bit_dst: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-def _check_weight(w: torch.Tensor, what: str) -> tuple[int, int, int]:
+def _uint8_stack(t: torch.Tensor, what: str, dims: str, row_mult: int, col_mult: int, rule: str) -> tuple[int, int, int]:
+    """(E, rows, cols) of ``t``; LayoutError naming ``what`` unless it is a uint8 [E, rows, cols]
+    stack (``dims`` names the two axes) with rows % ``row_mult`` == cols % ``col_mult`` == 0
+    (``rule``: that requirement in the words of its map)."""
     import torch
 
-    if w.dim() != 3 or w.dtype != torch.uint8:
-        raise LayoutError(f"flashinfer-cutlass: {what} must be a [E, N, K/2] uint8 stack, got {tuple(w.shape)} {w.dtype}")
-    E, n, kb = w.shape
-    if n % WEIGHT_TILE_ROWS or kb % WEIGHT_TILE_COLS:
-        raise LayoutError(
-            f"flashinfer-cutlass: {what} [E, N, K/2] = {tuple(w.shape)} needs N % {WEIGHT_TILE_ROWS} == 0 and "
-            f"K % {2 * WEIGHT_TILE_COLS} == 0 (SM90 mixed-GEMM interleave)"
-        )
-    return E, n, kb
+    if t.dim() != 3 or t.dtype != torch.uint8:
+        raise LayoutError(f"flashinfer-cutlass: {what} must be a [E, {dims}] uint8 stack, got {tuple(t.shape)} {t.dtype}")
+    E, rows, cols = t.shape
+    if rows % row_mult or cols % col_mult:
+        raise LayoutError(f"flashinfer-cutlass: {what} [E, {dims}] = {tuple(t.shape)} needs {rule}")
+    return E, rows, cols
+
+
+def _check_weight(w: torch.Tensor, what: str) -> tuple[int, int, int]:
+    rule = f"N % {WEIGHT_TILE_ROWS} == 0 and K % {2 * WEIGHT_TILE_COLS} == 0 (SM90 mixed-GEMM interleave)"
+    return _uint8_stack(w, what, "N, K/2", WEIGHT_TILE_ROWS, WEIGHT_TILE_COLS, rule)
 
 
 def sm90_weight_interleave(w: torch.Tensor) -> torch.Tensor:
@@ -121,15 +126,8 @@ def _fold_view(E: int, R: int, C: int) -> tuple[int, ...]:
 def sm90_scale_fold(s: torch.Tensor) -> torch.Tensor:
     """[E, R, C] uint8 E8M0 -> [E, R/64, C/4, 16, 16]: element (R64 block b, row 16a + f, column 4t + q)
     goes to [e, b, t, f, 4a + q] (R % 64 == 0, C % 4 == 0)."""
-    import torch
-
-    if s.dim() != 3 or s.dtype != torch.uint8:
-        raise LayoutError(f"flashinfer-cutlass: scales must be a [E, R, C] uint8 stack, got {tuple(s.shape)} {s.dtype}")
-    E, R, C = s.shape
-    if R % SCALE_FOLD_ROWS or C % SCALE_FOLD_COLS:
-        raise LayoutError(
-            f"flashinfer-cutlass: scale matrix [{R}, {C}] needs R % {SCALE_FOLD_ROWS} == 0 and C % {SCALE_FOLD_COLS} == 0"
-        )
+    rule = f"R % {SCALE_FOLD_ROWS} == 0 and C % {SCALE_FOLD_COLS} == 0 (SM90 scale fold)"
+    E, R, C = _uint8_stack(s, "scales", "R, C", SCALE_FOLD_ROWS, SCALE_FOLD_COLS, rule)
     folded = s.reshape(_fold_view(E, R, C)).permute(0, 1, 4, 3, 2, 5)
     return folded.reshape(E, R // SCALE_FOLD_ROWS, C // SCALE_FOLD_COLS, 16, 16).contiguous()
 

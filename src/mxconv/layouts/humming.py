@@ -38,7 +38,8 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from typing import TYPE_CHECKING, Any, Mapping
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import humming_int4
@@ -98,11 +99,11 @@ def gemm_shapes(hidden: int, padded_intermediate: int) -> dict[str, tuple[int, i
     }
 
 
-def layer_configs(sizes: LayoutSizes, int4_codes: str = "uint4") -> dict[str, dict[str, Any]]:
+def layer_configs(sizes: LayoutSizes, int4_codes: str | Mapping[str, str] = "uint4") -> dict[str, dict[str, Any]]:
     """humming ``LayerConfig`` keyword arguments per GEMM, as vLLM 0.33 builds them on SM90 with bf16
     activations and no input quantization (``transform.prepare_layer_config``); MX experts with their
-    format's ``b_dtype``, INT4 experts with ``int4_codes`` ("uint4" or "e0m3") as their weight type
-    and bf16 group scales."""
+    format's ``b_dtype``, INT4 experts with ``int4_codes`` ("uint4" or "e0m3", or one per weight
+    tensor: ``layout.stack_choices``) as their weight type and bf16 group scales."""
     int4 = sizes.weight_format == humming_int4.WEIGHT_FORMAT
     b_dtype = None if int4 else mx_format(sizes.weight_format).b_dtype
     shapes = (humming_int4.gemm_shapes(sizes.hidden_size, sizes.intermediate_size) if int4
@@ -118,7 +119,8 @@ def layer_configs(sizes: LayoutSizes, int4_codes: str = "uint4") -> dict[str, di
             "has_zero_point": False, "is_fp_zero_point": False, "has_bias": sizes.has_bias,
         }  # fmt: skip
         if int4:
-            out[w].update(humming_int4.layer_config_fields(int4_codes))
+            codes = int4_codes if isinstance(int4_codes, str) else int4_codes[f"{w}_weight"]
+            out[w].update(humming_int4.layer_config_fields(codes))
     return out
 
 
@@ -138,14 +140,31 @@ class HummingLayout(LayoutBase):
     weight_formats = (*MX_FORMATS, humming_int4.WEIGHT_FORMAT)
     options = (
         LayoutOption(
-            "int4_codes", str, "uint4",
-            "INT4 experts only: the codes humming keeps for every GEMM (uint4: offset-binary, what it keeps "
-            "when a GEMM holds q = -8; e0m3: sign-magnitude float4e0m3, what it makes of one that does not); "
-            "repack refuses a GEMM for which humming would pick the other",
+            "int4_codes", str, humming_int4.AUTO,
+            "INT4 experts only: the codes of each GEMM's stack (auto: as humming chooses per layer, GEMM and "
+            "TP rank, recorded in the manifest; uint4: offset-binary, what it keeps for a stack holding "
+            "q = -8; e0m3: sign-magnitude float4e0m3, what it makes of one that does not); with uint4 or "
+            "e0m3, repack refuses a stack for which humming would pick the other",
             choices=humming_int4.CODES,
         ),
     )
     engine_runner = "mxconv.engines.humming_moe:RUNNER"
+
+    def stack_choices(self, c: CanonicalExperts, options: LayoutOptions | None) -> dict[str, str]:
+        """INT4 experts: the code form of each GEMM's stack of ``c`` (by weight tensor), as
+        :meth:`to_kernel` writes it under ``options`` (``humming_int4.stack_codes``); else none."""
+        if c.weight_format != humming_int4.WEIGHT_FORMAT:
+            return {}
+        return humming_int4.stack_codes(c, self._codes(options))
+
+    def with_choices(self, options: LayoutOptions | None, choices: Mapping[str, str]) -> LayoutOptions:
+        """``options`` with the recorded per-stack code forms fixed (none recorded: as they are)."""
+        opts = self.options_of(options)
+        return dataclasses.replace(opts, int4_codes=tuple(sorted(choices.items()))) if choices else opts
+
+    def _codes(self, options: LayoutOptions | None) -> str | dict[str, str]:
+        codes = self.options_of(options).int4_codes
+        return codes if isinstance(codes, str) else dict(codes)
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
@@ -193,7 +212,7 @@ class HummingLayout(LayoutBase):
 
         self.check_activation(activation)
         if c.weight_format == humming_int4.WEIGHT_FORMAT:
-            return humming_int4.to_kernel(c, self.options_of(options).int4_codes)
+            return humming_int4.to_kernel(c, self._codes(options))
         c.validate()
         fmt = mx_format(c.weight_format)
         H, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation,
@@ -224,7 +243,7 @@ class HummingLayout(LayoutBase):
         specs = self.kernel_specs(sizes, activation, options)
         check_kernel_tensors(BACKEND_NAME, k, specs)
         if sizes.weight_format == humming_int4.WEIGHT_FORMAT:
-            return humming_int4.from_kernel(k, sizes, self.options_of(options).int4_codes)
+            return humming_int4.from_kernel(k, sizes, self._codes(options))
         H, Ip = sizes.hidden_size, sizes.padded_intermediate_size
         parts: dict[str, Any] = {}
         fmt, shapes = self._shapes(sizes)
@@ -286,7 +305,7 @@ class HummingLayout(LayoutBase):
             "w13_kernel_row_order": sizes.row_order,
             "activation_type": ACTIVATION_TYPES[sizes.row_order],
             "int4_codes": codes,
-            "weight_dtype": f"int32 words of eight {humming_int4.B_DTYPES[codes]} nibbles (humming weight_repack_nk, "
+            "weight_dtype": f"int32 words of eight {humming_int4.nibble_type(codes)} nibbles (humming weight_repack_nk, "
                             "interleave_mode 3)",
             "scale_dtype": "bfloat16",
             "group_size": humming_int4.GROUP_SIZE,

@@ -12,8 +12,12 @@ Used by :class:`mxconv.layouts.humming.HummingLayout` when the canonical stack's
 2. codes: humming's ``convert_symmetric_integer_weight`` (``schema/humming.py``) keeps the
    offset-binary codes ("uint4") when any code of the GEMM's whole stack is 0 (q = -8); otherwise it
    rewrites every code to sign-magnitude ``|q| | (q < 0) << 3`` and the weight type becomes
-   ``float4e0m3`` ("e0m3"). mxconv writes the one the ``int4_codes`` option names and refuses a
-   stack for which humming would pick the other;
+   ``float4e0m3`` ("e0m3"). vLLM decides nothing from the config here: the choice is made per layer,
+   per GEMM and per TP rank (the stack one rank loads), from the codes alone. The ``int4_codes``
+   option "auto" (the default) makes the same choice per stack (:func:`stack_codes`), and the run
+   records it in the manifest (``layout.stack_choices``, per layer, rank and weight tensor) for verify
+   and the loader to invert with; "uint4" or "e0m3" names the form for every stack, and a stack for
+   which humming would pick the other is refused;
 3. humming's padding (N to 256, K to 128, appended, zero codes and bf16 zero scales), then the same
    weight repack and scale permutation as MXFP4 (``humming_bytemap``): scales stay bfloat16.
 
@@ -29,7 +33,7 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, round_up
@@ -44,7 +48,10 @@ if TYPE_CHECKING:
 WEIGHT_FORMAT = "int4"
 GROUP_SIZE = 32
 ROW_ORDER = "halves"
-CODES = ("uint4", "e0m3")  # the int4_codes option's values
+AUTO = "auto"  # the int4_codes option's default: per stack, as humming chooses
+FORMS = ("uint4", "e0m3")  # the code forms humming leaves a stack in
+CODES = (AUTO, *FORMS)  # the int4_codes option's values
+WEIGHTS = ("w13_weight", "w2_weight")  # the tensors a choice is recorded for (one per GEMM)
 B_DTYPES = {"uint4": "uint4", "e0m3": "float4e0m3"}  # humming LayerConfig b_dtype per code form
 
 
@@ -117,6 +124,15 @@ def humming_codes(data: torch.Tensor) -> str:
     return "uint4" if bool((_nibbles(data) == 0).any()) else "e0m3"
 
 
+def stack_codes(c: CanonicalExperts, option: str | Mapping[str, str]) -> dict[str, str]:
+    """The code form of each GEMM's stack of ``c`` under the ``int4_codes`` value ``option``, by
+    weight tensor name: humming's choice from the codes for "auto", the named form otherwise; a
+    mapping (forms already chosen, e.g. read back from a manifest) is taken as it is."""
+    if not isinstance(option, str):
+        return {w: option[w] for w in WEIGHTS}
+    return {f"{w}_weight": humming_codes(getattr(c, w)) if option == AUTO else option for w in ("w13", "w2")}
+
+
 def _check_codes(name: str, data: torch.Tensor, codes: str) -> None:
     found = humming_codes(data)
     if found == codes:
@@ -125,15 +141,16 @@ def _check_codes(name: str, data: torch.Tensor, codes: str) -> None:
         where = [int(i) for i in (_nibbles(data) == 0).nonzero()[0].tolist()]
         raise LayoutError(
             f"{name}: the code q = -8 at [expert, row, byte, nibble] {where} makes humming keep offset-binary "
-            "uint4 codes for this GEMM (convert_symmetric_integer_weight); repack with --layout-option int4_codes=uint4")
+            "uint4 codes for this GEMM (convert_symmetric_integer_weight), not float4e0m3; int4_codes=auto "
+            "chooses per stack as humming does")
     raise LayoutError(
         f"{name}: no code of this stack is q = -8, so humming rewrites it to sign-magnitude float4e0m3 "
-        "(convert_symmetric_integer_weight); repack with --layout-option int4_codes=e0m3 (a layer cut into "
-        "groups of experts is judged per group: raise the memory budget if another group holds q = -8)")
+        "(convert_symmetric_integer_weight), not uint4; int4_codes=auto chooses per stack as humming does")
 
 
-def to_kernel(c: CanonicalExperts, codes: str) -> KernelTensors:
-    """Canonical int4 stack -> stored tensors (module table) on ``c``'s device."""
+def to_kernel(c: CanonicalExperts, codes: str | Mapping[str, str]) -> KernelTensors:
+    """Canonical int4 stack -> stored tensors (module table) on ``c``'s device, each GEMM in the
+    form :func:`stack_codes` gives (LayoutError where humming would leave that stack in the other)."""
     import torch
 
     c.validate()
@@ -141,24 +158,31 @@ def to_kernel(c: CanonicalExperts, codes: str) -> KernelTensors:
         raise LayoutError("humming INT4 takes no expert biases (compressed-tensors INT4 experts have none)")
     padded_sizes(c.hidden_size, c.intermediate_size, c.row_order)
     out: KernelTensors = {}
+    forms = stack_codes(c, codes)
     for w, (_n, _k, n_pad, k_pad) in gemm_shapes(c.hidden_size, c.intermediate_size).items():
-        data = getattr(c, w)
-        _check_codes(f"{w}_weight", data, codes)
-        out[f"{w}_weight"] = repack_weights(pad_matrix(recode(data, codes), n_pad, k_pad // 2, 0), f"{w}_weight")
+        data, form = getattr(c, w), forms[f"{w}_weight"]
+        _check_codes(f"{w}_weight", data, form)
+        out[f"{w}_weight"] = repack_weights(pad_matrix(recode(data, form), n_pad, k_pad // 2, 0), f"{w}_weight")
         scale = pad_matrix(getattr(c, f"{w}_scale").to(torch.bfloat16), n_pad, k_pad // GROUP_SIZE, 0)
         out[f"{w}_weight_scale"] = lay_out_scales(scale)
     return out
 
 
-def from_kernel(k: KernelTensors, sizes: LayoutSizes, codes: str) -> CanonicalExperts:
-    """Exact inverse of :func:`to_kernel`; LayoutError for a padding element other than zero (tensor
+def from_kernel(k: KernelTensors, sizes: LayoutSizes, codes: str | Mapping[str, str]) -> CanonicalExperts:
+    """Exact inverse of :func:`to_kernel` with the forms the stacks were written in (a mapping by
+    weight tensor, or one form for both; "auto" cannot be inverted: the bytes do not say which form
+    humming chose, the manifest does); LayoutError for a padding element other than zero (tensor
     and index named). The caller checks the tensor set, shapes and dtypes."""
+    if codes == AUTO:
+        raise LayoutError("humming INT4: int4_codes=auto without the recorded choice of each stack "
+                          "(the manifest's layout.stack_choices) cannot be inverted")
+    forms = codes if not isinstance(codes, str) else dict.fromkeys(WEIGHTS, codes)
     parts: dict[str, Any] = {}
     for w, (n, kk, _n_pad, _k_pad) in gemm_shapes(sizes.hidden_size, sizes.intermediate_size).items():
         weight = unrepack_weights(k[f"{w}_weight"], f"{w}_weight")
         check_fill(f"{w}_weight", weight[:, n:], 0, (0, n, 0))
         check_fill(f"{w}_weight", weight[:, :n, kk // 2:], 0, (0, 0, kk // 2))
-        parts[w] = recode(weight[:, :n, : kk // 2], codes, inverse=True)
+        parts[w] = recode(weight[:, :n, : kk // 2], forms[f"{w}_weight"], inverse=True)
         scale = unlay_scales(k[f"{w}_weight_scale"])
         check_fill(f"{w}_weight_scale", scale[:, n:], 0, (0, n, 0))
         check_fill(f"{w}_weight_scale", scale[:, :n, kk // GROUP_SIZE:], 0, (0, 0, kk // GROUP_SIZE))
@@ -166,7 +190,13 @@ def from_kernel(k: KernelTensors, sizes: LayoutSizes, codes: str) -> CanonicalEx
     return CanonicalExperts(row_order=ROW_ORDER, weight_format=WEIGHT_FORMAT, **parts)
 
 
+def nibble_type(codes: str) -> str:
+    """humming's weight type of the ``int4_codes`` value ``codes`` (auto: each stack's own)."""
+    return B_DTYPES.get(codes, "uint4 or float4e0m3 (per stack: layout.stack_choices)")
+
+
 def layer_config_fields(codes: str) -> dict[str, Any]:
     """The ``LayerConfig`` fields that differ from the MXFP4 ones (humming's ``prepare_layer_config``
-    for the compressed-tensors int schema after ``convert_symmetric_integer_weight``)."""
-    return {"b_dtype": B_DTYPES[codes], "bs_dtype": "bfloat16", "weight_scale_group_size": GROUP_SIZE}
+    for the compressed-tensors int schema after ``convert_symmetric_integer_weight``); ``b_dtype``
+    None for "auto" (each stack's is in the manifest's ``layout.stack_choices``)."""
+    return {"b_dtype": B_DTYPES.get(codes), "bs_dtype": "bfloat16", "weight_scale_group_size": GROUP_SIZE}

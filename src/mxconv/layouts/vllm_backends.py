@@ -78,7 +78,7 @@ def home_platform(backend: str) -> Platform | None:
     DeepGEMM, CUTLASS, Marlin, HUMMING and b12x kernels: CUDA); None for the others."""
     if backend.startswith("AITER_") or backend == "TRITON_MXFP8":  # Mxfp8NativeTritonExperts: ROCm with supports_mx
         return Platform.ROCM_CDNA4
-    cuda = ("B12X_", "FLASHINFER_", "DEEPGEMM_", "CUTLASS_", "MARLIN", "BATCHED_MARLIN", "HUMMING")
+    cuda = ("B12X_", "FLASHINFER_", "DEEPGEMM", "CUTLASS_", "MARLIN", "BATCHED_MARLIN", "HUMMING")  # DEEPGEMM: Fp8MoeBackend too
     return Platform.CUDA if backend.startswith(cuda) else None
 
 

@@ -85,8 +85,7 @@ def check_output_dir(out: Path, sources: list[Path], overwrite: bool) -> bool:
         if pid is not None:
             raise BadInput(f"OUTPUT {out} is being written by another mxconv run (pid {pid}); wait for it or choose another directory")
     if not overwrite and not interrupted:
-        raise BadInput(f"OUTPUT {out} is not empty; set overwrite=True (RunSettings) to replace its contents",
-                       cli=f"OUTPUT {out} is not empty; pass --overwrite to replace its contents")
+        raise BadInput(f"OUTPUT {out} is not empty; set RunSettings.overwrite to replace its contents")
     return interrupted
 
 

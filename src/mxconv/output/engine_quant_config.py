@@ -213,6 +213,8 @@ def _build(tp: Any, v: Any, where: str) -> Any:
 
 def activation_quant(layout_activation: str | None, vllm_backends: tuple[str, ...] = ()) -> ActivationQuant:
     """Activation quantization of an mxconv ``--activation`` (None: canonical, weight-only)."""
+    if {"AITER_MXFP8", "DEEPGEMM"} & set(vllm_backends):  # kMxfp8Dynamic: aiter quantizes inside, DeepGemmExperts before
+        return ActivationQuant("dynamic_mxfp8", "float8_e4m3fn", BLOCK_SHAPE, "e8m0")
     if layout_activation in (None, "bf16"):
         return ActivationQuant("none")
     if layout_activation == "fp8" and "AITER_MXFP4_FP8" in vllm_backends:  # kFp8StaticTensorSym: the stored scalars

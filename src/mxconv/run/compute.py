@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from mxconv.errors import BadInput
+from mxconv.errors import BadInput, LayoutError
 from mxconv.families.base import FP8BlockStack, Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts
@@ -123,7 +123,7 @@ def _quantize_chunk(x: torch.Tensor, e0: int, fmt: str, q: QuantOptions, where: 
     if not q.allow_nonfinite:
         val = x[(idx[0] - e0, *idx[1:])].item()
         loc = where(idx) if callable(where) else f"{where} at index {list(idx)} (expert, row, column)"
-        raise BadInput(f"non-finite value {val} in {loc}; pass --allow-nonfinite to write NaN scales (0xFF) for such blocks")
+        raise BadInput(f"non-finite value {val} in {loc}; set QuantOptions.allow_nonfinite to write NaN scales (0xFF) for such blocks")
     x, bad_blocks = _nan_policy(x)
     d, s = quantize_mx(x, fmt, q.scale_rounding)
     data.copy_(d)
@@ -186,6 +186,29 @@ class RunStats:
     errors: ErrorStats = field(default_factory=ErrorStats)
     compute_seconds: float = 0.0
     fp8_tiles: BlockStats = field(default_factory=BlockStats)  # --format fp8-block: tiles, inexact ones per layer
+    # Layout.stack_choices per MoE layer, one dict per TP rank (the manifest's layout.stack_choices)
+    stack_choices: dict[int, list[dict[str, str]]] = field(default_factory=dict)
+
+    def record_choices(self, layer: MoELayer, rank: int, choices: dict[str, str]) -> None:
+        """Keep what the layout chose for ``layer``'s stack on ``rank``. A layer cut into groups of
+        experts is laid out group by group, but the layout chooses once per whole stack: a group
+        whose data gives another choice than the layer's earlier experts is refused (BadInput naming
+        the tensor), since the earlier groups are already written in the other form."""
+        if not choices:
+            return
+        ranks = self.stack_choices.setdefault(layer.ref.layer, [])
+        if rank == len(ranks):
+            ranks.append(dict(choices))
+            return
+        for name, chosen in choices.items():
+            earlier = ranks[rank].get(name)
+            if chosen != earlier:
+                where = f"{layer.ref.module_prefix}.experts.{name}" + (f" (rank {rank})" if rank else "")
+                raise BadInput(
+                    f"{where}: experts from {layer.first_expert} on give {chosen!r}, the layer's earlier experts "
+                    f"{earlier!r}; the layout chooses once per whole stack from its data, so this layer cannot be "
+                    "converted in groups of experts: raise the host memory budget (max_memory) so that it is "
+                    "converted whole, or name the choice in the layout options")
 
 
 def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[[WorkItem, MoELayer], list[dict[str, torch.Tensor]]]:
@@ -232,7 +255,14 @@ def make_compute(plan: Plan, device: torch.device, stats: RunStats) -> Callable[
             results = []
             for rank, (s, e) in enumerate(plan.rank_ranges):
                 part = canon if plan.repack.tp == 1 else slice_tp(canon, s, e, rank, pad_to=plan.sizes.intermediate_size)
-                kt = layout.to_kernel(part, plan.repack.activation, plan.repack.layout_options, plan.repack.kernel_choice)
+                choices = layout.stack_choices(part, plan.repack.layout_options)
+                stats.record_choices(layer, rank, choices)
+                options = layout.with_choices(plan.repack.layout_options, choices)
+                try:
+                    kt = layout.to_kernel(part, plan.repack.activation, options, plan.repack.kernel_choice)
+                except LayoutError as exc:  # the layout names the tensor; say whose
+                    rank_tag = f" (rank {rank})" if plan.repack.tp > 1 else ""
+                    raise LayoutError(f"{ref.module_prefix}.experts{rank_tag}: {exc}") from None
                 # a 0-dim tensor (a layer's reduced input scale) is not split over experts: the first group writes it
                 results.append({f"{ref.module_prefix}.experts.{k}": to_host(v) for k, v in kt.items()
                                 if v.dim() or not layer.first_expert})

@@ -230,7 +230,8 @@ def _finalize(plan: Plan, output: _Output, argv: tuple[str, ...] | None, stats: 
         if len(rank_dirs) > 1:
             files[CONFIG_NAME] = atomic_write_json(write_dir / CONFIG_NAME, cfg)
     fp8 = stats.fp8_tiles.to_json() if plan.weight_format == WeightFormat.FP8_BLOCK else None
-    manifest = build_manifest(plan, tensors, rank_dirs, list(argv) if argv is not None else None, fp8, files)
+    manifest = build_manifest(plan, tensors, rank_dirs, list(argv) if argv is not None else None, fp8, files,
+                              stats.stack_choices)
     note = served_backends_note(manifest)
     if note:
         target.notes.append(note)

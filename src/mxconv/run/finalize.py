@@ -202,15 +202,20 @@ def upstream_of(input_manifest: Manifest | None) -> dict[str, Any] | None:
 
 
 def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], argv: list[str] | None,
-                   fp8_tiles: dict[str, Any] | None = None, files: dict[str, FileRecord] | None = None) -> Manifest:
+                   fp8_tiles: dict[str, Any] | None = None, files: dict[str, FileRecord] | None = None,
+                   stack_choices: dict[int, list[dict[str, str]]] | None = None) -> Manifest:
     """The manifest of ``plan``'s output: ``tensors`` (the written tensor table), the engines'
     quant_config and served backends, ``output_files``: the top-level names this run wrote, and
     ``output_file_hashes``: size and sha256 of each file it wrote but the shards (which ``tensors``
     covers) and the manifest, by path (``files``). A later --overwrite deletes such a file only while
-    it still has the recorded size and sha256 (mxconv.output.ownership). Checked as every reader
-    checks it (``manifest_of``): an output never gets a manifest its readers refuse."""
+    it still has the recorded size and sha256 (mxconv.output.ownership). ``stack_choices``: what the
+    layout chose from each layer's data, per rank (``layout.stack_choices``; none: the key is left out).
+    Checked as every reader checks it (``manifest_of``): an output never gets a manifest its readers refuse."""
     numerics, from_mx_untouched = numerics_of(plan)
     repack = plan.repack
+    layout = manifest_layout(plan)
+    if stack_choices:
+        layout["stack_choices"] = {str(n): stack_choices[n] for n in sorted(stack_choices)}
     doc = base_manifest(
         source=plan.ckpt.source.to_json(),
         family=plan.info.family,
@@ -220,7 +225,7 @@ def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], a
         backend=repack.backend if repack else None,
         activation=repack.activation if repack else None,
         tp_size=repack.tp if repack else 1,
-        layout=manifest_layout(plan),
+        layout=layout,
         model=plan.info.to_json(),
         layers=layer_table(plan.refs),
         numerics=numerics,

@@ -94,7 +94,7 @@ def _refuse_nonfinite(x: torch.Tensor, where: Where, e0: int, rows0: int) -> Non
     if idx is not None:
         at = where.locate((idx[0] + e0 + where.first_expert, idx[1] + rows0, idx[2]))
         raise BadInput(f"non-finite value {x[idx].item()} in {at}; block-FP8 tile scales cannot carry it "
-                       "(--allow-nonfinite applies to the MX formats)")
+                       "(QuantOptions.allow_nonfinite applies to the MX formats)")
 
 
 def _part(src: torch.Tensor | MXStack | Int4Stack, rows: slice, rows0: int, part: int, where: Where, require_exact: bool,
@@ -138,7 +138,7 @@ def _count(exact: torch.Tensor, max_error: torch.Tensor, e0: int, rows0: int, pa
         e, bi, bj = (int(i) for i in (~exact).nonzero()[0])
         raise BadInput(f"{where.tile(part, rows0, e0 + e, bi, bj)} has no power-of-two scale that keeps every MXFP4 "
                        f"value exact in E4M3 (its binade spread exceeds 17; largest error {float(max_error[e, bi, bj]):.3g}); "
-                       f"{bad} such block(s) in this chunk. Drop --require-exact to write them with the least-loss scale")
+                       f"{bad} such block(s) in this chunk. Unset QuantOptions.require_exact to write them with the least-loss scale")
     tiles.inexact += bad
     if bad:
         worst = float(max_error.max())

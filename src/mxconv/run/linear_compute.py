@@ -61,7 +61,7 @@ def _fp8_block_linear(r: LinearRef, x: torch.Tensor, stats: ErrorStats) -> dict[
     idx = first_nonfinite(x)
     if idx is not None:
         raise BadInput(f"non-finite value {x[idx].item()} in {r.weight} [{idx[1]}, {idx[2]}]; block-FP8 tile scales "
-                       "cannot carry it (--allow-nonfinite applies to the MX formats)")
+                       "cannot carry it (QuantOptions.allow_nonfinite applies to the MX formats)")
     q = float_to_fp8_block(x)
     stats.add(x, dequantize_fp8_block(q.data, q.scale_inv, (128, 128)))
     return {r.weight: to_host(q.data[0]), f"{r.module}.weight_scale_inv": to_host(q.scale_inv[0])}

@@ -224,7 +224,7 @@ def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: Qua
             raise BadInput(
                 f"{info.file}: tensor {info.name!r} is F8_E4M3 but neither {module}.weight_scale_inv (block FP8) nor "
                 f"{module}.weight_scale (MXFP8, U8 [{n}, {k // 32}]) is in the checkpoint: its values cannot be read "
-                f"without its scales (a damaged or partial checkpoint?); --ignore 're:{re.escape(module)}$' leaves it as it is"
+                f"without its scales (a damaged or partial checkpoint?); QuantOptions.ignore 're:{re.escape(module)}$' leaves it as it is"
             )
         if why is None and info.dtype not in _FLOAT and not src_fp8:
             why = f"{info.dtype} weight (neither float nor block-FP8)"
@@ -232,8 +232,8 @@ def select_linears(ckpt: Checkpoint, all_refs: Sequence[MoELayerRef], quant: Qua
             if not quant.skip_unaligned:
                 raise BadInput(
                     f"{ckpt.root}: linear {module} has input size {k} (weight {list(info.shape)}), not a multiple of 32: "
-                    "MXFP8 needs 32-element blocks along the input; pass --skip-unaligned to leave such linears "
-                    f"unquantized (listed in the config), or --ignore 're:{re.escape(module)}$'"
+                    "MXFP8 needs 32-element blocks along the input; set QuantOptions.skip_unaligned to leave such linears "
+                    f"unquantized (listed in the config), or set QuantOptions.ignore 're:{re.escape(module)}$'"
                 )
             why = f"input size {k} is not a multiple of 32 (--skip-unaligned)"
             sel.unaligned.append(module)

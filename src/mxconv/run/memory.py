@@ -292,7 +292,7 @@ def plan_memory(
         L, c = max(costs.items(), key=lambda kv: host_bytes(kv[1], E, p, q, dev))
         one = _with_slack(host_bytes(c, E, p, q, dev))
         raise BadInput(
-            f"--max-memory {human_bytes(budget.host or 0)} is too small for {names.get(L, f'layer {L}')}: this family's "
+            f"MemoryBudget.host {human_bytes(budget.host or 0)} is too small for {names.get(L, f'layer {L}')}: this family's "
             f"reader reads whole layers, and one layer in flight takes about {human_bytes(one)} "
             f"on top of {beside}; give at least {human_bytes(baseline + one)}"
         )
@@ -320,14 +320,14 @@ def _refusal(fit: _Fit, names: dict[int, str], beside: str) -> BadInput:
     if not fit.host_fits(c, 1, p, q):
         one = _with_slack(host_bytes(c, 1, p, q, dev))
         return BadInput(
-            f"--max-memory {human_bytes(budget.host or 0)} is too small for {what}: {unit} in flight "
+            f"MemoryBudget.host {human_bytes(budget.host or 0)} is too small for {what}: {unit} in flight "
             f"takes about {human_bytes(one)} (read {human_bytes(c.read)}, output {human_bytes(c.out)}, compute "
             f"{human_bytes(c.compute(1) if dev != 'cuda' else 0)}) on top of {beside}; give at least "
             f"{human_bytes(fit.baseline + one)}"
         )
     one = _with_slack(gpu_bytes(c, 1))
     return BadInput(
-        f"--max-gpu-memory {human_bytes(fit.gpu_room or 0)} is too small for {what}: computing {unit} "
+        f"MemoryBudget.gpu {human_bytes(fit.gpu_room or 0)} is too small for {what}: computing {unit} "
         f"takes about {human_bytes(one)} on the GPU (input {human_bytes(c.read)}, temporaries {human_bytes(c.compute(1))}, "
         f"output {human_bytes(c.out)}); give at least {human_bytes(one)}"
     )

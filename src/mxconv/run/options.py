@@ -82,18 +82,18 @@ def name_matches(spec: str | Sequence[str] | None, name: str) -> bool:
     return False
 
 
-def check_patterns(flag: str, spec: str | Sequence[str] | None) -> None:
-    """BadInput naming ``flag`` for a pattern that is not a regular expression."""
+def check_patterns(setting: str, spec: str | Sequence[str] | None) -> None:
+    """BadInput naming ``setting`` (e.g. ``QuantOptions.include``) for a pattern that is not a regular expression."""
     for p in patterns(spec):
         try:
             re.compile(p[3:] if p.startswith("re:") else p)
         except re.error as exc:
-            raise BadInput(f"{flag}: invalid regular expression {p!r} ({exc})") from None
+            raise BadInput(f"{setting}: invalid regular expression {p!r} ({exc})") from None
 
 
-def _member(enum: type[StrEnum], value: Any, setting: str, flag: str, allowed: Sequence[StrEnum] | None = None) -> Any:
+def _member(enum: type[StrEnum], value: Any, setting: str, allowed: Sequence[StrEnum] | None = None) -> Any:
     """``value`` (a member or its string) as a member of ``enum``, or BadInput naming the library's
-    ``setting`` (e.g. ``QuantOptions.scale_rounding``), and the CLI's ``flag`` in the CLI's words."""
+    ``setting`` (e.g. ``QuantOptions.scale_rounding``; the CLI says its flag)."""
     choices = list(allowed or enum)
     try:
         member = enum(value)
@@ -101,7 +101,7 @@ def _member(enum: type[StrEnum], value: Any, setting: str, flag: str, allowed: S
         member = None
     if member not in choices:
         why = f"{str(value)!r} is not supported; choose one of {', '.join(choices)}"
-        raise BadInput(f"{setting} {why}", cli=f"{flag} {why}")
+        raise BadInput(f"{setting} {why}")
     return member
 
 
@@ -123,26 +123,26 @@ class QuantOptions:
     require_exact: bool = False  # fp8-block from MXFP4: a tile that cannot be re-encoded exactly is an error
 
     def __post_init__(self) -> None:
-        fmt = _member(WeightFormat, self.fmt, "QuantOptions.fmt", "--format", QUANTIZE_FORMATS)
-        rounding = _member(ScaleRounding, self.scale_rounding, "QuantOptions.scale_rounding", "--scale-rounding")
+        fmt = _member(WeightFormat, self.fmt, "QuantOptions.fmt", QUANTIZE_FORMATS)
+        rounding = _member(ScaleRounding, self.scale_rounding, "QuantOptions.scale_rounding")
         object.__setattr__(self, "fmt", fmt)
         if fmt == WeightFormat.FP8_BLOCK:
             if rounding != ScaleRounding.AUTO:
                 why = ("picks the E8M0 rule of MX formats; fp8-block tile scales are powers of two from MXFP4 sources "
                        "and amax/448 from floats (docs/numerics.md)")
-                raise BadInput(f"QuantOptions.scale_rounding {why}", cli=f"--scale-rounding {why}")
+                raise BadInput(f"QuantOptions.scale_rounding {why}")
         else:
             object.__setattr__(self, "scale_rounding", ScaleRounding(resolve_scale_mode(fmt, rounding)))
         if self.require_exact and fmt != WeightFormat.FP8_BLOCK:
-            raise BadInput("--require-exact applies to --format fp8-block (the re-encode of MXFP4 experts)")
-        object.__setattr__(self, "targets", _member(Targets, self.targets, "QuantOptions.targets", "--targets"))
-        for flag, name in (("--include", "include"), ("--ignore", "ignore")):
+            raise BadInput("QuantOptions.require_exact applies to QuantOptions.fmt fp8-block (the re-encode of MXFP4 experts)")
+        object.__setattr__(self, "targets", _member(Targets, self.targets, "QuantOptions.targets"))
+        for name in ("include", "ignore"):
             spec = getattr(self, name)
-            check_patterns(flag, spec)
+            check_patterns(f"QuantOptions.{name}", spec)
             object.__setattr__(self, name, tuple(patterns(spec)) or None)
         if self.targets == Targets.LINEAR and fmt not in (WeightFormat.MXFP8, WeightFormat.FP8_BLOCK):
-            raise BadInput("--targets linear quantizes every linear layer to MXFP8 (vLLM's online MXFP8 method) or, "
-                           "with --format fp8-block, to block FP8; pass --format mxfp8 or fp8-block")
+            raise BadInput("QuantOptions.targets linear quantizes every linear layer to MXFP8 (vLLM's online MXFP8 method) or, "
+                           "with QuantOptions.fmt fp8-block, to block FP8; set QuantOptions.fmt mxfp8 or fp8-block")
 
     def selects(self, module_prefix: str) -> bool:
         """Whether the MoE layer at ``module_prefix`` is converted (``--include`` / ``--ignore``)."""
@@ -170,6 +170,6 @@ class RepackOptions:
 
     def __post_init__(self) -> None:
         if self.weight_format is not None:
-            fmt = _member(WeightFormat, self.weight_format, "RepackOptions.weight_format", "--format",
+            fmt = _member(WeightFormat, self.weight_format, "RepackOptions.weight_format",
                           (WeightFormat.MXFP4, WeightFormat.MXFP8))
             object.__setattr__(self, "weight_format", fmt)

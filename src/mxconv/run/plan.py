@@ -143,9 +143,9 @@ def _check_request(ckpt: Checkpoint, quant: QuantOptions, repack: RepackOptions 
     if repack is not None and (quant.include or quant.ignore):
         # A kernel-layout output holds kernel tensors for every MoE layer (the output contract);
         # a partial repack would mix them with per-expert source tensors.
-        raise BadInput("repack converts every MoE layer; --include/--ignore apply to quantize only")
+        raise BadInput("repack converts every MoE layer; QuantOptions.include/QuantOptions.ignore apply to quantize only")
     if repack is not None and quant.targets != Targets.EXPERTS:
-        raise BadInput("--targets linear applies to quantize only (repack lays out the routed experts)")
+        raise BadInput("QuantOptions.targets linear applies to quantize only (repack lays out the routed experts)")
     if ckpt.kind == "kernel":
         backend = ckpt.manifest.backend if ckpt.manifest is not None else None
         raise BadInput(
@@ -169,20 +169,20 @@ def _select_layers(reader: FamilyReader, quant: QuantOptions) -> list[MoELayerRe
     all_refs = reader.layer_refs()
     refs = [r for r in all_refs if quant.selects(r.module_prefix)]
     if not refs:
-        raise BadInput("no MoE layer selected (check --include / --ignore)")
+        raise BadInput("no MoE layer selected (check QuantOptions.include / QuantOptions.ignore)")
     selected = {r.layer for r in refs}
     mx = (WeightFormat.MXFP4, WeightFormat.MXFP8)  # fp8-block outputs: _check_fp8_block
     for r in all_refs:
         kept = reader.layer_format(r)
         if r.layer not in selected and kept == WeightFormat.INT4:
             raise BadInput(
-                f"{r.module_prefix}.experts: --include/--ignore would leave this INT4 layer as it is next to {quant.fmt} "
+                f"{r.module_prefix}.experts: QuantOptions.include/QuantOptions.ignore would leave this INT4 layer as it is next to {quant.fmt} "
                 "layers, which one quantization_config cannot describe; quantize every MoE layer of an INT4 checkpoint"
             )
         if r.layer not in selected and kept in mx and quant.fmt in mx and kept != quant.fmt:
             raise BadInput(
-                f"{r.module_prefix}.experts: --include/--ignore leave this {kept} layer as it is, next to {quant.fmt} "
-                f"layers; a checkpoint holds one MX format (select every MoE layer, or use --format {kept})"
+                f"{r.module_prefix}.experts: QuantOptions.include/QuantOptions.ignore leave this {kept} layer as it is, next to {quant.fmt} "
+                f"layers; a checkpoint holds one MX format (select every MoE layer, or set QuantOptions.fmt {kept})"
             )
     return refs
 
@@ -195,7 +195,7 @@ def _check_fp8_block(ckpt: Checkpoint, reader: FamilyReader, refs: list[MoELayer
     for r in reader.layer_refs():
         kept = reader.layer_format(r)
         if r.layer not in selected and kept not in FLOAT_DTYPES.values():
-            raise BadInput(f"{r.module_prefix}.experts: --include/--ignore leave this {kept} MoE layer as it is; a "
+            raise BadInput(f"{r.module_prefix}.experts: QuantOptions.include/QuantOptions.ignore leave this {kept} MoE layer as it is; a "
                            "block-FP8 output lists the layers it leaves out as not converted, which loaders read as "
                            "float weights (select this layer too)")
         if r.layer in selected and kept == "fp8_block":
@@ -207,7 +207,7 @@ def _select_linears(ckpt: Checkpoint, all_refs: list[MoELayerRef], quant: QuantO
     linears = select_linears(ckpt, all_refs, quant)
     if linears.carried and quant.fmt != WeightFormat.MXFP8:
         raise BadInput(f"{ckpt.root}: linear layers such as {linears.carried[0]} are MXFP8 already; an output holds "
-                       f"one MX format (use --format mxfp8)")
+                       f"one MX format (set QuantOptions.fmt mxfp8)")
     return linears
 
 
@@ -230,20 +230,20 @@ def _layout_weight_format(ckpt: Checkpoint, info: ModelInfo, layout: Layout, rep
     src, asked = info.expert_format, repack.weight_format
     if src == WeightFormat.INT4 and asked is not None:
         raise BadInput(f"{ckpt.root}: experts are INT4 (compressed-tensors, bf16 group scales); repack keeps them INT4 "
-                       f"(--format {asked} applies to float or MX sources; quantize the source first)")
+                       f"(RepackOptions.weight_format {asked} applies to float or MX sources; quantize the source first)")
     if src == WeightFormat.MXFP8 and asked == WeightFormat.MXFP4:
         raise BadInput(f"{ckpt.root}: experts are MXFP8; repack moves MX bytes as they are and never re-quantizes "
-                       "them to MXFP4 (repack the bf16 source with --format mxfp4, or leave --format out)")
+                       "them to MXFP4 (repack the bf16 source with RepackOptions.weight_format mxfp4, or leave RepackOptions.weight_format out)")
     wfmt = asked or (WeightFormat(src) if src in (WeightFormat.INT4, WeightFormat.MXFP8) else WeightFormat.MXFP4)
     takes = layout.weight_formats
     if wfmt not in takes:
         others = [n for n in backend_names() if wfmt in get_layout(n).weight_formats]
         what = {WeightFormat.INT4: " (compressed-tensors INT4, bf16 group scales)"}.get(wfmt, "")
-        lead = f"--format {wfmt}" if asked is not None else f"{ckpt.root}: experts are {wfmt}{what}"
+        lead = f"RepackOptions.weight_format {wfmt}" if asked is not None else f"{ckpt.root}: experts are {wfmt}{what}"
         raise BadInput(
             f"{lead}; backend {repack.backend} "
             f"takes {', '.join(takes)} experts only (backends that take {wfmt}: {', '.join(others) or 'none'}"
-            + ("; or quantize the source first: mxconv quantize SRC OUT --format mxfp4)" if wfmt == WeightFormat.INT4 else ")")
+            + ("; or quantize the source first to QuantOptions.fmt mxfp4)" if wfmt == WeightFormat.INT4 else ")")
         )
     return wfmt
 
@@ -253,7 +253,7 @@ def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _L
     layout = get_layout(repack.backend)
     if repack.activation not in layout.activations:
         raise BadInput(
-            f"--activation {repack.activation!r} is not valid for backend {repack.backend}; "
+            f"RepackOptions.activation {repack.activation!r} is not valid for backend {repack.backend}; "
             f"choose one of {', '.join(layout.activations)}"
         )
     wfmt = _layout_weight_format(ckpt, info, layout, repack)
@@ -264,14 +264,14 @@ def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _L
     opts = layout.resolve_options(repack.layout_options)
     why = layout.tp_refusal(repack.tp, opts)
     if why:
-        raise BadInput(f"--tp {repack.tp} --backend {repack.backend}: {why}")
+        raise BadInput(f"RepackOptions.tp {repack.tp} RepackOptions.backend {repack.backend}: {why}")
     repack = replace(repack, layout_options=opts)
     Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation, opts, **fmt_kw)
     for w in widths:  # every rank pads to the same Ip; make sure the smaller ones fit the rule too
         layout.padded_sizes(info.hidden_size, w, info.row_order, repack.activation, opts, **fmt_kw)
     if fmt_kw and len(widths) > 1:
         raise BadInput(
-            f"--tp {repack.tp} splits intermediate size {info.intermediate_size} unevenly "
+            f"RepackOptions.tp {repack.tp} splits intermediate size {info.intermediate_size} unevenly "
             f"({sorted(widths)} per rank); vLLM never pads {wfmt} experts up to a common rank width, so every rank "
             "needs the same width"
         )
@@ -296,9 +296,9 @@ def _check_input_scales(ckpt: Checkpoint, reader: FamilyReader, refs: list[MoELa
         else:
             listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
         raise BadInput(
-            f"{ckpt.root}: --activation {activation} stores the source's static FP8 input scales, and tensors "
+            f"{ckpt.root}: RepackOptions.activation {activation} stores the source's static FP8 input scales, and tensors "
             f"{listed} are missing (a W4A8 source, e.g. an AMD Quark export with FP8 input scales, carries them; "
-            f"{reader.title} checkpoints without them take --activation bf16)"
+            f"{reader.title} checkpoints without them take RepackOptions.activation bf16)"
         )
 
 

@@ -75,5 +75,5 @@ def refuse_nonfinite_copy(src: TensorInfo, offset: int, chunk: bytes) -> None:
         raise BadInput(
             f"{src.file}: non-finite value {nonfinite_name(chunk, src.dtype, pos)} in {src.name} {index} "
             "(a tensor mxconv copies as is); "
-            "fix the source, or pass --allow-nonfinite to carry it over"
+            "fix the source, or set QuantOptions.allow_nonfinite to carry it over"
         )

@@ -144,6 +144,14 @@ class LayoutPart(_Part):
     options: Mapping[str, Any] | None = None
     tp_ranges: tuple[tuple[int, int], ...] | None = None
     intermediate_size_total: int | None = None
+    # what the layout chose from each stack's data (Layout.stack_choices), by MoE layer number (as a
+    # string), one object per TP rank, by kernel tensor name; absent where a layout chooses nothing
+    stack_choices: Mapping[str, tuple[Mapping[str, str], ...]] | None = None
+
+    def choices_of(self, layer: int, rank: int = 0) -> dict[str, str]:
+        """Layer ``layer``'s recorded stack choices on rank ``rank`` (``{}`` when none are recorded)."""
+        per_rank = (self.stack_choices or {}).get(str(layer))
+        return dict(per_rank[rank]) if per_rank is not None and rank < len(per_rank) else {}
 
     @property
     def option_values(self) -> dict[str, Any]:

@@ -142,7 +142,8 @@ _LAYOUT = _obj(
         "w13_row_order": _enum("interleaved", "halves"),
         "kernel_params": _nullable(_map(NUMBER)),
     },
-    {"options": _map(ANY), "tp_ranges": _list(_list(NONNEG, 2)), "intermediate_size_total": POSITIVE},
+    {"options": _map(ANY), "tp_ranges": _list(_list(NONNEG, 2)), "intermediate_size_total": POSITIVE,
+     "stack_choices": _map(_list(_map(NONEMPTY)))},
 )
 # The ModelInfo fields (families.base) the reference runner needs.
 _MODEL = _obj(
@@ -232,6 +233,7 @@ def _consistency(m: dict[str, Any]) -> None:
         for i, (s, e) in enumerate(ranges):
             if not s < e:
                 raise _Invalid(f"layout.tp_ranges[{i}]", f"must be [start, end) with start < end, got {[s, e]}")
+    _stack_choices(m)
     model = m["model"]
     if model["family"] != m["family"]:
         raise _Invalid("model.family", f"is {_show(model['family'])}, but 'family' is {_show(m['family'])}")
@@ -253,6 +255,16 @@ def _consistency(m: dict[str, Any]) -> None:
         if layer["layer"] not in model["moe_layers"]:
             raise _Invalid(f"layers[{i}].layer", f"layer {layer['layer']} is not one of model.moe_layers {model['moe_layers']}")
         seen.add(layer["layer"])
+
+
+def _stack_choices(m: dict[str, Any]) -> None:
+    """``layout.stack_choices``: keys are converted layers, one object per rank."""
+    layers = {str(entry["layer"]) for entry in m["layers"]}
+    for key, per_rank in m["layout"].get("stack_choices", {}).items():
+        if key not in layers:
+            raise _Invalid(f"layout.stack_choices.{key}", "names no converted layer (a key of 'layers')")
+        if len(per_rank) != m["tp_size"]:
+            raise _Invalid(f"layout.stack_choices.{key}", f"must hold tp_size={m['tp_size']} objects, got {len(per_rank)}")
 
 
 def validate_manifest(m: Any, path: Path | str) -> dict[str, Any]:

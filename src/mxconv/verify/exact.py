@@ -40,7 +40,8 @@ from mxconv.run.compute import CHUNK_ELEMENTS, source_stack, to_format
 from mxconv.run.options import QuantOptions
 from mxconv.verify.claims import copied_tensors
 from mxconv.verify.layout import canonical_from_layer, first_difference
-from mxconv.verify.report import LayerReport, Run
+from mxconv.verify.report import LayerReport
+from mxconv.verify.state import VerifyState
 
 _KERNEL_NAMES = {"w13": "w13_weight", "w13_scale": "w13_weight_scale", "w2": "w2_weight", "w2_scale": "w2_weight_scale",
                  "w13_bias": "w13_bias", "w2_bias": "w2_bias"}
@@ -48,24 +49,24 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 Stacks = dict[str, torch.Tensor]  # canonical name ("w13", "w13_scale", "w13_bias", "w13_scale_inv.0", ...) -> [E, ...]
 
 
-def check_expert_bytes(run: Run, L: int, prefix: str, canon: CanonicalExperts | None, conv_layer: MoELayer | None,
+def check_expert_bytes(state: VerifyState, L: int, prefix: str, canon: CanonicalExperts | None, conv_layer: MoELayer | None,
                        ref_layer: MoELayer, rep: LayerReport) -> None:
     """The exact check of layer ``L`` (module docstring): ``rep.layout`` becomes "bit-exact" or
-    "FAIL"; a layer whose bytes cannot be re-derived is recorded in ``run.bytes_refused``."""
+    "FAIL"; a layer whose bytes cannot be re-derived is recorded in ``state.bytes_refused``."""
     rcanon = canonical_from_layer(ref_layer)
-    same = rcanon is not None and run.weight_format in WEIGHT_FORMATS and rcanon.weight_format == run.weight_format
+    same = rcanon is not None and state.plan.weight_format in WEIGHT_FORMATS and rcanon.weight_format == state.plan.weight_format
     if canon is not None and rcanon is not None and same:
         diff = first_difference(canon, rcanon)
         _verdict(rep, None if diff is None else f"{prefix}.experts: recovered canonical bytes differ from the reference: {diff}")
         return
-    got = _output_stacks(run, canon, conv_layer)
+    got = _output_stacks(state, canon, conv_layer)
     if got is None:  # the layout check recovered nothing: it failed, naming why
         return
-    why = _refusal(run, ref_layer)
+    why = _refusal(state, ref_layer)
     if why is not None:
-        run.bytes_refused.setdefault(why, []).append(L)
+        state.bytes_refused.setdefault(why, []).append(L)
         return
-    _verdict(rep, _first_rederived_difference(run, L, prefix, got, ref_layer))
+    _verdict(rep, _first_rederived_difference(state, L, prefix, got, ref_layer))
 
 
 def _verdict(rep: LayerReport, problem: str | None) -> None:
@@ -86,41 +87,41 @@ def _format_of(layer: MoELayer) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(layer.w13.dtype, str(layer.w13.dtype))
 
 
-def _refusal(run: Run, ref_layer: MoELayer) -> str | None:
+def _refusal(state: VerifyState, ref_layer: MoELayer) -> str | None:
     """Why the output's expert bytes cannot be re-derived from ``ref_layer`` (None: they can)."""
-    fmt, ref_fmt = run.weight_format, _format_of(ref_layer)
+    fmt, ref_fmt = state.plan.weight_format, _format_of(ref_layer)
     if fmt in ("mxfp4", "mxfp8") and (ref_fmt == fmt or (ref_fmt, fmt) == ("mxfp4", "mxfp8")):
         return None  # MX bytes kept (MXFP4 -> MXFP8 is lossless): no option decides them
     if fmt not in ("mxfp4", "mxfp8", "fp8-block"):
         return f"{fmt} experts are carried from a source of that format as they are; the reference's are {ref_fmt}"
-    assert run.ref_info is not None
-    source_fmt, ref_model_fmt = run.info.expert_format, run.ref_info.expert_format
-    if _upstream(run) is not None:
+    assert state.ref_info is not None
+    source_fmt, ref_model_fmt = state.plan.info.expert_format, state.ref_info.expert_format
+    if _upstream(state) is not None:
         return None  # the MX bytes of the output's input re-derived first, with the rounding they were made with
     if source_fmt != ref_model_fmt:
         return f"the output was converted from {source_fmt} experts (its manifest's model), the reference holds {ref_model_fmt}"
     if fmt == "fp8-block":
         return "the reference's experts are block-FP8 already" if ref_fmt == "fp8_block" else None
-    if not run.manifest.scale_rounding:
+    if not state.plan.manifest.scale_rounding:
         return f"the manifest records no scale rounding for quantizing {ref_fmt} experts to {fmt}"
     return None
 
 
-def _upstream(run: Run) -> Mapping[str, Any] | None:
+def _upstream(state: VerifyState) -> Mapping[str, Any] | None:
     """The manifest's ``numerics.upstream`` where it applies to the reference: the output's input was
     an mxconv output whose MX bytes this conversion kept (or re-encoded exactly), made from experts of
     the reference's format; None otherwise (also where the reference holds the input's format)."""
-    up = (run.manifest.numerics or {}).get("upstream")
-    assert run.ref_info is not None
-    if up is None or run.info.expert_format == run.ref_info.expert_format:
+    up = (state.plan.manifest.numerics or {}).get("upstream")
+    assert state.ref_info is not None
+    if up is None or state.plan.info.expert_format == state.ref_info.expert_format:
         return None
-    return up if up["source_format"] == run.ref_info.expert_format else None
+    return up if up["source_format"] == state.ref_info.expert_format else None
 
 
-def _through_upstream(run: Run, part: MoELayer, device: torch.device) -> MoELayer:
+def _through_upstream(state: VerifyState, part: MoELayer, device: torch.device) -> MoELayer:
     """``part`` of the reference as the output's input held it (:func:`_upstream`): its experts
     quantized with the upstream run's format and scale rounding."""
-    up = _upstream(run)
+    up = _upstream(state)
     if up is None or part.w13_mx is not None:
         return part
     fmt = up["weight_format"]
@@ -131,7 +132,7 @@ def _through_upstream(run: Run, part: MoELayer, device: torch.device) -> MoELaye
                    w13_mx=mx["w13"], w2_mx=mx["w2"])
 
 
-def _output_stacks(run: Run, canon: CanonicalExperts | None, conv_layer: MoELayer | None) -> Stacks | None:
+def _output_stacks(state: VerifyState, canon: CanonicalExperts | None, conv_layer: MoELayer | None) -> Stacks | None:
     """The output's experts as canonical stacks by name (see :data:`Stacks`), as the layout check
     recovered them; None when it recovered nothing."""
     if conv_layer is not None and conv_layer.w13_fp8 is not None and conv_layer.w2_fp8 is not None:
@@ -151,11 +152,11 @@ def _output_stacks(run: Run, canon: CanonicalExperts | None, conv_layer: MoELaye
     return {k: t for k, t in parts.items() if t is not None}
 
 
-def _rederived(run: Run, part: MoELayer, device: torch.device) -> Stacks:
+def _rederived(state: VerifyState, part: MoELayer, device: torch.device) -> Stacks:
     """Experts ``part`` of the reference converted as the conversion did (module docstring), through
     the upstream run first where the manifest records one (:func:`_upstream`)."""
-    fmt = run.weight_format
-    part = _through_upstream(run, part, device)
+    fmt = state.plan.weight_format
+    part = _through_upstream(state, part, device)
     out: Stacks = {}
     if fmt == "fp8-block":
         from mxconv.run.fp8_compute import LayerTiles, Where, to_fp8_block
@@ -167,7 +168,7 @@ def _rederived(run: Run, part: MoELayer, device: torch.device) -> Stacks:
             for j, (data, sinv) in enumerate(stack.parts):
                 out[f"{which}.{j}"], out[f"{which}_scale_inv.{j}"] = data, sinv
         return out
-    quant = QuantOptions(fmt=fmt, scale_rounding=run.manifest.scale_rounding or "auto", allow_nonfinite=True)
+    quant = QuantOptions(fmt=fmt, scale_rounding=state.plan.manifest.scale_rounding or "auto", allow_nonfinite=True)
     for which in ("w13", "w2"):
         stack = to_format(getattr(part, f"{which}_mx"), source_stack(part, which), fmt, quant,
                           f"{part.ref.module_prefix}.experts ({which})", None, device)
@@ -178,26 +179,26 @@ def _rederived(run: Run, part: MoELayer, device: torch.device) -> Stacks:
     return out
 
 
-def _how(run: Run) -> str:
-    fmt, up = run.weight_format, _upstream(run)
+def _how(state: VerifyState) -> str:
+    fmt, up = state.plan.weight_format, _upstream(state)
     if up is not None:
         then = "" if fmt == up["weight_format"] else f", then {fmt}"
         return f"the reference converted again ({up['weight_format']}, {up['scale_rounding']} scale rounding upstream{then})"
     if fmt == "fp8-block":
         return "the reference block-quantized again (fp8-block)"
-    return f"the reference converted again ({fmt}, {run.manifest.scale_rounding or 'no'} scale rounding)"
+    return f"the reference converted again ({fmt}, {state.plan.manifest.scale_rounding or 'no'} scale rounding)"
 
 
-def _first_rederived_difference(run: Run, L: int, prefix: str, got: Stacks, ref_layer: MoELayer) -> str | None:
+def _first_rederived_difference(state: VerifyState, L: int, prefix: str, got: Stacks, ref_layer: MoELayer) -> str | None:
     """The first byte of the output's experts that differs from the reference converted again, in
     expert chunks on verify's device; None when every byte is equal."""
-    device = torch.device(run.device)
+    device = torch.device(state.plan.device)
     E = int(next(iter(got.values())).shape[0])
-    step = max(1, CHUNK_ELEMENTS // max(1, 2 * run.info.intermediate_size * run.info.hidden_size))  # w13 elements
+    step = max(1, CHUNK_ELEMENTS // max(1, 2 * state.plan.info.intermediate_size * state.plan.info.hidden_size))  # w13 elements
     for e0 in range(0, E, step):
         e1 = min(E, e0 + step)
         try:
-            want = _rederived(run, ref_layer.select_experts(e0, e1), device)
+            want = _rederived(state, ref_layer.select_experts(e0, e1), device)
         except BadInput as exc:
             return f"layer {L}: {prefix}.experts: the reference's experts {e0}..{e1 - 1} cannot be converted again: {exc}"
         for key in sorted(set(got) | set(want), key=_canonical_order):
@@ -207,12 +208,12 @@ def _first_rederived_difference(run: Run, L: int, prefix: str, got: Stacks, ref_
             have = got[key][e0:e1]
             if tuple(have.shape) != tuple(want[key].shape):
                 return (f"layer {L}: {prefix}.experts {key}: {list(have.shape)} in the output, {list(want[key].shape)} from "
-                        f"{_how(run)}")
-            diff = _first_diff(have.to(device), want[key], packed=key in ("w13", "w2") and run.weight_format == "mxfp4")
+                        f"{_how(state)}")
+            diff = _first_diff(have.to(device), want[key], packed=key in ("w13", "w2") and state.plan.weight_format == "mxfp4")
             if diff is not None:
                 idx, value, should = diff
-                where = _locate(run, L, prefix, key, (idx[0] + e0, *idx[1:]))
-                how = "the reference holds" if key.endswith("_bias") else f"{_how(run)} gives"
+                where = _locate(state, L, prefix, key, (idx[0] + e0, *idx[1:]))
+                how = "the reference holds" if key.endswith("_bias") else f"{_how(state)} gives"
                 return f"layer {L}: {where}: the output holds {value}, {how} {should}"
         del want
     return None
@@ -243,7 +244,7 @@ def _first_diff(got: torch.Tensor, want: torch.Tensor, packed: bool) -> tuple[tu
     return idx, repr(float(x)), repr(float(y))
 
 
-def _locate(run: Run, L: int, prefix: str, key: str, idx: tuple[int, ...]) -> str:
+def _locate(state: VerifyState, L: int, prefix: str, key: str, idx: tuple[int, ...]) -> str:
     """The output tensor and index of canonical element ``idx`` of stack ``key``."""
     which, _, part = key.partition(".")
     if part:  # block-FP8: part j of w13 (gate, up) or w2, data rows or tile scales
@@ -251,13 +252,13 @@ def _locate(run: Run, L: int, prefix: str, key: str, idx: tuple[int, ...]) -> st
         if which.endswith("_scale_inv"):
             idx = (idx[0], j, *idx[1:])
         else:  # gate and up have I rows each, down H
-            idx = (idx[0], idx[1] + j * run.info.intermediate_size, idx[2])
-    ref = run.own_refs.get(L)
-    if run.kind == "kernel" or run.own_reader is None or ref is None:
+            idx = (idx[0], idx[1] + j * state.plan.info.intermediate_size, idx[2])
+    ref = state.own_refs.get(L)
+    if state.plan.kind == "kernel" or state.own_reader is None or ref is None:
         coords = "expert, row" + (", block" if which.endswith("_scale") else "" if which.endswith("_bias") else ", column")
         return f"{prefix}.experts.{_KERNEL_NAMES.get(which, which)} at canonical {which} [{', '.join(map(str, idx))}] ({coords})"
     try:
-        return run.own_reader.source_location(ref, which, idx)
+        return state.own_reader.source_location(ref, which, idx)
     except (ValueError, IndexError, KeyError):  # a reader that cannot place it: the canonical index
         return f"{prefix}.experts ({which}) at canonical [{', '.join(map(str, idx))}]"
 
@@ -265,45 +266,45 @@ def _locate(run: Run, L: int, prefix: str, key: str, idx: tuple[int, ...]) -> st
 # ---- copied tensors --------------------------------------------------------------------------
 
 
-def start_copies(run: Run, skip: set[str]) -> None:
+def start_copies(state: VerifyState, skip: set[str]) -> None:
     """Start hashing, on the hash pool, every reference tensor the output copied (roles copy and
     router, named once whatever the TP size), except ``skip``."""
-    assert run.ref_ckpt is not None
-    names = set(copied_tensors(run.manifest)) - skip
-    present = {n for n in names if n in run.ref_ckpt.tensors}
-    run.ref_copies = run.hashes.start_other(run.ref_ckpt, sorted(present))
-    run.ref_missing = sorted(names - present)
+    assert state.ref_ckpt is not None
+    names = set(copied_tensors(state.plan.manifest)) - skip
+    present = {n for n in names if n in state.ref_ckpt.tensors}
+    state.ref_copies = state.hashes.start_other(state.ref_ckpt, sorted(present))
+    state.ref_missing = sorted(names - present)
 
 
-def copies_differ(run: Run) -> list[str]:
+def copies_differ(state: VerifyState) -> list[str]:
     """Copied tensors whose bytes are not the reference's (after :func:`start_copies`). BadInput when
     the reference's tensor cannot be read (a reference that cannot be read is bad input)."""
-    if run.ref_copies is None:
+    if state.ref_copies is None:
         return []
-    out = [f"{name}: copied into the output but not in the reference {run.reference}" for name in run.ref_missing]
-    keys_of = copied_tensors(run.manifest)
-    for name, job in sorted(run.ref_copies.items()):
-        digest = _digest(run, name, job)
+    out = [f"{name}: copied into the output but not in the reference {state.plan.options.reference}" for name in state.ref_missing]
+    keys_of = copied_tensors(state.plan.manifest)
+    for name, job in sorted(state.ref_copies.items()):
+        digest = _digest(state, name, job)
         out += [f"{key}: not the reference's bytes (tensors left alone are copied byte for byte)"
-                for key in keys_of[name] if digest != run.manifest.tensors[key].sha256]
+                for key in keys_of[name] if digest != state.plan.manifest.tensors[key].sha256]
     return out
 
 
-def _digest(run: Run, name: str, job: Future[str]) -> str:
+def _digest(state: VerifyState, name: str, job: Future[str]) -> str:
     try:
         return job.result()
     except BadInput:
         raise
     except Exception as exc:  # noqa: BLE001 - an OSError, a short read: the reference is bad input
-        raise BadInput(f"--reference {run.reference}: tensor {name} cannot be read: {exc}") from exc
+        raise BadInput(f"VerifyOptions.reference {state.plan.options.reference}: tensor {name} cannot be read: {exc}") from exc
 
 
-def refused_summary(run: Run, layers: list[int]) -> str | None:
+def refused_summary(state: VerifyState, layers: list[int]) -> str | None:
     """Why some checked layers' expert bytes were not re-derived (the scope's words), or None."""
-    if not run.bytes_refused:
+    if not state.bytes_refused:
         return None
     parts = []
-    for why, where in run.bytes_refused.items():
+    for why, where in state.bytes_refused.items():
         parts.append(why if sorted(where) == sorted(layers) else f"{why} (layers {','.join(map(str, sorted(where)))})")
     return "; ".join(parts)
 

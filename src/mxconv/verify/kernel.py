@@ -31,7 +31,7 @@ from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput, LayoutError
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import Layout
-from mxconv.verify.reference_moe import Comparison, Routing, apart, compare
+from mxconv.verify.reference_moe import Comparison, LayerForward, apart, compare
 from mxconv.source.manifest import Manifest
 
 @dataclass
@@ -58,7 +58,7 @@ def kernel_preflight(manifest: Manifest, kernel_locations: KernelLocations | Non
     backend = manifest.backend
     if not backend:
         choices = " or ".join(runner_backends())
-        raise BadInput(f"--kernel: a canonical checkpoint has no backend kernel (repack it with --backend {choices})")
+        raise BadInput(f"VerifyOptions.kernel: a canonical checkpoint has no backend kernel (repack it with RepackOptions.backend {choices})")
     layout = get_layout(backend)
     lay = manifest.layout
     try:
@@ -71,7 +71,7 @@ def kernel_preflight(manifest: Manifest, kernel_locations: KernelLocations | Non
     reason = (layout.kernel_unavailable(manifest) if engine_runner(backend) is None
               else kernel_unavailable(manifest, kernel_locations=kernel_locations))
     if reason:
-        raise BadInput(f"--kernel: cannot run the {backend} engine kernel here: {reason}")
+        raise BadInput(f"VerifyOptions.kernel: cannot run the {backend} engine kernel here: {reason}")
     return layout, []
 
 
@@ -93,33 +93,24 @@ def _judge(what: str, cmp: Comparison, bound: dict[str, float]) -> list[str]:
     return bad
 
 
-def check_kernel_layer(
-    layout: Layout,
-    root: Path,
-    manifest: Manifest,
-    layer: int,
-    x: torch.Tensor,
-    routing: Routing,
-    converted_out: torch.Tensor,
-    reference: tuple[torch.Tensor, torch.Tensor, dict[str, float]] | None,
-    kernel_locations: KernelLocations | None = None,
-    held: list[dict[str, HeldTensor]] | None = None,
-) -> KernelResult:
-    """Run the engine kernel on layer ``layer`` and judge it.
+def check_kernel_layer(root: Path, manifest: Manifest, layer: int, forward: LayerForward,
+                       kernel_locations: KernelLocations | None = None,
+                       held: list[dict[str, HeldTensor]] | None = None) -> KernelResult:
+    """Run the engine kernel of the output at ``root`` on layer ``layer`` and judge it.
 
-    x [T, H] fp32 hidden states; ``routing`` the converted router's top-k; ``converted_out`` [T, H]
-    the reference runner on the converted bytes; ``reference`` (output [T, H], top-k ids [T, k],
-    the numerics threshold of the pair) when a reference was given; ``held`` the layer's tensors
+    ``forward``: the reference runner on the converted bytes (hidden states, routing, output) and,
+    when a reference was given, its output, top-k ids and threshold; ``held`` the layer's tensors
     as verify read them (per rank), handed to the kernel instead of a second read of the files.
     """
     res = KernelResult()
+    x, routing = forward.x, forward.routing
     out = run_kernel_layer(root, manifest, layer, x, routing, kernel_locations=kernel_locations, held=held).float().cpu()
     if not bool(torch.isfinite(out).all()):
         res.problems.append(f"layer {layer} kernel: the engine kernel's output holds NaN/Inf")
-    res.vs_converted = compare(out, converted_out, routing.ids, routing.ids)
+    res.vs_converted = compare(out, forward.out, routing.ids, routing.ids)
     res.problems += _judge(f"layer {layer} kernel vs the converted bytes", res.vs_converted, KERNEL_THRESHOLDS)
-    if reference is not None:
-        ref_out, ref_ids, threshold = reference
+    if forward.reference is not None:
+        ref_out, ref_ids, threshold = forward.reference
         res.vs_reference = compare(out, ref_out, routing.ids, ref_ids)
         res.problems += _judge(f"layer {layer} kernel vs the reference", res.vs_reference, _bound(threshold))
     res.status = "FAIL" if res.problems else "ok"

@@ -5,6 +5,7 @@ the reference's (:mod:`mxconv.verify.exact`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,7 +17,10 @@ from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES, WEIGHT_FORMATS, Canoni
 from mxconv.layouts.padding import unpad_canonical
 from mxconv.source.manifest import LayerEntry, Manifest
 from mxconv.source.st_format import read_tensor
-from mxconv.verify.report import LayerReport, Run
+from mxconv.verify.report import LayerReport
+
+if TYPE_CHECKING:  # the state's plan reads the manifest's sizes here
+    from mxconv.verify.state import VerifyState
 
 
 def manifest_sizes(manifest: Manifest) -> LayoutSizes:
@@ -61,10 +65,12 @@ def merge_tp(parts: list[CanonicalExperts], ranges: list[tuple[int, int]], I: in
 def kernel_layer_canonical(
     manifest: Manifest, ckpts: list[Checkpoint], prefix: str, problems: list[str],
     device: torch.device | str = "cpu", pre_read: list[dict[str, torch.Tensor]] | None = None,
+    layer: int | None = None,
 ) -> CanonicalExperts | None:
     """Invert one layer's kernel tensors (all ranks) on ``device``, check the round trip; None on
     failure. ``pre_read``: the tensors already read (per rank, by short name; verify's layer reads,
-    which hash them as they pass); otherwise they are read here."""
+    which hash them as they pass); otherwise they are read here. ``layer``: its MoE layer number, whose
+    recorded stack choices (``layout.stack_choices``) the inverse uses (None: the entry of ``prefix``)."""
     backend = str(manifest.backend)
     try:
         layout = get_layout(backend)
@@ -87,12 +93,17 @@ def kernel_layer_canonical(
         rank_sizes = LayoutSizes(sizes.num_experts, sizes.hidden_size, sizes.intermediate_size, sizes.padded_hidden_size,
                                  sizes.padded_intermediate_size, sizes.row_order, sizes.has_bias, sizes.weight_format)
         tag = f"{prefix}.experts" + (f" (rank {rank})" if len(ckpts) > 1 else "")
-        try:
-            canon = layout.from_kernel(tensors, rank_sizes, activation, options)
+        recorded = manifest.layout.choices_of(_layer_of(manifest, prefix) if layer is None else layer, rank)
+        try:  # inverted with the choices the run recorded; the layout checks them against the data it gets back
+            canon = layout.from_kernel(tensors, rank_sizes, activation, layout.with_choices(options, recorded))
+            chosen = layout.stack_choices(canon, options) if recorded else {}
+            if chosen != recorded:
+                raise LayoutError(f"the manifest records {recorded} (layout.stack_choices), the layout chooses "
+                                  f"{chosen} for the stacks these bytes hold")
+            again = layout.to_kernel(canon, activation, layout.with_choices(options, recorded))
         except LayoutError as exc:
             problems.append(f"{tag}: not a valid {backend} layout: {exc}")
             return None
-        again = layout.to_kernel(canon, activation, options)
         for k, t in again.items():
             stored = tensors.get(k)
             if stored is None or stored.shape != t.shape or not torch.equal(stored.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)):
@@ -115,6 +126,10 @@ def kernel_layer_canonical(
     except LayoutError as exc:
         problems.append(f"{prefix}.experts: {exc}")
         return None
+
+
+def _layer_of(manifest: Manifest, prefix: str) -> int:
+    return next((entry.layer for entry in manifest.layers if entry.module_prefix == prefix), -1)
 
 
 def _read_rank(ckpt: Checkpoint, prefix: str, device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -191,47 +206,47 @@ def kernel_nonfinite(canon: CanonicalExperts, prefix: str) -> str | None:
     return f"{what} in {prefix}.experts.{name} at canonical [{', '.join(map(str, idx))}] ({coords})"
 
 
-def recover_layer(run: Run, L: int, lay: LayerEntry, rep: LayerReport,
+def recover_layer(state: VerifyState, L: int, lay: LayerEntry, rep: LayerReport,
                   stored: list[dict[str, torch.Tensor]] | None = None) -> tuple[CanonicalExperts | None, MoELayer | None]:
     """The layout check of one MoE layer: its canonical experts as the converted checkpoint holds them
     (a kernel output inverted and laid out again, from ``stored`` when its tensors were read already;
     a canonical output read back by its own reader), and for a canonical output the layer read back.
     ``rep.layout`` says how it went."""
     prefix = lay.module_prefix
-    if run.kind == "kernel":
+    if state.plan.kind == "kernel":
         lprobs: list[str] = []
         canon = None
         try:
-            canon = kernel_layer_canonical(run.manifest, run.ckpts, prefix, lprobs, run.device, stored)
+            canon = kernel_layer_canonical(state.plan.manifest, state.plan.ckpts, prefix, lprobs, state.plan.device, stored, layer=L)
         except KeyError as exc:
             lprobs.append(f"{prefix}.experts: kernel tensor {exc} missing")
         rep.layout = "FAIL" if lprobs else "ok"
         rep.problems.extend(lprobs)
         return canon, None
-    if run.own_error is not None:
+    if state.own_error is not None:
         rep.layout = "not run"
         return None, None
-    ref = run.own_refs.get(L)
+    ref = state.own_refs.get(L)
     if ref is None:
         rep.layout = "FAIL"
         rep.problems.append(f"{prefix}: the manifest lists this MoE layer but the checkpoint has no experts for it")
         return None, None
-    assert run.own_reader is not None
-    conv_layer = run.own_reader.read_layer(ref)
+    assert state.own_reader is not None
+    conv_layer = state.own_reader.read_layer(ref)
     rep.layout = "ok"
     return canonical_from_layer(conv_layer), conv_layer
 
 
-def reference_layer(run: Run, L: int, rep: LayerReport, ref_layer: MoELayer | None = None) -> tuple[MoELayer, str | None]:
+def reference_layer(state: VerifyState, L: int, rep: LayerReport, ref_layer: MoELayer | None = None) -> tuple[MoELayer, str | None]:
     """Layer ``L`` of ``--reference`` (``ref_layer`` when it was read already) and the first value in
     it that is not a number (None when all are). Its bytes are compared by :mod:`mxconv.verify.exact`."""
-    assert run.ref_reader is not None
+    assert state.ref_reader is not None
     if ref_layer is None:
-        rrefs = {r.layer: r for r in run.ref_reader.layer_refs()}
+        rrefs = {r.layer: r for r in state.ref_reader.layer_refs()}
         if L not in rrefs:
-            raise BadInput(f"--reference {run.reference}: has no MoE layer {L}")
-        ref_layer = run.ref_reader.read_layer(rrefs[L])
-    ref_bad = run.ref_reader.nonfinite_problem(ref_layer)
+            raise BadInput(f"VerifyOptions.reference {state.plan.options.reference}: has no MoE layer {L}")
+        ref_layer = state.ref_reader.read_layer(rrefs[L])
+    ref_bad = state.ref_reader.nonfinite_problem(ref_layer)
     if ref_bad:
-        rep.problems.append(f"layer {L}: the reference {run.reference} holds a value that is not a number: {ref_bad}")
+        rep.problems.append(f"layer {L}: the reference {state.plan.options.reference} holds a value that is not a number: {ref_bad}")
     return ref_layer, ref_bad

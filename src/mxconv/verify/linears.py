@@ -16,7 +16,6 @@ quantized again with amax/448; the fp8 config must leave exactly them out of ``m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +26,8 @@ from mxconv.families.quant_config import quantization_dict
 from mxconv.run.linear_config import config_quantizes
 from mxconv.run.linears import FP8_BLOCK, LINEAR_FORMAT, is_fp8_block_linear, linear_modules, read_float, tensor_role
 from mxconv.verify.reference_moe import apart
-from mxconv.verify.report import Run
+from mxconv.verify.report import LinearReport
+from mxconv.verify.state import VerifyState
 
 # Relative RMS error bound of one MXFP8 linear weight vs its float source (E4M3: ≈ 0.027 with rceil,
 # 0.029-0.033 with floor on Gaussian and heavy-tailed weights; a wrong scale or row is ≈ 1).
@@ -36,32 +36,13 @@ from mxconv.verify.report import Run
 LINEAR_THRESHOLDS: dict[str, float] = {"rel_rms": 0.05, FP8_BLOCK: 0.05}
 
 
-@dataclass
-class LinearReport:
-    module: str
-    role: str
-    files: str = "ok"
-    numerics: str = "skipped"
-    rel_rms: float | None = None
-    bytes: str = "n/a"  # "bit-exact" | "FAIL" (vs the reference quantized again) | "n/a"
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return not self.problems
-
-    def to_json(self) -> dict[str, Any]:
-        return {"module": self.module, "role": self.role, "files": self.files, "numerics": self.numerics,
-                "rel_rms": self.rel_rms, "bytes": self.bytes, "problems": self.problems, "passed": self.passed}
-
-
-def check_linears(run: Run, layers: set[int] | None) -> tuple[list[LinearReport], list[str]]:
+def check_linears(state: VerifyState, layers: set[int] | None) -> tuple[list[LinearReport], list[str]]:
     """Per-linear reports (only layers in ``layers`` when given) and problems of the whole output."""
-    ckpt = run.ckpts[0]
-    claimed = run.manifest.linears  # mxconv.run.linears.LinearSelection.to_json
-    fp8 = run.manifest.weight_format == FP8_BLOCK  # its linears are block FP8, not MXFP8
+    ckpt = state.plan.ckpts[0]
+    claimed = state.plan.manifest.linears  # mxconv.run.linears.LinearSelection.to_json
+    fp8 = state.plan.manifest.weight_format == FP8_BLOCK  # its linears are block FP8, not MXFP8
     kind = "block-FP8" if fp8 else "MXFP8"
-    found = _found(run)
+    found = _found(state)
     mx = [m for m, quantized in found if quantized]
     if not mx and claimed is None:
         return [], []
@@ -77,25 +58,25 @@ def check_linears(run: Run, layers: set[int] | None) -> tuple[list[LinearReport]
         if config_quantizes(qc, m) != quantized:
             general.append(f"{m}: config.json's quantization_config describes it as "
                            f"{'not quantized' if quantized else 'quantized'}, but its weight is {'' if quantized else 'not '}{kind}")
-    rounding = (claimed or {}).get("scale_rounding") or run.manifest.scale_rounding
+    rounding = (claimed or {}).get("scale_rounding") or state.plan.manifest.scale_rounding
     check = _check_fp8 if fp8 else _check_one
-    reports = [check(run, m, rounding) for m in mx if layers is None or layer_index(m) in layers]
+    reports = [check(state, m, rounding) for m in mx if layers is None or layer_index(m) in layers]
     return reports, general
 
 
-def _found(run: Run) -> list[tuple[str, bool]]:
+def _found(state: VerifyState) -> list[tuple[str, bool]]:
     """(module, quantized) of every linear of the output: MXFP8, or block FP8 in an fp8-block output."""
-    ckpt = run.ckpts[0]
-    fp8 = run.manifest.weight_format == FP8_BLOCK
+    ckpt = state.plan.ckpts[0]
+    fp8 = state.plan.manifest.weight_format == FP8_BLOCK
     return [(m, is_fp8_block_linear(ckpt, m) if fp8 else is_mx) for m, _, is_mx in linear_modules(ckpt)]
 
 
-def quantized_linear_tensors(run: Run) -> set[str]:
+def quantized_linear_tensors(state: VerifyState) -> set[str]:
     """The weight and scale tensors of the output's quantized linears, which :func:`check_linears`
     checks against the reference (not as copies: an MXFP8 linear carried from an MXFP8 source is
     held to that source's bytes, or to the reference quantized again)."""
-    scale = "weight_scale_inv" if run.manifest.weight_format == FP8_BLOCK else "weight_scale"
-    return {f"{m}.{p}" for m, quantized in _found(run) if quantized for p in ("weight", scale)}
+    scale = "weight_scale_inv" if state.plan.manifest.weight_format == FP8_BLOCK else "weight_scale"
+    return {f"{m}.{p}" for m, quantized in _found(state) if quantized for p in ("weight", scale)}
 
 
 def _bad_value(rep: LinearReport, tensors: dict[str, torch.Tensor]) -> bool:
@@ -112,11 +93,11 @@ def _bad_value(rep: LinearReport, tensors: dict[str, torch.Tensor]) -> bool:
     return False
 
 
-def _reference(run: Run, rep: LinearReport, shape: tuple[int, ...]) -> torch.Tensor | None:
+def _reference(state: VerifyState, rep: LinearReport, shape: tuple[int, ...]) -> torch.Tensor | None:
     """The reference's fp32 weight of the linear, or None (and a problem) when there is none of that shape."""
-    assert run.ref_ckpt is not None
+    assert state.ref_ckpt is not None
     try:
-        ref = read_float(run.ref_ckpt, rep.module, run.device)
+        ref = read_float(state.ref_ckpt, rep.module, state.plan.device)
     except BadInput as exc:
         rep.numerics = "FAIL"
         rep.problems.append(f"{rep.module}: no reference weight to compare with ({exc})")
@@ -137,21 +118,21 @@ def _rel_rms(rep: LinearReport, got: torch.Tensor, ref: torch.Tensor, bound: flo
         rep.problems.append("{} numerics: relative RMS error {} vs the reference > {}".format(rep.module, *apart(rep.rel_rms, bound)))
 
 
-def _check_fp8(run: Run, module: str, rounding: str | None) -> LinearReport:
+def _check_fp8(state: VerifyState, module: str, rounding: str | None) -> LinearReport:
     """A block-FP8 linear: finite, within :data:`LINEAR_THRESHOLDS` ``fp8-block`` of the reference, and
     byte for byte the reference quantized again (amax/448 per 128x128 tile)."""
     from mxconv.mx.fp8_block import float_to_fp8_block
     from mxconv.mx.numerics import dequantize_fp8_block
 
-    ckpt = run.ckpts[0]
+    ckpt = state.plan.ckpts[0]
     rep = LinearReport(module, tensor_role(f"{module}.weight"))
     data, sinv = ckpt.read(f"{module}.weight"), ckpt.read(f"{module}.weight_scale_inv")
-    if _bad_value(rep, {f"{module}.weight": data.float(), f"{module}.weight_scale_inv": sinv}) or run.ref_ckpt is None:
+    if _bad_value(rep, {f"{module}.weight": data.float(), f"{module}.weight_scale_inv": sinv}) or state.ref_ckpt is None:
         return rep
-    ref = _reference(run, rep, tuple(data.shape))
+    ref = _reference(state, rep, tuple(data.shape))
     if ref is None:
         return rep
-    got = dequantize_fp8_block(data[None].to(run.device), sinv[None].to(run.device), (128, 128))[0]
+    got = dequantize_fp8_block(data[None].to(state.plan.device), sinv[None].to(state.plan.device), (128, 128))[0]
     _rel_rms(rep, got, ref, LINEAR_THRESHOLDS[FP8_BLOCK])
     want = float_to_fp8_block(ref[None])
     same = torch.equal(want.data[0].cpu().view(torch.uint8), data.view(torch.uint8)) and torch.equal(
@@ -162,10 +143,10 @@ def _check_fp8(run: Run, module: str, rounding: str | None) -> LinearReport:
     return rep
 
 
-def _check_one(run: Run, module: str, rounding: str | None) -> LinearReport:
+def _check_one(state: VerifyState, module: str, rounding: str | None) -> LinearReport:
     from mxconv.mx.numerics import first_nan_scale, first_nonfinite
 
-    ckpt = run.ckpts[0]
+    ckpt = state.plan.ckpts[0]
     rep = LinearReport(module, tensor_role(f"{module}.weight"))
     data = ckpt.read(f"{module}.weight").view(torch.uint8)
     scales = ckpt.read(f"{module}.weight_scale").view(torch.uint8)
@@ -180,20 +161,20 @@ def _check_one(run: Run, module: str, rounding: str | None) -> LinearReport:
         rep.problems.append(f"{module}: {what} in {module}.{'weight_scale' if 'scale' in what else 'weight'} "
                             f"[{', '.join(map(str, at))}]: a value that is not a number never passes")
         return rep
-    if run.ref_ckpt is None:
+    if state.ref_ckpt is None:
         return rep
     from mxconv.mx.numerics import dequantize_mx
 
-    got = dequantize_mx(data.to(run.device), scales.to(run.device), LINEAR_FORMAT)
-    ref = _reference(run, rep, tuple(got.shape))
+    got = dequantize_mx(data.to(state.plan.device), scales.to(state.plan.device), LINEAR_FORMAT)
+    ref = _reference(state, rep, tuple(got.shape))
     if ref is None:
         return rep
-    ref_is_mx = run.ref_ckpt.tensors[f"{module}.weight"].dtype == "F8_E4M3" and f"{module}.weight_scale" in run.ref_ckpt.tensors
+    ref_is_mx = state.ref_ckpt.tensors[f"{module}.weight"].dtype == "F8_E4M3" and f"{module}.weight_scale" in state.ref_ckpt.tensors
     _rel_rms(rep, got, ref, 0.0 if ref_is_mx else LINEAR_THRESHOLDS["rel_rms"])
     if ref_is_mx or rounding:
         if ref_is_mx:
-            want_d = run.ref_ckpt.read(f"{module}.weight").view(torch.uint8)
-            want_s = run.ref_ckpt.read(f"{module}.weight_scale").view(torch.uint8)
+            want_d = state.ref_ckpt.read(f"{module}.weight").view(torch.uint8)
+            want_s = state.ref_ckpt.read(f"{module}.weight_scale").view(torch.uint8)
         else:
             from mxconv.kernels.quantize import quantize_mx
 

@@ -4,7 +4,6 @@ A value that is not a number fails, never passes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,10 +12,11 @@ from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FP8BlockStack, Int4Stack, ModelInfo, MoELayer, MXStack, nonfinite_tensors
 from mxconv.layouts.canonical import CanonicalExperts
-from mxconv.verify.reference_moe import ExpertFn, Routing, apart, compare, hidden_states, moe_forward, route
+from mxconv.verify.reference_moe import ExpertFn, LayerForward, Routing, apart, compare, hidden_states, moe_forward, route
 from mxconv.source.st_format import read_tensor
 from mxconv.verify.layout import canonical_stack, kernel_nonfinite
-from mxconv.verify.report import THRESHOLDS, LayerReport, Run
+from mxconv.verify.report import THRESHOLDS, LayerReport
+from mxconv.verify.state import VerifyState
 from mxconv.source.manifest import LayerEntry
 
 _FORMAT_CODES = ("float", "mxfp4", "mxfp8", "int4")
@@ -83,61 +83,51 @@ def run_layer(info: ModelInfo, row_order: str, experts: ExpertFn, router: tuple,
     return out, Routing(r.ids.cpu(), r.weights.cpu())
 
 
-def converted_nonfinite(run: Run, lay: LayerEntry, canon: CanonicalExperts | None, conv_layer: MoELayer | None) -> str | None:
+def converted_nonfinite(state: VerifyState, lay: LayerEntry, canon: CanonicalExperts | None, conv_layer: MoELayer | None) -> str | None:
     """The first value of the converted layer that is not a number (NaN scale byte, NaN/Inf bias or
     router), named by tensor and index; None when every value is one."""
-    if conv_layer is not None and run.own_reader is not None:
-        return run.own_reader.nonfinite_problem(conv_layer)
+    if conv_layer is not None and state.own_reader is not None:
+        return state.own_reader.nonfinite_problem(conv_layer)
     if canon is None:
         return None
     bad = kernel_nonfinite(canon, lay.module_prefix)
     if bad is None:
         try:
-            bad = nonfinite_tensors(run.ckpts[0], (lay.router_weight, lay.router_bias, lay.correction_bias))
+            bad = nonfinite_tensors(state.plan.ckpts[0], (lay.router_weight, lay.router_bias, lay.correction_bias))
         except BadInput:
             pass  # a router the checkpoint lacks: the integrity check names it
     return bad
 
 
-@dataclass
-class LayerForward:
-    """One layer run through the reference runner on the converted weights (for ``--kernel``)."""
-
-    x: torch.Tensor
-    routing: Routing
-    out: torch.Tensor
-    reference: tuple[torch.Tensor, torch.Tensor, dict[str, float]] | None  # output, top-k ids, threshold
-
-
-def check_layer_numerics(run: Run, L: int, lay: LayerEntry, canon: CanonicalExperts | None, conv_layer: MoELayer | None,
+def check_layer_numerics(state: VerifyState, L: int, lay: LayerEntry, canon: CanonicalExperts | None, conv_layer: MoELayer | None,
                          ref_layer: MoELayer | None, rep: LayerReport) -> LayerForward | None:
     """The numerics check of one layer: the converted weights' output vs the reference's (``rep``
     gets the comparison, the threshold and the verdict). None where nothing ran."""
-    if (ref_layer is None and run.saved is None and run.klayout is None) or (canon is None and conv_layer is None):
+    if (ref_layer is None and state.saved is None and state.plan.kernel is None) or (canon is None and conv_layer is None):
         rep.numerics = "skipped" if rep.layout != "FAIL" else "not run"
         return None
-    x = hidden_states(run.tokens, run.info.hidden_size, run.seed, L, run.device)
+    x = hidden_states(state.plan.tokens, state.plan.info.hidden_size, state.plan.seed, L, state.plan.device)
     try:
-        router = _router(run.ckpts[0], lay)
+        router = _router(state.plan.ckpts[0], lay)
     except BadInput as exc:
         rep.problems.append(str(exc))
         return None
     if canon is not None:
-        conv_fn = expert_fn(canonical_stack(canon, "w13"), canonical_stack(canon, "w2"), canon.w13_bias, canon.w2_bias, run.device)
+        conv_fn = expert_fn(canonical_stack(canon, "w13"), canonical_stack(canon, "w2"), canon.w13_bias, canon.w2_bias, state.plan.device)
         row_order = canon.row_order
     else:
         assert conv_layer is not None
-        conv_fn = expert_fn(_weights(conv_layer, "w13"), _weights(conv_layer, "w2"), conv_layer.w13_bias, conv_layer.w2_bias, run.device)
+        conv_fn = expert_fn(_weights(conv_layer, "w13"), _weights(conv_layer, "w2"), conv_layer.w13_bias, conv_layer.w2_bias, state.plan.device)
         row_order = conv_layer.row_order
-    out, routing = run_layer(run.info, row_order, conv_fn, router, x)
-    if run.saved is not None:
-        ref_out, ref_ids, ref_src_fmt = _saved_outputs(run, L)
+    out, routing = run_layer(state.plan.info, row_order, conv_fn, router, x)
+    if state.saved is not None:
+        ref_out, ref_ids, ref_src_fmt = _saved_outputs(state, L)
     elif ref_layer is not None:
-        ref_out, ref_ids, ref_src_fmt = _reference_outputs(run, L, lay, ref_layer, x)
+        ref_out, ref_ids, ref_src_fmt = _reference_outputs(state, L, lay, ref_layer, x)
     else:
         return LayerForward(x, routing, out, None)
     exact_fp8 = rep.fp8_tiles is not None and rep.fp8_tiles["inexact"] == 0  # every tile bit-equal to the MXFP4 reference
-    ref_fmt = "exact" if _same_mx_bytes(ref_src_fmt, run.weight_format) or exact_fp8 else run.weight_format
+    ref_fmt = "exact" if _same_mx_bytes(ref_src_fmt, state.plan.weight_format) or exact_fp8 else state.plan.weight_format
     cmp = compare(out, ref_out, routing.ids, ref_ids)
     th = THRESHOLDS[ref_fmt]
     rep.comparison, rep.threshold = cmp, ref_fmt
@@ -153,33 +143,33 @@ def check_layer_numerics(run: Run, L: int, lay: LayerEntry, canon: CanonicalExpe
     return LayerForward(x, routing, out, (ref_out, ref_ids, th))
 
 
-def _saved_outputs(run: Run, L: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+def _saved_outputs(state: VerifyState, L: int) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Layer ``L``'s output, top-k ids and source weight format from ``--reference-outputs``."""
-    saved = run.saved
+    saved = state.saved
     assert saved is not None
     try:
         ref_out, ref_ids = saved[f"layer.{L}.output"], saved[f"layer.{L}.topk_ids"]
     except KeyError:
         saved_layers = sorted({int(n.split(".")[1]) for n in saved if n.endswith(".output")})
         raise BadInput(
-            f"--reference-outputs {run.reference_outputs}: no outputs for layer {L} (the file holds layers "
-            f"{saved_layers}; pass --layers {','.join(map(str, saved_layers))})"
+            f"VerifyOptions.reference_outputs {state.plan.options.reference_outputs}: no outputs for layer {L} (the file holds layers "
+            f"{saved_layers}; pass VerifyOptions.layers {','.join(map(str, saved_layers))})"
         ) from None
     code = int(saved[f"layer.{L}.format"].item()) if f"layer.{L}.format" in saved else 0
     return ref_out, ref_ids, _FORMAT_CODES[code]
 
 
-def _reference_outputs(run: Run, L: int, lay: LayerEntry, ref_layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+def _reference_outputs(state: VerifyState, L: int, lay: LayerEntry, ref_layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Layer ``L``'s output, top-k ids and weight format computed from ``--reference`` (kept for
     ``--save-reference``)."""
-    assert run.ref_ckpt is not None
-    rfn = expert_fn(_weights(ref_layer, "w13"), _weights(ref_layer, "w2"), ref_layer.w13_bias, ref_layer.w2_bias, run.device)
-    ref_out, ref_routing = run_layer(run.info, ref_layer.row_order, rfn, _router(run.ref_ckpt, lay), x)
+    assert state.ref_ckpt is not None
+    rfn = expert_fn(_weights(ref_layer, "w13"), _weights(ref_layer, "w2"), ref_layer.w13_bias, ref_layer.w2_bias, state.plan.device)
+    ref_out, ref_routing = run_layer(state.plan.info, ref_layer.row_order, rfn, _router(state.ref_ckpt, lay), x)
     ref_src_fmt = ref_layer.w13_mx.fmt if ref_layer.w13_mx is not None else "int4" if ref_layer.w13_int4 is not None else "float"
-    if run.save_reference:
-        run.to_save[f"layer.{L}.output"] = ref_out.contiguous()
-        run.to_save[f"layer.{L}.topk_ids"] = ref_routing.ids.contiguous()
-        run.to_save[f"layer.{L}.format"] = torch.tensor([_FORMAT_CODES.index(ref_src_fmt)], dtype=torch.uint8)
+    if state.plan.options.save_reference:
+        state.to_save[f"layer.{L}.output"] = ref_out.contiguous()
+        state.to_save[f"layer.{L}.topk_ids"] = ref_routing.ids.contiguous()
+        state.to_save[f"layer.{L}.format"] = torch.tensor([_FORMAT_CODES.index(ref_src_fmt)], dtype=torch.uint8)
     return ref_out, ref_routing.ids, ref_src_fmt
 
 
@@ -197,7 +187,7 @@ def load_reference_outputs(path: Path, seed: int, tokens: int) -> dict[str, torc
         raise BadInput(f"{path}: not an mxconv reference-outputs file")
     if meta.get("seed") != str(seed) or meta.get("tokens") != str(tokens):
         raise BadInput(
-            f"{path}: saved with --seed {meta.get('seed')} --tokens {meta.get('tokens')}; "
-            f"run verify with the same values (got --seed {seed} --tokens {tokens})"
+            f"{path}: saved with VerifyOptions.seed {meta.get('seed')} VerifyOptions.tokens {meta.get('tokens')}; "
+            f"run verify with the same values (got VerifyOptions.seed {seed} VerifyOptions.tokens {tokens})"
         )
     return {n: read_tensor(i) for n, i in infos.items()}

@@ -26,7 +26,7 @@ from mxconv.families.base import MoELayer
 from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.source.st_format import TensorInfo
-from mxconv.verify.report import Run
+from mxconv.verify.state import VerifyState
 
 REFERENCE_STAGING = StagingOptions(buffer_bytes=64 * MIB)
 EXPERT_TENSORS = KERNEL_TENSOR_NAMES  # the input scales of a W4A8 output too
@@ -77,20 +77,20 @@ class LayerReads:
     """Reads the chosen layers in order, one ahead on a GPU (see the module docstring). Use as a
     context manager: closing waits for a read in flight and frees the staging buffers."""
 
-    def __init__(self, run: Run, prefixes: dict[int, str]) -> None:
-        self._run, self._prefixes = run, prefixes
-        self._reader = StagedReader(run.device)
-        self._ref_reader = StagedReader(run.device, REFERENCE_STAGING)  # the reference is read beside the output
+    def __init__(self, state: VerifyState, prefixes: dict[int, str]) -> None:
+        self._state, self._prefixes = state, prefixes
+        self._reader = StagedReader(state.plan.device)
+        self._ref_reader = StagedReader(state.plan.device, REFERENCE_STAGING)  # the reference is read beside the output
         self._ref_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-verify-read-ref")
         self._ahead = 1 if self._reader.device.type == "cuda" else 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxconv-verify-read")
         self._jobs: dict[int, Future[LayerBytes]] = {}
         self._ref_family = None
         self._ref_refs: dict[int, Any] = {}
-        if run.ref_ckpt is not None and run.ref_reader is not None:
-            on_device = _OnDevice(**{f.name: getattr(run.ref_ckpt, f.name) for f in fields(Checkpoint)}, reader=self._ref_reader)
+        if state.ref_ckpt is not None and state.ref_reader is not None:
+            on_device = _OnDevice(**{f.name: getattr(state.ref_ckpt, f.name) for f in fields(Checkpoint)}, reader=self._ref_reader)
             self._ref_family = detect_family(on_device)
-            self._ref_refs = {r.layer: r for r in run.ref_reader.layer_refs()}
+            self._ref_refs = {r.layer: r for r in state.ref_reader.layer_refs()}
 
     def __enter__(self) -> LayerReads:
         return self
@@ -134,9 +134,9 @@ class LayerReads:
         read from (nothing for a canonical output: its own reader reads it)."""
         prefix = self._prefixes[L]
         kernel, digests, sources = None, [], None
-        if self._run.kind == "kernel":
+        if self._state.plan.kind == "kernel":
             kernel, sources = [], []
-            for ckpt in self._run.ckpts:
+            for ckpt in self._state.plan.ckpts:
                 names = {k: f"{prefix}.experts.{k}" for k in EXPERT_TENSORS if f"{prefix}.experts.{k}" in ckpt.tensors}
                 infos = {k: ckpt.tensors[n] for k, n in names.items()}
                 tensors, sums = self._reader.read_hashed(infos)

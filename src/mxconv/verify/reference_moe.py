@@ -27,6 +27,19 @@ class Routing:
     weights: torch.Tensor
 
 
+@dataclass(frozen=True)
+class LayerForward:
+    """One layer run through the reference runner on the converted weights: the hidden states x
+    [T, H], the converted router's routing, the output [T, H] and, when a reference was given, the
+    reference's output, top-k ids and the numerics threshold of the pair (the engine kernel is held
+    to them)."""
+
+    x: torch.Tensor
+    routing: Routing
+    out: torch.Tensor
+    reference: tuple[torch.Tensor, torch.Tensor, dict[str, float]] | None
+
+
 def route(
     x: torch.Tensor,
     router_weight: torch.Tensor,

@@ -1,20 +1,13 @@
-"""What ``verify`` reports (per layer and overall), its pass/fail thresholds, and the state every
-check of one run shares."""
+"""What ``verify`` reports (per layer, per linear and overall) and its pass/fail thresholds: the typed
+result of a run (:class:`VerifyReport`), its ``to_json`` the document ``mxconv verify --json`` prints."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from mxconv.environment import KernelLocations
-from mxconv.source.checkpoint import Checkpoint
-from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.verify.reference_moe import Comparison
 from mxconv.verify.kernel import KernelResult
-from mxconv.source.manifest import Manifest
 
 # Pass/fail thresholds of the numerics check, by (converted weight format, reference kind).
 # MX error figures from mx-numerics.md §6: a weight's relative RMS error is ≈ 0.115 (MXFP4) and
@@ -45,7 +38,7 @@ class LayerReport:
     threshold: str | None = None
     problems: list[str] = field(default_factory=list)
     kernel: KernelResult | None = None  # verify --kernel
-    fp8_tiles: dict[str, Any] | None = None  # fp8-block vs an MXFP4 reference: tiles, bit-equal ones, inexact ones
+    fp8_tiles: dict[str, int] | None = None  # fp8-block vs an MXFP4 reference: "tiles", "bit_equal", "inexact" counts
 
     @property
     def passed(self) -> bool:
@@ -64,6 +57,27 @@ class LayerReport:
             "passed": self.passed,
             **({"fp8_tiles": self.fp8_tiles} if self.fp8_tiles is not None else {}),
         }
+
+
+@dataclass
+class LinearReport:
+    """One MXFP8 (or block-FP8) linear layer outside the experts (:mod:`mxconv.verify.linears`)."""
+
+    module: str
+    role: str
+    files: str = "ok"
+    numerics: str = "skipped"
+    rel_rms: float | None = None
+    bytes: str = "n/a"  # "bit-exact" | "FAIL" (vs the reference quantized again) | "n/a"
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {"module": self.module, "role": self.role, "files": self.files, "numerics": self.numerics,
+                "rel_rms": self.rel_rms, "bytes": self.bytes, "problems": self.problems, "passed": self.passed}
 
 
 @dataclass
@@ -116,7 +130,7 @@ class VerifyReport:
     layers: list[LayerReport]
     problems: list[str]  # not tied to one layer
     notes: list[str]
-    linears: list[Any] = field(default_factory=list)  # verify.linears.LinearReport: MXFP8 linear layers
+    linears: list[LinearReport] = field(default_factory=list)  # MXFP8 (block-FP8) linear layers
     scope: Scope = field(default_factory=lambda: Scope([]))
 
     @property
@@ -142,43 +156,3 @@ class VerifyReport:
             "thresholds": THRESHOLDS,
             "linears": [r.to_json() for r in self.linears],
         }
-
-
-@dataclass
-class Run:
-    """One verify run: the output, its manifest, the reference (if any), the options."""
-
-    root: Path
-    manifest: Manifest
-    ckpts: list[Checkpoint]  # one per TP rank
-    info: ModelInfo
-    tokens: int
-    seed: int
-    device: torch.device | str
-    reference: str | None = None
-    reference_outputs: str | None = None
-    save_reference: str | None = None
-    ref_ckpt: Checkpoint | None = None
-    ref_reader: FamilyReader | None = None
-    saved: dict[str, torch.Tensor] | None = None  # --reference-outputs
-    to_save: dict[str, torch.Tensor] = field(default_factory=dict)  # --save-reference
-    own_reader: FamilyReader | None = None  # canonical outputs: the output read back by its family reader
-    own_refs: dict[int, Any] = field(default_factory=dict)
-    own_error: str | None = None
-    klayout: Any = None  # --kernel: the layout whose kernel runs
-    kernel_locations: KernelLocations | None = None  # --kernel: --triton-kernels / --marlin-ops
-    kernel_size_problems: list[str] = field(default_factory=list)
-    hashes: Any = None  # verify.hashing.TensorHashes: the sha256 checks (the layer reads record their digests)
-    ref_info: ModelInfo | None = None  # --reference: the reference's model
-    model_broken: bool = False  # the manifest's model claims do not hold: the numerics do not run on them
-    bytes_refused: dict[str, list[int]] = field(default_factory=dict)  # why expert bytes were not re-derived -> layers
-    ref_copies: dict[str, Any] | None = None  # --reference: sha256 futures of the reference tensors the output copied
-    ref_missing: list[str] = field(default_factory=list)  # tensors the output copied that the reference lacks
-
-    @property
-    def kind(self) -> str:
-        return self.manifest.kind
-
-    @property
-    def weight_format(self) -> str:
-        return self.manifest.weight_format

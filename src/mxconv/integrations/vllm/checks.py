@@ -110,8 +110,8 @@ def check_tp(manifest: Manifest, tp_size: int, root: Path) -> None:
     have = manifest.tp_size
     if have != tp_size:
         raise BadInput(f"{root}: written for tensor_parallel_size {have} (tp_size in mxconv.json), and vLLM runs "
-                       f"with {tp_size}: start vLLM with tensor_parallel_size={have}, or repack the source with "
-                       f"--tp {tp_size}")  # fmt: skip
+                       f"with {tp_size}: start vLLM with tensor_parallel_size={have}, or repack the source for "
+                       f"{tp_size} ranks (mxconv repack SOURCE OUTPUT --tp {tp_size})")  # fmt: skip
 
 
 def check_dtype(manifest: Manifest, dtype: str, root: Path) -> None:

@@ -99,7 +99,8 @@ def rank_kernel(layer: MoELayer, src: LayerSource) -> dict[str, torch.Tensor]:
     if canon.intermediate_size < lay.intermediate_size:  # a narrower last rank, padded as repack pads it
         canon = pad_canonical(canon, canon.hidden_size, lay.intermediate_size)
     layout = get_layout(src.backend)
-    return dict(layout.to_kernel(canon, str(m.activation), layout.resolve_options(lay.option_values)))
+    options = layout.with_choices(layout.resolve_options(lay.option_values), lay.choices_of(src.layer, src.rank))
+    return dict(layout.to_kernel(canon, str(m.activation), options))
 
 
 def _refittable(module: torch.nn.Module) -> tuple[LayerSource, BackendMapping] | None:
