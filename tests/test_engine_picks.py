@@ -101,12 +101,13 @@ def test_a_backend_registered_later_is_joined_by_its_vllm_backends() -> None:
 
 
 def test_a_pick_no_output_holds_says_so() -> None:
-    """Compressed-tensors MXFP8 on SM100 goes to FLASHINFER_TRTLLM through the FP8 oracle, which no
-    layout's vllm_mxfp8_backends names."""
+    """Compressed-tensors MXFP8 on SM100 goes to FLASHINFER_TRTLLM through the FP8 oracle, held by trtllm's
+    MXFP8 form (issue 32); compressed-tensors INT4 on SM100 goes to a WNA16 backend no layout names."""
     row = pick_row(VLLM, K.CT_MXFP8, G.SM100, MODEL)
-    assert row["backend"] == "FLASHINFER_TRTLLM" and row["held_by"] == []
-    assert row["note"] == ("no mxconv output holds FLASHINFER_TRTLLM bytes yet: the TRT-LLM MXFP8 x MXFP8 weight shuffle "
-                           "of prepare_fp8_moe_layer_for_fi (issue 32 item 1)")
+    assert row["backend"] == "FLASHINFER_TRTLLM" and "note" not in row
+    [held] = row["held_by"]  # MODEL has expert biases, which the compressed-tensors MXFP8 method never creates
+    assert held["output"] == "repack --backend trtllm --activation mxfp8 --format mxfp8"
+    assert "trtllm MXFP8 takes no expert biases" in held["refusal"]
     sm100 = pick_row(VLLM, K.CT_INT4, G.SM100, MODEL)  # a WNA16 pick no layout's vllm_int4_backends names
     assert sm100["held_by"] == [] and sm100["note"] == "no mxconv output holds FLASHINFER_TRTLLM bytes yet"
 

@@ -7,13 +7,12 @@ a flipped scale byte caught). tests/test_engines_gpu.py runs vLLM's Marlin MoE G
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from support.cli import mx
-from support.mxfp8_cli import quantized_mxfp8, repack_verify_and_damage
+from support.mxfp8_cli import engine_row_holders, quantized_mxfp8, repack_verify_and_damage
 
 from mxconv.errors import LayoutError
 from mxconv.examples import make_checkpoint
@@ -172,8 +171,4 @@ def test_a_model_with_expert_biases_is_refused(tmp_path: Path) -> None:
 
 
 def test_inspect_engine_sm120_names_the_marlin_output(q8: Path) -> None:
-    code, text, err = mx("inspect", q8, "--engine", "vllm-0.33", "--gpu", "sm120", "--json")
-    assert code == 0, err
-    row = json.loads(text)["engine"]["gpus"][0]["rows"][0]
-    assert (row["kind"], row["backend"]) == ("ct-mxfp8", "MARLIN")
-    assert [(h["output"], h["refusal"]) for h in row["held_by"]] == [("repack --backend marlin --activation bf16 --format mxfp8", None)]
+    assert engine_row_holders(q8, "sm120") == ("ct-mxfp8", "MARLIN", [("repack --backend marlin --activation bf16 --format mxfp8", None)])

@@ -14,7 +14,7 @@ from support.tamper import patch_tensor
 
 from mxconv.source.st_format import read_header, read_tensor
 
-__all__ = ["flip_scale_byte", "quantized_mxfp8", "repack_verify_and_damage"]
+__all__ = ["engine_row_holders", "flip_scale_byte", "quantized_mxfp8", "repack_verify_and_damage"]
 
 
 def flip_scale_byte(out: Path, rank: str | None, name: str, index: tuple[int, ...] = (2, 0, 5)) -> None:
@@ -36,12 +36,12 @@ def flip_scale_byte(out: Path, rank: str | None, name: str, index: tuple[int, ..
     (out / "mxconv.json").write_text(json.dumps(m))
 
 
-def repack_verify_and_damage(q8: Path, out: Path, backend: str, tp: str, layer: int,
+def repack_verify_and_damage(q8: Path, out: Path, backend: str, tp: str, layer: int, *flags: str,
                              flip_at: tuple[int, ...] = (2, 0, 5)) -> dict[str, Any]:
-    """``repack q8 out --backend backend --tp tp``; verify --reference q8 must pass with every layer
+    """``repack q8 out --backend backend --tp tp *flags``; verify --reference q8 must pass with every layer
     bit-exact; then a flipped scale byte of ``layer``'s w13 (last rank) must fail it (exit 1) naming
     the difference. Returns the output's manifest (read before the damage)."""
-    code, _, err = mx("repack", q8, out, "--backend", backend, "--tp", tp, "--quiet", "--device", "cpu")
+    code, _, err = mx("repack", q8, out, "--backend", backend, "--tp", tp, *flags, "--quiet", "--device", "cpu")
     assert code == 0, err
     manifest = json.loads((out / "mxconv.json").read_text())
     assert manifest["weight_format"] == "mxfp8" and manifest["layout"]["variant"] == "mxfp8"
@@ -64,3 +64,11 @@ def quantized_mxfp8(root: Path, hidden_size: int, intermediate_size: int) -> Pat
     code, _, err = mx("quantize", root / "src", root / "q8", "--format", "mxfp8", "--quiet", "--device", "cpu")
     assert code == 0, err
     return root / "q8"
+
+
+def engine_row_holders(q8: Path, gpu: str) -> tuple[str, str, list[tuple[str, Any]]]:
+    """``inspect q8 --engine vllm-0.33 --gpu gpu``'s first row: (kind, backend, [(holding output, refusal)])."""
+    code, text, err = mx("inspect", q8, "--engine", "vllm-0.33", "--gpu", gpu, "--json")
+    assert code == 0, err
+    row = json.loads(text)["engine"]["gpus"][0]["rows"][0]
+    return row["kind"], row["backend"], [(h["output"], h["refusal"]) for h in row["held_by"]]

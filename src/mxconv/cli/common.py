@@ -214,7 +214,6 @@ def errors(debug: bool) -> Iterator[None]:
         raise typer.Exit(3) from None
 
 
-@contextmanager
 def device_of(spec: str):
     import torch
 

@@ -177,7 +177,7 @@ MXFP4_BACKENDS: dict[str, str | None] = {
 # registry (engine_report.holders), a value is the reason no output can (tests/test_engine_mxfp8.py fails on
 # a stale one).
 MXFP8_BACKENDS: dict[str, str | None] = {
-    "FLASHINFER_TRTLLM": "the TRT-LLM MXFP8 x MXFP8 weight shuffle of prepare_fp8_moe_layer_for_fi (issue 32 item 1)",
+    "FLASHINFER_TRTLLM": None,
     "DEEPGEMM": None,  # SM100 only; prepare_fp8_moe_layer_for_deepgemm (layouts/deepgemm_mxfp8.py)
     "MARLIN": None,
     "XPU": "prepare_fp8_moe_layer_for_xpu; mxconv has no XPU layout",

@@ -38,10 +38,11 @@ The weights are identical for both activations ("bf16", "mxfp8"); only the manif
 
 Variants: the layout is one object per expert weight format (:class:`TrtllmVariant`), picked once
 per call from the stack's or ``LayoutSizes``' weight format (:meth:`TrtllmLayout.variant`): MXFP4
-(:class:`TrtllmMxfp4`, above) and MxInt4 (spec section 9, :data:`mxconv.layouts.trtllm_mxint4.MXINT4`:
+(:class:`TrtllmMxfp4`, above), MxInt4 (spec section 9, :data:`mxconv.layouts.trtllm_mxint4.MXINT4`:
 compressed-tensors INT4 with bf16 scales; sign XOR, the same row tables, block-major K, flat bf16
-swizzled scales; bf16 activations; H and I multiples of 256, no padding). They share the row tables
-and the swizzle of :mod:`mxconv.layouts.trtllm_bytemap`.
+swizzled scales; bf16 activations; H and I multiples of 256, no padding) and MXFP8
+(:data:`mxconv.layouts.trtllm_mxfp8.MXFP8`, MXFP8 activations). They share the row tables and the
+swizzle of :mod:`mxconv.layouts.trtllm_bytemap`.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
@@ -60,6 +61,7 @@ from mxconv.layouts.trtllm_bytemap import (
     check_row_order, swizzle_128x4, swizzled_scale_size, unswizzle_128x4, w13_row_dst, w13_row_table, w2_row_dst, w2_row_table,
 )
 from mxconv.source.st_format import torch_dtype
+from mxconv.layouts.trtllm_mxfp8 import MXFP8
 from mxconv.layouts.trtllm_mxint4 import MXINT4
 from mxconv.source.manifest import Manifest
 
@@ -243,7 +245,7 @@ class TrtllmMxfp4:
 
 
 MXFP4 = TrtllmMxfp4()
-VARIANTS: dict[str, TrtllmVariant] = {v.weight_format: v for v in (MXFP4, MXINT4)}
+VARIANTS: dict[str, TrtllmVariant] = {v.weight_format: v for v in (MXFP4, MXINT4, MXFP8)}
 
 
 class TrtllmLayout(LayoutBase):
@@ -254,7 +256,9 @@ class TrtllmLayout(LayoutBase):
     version = LAYOUT_VERSION
     activations = ACTIVATIONS
     vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
-    weight_formats = tuple(VARIANTS)  # int4: the MxInt4 variant (trtllm_mxint4)
+    weight_formats = tuple(VARIANTS)  # int4: the MxInt4 variant (trtllm_mxint4); mxfp8: trtllm_mxfp8
+    # MXFP8 experts: Fp8MoeBackend.FLASHINFER_TRTLLM (prepare_fp8_moe_layer_for_fi), MXFP8 activations only
+    vllm_mxfp8_backends = {act: (MXFP8.vllm_backend,) for act in MXFP8.activations}
     options_type = TrtllmOptions
     options = (
         LayoutOption(
