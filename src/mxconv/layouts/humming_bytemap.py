@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
+from mxconv.layouts.canonical import round_up
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +36,16 @@ if TYPE_CHECKING:
 N_MULTIPLE = 256  # humming pads every GEMM's N (output rows) to this (vLLM's pad_n_to_multiple)
 K_MULTIPLE = 128  # and K (inputs) to this (pad_k_to_multiple)
 SCALE_PAD_BYTE = 127  # F.pad(value=1) on float8_e8m0fnu scales: E8M0 1.0
+
+
+def gemm_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, int, int, int]]:
+    """Per GEMM ("w13", "w2") of a layer vLLM allocated with ``intermediate`` (its padded per-rank
+    size): (N, K) before humming's padding and (N_pad, K_pad) after it; the same for every weight format."""
+    n13, n2 = 2 * intermediate, hidden
+    return {"w13": (n13, hidden, round_up(n13, N_MULTIPLE), round_up(hidden, K_MULTIPLE)),
+            "w2": (n2, intermediate, round_up(n2, N_MULTIPLE), round_up(intermediate, K_MULTIPLE))}  # fmt: skip
+
+
 # permuted axes of the nibble view [E, BX, JJ, I4, LN, R, I5, LQ, I6] into the stored word order
 _WORD_ORDER = (0, 5, 1, 4, 7, 2, 8, 3, 6)
 _WORD_ORDER_INV = tuple(_WORD_ORDER.index(i) for i in range(9))

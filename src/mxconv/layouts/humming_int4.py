@@ -4,8 +4,9 @@
 ``convert_to_humming_moe_kernel_format`` with the compressed-tensors schema
 (``_humming_wna16_weight_schema``: pack-quantized, int, 4 bits, group 32, symmetric).
 
-Used by :class:`mxconv.layouts.humming.HummingLayout` when the canonical stack's ``weight_format`` is
-"int4". Input: canonical int4 (``mxconv.mx.int4``: offset-binary bytes ``[E, N, K/2]``, bf16 scales
+:data:`INT4` (a :class:`HummingInt4`) is the variant object :class:`mxconv.layouts.humming.HummingLayout`
+picks for a canonical stack whose ``weight_format`` is "int4" (the MX ones are
+:mod:`mxconv.layouts.humming_mx`'s); the layout's ``int4_codes`` option reaches it as ``codes``. Input: canonical int4 (``mxconv.mx.int4``: offset-binary bytes ``[E, N, K/2]``, bf16 scales
 ``[E, N, K/32]``, rows "halves", no bias). Per layer, GEMM (w13, w2) and TP rank:
 
 1. no vLLM padding (the WNA16 method has no ``maybe_roundup_sizes``): H and I per rank multiples of 32;
@@ -36,9 +37,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, round_up
+from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec
 from mxconv.layouts.humming_bytemap import (
-    K_MULTIPLE, N_MULTIPLE, lay_out_scales, pad_matrix, repack_weights, unlay_scales, unrepack_weights,
+    gemm_shapes, lay_out_scales, pad_matrix, repack_weights, unlay_scales, unrepack_weights,
 )
 from mxconv.layouts.padding import check_fill
 
@@ -53,13 +54,6 @@ FORMS = ("uint4", "e0m3")  # the code forms humming leaves a stack in
 CODES = (AUTO, *FORMS)  # the int4_codes option's values
 WEIGHTS = ("w13_weight", "w2_weight")  # the tensors a choice is recorded for (one per GEMM)
 B_DTYPES = {"uint4": "uint4", "e0m3": "float4e0m3"}  # humming LayerConfig b_dtype per code form
-
-
-def gemm_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, int, int, int]]:
-    """Per GEMM: (N, K) and humming's padded (N_pad, K_pad); vLLM pads nothing for INT4."""
-    n13, n2 = 2 * intermediate, hidden
-    return {"w13": (n13, hidden, round_up(n13, N_MULTIPLE), round_up(hidden, K_MULTIPLE)),
-            "w2": (n2, intermediate, round_up(n2, N_MULTIPLE), round_up(intermediate, K_MULTIPLE))}  # fmt: skip
 
 
 def padded_sizes(hidden_size: int, intermediate_size: int, row_order: str) -> tuple[int, int]:
@@ -200,3 +194,44 @@ def layer_config_fields(codes: str) -> dict[str, Any]:
     for the compressed-tensors int schema after ``convert_symmetric_integer_weight``); ``b_dtype``
     None for "auto" (each stack's is in the manifest's ``layout.stack_choices``)."""
     return {"b_dtype": B_DTYPES.get(codes), "bs_dtype": "bfloat16", "weight_scale_group_size": GROUP_SIZE}
+
+
+class HummingInt4:
+    """The INT4 variant of the humming layout (module docstring): this module's functions behind the
+    interface :class:`mxconv.layouts.humming.HummingVariant` names; ``codes`` is the ``int4_codes``
+    option's value (a form, "auto", or the recorded form per weight tensor)."""
+
+    weight_format = WEIGHT_FORMAT
+    intermediate_align = 1  # vLLM pads nothing for INT4
+    manifest_head = {"variant": "int4"}
+    manifest_oracle = {"vllm_oracle": "WNA16MoEBackend"}
+
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str) -> tuple[int, int]:
+        return padded_sizes(hidden_size, intermediate_size, row_order)
+
+    def kernel_specs(self, sizes: LayoutSizes) -> dict[str, TensorSpec]:
+        return kernel_specs(sizes)
+
+    def stack_choices(self, c: CanonicalExperts, codes: str | Mapping[str, str]) -> dict[str, str]:
+        """The code form of each GEMM's stack (:func:`stack_codes`), recorded in the manifest."""
+        return stack_codes(c, codes)
+
+    def to_kernel(self, c: CanonicalExperts, codes: str | Mapping[str, str]) -> KernelTensors:
+        return to_kernel(c, codes)
+
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, codes: str | Mapping[str, str]) -> CanonicalExperts:
+        return from_kernel(k, sizes, codes)
+
+    def storage_fields(self, codes: Any) -> dict[str, Any]:
+        """The manifest's fields on the code form, the stored words and the scales."""
+        return {"int4_codes": codes,
+                "weight_dtype": f"int32 words of eight {nibble_type(codes)} nibbles (humming weight_repack_nk, "
+                                "interleave_mode 3)",
+                "scale_dtype": "bfloat16", "group_size": GROUP_SIZE, "scale_fill": 0.0}  # fmt: skip
+
+    def layer_config_fields(self, weight: str, codes: str | Mapping[str, str]) -> dict[str, Any]:
+        """:func:`layer_config_fields` of GEMM ``weight``'s form (``codes`` one form, or one per weight tensor)."""
+        return layer_config_fields(codes if isinstance(codes, str) else codes[f"{weight}_weight"])
+
+
+INT4 = HummingInt4()

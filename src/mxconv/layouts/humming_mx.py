@@ -2,7 +2,9 @@
 
 humming-kernels 0.1.19 lays out MXFP4 and MXFP8 experts the same way on SM90 with 16-bit activations
 (padding, scale and bias maps, layer configs) except for what follows from the element width and the
-vLLM 0.33 quant method that loads them; a :class:`HummingMX` holds exactly that difference:
+vLLM 0.33 quant method that loads them; a :class:`HummingMX` holds exactly that difference and
+lays its format out (one of :mod:`mxconv.layouts.humming`'s variant objects, with
+:class:`mxconv.layouts.humming_int4.HummingInt4`):
 
 * the weight word map: ``weight_repack_nk`` with kNumBitsB 4 (eight E2M1 codes a word,
   :func:`~mxconv.layouts.humming_bytemap.repack_weights`) or 8 (four E4M3 bytes a word,
@@ -15,7 +17,7 @@ vLLM 0.33 quant method that loads them; a :class:`HummingMX` holds exactly that 
   ``ModeloptMxfp8WeightSchema``, which vLLM's ``_humming_fp8_weight_schema`` picks for E8M0 group
   scales: float8e4m3) and the vLLM oracle whose ``HUMMING`` value holds the bytes.
 
-torch-free (the maps import torch when they run).
+torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
 
 from __future__ import annotations
@@ -24,13 +26,23 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import values_per_byte
-from mxconv.layouts.humming_bytemap import repack_bytes, repack_weights, unrepack_bytes, unrepack_weights
+from mxconv.layouts.canonical import (
+    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, in_kernel_order,
+    round_up, values_per_byte,
+)
+from mxconv.layouts.humming_bytemap import (
+    SCALE_PAD_BYTE, gemm_shapes, lay_out_bias, lay_out_scales, pad_matrix, pad_vector, repack_bytes, repack_weights,
+    unlay_bias, unlay_scales, unrepack_bytes, unrepack_weights,
+)
+from mxconv.layouts.padding import check_fill, gather_padded_rows, pad_row_source, unpad_canonical
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["MX_FORMATS", "MXFP4", "MXFP8", "HummingMX", "mx_format"]
+
+BACKEND_NAME = "humming"
+MX_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,8 @@ class HummingMX:
     repack: Callable[[torch.Tensor, str], torch.Tensor] = field(repr=False)
     unrepack: Callable[[torch.Tensor, str], torch.Tensor] = field(repr=False)
     weight_dtype: str = ""  # the manifest's description of the stored words
-    manifest_extra: dict[str, Any] = field(default_factory=dict)  # manifest layout fields only this format has
+    manifest_head: dict[str, Any] = field(default_factory=dict)  # manifest fields before engine_compat
+    manifest_oracle: dict[str, Any] = field(default_factory=dict)  # after vllm_moe_backend (none for MX)
 
     @property
     def values_per_byte(self) -> int:
@@ -52,6 +65,92 @@ class HummingMX:
     def words_per_row(self, n: int) -> int:
         """int32 words in one stored row (16 K values of every one of ``n`` output rows)."""
         return 4 * n // self.values_per_byte
+
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str) -> tuple[int, int]:
+        """(H, roundup(I, intermediate_align)); LayoutError unless H, I are multiples of 32."""
+        check_block_sizes(BACKEND_NAME, hidden_size, intermediate_size, row_order, MX_BLOCK)
+        return hidden_size, round_up(intermediate_size, self.intermediate_align)
+
+    def _shapes(self, sizes: LayoutSizes) -> dict[str, tuple[int, int, int, int]]:
+        want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order)
+        got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
+        if got != want:
+            raise LayoutError(f"humming: padded sizes (Hp, Ip) = {got} do not match the layout's {want} "
+                              f"(Hp = H, Ip = roundup(I, {self.intermediate_align}) for {self.weight_format})")  # fmt: skip
+        return gemm_shapes(sizes.hidden_size, sizes.padded_intermediate_size)
+
+    def kernel_specs(self, sizes: LayoutSizes) -> dict[str, TensorSpec]:
+        """Shapes/dtypes of the stored tensors (mxconv.layouts.humming's table)."""
+        E, specs = sizes.num_experts, {}
+        for w, (_n, _k, n_pad, k_pad) in self._shapes(sizes).items():
+            specs[f"{w}_weight"] = TensorSpec((E, k_pad // 16, self.words_per_row(n_pad)), "I32")
+            specs[f"{w}_weight_scale"] = TensorSpec((E, k_pad // MX_BLOCK, n_pad), "F8_E8M0")
+            if sizes.has_bias:
+                specs[f"{w}_bias"] = TensorSpec((E, n_pad), "BF16")
+        return in_kernel_order(specs)
+
+    def stack_choices(self, c: CanonicalExperts, codes: Any) -> dict[str, str]:
+        """Nothing chosen from the data (INT4's code forms only)."""
+        return {}
+
+    def to_kernel(self, c: CanonicalExperts, codes: Any) -> KernelTensors:
+        """Canonical stack -> stored tensors on ``c``'s device; torch ops only (``codes`` unused)."""
+        import torch
+
+        c.validate()
+        H, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order)
+        vpb = self.values_per_byte
+        tabs = {"w13": pad_row_source(2 * c.intermediate_size, 2 * Ip, c.row_order).to(c.device),
+                "w2": pad_row_source(H, H).to(c.device)}  # fmt: skip
+        out: KernelTensors = {}
+        for w, (_n, k, n_pad, k_pad) in gemm_shapes(H, Ip).items():
+            # vLLM's layer (zeros, w2's K axis padded to Ip too), then humming's own padding
+            weight = pad_matrix(gather_padded_rows(getattr(c, w), tabs[w], k // vpb), n_pad, k_pad // vpb, 0)
+            out[f"{w}_weight"] = self.repack(weight, f"{w}_weight")
+            scale = gather_padded_rows(getattr(c, f"{w}_scale"), tabs[w], k // MX_BLOCK)
+            scale = pad_matrix(scale, n_pad, k_pad // MX_BLOCK, SCALE_PAD_BYTE)
+            out[f"{w}_weight_scale"] = lay_out_scales(scale).view(torch.float8_e8m0fnu)
+            bias = getattr(c, f"{w}_bias")
+            if bias is not None:
+                out[f"{w}_bias"] = lay_out_bias(pad_vector(gather_padded_rows(bias.to(torch.bfloat16), tabs[w]), n_pad))
+        return in_kernel_order(out)
+
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, codes: Any) -> CanonicalExperts:
+        """Exact inverse of :meth:`to_kernel` (biases as bf16), the tensor set already checked;
+        LayoutError for a padding byte other than its fill (tensor and index named)."""
+        import torch
+
+        H, Ip = sizes.hidden_size, sizes.padded_intermediate_size
+        parts: dict[str, Any] = {}
+        for w, (n, kk, _n_pad, _k_pad) in self._shapes(sizes).items():
+            weight = self.unrepack(k[f"{w}_weight"], f"{w}_weight")
+            parts[w] = _crop(f"{w}_weight", weight, n, kk // self.values_per_byte, 0)
+            scale = unlay_scales(k[f"{w}_weight_scale"].view(torch.uint8))
+            parts[f"{w}_scale"] = _crop(f"{w}_weight_scale", scale, n, kk // MX_BLOCK, SCALE_PAD_BYTE)
+            if sizes.has_bias:
+                bias = unlay_bias(k[f"{w}_bias"])
+                check_fill(f"{w}_bias", bias[:, n:], 0, (0, n))
+                parts[f"{w}_bias"] = bias[:, :n].contiguous()
+        padded = CanonicalExperts(row_order=sizes.row_order, weight_format=self.weight_format, **parts)
+        if padded.intermediate_size != Ip or padded.hidden_size != H:
+            raise LayoutError("humming: kernel tensors do not match the declared sizes")
+        return unpad_canonical(padded, H, sizes.intermediate_size, scale_fill=0, check=True)
+
+    def storage_fields(self, codes: Any) -> dict[str, Any]:
+        """The manifest's fields on the stored words, scales and biases."""
+        return {"scale_pad_byte": SCALE_PAD_BYTE, "weight_dtype": self.weight_dtype,
+                "scale_dtype": "float8_e8m0fnu", "bias_dtype": "bfloat16"}  # fmt: skip
+
+    def layer_config_fields(self, weight: str, codes: Any) -> dict[str, Any]:
+        """The ``LayerConfig`` fields this format sets (over humming.py's MX defaults)."""
+        return {"b_dtype": self.b_dtype}
+
+
+def _crop(name: str, x: torch.Tensor, rows: int, cols: int, fill: int) -> torch.Tensor:
+    """[E, R, C] -> [E, rows, cols] after checking humming's padding region holds ``fill``."""
+    check_fill(name, x[:, rows:], fill, (0, rows, 0))
+    check_fill(name, x[:, :rows, cols:], fill, (0, 0, cols))
+    return x[:, :rows, :cols].contiguous()
 
 
 MXFP4 = HummingMX(

@@ -53,7 +53,7 @@ from mxconv.layouts.padding import (
     gather_padded_rows,
     layout_kernels,
 )
-from mxconv.layouts.triton_arch import Arch, decode, encode, spec_of
+from mxconv.layouts.triton_arch import VALUE_PADDING, Arch, ArchSpec, spec_of
 from mxconv.layouts.triton_float import float_to_kernel as fused_float_to_kernel
 from mxconv.layouts.triton_w4a8 import (
     check_w4a8, describe_w4a8, input_scale_specs, input_scale_tensors, stored_input_scales,
@@ -64,7 +64,6 @@ from mxconv.layouts.triton_bytemap import (
     w2_row_table,
     w13_row_table,
 )
-from mxconv.layouts.vllm_backends import CDNA4_SCALE_MAX_TP, Platform
 from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:
@@ -76,18 +75,8 @@ BACKEND_NAME = "triton"
 LAYOUT_VERSION = 1
 MX_BLOCK = 32
 HIDDEN_ALIGN = 64  # matmul_ogs on SM90 needs K % 64 == 0; only applied with pad_hidden
-# (row multiple, row-byte multiple) of the value layout per triton_kernels generation
-VALUE_PADDING = {"3.5": (16, 32), "3.6": (64, 64), "3.8": (64, 64)}  # 3.8: the same bytes as 3.6 (spec §0)
 BIAS_DTYPE = "F32"  # safetensors name; mxconv.source.st_format.torch_dtype gives the torch one
 
-_ENGINE_COMPAT = {
-    ("3.5", 4): "0.33 (vendored triton_kernels 3.5.1 API, scale K/32 padded to 4 on SM90)",
-    ("3.5", 1): "0.12-0.14 (vendored triton_kernels 3.5.1 API, no scale K/32 pad)",
-    ("3.6", 1): "0.20 (vendored triton_kernels 3.6 generation, no scale K/32 pad)",
-    ("3.6", 4): "0.33 with a site-packages triton_kernels of the 3.6 generation (not validated)",
-    ("3.8", 4): "triton_kernels 3.8 (matmul API): the 3.6 bytes; vLLM 0.33 runs 3.8 on ROCm only (spec §0)",
-    ("3.8", 1): "triton_kernels 3.8 (matmul API): the 3.6 bytes, no scale K/32 pad (spec §0)",
-}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,13 +103,18 @@ class TritonOptions(LayoutOptions):
         in the manifest without shaping a byte)."""
         need(self.arch in tuple(Arch), f"triton: layout option arch={self.arch!r}: choose one of {', '.join(Arch)}")
         object.__setattr__(self, "arch", Arch(self.arch))
-        if self.arch is Arch.SM90:
+        if self.spec.options_shape_bytes:
             return
         defaults = {f.name: f.default for f in fields(self)}
         for name in HOPPER_ONLY_OPTIONS:
             value, default = getattr(self, name), defaults[name]
             need(value == default, f"triton: layout option {name}={value} applies to arch sm90 only; arch "
                  f"{self.arch} storage does not depend on it (leave it at its default {default})")  # fmt: skip
+
+    @property
+    def spec(self) -> ArchSpec:
+        """The variant object of :attr:`arch`: its storage, padding and byte maps (triton_arch)."""
+        return spec_of(self.arch)
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's layout ``options`` (``arch`` as its string)."""
@@ -134,15 +128,15 @@ class MatrixGeometry:
     scale's logical width C' = roundup(K/32, scale_k_align), its buffer pads N to 32 W, C' to 2."""
 
     def __init__(self, experts: int, rows: int, k: int, options: TritonOptions) -> None:
-        self.arch, spec = options.arch, spec_of(options.arch)
-        row_mult, byte_mult = VALUE_PADDING[options.triton_layout] if spec.value_byte_multiple is None else (1, spec.value_byte_multiple)
+        spec = options.spec
+        row_mult, byte_mult = spec.value_padding(options.triton_layout)
         self.experts, self.rows, self.k, self.num_warps = experts, rows, k, options.num_warps
         self.value_rows, self.value_row_bytes = round_up(rows, row_mult), round_up(k // 2, byte_mult)
         self.value_group, self.scale_group = spec.value_group, spec.scale_group
         self.value_layout, self.scale_layout = spec.value_layout, spec.scale_layout
-        # vLLM pads the scale's K/32 axis to scale_k_align on SM90 only
-        self.scale_cols = round_up(k // MX_BLOCK, options.scale_k_align if self.arch is Arch.SM90 else 1)
-        row_multiple = 32 * self.num_warps if spec.scale_row_multiple is None else spec.scale_row_multiple
+        self.layout_num_warps = spec.layout_num_warps(options.num_warps)  # None where the storage ignores it
+        self.scale_cols = round_up(k // MX_BLOCK, spec.scale_k_align(options.scale_k_align))
+        row_multiple = spec.scale_rows_multiple(self.num_warps)
         self.scale_rows, self.scale_padded_cols = round_up(rows, row_multiple), round_up(self.scale_cols, spec.scale_col_multiple)
 
     @property
@@ -171,7 +165,7 @@ class MatrixGeometry:
             "value": {"layout": self.value_layout, "mx_axis": 1, "mma_version": 3, "initial_shape": [E, K // 2, N],
                       "shape": [E, K, N], "dtype": "FP4", **buffer(self.value_shape)},
             "scale": {"layout": self.scale_layout, "mx_axis": 1,
-                      "num_warps": self.num_warps if self.arch is Arch.SM90 else None,
+                      "num_warps": self.layout_num_warps,
                       "initial_shape": [E, self.scale_cols, N], "shape": [E, self.scale_cols, N], "dtype": "uint8",
                       **buffer(self.scale_shape)},
             "bias_shape": [E, N],
@@ -226,9 +220,9 @@ class TritonLayout(LayoutBase):
         LayoutError unless H and I are positive multiples of 32."""
         opts = self.options_of(options)
         self.check_activation(activation)
-        check_w4a8(activation, opts.arch)
+        spec = opts.spec
+        check_w4a8(activation, spec)
         check_block_sizes(BACKEND_NAME, hidden_size, intermediate_size, row_order, MX_BLOCK)
-        spec = spec_of(opts.arch)
         hp = round_up(hidden_size, max(HIDDEN_ALIGN if opts.pad_hidden else 1, spec.hidden_align))
         return hp, round_up(intermediate_size, spec.intermediate_align)
 
@@ -241,7 +235,7 @@ class TritonLayout(LayoutBase):
         """A plain warning when the kernel would reduce over a hidden size that is not a multiple
         of 64 (Hopper matmul_ogs computes wrong results then); None when it will not."""
         opts = self.options_of(options)
-        if hidden_size % HIDDEN_ALIGN == 0 or opts.pad_hidden or opts.arch is not Arch.SM90:
+        if hidden_size % HIDDEN_ALIGN == 0 or opts.pad_hidden or not opts.spec.warns_unaligned_hidden:
             return None
         return (
             f"hidden size {hidden_size} is not a multiple of {HIDDEN_ALIGN}: vLLM's TRITON MoE path on Hopper "
@@ -252,12 +246,12 @@ class TritonLayout(LayoutBase):
 
     def tp_refusal(self, tp: int, options: TritonOptions | None = None) -> str | None:
         """gfx950 above TP 2: vLLM keeps the scales strided there, not the CDNA4 swizzle written here."""
-        arch = self.options_of(options).arch
-        if spec_of(arch).platform is not Platform.ROCM_CDNA4 or tp <= CDNA4_SCALE_MAX_TP:
+        spec = self.options_of(options).spec
+        if spec.max_tp is None or tp <= spec.max_tp:
             return None
-        return (f"arch={arch} writes CDNA4MXScaleLayout scales, which vLLM 0.33 builds at TP <= {CDNA4_SCALE_MAX_TP} "
+        return (f"arch={spec.arch} writes {spec.scale_layout} scales, which vLLM 0.33 builds at TP <= {spec.max_tp} "
                 f"only (should_use_cdna4_mx_scale_swizzle; above it keeps them strided, a storage mxconv does not "
-                f"write), so no vLLM would hold TP {tp} bytes as they are: repack with --tp {CDNA4_SCALE_MAX_TP} or "
+                f"write), so no vLLM would hold TP {tp} bytes as they are: repack with --tp {spec.max_tp} or "
                 "less, or serve the quantize output (vLLM lays it out at load)")  # fmt: skip
 
     def geometry(self, sizes: LayoutSizes, options: TritonOptions | None = None) -> dict[str, MatrixGeometry]:
@@ -265,7 +259,7 @@ class TritonLayout(LayoutBase):
         opts = self.options_of(options)
         hp, ip = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, self.activations[0], opts)
         check_padded_sizes(BACKEND_NAME, sizes, (hp, ip), f"arch {opts.arch}: Ip = roundup(I, "
-                           f"{spec_of(opts.arch).intermediate_align}); Hp = H unless pad_hidden or gfx950")  # fmt: skip
+                           f"{opts.spec.intermediate_align}); Hp = H unless pad_hidden or gfx950")  # fmt: skip
         return _geometry(sizes.num_experts, hp, ip, opts)
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: TritonOptions) -> dict[str, TensorSpec]:
@@ -286,7 +280,7 @@ class TritonLayout(LayoutBase):
         c.validate()
         opts = self.options_of(options)
         hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, opts)
-        kern = _kernels(c.w13, kernel_choice) if opts.arch is Arch.SM90 else None  # Hopper gathers only
+        kern = _kernels(c.w13, kernel_choice) if opts.spec.layout_kernels else None
         out: KernelTensors = {}
         for w, g in _geometry(c.num_experts, hp, ip, opts).items():
             weight, scale, bias = getattr(c, w), getattr(c, f"{w}_scale"), getattr(c, f"{w}_bias")
@@ -296,8 +290,8 @@ class TritonLayout(LayoutBase):
                 out[f"{w}_weight"] = kern.hopper_values(weight, tab_v, g.value_row_bytes)
                 out[f"{w}_weight_scale"] = kern.hopper_scales(scale, tab_s, g.scale_padded_cols, g.num_warps)
             else:
-                out[f"{w}_weight"], out[f"{w}_weight_scale"] = encode(
-                    opts.arch, gather_padded_rows(weight, tab_v, g.value_row_bytes),
+                out[f"{w}_weight"], out[f"{w}_weight_scale"] = opts.spec.encode(
+                    gather_padded_rows(weight, tab_v, g.value_row_bytes),
                     gather_padded_rows(scale, tab_s, g.scale_padded_cols), g.num_warps)
             if bias is not None:
                 out[f"{w}_bias"] = gather_padded_rows(bias.to(torch_dtype(BIAS_DTYPE)), tab_v[: g.rows])
@@ -319,7 +313,7 @@ class TritonLayout(LayoutBase):
         for w, g in self.geometry(sizes, opts).items():
             rows, kk = (2 * I, H) if w == "w13" else (H, I)  # the unpadded matrix [N, K]
             inv = inverse_rows(_row_table(w, I, H, sizes.row_order, g.rows, dev), rows)
-            values, scales = decode(opts.arch, k[f"{w}_weight"], k[f"{w}_weight_scale"], g.num_warps)
+            values, scales = opts.spec.decode(k[f"{w}_weight"], k[f"{w}_weight_scale"], g.num_warps)
             parts[w] = _crop(f"{w}_weight", values, rows, kk // 2, inv)
             parts[f"{w}_scale"] = _crop(f"{w}_weight_scale", scales, rows, kk // MX_BLOCK, inv)
             parts[f"{w}_bias"] = _crop(f"{w}_bias", k[f"{w}_bias"], rows, None, inv) if sizes.has_bias else None
@@ -333,25 +327,19 @@ class TritonLayout(LayoutBase):
         self.check_activation(activation)
         opts = self.options_of(options)
         geo = self.geometry(sizes, opts)
-        gen, align, spec = opts.triton_layout, opts.scale_k_align, spec_of(opts.arch)
-        hopper = opts.arch is Arch.SM90
+        spec = opts.spec
         return {
             "name": self.name,
             "version": self.version,
-            "engine_compat": {"vllm": _ENGINE_COMPAT[(gen, align)] if hopper else f"0.33 on {spec.gpu}",
-                              "triton_kernels": f"{gen} generation" if hopper else "3.5, 3.6 and 3.8 store these bytes",
-                              "gpu": spec.gpu, "torch": ">=2.8.1 (older: vLLM does not swizzle on SM90)"},
+            "engine_compat": {**spec.engine_compat(opts.triton_layout, opts.scale_k_align),
+                              "torch": ">=2.8.1 (older: vLLM does not swizzle on SM90)"},
             "arch": opts.arch,
             "vllm_moe_backends_on_arch": list(spec.vllm_backends),
             "activation": activation,
             "vllm_moe_backend": "TRITON",
-            "triton_layout": gen if hopper else None,  # the options the other archs' bytes do not depend on
-            "value_padding": dict(zip(("rows", "row_bytes"), VALUE_PADDING[gen] if hopper
-                                      else (1, spec.value_byte_multiple))),
-            "bit_twiddle": hopper,
-            "num_warps": opts.num_warps if hopper else None,
-            "scale_k_align": align if hopper else 1,
-            "split_k": 1 if hopper else None,
+            # triton_layout, value_padding, bit_twiddle, num_warps, scale_k_align, split_k: None where
+            # the arch's storage does not depend on the option
+            **spec.storage_fields(opts.triton_layout, opts.num_warps, opts.scale_k_align),
             "pad_hidden": opts.pad_hidden,
             "hidden_padded": sizes.padded_hidden_size != sizes.hidden_size,
             "hidden_warning": self.hidden_warning(sizes.hidden_size, opts),

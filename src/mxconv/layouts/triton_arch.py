@@ -16,9 +16,9 @@ torch is imported lazily, so ``mxconv inspect`` stays torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from mxconv.layouts.triton_bytemap import (
     need,
@@ -28,7 +28,7 @@ from mxconv.layouts.triton_bytemap import (
     unpermute_scales,
     unpermute_values,
 )
-from mxconv.layouts.vllm_backends import Platform, vllm_alignment
+from mxconv.layouts.vllm_backends import CDNA4_SCALE_MAX_TP, Platform, vllm_alignment
 
 if TYPE_CHECKING:
     import torch
@@ -49,62 +49,6 @@ class Arch(StrEnum):
     SM120 = "sm120"
     GFX950 = "gfx950"
     GFX1250 = "gfx1250"
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """What vLLM 0.33 builds for the TRITON backends on one GPU family."""
-
-    gpu: str  # for the manifest
-    value_layout: str  # triton_kernels class names
-    scale_layout: str
-    value_group: int  # stored value buffer = [E, rows / value_group, value_group * row bytes]
-    value_byte_multiple: int | None  # None: the triton_kernels generation decides (Hopper)
-    scale_group: int  # stored scale buffer = [E, scale rows / scale_group, scale_group * cols]
-    scale_row_multiple: int | None  # None: 32 * num_warps (Hopper)
-    scale_col_multiple: int
-    platform: Platform  # picks vLLM's padding for TRITON (vllm_backends.vllm_alignment, the one table)
-    vllm_backends: tuple[str, ...]
-
-    @property
-    def hidden_align(self) -> int:
-        """Multiple vLLM rounds the hidden size up to for TRITON here (1: kept as is)."""
-        return self._align()[0]
-
-    @property
-    def intermediate_align(self) -> int:
-        """Multiple vLLM rounds the intermediate size up to for TRITON here."""
-        return self._align()[1]
-
-    def _align(self) -> tuple[int, int]:
-        align = vllm_alignment("TRITON", "swigluoai", self.platform)  # the OAI Triton experts run swigluoai only
-        if align is None:  # TRITON is in the table on every platform: a bug if not (exit 3)
-            raise RuntimeError(f"vllm_backends has no TRITON padding for platform {self.platform}")
-        return align
-
-
-ARCHS: dict[Arch, ArchSpec] = {
-    Arch.SM90: ArchSpec("SM90 (Hopper)", "HopperMXValueLayout", "HopperMXScaleLayout", 4, None, 32, None, 2,
-                        Platform.CUDA, ("TRITON",)),
-    Arch.SM100: ArchSpec("SM100/SM103 (datacenter Blackwell)", "BlackwellMXValueLayout", "BlackwellMXScaleLayout",
-                         1, 128, 128, 128, 8, Platform.CUDA, ("TRITON",)),
-    Arch.SM120: ArchSpec("SM120/SM121 (consumer Blackwell; vLLM ranks TRITON after Marlin there)",
-                         "BlackwellMXValueLayout", "BlackwellMXScaleLayout", 1, 128, 128, 128, 8, Platform.CUDA, ("TRITON",)),
-    # ROCm: vLLM rounds H and I up to 256 for TRITON (fused_moe/oracle/mxfp4.py); the CDNA4 scale
-    # swizzle is used at TP <= 2 only (should_use_cdna4_mx_scale_swizzle). AITER_TRITON_MXFP4_BF16
-    # shares the format and interleaves gate/up rows as mxconv does.
-    Arch.GFX950: ArchSpec("gfx950 (MI350/MI355, TP <= 2)", "StridedLayout", "CDNA4MXScaleLayout", 1, 1, 32, 32, 8,
-                          Platform.ROCM_CDNA4, ("TRITON", "AITER_TRITON_MXFP4_BF16")),
-    # gfx1250: strided values and strided scales, the scales first tiled by aiter's shuffle_scale_moe
-    # (arch gfx1250, preshuffle_factor 32, scale_kwidth 4; should_use_gfx1250_mx_scale_swizzle, any TP).
-    Arch.GFX1250: ArchSpec("gfx1250 (aiter GFX1250_SCALE)", "StridedLayout",
-                           "StridedLayout after aiter shuffle_scale_moe(arch=gfx1250, 32, 4)", 1, 1, 32, 32, 4,
-                           Platform.ROCM, ("TRITON", "AITER_TRITON_MXFP4_BF16")),
-}  # fmt: skip
-
-
-def spec_of(arch: Arch | str) -> ArchSpec:
-    return ARCHS[Arch(arch)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,20 +103,164 @@ def _ungfx1250_scales(buf: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 1, 3, 2, 4).reshape(E, rows * 32, cols // 32)
 
 
-_SCALE_MAPS = {Arch.GFX950: (_cdna4_scales, _uncdna4_scales), Arch.GFX1250: (_gfx1250_scales, _ungfx1250_scales)}
+_BLACKWELL = (_blackwell_scales, _unblackwell_scales)
+
+
+# (row multiple, row-byte multiple) of the value layout per triton_kernels generation
+VALUE_PADDING = {"3.5": (16, 32), "3.6": (64, 64), "3.8": (64, 64)}  # 3.8: the same bytes as 3.6 (spec §0)
+ENGINE_COMPAT = {
+    ("3.5", 4): "0.33 (vendored triton_kernels 3.5.1 API, scale K/32 padded to 4 on SM90)",
+    ("3.5", 1): "0.12-0.14 (vendored triton_kernels 3.5.1 API, no scale K/32 pad)",
+    ("3.6", 1): "0.20 (vendored triton_kernels 3.6 generation, no scale K/32 pad)",
+    ("3.6", 4): "0.33 with a site-packages triton_kernels of the 3.6 generation (not validated)",
+    ("3.8", 4): "triton_kernels 3.8 (matmul API): the 3.6 bytes; vLLM 0.33 runs 3.8 on ROCm only (spec §0)",
+    ("3.8", 1): "triton_kernels 3.8 (matmul API): the 3.6 bytes, no scale K/32 pad (spec §0)",
+}
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The triton layout's variant object for one GPU family: what vLLM 0.33 builds for the TRITON
+    backends there, the sizes it pads to and its byte maps. This class is a fixed storage (Blackwell,
+    ROCm), which none of the layout's Hopper options shape; :class:`HopperSpec` is the one they do."""
+
+    arch: Arch
+    gpu: str  # for the manifest
+    value_layout: str  # triton_kernels class names
+    scale_layout: str
+    value_group: int  # stored value buffer = [E, rows / value_group, value_group * row bytes]
+    value_byte_multiple: int  # value row bytes padded to this (Hopper: its generation decides)
+    scale_group: int  # stored scale buffer = [E, scale rows / scale_group, scale_group * cols]
+    scale_row_multiple: int  # scale rows padded to this (Hopper: 32 * num_warps)
+    scale_col_multiple: int
+    platform: Platform  # picks vLLM's padding for TRITON (vllm_backends.vllm_alignment, the one table)
+    vllm_backends: tuple[str, ...]
+    scale_maps: tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] | None = field(
+        default=None, repr=False)  # (stored from padded, padded from stored) scales; Hopper: its own methods
+    max_tp: int | None = None  # the largest TP at which vLLM keeps this scale storage (None: any)
+    w4a8: bool = False  # vLLM runs W4A8 (AITER_MXFP4_FP8, --activation fp8) on this GPU
+    options_shape_bytes: ClassVar[bool] = False  # triton_layout / num_warps / scale_k_align shape the bytes
+    layout_kernels: ClassVar[bool] = False  # mxconv's Triton layout kernels (and the fused pass) write it
+    warns_unaligned_hidden: ClassVar[bool] = False  # its matmul computes wrong results for H % 64 != 0
+
+    @property
+    def hidden_align(self) -> int:
+        """Multiple vLLM rounds the hidden size up to for TRITON here (1: kept as is)."""
+        return self._align()[0]
+
+    @property
+    def intermediate_align(self) -> int:
+        """Multiple vLLM rounds the intermediate size up to for TRITON here."""
+        return self._align()[1]
+
+    def _align(self) -> tuple[int, int]:
+        align = vllm_alignment("TRITON", "swigluoai", self.platform)  # the OAI Triton experts run swigluoai only
+        if align is None:  # TRITON is in the table on every platform: a bug if not (exit 3)
+            raise RuntimeError(f"vllm_backends has no TRITON padding for platform {self.platform}")
+        return align
+
+    def value_padding(self, generation: str) -> tuple[int, int]:
+        """(row multiple, row-byte multiple) of the value buffer under triton_kernels ``generation``."""
+        return 1, self.value_byte_multiple
+
+    def scale_k_align(self, given: int) -> int:
+        """The multiple the scale's K/32 axis is zero-padded to, ``given`` the option's value."""
+        return 1
+
+    def scale_rows_multiple(self, num_warps: int) -> int:
+        return self.scale_row_multiple
+
+    def layout_num_warps(self, num_warps: int) -> int | None:
+        """The scale layout's num_warps for the manifest (None: the storage does not depend on it)."""
+        return None
+
+    def encode(self, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded canonical [E, Np, Kbp] values and [E, Ns, Cp] scales -> the stored buffers."""
+        assert self.scale_maps is not None
+        return values.contiguous(), self.scale_maps[0](scales)
+
+    def decode(self, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of :meth:`encode`: stored buffers -> padded [E, Np, Kbp] values, [E, Ns, Cp] scales."""
+        assert self.scale_maps is not None
+        return values, self.scale_maps[1](scales)
+
+    def engine_compat(self, generation: str, scale_k_align: int) -> dict[str, str]:
+        """The manifest's ``engine_compat`` (``torch`` added by the layout)."""
+        return {"vllm": f"0.33 on {self.gpu}", "triton_kernels": "3.5, 3.6 and 3.8 store these bytes", "gpu": self.gpu}
+
+    def storage_fields(self, generation: str, num_warps: int, scale_k_align: int) -> dict[str, Any]:
+        """The manifest's storage fields: the Hopper options' values where they shape the bytes, else None."""
+        rows, row_bytes = self.value_padding(generation)
+        return {"triton_layout": generation if self.options_shape_bytes else None,
+                "value_padding": {"rows": rows, "row_bytes": row_bytes}, "bit_twiddle": self.options_shape_bytes,
+                "num_warps": self.layout_num_warps(num_warps), "scale_k_align": self.scale_k_align(scale_k_align),
+                "split_k": 1 if self.options_shape_bytes else None}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HopperSpec(ArchSpec):
+    """SM90: the Hopper value layout (padding per triton_kernels generation, value permutation, bit
+    twiddle) and scale layout (rows to 32 * num_warps, vLLM's K/32 pad to scale_k_align)."""
+
+    options_shape_bytes: ClassVar[bool] = True
+    layout_kernels: ClassVar[bool] = True
+    warns_unaligned_hidden: ClassVar[bool] = True
+
+    def value_padding(self, generation: str) -> tuple[int, int]:
+        return VALUE_PADDING[generation]
+
+    def scale_k_align(self, given: int) -> int:
+        return given  # vLLM pads the scale's K/32 axis on SM90 only
+
+    def scale_rows_multiple(self, num_warps: int) -> int:
+        return 32 * num_warps
+
+    def layout_num_warps(self, num_warps: int) -> int | None:
+        return num_warps
+
+    def encode(self, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return twiddle_words(permute_values(values)), permute_scales(scales, num_warps)
+
+    def decode(self, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return unpermute_values(twiddle_words(values, inverse=True)), unpermute_scales(scales, num_warps)
+
+    def engine_compat(self, generation: str, scale_k_align: int) -> dict[str, str]:
+        return {"vllm": ENGINE_COMPAT[(generation, scale_k_align)], "triton_kernels": f"{generation} generation",
+                "gpu": self.gpu}  # fmt: skip
+
+
+ARCHS: dict[Arch, ArchSpec] = {
+    Arch.SM90: HopperSpec(Arch.SM90, "SM90 (Hopper)", "HopperMXValueLayout", "HopperMXScaleLayout", 4, 1, 32, 1, 2,
+                          Platform.CUDA, ("TRITON",)),
+    Arch.SM100: ArchSpec(Arch.SM100, "SM100/SM103 (datacenter Blackwell)", "BlackwellMXValueLayout",
+                         "BlackwellMXScaleLayout", 1, 128, 128, 128, 8, Platform.CUDA, ("TRITON",), _BLACKWELL),
+    Arch.SM120: ArchSpec(Arch.SM120, "SM120/SM121 (consumer Blackwell; vLLM ranks TRITON after Marlin there)",
+                         "BlackwellMXValueLayout", "BlackwellMXScaleLayout", 1, 128, 128, 128, 8, Platform.CUDA,
+                         ("TRITON",), _BLACKWELL),
+    # ROCm: vLLM rounds H and I up to 256 for TRITON (fused_moe/oracle/mxfp4.py); the CDNA4 scale
+    # swizzle is used at TP <= 2 only (should_use_cdna4_mx_scale_swizzle). AITER_TRITON_MXFP4_BF16
+    # shares the format and interleaves gate/up rows as mxconv does.
+    Arch.GFX950: ArchSpec(Arch.GFX950, "gfx950 (MI350/MI355, TP <= 2)", "StridedLayout", "CDNA4MXScaleLayout", 1, 1,
+                          32, 32, 8, Platform.ROCM_CDNA4, ("TRITON", "AITER_TRITON_MXFP4_BF16"),
+                          (_cdna4_scales, _uncdna4_scales), max_tp=CDNA4_SCALE_MAX_TP, w4a8=True),
+    # gfx1250: strided values and strided scales, the scales first tiled by aiter's shuffle_scale_moe
+    # (arch gfx1250, preshuffle_factor 32, scale_kwidth 4; should_use_gfx1250_mx_scale_swizzle, any TP).
+    Arch.GFX1250: ArchSpec(Arch.GFX1250, "gfx1250 (aiter GFX1250_SCALE)", "StridedLayout",
+                           "StridedLayout after aiter shuffle_scale_moe(arch=gfx1250, 32, 4)", 1, 1, 32, 32, 4,
+                           Platform.ROCM, ("TRITON", "AITER_TRITON_MXFP4_BF16"), (_gfx1250_scales, _ungfx1250_scales)),
+}  # fmt: skip
+
+
+def spec_of(arch: Arch | str) -> ArchSpec:
+    """The variant object of ``arch`` (an :class:`Arch` or its string)."""
+    return ARCHS[Arch(arch)]
 
 
 def encode(arch: Arch | str, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded canonical [E, Np, Kbp] values and [E, Ns, Cp] scales -> the stored buffers of ``arch``."""
-    a = Arch(arch)
-    if a is Arch.SM90:
-        return twiddle_words(permute_values(values)), permute_scales(scales, num_warps)
-    return values.contiguous(), _SCALE_MAPS.get(a, (_blackwell_scales,))[0](scales)
+    return spec_of(arch).encode(values, scales, num_warps)
 
 
 def decode(arch: Arch | str, values: torch.Tensor, scales: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`encode`: stored buffers -> padded [E, Np, Kbp] values, [E, Ns, Cp] scales."""
-    a = Arch(arch)
-    if a is Arch.SM90:
-        return unpermute_values(twiddle_words(values, inverse=True)), unpermute_scales(scales, num_warps)
-    return values, _SCALE_MAPS.get(a, (None, _unblackwell_scales))[1](scales)
+    return spec_of(arch).decode(values, scales, num_warps)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.layouts.canonical import KernelTensors, LayoutSizes, in_kernel_order
 from mxconv.layouts.padding import KernelChoice, gather_padded_rows, layout_kernels
-from mxconv.layouts.triton_arch import Arch
+from mxconv.layouts.triton_arch import Arch, spec_of
 from mxconv.layouts.triton_bytemap import w2_row_table, w13_row_table
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ FUSED_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")  # what the 
 def fused_applies(w13: torch.Tensor, activation: str, arch: Arch, fmt: str, kernel_choice: KernelChoice) -> bool:
     """Whether the fused kernel writes this layer: MXFP4 for the bf16-activation Hopper storage,
     from bf16/fp16/fp32 CUDA stacks, with the Triton layout kernels allowed (``KernelChoice.AUTO``)."""
-    return (fmt == "mxfp4" and activation == "bf16" and arch is Arch.SM90 and kernel_choice is KernelChoice.AUTO
+    return (fmt == "mxfp4" and activation == "bf16" and spec_of(arch).layout_kernels and kernel_choice is KernelChoice.AUTO
             and str(w13.dtype) in FUSED_DTYPES and layout_kernels(w13, kernel_choice) is not None)  # fmt: skip
 
 
@@ -53,9 +53,11 @@ def float_to_kernel(
 
     E, n13, H = w13.shape
     has_bias = t.get("w13_bias") is not None
+    hp, ip = layout.padded_sizes(H, n13 // 2, row_order, activation, opts)
+    sizes = LayoutSizes(E, H, n13 // 2, hp, ip, row_order, has_bias)
     flag = torch.zeros(1, dtype=torch.int32, device=w13.device)
     out: KernelTensors = {}
-    for w, (tab_v, row_bytes, scales, rows) in _plan(layout, opts, E, H, n13 // 2, row_order, activation, has_bias, w13.device):
+    for w, (tab_v, row_bytes, scales, rows) in _plan(layout, opts, sizes, w13.device):
         out[f"{w}_weight"], out[f"{w}_weight_scale"] = fused_hopper_values(t[w], tab_v, row_bytes, scale_rounding, flag, scales)
         if has_bias:
             bias = t[f"{w}_bias"].to(device=w13.device, dtype=torch.float32)
@@ -66,19 +68,19 @@ def float_to_kernel(
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(layout: Any, opts: Any, E: int, H: int, I: int, row_order: str, activation: str, has_bias: bool,
+def _plan(layout: Any, opts: Any, sizes: LayoutSizes,
           device: torch.device) -> tuple[tuple[str, tuple[torch.Tensor, int, Any, int]], ...]:  # fmt: skip
     """Per matrix ("w13", "w2"): (value row table int32 [value rows] on ``device`` (source row of
     each kernel row, -1 = padding), value row bytes, the scale buffer's ``HopperScales``, real rows)
-    for one layer shape. Cached (64 shapes): the in-memory hand-off converts the same shapes layer
-    after layer, and this is host work before the first launch; the row tables are only read."""
+    for one layer's ``sizes`` (padded by ``layout.padded_sizes``). Cached (64 shapes): the in-memory
+    hand-off converts the same shapes layer after layer, and this is host work before the first
+    launch; the row tables are only read."""
     from mxconv.kernels.triton_fused import HopperScales
 
-    hp, ip = layout.padded_sizes(H, I, row_order, activation, opts)
-    geometry = layout.geometry(LayoutSizes(E, H, I, hp, ip, row_order, has_bias), opts)
     plan = []
-    for w, g in geometry.items():
-        tab_v = w13_row_table(I, row_order, g.value_rows, device) if w == "w13" else w2_row_table(H, g.value_rows, device)
+    for w, g in layout.geometry(sizes, opts).items():
+        tab_v = (w13_row_table(sizes.intermediate_size, sizes.row_order, g.value_rows, device) if w == "w13"
+                 else w2_row_table(sizes.hidden_size, g.value_rows, device))  # fmt: skip
         plan.append((w, (tab_v, g.value_row_bytes, HopperScales(g.scale_rows, g.scale_padded_cols, g.num_warps), g.rows)))
     return tuple(plan)
 

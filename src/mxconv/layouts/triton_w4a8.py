@@ -21,18 +21,20 @@ from mxconv.layouts.canonical import CanonicalExperts, InputScales, TensorSpec
 if TYPE_CHECKING:
     import torch
 
+    from mxconv.layouts.triton_arch import ArchSpec
+
 W4A8_ACTIVATION = "fp8"
-W4A8_ARCHS = ("gfx950",)
 INPUT_SCALE_NAMES = ("w13_input_scale", "w2_input_scale")
 INPUT_SCALE_DTYPE = "F32"
 REDUCTION = "max over the layer's experts, float32 (vLLM 0.33 AITER_MXFP4_FP8: InFlexData scale)"
 
 
-def check_w4a8(activation: str, arch: str) -> None:
-    """LayoutError when ``--activation fp8`` is asked for off gfx950 (vLLM runs W4A8 on MI355 only)."""
-    if activation == W4A8_ACTIVATION and arch not in W4A8_ARCHS:
+def check_w4a8(activation: str, spec: ArchSpec) -> None:
+    """LayoutError when ``--activation fp8`` is asked for on a GPU whose :class:`ArchSpec` has no W4A8
+    (vLLM runs it on gfx950, MI355, only)."""
+    if activation == W4A8_ACTIVATION and not spec.w4a8:
         raise LayoutError(
-            f"triton: --activation fp8 (vLLM AITER_MXFP4_FP8, W4A8) runs on gfx950 only; got arch {arch} "
+            f"triton: --activation fp8 (vLLM AITER_MXFP4_FP8, W4A8) runs on gfx950 only; got arch {spec.arch} "
             f"(use --layout-option arch=gfx950)"
         )
 

@@ -36,10 +36,13 @@ Options read (a plain dict; other keys are ignored):
 
 The weights are identical for both activations ("bf16", "mxfp8"); only the manifest differs.
 
-MxInt4 (spec section 9): a canonical stack with ``weight_format == "int4"`` (compressed-tensors INT4,
-bf16 scales) goes to :mod:`mxconv.layouts.trtllm_mxint4` (sign XOR, the same row tables, block-major
-K, flat bf16 swizzled scales; bf16 activations; H and I multiples of 256, no padding). Every method
-below dispatches on the stack's or ``LayoutSizes``' weight format; the MXFP4 code is untouched by it.
+Variants: the layout is one object per expert weight format (:class:`TrtllmVariant`), picked once
+per call from the stack's or ``LayoutSizes``' weight format (:meth:`TrtllmLayout.variant`): MXFP4
+(:class:`TrtllmMxfp4`, above), MxInt4 (spec section 9, :data:`mxconv.layouts.trtllm_mxint4.MXINT4`:
+compressed-tensors INT4 with bf16 scales; sign XOR, the same row tables, block-major K, flat bf16
+swizzled scales; bf16 activations; H and I multiples of 256, no padding) and MXFP8
+(:data:`mxconv.layouts.trtllm_mxfp8.MXFP8`, MXFP8 activations). They share the row tables and the
+swizzle of :mod:`mxconv.layouts.trtllm_bytemap`.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
@@ -47,32 +50,25 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mxconv.errors import LayoutError
-from mxconv.layouts import trtllm_mxfp8, trtllm_mxint4
-from mxconv.layouts.padding import KernelChoice, gather_padded_rows, layout_kernels, unpad_canonical
 from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
-from mxconv.layouts.canonical import (
-    CanonicalExperts,
-    KernelTensors,
-    LayoutSizes,
-    TensorSpec,
-    bias_specs,
-    check_padded_sizes,
-    round_up,
-)
+from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, check_padded_sizes, round_up
+from mxconv.layouts.padding import KernelChoice, gather_padded_rows, layout_kernels, unpad_canonical
 from mxconv.layouts.trtllm_bytemap import (
     BACKEND_NAME, EPILOGUE_TILE_M, LAYOUT_VERSION, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, check_kernel_tensors,
     check_row_order, swizzle_128x4, swizzled_scale_size, unswizzle_128x4, w13_row_dst, w13_row_table, w2_row_dst, w2_row_table,
 )
 from mxconv.source.st_format import torch_dtype
+from mxconv.layouts.trtllm_mxfp8 import MXFP8
+from mxconv.layouts.trtllm_mxint4 import MXINT4
 from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ACTIVATIONS", "LAYOUT", "TrtllmLayout", "TrtllmOptions"]
+__all__ = ["ACTIVATIONS", "LAYOUT", "VARIANTS", "TrtllmLayout", "TrtllmMxfp4", "TrtllmOptions", "TrtllmVariant"]
 
 ACTIVATIONS: tuple[str, ...] = ("bf16", "mxfp8")
 
@@ -120,103 +116,56 @@ def _align_problem(align: int) -> str | None:
     return None
 
 
-class TrtllmLayout(LayoutBase):
-    """FlashInfer TRT-LLM-gen MXFP4 MoE layout (see module docstring)."""
+class TrtllmVariant(Protocol):
+    """What differs per expert weight format: the bytes, their sizes and the manifest fields.
+    :class:`TrtllmLayout` picks one per call from the weight format and hands it every step."""
 
-    name = BACKEND_NAME
-    version = LAYOUT_VERSION
-    activations = ACTIVATIONS
-    vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
-    weight_formats = ("mxfp4", "int4", "mxfp8")  # int4: the MxInt4 variant (trtllm_mxint4); mxfp8: trtllm_mxfp8
-    # MXFP8 experts: Fp8MoeBackend.FLASHINFER_TRTLLM (prepare_fp8_moe_layer_for_fi), MXFP8 activations only
-    vllm_mxfp8_backends = {act: (trtllm_mxfp8.VLLM_BACKEND,) for act in trtllm_mxfp8.ACTIVATIONS}
-    options_type = TrtllmOptions
-    options = (
-        LayoutOption(
-            "intermediate_align", int, DEFAULT_INTERMEDIATE_ALIGN,
-            "per-rank intermediate size padded to this multiple: 128 is what vLLM >= 0.27 (0.33 included) "
-            "allocates for FLASHINFER_TRTLLM_MXFP4_*; 256 is what vLLM 0.10.2-0.26 and SGLang's FlashInfer "
-            "MXFP4 MoE allocate",
-            check=_align_problem,
-        ),
-    )
+    weight_format: str  # the canonical format it takes (CanonicalExperts.weight_format)
+    kernel_label: str  # how kernel_unavailable names FlashInfer's kernels for it
 
-    def kernel_unavailable(self, manifest: Manifest) -> str | None:
-        """FlashInfer's TRT-LLM-gen MoE kernels need an SM100 GPU; mxconv does not drive them yet."""
-        import torch
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+                     options: TrtllmOptions) -> tuple[int, int]: ...  # fmt: skip
 
-        try:
-            import flashinfer  # noqa: F401
-        except ModuleNotFoundError as exc:
-            if exc.name == "flashinfer":
-                return "flashinfer is not installed (pip install 'mxconv[flashinfer]')"
-            return f"flashinfer is installed but cannot be imported: {exc}"
-        except Exception as exc:  # noqa: BLE001 - whatever its import raises is the reason
-            return f"flashinfer is installed but cannot be imported: {type(exc).__name__}: {exc}"
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
-            kind = {"int4": "MxInt4", "mxfp8": "MXFP8"}.get(str(manifest.weight_format), "MXFP4")
-            return f"FlashInfer TRT-LLM-gen {kind} MoE kernels need an SM100 (Blackwell) GPU"
-        return "running the TRT-LLM-gen kernel is not wired up in this version"
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, TensorSpec]: ...
 
-    # -- sizes ---------------------------------------------------------------------------------
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: TrtllmOptions,
+                  kernel_choice: KernelChoice) -> KernelTensors: ...  # fmt: skip
 
-    def _check_activation(self, activation: str) -> None:
-        if activation not in self.activations:
-            raise LayoutError(
-                f"trtllm does not support activation {activation!r}; supported: {', '.join(self.activations)}"
-            )
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str,
+                    options: TrtllmOptions) -> CanonicalExperts: ...  # fmt: skip
 
-    def padded_sizes(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        row_order: str,
-        activation: str,
-        options: TrtllmOptions | None = None,
-        *,
-        intermediate_align: int | None = None,
-        weight_format: str = "mxfp4",
-    ) -> tuple[int, int]:
-        """(Hp, Ip) = (roundup(H, 256), roundup(I, intermediate_align)) for one rank.
+    def describe(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, Any]: ...
 
-        ``intermediate_align`` comes from the keyword, else from ``options`` (default 128).
-        Raises LayoutError unless H and I are positive multiples of 32 (MXFP4 blocks).
-        ``weight_format="int4"``: the MxInt4 rule instead, (H, I) with both multiples of 256.
-        """
-        if weight_format == "int4":
-            return trtllm_mxint4.padded_sizes(hidden_size, intermediate_size, row_order, activation)
-        if weight_format == "mxfp8":
-            return trtllm_mxfp8.padded_sizes(hidden_size, intermediate_size, row_order, activation,
-                                             intermediate_align or self.options_of(options).intermediate_align)
+
+class TrtllmMxfp4:
+    """The MXFP4 variant (module docstring): padded, rows permuted, E8M0 scales 128x4-swizzled and
+    viewed as float8_e4m3fn; the options' ``intermediate_align`` pads I."""
+
+    weight_format = "mxfp4"
+    kernel_label = "MXFP4"
+
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+                     options: TrtllmOptions) -> tuple[int, int]:  # fmt: skip
+        """(Hp, Ip) = (roundup(H, 256), roundup(I, intermediate_align)); LayoutError unless H and I
+        are positive multiples of 32 (MXFP4 blocks)."""
         check_row_order(row_order)
-        self._check_activation(activation)
-        if intermediate_align is None:
-            align = self.options_of(options).intermediate_align
-        else:
-            align = TrtllmOptions(intermediate_align).intermediate_align
+        if activation not in ACTIVATIONS:
+            raise LayoutError(f"trtllm does not support activation {activation!r}; supported: {', '.join(ACTIVATIONS)}")
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
             if size <= 0 or size % MX_BLOCK:
                 raise LayoutError(
                     f"trtllm: {what} size {size} must be a positive multiple of {MX_BLOCK} (MXFP4 block size)"
                 )
-        return round_up(hidden_size, HIDDEN_ALIGN), round_up(intermediate_size, align)
-
-    def _padded(self, H: int, I: int, row_order: str, activation: str, options: TrtllmOptions | None) -> tuple[int, int]:
-        """:meth:`padded_sizes` with the ``intermediate_align`` of ``options``."""
-        return self.padded_sizes(H, I, row_order, activation, options)
+        return round_up(hidden_size, HIDDEN_ALIGN), round_up(intermediate_size, options.intermediate_align)
 
     def _checked_padding(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> tuple[int, int]:
         """(Hp, Ip) for ``sizes``; LayoutError if sizes' padded values disagree with this layout."""
-        want = self._padded(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options)
+        want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options)
         return check_padded_sizes(BACKEND_NAME, sizes, want, f"Hp = roundup(H, {HIDDEN_ALIGN}), Ip = roundup(I, "
-                                  f"intermediate_align = {self.options_of(options).intermediate_align})")  # fmt: skip
+                                  f"intermediate_align = {options.intermediate_align})")  # fmt: skip
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the kernel tensors (biases only when ``sizes.has_bias``)."""
-        if sizes.weight_format == "int4":
-            return trtllm_mxint4.kernel_specs(sizes, activation)
-        if sizes.weight_format == "mxfp8":
-            return trtllm_mxfp8.kernel_specs(sizes, activation, self.options_of(options).intermediate_align)
         Hp, Ip = self._checked_padding(sizes, activation, options)
         E = sizes.num_experts
         return {  # weights and scales, then biases (the manifest keeps this order)
@@ -227,67 +176,37 @@ class TrtllmLayout(LayoutBase):
             **bias_specs(sizes, Hp, Ip, KERNEL_BIAS_DTYPE),
         }
 
-    # -- forward -------------------------------------------------------------------------------
-
     def to_kernel(self, c: CanonicalExperts, activation: str, options: TrtllmOptions,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+                  kernel_choice: KernelChoice) -> KernelTensors:  # fmt: skip
         """Canonical stack -> padded, permuted kernel tensors on ``c``'s device (table in module doc);
         ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
-        if c.weight_format == "int4":
-            return trtllm_mxint4.to_kernel(c, activation)
-        if c.weight_format == "mxfp8":
-            return trtllm_mxfp8.to_kernel(c, activation, self.options_of(options).intermediate_align)
         c.validate()  # includes: both biases or neither
-        Hp, Ip = self._padded(c.hidden_size, c.intermediate_size, c.row_order, activation, options)
-        E, H, I = c.num_experts, c.hidden_size, c.intermediate_size
+        Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, options)
         # Padding and steps A/B are one row gather: kernel row j <- source row tab[j] (-1 = padding).
-        tab13 = w13_row_table(I, Ip, c.row_order, c.device)
-        tab2 = w2_row_table(H, Hp, c.device)
+        tabs = {"w13": w13_row_table(c.intermediate_size, Ip, c.row_order, c.device),
+                "w2": w2_row_table(c.hidden_size, Hp, c.device)}  # fmt: skip
+        cols = {"w13": Hp, "w2": Ip}  # K of each matrix
         lt = layout_kernels(c.w13, kernel_choice)
-        if lt is not None:
-            out: KernelTensors = {
-                "w13_weight": lt.gather_rows(c.w13, tab13, Hp // 2),
-                "w13_weight_scale": lt.swizzle_128x4(c.w13_scale, tab13, Hp // MX_BLOCK, SCALE_FILL)
-                .view(E, 2 * Ip, Hp // MX_BLOCK)
-                .view(torch_dtype(KERNEL_SCALE_DTYPE)),
-                "w2_weight": lt.gather_rows(c.w2, tab2, Ip // 2),
-                "w2_weight_scale": lt.swizzle_128x4(c.w2_scale, tab2, Ip // MX_BLOCK, SCALE_FILL)
-                .view(E, Hp, Ip // MX_BLOCK)
-                .view(torch_dtype(KERNEL_SCALE_DTYPE)),
-            }
-        else:
-            out = {
-                "w13_weight": gather_padded_rows(c.w13, tab13, Hp // 2, 0),
-                "w13_weight_scale": _swizzled_kernel_scales(
-                    gather_padded_rows(c.w13_scale, tab13, Hp // MX_BLOCK, SCALE_FILL)
-                ),
-                "w2_weight": gather_padded_rows(c.w2, tab2, Ip // 2, 0),
-                "w2_weight_scale": _swizzled_kernel_scales(
-                    gather_padded_rows(c.w2_scale, tab2, Ip // MX_BLOCK, SCALE_FILL)
-                ),
-            }
+        out: KernelTensors = {}
+        for w, tab in tabs.items():
+            weight, scale, k = getattr(c, w), getattr(c, f"{w}_scale"), cols[w]
+            if lt is not None:
+                out[f"{w}_weight"] = lt.gather_rows(weight, tab, k // 2)
+                swizzled = lt.swizzle_128x4(scale, tab, k // MX_BLOCK, SCALE_FILL).view(c.num_experts, len(tab), k // MX_BLOCK)
+                out[f"{w}_weight_scale"] = swizzled.view(torch_dtype(KERNEL_SCALE_DTYPE))
+            else:
+                out[f"{w}_weight"] = gather_padded_rows(weight, tab, k // 2, 0)
+                out[f"{w}_weight_scale"] = _swizzled_kernel_scales(gather_padded_rows(scale, tab, k // MX_BLOCK, SCALE_FILL))
         if c.w13_bias is not None and c.w2_bias is not None:
-            out["w13_bias"] = gather_padded_rows(c.w13_bias.to(torch_dtype(KERNEL_BIAS_DTYPE)), tab13)
-            out["w2_bias"] = gather_padded_rows(c.w2_bias.to(torch_dtype(KERNEL_BIAS_DTYPE)), tab2)
+            for w, tab in tabs.items():
+                out[f"{w}_bias"] = gather_padded_rows(getattr(c, f"{w}_bias").to(torch_dtype(KERNEL_BIAS_DTYPE)), tab)
         return out
 
-    # -- inverse -------------------------------------------------------------------------------
-
-    def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: TrtllmOptions
-    ) -> CanonicalExperts:
-        """Kernel tensors -> canonical (unpadded) stack; biases come back as float32.
-
-        Raises LayoutError for a missing/unexpected tensor, a wrong shape or dtype, tensors on
-        different devices, or a padding byte that is not its fill (weights/scales 0, biases 0.0;
-        the index is reported in padded canonical coordinates).
-        """
-        if sizes.weight_format == "int4":
-            return trtllm_mxint4.from_kernel(k, sizes, activation)
-        if sizes.weight_format == "mxfp8":
-            return trtllm_mxfp8.from_kernel(k, sizes, activation, self.options_of(options).intermediate_align)
-        specs = self.kernel_specs(sizes, activation, options)
-        check_kernel_tensors(k, specs)
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str,
+                    options: TrtllmOptions) -> CanonicalExperts:  # fmt: skip
+        """Kernel tensors -> canonical (unpadded) stack; biases come back as float32 (LayoutError as
+        :meth:`TrtllmLayout.from_kernel` says)."""
+        check_kernel_tensors(k, self.kernel_specs(sizes, activation, options))
         Hp, Ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
         device = k["w13_weight"].device
         dst13 = w13_row_dst(Ip, sizes.row_order, device)
@@ -303,19 +222,13 @@ class TrtllmLayout(LayoutBase):
         )
         return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size, scale_fill=SCALE_FILL, check=True)
 
-    # -- manifest ------------------------------------------------------------------------------
-
     def describe(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, Any]:
-        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
-        if sizes.weight_format == "int4":
-            return trtllm_mxint4.describe(sizes, activation)
-        if sizes.weight_format == "mxfp8":
-            return trtllm_mxfp8.describe(sizes, activation, self.options_of(options).intermediate_align)
+        """Manifest ``layout`` fields of the MXFP4 variant (kernel_params are added by the caller)."""
         self._checked_padding(sizes, activation, options)
         return {
-            "name": self.name,
-            "version": self.version,
-            "engine_compat": _engine_compat(self.options_of(options).intermediate_align),
+            "name": BACKEND_NAME,
+            "version": LAYOUT_VERSION,
+            "engine_compat": _engine_compat(options.intermediate_align),
             "activation": activation,
             "vllm_moe_backend": VLLM_BACKENDS[activation],
             "epilogue_tile_m": EPILOGUE_TILE_M,
@@ -327,8 +240,94 @@ class TrtllmLayout(LayoutBase):
             "bias_dtype": "float32",
             "w13_kernel_row_order": "up_gate_pairs",
             "hidden_align": HIDDEN_ALIGN,
-            "intermediate_align": self.options_of(options).intermediate_align,
+            "intermediate_align": options.intermediate_align,
         }
+
+
+MXFP4 = TrtllmMxfp4()
+VARIANTS: dict[str, TrtllmVariant] = {v.weight_format: v for v in (MXFP4, MXINT4, MXFP8)}
+
+
+class TrtllmLayout(LayoutBase):
+    """FlashInfer TRT-LLM-gen MXFP4 MoE layout (see module docstring); every step is its weight
+    format's :class:`TrtllmVariant`'s."""
+
+    name = BACKEND_NAME
+    version = LAYOUT_VERSION
+    activations = ACTIVATIONS
+    vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
+    weight_formats = tuple(VARIANTS)  # int4: the MxInt4 variant (trtllm_mxint4); mxfp8: trtllm_mxfp8
+    # MXFP8 experts: Fp8MoeBackend.FLASHINFER_TRTLLM (prepare_fp8_moe_layer_for_fi), MXFP8 activations only
+    vllm_mxfp8_backends = {act: (MXFP8.vllm_backend,) for act in MXFP8.activations}
+    options_type = TrtllmOptions
+    options = (
+        LayoutOption(
+            "intermediate_align", int, DEFAULT_INTERMEDIATE_ALIGN,
+            "per-rank intermediate size padded to this multiple: 128 is what vLLM >= 0.27 (0.33 included) "
+            "allocates for FLASHINFER_TRTLLM_MXFP4_*; 256 is what vLLM 0.10.2-0.26 and SGLang's FlashInfer "
+            "MXFP4 MoE allocate",
+            check=_align_problem,
+        ),
+    )
+
+    @staticmethod
+    def variant(weight_format: str) -> TrtllmVariant:
+        """The :class:`TrtllmVariant` of ``weight_format``; LayoutError for one trtllm does not take."""
+        try:
+            return VARIANTS[weight_format]
+        except KeyError:
+            raise LayoutError(f"trtllm takes {', '.join(VARIANTS)} experts, got {weight_format}") from None
+
+    def kernel_unavailable(self, manifest: Manifest) -> str | None:
+        """FlashInfer's TRT-LLM-gen MoE kernels need an SM100 GPU; mxconv does not drive them yet."""
+        import torch
+
+        try:
+            import flashinfer  # noqa: F401
+        except ModuleNotFoundError as exc:
+            if exc.name == "flashinfer":
+                return "flashinfer is not installed (pip install 'mxconv[flashinfer]')"
+            return f"flashinfer is installed but cannot be imported: {exc}"
+        except Exception as exc:  # noqa: BLE001 - whatever its import raises is the reason
+            return f"flashinfer is installed but cannot be imported: {type(exc).__name__}: {exc}"
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
+            kind = self.variant(manifest.weight_format).kernel_label
+            return f"FlashInfer TRT-LLM-gen {kind} MoE kernels need an SM100 (Blackwell) GPU"
+        return "running the TRT-LLM-gen kernel is not wired up in this version"
+
+    def padded_sizes(
+        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+        options: TrtllmOptions | None = None, *, intermediate_align: int | None = None, weight_format: str = "mxfp4",
+    ) -> tuple[int, int]:  # fmt: skip
+        """(Hp, Ip) for one rank, by the ``weight_format`` variant: MXFP4 (roundup(H, 256),
+        roundup(I, intermediate_align)), H and I positive multiples of 32; MxInt4 (H, I), both
+        multiples of 256. ``intermediate_align`` comes from the keyword, else from ``options``."""
+        opts = self.options_of(options) if intermediate_align is None else TrtllmOptions(intermediate_align)
+        return self.variant(weight_format).padded_sizes(hidden_size, intermediate_size, row_order, activation, opts)
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, TensorSpec]:
+        """Shapes/dtypes of the kernel tensors (biases only when ``sizes.has_bias``)."""
+        return self.variant(sizes.weight_format).kernel_specs(sizes, activation, self.options_of(options))
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: TrtllmOptions,
+                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+        """Canonical stack -> kernel tensors on ``c``'s device (module table; MxInt4: trtllm_mxint4's)."""
+        return self.variant(c.weight_format).to_kernel(c, activation, self.options_of(options), kernel_choice)
+
+    def from_kernel(
+        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: TrtllmOptions
+    ) -> CanonicalExperts:
+        """Kernel tensors -> canonical (unpadded) stack; biases come back as float32.
+
+        Raises LayoutError for a missing/unexpected tensor, a wrong shape or dtype, tensors on
+        different devices, or a padding byte that is not its fill (weights/scales 0, biases 0.0;
+        the index is reported in padded canonical coordinates).
+        """
+        return self.variant(sizes.weight_format).from_kernel(k, sizes, activation, self.options_of(options))
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, Any]:
+        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
+        return self.variant(sizes.weight_format).describe(sizes, activation, self.options_of(options))
 
 
 def _engine_compat(intermediate_align: int) -> dict[str, str]:

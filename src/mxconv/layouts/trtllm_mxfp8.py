@@ -177,3 +177,33 @@ def describe(sizes: LayoutSizes, activation: str, intermediate_align: int = INTE
         "intermediate_align": INTERMEDIATE_ALIGN,
         "padding": {"kernel_hidden_size": Hp, "kernel_intermediate_size": Ip},
     }
+
+
+class TrtllmMxfp8:
+    """The MXFP8 variant of the trtllm layout (module docstring): this module's functions behind the
+    interface :class:`mxconv.layouts.trtllm.TrtllmVariant` names; of the options, ``intermediate_align``
+    is read (it must stay vLLM's 128)."""
+
+    weight_format = WEIGHT_FORMAT
+    kernel_label = "MXFP8"
+    activations = ACTIVATIONS
+    vllm_backend = VLLM_BACKEND
+
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+                     options: Any) -> tuple[int, int]:  # fmt: skip
+        return padded_sizes(hidden_size, intermediate_size, row_order, activation, options.intermediate_align)
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, TensorSpec]:
+        return kernel_specs(sizes, activation, options.intermediate_align)
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: Any, kernel_choice: Any = None) -> KernelTensors:
+        return to_kernel(c, activation, options.intermediate_align)
+
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: Any) -> CanonicalExperts:
+        return from_kernel(k, sizes, activation, options.intermediate_align)
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, Any]:
+        return describe(sizes, activation, options.intermediate_align)
+
+
+MXFP8 = TrtllmMxfp8()
