@@ -67,9 +67,9 @@ LAYOUT_OPTIONS = {
 }
 MXFP8_BACKENDS = ("humming", "marlin")
 TP_SIZES = (1, 2)
-# mxconv.json keys that change from run to run (or with the output path): (key, sub-key or None).
-VOLATILE = (("tool_version", None), ("command", None), ("created", None),
-            ("source", "path"), ("source", "fingerprint"))
+# mxconv.json keys that change from run to run (or with the output path), as paths of keys.
+VOLATILE = (("tool_version",), ("command",), ("created",), ("source", "path"), ("source", "fingerprint"),
+            ("numerics", "upstream", "fingerprint"))  # the upstream source's fingerprint: its files' times
 # make_checkpoint options per kind (others: defaults). INT4 at I = 512: MxInt4 needs I per rank % 256 == 0 (TP 2).
 SOURCE_OPTIONS: dict[str, dict[str, Any]] = {"kimi-k2-int4": {"intermediate_size": 512}}
 # Writes each kind of the JSON {kind: options} argv[2] into argv[1]/<kind> with the test suite's
@@ -123,11 +123,12 @@ def scrub(value: Any, work: str) -> Any:
 def manifest_digest(path: Path, work: str) -> dict[str, str]:
     """sha256 per top-level key of mxconv.json, the volatile keys left out."""
     doc = json.loads(path.read_text())
-    for key, sub in VOLATILE:
-        if sub is None:
-            doc.pop(key, None)
-        elif isinstance(doc.get(key), dict):
-            doc[key].pop(sub, None)
+    for path_ in VOLATILE:
+        where = doc
+        for key in path_[:-1]:
+            where = where.get(key) if isinstance(where, dict) else None
+        if isinstance(where, dict):
+            where.pop(path_[-1], None)
     doc = scrub(doc, work)
     return {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest() for k, v in sorted(doc.items())}
 
