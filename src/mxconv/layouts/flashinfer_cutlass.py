@@ -38,7 +38,7 @@ from mxconv.layouts.flashinfer_cutlass_bytemap import (
     sm90_weight_interleave,
 )
 from mxconv.layouts.padded_stack import PaddedStackLayout, RowMap, StackForm, Transform
-from mxconv.layouts.trtllm_bytemap import swizzle_128x4, unswizzle_128x4
+from mxconv.layouts.scale_swizzle import swizzle_128x4, unswizzle_128x4
 from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
