@@ -76,7 +76,7 @@ def test_modules_and_functions_are_small() -> None:
     assert not too_long, too_long
 
 
-MAX_PARAMETERS = 8  # self/cls not counted; a longer list is a typed object waiting to be named (issue 31, item 5)
+MAX_PARAMETERS = 8  # self/cls not counted; a longer list is a typed object waiting to be named
 # Outside kernels/ (a Triton kernel's arguments are its launch contract) and the Typer commands (one
 # parameter per flag). Each entry here is a known debt, to be paid by grouping its arguments:
 PARAMETER_DEBT = {
@@ -244,7 +244,7 @@ def _probes_a_layout(node: ast.AST) -> bool:
 
 def test_no_probing_of_backend_layouts() -> None:
     """Outside layouts/, a backend's capabilities are read as the declared members of the Layout protocol
-    (LayoutBase gives each its default), never probed with getattr/hasattr (issue 31, item 2)."""
+    (LayoutBase gives each its default), never probed with getattr/hasattr."""
     found = [f"{name}:{node.lineno}" for name, (_, tree) in _modules().items() if name.split(".")[1:2] != ["layouts"]
              for node in ast.walk(tree) if _probes_a_layout(node)]
     assert not found, found

@@ -45,9 +45,11 @@ def source_kind(quant: dict[str, Any] | None, model_type: str | None) -> SourceK
 # says quant_method null).
 METHOD = {SourceKind.GPT_OSS_MXFP4: VllmMethod.MXFP4, SourceKind.MXFP4: VllmMethod.MXFP4, SourceKind.CT_MXFP4: VllmMethod.CT_MXFP4,
           SourceKind.CT_INT4: VllmMethod.CT_WNA16, SourceKind.CT_MXFP8: VllmMethod.CT_MXFP8, SourceKind.MXCONV_MXFP8: None}
-# Why no output holds a picked backend, by the enum the method's backends are named in (Fp8MoeBackend for
-# MXFP8; the others: Mxfp4MoeBackend's table, which has no reasons for WNA16MoEBackend names).
-NOT_HELD_REASONS = {VllmMethod.CT_MXFP8: MXFP8_BACKENDS}
+# Per method: the vLLM enum its backends are named in, vLLM's notes on them (engine_picks) and the Layout member
+# a layout declares the ones holding its bytes in (the MXFP4 methods: Mxfp4MoeBackend and vllm_backends).
+BACKEND_ENUMS = {VllmMethod.CT_MXFP8: ("Fp8MoeBackend", MXFP8_BACKENDS, "vllm_mxfp8_backends"),
+                 VllmMethod.CT_WNA16: ("WNA16MoEBackend", {}, "vllm_int4_backends")}
+MXFP4_ENUM = ("Mxfp4MoeBackend", MXFP4_BACKENDS, "vllm_backends")
 # A holder's weight format -> what its repack command adds (a bf16 or MXFP4 source becomes MXFP8 only when asked)
 FORMAT_FLAG = {"mxfp8": " --format mxfp8"}
 
@@ -69,6 +71,18 @@ def holders(backend: str, method: VllmMethod | None = None) -> list[dict[str, An
     out += [{"output": f"canonical ({lay})", "layout": lay, "weight_format": fmt}
             for fmt in ("mxfp4", "mxfp8") for lay in CANONICAL_LAYOUTS if names_it(lay, None, fmt)]
     return out
+
+
+def not_held(backend: str, method: VllmMethod) -> str | None:
+    """Why no mxconv output holds ``backend``'s bytes under ``method``, asked of the registry (:func:`holders`):
+    no registered layout declares it and no canonical output is it; vLLM's note on the backend added. None
+    when an output does."""
+    if holders(backend, method):
+        return None
+    enum, notes, member = BACKEND_ENUMS.get(method, MXFP4_ENUM)
+    note = notes.get(backend)
+    return (f"no mxconv output holds {backend} bytes yet: no registered layout declares this {enum} value in its "
+            f"{member}" + (f" (vLLM: {note})" if note else ""))
 
 
 def engine_padding(pick: Pick, hidden: int, intermediate: int, activation: str) -> tuple[int, int] | None:
@@ -155,9 +169,7 @@ def pick_row(engine: str, kind: SourceKind, gpu: Gpu, model: dict[str, Any]) -> 
         return row
     row["held_by"] = [_check_holder(h, p, model) for h in holders(p.backend, METHOD[kind])]
     if not row["held_by"]:
-        reasons = NOT_HELD_REASONS.get(METHOD[kind], MXFP4_BACKENDS)
-        row["note"] = f"no mxconv output holds {p.backend} bytes yet" + (
-            f": {reasons[p.backend]}" if reasons.get(p.backend) else "")
+        row["note"] = not_held(p.backend, METHOD[kind])
     return row
 
 
