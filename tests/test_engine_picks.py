@@ -14,8 +14,8 @@ import pytest
 from mxconv.examples import make_checkpoint
 from mxconv.layouts import register_layout, unregister_layout
 from mxconv.layouts.engine_picks import MXFP4_BACKENDS, PICKS, SGLANG, VLLM, Gpu, SourceKind, picks
-from mxconv.layouts.engine_report import engine_padding, holders, not_held, pick_row, source_kind
-from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, vllm_padded_sizes
+from mxconv.layouts.engine_report import engine_padding, holders, not_held, pick_row, source_kind, undeclarable_backends
+from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, Platform, home_platform, vllm_alignment, vllm_padded_sizes
 from mxconv.layouts.vllm_serving import VllmMethod
 from support.cli import mx
 from support.toy_backend import ToyLayout
@@ -99,6 +99,30 @@ def test_why_no_output_holds_a_backend_follows_the_registry() -> None:
     finally:
         unregister_layout("gfx1250toy")
     assert not_held(gfx1250, VllmMethod.MXFP4) is not None
+
+
+def test_vllm_padding_is_known_for_every_mxfp4_backend_so_no_layout_adds_to_it() -> None:
+    """vllm_backends.py is vLLM's data over its whole enum, not per mxconv layout: a layout declaring any
+    Mxfp4MoeBackend value finds vLLM's padding of it on every platform, with nothing to add there."""
+    for name in MXFP4_BACKENDS:
+        home = home_platform(name)
+        for platform in Platform if home is None else [home]:  # where vLLM runs it
+            assert vllm_alignment(name, "silu", platform) is not None, (name, platform)
+
+
+def test_every_declared_vllm_backend_is_a_value_of_its_enum() -> None:
+    assert undeclarable_backends() == []
+
+    class Typo(ToyLayout):
+        name = "typo"
+        vllm_backends = {"bf16": ("HUMMNG",)}
+        vllm_mxfp8_backends = {"bf16": ("HUMMING",)}
+
+    register_layout("typo", Typo())
+    try:
+        assert undeclarable_backends() == ["typo.vllm_backends[bf16]: HUMMNG"]
+    finally:
+        unregister_layout("typo")
 
 
 def test_a_backend_registered_later_is_joined_by_its_vllm_backends() -> None:

@@ -186,6 +186,11 @@ MXFP8_BACKENDS: dict[str, str] = {
 }
 
 
+# The WNA16MoEBackend values of vLLM 0.33 (fused_moe/oracle/int_wna16.py, class WNA16MoEBackend): the names a
+# layout's INT4 form declares in vllm_int4_backends. No notes recorded.
+WNA16_BACKENDS: dict[str, str] = {name: "" for name in (
+    "MARLIN", "BATCHED_MARLIN", "HUMMING", "CPU", "ZEN_CPU", "FLASHINFER_TRTLLM", "TRITON", "XPU", "EMULATION", "RDNA3")}
+
 def picks(engine: str, source: SourceKind, gpu: Gpu) -> Pick | None:
     """The row for (engine, source, gpu); None where the data has none."""
     return next((p for p in PICKS if (p.engine, p.source, p.gpu) == (engine, source, gpu)), None)

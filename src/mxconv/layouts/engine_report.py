@@ -15,7 +15,9 @@ from typing import Any
 from mxconv.errors import BadInput, LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import LayoutSizes
-from mxconv.layouts.engine_picks import ENGINES, MXFP4_BACKENDS, MXFP8_BACKENDS, PICKS, VLLM, Gpu, Pick, SourceKind, picks
+from mxconv.layouts.engine_picks import (
+    ENGINES, MXFP4_BACKENDS, MXFP8_BACKENDS, PICKS, VLLM, WNA16_BACKENDS, Gpu, Pick, SourceKind, picks,
+)
 from mxconv.layouts.vllm_backends import platform_of, vllm_padded_sizes
 from mxconv.layouts.vllm_serving import CANONICAL_LAYOUTS, OutputForm, VllmMethod, candidates, served_methods, vllm_serving
 
@@ -45,11 +47,12 @@ def source_kind(quant: dict[str, Any] | None, model_type: str | None) -> SourceK
 # says quant_method null).
 METHOD = {SourceKind.GPT_OSS_MXFP4: VllmMethod.MXFP4, SourceKind.MXFP4: VllmMethod.MXFP4, SourceKind.CT_MXFP4: VllmMethod.CT_MXFP4,
           SourceKind.CT_INT4: VllmMethod.CT_WNA16, SourceKind.CT_MXFP8: VllmMethod.CT_MXFP8, SourceKind.MXCONV_MXFP8: None}
-# Per method: the vLLM enum its backends are named in, vLLM's notes on them (engine_picks) and the Layout member
-# a layout declares the ones holding its bytes in (the MXFP4 methods: Mxfp4MoeBackend and vllm_backends).
-BACKEND_ENUMS = {VllmMethod.CT_MXFP8: ("Fp8MoeBackend", MXFP8_BACKENDS, "vllm_mxfp8_backends"),
-                 VllmMethod.CT_WNA16: ("WNA16MoEBackend", {}, "vllm_int4_backends")}
-MXFP4_ENUM = ("Mxfp4MoeBackend", MXFP4_BACKENDS, "vllm_backends")
+# Per method: the Layout member a layout declares the backends holding its bytes in, the vLLM enum they are
+# values of and vLLM's notes on each (engine_picks).
+DECLARED_IN = {VllmMethod.MXFP4: ("vllm_backends", "Mxfp4MoeBackend", MXFP4_BACKENDS),
+               VllmMethod.CT_MXFP4: ("vllm_backends", "Mxfp4MoeBackend", MXFP4_BACKENDS),
+               VllmMethod.CT_WNA16: ("vllm_int4_backends", "WNA16MoEBackend", WNA16_BACKENDS),
+               VllmMethod.CT_MXFP8: ("vllm_mxfp8_backends", "Fp8MoeBackend", MXFP8_BACKENDS)}
 # A holder's weight format -> what its repack command adds (a bf16 or MXFP4 source becomes MXFP8 only when asked)
 FORMAT_FLAG = {"mxfp8": " --format mxfp8"}
 
@@ -79,10 +82,23 @@ def not_held(backend: str, method: VllmMethod) -> str | None:
     when an output does."""
     if holders(backend, method):
         return None
-    enum, notes, member = BACKEND_ENUMS.get(method, MXFP4_ENUM)
+    member, enum, notes = DECLARED_IN[method]
     note = notes.get(backend)
     return (f"no mxconv output holds {backend} bytes yet: no registered layout declares this {enum} value in its "
             f"{member}" + (f" (vLLM: {note})" if note else ""))
+
+
+def undeclarable_backends() -> list[str]:
+    """``"layout.member[activation]: NAME"`` for every name a registered layout declares that is no value of
+    that member's vLLM enum (a typo would otherwise pass as served: vLLM's padding of it is unknown)."""
+    out = []
+    for name in backend_names():
+        layout = get_layout(name)
+        declared = {"vllm_backends": layout.vllm_backends, "vllm_int4_backends": layout.vllm_int4_backends,
+                    "vllm_mxfp8_backends": layout.vllm_mxfp8_backends}
+        for member, _, known in {d[0]: d for d in DECLARED_IN.values()}.values():
+            out += [f"{name}.{member}[{act}]: {b}" for act, names in declared[member].items() for b in names if b not in known]
+    return out
 
 
 def engine_padding(pick: Pick, hidden: int, intermediate: int, activation: str) -> tuple[int, int] | None:
