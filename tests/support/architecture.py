@@ -135,3 +135,28 @@ def backend_names_spelled(outside: tuple[str, ...]) -> list[str]:
     return [f"{mod}:{node.lineno} {node.value!r}" for mod, (_, tree) in modules().items()
             if not (mod.split(".")[1:2] and mod.split(".")[1] in outside)
             for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in names]
+
+
+def _shape(fn: Any) -> list[tuple[str, Any, Any]]:
+    """A method's parameters after ``self`` as (name, kind, default), annotations aside (a layout narrows
+    ``options``' type; a method bound from a module function may call ``self`` otherwise)."""
+    import inspect
+
+    return [(p.name, p.kind, p.default) for p in list(inspect.signature(fn).parameters.values())[1:]]
+
+
+def signature_mismatches(debt: dict[tuple[str, str], str]) -> list[str]:
+    """``"backend.method: ..."`` for every method of the Layout protocol whose parameters (names, order, kinds,
+    defaults) differ on a registered backend's layout; ``debt`` lists known ones, (backend, method) -> why."""
+    from mxconv.layouts import backend_names, get_layout
+    from mxconv.layouts.base import Layout
+
+    methods = [n for n, v in vars(Layout).items() if callable(v) and not n.startswith("_")]
+    found = []
+    for name in backend_names():
+        cls = type(get_layout(name))
+        for method in methods:
+            want, got = _shape(getattr(Layout, method)), _shape(getattr(cls, method))
+            if want != got and (name, method) not in debt:
+                found.append(f"{name}.{method}: {[p[0] for p in got]} != the protocol's {[p[0] for p in want]}")
+    return found

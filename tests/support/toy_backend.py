@@ -37,7 +37,8 @@ class ToyLayout(LayoutBase):
     engine_runner = "support.toy_backend:RUNNER"
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-                     options: Any = None) -> tuple[int, int]:  # fmt: skip
+                     options: Any = None, *, weight_format: str = "mxfp4") -> tuple[int, int]:  # fmt: skip
+        self.check_weight_format(weight_format)
         self.check_activation(activation)
         if hidden_size % 32 or intermediate_size % 32:
             raise LayoutError("toy: sizes must be multiples of 32")

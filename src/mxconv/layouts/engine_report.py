@@ -132,8 +132,7 @@ def _form(h: dict[str, Any], gpu: Gpu, model: dict[str, Any]) -> tuple[dict[str,
     if given:
         h = {**h, "output": f"{h['output']} --layout-option arch={given['arch']}", "options": given}
     opts = layout.resolve_options(given)
-    fmt_kw: dict[str, Any] = {} if wfmt == "mxfp4" else {"weight_format": wfmt}
-    Hp, Ip = layout.padded_sizes(H, I, order, h["activation"], opts, **fmt_kw)
+    Hp, Ip = layout.padded_sizes(H, I, order, h["activation"], opts, weight_format=wfmt)
     sizes = LayoutSizes(int(model.get("num_experts", 1)), H, I, Hp, Ip, order, bool(model.get("has_expert_bias")), wfmt)
     desc = layout.describe(sizes, h["activation"], opts)
     return {**h, "padded": [Hp, Ip]}, OutputForm(h["backend"], h["activation"], wfmt, (H, I, Hp, Ip), model,

@@ -72,6 +72,8 @@ from mxconv.source.manifest import Manifest
 if TYPE_CHECKING:
     import torch
 
+    from mxconv.environment import KernelLocations
+
 __all__ = ["ACTIVATIONS", "LAYOUT", "TrtllmLayout", "TrtllmOptions"]
 
 ACTIVATIONS: tuple[str, ...] = ("bf16", "mxfp8")
@@ -141,7 +143,8 @@ class TrtllmLayout(LayoutBase):
         ),
     )
 
-    def kernel_unavailable(self, manifest: Manifest) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
         """FlashInfer's TRT-LLM-gen MoE kernels need an SM100 GPU; mxconv does not drive them yet."""
         import torch
 
