@@ -14,8 +14,8 @@ import pytest
 from mxconv.examples import make_checkpoint
 from mxconv.layouts import register_layout, unregister_layout
 from mxconv.layouts.engine_picks import MXFP4_BACKENDS, PICKS, SGLANG, VLLM, Gpu, SourceKind, picks
-from mxconv.layouts.engine_report import engine_padding, holders, pick_row, source_kind
-from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, vllm_padded_sizes
+from mxconv.layouts.engine_report import engine_padding, holders, not_held, pick_row, source_kind, undeclarable_backends
+from mxconv.layouts.vllm_backends import CANONICAL_VLLM_BACKENDS, Platform, home_platform, vllm_alignment, vllm_padded_sizes
 from mxconv.layouts.vllm_serving import VllmMethod
 from support.cli import mx
 from support.toy_backend import ToyLayout
@@ -69,16 +69,60 @@ def mxfp4_holders(name: str) -> list[dict]:
     return [h for m in (VllmMethod.MXFP4, VllmMethod.CT_MXFP4) for h in holders(name, m)]
 
 
-def test_every_vllm_mxfp4_backend_is_held_or_has_a_reason() -> None:
-    assert set(MXFP4_BACKENDS) == set(VLLM_MXFP4_ENUM)
-    for name in VLLM_MXFP4_ENUM:
-        held = mxfp4_holders(name)
-        assert held or MXFP4_BACKENDS[name], f"{name}: neither held by an mxconv output nor explained"
-        assert not (held and MXFP4_BACKENDS[name]), f"{name}: held by {held}, yet a stale reason says none is"
+def test_every_vllm_mxfp4_backend_is_listed_and_who_holds_it_comes_from_the_registry() -> None:
+    assert set(MXFP4_BACKENDS) == set(VLLM_MXFP4_ENUM) - {"None"}  # the enum's unset value is no backend
+    for name in MXFP4_BACKENDS:  # vLLM's notes only: never a claim about mxconv's outputs
+        assert not re.search(r"mxconv|layout|manifest|output", MXFP4_BACKENDS[name]), (name, MXFP4_BACKENDS[name])
+        why = not_held(name, VllmMethod.MXFP4)
+        assert (why is None) == bool(holders(name, VllmMethod.MXFP4)), (name, why)
     # the canonical outputs hold XPU and EMULATION as is
     assert {h["output"] for h in mxfp4_holders("XPU")} == {f"canonical ({lay})" for lay in CANONICAL_VLLM_BACKENDS}
     assert [h["output"] for h in mxfp4_holders("EMULATION")] == ["canonical (canonical-gpt-oss)"]
     assert ("repack --backend triton --activation bf16") in {h["output"] for h in mxfp4_holders("TRITON")}
+
+
+def test_why_no_output_holds_a_backend_follows_the_registry() -> None:
+    """The reason is derived, so a layout registered later that declares the backend removes it: nothing to edit."""
+    gfx1250 = "AITER_TRITON_MXFP4_MXFP4"
+    assert not_held(gfx1250, VllmMethod.MXFP4) == (
+        f"no mxconv output holds {gfx1250} bytes yet: no registered layout declares this Mxfp4MoeBackend value in its "
+        f"vllm_backends (vLLM: {MXFP4_BACKENDS[gfx1250]})")
+
+    class Gfx1250Toy(ToyLayout):
+        name = "gfx1250toy"
+        vllm_backends = {"bf16": (gfx1250,)}
+
+    register_layout("gfx1250toy", Gfx1250Toy())
+    try:
+        assert not_held(gfx1250, VllmMethod.MXFP4) is None
+        assert [h["output"] for h in holders(gfx1250, VllmMethod.MXFP4)] == ["repack --backend gfx1250toy --activation bf16"]
+    finally:
+        unregister_layout("gfx1250toy")
+    assert not_held(gfx1250, VllmMethod.MXFP4) is not None
+
+
+def test_vllm_padding_is_known_for_every_mxfp4_backend_so_no_layout_adds_to_it() -> None:
+    """vllm_backends.py is vLLM's data over its whole enum, not per mxconv layout: a layout declaring any
+    Mxfp4MoeBackend value finds vLLM's padding of it on every platform, with nothing to add there."""
+    for name in MXFP4_BACKENDS:
+        home = home_platform(name)
+        for platform in Platform if home is None else [home]:  # where vLLM runs it
+            assert vllm_alignment(name, "silu", platform) is not None, (name, platform)
+
+
+def test_every_declared_vllm_backend_is_a_value_of_its_enum() -> None:
+    assert undeclarable_backends() == []
+
+    class Typo(ToyLayout):
+        name = "typo"
+        vllm_backends = {"bf16": ("HUMMNG",)}
+        vllm_mxfp8_backends = {"bf16": ("HUMMING",)}
+
+    register_layout("typo", Typo())
+    try:
+        assert undeclarable_backends() == ["typo.vllm_backends[bf16]: HUMMNG"]
+    finally:
+        unregister_layout("typo")
 
 
 def test_a_backend_registered_later_is_joined_by_its_vllm_backends() -> None:
@@ -102,14 +146,15 @@ def test_a_backend_registered_later_is_joined_by_its_vllm_backends() -> None:
 
 def test_a_pick_no_output_holds_says_so() -> None:
     """Compressed-tensors MXFP8 on SM100 goes to FLASHINFER_TRTLLM through the FP8 oracle, held by trtllm's
-    MXFP8 form (issue 32); compressed-tensors INT4 on SM100 goes to a WNA16 backend no layout names."""
+    MXFP8 form; compressed-tensors INT4 on SM100 goes to a WNA16 backend no layout names."""
     row = pick_row(VLLM, K.CT_MXFP8, G.SM100, MODEL)
     assert row["backend"] == "FLASHINFER_TRTLLM" and "note" not in row
     [held] = row["held_by"]  # MODEL has expert biases, which the compressed-tensors MXFP8 method never creates
     assert held["output"] == "repack --backend trtllm --activation mxfp8 --format mxfp8"
     assert "trtllm MXFP8 takes no expert biases" in held["refusal"]
     sm100 = pick_row(VLLM, K.CT_INT4, G.SM100, MODEL)  # a WNA16 pick no layout's vllm_int4_backends names
-    assert sm100["held_by"] == [] and sm100["note"] == "no mxconv output holds FLASHINFER_TRTLLM bytes yet"
+    assert sm100["held_by"] == [] and sm100["note"] == ("no mxconv output holds FLASHINFER_TRTLLM bytes yet: no registered "
+                                                        "layout declares this WNA16MoEBackend value in its vllm_int4_backends")
 
 
 def test_ct_int4_on_sm90_is_held_by_repack_backend_humming() -> None:

@@ -2,8 +2,9 @@
 
 The toy backend (a layout and its engine runner, tests/support/toy_backend.py) and the toy family
 (tests/support/toy_family.py) live only on the test side: nothing in the package is edited for them
-and nothing there names them, yet the CLI's repack, inspect, verify, verify --kernel and quantize
-handle them end to end, registered after the CLI was imported (the recipes of docs/architecture.md
+and nothing there names them, yet the CLI's repack (and its help), inspect (the backend table and
+--engine), verify, verify --kernel and quantize handle them end to end, registered after the CLI was
+imported, and the architecture checks take the toy backend in (the recipes of docs/architecture.md
 rely on this).
 """
 
@@ -17,9 +18,12 @@ import pytest
 from mxconv.engines.runner import runner_backends
 
 from mxconv.errors import LayoutError
+from mxconv.layouts.engine_report import undeclarable_backends
 from mxconv.families import register_family, unregister_family
 from mxconv.layouts import backend_names, get_layout, register_layout, unregister_layout
 import support.cli
+from support.architecture import backend_modules, backend_names_spelled, checked_backend_names, cross_backend_imports, \
+    signature_mismatches
 from support.checkpoints import make_checkpoint
 from support.toy_backend import ToyLayout
 from support.toy_family import ToyReader, rename_to_toy
@@ -75,6 +79,31 @@ def test_a_backend_from_one_file_runs_its_engine_under_verify_kernel(toy_backend
     assert layers and all(r["kernel"]["status"] == "ok" for r in layers)
     code, _, err = mx("verify", tmp_path / "q4", "--kernel")  # a canonical checkpoint: the message lists toy's runner
     assert code == 2 and "--backend " + " or ".join(runner_backends()) in err and runner_backends()[-1] == "toy"
+
+
+def test_a_backend_from_one_file_is_in_inspects_tables(toy_backend, tmp_path: Path) -> None:
+    """The backend table, and ``inspect --engine``: the toy declares vLLM's TRITON, picked for gpt-oss on SM90."""
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=128, intermediate_size=128).path
+    code, stdout, err = mx("inspect", src)
+    assert code == 0 and "toy" in stdout, err
+    code, stdout, err = mx("inspect", src, "--engine", "vllm-0.33", "--gpu", "sm90", "--json")
+    assert code == 0, err
+    [row] = [r for g in json.loads(stdout)["engine"]["gpus"] for r in g["rows"] if r["form"] == "as is"]
+    assert row["backend"] == "TRITON"
+    toy = [h for h in row["held_by"] if h.get("backend") == "toy"]
+    assert [h["output"] for h in toy] == ["repack --backend toy --activation bf16"] and toy[0]["padded"] == [128, 128]
+    code, stdout, err = mx("inspect", src, "--engine", "vllm-0.33", "--gpu", "sm90")
+    assert code == 0 and "--backend toy" in " ".join(stdout.split()), err
+
+
+def test_a_backend_from_one_file_passes_the_architecture_checks(toy_backend) -> None:
+    """The checks of tests/test_architecture.py take their backends from the registry: the toy is in them."""
+    from test_architecture import BACKEND_PACKAGES, SIGNATURE_DEBT
+
+    assert backend_modules()["toy"] == {"support.toy_backend"}  # layout and engine runner, one file
+    assert cross_backend_imports() == []
+    assert "toy" in checked_backend_names() and backend_names_spelled(BACKEND_PACKAGES) == []
+    assert signature_mismatches(SIGNATURE_DEBT) == [] and undeclarable_backends() == []
 
 
 def test_the_cli_lists_a_backend_registered_after_it_was_imported(toy_backend, tmp_path: Path) -> None:

@@ -48,7 +48,6 @@ def backend_table(
     for name in backend_names():
         layout = get_layout(name)
         formats = layout.weight_formats
-        fmt_kw = {"weight_format": weight_format} if weight_format != "mxfp4" else {}
         for act in layout.activations:
             if weight_format not in formats:
                 hint = "repack the bf16 source with --format mxfp4" if weight_format == "mxfp8" else "quantize the source to mxfp4 first"
@@ -57,7 +56,7 @@ def backend_table(
                 continue
             try:
                 opts = layout.resolve_options()
-                Hp, Ip = layout.padded_sizes(H, I, row_order, act, opts, **fmt_kw)
+                Hp, Ip = layout.padded_sizes(H, I, row_order, act, opts, weight_format=weight_format)
                 sizes = LayoutSizes(E, H, I, Hp, Ip, row_order, has_bias, weight_format)
                 nbytes = sum(s.nbytes for s in layout.kernel_specs(sizes, act, opts).values()) * layers
                 desc = layout.describe(sizes, act, opts)

@@ -1,8 +1,9 @@
 """A whole backend in one test-side file: a layout (:class:`ToyLayout`) and its engine runner
 (:class:`ToyRunner`), registered at run time with :func:`mxconv.layouts.register_layout`.
 
-Nothing in the package names "toy"; ``repack --backend toy``, ``inspect``, ``verify`` and ``verify
---kernel`` reach it through the registry alone (tests/test_extension.py). The "engine" is a CPU
+Nothing in the package names "toy"; ``repack --backend toy``, its help, ``inspect`` (the backend table and
+``--engine``), ``verify``, ``verify --kernel`` and the architecture checks reach it through the registry
+alone (tests/test_extension.py). The "engine" is a CPU
 MoE on the padded, row-reversed bytes as stored, so ``verify --kernel`` runs without a GPU.
 """
 
@@ -35,9 +36,13 @@ class ToyLayout(LayoutBase):
     activations = ("bf16",)
     options = (LayoutOption("reverse", bool, True, "reverse the rows of every tensor"),)
     engine_runner = "support.toy_backend:RUNNER"
+    # A declaration for the tests (vLLM runs no toy bytes): the vLLM backend said to hold its bf16 output,
+    # which puts it in ``inspect --engine``'s table beside the real layouts holding TRITON.
+    vllm_backends = {"bf16": ("TRITON",)}
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-                     options: Any = None) -> tuple[int, int]:  # fmt: skip
+                     options: Any = None, *, weight_format: str = "mxfp4") -> tuple[int, int]:  # fmt: skip
+        self.check_weight_format(weight_format)
         self.check_activation(activation)
         if hidden_size % 32 or intermediate_size % 32:
             raise LayoutError("toy: sizes must be multiples of 32")

@@ -161,7 +161,8 @@ class AiterLayout(LayoutBase):
     options = (LayoutOption("check_undefined_scale_padding", bool, True, "verify: require 0x7F in the scale padding "
                             "upstream leaves uninitialised (a4w4; MXFP8 w2) (false for scales dumped from a live vLLM)"),)
 
-    def kernel_unavailable(self, manifest: Manifest, kernel_locations: KernelLocations | None = None) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
         """AITER's CK MoE kernels run on ROCm only."""
         return "AITER kernels need a ROCm gfx950 GPU and the aiter package"
 

@@ -30,6 +30,8 @@ from mxconv.source.manifest import Manifest
 if TYPE_CHECKING:
     import torch
 
+    from mxconv.environment import KernelLocations
+
 
 __all__ = ["EmptyOptions", "Layout", "LayoutBase", "LayoutOption", "LayoutOptions"]
 
@@ -176,6 +178,11 @@ class LayoutBase:
                             f"not {type(options).__name__}")
         return options
 
+    def check_weight_format(self, weight_format: str) -> None:
+        """LayoutError unless ``weight_format`` is one of this backend's :attr:`weight_formats`."""
+        if weight_format not in self.weight_formats:
+            raise LayoutError(f"{self.name} takes {', '.join(self.weight_formats)} experts, not {weight_format}")
+
     def check_activation(self, activation: str) -> None:
         """LayoutError unless ``activation`` is one this backend serves."""
         if activation not in self.activations:
@@ -219,9 +226,11 @@ class LayoutBase:
         the repack, exit 2, with this text); None by default."""
         return None
 
-    def kernel_unavailable(self, manifest: Manifest) -> str | None:
-        """Why ``verify --kernel`` cannot run the engine's kernel for a backend without an
-        :attr:`engine_runner` (backends with one are asked through their runner instead)."""
+    def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
+        """Why ``verify --kernel`` cannot run the engine's kernel on ``device`` (kernels looked for at
+        ``kernel_locations`` first) for a backend without an :attr:`engine_runner`; backends with one are
+        asked through their runner instead. The signature of :func:`mxconv.engines.runner.kernel_unavailable`."""
         return f"no engine kernel runner exists in mxconv for backend {self.name}"
 
 
@@ -245,7 +254,8 @@ class Layout(Protocol):
 
     engine_runner: Any  # "module:attribute" of its mxconv.engines EngineRunner, the runner, or None
 
-    def kernel_unavailable(self, manifest: Manifest) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
         """Why the engine kernel cannot run when there is no engine_runner (LayoutBase provides one)."""
         ...
 
@@ -270,10 +280,12 @@ class Layout(Protocol):
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: LayoutOptions | None = None,
+        options: LayoutOptions | None = None, *, weight_format: str = "mxfp4",
     ) -> tuple[int, int]:
         """(Hp, Ip) for one rank's (already TP-sliced) sizes under ``options`` (the same object
-        kernel_specs/to_kernel get; e.g. trtllm's ``intermediate_align``). LayoutError if impossible."""
+        kernel_specs/to_kernel get; e.g. trtllm's ``intermediate_align``) for experts of ``weight_format``
+        (one of ``weight_formats``; a layout whose forms pad differently answers per form). LayoutError
+        if impossible, or for a weight format it does not take."""
         ...
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, TensorSpec]:

@@ -24,7 +24,7 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.padded_stack import PaddedStackLayout, StackForm, Transform
@@ -32,6 +32,8 @@ from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
+
+    from mxconv.environment import KernelLocations
 
 BACKEND_NAME = "cpu"
 BLOCK_N = 32  # sgl-kernels gemm.h block_size_n() = 2 * TILE_N: rows packed together
@@ -108,7 +110,8 @@ class CpuLayout(PaddedStackLayout):
         ),
     }
 
-    def kernel_unavailable(self, manifest: Manifest) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
         """vLLM's fused_experts_cpu needs AMX and a vLLM CPU build; mxconv has no runner for it."""
         return ("vLLM's CPU MXFP4 MoE kernel (CPUExpertsMxfp4: torch.ops._C.fused_experts_cpu) needs an x86 CPU "
                 "with AMX and a vLLM CPU build, and mxconv has no runner for it yet; `verify` (without --kernel) "

@@ -25,7 +25,7 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import round_up
@@ -35,6 +35,8 @@ from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
+
+    from mxconv.environment import KernelLocations
 
 BACKEND_NAME = "cutlass"
 MX_BLOCK = 32
@@ -111,7 +113,8 @@ class CutlassLayout(PaddedStackLayout):
         ),
     }
 
-    def kernel_unavailable(self, manifest: Manifest) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
         """vLLM's CUTLASS MXFP4 grouped GEMM needs an SM100-family GPU; mxconv does not drive it."""
         import torch
 

@@ -40,6 +40,8 @@ from mxconv.source.st_format import torch_dtype
 if TYPE_CHECKING:
     import torch
 
+    from mxconv.environment import KernelLocations
+
 BACKEND_NAME = "deepgemm"
 ALIGN = 128  # mxfp4_round_up_hidden_size_and_intermediate_size: DEEPGEMM_MXFP4 -> H and I to 128
 PACK = 4  # UE8M0 scales per int32 word
@@ -100,7 +102,8 @@ class DeepgemmLayout(PaddedStackLayout):
     vllm_mxfp8_backends = {deepgemm_mxfp8.ACTIVATION: (deepgemm_mxfp8.VLLM_BACKEND,)}  # Fp8MoeBackend (deepgemm_mxfp8)
     weight_formats = ("mxfp4", deepgemm_mxfp8.WEIGHT_FORMAT)
 
-    def kernel_unavailable(self, manifest: Manifest) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
         """DeepGEMM's grouped FP8 x FP4 GEMM needs an SM100/SM120 GPU; mxconv does not drive it."""
         import torch
 

@@ -139,54 +139,57 @@ PICKS: tuple[Pick, ...] = (
          "vLLM: MARLIN; SGLang runs FlashInfer's CUTLASS MXFP4 MoE"),
 )
 
-# Every Mxfp4MoeBackend value of vLLM 0.33 (fused_moe/oracle/mxfp4.py, class Mxfp4MoeBackend; AITER
-# is an alias of AITER_MXFP4_BF16). Whether an mxconv output holds a backend's bytes is asked of the
-# layout registry (engine_report.holders), never written here; a value is the reason no output can,
-# for the backends no registered layout names (tests/test_engine_picks.py fails on a reason given for
-# a backend a layout holds, so a layout added later cannot leave a stale one behind).
-MXFP4_BACKENDS: dict[str, str | None] = {
-    "None": "not a backend (the enum's unset value)",
-    "B12X_MXFP4_MXFP8": "opt-in only (moe_backend b12x); b12x plans on the compressed-tensors tensors; no manifest names it yet",
-    "B12X_MXFP4_BF16": "opt-in only (moe_backend b12x); b12x plans on the compressed-tensors tensors; no manifest names it yet",
-    "DEEPGEMM_MXFP4": None,
-    "FLASHINFER_TRTLLM_MXFP4_MXFP8": None,
-    "FLASHINFER_TRTLLM_MXFP4_BF16": None,
-    "FLASHINFER_CUTLASS_MXFP4_MXFP8": None,
-    "FLASHINFER_CUTLASS_MXFP4_BF16": None,
-    "CUTLASS_MXFP4_MXFP4": None,
-    "BATCHED_MARLIN": None,
-    "MARLIN": None,
-    "AITER_MXFP4_BF16": None,
-    "AITER_TRITON_MXFP4_BF16": None,
-    "AITER_MXFP4_FP8": None,
-    "AITER_MXFP4_MXFP4": None,
-    "AITER_TRITON_MXFP4_MXFP4": "aiter's gfx1250 a4w4 layout; mxconv has no gfx1250 layout",
-    "TRITON": None,
-    "TRITON_UNFUSED": "not in vLLM 0.33's default lists (left out for an MTP bug); no layout declares it",
-    "XPU": None,
-    "CPU": None,
-    "EMULATION": None,
-    "HUMMING": None,
-    "FLASHINFER_MOE_EP_CUTEDSL": "opt-in MoE-EP megakernel on the checkpoint tensors; no manifest names it yet",
-    "FLASHINFER_MOE_EP_DEEP_GEMM": "opt-in MoE-EP megakernel on the checkpoint tensors; no manifest names it yet",
+# Every Mxfp4MoeBackend value of vLLM 0.33 (fused_moe/oracle/mxfp4.py, class Mxfp4MoeBackend; AITER is an
+# alias of AITER_MXFP4_BF16; the enum's "None" is its unset value, not a backend), with what vLLM does with it
+# where that says why a default selection passes it by ("" where nothing does). Which mxconv output holds a
+# backend's bytes, or why none does, is never written here: engine_report.not_held asks the layout registry
+# (each layout's vllm_backends), so a layout added later is joined with no edit here.
+MXFP4_BACKENDS: dict[str, str] = {
+    "B12X_MXFP4_MXFP8": "opt-in only (moe_backend b12x); b12x plans on the compressed-tensors tensors",
+    "B12X_MXFP4_BF16": "opt-in only (moe_backend b12x); b12x plans on the compressed-tensors tensors",
+    "DEEPGEMM_MXFP4": "",
+    "FLASHINFER_TRTLLM_MXFP4_MXFP8": "",
+    "FLASHINFER_TRTLLM_MXFP4_BF16": "",
+    "FLASHINFER_CUTLASS_MXFP4_MXFP8": "",
+    "FLASHINFER_CUTLASS_MXFP4_BF16": "",
+    "CUTLASS_MXFP4_MXFP4": "",
+    "BATCHED_MARLIN": "",
+    "MARLIN": "",
+    "AITER_MXFP4_BF16": "",
+    "AITER_TRITON_MXFP4_BF16": "",
+    "AITER_MXFP4_FP8": "",
+    "AITER_MXFP4_MXFP4": "",
+    "AITER_TRITON_MXFP4_MXFP4": "aiter's a4w4 experts for gfx1250 (AiterW4A4ExpertsMonolithic)",
+    "TRITON": "",
+    "TRITON_UNFUSED": "not in vLLM 0.33's default lists (left out for an MTP bug)",
+    "XPU": "",
+    "CPU": "",
+    "EMULATION": "",
+    "HUMMING": "",
+    "FLASHINFER_MOE_EP_CUTEDSL": "opt-in MoE-EP megakernel on the checkpoint tensors",
+    "FLASHINFER_MOE_EP_DEEP_GEMM": "opt-in MoE-EP megakernel on the checkpoint tensors",
 }
 
 
 # The Fp8MoeBackend values vLLM 0.33 runs MXFP8 experts on (fused_moe/oracle/mxfp8.py, _SUPPORTED_BACKENDS),
-# the same way: whether an output holds one under CompressedTensorsW8A8Mxfp8MoEMethod is asked of the layout
-# registry (engine_report.holders), a value is the reason no output can (tests/test_engine_mxfp8.py fails on
-# a stale one).
-MXFP8_BACKENDS: dict[str, str | None] = {
-    "FLASHINFER_TRTLLM": None,
-    "DEEPGEMM": None,  # SM100 only; prepare_fp8_moe_layer_for_deepgemm (layouts/deepgemm_mxfp8.py)
-    "MARLIN": None,
-    "XPU": "prepare_fp8_moe_layer_for_xpu; mxconv has no XPU layout",
-    "AITER_MXFP8": None,  # gfx950, VLLM_ROCM_USE_AITER=1; shuffle_mxfp8_moe_weights (layouts/aiter_mxfp8.py)
-    "HUMMING": None,
-    "TRITON_MXFP8": None,
-    "EMULATION": None,
+# the same way: what vLLM does with each where that matters; whether an output holds one under
+# CompressedTensorsW8A8Mxfp8MoEMethod is asked of the layout registry (each layout's vllm_mxfp8_backends).
+MXFP8_BACKENDS: dict[str, str] = {
+    "FLASHINFER_TRTLLM": "",
+    "DEEPGEMM": "SM100 only",
+    "MARLIN": "",
+    "XPU": "Intel XPU only; its load runs prepare_fp8_moe_layer_for_xpu",
+    "AITER_MXFP8": "gfx950 with VLLM_ROCM_USE_AITER=1; its load runs rocm_aiter_ops.shuffle_mxfp8_moe_weights",
+    "HUMMING": "",
+    "TRITON_MXFP8": "",
+    "EMULATION": "",
 }
 
+
+# The WNA16MoEBackend values of vLLM 0.33 (fused_moe/oracle/int_wna16.py, class WNA16MoEBackend): the names a
+# layout's INT4 form declares in vllm_int4_backends. No notes recorded.
+WNA16_BACKENDS: dict[str, str] = {name: "" for name in (
+    "MARLIN", "BATCHED_MARLIN", "HUMMING", "CPU", "ZEN_CPU", "FLASHINFER_TRTLLM", "TRITON", "XPU", "EMULATION", "RDNA3")}
 
 def picks(engine: str, source: SourceKind, gpu: Gpu) -> Pick | None:
     """The row for (engine, source, gpu); None where the data has none."""

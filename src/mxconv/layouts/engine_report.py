@@ -15,7 +15,9 @@ from typing import Any
 from mxconv.errors import BadInput, LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import LayoutSizes
-from mxconv.layouts.engine_picks import ENGINES, MXFP4_BACKENDS, MXFP8_BACKENDS, PICKS, VLLM, Gpu, Pick, SourceKind, picks
+from mxconv.layouts.engine_picks import (
+    ENGINES, MXFP4_BACKENDS, MXFP8_BACKENDS, PICKS, VLLM, WNA16_BACKENDS, Gpu, Pick, SourceKind, picks,
+)
 from mxconv.layouts.vllm_backends import platform_of, vllm_padded_sizes
 from mxconv.layouts.vllm_serving import CANONICAL_LAYOUTS, OutputForm, VllmMethod, candidates, served_methods, vllm_serving
 
@@ -45,9 +47,12 @@ def source_kind(quant: dict[str, Any] | None, model_type: str | None) -> SourceK
 # says quant_method null).
 METHOD = {SourceKind.GPT_OSS_MXFP4: VllmMethod.MXFP4, SourceKind.MXFP4: VllmMethod.MXFP4, SourceKind.CT_MXFP4: VllmMethod.CT_MXFP4,
           SourceKind.CT_INT4: VllmMethod.CT_WNA16, SourceKind.CT_MXFP8: VllmMethod.CT_MXFP8, SourceKind.MXCONV_MXFP8: None}
-# Why no output holds a picked backend, by the enum the method's backends are named in (Fp8MoeBackend for
-# MXFP8; the others: Mxfp4MoeBackend's table, which has no reasons for WNA16MoEBackend names).
-NOT_HELD_REASONS = {VllmMethod.CT_MXFP8: MXFP8_BACKENDS}
+# Per method: the Layout member a layout declares the backends holding its bytes in, the vLLM enum they are
+# values of and vLLM's notes on each (engine_picks).
+DECLARED_IN = {VllmMethod.MXFP4: ("vllm_backends", "Mxfp4MoeBackend", MXFP4_BACKENDS),
+               VllmMethod.CT_MXFP4: ("vllm_backends", "Mxfp4MoeBackend", MXFP4_BACKENDS),
+               VllmMethod.CT_WNA16: ("vllm_int4_backends", "WNA16MoEBackend", WNA16_BACKENDS),
+               VllmMethod.CT_MXFP8: ("vllm_mxfp8_backends", "Fp8MoeBackend", MXFP8_BACKENDS)}
 # A holder's weight format -> what its repack command adds (a bf16 or MXFP4 source becomes MXFP8 only when asked)
 FORMAT_FLAG = {"mxfp8": " --format mxfp8"}
 
@@ -68,6 +73,31 @@ def holders(backend: str, method: VllmMethod | None = None) -> list[dict[str, An
                             "activation": act, "weight_format": fmt})
     out += [{"output": f"canonical ({lay})", "layout": lay, "weight_format": fmt}
             for fmt in ("mxfp4", "mxfp8") for lay in CANONICAL_LAYOUTS if names_it(lay, None, fmt)]
+    return out
+
+
+def not_held(backend: str, method: VllmMethod) -> str | None:
+    """Why no mxconv output holds ``backend``'s bytes under ``method``, asked of the registry (:func:`holders`):
+    no registered layout declares it and no canonical output is it; vLLM's note on the backend added. None
+    when an output does."""
+    if holders(backend, method):
+        return None
+    member, enum, notes = DECLARED_IN[method]
+    note = notes.get(backend)
+    return (f"no mxconv output holds {backend} bytes yet: no registered layout declares this {enum} value in its "
+            f"{member}" + (f" (vLLM: {note})" if note else ""))
+
+
+def undeclarable_backends() -> list[str]:
+    """``"layout.member[activation]: NAME"`` for every name a registered layout declares that is no value of
+    that member's vLLM enum (a typo would otherwise pass as served: vLLM's padding of it is unknown)."""
+    out = []
+    for name in backend_names():
+        layout = get_layout(name)
+        declared = {"vllm_backends": layout.vllm_backends, "vllm_int4_backends": layout.vllm_int4_backends,
+                    "vllm_mxfp8_backends": layout.vllm_mxfp8_backends}
+        for member, _, known in {d[0]: d for d in DECLARED_IN.values()}.values():
+            out += [f"{name}.{member}[{act}]: {b}" for act, names in declared[member].items() for b in names if b not in known]
     return out
 
 
@@ -102,8 +132,7 @@ def _form(h: dict[str, Any], gpu: Gpu, model: dict[str, Any]) -> tuple[dict[str,
     if given:
         h = {**h, "output": f"{h['output']} --layout-option arch={given['arch']}", "options": given}
     opts = layout.resolve_options(given)
-    fmt_kw: dict[str, Any] = {} if wfmt == "mxfp4" else {"weight_format": wfmt}
-    Hp, Ip = layout.padded_sizes(H, I, order, h["activation"], opts, **fmt_kw)
+    Hp, Ip = layout.padded_sizes(H, I, order, h["activation"], opts, weight_format=wfmt)
     sizes = LayoutSizes(int(model.get("num_experts", 1)), H, I, Hp, Ip, order, bool(model.get("has_expert_bias")), wfmt)
     desc = layout.describe(sizes, h["activation"], opts)
     return {**h, "padded": [Hp, Ip]}, OutputForm(h["backend"], h["activation"], wfmt, (H, I, Hp, Ip), model,
@@ -155,9 +184,7 @@ def pick_row(engine: str, kind: SourceKind, gpu: Gpu, model: dict[str, Any]) -> 
         return row
     row["held_by"] = [_check_holder(h, p, model) for h in holders(p.backend, METHOD[kind])]
     if not row["held_by"]:
-        reasons = NOT_HELD_REASONS.get(METHOD[kind], MXFP4_BACKENDS)
-        row["note"] = f"no mxconv output holds {p.backend} bytes yet" + (
-            f": {reasons[p.backend]}" if reasons.get(p.backend) else "")
+        row["note"] = not_held(p.backend, METHOD[kind])
     return row
 
 

@@ -27,7 +27,7 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mxconv.layouts.flashinfer_cutlass_bytemap import (
     SCALE_FOLD_COLS,
@@ -38,11 +38,13 @@ from mxconv.layouts.flashinfer_cutlass_bytemap import (
     sm90_weight_interleave,
 )
 from mxconv.layouts.padded_stack import PaddedStackLayout, RowMap, StackForm, Transform
-from mxconv.layouts.trtllm_bytemap import swizzle_128x4, unswizzle_128x4
+from mxconv.layouts.scale_swizzle import swizzle_128x4, unswizzle_128x4
 from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
+
+    from mxconv.environment import KernelLocations
 
 BACKEND_NAME = "flashinfer-cutlass"
 ALIGN = 128  # FLASHINFER_CUTLASS_MXFP4_*: H and I rounded up to 128
@@ -110,7 +112,8 @@ class FlashinferCutlassLayout(PaddedStackLayout):
     engine_compat = {"vllm": ">=0.33", "flashinfer": ">=0.7.2"}
     forms = {"bf16": SM90, "mxfp8": SM100}
 
-    def kernel_unavailable(self, manifest: Manifest) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
         """Why mxconv cannot run FlashInfer's CUTLASS fused MoE on these bytes here."""
         import torch
 

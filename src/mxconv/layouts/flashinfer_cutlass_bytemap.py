@@ -10,7 +10,7 @@ Three pure tensor maps, each with its inverse, over whole expert stacks [E, rows
 * :func:`sm90_scale_fold` - FlashInfer's pure-torch ``interleave_moe_scales_for_sm90_mixed_gemm``
   for uint8 E8M0 scales of 32-element groups: [E, R, C] -> [E, R/64, C/4, 16, 16];
 * the 128x4 scale swizzle of ``block_scale_interleave`` (SM100), shared with the trtllm layout
-  (:func:`mxconv.layouts.trtllm_bytemap.swizzle_128x4`).
+  (:func:`mxconv.layouts.scale_swizzle.swizzle_128x4`).
 
 torch is imported lazily, so ``mxconv inspect`` stays torch-free.
 """

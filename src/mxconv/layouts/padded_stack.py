@@ -130,10 +130,11 @@ class PaddedStackLayout(LayoutBase):
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: LayoutOptions | None = None,
+        options: LayoutOptions | None = None, *, weight_format: str = "mxfp4",
     ) -> tuple[int, int]:
-        """(Hp, Ip) for one rank; LayoutError unless H and I are positive multiples of 32 and the row
-        order and activation are known."""
+        """(Hp, Ip) for one rank; LayoutError unless H and I are positive multiples of 32, the row
+        order and activation are known and the layout takes ``weight_format``."""
+        self.check_weight_format(weight_format)
         self.check_activation(activation)
         check_block_sizes(self.name, hidden_size, intermediate_size, row_order, MX_BLOCK)
         h_align, i_align = self.aligns(options)

@@ -214,7 +214,7 @@ class TritonLayout(LayoutBase):
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: TritonOptions | None = None,
+        options: TritonOptions | None = None, *, weight_format: str = "mxfp4",
     ) -> tuple[int, int]:
         """(Hp, Ip) = (H, or roundup(H, 64) with pad_hidden; roundup(I, 64)) for one rank.
         LayoutError unless H and I are positive multiples of 32."""

@@ -68,6 +68,8 @@ from mxconv.source.manifest import Manifest
 if TYPE_CHECKING:
     import torch
 
+    from mxconv.environment import KernelLocations
+
 __all__ = ["ACTIVATIONS", "LAYOUT", "VARIANTS", "TrtllmLayout", "TrtllmMxfp4", "TrtllmOptions", "TrtllmVariant"]
 
 ACTIVATIONS: tuple[str, ...] = ("bf16", "mxfp8")
@@ -278,7 +280,8 @@ class TrtllmLayout(LayoutBase):
         except KeyError:
             raise LayoutError(f"trtllm takes {', '.join(VARIANTS)} experts, got {weight_format}") from None
 
-    def kernel_unavailable(self, manifest: Manifest) -> str | None:
+    def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
         """FlashInfer's TRT-LLM-gen MoE kernels need an SM100 GPU; mxconv does not drive them yet."""
         import torch
 

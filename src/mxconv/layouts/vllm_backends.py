@@ -13,6 +13,10 @@ Facts from the vLLM 0.33.0 sources, by function:
 
 Kernel outputs are checked against the padding of the MXFP4 quant methods that pad
 (``GptOssMxfp4MoEMethod`` / ``Mxfp4MoEMethod`` ``maybe_roundup_sizes``), per TP rank.
+
+These tables are vLLM's, over its whole enums (tests/test_engine_picks.py checks every Mxfp4MoeBackend value
+has its padding here), never mxconv's: which layout holds which backend is each layout's declaration
+(``vllm_backends``), so a new layout adds nothing here.
 """
 
 from __future__ import annotations

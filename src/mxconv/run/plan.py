@@ -257,7 +257,6 @@ def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _L
             f"choose one of {', '.join(layout.activations)}"
         )
     wfmt = _layout_weight_format(ckpt, info, layout, repack)
-    fmt_kw: dict[str, Any] = {} if wfmt == WeightFormat.MXFP4 else {"weight_format": wfmt}
     rank_ranges = tp_ranges(info.intermediate_size, repack.tp)
     widths = {e - s for s, e in rank_ranges}
     I_rank = max(widths)
@@ -266,10 +265,10 @@ def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _L
     if why:
         raise BadInput(f"RepackOptions.tp {repack.tp} RepackOptions.backend {repack.backend}: {why}")
     repack = replace(repack, layout_options=opts)
-    Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation, opts, **fmt_kw)
+    Hp, Ip = layout.padded_sizes(info.hidden_size, I_rank, info.row_order, repack.activation, opts, weight_format=str(wfmt))
     for w in widths:  # every rank pads to the same Ip; make sure the smaller ones fit the rule too
-        layout.padded_sizes(info.hidden_size, w, info.row_order, repack.activation, opts, **fmt_kw)
-    if fmt_kw and len(widths) > 1:
+        layout.padded_sizes(info.hidden_size, w, info.row_order, repack.activation, opts, weight_format=str(wfmt))
+    if wfmt != WeightFormat.MXFP4 and len(widths) > 1:
         raise BadInput(
             f"RepackOptions.tp {repack.tp} splits intermediate size {info.intermediate_size} unevenly "
             f"({sorted(widths)} per rank); vLLM never pads {wfmt} experts up to a common rank width, so every rank "

@@ -172,13 +172,12 @@ def _padding(manifest: Manifest, width: int) -> list[str]:
     takes = layout.weight_formats
     if fmt not in takes:
         return [f"manifest weight_format is {fmt!r}, but backend {backend} holds {' or '.join(takes)} experts"]
-    kw = {} if fmt == "mxfp4" else {"weight_format": fmt}
     problems = []
     if lay.intermediate_size != width:
         problems.append(f"manifest layout.intermediate_size is {lay.intermediate_size!r}, but the widest TP rank "
                         f"of model.intermediate_size has {width}")
     try:
-        padded = layout.padded_sizes(lay.hidden_size, width, lay.w13_row_order, manifest.activation, options, **kw)
+        padded = layout.padded_sizes(lay.hidden_size, width, lay.w13_row_order, manifest.activation, options, weight_format=fmt)
     except (LayoutError, ValueError, TypeError) as exc:
         return problems + [f"manifest layout: the {backend} layout cannot take these sizes: {exc}"]
     for key, want in zip(("padded_hidden_size", "padded_intermediate_size"), padded):
@@ -276,7 +275,7 @@ def _kernel_mismatch(manifest: Manifest, ckpt: Checkpoint, rinfo: ModelInfo) -> 
         fmt = manifest.weight_format if manifest.weight_format in WEIGHT_FORMATS else "mxfp4"
         width = max(e - s for s, e in tp_ranges(rinfo.intermediate_size, manifest.tp_size))
         padded = layout.padded_sizes(rinfo.hidden_size, width, rinfo.row_order, manifest.activation, options,
-                                     **({} if fmt == "mxfp4" else {"weight_format": fmt}))
+                                     weight_format=fmt)
         specs = layout.kernel_specs(LayoutSizes(rinfo.num_experts, rinfo.hidden_size, width, *padded, rinfo.row_order,
                                                 rinfo.has_expert_bias, fmt), manifest.activation, options)
     except (BadInput, LayoutError, ValueError) as exc:

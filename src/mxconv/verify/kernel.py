@@ -68,8 +68,8 @@ def kernel_preflight(manifest: Manifest, kernel_locations: KernelLocations | Non
     problems = layout.size_warnings(lay.hidden_size, lay.intermediate_size, options)
     if problems:
         return layout, problems
-    reason = (layout.kernel_unavailable(manifest) if engine_runner(backend) is None
-              else kernel_unavailable(manifest, kernel_locations=kernel_locations))
+    unavailable = layout.kernel_unavailable if engine_runner(backend) is None else kernel_unavailable
+    reason = unavailable(manifest, "cuda", kernel_locations)
     if reason:
         raise BadInput(f"VerifyOptions.kernel: cannot run the {backend} engine kernel here: {reason}")
     return layout, []
