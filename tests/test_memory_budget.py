@@ -30,7 +30,7 @@ from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import TensorSpec
-from mxconv.run.memory import ExpertCost, MemoryBudget, MemoryPlan, balance, plan_memory
+from mxconv.run.memory import Baseline, ExpertCost, ItemCosts, MemoryBudget, MemoryPlan, balance, plan_memory
 from mxconv.run.plan_costs import work_items
 from support.checkpoints import INT4_KINDS, KINDS, make_checkpoint
 from mxconv.output.shards import PlannedTensor, plan_shards
@@ -158,8 +158,9 @@ MB = 10**6
 COST = ExpertCost(read=10 * MB, out=2 * MB, work=40 * MB, work_cap=4, out_temp=4 * MB)
 
 
-def _plan(host: int | None, gpu: int | None = None, dev: str = "cpu", **kw) -> MemoryPlan:
-    return plan_memory({0: COST, 1: COST}, 128, MemoryBudget(host, gpu, dev), baseline=500 * MB, **kw)
+def _plan(host: int | None, gpu: int | None = None, dev: str = "cpu", item_read_cap: int | None = None, **items) -> MemoryPlan:
+    return plan_memory(ItemCosts({0: COST, 1: COST}, 128, **items), MemoryBudget(host, gpu, dev), Baseline(500 * MB),
+                       item_read_cap=item_read_cap)
 
 
 def test_plan_whole_layers_when_they_fit() -> None:
@@ -209,7 +210,7 @@ def test_plan_on_cuda_keeps_temporaries_on_the_gpu_budget() -> None:
     # the host holds reads and pinned results only: whole layers fit where the CPU would need groups
     uncapped = {0: ExpertCost(10 * MB, 2 * MB, 40 * MB, 128, 4 * MB)}  # temporaries of every expert at once
     for dev, split in (("cuda", False), ("cpu", True)):
-        m = plan_memory(uncapped, 128, MemoryBudget(6500 * MB, 10**12, dev), baseline=500 * MB)
+        m = plan_memory(ItemCosts(uncapped, 128), MemoryBudget(6500 * MB, 10**12, dev), Baseline(500 * MB))
         assert m.split == split and m.peak_host <= 6500 * MB
     with pytest.raises(BadInput, match=r"MemoryBudget.gpu 50.00 MB is too small for one expert of layer 0: .* 61.60 MB on the GPU"):
         _plan(10**12, gpu=50 * MB, dev="cuda")
