@@ -20,7 +20,7 @@ from mxconv.errors import LayoutError
 from mxconv.families import register_family, unregister_family
 from mxconv.layouts import backend_names, get_layout, register_layout, unregister_layout
 import support.cli
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 from support.toy_backend import ToyLayout
 from support.toy_family import ToyReader, rename_to_toy
 
@@ -45,7 +45,7 @@ def toy_family():
 
 def test_a_backend_from_one_file_goes_through_repack_inspect_and_verify(toy_backend, tmp_path: Path) -> None:
     assert "toy" in backend_names() and isinstance(get_layout("toy"), ToyLayout)
-    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=96, intermediate_size=96).path
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", ModelSizes(hidden_size=96, intermediate_size=96)).path
     out = tmp_path / "k"
     code, _, err = mx("repack", src, out, "--backend", "toy", "--tp", "2", "--layout-option", "reverse=false",
                       "--quiet", "--device", "cpu")  # fmt: skip
@@ -104,7 +104,7 @@ def test_layout_options_are_typed_and_validated(toy_backend) -> None:
 
 
 def test_layout_option_flag_on_the_cli(tmp_path: Path) -> None:
-    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=96, intermediate_size=96).path
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", ModelSizes(hidden_size=96, intermediate_size=96)).path
     code, _, err = mx("repack", src, tmp_path / "a", "--backend", "trtllm", "--layout-option", "intermediate_align=96")
     assert code == 2 and "intermediate_align=96" in err and "multiple of 128" in err
     code, _, err = mx("repack", src, tmp_path / "b", "--backend", "trtllm", "--layout-option", "colour")

@@ -32,7 +32,7 @@ from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import TensorSpec
 from mxconv.run.memory import Baseline, ExpertCost, ItemCosts, MemoryBudget, MemoryPlan, balance, plan_memory
 from mxconv.run.plan_costs import work_items
-from support.checkpoints import INT4_KINDS, KINDS, make_checkpoint
+from support.checkpoints import INT4_KINDS, KINDS, ModelSizes, make_checkpoint
 from mxconv.output.shards import PlannedTensor, plan_shards
 from mxconv.output.writer import ShardedWriter
 
@@ -70,7 +70,7 @@ def _stacks(layer) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", KINDS + INT4_KINDS)
 def test_read_layer_of_a_range_of_experts(kind: str, tmp_path: Path) -> None:
-    make_checkpoint(tmp_path / "src", kind, num_experts=5)
+    make_checkpoint(tmp_path / "src", kind, ModelSizes(num_experts=5))
     reader = detect_family(open_checkpoint(tmp_path / "src"))
     assert reader.reads_expert_ranges
     for ref in reader.layer_refs():
@@ -84,7 +84,7 @@ def test_read_layer_of_a_range_of_experts(kind: str, tmp_path: Path) -> None:
 
 
 def test_reader_without_ranges_cuts_groups_from_the_whole_layer(tmp_path: Path, monkeypatch) -> None:
-    make_checkpoint(tmp_path / "src", "qwen3-moe", num_experts=5)
+    make_checkpoint(tmp_path / "src", "qwen3-moe", ModelSizes(num_experts=5))
     reader = detect_family(open_checkpoint(tmp_path / "src"))
     ref = reader.layer_refs()[0]
     want = _stacks(reader.read_layer(ref, (2, 5)))
@@ -289,7 +289,7 @@ def _same_output(src: Path, tmp_path: Path, q: QuantOptions, r: RepackOptions | 
 @pytest.fixture(scope="module")
 def ws(made: MadeCheckpoints, tmp_path_factory) -> Path:
     kinds = ("qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4")
-    return link_workspace(tmp_path_factory.mktemp("budget"), {kind: made.source(kind, num_experts=E, shards=3).path for kind in kinds})
+    return link_workspace(tmp_path_factory.mktemp("budget"), {kind: made.source(kind, ModelSizes(num_experts=E), shards=3).path for kind in kinds})
 
 
 @pytest.mark.parametrize("kind", ["qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4"])
@@ -376,8 +376,7 @@ def test_cuda_groups_give_the_cpu_bytes(ws: Path, tmp_path: Path, kind: str, q: 
 def big(tmp_path_factory) -> Path:
     """Experts of ~12 MB each: whole layers need ~0.9 GB more than one expert, so a budget 150 MB
     above the smallest splits layers whatever the test process's RSS does between two plans."""
-    return make_checkpoint(tmp_path_factory.mktemp("big") / "qwen", "qwen3-moe", num_experts=8, hidden_size=2048,
-                           intermediate_size=1024).path
+    return make_checkpoint(tmp_path_factory.mktemp("big") / "qwen", "qwen3-moe", ModelSizes(num_experts=8, hidden_size=2048, intermediate_size=1024)).path
 
 
 def mx_process(*args: object) -> tuple[int, str, str]:
