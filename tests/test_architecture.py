@@ -108,8 +108,6 @@ MAX_PARAMETERS = 8  # self/cls not counted; a longer list is a typed object wait
 # parameter per flag). Each entry here is a known debt, to be paid by grouping its arguments:
 PARAMETER_DEBT = {
     "mxconv.layouts.marlin:_kernel_scales", "mxconv.layouts.triton_float:_plan",
-    # the runners' wrap(**common) hand-off: a typed geometry object through engines.runner, loader and every runner
-    "mxconv.engines.marlin_moe:build_experts", "mxconv.engines.triton_moe:build_experts",
 }
 
 
