@@ -37,6 +37,7 @@ import torch
 
 from _args import parser
 from mxconv.engines import discover, marlin_moe, triton_moe
+from mxconv.engines.runner import LayerSpec
 from mxconv.families.base import ModelInfo
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes, round_up
@@ -252,16 +253,15 @@ def main() -> None:
 
         rows["engine"] = run_all(lambda: engine(c))
 
+        lay = manifest["layout"]
+        spec = LayerSpec("experts", lay, E, H, lay["padded_hidden_size"], I, 1, "swigluoai")
+
         def load_host() -> Any:
             t = {k: v.to(device) for k, v in host_kern.items()}
             if backend == "triton" and device.type == "cuda":
-                lay = manifest["layout"]
-                return triton_moe.build_experts(tk, t, num_experts=E, hidden_size=H, padded_hidden_size=lay["padded_hidden_size"],
-                                                padded_intermediate_size=lay["padded_intermediate_size"], layout=lay, activation="swigluoai")  # fmt: skip
+                return triton_moe.build_experts(tk, t, spec, lay["padded_intermediate_size"])
             if device.type == "cuda":
-                return marlin_moe.build_experts(t, num_experts=E, hidden_size=H, padded_hidden_size=manifest["layout"]["padded_hidden_size"],
-                                                padded_intermediate_size=manifest["layout"]["padded_intermediate_size"], layout=manifest["layout"],
-                                                row_order="interleaved", activation="swigluoai")  # fmt: skip
+                return marlin_moe.build_experts(t, spec, lay["padded_intermediate_size"], "interleaved")
             return t
 
         rows["mxconv"] = run_all(load_host)

@@ -91,13 +91,13 @@ def run_child(kind: str, path: Path) -> dict[str, Any]:
 
 def prepare(work: Path, args: Any) -> tuple[Path, Path]:
     """The MXFP4 checkpoint and its ``--backend cpu`` repack under ``work`` (made once, kept)."""
-    from mxconv.examples import make_checkpoint
+    from mxconv.examples import ModelSizes, make_checkpoint
 
     src, out = work / "src", work / "cpu"
     if not (src / "config.json").exists():
-        make_checkpoint(src, "gpt-oss-mxfp4", num_layers=args.layers, num_experts=args.experts, hidden_size=args.hidden,
-                        intermediate_size=args.intermediate, top_k=4, vocab_size=1024, shards=args.layers,
-                        head_dim=64)  # fmt: skip
+        sizes = ModelSizes(num_layers=args.layers, num_experts=args.experts, hidden_size=args.hidden,
+                           intermediate_size=args.intermediate, top_k=4, vocab_size=1024)  # fmt: skip
+        make_checkpoint(src, "gpt-oss-mxfp4", sizes, shards=args.layers, head_dim=64)
     if not (out / "mxconv.json").exists():
         subprocess.run([sys.executable, "-m", "mxconv.cli", "repack", str(src), str(out), "--backend", "cpu", "--quiet"], check=True)
     return src, out

@@ -73,13 +73,17 @@ VOLATILE = (("tool_version",), ("command",), ("created",), ("source", "path"), (
 # make_checkpoint options per kind (others: defaults). INT4 at I = 512: MxInt4 needs I per rank % 256 == 0 (TP 2).
 SOURCE_OPTIONS: dict[str, dict[str, Any]] = {"kimi-k2-int4": {"intermediate_size": 512}}
 # Writes each kind of the JSON {kind: options} argv[2] into argv[1]/<kind> with the test suite's
-# generators (mxconv.examples' kinds plus DeepSeek/GLM/block-FP8/INT4).
+# generators (mxconv.examples' kinds plus DeepSeek/GLM/block-FP8/INT4). The size options go in a
+# ModelSizes; a --gen-dir checkout from before ModelSizes takes them as keywords.
 GENERATE = """
 import json, sys
 from pathlib import Path
-from support.checkpoints import make_checkpoint
+import support.checkpoints as gen
+SIZES = ("num_layers", "num_experts", "hidden_size", "intermediate_size", "top_k", "vocab_size")
 for kind, options in json.loads(sys.argv[2]).items():
-    make_checkpoint(Path(sys.argv[1]) / kind, kind, **options)
+    if hasattr(gen, "ModelSizes"):
+        options = {"sizes": gen.ModelSizes(**{k: options.pop(k) for k in SIZES if k in options}), **options}
+    gen.make_checkpoint(Path(sys.argv[1]) / kind, kind, **options)
 """
 
 

@@ -80,13 +80,7 @@ MAX_PARAMETERS = 8  # self/cls not counted; a longer list is a typed object wait
 # Outside kernels/ (a Triton kernel's arguments are its launch contract) and the Typer commands (one
 # parameter per flag). Each entry here is a known debt, to be paid by grouping its arguments:
 PARAMETER_DEBT = {
-    "mxconv.examples:_gpt_oss", "mxconv.examples:_qwen_mixtral", "mxconv.examples:make_checkpoint",
-    "mxconv.examples.models:attention", "mxconv.examples.models:gpt_oss", "mxconv.examples.models:qwen_mixtral_config",
-    "mxconv.examples.models:qwen_mixtral", "mxconv.layouts.marlin:_kernel_scales",
-    "mxconv.output.manifest:base_manifest", "mxconv.run.fp8_compute:_part", "mxconv.run.memory:plan_memory",
-    "mxconv.run.pipeline:run_pipeline", "mxconv.run.pipeline:_Stages.__init__",
-    # the runners' wrap(**common) hand-off: a typed geometry object through engines.runner, loader and every runner
-    "mxconv.engines.marlin_moe:build_experts", "mxconv.engines.triton_moe:build_experts",
+    "mxconv.layouts.marlin:_kernel_scales",
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.cli import mx
 
-from mxconv.examples import make_checkpoint
+from mxconv.examples import ModelSizes, make_checkpoint
 from mxconv.layouts.engine_picks import MXFP8_BACKENDS, VLLM, Gpu, SourceKind
 from mxconv.layouts.engine_report import holders, not_held, pick_row
 from mxconv.layouts.vllm_backends import home_platform, vllm_refusal
@@ -66,7 +66,7 @@ def _engine_json(path: Path, gpu: str) -> dict:
 def qwen8(tmp_path_factory) -> dict[str, Path]:
     """A Qwen-style source, its MXFP8 quantization and that repacked for humming and marlin."""
     root = tmp_path_factory.mktemp("engine-mxfp8")
-    make_checkpoint(root / "src", "qwen3-moe", hidden_size=128, intermediate_size=128)
+    make_checkpoint(root / "src", "qwen3-moe", ModelSizes(hidden_size=128, intermediate_size=128))
     runs = {"q8": ("quantize", "src", "--format", "mxfp8"), "humming": ("repack", "q8", "--backend", "humming"),
             "marlin": ("repack", "q8", "--backend", "marlin")}  # fmt: skip
     for name, (command, src, *args) in runs.items():
@@ -83,7 +83,7 @@ def test_canonical_mxfp8_output_names_its_served_backends(qwen8: dict[str, Path]
     assert (row["form"], row["kind"], row["backend"]) == ("as is", "ct-mxfp8", "TRITON_MXFP8")
     assert [h["output"] for h in row["held_by"]] == ["canonical (canonical-compressed-tensors)"]
     # gpt-oss MXFP8 (quant_method null): no vLLM method loads it
-    make_checkpoint(tmp_path / "gsrc", "gpt-oss-bf16", hidden_size=128, intermediate_size=128)
+    make_checkpoint(tmp_path / "gsrc", "gpt-oss-bf16", ModelSizes(hidden_size=128, intermediate_size=128))
     code, _, err = mx("quantize", tmp_path / "gsrc", tmp_path / "g8", "--format", "mxfp8", "--quiet", "--device", "cpu")
     assert code == 0, err
     assert json.loads((tmp_path / "g8" / "mxconv.json").read_text())["served_vllm_backends"] == []
@@ -143,7 +143,7 @@ def test_mxfp8_holders_print_whole_commands_with_format(qwen8: dict[str, Path]) 
 def test_an_mxfp8_output_with_expert_biases_is_held_by_no_mxfp8_backend(tmp_path: Path) -> None:
     """Before: gpt-oss experts repacked for humming with --format mxfp8 listed HUMMING as served, though
     CompressedTensorsW8A8Mxfp8MoEMethod (the method loading MXFP8 bytes) creates no expert biases."""
-    make_checkpoint(tmp_path / "src", "gpt-oss-bf16", hidden_size=96, intermediate_size=64)
+    make_checkpoint(tmp_path / "src", "gpt-oss-bf16", ModelSizes(hidden_size=96, intermediate_size=64))
     code, out, err = mx("repack", tmp_path / "src", tmp_path / "hum", "--backend", "humming", "--format", "mxfp8",
                         "--device", "cpu", "--json")  # fmt: skip
     assert code == 0, err

@@ -29,6 +29,7 @@ from mxconv.engines.runner import gated_activation, kernel_unavailable, softmax_
 from mxconv.source.manifest import Manifest
 from mxconv.errors import BadInput
 from mxconv.engines.loader import build_engine_layer, read_layer_tensors, resolve_layer
+from mxconv.examples import ModelSizes
 from support.workspace import MadeCheckpoints, link_workspace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -233,7 +234,7 @@ def test_marlin_and_humming_experts_activate_through_the_shared_helper() -> None
 
 @pytest.fixture(scope="module")
 def cpu_outputs(made: MadeCheckpoints, tmp_path_factory) -> Path:
-    q4 = made.quantize(made.source("gpt-oss-bf16", hidden_size=128, intermediate_size=96).path)
+    q4 = made.quantize(made.source("gpt-oss-bf16", ModelSizes(hidden_size=128, intermediate_size=96)).path)
     return link_workspace(tmp_path_factory.mktemp("engines-cpu"), {
         "q4": q4, "marlin": made.repack(q4, "marlin"), "marlin-tp2": made.repack(q4, "marlin", "--tp", "2")})
 
@@ -351,7 +352,7 @@ def test_wrap_refuses_wrong_buffer_shape() -> None:
 def test_triton_wrap_refuses_storage_of_another_gpu(made: MadeCheckpoints) -> None:
     """An arch=sm100 triton output read onto the CPU: wrapping it for the Hopper matmul is refused
     for its storage (manifest layout.arch) before any device or kernel question."""
-    out = made.repack(made.quantize(made.source("gpt-oss-bf16", hidden_size=128, intermediate_size=96).path),
+    out = made.repack(made.quantize(made.source("gpt-oss-bf16", ModelSizes(hidden_size=128, intermediate_size=96)).path),
                       "triton", "--layout-option", "arch=sm100")  # fmt: skip
     src = resolve_layer(out, 1)
     assert src.manifest.layout.extra["arch"] == "sm100"

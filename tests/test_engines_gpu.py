@@ -29,7 +29,7 @@ from mxconv.engines.loader import (
     run_kernel_layer,
 )
 from mxconv.engines.runner import KERNEL_THRESHOLDS
-from mxconv.examples import make_checkpoint
+from mxconv.examples import ModelSizes, make_checkpoint
 from mxconv.families import detect_family
 from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.source.checkpoint import open_checkpoint
@@ -241,7 +241,7 @@ def mxfp8_marlin(tmp_path_factory) -> Case:
     """A Qwen-style layer (H 256, I 192) quantized to MXFP8 and repacked for marlin at TP 1 (I as is)
     and TP 2 (96 per rank: vLLM's per-half padding to 128 inside the tensors)."""
     root = tmp_path_factory.mktemp("marlin-mxfp8")
-    make_checkpoint(root / "src", "qwen3-moe", hidden_size=256, intermediate_size=192, num_experts=8, top_k=2)
+    make_checkpoint(root / "src", "qwen3-moe", ModelSizes(hidden_size=256, intermediate_size=192, num_experts=8, top_k=2))
     code, text = mx("quantize", root / "src", root / "q8", "--format", "mxfp8", "--quiet", "--device", "cpu")
     assert code == 0, text
     outputs = {}

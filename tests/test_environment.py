@@ -19,7 +19,7 @@ from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.padding import KernelChoice, layout_kernels
 from mxconv.run.options import RepackOptions
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 
 # Read elsewhere until their own items of issue 19 land (the trace option, the write-delay hook).
 cli = CliRunner()
@@ -72,7 +72,7 @@ def test_verify_kernel_location_options_need_kernel(tmp_path: Path) -> None:
 def triton_output(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small gpt-oss output repacked for the triton_kernels engine (CPU)."""
     root = tmp_path_factory.mktemp("envswitch")
-    make_checkpoint(root / "src", "gpt-oss-bf16", hidden_size=128, intermediate_size=96)
+    make_checkpoint(root / "src", "gpt-oss-bf16", ModelSizes(hidden_size=128, intermediate_size=96))
     for args in (["quantize", root / "src", root / "q4"], ["repack", root / "q4", root / "out", "--backend", "triton"]):
         r = cli.invoke(app, [str(a) for a in args] + ["--quiet", "--device", "cpu"])
         assert r.exit_code == 0, r.stdout + r.stderr

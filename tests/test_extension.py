@@ -24,7 +24,7 @@ from mxconv.layouts import backend_names, get_layout, register_layout, unregiste
 import support.cli
 from support.architecture import backend_modules, backend_names_spelled, checked_backend_names, cross_backend_imports, \
     signature_mismatches
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 from support.toy_backend import ToyLayout
 from support.toy_family import ToyReader, rename_to_toy
 
@@ -49,7 +49,7 @@ def toy_family():
 
 def test_a_backend_from_one_file_goes_through_repack_inspect_and_verify(toy_backend, tmp_path: Path) -> None:
     assert "toy" in backend_names() and isinstance(get_layout("toy"), ToyLayout)
-    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=96, intermediate_size=96).path
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", ModelSizes(hidden_size=96, intermediate_size=96)).path
     out = tmp_path / "k"
     code, _, err = mx("repack", src, out, "--backend", "toy", "--tp", "2", "--layout-option", "reverse=false",
                       "--quiet", "--device", "cpu")  # fmt: skip
@@ -83,7 +83,7 @@ def test_a_backend_from_one_file_runs_its_engine_under_verify_kernel(toy_backend
 
 def test_a_backend_from_one_file_is_in_inspects_tables(toy_backend, tmp_path: Path) -> None:
     """The backend table, and ``inspect --engine``: the toy declares vLLM's TRITON, picked for gpt-oss on SM90."""
-    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=128, intermediate_size=128).path
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", ModelSizes(hidden_size=128, intermediate_size=128)).path
     code, stdout, err = mx("inspect", src)
     assert code == 0 and "toy" in stdout, err
     code, stdout, err = mx("inspect", src, "--engine", "vllm-0.33", "--gpu", "sm90", "--json")
@@ -133,7 +133,7 @@ def test_layout_options_are_typed_and_validated(toy_backend) -> None:
 
 
 def test_layout_option_flag_on_the_cli(tmp_path: Path) -> None:
-    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=96, intermediate_size=96).path
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", ModelSizes(hidden_size=96, intermediate_size=96)).path
     code, _, err = mx("repack", src, tmp_path / "a", "--backend", "trtllm", "--layout-option", "intermediate_align=96")
     assert code == 2 and "intermediate_align=96" in err and "multiple of 128" in err
     code, _, err = mx("repack", src, tmp_path / "b", "--backend", "trtllm", "--layout-option", "colour")

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from mxconv.cli import app
 from mxconv.source.st_format import ST_DTYPES
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 from support.workspace import copy_checkpoint
 from test_strict_read import _library_accepts  # tests/ is on sys.path (pytest rootdir import mode)
 
@@ -55,7 +55,7 @@ def base(tmp_path_factory) -> Path:
     """Tiny inputs: a gpt-oss bf16 source (two shards + index), its MXFP4 quantization, a trtllm
     repack and a two-rank marlin repack."""
     root = tmp_path_factory.mktemp("fuzz")
-    make_checkpoint(root / "src", "gpt-oss-bf16", num_layers=1, num_experts=2)
+    make_checkpoint(root / "src", "gpt-oss-bf16", ModelSizes(num_layers=1, num_experts=2))
     for args in (("quantize", root / "src", root / "q4"),
                  ("repack", root / "q4", root / "k", "--backend", "trtllm"),
                  ("repack", root / "q4", root / "tp", "--backend", "marlin", "--tp", "2")):

@@ -17,7 +17,7 @@ from mxconv.run.options import QuantOptions, RepackOptions
 from mxconv.run.plan import build_plan
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -33,8 +33,8 @@ def _run(src: Path, out: Path, device: str, q: QuantOptions, r: RepackOptions | 
 def sources(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gpu")
     return {
-        "gpt": make_checkpoint(root / "gpt", "gpt-oss-bf16", hidden_size=288, intermediate_size=320).path,
-        "qwen": make_checkpoint(root / "qwen", "qwen3-moe", num_experts=8).path,
+        "gpt": make_checkpoint(root / "gpt", "gpt-oss-bf16", ModelSizes(hidden_size=288, intermediate_size=320)).path,
+        "qwen": make_checkpoint(root / "qwen", "qwen3-moe", ModelSizes(num_experts=8)).path,
         "ds": make_checkpoint(root / "ds", "deepseek-v3-fp8").path,
     }
 

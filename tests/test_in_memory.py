@@ -29,6 +29,7 @@ from mxconv.errors import BadInput
 from mxconv.layouts import backend_names, get_layout, register_layout, unregister_layout
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.source.st_format import read_tensor
+from mxconv.examples import ModelSizes
 
 H, I = 128, 96
 EXPERTS = "model.layers.1.mlp.experts"
@@ -41,7 +42,7 @@ def _layer(directory, prefix: str = EXPERTS) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def sources(made: MadeCheckpoints):
-    bf16 = made.source("gpt-oss-bf16", hidden_size=H, intermediate_size=I).path
+    bf16 = made.source("gpt-oss-bf16", ModelSizes(hidden_size=H, intermediate_size=I)).path
     return bf16, made.quantize(bf16)
 
 
@@ -159,7 +160,7 @@ def test_update_that_does_not_fit_writes_nothing(made: MadeCheckpoints, sources,
 
 
 def test_update_with_tensors_the_layer_does_not_hold(made: MadeCheckpoints, toy) -> None:
-    src = made.source("qwen3-moe", hidden_size=H, intermediate_size=I).path  # no biases
+    src = made.source("qwen3-moe", ModelSizes(hidden_size=H, intermediate_size=I)).path  # no biases
     layer = load_model(made.repack(src, "toy"), device="cpu", layers=[1]).layers[1]
     assert "w13_bias" not in layer.tensors
     before = _copies(layer.tensors)

@@ -27,6 +27,7 @@ from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import LayoutSizes
 from mxconv.run.options import QuantOptions
 from mxconv.source.manifest import Manifest, load_manifest
+from mxconv.examples import ModelSizes
 
 H, I = 128, 192  # TP 2: 96 per rank, which marlin's MXFP8 form pads to 128 per half
 MXFP8 = QuantOptions("mxfp8")
@@ -62,7 +63,7 @@ def sources(made: MadeCheckpoints) -> dict[str, tuple]:
     """Per source kind: (bf16 source, its MXFP4 quantization, its MXFP8 quantization)."""
     out = {}
     for kind in ("gpt-oss-bf16", "qwen3-moe"):
-        src = made.source(kind, hidden_size=H, intermediate_size=I).path
+        src = made.source(kind, ModelSizes(hidden_size=H, intermediate_size=I)).path
         out[kind] = (src, made.quantize(src), made.quantize(src, "--format", "mxfp8"))
     return out
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from mxconv.examples import ModelSizes
 
 from support.cli import mx
 from support.workspace import copy_checkpoint, MadeCheckpoints
@@ -18,7 +19,7 @@ WIDE = {"COLUMNS": "200"}  # rich wraps long cells at the default 80 columns
 @pytest.fixture(scope="module")
 def tp_out(made: MadeCheckpoints) -> Path:
     """A triton --tp 2 output of a source with I = 160: ranks hold [0, 96) and [96, 160), both padded to 128."""
-    src = made.source("qwen3-moe", hidden_size=256, intermediate_size=160).path
+    src = made.source("qwen3-moe", ModelSizes(hidden_size=256, intermediate_size=160)).path
     return made.repack(src, "triton", "--tp", "2")
 
 

@@ -28,6 +28,7 @@ from mxconv.layouts.cpu import LAYOUT, pack_scale, pack_weight, unpack_scale, un
 from mxconv.layouts.padding import slice_tp, tp_ranges
 from mxconv.layouts.vllm_backends import vllm_padded_sizes, vllm_refusal
 from mxconv.source.checkpoint import open_checkpoint
+from mxconv.examples import ModelSizes
 
 BLOCK = 32  # rows per pack block (spec §4)
 
@@ -274,7 +275,7 @@ def _stored(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kind, row_order", [("gpt-oss-mxfp4", "interleaved"), ("qwen3-moe", "halves")])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_repack_bytes_verify_and_kernel_refusal(made, kind: str, row_order: str, tp: int) -> None:
-    src = made.source(kind, hidden_size=96, intermediate_size=160, num_experts=4).path
+    src = made.source(kind, ModelSizes(hidden_size=96, intermediate_size=160, num_experts=4)).path
     q4 = src if kind == "gpt-oss-mxfp4" else made.quantize(src)
     out = made.repack(q4, "cpu", "--tp", tp)
     m = json.loads((out / "mxconv.json").read_text())
@@ -301,7 +302,7 @@ def test_repack_bytes_verify_and_kernel_refusal(made, kind: str, row_order: str,
 def test_verify_catches_a_nonzero_padding_nibble(made, tmp_path: Path) -> None:
     """Rank 1 of TP 2 holds padding inside its pack blocks; one set nibble there fails verify (exit 1)
     even with the manifest's sha256 updated, named in the unpacked canonical view."""
-    src = made.source("qwen3-moe", hidden_size=96, intermediate_size=160, num_experts=4).path
+    src = made.source("qwen3-moe", ModelSizes(hidden_size=96, intermediate_size=160, num_experts=4)).path
     out = shutil.copytree(made.repack(made.quantize(src), "cpu", "--tp", 2), tmp_path / "out")
     name = "model.layers.0.mlp.experts.w2_weight"
     before = hashlib.sha256(_stored(out / "rank-1")[name].numpy().tobytes()).hexdigest()

@@ -15,6 +15,7 @@ from mxconv.errors import LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.cutlass import LAYOUT, swizzle_scales, tiled_shape, unswizzle_scales
+from mxconv.examples import ModelSizes
 
 
 def u8(g: torch.Generator, *shape: int) -> torch.Tensor:
@@ -186,7 +187,7 @@ def _manifest(out: Path) -> dict:
 def test_repack_verify_and_served_backends(made, H: int, I: int, served: bool) -> None:
     """A compressed-tensors MXFP4 source (mxconv quantize of Qwen3) repacked: verify passes; vLLM 0.33
     holds it as CUTLASS_MXFP4_MXFP4 only where H and I are multiples of 128."""
-    src = made.source("qwen3-moe", hidden_size=H, intermediate_size=I).path
+    src = made.source("qwen3-moe", ModelSizes(hidden_size=H, intermediate_size=I)).path
     out = made.repack(made.quantize(src), "cutlass", "--activation", "mxfp4")
     m = _manifest(out)
     assert m["backend"] == "cutlass" and m["layout"]["padded_hidden_size"] == H and m["layout"]["padded_intermediate_size"] == I
@@ -201,7 +202,7 @@ def test_repack_verify_and_served_backends(made, H: int, I: int, served: bool) -
 
 
 def test_gpt_oss_biases_are_not_served(made) -> None:
-    out = made.repack(made.source("gpt-oss-mxfp4", hidden_size=256, intermediate_size=128).path, "cutlass", "--activation", "mxfp4")
+    out = made.repack(made.source("gpt-oss-mxfp4", ModelSizes(hidden_size=256, intermediate_size=128)).path, "cutlass", "--activation", "mxfp4")
     why = _manifest(out)["quant_config"]["not_served"]["CUTLASS_MXFP4_MXFP4"]
     assert "ignores expert biases" in why
 
@@ -209,6 +210,6 @@ def test_gpt_oss_biases_are_not_served(made) -> None:
 def test_verify_kernel_says_it_needs_sm100(made) -> None:
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (10, 11):
         pytest.skip("an SM100-family GPU: the reason is a different one")
-    out = made.repack(made.source("qwen3-moe", hidden_size=256, intermediate_size=128).path, "cutlass", "--activation", "mxfp4")
+    out = made.repack(made.source("qwen3-moe", ModelSizes(hidden_size=256, intermediate_size=128)).path, "cutlass", "--activation", "mxfp4")
     code, text, err = mx("verify", out, "--kernel")
     assert code == 2 and "--kernel" in err and "SM100" in err and "Traceback" not in text + err, text + err

@@ -17,7 +17,7 @@ from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.humming_bytemap import unrepack_weights
 from mxconv.mx.int4 import pack_int4
 from mxconv.source.checkpoint import open_checkpoint
-from support.checkpoints import GroundTruth, make_checkpoint
+from support.checkpoints import GroundTruth, ModelSizes, make_checkpoint
 from support.cli import mx
 from support.tamper import patch_tensor
 
@@ -115,7 +115,7 @@ def test_the_code_form_humming_would_not_pick_is_refused() -> None:
 def kimi(tmp_path_factory: pytest.TempPathFactory) -> GroundTruth:
     """Two MoE layers (1, 2); the generator's codes stay in [-7, 7] (scale amax / 7): no q = -8, so
     humming makes every stack float4e0m3, except layer 2's w2, where one code is set to q = -8."""
-    truth = make_checkpoint(tmp_path_factory.mktemp("kimi") / "src", "kimi-k2-int4", num_layers=3)
+    truth = make_checkpoint(tmp_path_factory.mktemp("kimi") / "src", "kimi-k2-int4", ModelSizes(num_layers=3))
     patch_tensor(truth.path, f"{MINUS8_EXPERT}.weight_packed", lambda t: t & ~0xF, fix_manifest=False)  # nibble 0: q = -8
     return truth
 

@@ -15,7 +15,7 @@ from support.cli import mx
 from support.mxfp8_cli import quantized_mxfp8, repack_verify_and_damage
 
 from mxconv.errors import LayoutError
-from mxconv.examples import make_checkpoint
+from mxconv.examples import ModelSizes, make_checkpoint
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.humming_bytemap import repack_bytes, repack_weights, unrepack_bytes
@@ -156,7 +156,7 @@ def test_repack_of_an_mxfp8_output_verifies_bit_exact_and_damage_fails(q8: Path,
 
 
 def test_repack_of_a_bf16_source_with_format_mxfp8(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path / "src", "gpt-oss-bf16", hidden_size=96, intermediate_size=64)
+    make_checkpoint(tmp_path / "src", "gpt-oss-bf16", ModelSizes(hidden_size=96, intermediate_size=64))
     out = tmp_path / "hum"
     code, _, err = mx("repack", tmp_path / "src", out, "--backend", "humming", "--format", "mxfp8", "--quiet", "--device", "cpu")
     assert code == 0, err

@@ -15,7 +15,7 @@ from support.cli import mx
 from support.mxfp8_cli import engine_row_holders, quantized_mxfp8, repack_verify_and_damage
 
 from mxconv.errors import LayoutError
-from mxconv.examples import make_checkpoint
+from mxconv.examples import ModelSizes, make_checkpoint
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.marlin_mxfp8 import repack_bytes, unrepack_bytes
@@ -165,7 +165,7 @@ def test_repack_verifies_bit_exact_and_a_flipped_scale_byte_fails(q8: Path, tmp_
 
 
 def test_a_model_with_expert_biases_is_refused(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path / "src", "gpt-oss-bf16", hidden_size=128, intermediate_size=64)
+    make_checkpoint(tmp_path / "src", "gpt-oss-bf16", ModelSizes(hidden_size=128, intermediate_size=64))
     code, _, err = mx("repack", tmp_path / "src", tmp_path / "o", "--backend", "marlin", "--format", "mxfp8", "--quiet")
     assert code == 2 and "marlin MXFP8 takes no expert biases" in err
 

@@ -23,7 +23,7 @@ from mxconv.run.options import QuantOptions, RepackOptions
 from mxconv.run.plan import build_plan
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
-from support.checkpoints import make_checkpoint, write_shards
+from support.checkpoints import ModelSizes, make_checkpoint, write_shards
 from support.tamper import patch_tensor
 from support.workspace import copy_checkpoint
 from mxconv.verify import VerifyOptions, verify
@@ -117,7 +117,7 @@ def _mx_modules(tensors: dict[str, torch.Tensor]) -> set[str]:
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
     """A bf16 Qwen3-MoE checkpoint (layer 0 a dense MLP) and its --targets linear output."""
     d = tmp_path_factory.mktemp("qwen")
-    src = make_checkpoint(d / "src", "qwen3-moe", num_layers=3, mlp_only_layers=(0,)).path
+    src = make_checkpoint(d / "src", "qwen3-moe", ModelSizes(num_layers=3), mlp_only_layers=(0,)).path
     summary = _convert(src, d / "out", LINEAR)
     return src, d / "out", summary
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 from support.gpu_outputs import need_kernels
 from test_staged_read import _infos, _shards
 from typer.testing import CliRunner
@@ -39,7 +39,7 @@ PREFIX = "model.layers.1.mlp.experts"
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("loader-gpu")
-    make_checkpoint(root / "src", "gpt-oss-bf16", hidden_size=H, intermediate_size=I, num_experts=E, top_k=2)
+    make_checkpoint(root / "src", "gpt-oss-bf16", ModelSizes(hidden_size=H, intermediate_size=I, num_experts=E, top_k=2))
     cli = CliRunner()
     out = {"src": root / "src"}
     for backend in ("triton", "marlin"):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 from support.gpu_outputs import need_kernels
 from test_engines_gpu import _check, _reference, mx
 from test_in_memory import _assert_equal_files, _layer
@@ -54,7 +54,7 @@ def made8(tmp_path_factory) -> dict[str, Path]:
     """src (bf16), q8 (its MXFP8 quantization), {backend} (repack of q8), {backend}-bf16 (repack of
     src with --format mxfp8)."""
     root = tmp_path_factory.mktemp("loader-mxfp8")
-    make_checkpoint(root / "src", "qwen3-moe", hidden_size=H, intermediate_size=I, num_experts=E, top_k=2)
+    make_checkpoint(root / "src", "qwen3-moe", ModelSizes(hidden_size=H, intermediate_size=I, num_experts=E, top_k=2))
     runs = {"q8": ("quantize", "src", "--format", "mxfp8")}
     for b in BACKENDS:
         runs[b] = ("repack", "q8", "--backend", b)

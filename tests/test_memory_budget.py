@@ -30,9 +30,9 @@ from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.canonical import TensorSpec
-from mxconv.run.memory import ExpertCost, MemoryBudget, MemoryPlan, balance, plan_memory
+from mxconv.run.memory import Baseline, ExpertCost, ItemCosts, MemoryBudget, MemoryPlan, balance, plan_memory
 from mxconv.run.plan_costs import work_items
-from support.checkpoints import INT4_KINDS, KINDS, make_checkpoint
+from support.checkpoints import INT4_KINDS, KINDS, ModelSizes, make_checkpoint
 from mxconv.output.shards import PlannedTensor, plan_shards
 from mxconv.output.writer import ShardedWriter
 
@@ -70,7 +70,7 @@ def _stacks(layer) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", KINDS + INT4_KINDS)
 def test_read_layer_of_a_range_of_experts(kind: str, tmp_path: Path) -> None:
-    make_checkpoint(tmp_path / "src", kind, num_experts=5)
+    make_checkpoint(tmp_path / "src", kind, ModelSizes(num_experts=5))
     reader = detect_family(open_checkpoint(tmp_path / "src"))
     assert reader.reads_expert_ranges
     for ref in reader.layer_refs():
@@ -84,7 +84,7 @@ def test_read_layer_of_a_range_of_experts(kind: str, tmp_path: Path) -> None:
 
 
 def test_reader_without_ranges_cuts_groups_from_the_whole_layer(tmp_path: Path, monkeypatch) -> None:
-    make_checkpoint(tmp_path / "src", "qwen3-moe", num_experts=5)
+    make_checkpoint(tmp_path / "src", "qwen3-moe", ModelSizes(num_experts=5))
     reader = detect_family(open_checkpoint(tmp_path / "src"))
     ref = reader.layer_refs()[0]
     want = _stacks(reader.read_layer(ref, (2, 5)))
@@ -158,8 +158,9 @@ MB = 10**6
 COST = ExpertCost(read=10 * MB, out=2 * MB, work=40 * MB, work_cap=4, out_temp=4 * MB)
 
 
-def _plan(host: int | None, gpu: int | None = None, dev: str = "cpu", **kw) -> MemoryPlan:
-    return plan_memory({0: COST, 1: COST}, 128, MemoryBudget(host, gpu, dev), baseline=500 * MB, **kw)
+def _plan(host: int | None, gpu: int | None = None, dev: str = "cpu", item_read_cap: int | None = None, **items) -> MemoryPlan:
+    return plan_memory(ItemCosts({0: COST, 1: COST}, 128, **items), MemoryBudget(host, gpu, dev), Baseline(500 * MB),
+                       item_read_cap=item_read_cap)
 
 
 def test_plan_whole_layers_when_they_fit() -> None:
@@ -209,7 +210,7 @@ def test_plan_on_cuda_keeps_temporaries_on_the_gpu_budget() -> None:
     # the host holds reads and pinned results only: whole layers fit where the CPU would need groups
     uncapped = {0: ExpertCost(10 * MB, 2 * MB, 40 * MB, 128, 4 * MB)}  # temporaries of every expert at once
     for dev, split in (("cuda", False), ("cpu", True)):
-        m = plan_memory(uncapped, 128, MemoryBudget(6500 * MB, 10**12, dev), baseline=500 * MB)
+        m = plan_memory(ItemCosts(uncapped, 128), MemoryBudget(6500 * MB, 10**12, dev), Baseline(500 * MB))
         assert m.split == split and m.peak_host <= 6500 * MB
     with pytest.raises(BadInput, match=r"MemoryBudget.gpu 50.00 MB is too small for one expert of layer 0: .* 61.60 MB on the GPU"):
         _plan(10**12, gpu=50 * MB, dev="cuda")
@@ -288,7 +289,7 @@ def _same_output(src: Path, tmp_path: Path, q: QuantOptions, r: RepackOptions | 
 @pytest.fixture(scope="module")
 def ws(made: MadeCheckpoints, tmp_path_factory) -> Path:
     kinds = ("qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4")
-    return link_workspace(tmp_path_factory.mktemp("budget"), {kind: made.source(kind, num_experts=E, shards=3).path for kind in kinds})
+    return link_workspace(tmp_path_factory.mktemp("budget"), {kind: made.source(kind, ModelSizes(num_experts=E), shards=3).path for kind in kinds})
 
 
 @pytest.mark.parametrize("kind", ["qwen3-moe", "gpt-oss-bf16", "gpt-oss-mxfp4", "deepseek-v3-fp8", "kimi-k2-int4"])
@@ -375,8 +376,7 @@ def test_cuda_groups_give_the_cpu_bytes(ws: Path, tmp_path: Path, kind: str, q: 
 def big(tmp_path_factory) -> Path:
     """Experts of ~12 MB each: whole layers need ~0.9 GB more than one expert, so a budget 150 MB
     above the smallest splits layers whatever the test process's RSS does between two plans."""
-    return make_checkpoint(tmp_path_factory.mktemp("big") / "qwen", "qwen3-moe", num_experts=8, hidden_size=2048,
-                           intermediate_size=1024).path
+    return make_checkpoint(tmp_path_factory.mktemp("big") / "qwen", "qwen3-moe", ModelSizes(num_experts=8, hidden_size=2048, intermediate_size=1024)).path
 
 
 def mx_process(*args: object) -> tuple[int, str, str]:

@@ -23,11 +23,12 @@ from mxconv.layouts import register_layout, unregister_layout
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.source.st_format import read_tensor
 from mxconv.source.manifest import Manifest
+from mxconv.examples import ModelSizes
 
 
 @pytest.fixture(scope="module")
 def outputs(made: MadeCheckpoints, tmp_path_factory) -> Path:
-    q4 = made.quantize(made.source("gpt-oss-bf16", hidden_size=128, intermediate_size=96).path)
+    q4 = made.quantize(made.source("gpt-oss-bf16", ModelSizes(hidden_size=128, intermediate_size=96)).path)
     return link_workspace(tmp_path_factory.mktemp("model-load"), {
         "q4": q4, "marlin": made.repack(q4, "marlin"), "marlin-tp2": made.repack(q4, "marlin", "--tp", "2")})
 
@@ -93,7 +94,7 @@ def test_errors(outputs: Path) -> None:
 def test_toy_backend_layers_come_back_wrapped(made: MadeCheckpoints, tmp_path: Path) -> None:
     register_layout("toy", ToyLayout())
     try:
-        q4 = made.quantize(made.source("gpt-oss-bf16", hidden_size=128, intermediate_size=96).path)
+        q4 = made.quantize(made.source("gpt-oss-bf16", ModelSizes(hidden_size=128, intermediate_size=96)).path)
         out = made.repack(q4, "toy")
         model = load_model(out, device="cpu")
         assert model.wrapped and model.backend == "toy"

@@ -27,7 +27,7 @@ from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.trtllm import LAYOUT
 from mxconv.source.st_format import read_header, read_tensor
 from mxconv.verify import VerifyOptions, verify
-from support.checkpoints import GroundTruth, make_checkpoint, pack_int4_words_reference, write_shards
+from support.checkpoints import GroundTruth, ModelSizes, make_checkpoint, pack_int4_words_reference, write_shards
 from support.cli import mx
 from support.tamper import patch_tensor
 from support.workspace import copy_checkpoint
@@ -513,10 +513,10 @@ def test_other_backends_refuse_int4(kimi: GroundTruth, tmp_path: Path, backend: 
 
 
 def test_repack_refuses_sizes_not_multiples_of_256(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path / "src", "kimi-k2-int4", hidden_size=256, intermediate_size=384)
+    make_checkpoint(tmp_path / "src", "kimi-k2-int4", ModelSizes(hidden_size=256, intermediate_size=384))
     code, _, err = mx("repack", tmp_path / "src", tmp_path / "out", "--backend", "trtllm", "--device", "cpu")
     assert code == 2 and "trtllm MxInt4: intermediate (per TP rank) size 384 is not a positive multiple of 256" in err
-    make_checkpoint(tmp_path / "src2", "kimi-k2-int4", hidden_size=160, intermediate_size=256)
+    make_checkpoint(tmp_path / "src2", "kimi-k2-int4", ModelSizes(hidden_size=160, intermediate_size=256))
     code, _, err = mx("repack", tmp_path / "src2", tmp_path / "out2", "--backend", "trtllm", "--device", "cpu")
     assert code == 2 and "trtllm MxInt4: hidden size 160 is not a positive multiple of 256" in err
     code, _, err = mx("repack", tmp_path / "src2", tmp_path / "out3", "--backend", "trtllm", "--activation", "mxfp8")
@@ -524,7 +524,7 @@ def test_repack_refuses_sizes_not_multiples_of_256(tmp_path: Path) -> None:
 
 
 def test_tensor_parallel_ranks(tmp_path: Path) -> None:
-    src = make_checkpoint(tmp_path / "src", "kimi-k2-int4", hidden_size=256, intermediate_size=512).path
+    src = make_checkpoint(tmp_path / "src", "kimi-k2-int4", ModelSizes(hidden_size=256, intermediate_size=512)).path
     code, _, err = mx("repack", src, tmp_path / "tp2", "--backend", "trtllm", "--tp", "2", "--device", "cpu", "--quiet")
     assert code == 0, err
     rep = verify(tmp_path / "tp2", VerifyOptions(reference=str(src), tokens=16))
@@ -565,7 +565,7 @@ def test_partial_quantize_of_int4_is_refused(kimi: GroundTruth) -> None:
     with pytest.raises(BadInput, match="no MoE layer selected"):
         make()
     # a two-MoE-layer INT4 checkpoint, one layer ignored
-    two = make_checkpoint(Path(str(kimi.path) + "-3"), "kimi-k2-int4", num_layers=3)
+    two = make_checkpoint(Path(str(kimi.path) + "-3"), "kimi-k2-int4", ModelSizes(num_layers=3))
     ckpt = open_checkpoint(two.path)
     with pytest.raises(BadInput, match=r"layers\.2\.mlp\.experts: QuantOptions.include/QuantOptions.ignore would leave this INT4 layer"):
         build_plan(ckpt, detect_family(ckpt), QuantOptions("mxfp4", ignore=r"layers\.2\."))

@@ -18,6 +18,7 @@ from mxconv.cli import app
 from mxconv.mx.numerics import first_nan_scale, first_nonfinite, first_nonnumber
 from mxconv.verify.reference_moe import compare
 from mxconv.source.st_format import read_header, read_tensor
+from mxconv.examples import ModelSizes
 from support.tamper import patch_tensor
 from support.workspace import copy_checkpoint, link_workspace, MadeCheckpoints
 
@@ -60,7 +61,7 @@ def ws(made: MadeCheckpoints, tmp_path_factory) -> Path:
     gpt, qwen = made.source("gpt-oss-bf16").path, made.source("qwen3-moe").path
     gpt_q4 = made.quantize(gpt)
     return link_workspace(tmp_path_factory.mktemp("nonfinite"), {
-        "gpt": gpt, "qwen": qwen, "ds": made.source("deepseek-v3-fp8", num_layers=2, num_experts=4).path,
+        "gpt": gpt, "qwen": qwen, "ds": made.source("deepseek-v3-fp8", ModelSizes(num_layers=2, num_experts=4)).path,
         "gpt-q4": gpt_q4, "qwen-q4": made.quantize(qwen), "gpt-trt": made.repack(gpt_q4, "trtllm")})
 
 

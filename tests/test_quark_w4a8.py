@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from mxconv.families import detect_family
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.run.options import QuantOptions, RepackOptions
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 from support.cli import mx
 from support.tamper import patch_tensor
 from test_memory_budget import _same_output
@@ -70,7 +70,7 @@ def test_w4a8_output_is_the_gfx950_bytes_plus_the_max_input_scales(tmp_path: Pat
 
 def test_w4a8_in_expert_groups_gives_the_whole_layer_bytes(tmp_path: Path) -> None:
     """Groups of experts (a memory budget) write the layer's reduced scalar once, from every expert."""
-    make_checkpoint(tmp_path / "src", "gpt-oss-quark-w4a8", num_experts=8)
+    make_checkpoint(tmp_path / "src", "gpt-oss-quark-w4a8", ModelSizes(num_experts=8))
     _same_output(tmp_path / "src", tmp_path, QuantOptions(), RepackOptions("triton", "fp8", 1, {"arch": "gfx950"}))
 
 

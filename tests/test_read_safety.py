@@ -39,6 +39,7 @@ from mxconv.source.file_names import is_plain_name, manifest_file_problem
 from mxconv.source.json_files import MAX_NESTING, dumps_strict, loads_strict, read_json
 from mxconv.source.manifest import Manifest, load_manifest
 from mxconv.source.st_format import read_header
+from mxconv.examples import ModelSizes
 from support.cli import mx
 from support.workspace import MadeCheckpoints, copy_checkpoint, link_workspace
 
@@ -49,7 +50,7 @@ DEEP = 100_000  # levels of '[': far past Python's recursion limit
 @pytest.fixture(scope="module")
 def outs(made: MadeCheckpoints, tmp_path_factory) -> Path:
     """A gpt-oss bf16 source, its MXFP4 quantization, a marlin repack and a two-rank one."""
-    src = made.source("gpt-oss-bf16", hidden_size=128, intermediate_size=96).path
+    src = made.source("gpt-oss-bf16", ModelSizes(hidden_size=128, intermediate_size=96)).path
     q4 = made.quantize(src)
     return link_workspace(tmp_path_factory.mktemp("read-safety"), {
         "src": src, "q4": q4, "marlin": made.repack(q4, "marlin"), "tp": made.repack(q4, "marlin", "--tp", "2")})

@@ -19,7 +19,7 @@ from mxconv.errors import BadInput
 from mxconv.families import FAMILIES, detect_family, reader_class
 from mxconv.families.base import FamilyReader, MoELayer, MoELayerRef, MXStack
 from mxconv.families.quant_config import SUPPORTED_HINT
-from support.checkpoints import KINDS, GroundTruth, make_checkpoint, write_shards
+from support.checkpoints import KINDS, GroundTruth, ModelSizes, make_checkpoint, write_shards
 from support.hub import make_hub_cache
 from support.workspace import MadeCheckpoints
 
@@ -100,12 +100,13 @@ def refusal(
     call: str = "model_info",
     config: dict[str, Any] | None = None,
     mutate: Callable[[dict[str, torch.Tensor]], None] | None = None,
+    sizes: ModelSizes = ModelSizes(),
     **gen: Any,
 ) -> str:
-    """Generate ``kind`` into ``path`` (``gen``: make_checkpoint options), patch its config.json with
+    """Generate ``kind`` with ``sizes`` into ``path`` (``gen``: make_checkpoint options), patch its config.json with
     ``config`` and/or rewrite its tensors with ``mutate``, then return the BadInput message the
     reader's ``call`` ("model_info" or "layer_refs") raises."""
-    make_checkpoint(path, kind, **gen)
+    make_checkpoint(path, kind, sizes, **gen)
     if mutate is not None:
         rewrite(path, mutate, shards=gen.get("shards", 2))
     if config:
@@ -391,7 +392,7 @@ def test_mtp_layer_without_experts_is_refused(tmp_path: Path) -> None:
 
 
 def test_qwen_mlp_only_layers(tmp_path: Path) -> None:
-    gt = make_checkpoint(tmp_path, "qwen3-moe", num_layers=3, mlp_only_layers=(1,))
+    gt = make_checkpoint(tmp_path, "qwen3-moe", ModelSizes(num_layers=3), mlp_only_layers=(1,))
     r = reader_for(tmp_path)
     assert r.model_info().moe_layers == (0, 2) == gt.moe_layers
     assert "model.layers.1.mlp.gate_proj.weight" in gt.tensor_names
@@ -721,7 +722,7 @@ def test_fp8_tensors_without_quantization_config(tmp_path: Path) -> None:
 
 
 def _gpt_oss_edit(tmp_path: Path, mutate: Callable[[dict[str, torch.Tensor]], None]) -> str:
-    return refusal(tmp_path, "gpt-oss-mxfp4", mutate=mutate, hidden_size=128)
+    return refusal(tmp_path, "gpt-oss-mxfp4", mutate=mutate, sizes=ModelSizes(hidden_size=128))
 
 
 BLOCKS = "model.layers.0.mlp.experts.gate_up_proj_blocks"

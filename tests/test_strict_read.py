@@ -25,7 +25,7 @@ from mxconv.cli import app
 from mxconv.errors import BadInput
 from mxconv.source.manifest import load_manifest, validate_manifest
 from mxconv.source.st_format import read_header
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 from support.workspace import copy_checkpoint, link_workspace, MadeCheckpoints
 
 runner = CliRunner()
@@ -137,7 +137,7 @@ def test_random_valid_files_agree_with_the_library(tmp_path: Path) -> None:
 
 @pytest.fixture()
 def src(tmp_path: Path) -> Path:
-    return make_checkpoint(tmp_path / "src", "qwen3-moe", num_layers=1, num_experts=2).path
+    return make_checkpoint(tmp_path / "src", "qwen3-moe", ModelSizes(num_layers=1, num_experts=2)).path
 
 
 def _index(root: Path) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 
 runner = CliRunner()
 
@@ -25,7 +25,7 @@ def mx(*args: object) -> tuple[int, str]:
 def test_uneven_tp_ranks_share_one_shape_and_verify(tmp_path: Path, backend: str, options: tuple[str, ...]) -> None:
     # I = 160 at --tp 2 splits in blocks of 32 into 96 + 64 channels: triton pads them to 128 / 64 and
     # trtllm (align 128) to 128 / 128 unless the narrower rank is laid out at the wider one's width
-    src = make_checkpoint(tmp_path / "src", "qwen3-moe", hidden_size=256, intermediate_size=160).path
+    src = make_checkpoint(tmp_path / "src", "qwen3-moe", ModelSizes(hidden_size=256, intermediate_size=160)).path
     out = tmp_path / "k"
     code, err = mx("repack", src, out, "--backend", backend, "--tp", "2", "--quiet", "--device", "cpu", *options)
     assert code == 0, err

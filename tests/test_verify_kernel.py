@@ -25,7 +25,7 @@ from mxconv.cli import app
 from mxconv.layouts import get_layout
 from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.source.manifest import load_manifest
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 from mxconv.verify import VerifyOptions, verify
 from mxconv.verify.layout import kernel_layer_canonical
 
@@ -43,7 +43,7 @@ def mx(*args: object) -> tuple[int, str]:
 def test_kernel_without_a_gpu_exits_2_naming_what_is_missing(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    src = make_checkpoint(tmp_path / "src", "qwen3-moe", hidden_size=256).path
+    src = make_checkpoint(tmp_path / "src", "qwen3-moe", ModelSizes(hidden_size=256)).path
     for backend, needle in (("marlin", "capability >= 8.0"), ("triton", "capability 9.0"), ("trtllm", "SM100"), ("aiter", "ROCm")):
         out = tmp_path / backend
         code, text = mx("repack", src, out, "--backend", backend, "--quiet", "--device", "cpu")
@@ -61,7 +61,7 @@ def test_kernel_on_a_canonical_checkpoint_is_bad_usage(tmp_path: Path) -> None:
 
 
 def test_triton_hidden_not_multiple_of_64_warns_and_fails_the_kernel_check(tmp_path: Path) -> None:
-    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=96).path
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", ModelSizes(hidden_size=96)).path
     code, text = mx("repack", src, tmp_path / "k", "--backend", "triton", "--quiet", "--device", "cpu")
     assert code == 0 and "warning: hidden size 96 is not a multiple of 64" in text and "pad_hidden=true" in text
     code, text = mx("verify", tmp_path / "k", "--kernel")
@@ -94,7 +94,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vk")
     out = {}
     for name, kind in (("gpt", "gpt-oss-bf16"), ("qwen", "qwen3-moe")):
-        src = make_checkpoint(root / name, kind, hidden_size=256, intermediate_size=192, num_experts=8).path
+        src = make_checkpoint(root / name, kind, ModelSizes(hidden_size=256, intermediate_size=192, num_experts=8)).path
         code, text = mx("quantize", src, root / f"{name}-q4", "--quiet")
         assert code == 0, text
         out[name], out[f"{name}-q4"] = src, root / f"{name}-q4"
@@ -219,7 +219,7 @@ def _plant(out: Path, mutate: Callable[[CanonicalExperts], None]) -> None:
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_planted_bugs_fail_verify_without_a_kernel_too(tmp_path: Path, bug: str) -> None:
     """On CPU the same planted files fail the layout check against the reference (bit-exact)."""
-    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=256, intermediate_size=192, num_experts=4).path
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", ModelSizes(hidden_size=256, intermediate_size=192, num_experts=4)).path
     out = tmp_path / "k"
     code, text = mx("repack", src, out, "--backend", "marlin", "--quiet", "--device", "cpu")
     assert code == 0, text
@@ -256,7 +256,7 @@ def test_verify_kernel_on_a_gpt_oss_120b_sized_layer(tmp_path_factory, backend: 
     root = tmp_path_factory.mktemp("big")
     src = root / "src"
     if not (src / "config.json").exists():
-        make_checkpoint(src, "gpt-oss-mxfp4", num_layers=1, num_experts=128, hidden_size=2880, intermediate_size=2880, top_k=4)
+        make_checkpoint(src, "gpt-oss-mxfp4", ModelSizes(num_layers=1, num_experts=128, hidden_size=2880, intermediate_size=2880, top_k=4))
     out = root / backend
     code, text = mx("repack", src, out, "--backend", backend, "--quiet")
     assert code == 0, text
@@ -290,7 +290,7 @@ def test_trtllm_kernel_reason_tells_a_missing_flashinfer_from_a_broken_one(tmp_p
 
 def test_kernel_check_of_damaged_layout_options_is_a_failure_not_bad_usage(tmp_path: Path) -> None:
     """Invalid layout options in the verified output's own manifest fail it (exit 1), with or without --kernel."""
-    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", hidden_size=128).path
+    src = make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", ModelSizes(hidden_size=128)).path
     out = tmp_path / "k"
     code, text = mx("repack", src, out, "--backend", "triton", "--quiet", "--device", "cpu")
     assert code == 0, text

@@ -36,13 +36,13 @@ E = 4
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], Path]:
-    from mxconv.examples import make_checkpoint
+    from mxconv.examples import ModelSizes, make_checkpoint
 
     d = tmp_path_factory.mktemp("maps")
     out = {}
     for h, i in SIZES:
         out[(h, i)] = d / f"src-{h}-{i}"
-        make_checkpoint(out[(h, i)], "gpt-oss-mxfp4", num_layers=1, num_experts=E, hidden_size=h, intermediate_size=i, head_dim=64)
+        make_checkpoint(out[(h, i)], "gpt-oss-mxfp4", ModelSizes(num_layers=1, num_experts=E, hidden_size=h, intermediate_size=i), head_dim=64)
     return out
 
 

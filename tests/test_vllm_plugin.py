@@ -94,11 +94,11 @@ def vllm_here() -> Any:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """An MXFP4 gpt-oss source and its cpu repack; a bf16 one quantized to MXFP4 and that repacked."""
-    from mxconv.examples import make_checkpoint
+    from mxconv.examples import ModelSizes, make_checkpoint
 
     d = tmp_path_factory.mktemp("vllm")
-    make_checkpoint(d / "mx", "gpt-oss-mxfp4", num_layers=L, num_experts=E, hidden_size=H, intermediate_size=I, head_dim=HEAD_DIM)
-    make_checkpoint(d / "bf", "gpt-oss-bf16", num_layers=L, num_experts=E, hidden_size=H, intermediate_size=I, head_dim=HEAD_DIM)
+    make_checkpoint(d / "mx", "gpt-oss-mxfp4", ModelSizes(num_layers=L, num_experts=E, hidden_size=H, intermediate_size=I), head_dim=HEAD_DIM)
+    make_checkpoint(d / "bf", "gpt-oss-bf16", ModelSizes(num_layers=L, num_experts=E, hidden_size=H, intermediate_size=I), head_dim=HEAD_DIM)
     runs = [("quantize", d / "bf", d / "bf-mx", "--format", "mxfp4"),
             ("repack", d / "mx", d / "mx-cpu", "--backend", "cpu"), ("repack", d / "bf-mx", d / "bf-cpu", "--backend", "cpu")]
     for cmd, src, dst, *opts in runs:
@@ -449,13 +449,13 @@ def test_refit_converts_each_rank_share_to_the_bytes_repack_writes(tmp_path: Pat
     ranks is 64 + 32, the last padded): from bf16 experts (quantized in memory) and from their MXFP4
     bytes, rank r's kernel tensors equal rank-r/ of `repack --tp 2` of the quantized checkpoint."""
     from mxconv.engines.loader import read_layer_tensors, resolve_layer
-    from mxconv.examples import make_checkpoint
+    from mxconv.examples import ModelSizes, make_checkpoint
     from mxconv.families import detect_family
     from mxconv.integrations.vllm.refitting import rank_kernel
     from mxconv.source.checkpoint import open_checkpoint
 
     bf, q, out = tmp_path / "bf", tmp_path / "bf-mx", tmp_path / "out"
-    make_checkpoint(bf, "gpt-oss-bf16", num_layers=1, num_experts=4, hidden_size=64, intermediate_size=96, head_dim=HEAD_DIM)
+    make_checkpoint(bf, "gpt-oss-bf16", ModelSizes(num_layers=1, num_experts=4, hidden_size=64, intermediate_size=96), head_dim=HEAD_DIM)
     for cmd, src, dst, *opts in (("quantize", bf, q, "--format", "mxfp4"), ("repack", q, out, "--backend", backend, "--tp", "2")):
         code, o, e = mx(cmd, src, dst, *opts, "--device", "cpu", "--quiet")
         assert code == 0, o + e

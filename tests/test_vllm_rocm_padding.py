@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 from support.cli import mx
 
 from mxconv.families import detect_family
@@ -95,7 +95,7 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("rocm")
     gpt = make_checkpoint(root / "gpt", "gpt-oss-mxfp4").path
     qwen = _convert(make_checkpoint(root / "qwen", "qwen3-moe").path, root / "qwen-q4", None)
-    wide = make_checkpoint(root / "wide", "gpt-oss-mxfp4", intermediate_size=128).path  # 2 ranks of 64
+    wide = make_checkpoint(root / "wide", "gpt-oss-mxfp4", ModelSizes(intermediate_size=128)).path  # 2 ranks of 64
     runs = {"gpt": (gpt, 1, "gfx950"), "qwen": (qwen, 1, "gfx950"), "gpt-tp2": (wide, 2, "gfx950"), "gpt-sm100": (gpt, 1, "sm100")}
     return {k: _convert(src, root / f"out-{k}", RepackOptions("triton", "bf16", tp, {"arch": arch})) for k, (src, tp, arch) in runs.items()}
 
@@ -123,7 +123,7 @@ def test_gfx950_outputs_list_the_rocm_backends(outputs: dict[str, Path]) -> None
 @pytest.mark.parametrize("tp", [4, 8])
 def test_gfx950_above_tp2_is_refused_at_planning(tmp_path: Path, tp: int) -> None:
     """vLLM keeps the scales strided above TP 2 (no CDNA4 swizzle): no engine would hold the bytes."""
-    src = make_checkpoint(tmp_path / "wide", "gpt-oss-mxfp4", intermediate_size=256).path
+    src = make_checkpoint(tmp_path / "wide", "gpt-oss-mxfp4", ModelSizes(intermediate_size=256)).path
     out = tmp_path / "out"
     code, stdout, err = mx("repack", src, out, "--backend", "triton", "--layout-option", "arch=gfx950",
                            "--tp", str(tp), "--dry-run")  # fmt: skip

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from mxconv.output import directory as output_dir
 from mxconv.errors import BadInput
 from mxconv.layouts.canonical import TensorSpec
-from mxconv.run.pipeline import WorkItem, run_pipeline
+from mxconv.run.pipeline import PipelineDepth, WorkItem, run_pipeline
 from mxconv.source.st_format import read_header
 from mxconv.output.directory import TMP_SUFFIX, prepare_output_dir
 from mxconv.output.shards import PlannedTensor, plan_shards
@@ -116,7 +116,7 @@ def test_pipeline_writes_in_order(tmp_path: Path) -> None:
     seen = []
     run_pipeline(items, [w], load=lambda it: it.payload,
                  compute=lambda it, d: [{f"t{d}": torch.full((8,), d, dtype=torch.uint8)}],
-                 on_progress=seen.append, read_threads=3, prefetch=3)
+                 on_progress=seen.append, depth=PipelineDepth(read_threads=3, prefetch=3))
     w.finish()
     assert sum(seen) == 72
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())

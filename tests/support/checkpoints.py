@@ -25,9 +25,9 @@ import torch
 
 from mxconv import examples
 from mxconv.examples.models import gpt_oss_config
-from mxconv.examples import Builder, GroundTruth, KindSpec, LayerTruth, mlp, per_expert_layer, write_shards
+from mxconv.examples import Builder, GroundTruth, KindSpec, LayerTruth, ModelSizes, mlp, per_expert_layer, write_shards
 
-__all__ = ["KINDS", "INT4_KINDS", "W4A8_KINDS", "GroundTruth", "make_checkpoint", "pack_int4_words_reference", "write_shards"]
+__all__ = ["KINDS", "INT4_KINDS", "W4A8_KINDS", "GroundTruth", "ModelSizes", "make_checkpoint", "pack_int4_words_reference", "write_shards"]
 
 KINDS = examples.KINDS + ("deepseek-v3-fp8", "deepseek-v3.1-fp8-ue8m0", "kimi-k2", "glm4-moe")
 INT4_KINDS = ("kimi-k2-int4",)
@@ -146,9 +146,8 @@ INT4_QUANTIZATION_CONFIG: dict[str, Any] = {
 }
 
 
-def _deepseek_glm(
-    b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int, nextn: int
-) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
+def _deepseek_glm(b: Builder, kind: str, sizes: ModelSizes, nextn: int) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
+    L, E, H, I, top_k, V = sizes.dims()
     glm = kind == "glm4-moe"
     int4 = kind in INT4_KINDS
     kimi = kind in ("kimi-k2", "kimi-k2-int4")
@@ -295,11 +294,10 @@ def _deepseek_glm(
 
 
 def _generate(
-    b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int,
-    num_nextn_predict_layers: int | None = None, **_: Any,
+    b: Builder, kind: str, sizes: ModelSizes, num_nextn_predict_layers: int | None = None, **_: Any,
 ) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
     nextn = num_nextn_predict_layers if num_nextn_predict_layers is not None else (0 if kind in ("kimi-k2", "kimi-k2-int4") else 1)
-    return _deepseek_glm(b, kind, L, E, H, I, top_k, V, nextn)
+    return _deepseek_glm(b, kind, sizes, nextn)
 
 
 QUARK_W4A8_CONFIG = {
@@ -317,14 +315,15 @@ QUARK_W4A8_CONFIG = {
 }
 
 
-def _quark_w4a8(b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int,
-                input_scales: bool = True, equal_scales: bool = False, **_: Any) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
+def _quark_w4a8(b: Builder, kind: str, sizes: ModelSizes, input_scales: bool = True, equal_scales: bool = False,
+                **_: Any) -> tuple[dict[str, Any], dict[int, LayerTruth]]:  # fmt: skip
     """gpt-oss as AMD Quark exports it W4A8: per expert ``experts.{e}.gate_up_proj.weight`` U8 [2I, H/2]
     (interleaved rows), ``.weight_scale`` U8 [2I, H/32], ``.bias`` BF16 [2I], ``.input_scale`` F32 []
     (likewise ``down_proj``), everything else bf16. ``input_scales=False`` leaves the input scales out;
     ``equal_scales`` gives every expert of a layer the same ones (else they differ)."""
     bf = torch.bfloat16
-    config = gpt_oss_config(L, E, H, I, top_k, V, mx=False)
+    L, E, H, I, _, V = sizes.dims()
+    config = gpt_oss_config(sizes, mx=False)
     config["quantization_config"] = json.loads(json.dumps(QUARK_W4A8_CONFIG))
     b.add("model.embed_tokens.weight", b.randn((V, H), 1.0, bf))
     truths: dict[int, LayerTruth] = {}
@@ -368,7 +367,7 @@ _SPECS = {
 }
 
 
-def make_checkpoint(path: str | Path, kind: str, **options: Any) -> GroundTruth:
+def make_checkpoint(path: str | Path, kind: str, sizes: ModelSizes = ModelSizes(), **options: Any) -> GroundTruth:
     """Write a tiny checkpoint of ``kind`` (see :data:`KINDS`, :data:`INT4_KINDS`) into ``path`` and
     return its truth; ``options`` as :func:`mxconv.examples.make_checkpoint`'s.
 
@@ -379,4 +378,4 @@ def make_checkpoint(path: str | Path, kind: str, **options: Any) -> GroundTruth:
     """
     if kind not in KINDS + INT4_KINDS + W4A8_KINDS:
         raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS + INT4_KINDS + W4A8_KINDS}")
-    return examples.make_checkpoint(path, kind, spec=_SPECS.get(kind), **options)
+    return examples.make_checkpoint(path, kind, sizes, spec=_SPECS.get(kind), **options)

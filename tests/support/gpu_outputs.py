@@ -11,7 +11,7 @@ import pytest
 from mxconv.engines import discover
 from mxconv.environment import MARLIN_OPS_ENV, TRITON_KERNELS_ENV
 from mxconv.errors import BadInput
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
 from support.cli import mx
 
 # (kind, hidden size); I = 192 (TP2 ranks 96 -> 128), E = 8, top-2. triton_kernels' Hopper matmul
@@ -47,7 +47,7 @@ def repacked_cases(root: Path, repacks: dict[str, list[str]], *, required: bool,
     fails the setup when ``required``, else it is printed and left out of the case's outputs."""
     out: dict[str, Case] = {}
     for fam, (kind, hidden) in KINDS.items():
-        make_checkpoint(root / f"{fam}-src", kind, hidden_size=hidden, intermediate_size=INTERMEDIATE, num_experts=8, top_k=2)
+        make_checkpoint(root / f"{fam}-src", kind, ModelSizes(hidden_size=hidden, intermediate_size=INTERMEDIATE, num_experts=8, top_k=2))
         q4 = root / f"{fam}-q4" if fmt == "mxfp4" else root / f"{fam}-{fmt}"
         code, stdout, stderr = mx("quantize", root / f"{fam}-src", q4, "--format", fmt, "--quiet", "--device", "cpu")
         assert code == 0, stdout + stderr

@@ -58,9 +58,9 @@ def repack_verify_and_damage(q8: Path, out: Path, backend: str, tp: str, layer: 
 
 def quantized_mxfp8(root: Path, hidden_size: int, intermediate_size: int) -> Path:
     """A Qwen-style test checkpoint (halves, no biases) of these sizes under ``root``, quantized to MXFP8."""
-    from mxconv.examples import make_checkpoint
+    from mxconv.examples import ModelSizes, make_checkpoint
 
-    make_checkpoint(root / "src", "qwen3-moe", hidden_size=hidden_size, intermediate_size=intermediate_size)
+    make_checkpoint(root / "src", "qwen3-moe", ModelSizes(hidden_size=hidden_size, intermediate_size=intermediate_size))
     code, _, err = mx("quantize", root / "src", root / "q8", "--format", "mxfp8", "--quiet", "--device", "cpu")
     assert code == 0, err
     return root / "q8"

@@ -17,6 +17,7 @@ from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import LayoutBase, LayoutOption
 from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, round_up
+from mxconv.engines.runner import LayerSpec
 from mxconv.mx.numerics import dequantize_mx
 from mxconv.verify.reference_moe import Routing, moe_forward
 
@@ -93,12 +94,11 @@ class ToyRunner:
     def kernel_unavailable(self, layout_fields: dict[str, Any], device: Any, kernel_locations: Any = None) -> str | None:
         return None
 
-    def wrap(self, tensors: dict[str, torch.Tensor], layout_fields: dict[str, Any], rank_intermediate_size: int,
-             tp_size: int, kernel_locations: Any = None, **common: Any) -> dict[str, Any]:  # fmt: skip
+    def wrap(self, tensors: dict[str, torch.Tensor], spec: LayerSpec, kernel_locations: Any = None) -> dict[str, Any]:
         """The stored tensors with rows back in canonical (padded) order: {name: tensor, "hidden_size": H}."""
-        reverse = bool(layout_fields["options"]["reverse"])
+        reverse = bool(spec.layout["options"]["reverse"])
         held: dict[str, Any] = {name: _flip(t, reverse) for name, t in tensors.items()}
-        held["hidden_size"] = common["hidden_size"]
+        held["hidden_size"] = spec.hidden_size
         return held
 
     def forward(self, experts: dict[str, Any], x: torch.Tensor, topk_ids: torch.Tensor | None,

@@ -13,11 +13,12 @@ a symbolic link to the shared checkpoint.
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 import shutil
 from pathlib import Path
 from typing import Any
 
-from support.checkpoints import GroundTruth, make_checkpoint
+from support.checkpoints import GroundTruth, ModelSizes, make_checkpoint
 from support.cli import mx
 
 __all__ = ["MadeCheckpoints", "copy_checkpoint", "link_workspace"]
@@ -51,12 +52,13 @@ class MadeCheckpoints:
         self.sources: dict[tuple[Any, ...], GroundTruth] = {}
         self.outputs: dict[tuple[str, ...], Path] = {}
 
-    def source(self, kind: str, **options: Any) -> GroundTruth:
-        """``make_checkpoint(folder, kind, **options)``, made on first use; ``.path`` is the folder."""
-        key = (kind, *sorted(options.items()))
+    def source(self, kind: str, sizes: ModelSizes = ModelSizes(), **options: Any) -> GroundTruth:
+        """``make_checkpoint(folder, kind, sizes, **options)``, made on first use; ``.path`` is the folder."""
+        key = (kind, sizes, *sorted(options.items()))
         if key not in self.sources:
-            folder = self.root / _folder_name(kind, *(f"{k}={v}" for k, v in sorted(options.items())))
-            self.sources[key] = make_checkpoint(folder, kind, **options)
+            given = {f.name: getattr(sizes, f.name) for f in fields(sizes) if getattr(sizes, f.name) != f.default}
+            folder = self.root / _folder_name(kind, *(f"{k}={v}" for k, v in sorted({**given, **options}.items())))
+            self.sources[key] = make_checkpoint(folder, kind, sizes, **options)
         return self.sources[key]
 
     def quantize(self, src: Path, *options: object) -> Path:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mxconv.engines import discover
-from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, gated_activation, softmax_topk
+from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, LayerSpec, gated_activation, softmax_topk
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.layouts.canonical import LayoutSizes
@@ -146,9 +146,10 @@ class HummingRunner:
             return "the manifest's layout has no humming layer_configs"
         return None
 
-    def wrap(self, tensors: dict[str, torch.Tensor], layout_fields: dict[str, Any], rank_intermediate_size: int,
-             tp_size: int, kernel_locations: KernelLocations | None = None, **common: Any) -> HummingExperts:  # fmt: skip
+    def wrap(self, tensors: dict[str, torch.Tensor], spec: LayerSpec,
+             kernel_locations: KernelLocations | None = None) -> HummingExperts:  # fmt: skip
         """One rank's tensors checked against the manifest's layer configs and held."""
+        layout_fields, rank_intermediate_size = spec.layout, spec.rank_intermediate_size
         device = tensors["w13_weight"].device
         self.check_device(device)
         import_humming()
@@ -156,15 +157,14 @@ class HummingRunner:
         from humming.config import LayerConfig
         from humming.tune import get_heuristics_config
 
-        name = str(common.get("name", "experts"))
-        E, H = int(common["num_experts"]), int(common["hidden_size"])
+        name, E, H = spec.name, spec.num_experts, spec.hidden_size
         row_order = str(layout_fields["w13_kernel_row_order"])
         fmt = str(layout_fields.get("variant") or "mxfp4")  # int4 / mxfp8 layouts record theirs
         _, ip = LAYOUT.padded_sizes(H, rank_intermediate_size, row_order, "bf16", weight_format=fmt)
         sizes = LayoutSizes(E, H, rank_intermediate_size, H, ip, row_order, "w13_bias" in tensors, fmt)
         # this rank's (TP ranks may differ in I); INT4 codes: this layer's and rank's recorded choice
         # (layout.stack_choices), else the one int4_codes value of an output written before they were recorded
-        codes = common.get("stack_choices") or str(layout_fields.get("int4_codes", "uint4"))
+        codes = dict(spec.stack_choices) or str(layout_fields.get("int4_codes", "uint4"))
         cfgs = layer_configs(sizes, codes)
         configs = {w: LayerConfig(**cfgs[w]) for w in ("w13", "w2")}
         tuning = {w: json.dumps(get_heuristics_config(layer_config=c, gemm_type=GEMM_TYPE, device=device))
@@ -173,9 +173,8 @@ class HummingRunner:
         ip = (configs["w13"].shape_n - configs["w13"].pad_shape_n) // 2
         return HummingExperts(
             _check_tensors(tensors, cfgs, name), configs, tuning,
-            torch.zeros(sms * 8, dtype=torch.int32, device=device), E, H, ip, row_order, str(common["activation"]),
-            SWIGLU_ALPHA if common.get("swiglu_alpha") is None else float(common["swiglu_alpha"]),
-            SWIGLU_LIMIT if common.get("swiglu_limit") is None else float(common["swiglu_limit"]),
+            torch.zeros(sms * 8, dtype=torch.int32, device=device), E, H, ip, row_order, spec.activation,
+            spec.swiglu_alpha, spec.swiglu_limit,
         )  # fmt: skip
 
     def forward(self, experts: HummingExperts, x: torch.Tensor, topk_ids: torch.Tensor | None,

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mxconv.engines.runner import EngineRunner, require_runner
+from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, EngineRunner, LayerSpec, require_runner
 from mxconv.engines.staged_read import StagedReader, StagingOptions, read_tensors
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput, OutputDamaged
@@ -262,12 +262,14 @@ def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor],
     info = model_info(m)
     runner = require_runner(src.backend, where=f"{src.root}: ")
     where = f"{src.root} layer {src.layer}" + (f" rank {src.rank}" if src.tp_size > 1 else "")
-    common = dict(num_experts=int(info.num_experts), hidden_size=lay.hidden_size,
-                  padded_hidden_size=lay.padded_hidden_size, layout=fields, activation=info.activation,
-                  swiglu_alpha=info.swiglu_alpha, swiglu_limit=info.swiglu_limit, name=where,
-                  stack_choices=lay.choices_of(src.layer, src.rank))  # fmt: skip
+    spec = LayerSpec(
+        where, fields, int(info.num_experts), lay.hidden_size, lay.padded_hidden_size, src.intermediate_size, src.tp_size,
+        info.activation, SWIGLU_ALPHA if info.swiglu_alpha is None else float(info.swiglu_alpha),
+        SWIGLU_LIMIT if info.swiglu_limit is None else float(info.swiglu_limit), lay.choices_of(src.layer, src.rank),
+    )  # fmt: skip
+
     def rewrap(held: dict[str, torch.Tensor]) -> Any:
-        return runner.wrap(held, fields, src.intermediate_size, src.tp_size, kernel_locations=kernel_locations, **common)
+        return runner.wrap(held, spec, kernel_locations)
 
     return EngineLayer(src.backend, src.layer, src.rank, src.tp_size, info, rewrap(tensors), tensors, runner,
                        lay, rewrap, m.weight_format, m.scale_rounding)  # fmt: skip

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mxconv.engines import discover
-from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, gated_activation, softmax_topk
+from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, LayerSpec, gated_activation, softmax_topk
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 
@@ -179,28 +179,17 @@ class MarlinExperts:
         return y.view(T, k, Hp).sum(dim=1)[:, : self.hidden_size]
 
 
-def build_experts(
-    tensors: dict[str, torch.Tensor],
-    *,
-    num_experts: int,
-    hidden_size: int,
-    padded_hidden_size: int,
-    padded_intermediate_size: int,
-    layout: dict[str, object],
-    row_order: str,
-    activation: str,
-    swiglu_alpha: float | None = None,
-    swiglu_limit: float | None = None,
-    name: str = "experts",
-) -> MarlinExperts:
+def build_experts(tensors: dict[str, torch.Tensor], spec: LayerSpec, padded_intermediate_size: int,
+                  row_order: str) -> MarlinExperts:  # fmt: skip
     """Check one rank's stored tensors (names without prefix, on the GPU) against the Marlin layout
-    the manifest declares and hold them for the kernel. BadInput for variants vLLM 0.33's kernel
-    does not run here: FP8 activations (SM89/SM120 only) and the legacy (vLLM <= 0.11.2) scales."""
+    the manifest declares (``spec.layout``) and hold them for the kernel. BadInput for variants vLLM
+    0.33's kernel does not run here: FP8 activations (SM89/SM120 only) and the legacy (vLLM <= 0.11.2) scales."""
+    layout, name = spec.layout, spec.name
     if layout.get("activation", "bf16") != "bf16":
         raise BadInput(f"{name}: Marlin with {layout.get('activation')} activations (W4A8-FP8) runs on SM89/SM120 only; repack with RepackOptions.activation bf16")
     if layout.get("scale_layout", "current") != "current":
         raise BadInput(f"{name}: legacy Marlin scales (vLLM <= 0.11.2) are not what vLLM 0.33's kernel reads; repack with RepackOptions.layout_options marlin_scale_layout=current")
-    E, Hp, Ip = num_experts, padded_hidden_size, padded_intermediate_size
+    E, Hp, Ip = spec.num_experts, spec.padded_hidden_size, padded_intermediate_size
     form = FORMS.get(str(layout.get("variant") or "mxfp4"))
     if form is None:
         raise BadInput(f"{name}: the Marlin layout's variant {layout.get('variant')!r} is not one this runner knows ({', '.join(FORMS)})")
@@ -233,9 +222,7 @@ def build_experts(
     return MarlinExperts(
         held["w13_weight"], held["w13_weight_scale"], held["w2_weight"], held["w2_weight_scale"],  # type: ignore[arg-type]
         held["w13_bias"], held["w2_bias"], marlin_workspace(held["w13_weight"].device),  # type: ignore[union-attr]
-        E, hidden_size, Hp, Ip, row_order, activation,
-        SWIGLU_ALPHA if swiglu_alpha is None else float(swiglu_alpha),
-        SWIGLU_LIMIT if swiglu_limit is None else float(swiglu_limit), form.quant_type_id,
+        E, spec.hidden_size, Hp, Ip, row_order, spec.activation, spec.swiglu_alpha, spec.swiglu_limit, form.quant_type_id,
     )  # fmt: skip
 
 
@@ -259,13 +246,13 @@ class MarlinRunner:
             return "legacy Marlin scales (vLLM <= 0.11.2) are not read by vLLM 0.33's kernel"
         return None
 
-    def wrap(self, tensors: dict[str, torch.Tensor], layout_fields: dict[str, Any], rank_intermediate_size: int,
-             tp_size: int, kernel_locations: KernelLocations | None = None, **common: Any) -> MarlinExperts:  # fmt: skip
+    def wrap(self, tensors: dict[str, torch.Tensor], spec: LayerSpec,
+             kernel_locations: KernelLocations | None = None) -> MarlinExperts:  # fmt: skip
         """One rank's tensors checked and held; Ip is read as vLLM reads it (w2.shape[1] * 16)."""
         self.check_device(tensors["w13_weight"].device)
         discover.find_marlin_ops((kernel_locations or KernelLocations()).marlin_ops)
         ip = int(tensors["w2_weight"].shape[1]) * 16
-        return build_experts(tensors, padded_intermediate_size=ip, row_order=str(layout_fields["w13_row_order"]), **common)
+        return build_experts(tensors, spec, ip, str(spec.layout["w13_row_order"]))
 
     def forward(self, experts: MarlinExperts, x: torch.Tensor, topk_ids: torch.Tensor | None,
                 topk_weights: torch.Tensor | None, logits: torch.Tensor | None, info: Any) -> torch.Tensor:  # fmt: skip

@@ -8,7 +8,8 @@ above them — so ``verify --kernel`` and the loader ask :func:`engine_runner` a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
@@ -32,6 +33,24 @@ SWIGLU_LIMIT = 7.0
 KERNEL_THRESHOLDS: dict[str, float] = {"rel_rms": 0.02, "cosine": 0.9995, "topk_agreement": 1.0}
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """One rank of one MoE layer of an output as its manifest describes it: what an
+    :class:`EngineRunner` needs besides the stored tensors to wrap them for its kernel."""
+
+    name: str  # for messages, e.g. "<root> layer 3 rank 1"
+    layout: Mapping[str, Any] = field(repr=False)  # the manifest's ``layout`` object as written (the backend's description)
+    num_experts: int
+    hidden_size: int
+    padded_hidden_size: int
+    rank_intermediate_size: int  # this rank's share of the intermediate size (all of it at TP 1)
+    tp_size: int
+    activation: str  # the model's: "swigluoai" | "silu"
+    swiglu_alpha: float = SWIGLU_ALPHA
+    swiglu_limit: float = SWIGLU_LIMIT
+    stack_choices: Mapping[str, str] = field(default_factory=dict)  # this layer's and rank's ``layout.stack_choices`` ({}: none)
+
+
 class EngineRunner(Protocol):
     """How one engine's own MoE kernel takes a layer of a backend's output and runs it."""
 
@@ -50,12 +69,10 @@ class EngineRunner(Protocol):
         May raise BadInput instead of returning the line."""
         ...
 
-    def wrap(self, tensors: dict[str, torch.Tensor], layout_fields: dict[str, Any], rank_intermediate_size: int,
-             tp_size: int, kernel_locations: KernelLocations | None = None, **common: Any) -> Any:  # fmt: skip
+    def wrap(self, tensors: dict[str, torch.Tensor], spec: LayerSpec, kernel_locations: KernelLocations | None = None) -> Any:
         """The engine's expert object holding one rank's stored tensors (names without prefix, on
-        the GPU) as the kernel takes them (kernels found as for :meth:`kernel_unavailable`). ``common``: num_experts, hidden_size,
-        padded_hidden_size, layout, activation, swiglu_alpha, swiglu_limit, name, stack_choices (this layer's
-        and rank's recorded ``layout.stack_choices``: ``{}`` when none)."""
+        the GPU), described by ``spec``, as the kernel takes them (kernels found as for
+        :meth:`kernel_unavailable`)."""
         ...
 
     def forward(self, experts: Any, x: torch.Tensor, topk_ids: torch.Tensor | None, topk_weights: torch.Tensor | None,

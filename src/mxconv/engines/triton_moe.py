@@ -27,7 +27,7 @@ import torch
 
 from mxconv.engines import discover
 from mxconv.engines.discover import TritonKernels
-from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT
+from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, LayerSpec
 from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 
@@ -190,26 +190,15 @@ def _check_topk(k: int) -> None:
         raise BadInput(f"triton_kernels' 3.5.1 routing needs a power-of-two top-k, got {k} (vLLM patches its kernels for this)")
 
 
-def build_experts(
-    tk: TritonKernels,
-    tensors: dict[str, torch.Tensor],
-    *,
-    num_experts: int,
-    hidden_size: int,
-    padded_hidden_size: int,
-    padded_intermediate_size: int,
-    layout: dict[str, Any],
-    activation: str,
-    swiglu_alpha: float | None = None,
-    swiglu_limit: float | None = None,
-    name: str = "experts",
-) -> TritonExperts:
+def build_experts(tk: TritonKernels, tensors: dict[str, torch.Tensor], spec: LayerSpec,
+                  padded_intermediate_size: int) -> TritonExperts:  # fmt: skip
     """Wrap one rank's stored tensors (names without prefix, on the GPU) per spec §8.
 
-    ``layout`` is the manifest's ``layout`` object (triton_layout, num_warps, scale_k_align).
+    ``spec.layout`` is the manifest's ``layout`` object (triton_layout, num_warps, scale_k_align).
     BadInput when the hidden size the kernel reduces over is not a multiple of 64 (the kernel
     computes wrong results then; repack with ``--layout-option pad_hidden=true``).
     """
+    layout, name, padded_hidden_size = spec.layout, spec.name, spec.padded_hidden_size
     gen = str(layout.get("triton_layout", "3.5"))
     warps = int(layout.get("num_warps", 8))
     align = int(layout.get("scale_k_align", 4))
@@ -219,7 +208,7 @@ def build_experts(
             f"multiple of {KERNEL_K_MULTIPLE} (hidden {padded_hidden_size}, intermediate {padded_intermediate_size}; "
             f"docs/real-kernels.md); repack with RepackOptions.layout_options pad_hidden=true"
         )
-    E, Hp, Ip = num_experts, padded_hidden_size, padded_intermediate_size
+    E, Hp, Ip = spec.num_experts, padded_hidden_size, padded_intermediate_size
     if warps == 8 and min(Hp, 2 * Ip) <= 128:
         raise BadInput(
             f"{name}: triton_kernels' Hopper matmul with num_warps 8 tiles N by 256 and cannot compile for an output "
@@ -234,11 +223,8 @@ def build_experts(
         if b is not None and (tuple(b.shape) != (E, n) or b.dtype != torch.float32):
             raise BadInput(f"{name}.{label}: stored {b.dtype}{list(b.shape)}, expected torch.float32{[E, n]}")
     constrain_hopper(tk)
-    return TritonExperts(
-        tk, w13, w2, pc13, pc2, b13, b2, E, hidden_size, Hp, Ip, activation,
-        SWIGLU_ALPHA if swiglu_alpha is None else float(swiglu_alpha),
-        SWIGLU_LIMIT if swiglu_limit is None else float(swiglu_limit),
-    )  # fmt: skip
+    return TritonExperts(tk, w13, w2, pc13, pc2, b13, b2, E, spec.hidden_size, Hp, Ip, spec.activation,
+                         spec.swiglu_alpha, spec.swiglu_limit)  # fmt: skip
 
 
 def _arch_refusal(layout_fields: dict[str, Any]) -> str | None:
@@ -277,20 +263,21 @@ class TritonRunner:
             return f"output width {min(hp, 2 * ip)} <= 128: triton_kernels' Hopper matmul (num_warps 8) cannot compile for it"
         return None
 
-    def wrap(self, tensors: dict[str, torch.Tensor], layout_fields: dict[str, Any], rank_intermediate_size: int,
-             tp_size: int, kernel_locations: KernelLocations | None = None, **common: Any) -> TritonExperts:  # fmt: skip
+    def wrap(self, tensors: dict[str, torch.Tensor], spec: LayerSpec,
+             kernel_locations: KernelLocations | None = None) -> TritonExperts:  # fmt: skip
         """One rank's buffers wrapped per spec §8; a TP rank's Ip is its share rounded up to the
         layout's ``intermediate_align``. BadInput for another GPU's storage (manifest ``layout.arch``)
         before anything else: its bytes are not what the Hopper layouts wrap."""
+        layout_fields = spec.layout
         refusal = _arch_refusal(layout_fields)
         if refusal is not None:
-            raise BadInput(f"{common.get('name', 'experts')}: {refusal}")
+            raise BadInput(f"{spec.name}: {refusal}")
         self.check_device(tensors["w13_weight"].device)
         tk = discover.find_triton_kernels((kernel_locations or KernelLocations()).triton_kernels)
         discover.require_triton_generation(tk, str(layout_fields.get("triton_layout", "3.5")))
         align = int(layout_fields.get("intermediate_align", 64))
-        ip = int(layout_fields["padded_intermediate_size"]) if tp_size == 1 else _round_up(rank_intermediate_size, align)
-        return build_experts(tk, tensors, padded_intermediate_size=ip, **common)
+        ip = int(layout_fields["padded_intermediate_size"]) if spec.tp_size == 1 else _round_up(spec.rank_intermediate_size, align)
+        return build_experts(tk, tensors, spec, ip)
 
     def forward(self, experts: TritonExperts, x: torch.Tensor, topk_ids: torch.Tensor | None,
                 topk_weights: torch.Tensor | None, logits: torch.Tensor | None, info: Any) -> torch.Tensor:  # fmt: skip

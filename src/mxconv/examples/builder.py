@@ -5,12 +5,37 @@ the shards, index and side files (config, tokenizer, generation config) of a Hub
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """The sizes of a generated model. ``hidden_size`` / ``intermediate_size`` None: the kind's
+    defaults (multiples of 32, not of 128, so that backends must pad them)."""
+
+    num_layers: int = 2
+    num_experts: int = 4
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    top_k: int = 2
+    vocab_size: int = 64
+
+    def with_defaults(self, hidden_size: int, intermediate_size: int) -> ModelSizes:
+        """These sizes with the ones left out (None or 0) given."""
+        return replace(self, hidden_size=self.hidden_size or hidden_size,
+                       intermediate_size=self.intermediate_size or intermediate_size)  # fmt: skip
+
+    def dims(self) -> tuple[int, int, int, int, int, int]:
+        """(layers, experts, hidden, intermediate, top_k, vocab) of sizes with every one given."""
+        H, I = self.hidden_size, self.intermediate_size
+        if H is None or I is None:
+            raise ValueError("hidden_size and intermediate_size must be given (ModelSizes.with_defaults)")
+        return self.num_layers, self.num_experts, H, I, self.top_k, self.vocab_size
 
 
 @dataclass

@@ -5,28 +5,41 @@ interleaved rows; bf16 or the release's MXFP4 blocks) and the per-expert Linear 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mxconv.examples.builder import Builder, LayerTruth
+from mxconv.examples.builder import Builder, LayerTruth, ModelSizes
 
 
-def attention(b: Builder, p: str, H: int, heads: int, kv_heads: int, hd: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool) -> None:
+@dataclass(frozen=True)
+class Attention:
+    """A family's attention projections: heads, key/value heads, head size, which have biases."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qkv_bias: bool
+    o_bias: bool
+
+
+def attention(b: Builder, p: str, H: int, a: Attention, dtype: torch.dtype) -> None:
     """Decoder layer ``p``'s input norm and q/k/v/o projections."""
+    hd = a.head_dim
     b.norm(f"{p}.input_layernorm", H, dtype)
-    b.linear(f"{p}.self_attn.q_proj", heads * hd, H, dtype, bias=qkv_bias)
-    b.linear(f"{p}.self_attn.k_proj", kv_heads * hd, H, dtype, bias=qkv_bias)
-    b.linear(f"{p}.self_attn.v_proj", kv_heads * hd, H, dtype, bias=qkv_bias)
-    b.linear(f"{p}.self_attn.o_proj", H, heads * hd, dtype, bias=o_bias)
+    b.linear(f"{p}.self_attn.q_proj", a.heads * hd, H, dtype, bias=a.qkv_bias)
+    b.linear(f"{p}.self_attn.k_proj", a.kv_heads * hd, H, dtype, bias=a.qkv_bias)
+    b.linear(f"{p}.self_attn.v_proj", a.kv_heads * hd, H, dtype, bias=a.qkv_bias)
+    b.linear(f"{p}.self_attn.o_proj", H, a.heads * hd, dtype, bias=a.o_bias)
 
 
 GPT_OSS_HEADS, GPT_OSS_KV_HEADS, GPT_OSS_HEAD_DIM = 4, 2, 16
 
 
-def gpt_oss_config(L: int, E: int, H: int, I: int, top_k: int, V: int, mx: bool,
-                   head_dim: int = GPT_OSS_HEAD_DIM) -> dict[str, Any]:  # fmt: skip
+def gpt_oss_config(sizes: ModelSizes, mx: bool, head_dim: int = GPT_OSS_HEAD_DIM) -> dict[str, Any]:
     """config.json of a gpt-oss checkpoint with these sizes (``mx``: the MXFP4 release's quantization_config)."""
+    L, E, H, I, top_k, V = sizes.dims()
     heads, kv_heads = GPT_OSS_HEADS, GPT_OSS_KV_HEADS
     config: dict[str, Any] = {
         "architectures": ["GptOssForCausalLM"],
@@ -76,17 +89,19 @@ def gpt_oss_config(L: int, E: int, H: int, I: int, top_k: int, V: int, mx: bool,
     return config
 
 
-def gpt_oss(b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int,
+def gpt_oss(b: Builder, kind: str, sizes: ModelSizes,
             head_dim: int = GPT_OSS_HEAD_DIM) -> tuple[dict[str, Any], dict[int, LayerTruth]]:  # fmt: skip
     mx = kind == "gpt-oss-mxfp4"
-    heads, kv_heads = GPT_OSS_HEADS, GPT_OSS_KV_HEADS
+    L, E, H, I, _, V = sizes.dims()
+    heads = GPT_OSS_HEADS
+    attn = Attention(heads, GPT_OSS_KV_HEADS, head_dim, qkv_bias=True, o_bias=True)
     bf = torch.bfloat16
-    config = gpt_oss_config(L, E, H, I, top_k, V, mx, head_dim)
+    config = gpt_oss_config(sizes, mx, head_dim)
     truths: dict[int, LayerTruth] = {}
     b.add("model.embed_tokens.weight", b.randn((V, H), 1.0, bf))
     for li in range(L):
         p = f"model.layers.{li}"
-        attention(b, p, H, heads, kv_heads, head_dim, bf, qkv_bias=True, o_bias=True)
+        attention(b, p, H, attn, bf)
         b.add(f"{p}.self_attn.sinks", b.randn((heads,), 1.0, bf))
         b.norm(f"{p}.post_attention_layernorm", H, bf)
         rw = b.linear(f"{p}.mlp.router", E, H, bf, bias=True)
@@ -154,9 +169,10 @@ def mlp(b: Builder, prefix: str, H: int, I: int, dtype: torch.dtype) -> None:
 QWEN_HEADS, QWEN_KV_HEADS, QWEN_HEAD_DIM = 4, 2, 32
 
 
-def qwen_mixtral_config(kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int, dtype: torch.dtype,
+def qwen_mixtral_config(kind: str, sizes: ModelSizes, dtype: torch.dtype,
                         mlp_only: tuple[int, ...]) -> tuple[dict[str, Any], str, tuple[str, str, str]]:  # fmt: skip
     """(config.json, the MoE module's name, the (gate, up, down) projection names) of ``kind``."""
+    L, E, H, I, top_k, V = sizes.dims()
     heads, kv_heads, head_dim = QWEN_HEADS, QWEN_KV_HEADS, QWEN_HEAD_DIM
     dense_i = 2 * I
     dt_name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
@@ -228,18 +244,18 @@ def qwen_mixtral_config(kind: str, L: int, E: int, H: int, I: int, top_k: int, V
 
 
 def qwen_mixtral(
-    b: Builder, kind: str, L: int, E: int, H: int, I: int, top_k: int, V: int, dtype: torch.dtype, mlp_only: tuple[int, ...]
+    b: Builder, kind: str, sizes: ModelSizes, dtype: torch.dtype, mlp_only: tuple[int, ...]
 ) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
-    heads, kv_heads, head_dim = QWEN_HEADS, QWEN_KV_HEADS, QWEN_HEAD_DIM
+    L, E, H, I, _, V = sizes.dims()
     dense_i = 2 * I
-    config, moe, projs = qwen_mixtral_config(kind, L, E, H, I, top_k, V, dtype, mlp_only)
-    hd = head_dim if kind != "qwen2-moe" else H // heads
-    qkv_bias = kind == "qwen2-moe"
+    config, moe, projs = qwen_mixtral_config(kind, sizes, dtype, mlp_only)
+    hd = QWEN_HEAD_DIM if kind != "qwen2-moe" else H // QWEN_HEADS
+    attn = Attention(QWEN_HEADS, QWEN_KV_HEADS, hd, qkv_bias=kind == "qwen2-moe", o_bias=False)
     truths: dict[int, LayerTruth] = {}
     b.add("model.embed_tokens.weight", b.randn((V, H), 1.0, dtype))
     for li in range(L):
         p = f"model.layers.{li}"
-        attention(b, p, H, heads, kv_heads, hd, dtype, qkv_bias=qkv_bias, o_bias=False)
+        attention(b, p, H, attn, dtype)
         if kind == "qwen3-moe":
             b.norm(f"{p}.self_attn.q_norm", hd, dtype)
             b.norm(f"{p}.self_attn.k_norm", hd, dtype)

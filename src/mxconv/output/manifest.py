@@ -21,41 +21,14 @@ from mxconv.source.json_files import dumps_strict
 from mxconv.source.manifest import FORMAT_VERSION, Manifest
 
 
-def base_manifest(
-    *,
-    source: dict[str, Any],
-    family: str,
-    kind: str,
-    weight_format: str,
-    scale_rounding: str | None,
-    backend: str | None,
-    activation: str | None,
-    tp_size: int,
-    layout: dict[str, Any],
-    model: dict[str, Any],
-    layers: list[dict[str, Any]],
-    numerics: dict[str, Any],
-    argv: list[str] | None = None,
-) -> dict[str, Any]:
-    """Every manifest key except ``tensors`` (filled in by ``run.finalize.build_manifest``)."""
+def provenance(argv: list[str] | None = None) -> dict[str, Any]:
+    """The manifest keys that say which mxconv run wrote an output (its first keys): the format and
+    tool versions, the command (``argv``, default ``sys.argv``) and the time, to the second (UTC)."""
     return {
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
         "command": list(argv if argv is not None else sys.argv),
         "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
-        "source": source,
-        "family": family,
-        "kind": kind,
-        "weight_format": weight_format,
-        "scale_rounding": scale_rounding,
-        "backend": backend,
-        "activation": activation,
-        "tp_size": tp_size,
-        "layout": layout,
-        "numerics": numerics,
-        "model": model,
-        "layers": layers,
-        "tensors": {},
     }
 
 

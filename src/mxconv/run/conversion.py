@@ -36,7 +36,7 @@ from mxconv.run.machine import process_peak_rss
 from mxconv.run.memory import MemoryBudget, MemoryPlan
 from mxconv.run.linear_compute import linear_compute, linear_load
 from mxconv.run.options import QuantOptions, RepackOptions, WeightFormat
-from mxconv.run.pipeline import WorkItem, run_pipeline
+from mxconv.run.pipeline import PipelineDepth, WorkItem, run_pipeline
 from mxconv.run.plan import Plan, build_plan
 from mxconv.run.plan_costs import memory_plan_for, work_items
 from mxconv.run.trace import StageTimes, write_trace
@@ -200,9 +200,9 @@ def _run_pipeline(plan: Plan, items: list[WorkItem], output: _Output, memory_pla
     reader, allow_nonfinite = plan.reader, plan.quant.allow_nonfinite
     # reader threads refuse NaN/Inf biases and routers and 0xFF scales (weights: where quantized)
     load = linear_load(plan, lambda item: reader.read_checked_layer(item.payload, allow_nonfinite, item.experts))
-    run_pipeline(items, output.writers, load=load, compute=compute,
-                 on_progress=on_progress, prefetch=memory_plan.prefetch, queue_depth=memory_plan.queue_depth,
-                 read_threads=min(2, memory_plan.prefetch),
+    depth = PipelineDepth(read_threads=min(2, memory_plan.prefetch), prefetch=memory_plan.prefetch,
+                          queue_depth=memory_plan.queue_depth)
+    run_pipeline(items, output.writers, load=load, compute=compute, depth=depth, on_progress=on_progress,
                  check_copy=None if allow_nonfinite else refuse_nonfinite_copy, times=times)
     return stats
 

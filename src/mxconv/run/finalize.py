@@ -13,7 +13,7 @@ from mxconv.families.gpt_oss_output import FORMAT_KEY
 from mxconv.layouts.vllm_serving import OutputForm, VllmMethod, served_backends, vllm_serving
 from mxconv.output.engine_quant_config import VLLM_LOAD_FORMAT, VLLM_QUANT_METHOD, quant_config_keys, quant_config_of
 from mxconv.output.files import FileRecord
-from mxconv.output.manifest import base_manifest, manifest_of
+from mxconv.output.manifest import manifest_of, provenance
 from mxconv.run.linear_config import with_linears
 from mxconv.run.linears import manifest_extras
 from mxconv.run.options import WeightFormat
@@ -216,22 +216,22 @@ def build_manifest(plan: Plan, tensors: dict[str, Any], rank_dirs: list[Path], a
     layout = manifest_layout(plan)
     if stack_choices:
         layout["stack_choices"] = {str(n): stack_choices[n] for n in sorted(stack_choices)}
-    doc = base_manifest(
-        source=plan.ckpt.source.to_json(),
-        family=plan.info.family,
-        kind="kernel" if repack else "canonical",
-        weight_format=plan.weight_format,
-        scale_rounding=None if from_mx_untouched else plan.quant.scale_rounding,
-        backend=repack.backend if repack else None,
-        activation=repack.activation if repack else None,
-        tp_size=repack.tp if repack else 1,
-        layout=layout,
-        model=plan.info.to_json(),
-        layers=layer_table(plan.refs),
-        numerics=numerics,
-        argv=argv,
-    )
-    doc = {**doc, "tensors": tensors}
+    doc = {
+        **provenance(argv),
+        "source": plan.ckpt.source.to_json(),
+        "family": plan.info.family,
+        "kind": "kernel" if repack else "canonical",
+        "weight_format": plan.weight_format,
+        "scale_rounding": None if from_mx_untouched else plan.quant.scale_rounding,
+        "backend": repack.backend if repack else None,
+        "activation": repack.activation if repack else None,
+        "tp_size": repack.tp if repack else 1,
+        "layout": layout,
+        "numerics": numerics,
+        "model": plan.info.to_json(),
+        "layers": layer_table(plan.refs),
+        "tensors": tensors,
+    }
     if fp8_tiles is not None:  # tiles, inexact ones (MXFP4 sources) and the largest error, per layer
         doc = {**doc, "fp8_tiles": fp8_tiles}
     doc = {**doc, **manifest_extras(plan)}  # linear layers, source bytes by role

@@ -97,16 +97,17 @@ def _refuse_nonfinite(x: torch.Tensor, where: Where, e0: int, rows0: int) -> Non
                        "(QuantOptions.allow_nonfinite applies to the MX formats)")
 
 
-def _part(src: torch.Tensor | MXStack | Int4Stack, rows: slice, rows0: int, part: int, where: Where, require_exact: bool,
+def _part(src: torch.Tensor | MXStack | Int4Stack, rows: slice, part: int, where: Where, require_exact: bool,
           tiles: LayerTiles, errors: ErrorStats | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One projection (rows ``rows`` of every expert) -> (E4M3 [E, n, K], scale_inv [E, nb, kb]) on ``device``."""
+    """One projection (rows ``rows`` of every expert, ``part`` of its stack) -> (E4M3 [E, n, K],
+    scale_inv [E, nb, kb]) on ``device``."""
     import torch
 
     from mxconv.kernels.quantize import float_to_fp8_block, mxfp4_to_fp8_block
     from mxconv.mx.numerics import dequantize_fp8_block, dequantize_mx
 
     E = int(src.data.shape[0] if isinstance(src, (MXStack, Int4Stack)) else src.shape[0])
-    n = rows.stop - rows.start
+    rows0, n = rows.start, rows.stop - rows.start
     K = int(src.scales.shape[-1] * 32 if isinstance(src, (MXStack, Int4Stack)) else src.shape[-1])
     data = torch.empty((E, n, K), dtype=torch.float8_e4m3fn, device=device)
     sinv = torch.empty((E, -(-n // TILE), -(-K // TILE)), dtype=torch.float32, device=device)
@@ -154,5 +155,5 @@ def to_fp8_block(src: torch.Tensor | MXStack | FP8BlockStack | Int4Stack, halves
         raise BadInput(f"{where.ref.module_prefix}.experts: block-FP8 experts already")
     N = int(src.data.shape[1] if isinstance(src, (MXStack, Int4Stack)) else src.shape[1])
     n = N // halves
-    parts = [_part(src, slice(j * n, (j + 1) * n), j * n, j, where, require_exact, tiles, errors, device) for j in range(halves)]
+    parts = [_part(src, slice(j * n, (j + 1) * n), j, where, require_exact, tiles, errors, device) for j in range(halves)]
     return FP8BlockStack(parts, (TILE, TILE))

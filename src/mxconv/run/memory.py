@@ -253,39 +253,48 @@ class _Fit:
                           self.default_budget, self.item_read_cap if capped else None)
 
 
-def plan_memory(
-    costs: dict[int, ExpertCost],
-    num_experts: int,
-    budget: MemoryBudget,
-    *,
-    baseline: int,
-    splittable: bool = True,
-    names: dict[int, str] | None = None,
-    default_budget: bool = False,
-    whole: dict[str, ExpertCost] | None = None,
-    item_read_cap: int | None = None,
-    held: int | None = None,
-    aside: str = "",
-) -> MemoryPlan:
-    """Pipeline depth and experts per group for layers with per-expert ``costs`` under ``budget``.
+@dataclass(frozen=True)
+class ItemCosts:
+    """What goes through the pipeline: the MoE layers by per-expert cost (``names``: how a refusal
+    names a layer), and other items converted whole, by name (their cost as one "expert").
+    ``splittable``: the reader can read a range of experts, so a layer can be cut into groups."""
 
-    ``baseline``: host bytes held whatever the items (RSS at planning + reserve). Whole layers with
-    the deepest pipeline that fits, else the largest equal groups with one result queued (two
-    items read ahead, or one when not even one expert fits with two). ``whole``: other items, by
-    name, converted whole (their cost as one "expert"), which must fit the same pipeline. BadInput
-    naming the sizes when one expert does not fit (or, where the reader cannot read a range of
-    experts, one layer; or one of ``whole``). ``item_read_cap``: where the reader can read expert
-    ranges, groups read at most this many bytes (at least one expert) even where more would fit.
-    ``held``: the part of ``baseline`` the process holds now (its RSS), which a refusal names
-    apart from the rest, set aside for ``aside``; None: all of it is held."""
-    fit = _Fit(costs, num_experts, budget, baseline, splittable, whole or {}, item_read_cap, default_budget)
-    E, dev = num_experts, budget.device_type
+    costs: dict[int, ExpertCost]
+    num_experts: int
+    names: dict[int, str] = field(default_factory=dict)
+    whole: dict[str, ExpertCost] = field(default_factory=dict)
+    splittable: bool = True
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Host bytes held whatever the items: ``total`` (RSS at planning + reserve); ``held``, the part
+    the process holds now, which a refusal names apart from the rest, set aside for ``aside``
+    (None: all of it is held)."""
+
+    total: int
+    held: int | None = None
+    aside: str = ""
+
+
+def plan_memory(items: ItemCosts, budget: MemoryBudget, baseline: Baseline, *, default_budget: bool = False,
+                item_read_cap: int | None = None) -> MemoryPlan:
+    """Pipeline depth and experts per group for ``items`` under ``budget``.
+
+    Whole layers with the deepest pipeline that fits, else the largest equal groups with one result
+    queued (two items read ahead, or one when not even one expert fits with two). The items
+    converted whole must fit the same pipeline. BadInput naming the sizes when one expert does not
+    fit (or, where the reader cannot read a range of experts, one layer; or one whole item).
+    ``item_read_cap``: where the reader can read expert ranges, groups read at most this many bytes
+    (at least one expert) even where more would fit."""
+    costs, E, splittable, names = items.costs, items.num_experts, items.splittable, items.names
+    fit = _Fit(costs, E, budget, baseline.total, splittable, items.whole, item_read_cap, default_budget)
+    dev = budget.device_type
     for p, q in PIPELINE_DEPTHS[:2]:  # whole layers, the deepest pipeline that fits
         if fit.layers_fit(p, q):
             return fit.finish(p, q, {L: E for L in costs})
     p, q = PIPELINE_DEPTHS[-1]
-    beside = _beside(baseline, held, aside)
-    names = names or {}
+    beside = _beside(baseline)
     if not splittable and fit.whole_fit(p, q):
         if fit.layers_fit(p, q):
             return fit.finish(p, q, {L: E for L in costs})
@@ -294,7 +303,7 @@ def plan_memory(
         raise BadInput(
             f"MemoryBudget.host {human_bytes(budget.host or 0)} is too small for {names.get(L, f'layer {L}')}: this family's "
             f"reader reads whole layers, and one layer in flight takes about {human_bytes(one)} "
-            f"on top of {beside}; give at least {human_bytes(baseline + one)}"
+            f"on top of {beside}; give at least {human_bytes(baseline.total + one)}"
         )
     for p, q in PIPELINE_DEPTHS[1:] if splittable else ():
         if not fit.whole_fit(p, q):
@@ -333,11 +342,12 @@ def _refusal(fit: _Fit, names: dict[int, str], beside: str) -> BadInput:
     )
 
 
-def _beside(baseline: int, held: int | None, aside: str) -> str:
+def _beside(baseline: Baseline) -> str:
     """What a refusal says the items come on top of: the process's RSS, and what is set aside."""
-    if held is None or held >= baseline:
-        return f"the {human_bytes(baseline)} the process holds already"
-    return f"the {human_bytes(held)} the process holds now and {human_bytes(baseline - held)} set aside for {aside}"
+    total, held = baseline.total, baseline.held
+    if held is None or held >= total:
+        return f"the {human_bytes(total)} the process holds already"
+    return f"the {human_bytes(held)} the process holds now and {human_bytes(total - held)} set aside for {baseline.aside}"
 
 
 def resolve_budget(host: int | None, gpu: int | None, device: Any) -> tuple[MemoryBudget, bool]:

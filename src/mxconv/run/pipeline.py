@@ -52,6 +52,16 @@ class WorkItem:
     experts: tuple[int, int] | None = None  # for "layer": experts [e0, e1) only (None: all)
 
 
+@dataclass(frozen=True)
+class PipelineDepth:
+    """How much the stages overlap: ``read_threads`` reading, ``prefetch`` computed items read ahead,
+    ``queue_depth`` results queued for the writer (:mod:`mxconv.run.memory` plans the last two)."""
+
+    read_threads: int = 2
+    prefetch: int = 2
+    queue_depth: int = 2
+
+
 LoadFn = Callable[[WorkItem], Any]
 ComputeFn = Callable[[WorkItem, Any], "list[dict[str, torch.Tensor]]"]
 
@@ -62,17 +72,17 @@ class _Stages:
 
     def __init__(self, items: list[WorkItem], writers: list[ShardedWriter], load: LoadFn, compute: ComputeFn,
                  on_progress: Callable[[int], None] | None, times: StageTimes,
-                 check_copy: Callable[[TensorInfo, int, bytes], None] | None, queue_depth: int, read_threads: int):
+                 check_copy: Callable[[TensorInfo, int, bytes], None] | None, depth: PipelineDepth):
         self.items, self.writers, self.load, self.compute = items, writers, load, compute
         self.on_progress, self.times, self.check_copy = on_progress, times, check_copy
-        self.q: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self.q: queue.Queue = queue.Queue(maxsize=depth.queue_depth)
         self.errors: list[BaseException] = []
         self.stop = threading.Event()
         self.pending: list[tuple[int, WorkItem, Future | None]] = []
         self.load_lock = threading.Lock()
         self.writer = threading.Thread(target=self.writer_loop, name="mxconv-writer", daemon=True)
         self.writer.start()
-        self.pool = ThreadPoolExecutor(max_workers=max(1, read_threads), thread_name_prefix="mxconv-read")
+        self.pool = ThreadPoolExecutor(max_workers=max(1, depth.read_threads), thread_name_prefix="mxconv-read")
 
     def write(self, item: WorkItem, results: list[dict[str, torch.Tensor]]) -> None:
         """Write one item's results (a byte copy: its tensors, read and hashed once for all ranks)."""
@@ -196,20 +206,21 @@ def run_pipeline(
     writers: list[ShardedWriter],
     load: LoadFn,
     compute: ComputeFn,
+    *,
+    depth: PipelineDepth = PipelineDepth(),
     on_progress: Callable[[int], None] | None = None,
-    read_threads: int = 2,
-    prefetch: int = 2,
-    queue_depth: int = 2,
     times: StageTimes | None = None,
     check_copy: Callable[[TensorInfo, int, bytes], None] | None = None,
 ) -> StageTimes:
-    """Run ``items`` through load (threads) -> compute (this thread) -> write (one thread);
+    """Run ``items`` through load (threads) -> compute (this thread) -> write (one thread), as deep
+    as ``depth``; ``check_copy`` sees each byte-copied tensor's chunks, ``on_progress`` each item's
+    input bytes once written.
 
     Raises the first failure (of this thread, else of the writer) after every thread has stopped."""
     times = times if times is not None else StageTimes()
-    stages = _Stages(items, writers, load, compute, on_progress, times, check_copy, queue_depth, read_threads)
+    stages = _Stages(items, writers, load, compute, on_progress, times, check_copy, depth)
     try:
-        stages.feed(prefetch)
+        stages.feed(depth.prefetch)
     except BaseException:
         failed = True
         stages.cancel()

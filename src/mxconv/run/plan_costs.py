@@ -13,7 +13,7 @@ from mxconv.output.writer import COPY_CHUNK
 from mxconv.run.compute import CHUNK_ELEMENTS
 from mxconv.run.memory import (
     CUDA_HOST_RESERVE, GROWTH, ITEM_READ_BYTES, MXFP4_TO_MXFP8_BYTES, OUTPUT_COPIES, QUANTIZE_BYTES, RESERVE, TORCH_RSS,
-    ExpertCost, MemoryBudget, MemoryPlan, host_bytes, plan_memory, resolve_budget,
+    Baseline, ExpertCost, ItemCosts, MemoryBudget, MemoryPlan, host_bytes, plan_memory, resolve_budget,
 )
 from mxconv.run.machine import process_rss
 from mxconv.run.options import ConversionKind
@@ -78,16 +78,18 @@ def plan_for(plan: Plan, budget: MemoryBudget, default_budget: bool = False, bas
     names = {i.payload.layer: i.payload.module_prefix + ".experts" for i in layers}
     whole = {f"the {i.kind} item writing {i.out_names[0][0]}": whole_item_cost(plan, i)
              for i in plan.items if i.kind not in ("copy", "layer") and i.out_names and i.out_names[0]}
-    held, aside = None, "threads, byte-copy chunks and freed blocks the allocator keeps"
-    if baseline is None:
+    items = ItemCosts(costs, plan.info.num_experts, names, whole, splittable=plan.reader.reads_expert_ranges)
+    if baseline is not None:
+        beside = Baseline(baseline)
+    else:
         torch_rss = 0 if "torch" in sys.modules else TORCH_RSS
         cuda = CUDA_HOST_RESERVE if budget.device_type == "cuda" else 0
         held = process_rss()
-        baseline = held + torch_rss + cuda + beside_items(plan, [*costs.values(), *whole.values()], budget.device_type)
-        aside += (", torch's import" if torch_rss else "") + (", the CUDA context" if cuda else "")
-    return plan_memory(costs, plan.info.num_experts, budget, baseline=baseline, names=names,
-                       splittable=plan.reader.reads_expert_ranges, default_budget=default_budget, whole=whole,
-                       item_read_cap=ITEM_READ_BYTES, held=held, aside=aside)
+        total = held + torch_rss + cuda + beside_items(plan, [*costs.values(), *whole.values()], budget.device_type)
+        aside = ("threads, byte-copy chunks and freed blocks the allocator keeps" + (", torch's import" if torch_rss else "")
+                 + (", the CUDA context" if cuda else ""))
+        beside = Baseline(total, held, aside)
+    return plan_memory(items, budget, beside, default_budget=default_budget, item_read_cap=ITEM_READ_BYTES)
 
 
 def work_items(items: list[WorkItem], mem: MemoryPlan | None) -> list[WorkItem]:
