@@ -212,9 +212,7 @@ def test_the_independence_check_can_fail() -> None:
 
 
 # Known departures from the Layout protocol's signatures, (backend, method) -> why; each is a debt to pay.
-SIGNATURE_DEBT = {
-    ("trtllm", "padded_sizes"): "an intermediate_align keyword beside options.intermediate_align (tests pass it)",
-}
+SIGNATURE_DEBT: dict[tuple[str, str], str] = {}
 
 
 def test_every_layout_has_the_protocols_signatures() -> None:
