@@ -2,8 +2,10 @@
 to (roundup(H, a), roundup(I, b)), with each tensor put through a byte map and its inverse.
 
 cpu, deepgemm, cutlass and flashinfer-cutlass are such backends: they differ only by constants and
-those maps. A backend module declares them on a :class:`PaddedStackLayout` subclass; this module
-does the rest, the same way for every one of them:
+those maps. A backend module declares them on a :class:`PaddedStackLayout` subclass; they make its
+MXFP4 :class:`~mxconv.layouts.forms.WeightForm`, a :class:`PaddedStack`, which does the rest, the same
+way for every one of them (a layout with another format's form declares it in ``weight_forms``
+beside: deepgemm's MXFP8):
 
     padded_sizes  (H, I) -> (roundup(H, hidden_align), roundup(I, intermediate_align)), after the
                   activation, the row order and the 32-element blocks are checked
