@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from support.architecture import PKG, ROOT, backend_modules, backend_names_spelled, checked_backend_names, \
-    cross_backend_imports, signature_mismatches
+    cross_backend_imports, form_mismatches, signature_mismatches, weight_format_branches
 from support.architecture import imported as _imported
 from support.architecture import modules as _modules
 
@@ -206,9 +206,7 @@ def test_the_independence_check_can_fail() -> None:
 
 
 # Known departures from the Layout protocol's signatures, (backend, method) -> why; each is a debt to pay.
-SIGNATURE_DEBT = {
-    ("trtllm", "padded_sizes"): "an intermediate_align keyword beside options.intermediate_align (tests pass it)",
-}
+SIGNATURE_DEBT: dict[tuple[str, str], str] = {}
 
 
 def test_every_layout_has_the_protocols_signatures() -> None:
@@ -217,6 +215,37 @@ def test_every_layout_has_the_protocols_signatures() -> None:
     assert not (found := signature_mismatches(SIGNATURE_DEBT)), found
     owed = {tuple(m.split(":")[0].split(".", 1)) for m in signature_mismatches({})}
     assert set(SIGNATURE_DEBT) <= owed, f"paid off: remove from SIGNATURE_DEBT: {sorted(set(SIGNATURE_DEBT) - owed)}"
+
+
+def test_every_weight_form_has_the_protocols_members() -> None:
+    """A layout of several weight formats declares them as WeightForm objects (layouts/forms.py): each has
+    every member of the protocol, one signature per method, and is declared under its own format."""
+    assert not (found := form_mismatches()), found
+
+
+def test_backends_declare_forms_instead_of_branching() -> None:
+    """No backend module compares a weight format: FormsLayout picks the declared form once per call."""
+    assert not (found := weight_format_branches(backend_modules())), found
+
+
+def test_the_form_checks_can_fail() -> None:
+    from mxconv.layouts import get_layout
+    from mxconv.layouts.marlin import MarlinMxfp4
+
+    class Short(MarlinMxfp4):
+        def stack_choices(self, c: object) -> dict[str, str]:  # one parameter short
+            return {}
+
+    tree = ast.parse("def padded_sizes(self, sizes, weight_format):\n    if sizes.weight_format == 'mxfp8':\n        pass\n")
+    groups = {"toy": frozenset({"mxconv.layouts.toy"})}
+    from support import architecture
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(architecture, "modules", lambda: {"mxconv.layouts.toy": (PKG / "layouts" / "toy.py", tree)})
+        assert weight_format_branches(groups) == ["mxconv.layouts.toy:2"]
+        mp.setitem(type(get_layout("marlin")).weight_forms, "mxfp8", Short())  # an MXFP4 form under mxfp8
+        found = form_mismatches()
+    assert "marlin.mxfp8 (Short): declared for mxfp8 but takes mxfp4" in found, found
+    assert "marlin.mxfp8 (Short).stack_choices: ['c'] != the protocol's ['c', 'options']" in found, found
 
 
 # Members every layout has (the Layout protocol, LayoutBase's defaults) that are not also everyday

@@ -31,4 +31,5 @@ def test_padded_sizes_errors(
     backend: str, H: int, I: int, row_order: str, activation: str, options: dict, match: str
 ) -> None:
     with pytest.raises(LayoutError, match=match):
-        get_layout(backend).padded_sizes(H, I, row_order, activation, **options)
+        layout = get_layout(backend)
+        layout.padded_sizes(H, I, row_order, activation, layout.options_type(**options))

@@ -316,7 +316,7 @@ def test_registry_returns_this_layout() -> None:
 def test_padded_sizes(H: int, I: int, align: int, want: tuple[int, int]) -> None:
     for row_order in ("halves", "interleaved"):
         for act in ("bf16", "mxfp8"):
-            assert LAYOUT.padded_sizes(H, I, row_order, act, intermediate_align=align) == want
+            assert LAYOUT.padded_sizes(H, I, row_order, act, TrtllmOptions(intermediate_align=align)) == want
     if align == 128:  # the default is vLLM 0.33's FLASHINFER_TRTLLM_MXFP4_* padding
         assert LAYOUT.padded_sizes(H, I, "halves", "bf16") == want
         assert LAYOUT.padded_sizes(H, I, "halves", "bf16", None) == want
@@ -456,7 +456,7 @@ def test_to_kernel_bytes_match_spec_formulas(E: int, H: int, I: int, row_order: 
 def test_round_trip(E: int, H: int, I: int, row_order: str, bias: bool, align: int) -> None:
     c = make_stack(E, H, I, row_order, bias, seed=7 * E + H)
     opts = LAYOUT.resolve_options({"intermediate_align": align})
-    Hp, Ip = LAYOUT.padded_sizes(H, I, row_order, "bf16", intermediate_align=align)
+    Hp, Ip = LAYOUT.padded_sizes(H, I, row_order, "bf16", opts)
     k = LAYOUT.to_kernel(c, "bf16", opts)
     sizes = sizes_of(c, Hp, Ip)
     for name, spec in LAYOUT.kernel_specs(sizes, "bf16", opts).items():

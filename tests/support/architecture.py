@@ -160,3 +160,41 @@ def signature_mismatches(debt: dict[tuple[str, str], str]) -> list[str]:
             if want != got and (name, method) not in debt:
                 found.append(f"{name}.{method}: {[p[0] for p in got]} != the protocol's {[p[0] for p in want]}")
     return found
+
+
+def form_mismatches() -> list[str]:
+    """``"backend.format: ..."`` for every weight form a registered layout declares (``FormsLayout.weight_forms``)
+    that departs from the :class:`~mxconv.layouts.forms.WeightForm` protocol: declared under a format other than
+    its own, a data member missing, or a method whose parameters (names, order, kinds, defaults) differ."""
+    from mxconv.layouts import backend_names, get_layout
+    from mxconv.layouts.forms import FormsLayout, WeightForm
+
+    methods = [n for n, v in vars(WeightForm).items() if callable(v) and not n.startswith("_")]
+    found = []
+    for name in backend_names():
+        layout = get_layout(name)
+        for fmt, form in (layout.weight_forms.items() if isinstance(layout, FormsLayout) else ()):
+            where = f"{name}.{fmt} ({type(form).__name__})"
+            missing = [m for m in WeightForm.__annotations__ if not hasattr(form, m)]
+            if missing:
+                found.append(f"{where}: no {', '.join(missing)}")
+            if getattr(form, "weight_format", fmt) != fmt:
+                found.append(f"{where}: declared for {fmt} but takes {form.weight_format}")
+            for method in methods:
+                want, got = _shape(getattr(WeightForm, method)), _shape(getattr(type(form), method))
+                if want != got:
+                    found.append(f"{where}.{method}: {[p[0] for p in got]} != the protocol's {[p[0] for p in want]}")
+    return found
+
+
+def weight_format_branches(groups: dict[str, frozenset[str]]) -> list[str]:
+    """``"module:line"`` of every comparison with a ``weight_format`` (a name, an attribute or a
+    ``WEIGHT_FORMAT`` constant) in a backend's modules: a backend declares its forms, it does not branch."""
+    def names_format(node: ast.AST) -> bool:
+        return ((isinstance(node, ast.Name) and node.id.lower() == "weight_format")
+                or (isinstance(node, ast.Attribute) and node.attr.lower() == "weight_format"))
+
+    mods = modules()
+    return [f"{mod}:{node.lineno}" for group in groups.values() for mod in sorted(group) if mod in mods
+            for node in ast.walk(mods[mod][1])
+            if isinstance(node, ast.Compare) and any(names_format(n) for n in [node.left, *node.comparators])]

@@ -24,7 +24,8 @@ integer id tensors to trace where each byte goes). ``to_kernel`` folds padding, 
 GU16 into one row table per tensor; on CUDA the Triton kernels of ``mxconv.kernels.trtllm_aiter``
 apply it together with W16 / S32x8 in one pass.
 
-Options: :class:`AiterOptions`. MXFP8 experts (vLLM ``AITER_MXFP8``): :mod:`mxconv.layouts.aiter_mxfp8`.
+Options: :class:`AiterOptions`. MXFP8 experts (vLLM ``AITER_MXFP8``): :mod:`mxconv.layouts.aiter_mxfp8`, the
+second :class:`~mxconv.layouts.forms.WeightForm` the layout declares beside :class:`AiterMxfp4`.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
@@ -46,7 +47,8 @@ from mxconv.layouts.aiter_bytemap import (
 from mxconv.layouts.padding import (
     KernelChoice, cached_index, gather_padded_rows, layout_kernels, pad_row_source, unpad_canonical,
 )
-from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
+from mxconv.layouts.base import LayoutOption, LayoutOptions
+from mxconv.layouts.forms import FormBase, FormsLayout
 from mxconv.layouts.canonical import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs,
     in_kernel_order, round_up,
@@ -57,7 +59,10 @@ from mxconv.source.manifest import Manifest
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KERNEL_KINDS", "LAYOUT", "VLLM_BACKENDS", "VLLM_PAD_FILL", "AiterLayout", "AiterOptions"]
+__all__ = ["KERNEL_KINDS", "LAYOUT", "VLLM_BACKENDS", "VLLM_PAD_FILL", "AiterLayout", "AiterMxfp4", "AiterOptions"]
+
+BACKEND_NAME = "aiter"
+LAYOUT_VERSION = 1
 
 # Fill of the padding vLLM allocates before any shuffle (gpt-oss Mxfp4MoEMethod zero-inits).
 VLLM_PAD_FILL = 0
@@ -148,31 +153,16 @@ class AiterOptions(LayoutOptions):
     check_undefined_scale_padding: bool = True
 
 
-class AiterLayout(LayoutBase):
-    """AITER MXFP4 MoE layout (vLLM ROCm ``AITER_MXFP4_BF16`` / ``AITER_MXFP4_MXFP4``)."""
+class AiterMxfp4(FormBase):
+    """The MXFP4 form (module docstring): a16w4 (bf16 activations) or a4w4 (mxfp4)."""
 
-    name = "aiter"
-    version = 1
-    activations: tuple[str, ...] = ACTIVATIONS
+    weight_format = "mxfp4"
+    activations = ACTIVATIONS
     vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
-    vllm_mxfp8_backends = {aiter_mxfp8.ACTIVATION: (aiter_mxfp8.VLLM_BACKEND,)}  # Fp8MoeBackend (aiter_mxfp8)
-    weight_formats = ("mxfp4", aiter_mxfp8.WEIGHT_FORMAT)
-    options_type = AiterOptions
-    options = (LayoutOption("check_undefined_scale_padding", bool, True, "verify: require 0x7F in the scale padding "
-                            "upstream leaves uninitialised (a4w4; MXFP8 w2) (false for scales dumped from a live vLLM)"),)
 
-    def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
-                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
-        """AITER's CK MoE kernels run on ROCm only."""
-        return "AITER kernels need a ROCm gfx950 GPU and the aiter package"
-
-    def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: AiterOptions | None = None, *, weight_format: str = "mxfp4",
-    ) -> tuple[int, int]:
-        """(Hp, Ip) per vLLM 0.33's ROCm table (module docstring); MXFP8: (H, I). LayoutError if impossible."""
-        if weight_format == aiter_mxfp8.WEIGHT_FORMAT:
-            return aiter_mxfp8.padded_sizes(hidden_size, intermediate_size, row_order, activation)
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+                     options: AiterOptions) -> tuple[int, int]:  # fmt: skip
+        """(Hp, Ip) per vLLM 0.33's ROCm table (module docstring). LayoutError if impossible."""
         check_activation(activation)
         _check_row_order(row_order)
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
@@ -186,8 +176,6 @@ class AiterLayout(LayoutBase):
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: AiterOptions) -> dict[str, TensorSpec]:
         """Output shapes/dtypes. a16w4: scales 2-D ``[E*N, round_up(K/32, 8)]``; a4w4: 3-D
         ``[E, N, round_up(K/32, 8)]``; weights ``[E, N, K/2]`` uint8; biases float32."""
-        if sizes.weight_format == aiter_mxfp8.WEIGHT_FORMAT:
-            return aiter_mxfp8.kernel_specs(sizes, activation)
         _check_sizes(sizes, activation)
         e, hp, ip = sizes.num_experts, sizes.padded_hidden_size, sizes.padded_intermediate_size
         u8 = "U8"
@@ -205,25 +193,19 @@ class AiterLayout(LayoutBase):
         })
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: AiterOptions,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+                  kernel_choice: KernelChoice) -> KernelTensors:  # fmt: skip
         """Canonical (unpadded) stack -> AITER kernel tensors on ``c``'s device (padding included);
         ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
-        if c.weight_format == aiter_mxfp8.WEIGHT_FORMAT:
-            return aiter_mxfp8.to_kernel(c, activation)
         c.validate()  # includes: both biases or neither
-        hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
+        hp, ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, options)
         sizes = c.sizes(hp, ip)
         _check_sizes(sizes, activation)
         return _to_kernel_gathered(c, hp, ip, activation, kernel_choice)
 
-    def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: AiterOptions
-    ) -> CanonicalExperts:
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: AiterOptions) -> CanonicalExperts:
         """Exact inverse of :meth:`to_kernel`. Checks shapes/dtypes, the 0x7F scale column padding
         and vLLM's zero padding (LayoutError naming the tensor and the first offending index).
         Biases come back as float32."""
-        if sizes.weight_format == aiter_mxfp8.WEIGHT_FORMAT:
-            return aiter_mxfp8.from_kernel(k, sizes, activation, self.options_of(options).check_undefined_scale_padding)
         specs = self.kernel_specs(sizes, activation, options)
         t = _validated_inputs(k, specs)
         e, h, i = sizes.num_experts, sizes.hidden_size, sizes.intermediate_size
@@ -247,7 +229,7 @@ class AiterLayout(LayoutBase):
             s13 = unshuffle_scale_a4w4(t["w13_weight_scale"])
             w2 = w16_inverse(t["w2_weight"])
             s2 = unshuffle_scale_a4w4(t["w2_weight_scale"])
-            check_pad = self.options_of(options).check_undefined_scale_padding
+            check_pad = options.check_undefined_scale_padding
             fwd13 = fwd2 = shuffle_scale_a4w4
 
         if check_pad:
@@ -272,8 +254,6 @@ class AiterLayout(LayoutBase):
 
     def describe(self, sizes: LayoutSizes, activation: str, options: AiterOptions) -> dict[str, Any]:
         """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
-        if sizes.weight_format == aiter_mxfp8.WEIGHT_FORMAT:
-            return aiter_mxfp8.describe(sizes, activation)
         _check_sizes(sizes, activation)
         hp, ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
         a16w4 = activation == "bf16"
@@ -284,8 +264,8 @@ class AiterLayout(LayoutBase):
         h_align, i_align = _ALIGN[(activation, sizes.row_order)]
         weight_view = "float4_e2m1fn_x2"
         return {
-            "name": self.name,
-            "version": self.version,
+            "name": BACKEND_NAME,
+            "version": LAYOUT_VERSION,
             "engine_compat": {"vllm": ">=0.33", "aiter": f">={aiter_min}", "gfx": "gfx950"},
             "activation": activation,
             "vllm_backend": VLLM_BACKENDS[activation],
@@ -305,6 +285,26 @@ class AiterLayout(LayoutBase):
                             "w2_weight_scale": "uint8", "w13_bias": "float32", "w2_bias": "float32"},
             "stored_dtype": {"weights": "uint8", "scales": "uint8", "biases": "float32"},
         }
+
+
+MXFP4 = AiterMxfp4()
+
+
+class AiterLayout(FormsLayout):
+    """AITER MoE layouts: MXFP4 (vLLM ROCm ``AITER_MXFP4_BF16`` / ``AITER_MXFP4_MXFP4``, :class:`AiterMxfp4`)
+    and MXFP8 experts (``Fp8MoeBackend.AITER_MXFP8``, :mod:`mxconv.layouts.aiter_mxfp8`)."""
+
+    name = BACKEND_NAME
+    version = LAYOUT_VERSION
+    weight_forms = {"mxfp4": MXFP4, "mxfp8": aiter_mxfp8.MXFP8}
+    options_type = AiterOptions
+    options = (LayoutOption("check_undefined_scale_padding", bool, True, "verify: require 0x7F in the scale padding "
+                            "upstream leaves uninitialised (a4w4; MXFP8 w2) (false for scales dumped from a live vLLM)"),)
+
+    def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
+                           kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
+        """AITER's CK MoE kernels run on ROCm only."""
+        return "AITER kernels need a ROCm gfx950 GPU and the aiter package"
 
 
 LAYOUT = AiterLayout()

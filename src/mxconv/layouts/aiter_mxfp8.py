@@ -36,57 +36,18 @@ from mxconv.layouts.canonical import (
     CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, check_kernel_tensors,
     check_mxfp8_method_sizes, in_kernel_order, round_up,
 )
+from mxconv.layouts.forms import FormBase
+from mxconv.layouts.padding import KernelChoice
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VLLM_BACKEND", "WEIGHT_FORMAT", "describe", "from_kernel", "kernel_specs", "padded_sizes", "to_kernel"]
+__all__ = ["MXFP8", "VLLM_BACKEND", "WEIGHT_FORMAT", "AiterMxfp8"]
 
 WEIGHT_FORMAT = "mxfp8"
 VLLM_BACKEND = "AITER_MXFP8"
 ACTIVATION = "bf16"
 K_GROUP = 64  # shuffle_weight(is_guinterleave): K_pk // (KLane 4 * KPack 16) bytes a group
-
-
-def padded_sizes(hidden_size: int, intermediate_size: int, row_order: str, activation: str) -> tuple[int, int]:
-    """(H, I): vLLM's MXFP8 methods pad nothing; LayoutError unless both are multiples of 64 (per rank)."""
-    if activation != ACTIVATION:
-        raise LayoutError(f"aiter MXFP8: vLLM's AITER_MXFP8 experts take bf16 activations (aiter quantizes them to "
-                          f"MXFP8 per 1x32 inside fused_moe), got activation {activation!r}")  # fmt: skip
-    check_block_sizes("aiter MXFP8", hidden_size, intermediate_size, row_order, 32)
-    for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
-        if size % K_GROUP:
-            raise LayoutError(f"aiter MXFP8: {what} size {size} per rank is not a multiple of {K_GROUP}: aiter's "
-                              "shuffle_weight views K in 64-byte groups and vLLM's MXFP8 methods pad nothing")  # fmt: skip
-    return hidden_size, intermediate_size
-
-
-def kernel_specs(sizes: LayoutSizes, activation: str) -> dict[str, TensorSpec]:
-    """The module table's tensors."""
-    H, I = check_mxfp8_method_sizes("aiter MXFP8", sizes, padded_sizes(sizes.hidden_size, sizes.intermediate_size,
-                                                                   sizes.row_order, activation))
-    E = sizes.num_experts
-    return in_kernel_order({
-        "w13_weight": TensorSpec((E, 2 * I, H), "F8_E4M3"),
-        "w13_weight_scale": TensorSpec((E * 2 * I, round_up(H // 32, 8)), "U8"),
-        "w2_weight": TensorSpec((E, H, I), "F8_E4M3"),
-        "w2_weight_scale": TensorSpec((round_up(E * H, 256), round_up(I // 32, 8)), "U8"),
-    })  # fmt: skip
-
-
-def to_kernel(c: CanonicalExperts, activation: str) -> KernelTensors:
-    """Canonical MXFP8 stack -> the module table's tensors on ``c``'s device (torch ops)."""
-    import torch
-
-    c.validate()
-    E, H, I = c.num_experts, c.hidden_size, c.intermediate_size
-    kernel_specs(c.sizes(H, I), activation)
-    return in_kernel_order({
-        "w13_weight": w16_bytes(gu16(c.w13).contiguous()).view(torch.float8_e4m3fn),
-        "w13_weight_scale": shuffle_scale_a16w4(c.w13_scale, gate_up=True).contiguous(),
-        "w2_weight": w16_bytes(c.w2.contiguous()).view(torch.float8_e4m3fn),
-        "w2_weight_scale": e8m0_shuffle(c.w2_scale.reshape(E * H, I // 32)).contiguous(),
-    })  # fmt: skip
 
 
 def _check_pad(name: str, view: torch.Tensor, keep_rows: int, keep_cols: int) -> None:
@@ -99,47 +60,96 @@ def _check_pad(name: str, view: torch.Tensor, keep_rows: int, keep_cols: int) ->
                               f"view holds {int(part[r, q])}, expected {SCALE_PAD_FILL} (0x7F)")  # fmt: skip
 
 
-def from_kernel(k: KernelTensors, sizes: LayoutSizes, activation: str, check_undefined_padding: bool = True) -> CanonicalExperts:
-    """Exact inverse of :func:`to_kernel`. LayoutError for a wrong tensor set, shape or dtype, or scale
-    padding other than 0x7F (w2's, which aiter leaves uninitialised, only with ``check_undefined_padding``)."""
-    import torch
+class AiterMxfp8(FormBase):
+    """The aiter layout's MXFP8 form (module docstring); ``options``: the layout's AiterOptions."""
 
-    check_kernel_tensors("aiter", k, kernel_specs(sizes, activation))
-    E, H, I = sizes.num_experts, sizes.hidden_size, sizes.intermediate_size
-    s13 = unshuffle_scale_a16w4(k["w13_weight_scale"], E, gate_up=True)
-    _check_pad("w13_weight_scale", s13.reshape(E * 2 * I, -1), E * 2 * I, H // 32)
-    s2 = e8m0_unshuffle(k["w2_weight_scale"])
-    if check_undefined_padding:
-        _check_pad("w2_weight_scale", s2, E * H, I // 32)
-    return CanonicalExperts(
-        gu16_inverse(w16_inverse(k["w13_weight"].view(torch.uint8))).contiguous(), s13[..., : H // 32].contiguous(),
-        w16_inverse(k["w2_weight"].view(torch.uint8)).contiguous(), s2[: E * H, : I // 32].reshape(E, H, I // 32).contiguous(),
-        row_order=sizes.row_order, weight_format=WEIGHT_FORMAT,
-    )  # fmt: skip
+    weight_format = WEIGHT_FORMAT
+    activations = (ACTIVATION,)
+    vllm_backends = {ACTIVATION: (VLLM_BACKEND,)}  # Fp8MoeBackend
+
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+                     options: Any) -> tuple[int, int]:  # fmt: skip
+        """(H, I): vLLM's MXFP8 methods pad nothing; LayoutError unless both are multiples of 64 (per rank)."""
+        if activation != ACTIVATION:
+            raise LayoutError(f"aiter MXFP8: vLLM's AITER_MXFP8 experts take bf16 activations (aiter quantizes them to "
+                              f"MXFP8 per 1x32 inside fused_moe), got activation {activation!r}")  # fmt: skip
+        check_block_sizes("aiter MXFP8", hidden_size, intermediate_size, row_order, 32)
+        for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
+            if size % K_GROUP:
+                raise LayoutError(f"aiter MXFP8: {what} size {size} per rank is not a multiple of {K_GROUP}: aiter's "
+                                  "shuffle_weight views K in 64-byte groups and vLLM's MXFP8 methods pad nothing")  # fmt: skip
+        return hidden_size, intermediate_size
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, TensorSpec]:
+        """The module table's tensors."""
+        H, I = check_mxfp8_method_sizes("aiter MXFP8", sizes, self.padded_sizes(
+            sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options))
+        E = sizes.num_experts
+        return in_kernel_order({
+            "w13_weight": TensorSpec((E, 2 * I, H), "F8_E4M3"),
+            "w13_weight_scale": TensorSpec((E * 2 * I, round_up(H // 32, 8)), "U8"),
+            "w2_weight": TensorSpec((E, H, I), "F8_E4M3"),
+            "w2_weight_scale": TensorSpec((round_up(E * H, 256), round_up(I // 32, 8)), "U8"),
+        })  # fmt: skip
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: Any, kernel_choice: KernelChoice) -> KernelTensors:
+        """Canonical MXFP8 stack -> the module table's tensors on ``c``'s device (torch ops)."""
+        import torch
+
+        c.validate()
+        E, H, I = c.num_experts, c.hidden_size, c.intermediate_size
+        self.kernel_specs(c.sizes(H, I), activation, options)
+        return in_kernel_order({
+            "w13_weight": w16_bytes(gu16(c.w13).contiguous()).view(torch.float8_e4m3fn),
+            "w13_weight_scale": shuffle_scale_a16w4(c.w13_scale, gate_up=True).contiguous(),
+            "w2_weight": w16_bytes(c.w2.contiguous()).view(torch.float8_e4m3fn),
+            "w2_weight_scale": e8m0_shuffle(c.w2_scale.reshape(E * H, I // 32)).contiguous(),
+        })  # fmt: skip
+
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: Any) -> CanonicalExperts:
+        """Exact inverse of :meth:`to_kernel`. LayoutError for a wrong tensor set, shape or dtype, or scale
+        padding other than 0x7F (w2's, which aiter leaves uninitialised, only with the option
+        ``check_undefined_scale_padding``)."""
+        import torch
+
+        check_kernel_tensors("aiter", k, self.kernel_specs(sizes, activation, options))
+        E, H, I = sizes.num_experts, sizes.hidden_size, sizes.intermediate_size
+        s13 = unshuffle_scale_a16w4(k["w13_weight_scale"], E, gate_up=True)
+        _check_pad("w13_weight_scale", s13.reshape(E * 2 * I, -1), E * 2 * I, H // 32)
+        s2 = e8m0_unshuffle(k["w2_weight_scale"])
+        if options.check_undefined_scale_padding:
+            _check_pad("w2_weight_scale", s2, E * H, I // 32)
+        return CanonicalExperts(
+            gu16_inverse(w16_inverse(k["w13_weight"].view(torch.uint8))).contiguous(), s13[..., : H // 32].contiguous(),
+            w16_inverse(k["w2_weight"].view(torch.uint8)).contiguous(), s2[: E * H, : I // 32].reshape(E, H, I // 32).contiguous(),
+            row_order=sizes.row_order, weight_format=WEIGHT_FORMAT,
+        )  # fmt: skip
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, Any]:
+        """Manifest ``layout`` fields of the MXFP8 form."""
+        self.kernel_specs(sizes, activation, options)
+        H, I, E = sizes.hidden_size, sizes.intermediate_size, sizes.num_experts
+        return {
+            "name": "aiter",
+            "version": 1,
+            "variant": WEIGHT_FORMAT,
+            "vllm_oracle": "Fp8MoeBackend",
+            "vllm_backend": VLLM_BACKEND,
+            "engine_compat": {"vllm": "0.33", "aiter": "fused_moe with gate_mode (>= 0.1.14)", "gfx": "gfx950"},
+            "activation": activation,
+            "kernel": "FlyDSL a8w8 MXFP8 (fused_moe per_1x32, gate_mode INTERLEAVE; activations quantized inside)",
+            "is_shuffled": True,
+            "padding": {"hidden_align": 1, "intermediate_align": 1, "fill": 0},
+            "weight_shuffle": "W16 o GU16 (w13), W16 (w2), one byte a value",
+            "weight_tile": [16, 16],
+            "w13_kernel_row_order": "gate_up_16row_blocks" if sizes.row_order == "halves" else "16row_blocks_of_interleaved_rows",
+            "scale_shuffle": "shuffle_scale(is_guinterleave, gate_up) (w13), e8m0_shuffle (w2)",
+            "scale_layout": "2d: w13 [E*2I, round_up(H/32,8)], w2 [round_up(E*H,256), round_up(I/32,8)]",
+            "scale_pad_fill": SCALE_PAD_FILL,
+            "scale_pad_defined_upstream": (E * H) % 256 == 0 and (I // 32) % 8 == 0,
+            "torch_dtype": {"w13_weight": "float8_e4m3fn", "w2_weight": "float8_e4m3fn",
+                            "w13_weight_scale": "uint8", "w2_weight_scale": "uint8"},
+        }  # fmt: skip
 
 
-def describe(sizes: LayoutSizes, activation: str) -> dict[str, Any]:
-    """Manifest ``layout`` fields of the MXFP8 form."""
-    kernel_specs(sizes, activation)
-    H, I, E = sizes.hidden_size, sizes.intermediate_size, sizes.num_experts
-    return {
-        "name": "aiter",
-        "version": 1,
-        "variant": WEIGHT_FORMAT,
-        "vllm_oracle": "Fp8MoeBackend",
-        "vllm_backend": VLLM_BACKEND,
-        "engine_compat": {"vllm": "0.33", "aiter": "fused_moe with gate_mode (>= 0.1.14)", "gfx": "gfx950"},
-        "activation": activation,
-        "kernel": "FlyDSL a8w8 MXFP8 (fused_moe per_1x32, gate_mode INTERLEAVE; activations quantized inside)",
-        "is_shuffled": True,
-        "padding": {"hidden_align": 1, "intermediate_align": 1, "fill": 0},
-        "weight_shuffle": "W16 o GU16 (w13), W16 (w2), one byte a value",
-        "weight_tile": [16, 16],
-        "w13_kernel_row_order": "gate_up_16row_blocks" if sizes.row_order == "halves" else "16row_blocks_of_interleaved_rows",
-        "scale_shuffle": "shuffle_scale(is_guinterleave, gate_up) (w13), e8m0_shuffle (w2)",
-        "scale_layout": "2d: w13 [E*2I, round_up(H/32,8)], w2 [round_up(E*H,256), round_up(I/32,8)]",
-        "scale_pad_fill": SCALE_PAD_FILL,
-        "scale_pad_defined_upstream": (E * H) % 256 == 0 and (I // 32) % 8 == 0,
-        "torch_dtype": {"w13_weight": "float8_e4m3fn", "w2_weight": "float8_e4m3fn",
-                        "w13_weight_scale": "uint8", "w2_weight_scale": "uint8"},
-    }  # fmt: skip
+MXFP8 = AiterMxfp8()

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from mxconv.environment import KernelLocations
 
 
-__all__ = ["EmptyOptions", "Layout", "LayoutBase", "LayoutOption", "LayoutOptions"]
+__all__ = ["EmptyOptions", "Layout", "LayoutBase", "LayoutOption", "LayoutOptions", "check_activation"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,12 @@ def _options_type(cls: type) -> type[LayoutOptions]:
     return made
 
 
+def check_activation(backend: str, activation: str, activations: tuple[str, ...]) -> None:
+    """LayoutError unless ``activation`` is one of ``activations`` (what ``backend``, or one of its forms, serves)."""
+    if activation not in activations:
+        raise LayoutError(f"{backend} does not support activation {activation!r}; supported: {', '.join(activations)}")
+
+
 class LayoutBase:
     """Shared behaviour of every backend layout (subclass it and declare the class attributes).
 
@@ -185,10 +191,7 @@ class LayoutBase:
 
     def check_activation(self, activation: str) -> None:
         """LayoutError unless ``activation`` is one this backend serves."""
-        if activation not in self.activations:
-            raise LayoutError(
-                f"{self.name} does not support activation {activation!r}; supported: {', '.join(self.activations)}"
-            )
+        check_activation(self.name, activation, self.activations)
 
     # the engine's own kernel runner for these bytes (``verify --kernel``, the loader): a
     # "module:attribute" string naming a mxconv.engines.runner.EngineRunner, or the object itself;

@@ -19,7 +19,8 @@ the way (``_upcast_e8m0_to_fp32``, then the pack's ``bits >> 23``) gives back ev
 0xFF included. Weights keep the row order they come in (vLLM's DeepGEMM path does not reorder).
 All padding is zero (vLLM allocates the parameters with ``torch.zeros``).
 
-MXFP8 experts (vLLM ``Fp8MoeBackend.DEEPGEMM``, SM100): :mod:`mxconv.layouts.deepgemm_mxfp8`.
+MXFP8 experts (vLLM ``Fp8MoeBackend.DEEPGEMM``, SM100): :mod:`mxconv.layouts.deepgemm_mxfp8`, the form the
+layout declares in ``weight_forms`` beside the padded stack's MXFP4 one.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
@@ -30,10 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import deepgemm_mxfp8
-from mxconv.layouts.base import LayoutOptions
-from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec
 from mxconv.layouts.padded_stack import PaddedStackLayout, StackForm, Transform
-from mxconv.layouts.padding import KernelChoice
 from mxconv.source.manifest import Manifest
 from mxconv.source.st_format import torch_dtype
 
@@ -99,8 +97,7 @@ class DeepgemmLayout(PaddedStackLayout):
             },
         ),
     }
-    vllm_mxfp8_backends = {deepgemm_mxfp8.ACTIVATION: (deepgemm_mxfp8.VLLM_BACKEND,)}  # Fp8MoeBackend (deepgemm_mxfp8)
-    weight_formats = ("mxfp4", deepgemm_mxfp8.WEIGHT_FORMAT)
+    weight_forms = {"mxfp8": deepgemm_mxfp8.MXFP8}  # MXFP8 experts (Fp8MoeBackend.DEEPGEMM); MXFP4: the stack above
 
     def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
                            kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
@@ -110,35 +107,6 @@ class DeepgemmLayout(PaddedStackLayout):
         if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (10, 12):
             return "DeepGEMM's m_grouped_fp8_fp4_gemm_nt_contiguous needs an SM100 or SM120 (Blackwell) GPU"
         return "running the DeepGEMM MXFP4 kernel is not wired up in this version"
-
-
-    # MXFP8 experts: the deepgemm_mxfp8 form; MXFP4: the padded stack above.
-    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-                     options: LayoutOptions | None = None, *, weight_format: str = "mxfp4") -> tuple[int, int]:
-        if weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
-            return deepgemm_mxfp8.padded_sizes(hidden_size, intermediate_size, row_order, activation)
-        return super().padded_sizes(hidden_size, intermediate_size, row_order, activation, options)
-
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, TensorSpec]:
-        if sizes.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
-            return deepgemm_mxfp8.kernel_specs(sizes, activation)
-        return super().kernel_specs(sizes, activation, options)
-
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: LayoutOptions,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
-        if c.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
-            return deepgemm_mxfp8.to_kernel(c, activation)
-        return super().to_kernel(c, activation, options, kernel_choice)
-
-    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> CanonicalExperts:
-        if sizes.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
-            return deepgemm_mxfp8.from_kernel(k, sizes, activation)
-        return super().from_kernel(k, sizes, activation, options)
-
-    def describe(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, Any]:
-        if sizes.weight_format == deepgemm_mxfp8.WEIGHT_FORMAT:
-            return deepgemm_mxfp8.describe(sizes, activation)
-        return super().describe(sizes, activation, options)
 
 
 LAYOUT = DeepgemmLayout()

@@ -33,12 +33,13 @@ from mxconv.layouts.canonical import (
     CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, check_kernel_tensors,
     check_mxfp8_method_sizes, in_kernel_order,
 )
-from mxconv.layouts.padding import check_fill, pad_last
+from mxconv.layouts.forms import FormBase
+from mxconv.layouts.padding import KernelChoice, check_fill, pad_last
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VLLM_BACKEND", "WEIGHT_FORMAT", "describe", "from_kernel", "kernel_specs", "padded_sizes", "to_kernel"]
+__all__ = ["MXFP8", "VLLM_BACKEND", "WEIGHT_FORMAT", "DeepgemmMxfp8"]
 
 WEIGHT_FORMAT = "mxfp8"
 VLLM_BACKEND = "DEEPGEMM"
@@ -46,30 +47,8 @@ ACTIVATION = "fp8"
 PACK = 4  # UE8M0 scales per int32 word
 
 
-def padded_sizes(hidden_size: int, intermediate_size: int, row_order: str, activation: str) -> tuple[int, int]:
-    """(H, I): vLLM's MXFP8 methods pad nothing; LayoutError unless H and I are multiples of 32."""
-    if activation != ACTIVATION:
-        raise LayoutError(f"deepgemm MXFP8: DeepGemmExperts run MXFP8 activations (e4m3, 1x32 UE8M0 scales), "
-                          f"the layout's activation fp8; got {activation!r}")  # fmt: skip
-    check_block_sizes("deepgemm MXFP8", hidden_size, intermediate_size, row_order, 32)
-    return hidden_size, intermediate_size
-
-
 def _words(k: int) -> int:
     return -(-(k // 32) // PACK)
-
-
-def kernel_specs(sizes: LayoutSizes, activation: str) -> dict[str, TensorSpec]:
-    """The module table's tensors."""
-    H, I = check_mxfp8_method_sizes("deepgemm MXFP8", sizes, padded_sizes(sizes.hidden_size, sizes.intermediate_size,
-                                                                   sizes.row_order, activation))
-    E = sizes.num_experts
-    return in_kernel_order({
-        "w13_weight": TensorSpec((E, 2 * I, H), "F8_E4M3"),
-        "w13_weight_scale": TensorSpec((E, _words(H), 2 * I), "I32"),
-        "w2_weight": TensorSpec((E, H, I), "F8_E4M3"),
-        "w2_weight_scale": TensorSpec((E, _words(I), H), "I32"),
-    })  # fmt: skip
 
 
 def _pack(s: torch.Tensor) -> torch.Tensor:
@@ -92,46 +71,75 @@ def _unpack(words: torch.Tensor, cols: int, name: str) -> torch.Tensor:
     return raw[..., :cols].contiguous()
 
 
-def to_kernel(c: CanonicalExperts, activation: str) -> KernelTensors:
-    """Canonical MXFP8 stack -> the module table's tensors on ``c``'s device (torch ops)."""
-    import torch
+class DeepgemmMxfp8(FormBase):
+    """The deepgemm layout's MXFP8 form (module docstring); the layout's options do not shape these bytes."""
 
-    c.validate()
-    kernel_specs(c.sizes(c.hidden_size, c.intermediate_size), activation)
-    return in_kernel_order({
-        "w13_weight": c.w13.contiguous().view(torch.float8_e4m3fn), "w13_weight_scale": _pack(c.w13_scale),
-        "w2_weight": c.w2.contiguous().view(torch.float8_e4m3fn), "w2_weight_scale": _pack(c.w2_scale),
-    })  # fmt: skip
+    weight_format = WEIGHT_FORMAT
+    activations = (ACTIVATION,)
+    vllm_backends = {ACTIVATION: (VLLM_BACKEND,)}  # Fp8MoeBackend
+
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+                     options: Any) -> tuple[int, int]:  # fmt: skip
+        """(H, I): vLLM's MXFP8 methods pad nothing; LayoutError unless H and I are multiples of 32."""
+        if activation != ACTIVATION:
+            raise LayoutError(f"deepgemm MXFP8: DeepGemmExperts run MXFP8 activations (e4m3, 1x32 UE8M0 scales), "
+                              f"the layout's activation fp8; got {activation!r}")  # fmt: skip
+        check_block_sizes("deepgemm MXFP8", hidden_size, intermediate_size, row_order, 32)
+        return hidden_size, intermediate_size
+
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, TensorSpec]:
+        """The module table's tensors."""
+        H, I = check_mxfp8_method_sizes("deepgemm MXFP8", sizes, self.padded_sizes(
+            sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options))
+        E = sizes.num_experts
+        return in_kernel_order({
+            "w13_weight": TensorSpec((E, 2 * I, H), "F8_E4M3"),
+            "w13_weight_scale": TensorSpec((E, _words(H), 2 * I), "I32"),
+            "w2_weight": TensorSpec((E, H, I), "F8_E4M3"),
+            "w2_weight_scale": TensorSpec((E, _words(I), H), "I32"),
+        })  # fmt: skip
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: Any, kernel_choice: KernelChoice) -> KernelTensors:
+        """Canonical MXFP8 stack -> the module table's tensors on ``c``'s device (torch ops)."""
+        import torch
+
+        c.validate()
+        self.kernel_specs(c.sizes(c.hidden_size, c.intermediate_size), activation, options)
+        return in_kernel_order({
+            "w13_weight": c.w13.contiguous().view(torch.float8_e4m3fn), "w13_weight_scale": _pack(c.w13_scale),
+            "w2_weight": c.w2.contiguous().view(torch.float8_e4m3fn), "w2_weight_scale": _pack(c.w2_scale),
+        })  # fmt: skip
+
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: Any) -> CanonicalExperts:
+        """Exact inverse of :meth:`to_kernel`; LayoutError for a wrong tensor set, shape or dtype, or a
+        non-zero byte in a word's blocks past K/32 (tensor and index named, in the unpacked [E, N, 4 * words] view)."""
+        import torch
+
+        check_kernel_tensors("deepgemm", k, self.kernel_specs(sizes, activation, options))
+        H, I = sizes.hidden_size, sizes.intermediate_size
+        return CanonicalExperts(
+            k["w13_weight"].view(torch.uint8).contiguous(), _unpack(k["w13_weight_scale"], H // 32, "w13_weight_scale"),
+            k["w2_weight"].view(torch.uint8).contiguous(), _unpack(k["w2_weight_scale"], I // 32, "w2_weight_scale"),
+            row_order=sizes.row_order, weight_format=WEIGHT_FORMAT,
+        )  # fmt: skip
+
+    def describe(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, Any]:
+        """Manifest ``layout`` fields of the MXFP8 form."""
+        self.kernel_specs(sizes, activation, options)
+        return {
+            "name": "deepgemm",
+            "version": 1,
+            "variant": WEIGHT_FORMAT,
+            "vllm_oracle": "Fp8MoeBackend",
+            "vllm_moe_backend": VLLM_BACKEND,
+            "engine_compat": {"vllm": "0.33", "deep_gemm": "vendored by vLLM 0.33", "gpu": "SM100 family"},
+            "activation": activation,
+            "padding": {"hidden_align": 1, "intermediate_align": 1, "fill": 0},
+            "w13_kernel_row_order": sizes.row_order,
+            "scale_format": "ue8m0 packed 4 per int32 (low byte = lowest K block; blocks past K/32 zero), MN-major",
+            "scale_storage": "[E, ceil(K/128), N] int32; the engine tensor is stored.transpose(1, 2) = [E, N, ceil(K/128)]",
+            "runtime_env": {"VLLM_USE_DEEP_GEMM_E8M0": "1"},
+        }
 
 
-def from_kernel(k: KernelTensors, sizes: LayoutSizes, activation: str) -> CanonicalExperts:
-    """Exact inverse of :func:`to_kernel`; LayoutError for a wrong tensor set, shape or dtype, or a
-    non-zero byte in a word's blocks past K/32 (tensor and index named, in the unpacked [E, N, 4 * words] view)."""
-    import torch
-
-    check_kernel_tensors("deepgemm", k, kernel_specs(sizes, activation))
-    H, I = sizes.hidden_size, sizes.intermediate_size
-    return CanonicalExperts(
-        k["w13_weight"].view(torch.uint8).contiguous(), _unpack(k["w13_weight_scale"], H // 32, "w13_weight_scale"),
-        k["w2_weight"].view(torch.uint8).contiguous(), _unpack(k["w2_weight_scale"], I // 32, "w2_weight_scale"),
-        row_order=sizes.row_order, weight_format=WEIGHT_FORMAT,
-    )  # fmt: skip
-
-
-def describe(sizes: LayoutSizes, activation: str) -> dict[str, Any]:
-    """Manifest ``layout`` fields of the MXFP8 form."""
-    kernel_specs(sizes, activation)
-    return {
-        "name": "deepgemm",
-        "version": 1,
-        "variant": WEIGHT_FORMAT,
-        "vllm_oracle": "Fp8MoeBackend",
-        "vllm_moe_backend": VLLM_BACKEND,
-        "engine_compat": {"vllm": "0.33", "deep_gemm": "vendored by vLLM 0.33", "gpu": "SM100 family"},
-        "activation": activation,
-        "padding": {"hidden_align": 1, "intermediate_align": 1, "fill": 0},
-        "w13_kernel_row_order": sizes.row_order,
-        "scale_format": "ue8m0 packed 4 per int32 (low byte = lowest K block; blocks past K/32 zero), MN-major",
-        "scale_storage": "[E, ceil(K/128), N] int32; the engine tensor is stored.transpose(1, 2) = [E, N, ceil(K/128)]",
-        "runtime_env": {"VLLM_USE_DEEP_GEMM_E8M0": "1"},
-    }
+MXFP8 = DeepgemmMxfp8()

@@ -30,10 +30,10 @@ per format: vLLM pads nothing (Ip = I), weights -> int32 [E, K/16, 4N] (four E4M
 Compressed-tensors INT4 experts (``weight_format`` "int4"): :mod:`mxconv.layouts.humming_int4` (no
 vLLM padding, codes as humming's ``convert_symmetric_integer_weight`` leaves them, bf16 scales).
 
-Variants: each weight format is one object (:class:`HummingVariant`: ``humming_mx.MXFP4`` /
-``MXFP8``, ``humming_int4.INT4``) that :meth:`HummingLayout.variant` picks once per call; it owns
-its sizes, bytes, stack choices and the manifest fields that differ, and :meth:`HummingLayout.describe`
-builds the one manifest entry around them. All share ``humming_bytemap`` (GEMM padding, word and
+Forms: each weight format is one :class:`HummingForm` (a :class:`~mxconv.layouts.forms.WeightForm`)
+around its part (``humming_mx.MXFP4`` / ``MXFP8``, ``humming_int4.INT4``), which owns its sizes,
+bytes, stack choices and the manifest fields that differ; :meth:`HummingForm.describe` builds the one
+manifest entry around them. All share ``humming_bytemap`` (GEMM padding, word and
 scale maps).
 
 The layer configs humming's forward needs (``humming.config.LayerConfig`` fields, SM90) are
@@ -45,17 +45,18 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
+from mxconv.layouts.base import LayoutOption, LayoutOptions, check_activation
+from mxconv.layouts.forms import FormBase, FormsLayout
 from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_kernel_tensors
 from mxconv.layouts.humming_bytemap import K_MULTIPLE, N_MULTIPLE, gemm_shapes
-from mxconv.layouts.humming_int4 import AUTO, CODES, INT4
-from mxconv.layouts.humming_mx import MXFP4, MXFP8
+from mxconv.layouts.humming_int4 import AUTO, CODES, INT4, HummingInt4
+from mxconv.layouts.humming_mx import MXFP4, MXFP8, HummingMX
 from mxconv.layouts.padding import KernelChoice
 
-__all__ = ["LAYOUT", "VARIANTS", "HummingLayout", "HummingVariant", "gemm_shapes", "layer_configs"]
+__all__ = ["LAYOUT", "HummingForm", "HummingLayout", "gemm_shapes", "layer_configs"]
 
 BACKEND_NAME = "humming"
 LAYOUT_VERSION = 1
@@ -66,144 +67,67 @@ HUMMING_VERSION = "0.1.19"
 ACTIVATION_TYPES = {"interleaved": "binary_interleaved", "halves": "binary_split"}
 
 
-class HummingVariant(Protocol):
-    """What differs per expert weight format (``codes``: the int4_codes option, read by INT4 only)."""
+class HummingForm(FormBase):
+    """One weight format on humming: ``part`` (``humming_mx.MXFP4`` / ``MXFP8``, ``humming_int4.INT4``)
+    owns its sizes, bytes, stack choices and the manifest fields that differ (its ``codes`` argument: the
+    int4_codes option, read by INT4 only); this object checks the activation, hands the part the option
+    and builds the one manifest entry around the part's fields."""
 
-    weight_format: str
-    intermediate_align: int  # vLLM rounds the per-rank intermediate size up to this (the manifest's)
-    manifest_head: dict[str, Any]  # manifest fields before engine_compat (variant, ...)
-    manifest_oracle: dict[str, Any]  # manifest fields after vllm_moe_backend
-
-    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str) -> tuple[int, int]: ...
-
-    def kernel_specs(self, sizes: LayoutSizes) -> dict[str, TensorSpec]: ...
-
-    def stack_choices(self, c: CanonicalExperts, codes: Any) -> dict[str, str]: ...
-
-    def to_kernel(self, c: CanonicalExperts, codes: Any) -> KernelTensors: ...
-
-    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, codes: Any) -> CanonicalExperts: ...
-
-    def storage_fields(self, codes: Any) -> dict[str, Any]: ...
-
-    def layer_config_fields(self, weight: str, codes: Any) -> dict[str, Any]: ...
-
-
-VARIANTS: dict[str, HummingVariant] = {v.weight_format: v for v in (MXFP4, MXFP8, INT4)}
-
-
-def variant(weight_format: str) -> HummingVariant:
-    """The :class:`HummingVariant` of ``weight_format``; LayoutError for one humming does not take."""
-    try:
-        return VARIANTS[weight_format]
-    except KeyError:
-        raise LayoutError(f"humming takes {', '.join(VARIANTS)} experts, got {weight_format}") from None
-
-
-def layer_configs(sizes: LayoutSizes, int4_codes: str | Mapping[str, str] = "uint4") -> dict[str, dict[str, Any]]:
-    """humming ``LayerConfig`` keyword arguments per GEMM, as vLLM 0.33 builds them on SM90 with bf16
-    activations and no input quantization (``transform.prepare_layer_config``); MX experts with their
-    format's ``b_dtype``, INT4 experts with ``int4_codes`` ("uint4" or "e0m3", or one per weight
-    tensor: ``layout.stack_choices``) as their weight type and bf16 group scales."""
-    v = variant(sizes.weight_format)
-    out = {}
-    for w, (n, k, n_pad, k_pad) in gemm_shapes(sizes.hidden_size, sizes.padded_intermediate_size).items():
-        out[w] = {
-            "sm_version": SM_VERSION, "shape_n": n_pad, "shape_k": k_pad, "pad_shape_n": n_pad - n,
-            "pad_shape_k": k_pad - k, "num_experts": sizes.num_experts, "a_dtype": "bfloat16",
-            "b_dtype": None, "c_dtype": "bfloat16", "bs_dtype": "float8e8m0", "as_dtype": None,
-            "input_quant_mode": "none", "input_scale_group_size": 0, "weight_scale_group_size": MX_BLOCK,
-            "weight_scale_group_size_n": 0, "weight_scale_type": "group", "weight_scale_2_type": "none",
-            "has_zero_point": False, "is_fp_zero_point": False, "has_bias": sizes.has_bias,
-        }  # fmt: skip
-        out[w].update(v.layer_config_fields(w, int4_codes))
-    return out
-
-
-class HummingLayout(LayoutBase):
-    """vLLM 0.33 HUMMING MoE backend (humming-kernels 0.1.19), MXFP4 / MXFP8 (:mod:`humming_mx`) or
-    INT4 (:mod:`humming_int4`) weights, bf16 activations, SM90; every step is its weight format's
-    :class:`HummingVariant`'s."""
-
-    name = BACKEND_NAME
-    version = LAYOUT_VERSION
-    activations: tuple[str, ...] = ("bf16",)
+    activations = ("bf16",)
+    # HUMMING under each format's vLLM method: Mxfp4MoeBackend (MXFP4), WNA16MoEBackend (compressed-tensors
+    # INT4 on SM90), Fp8MoeBackend (MXFP8 on SM90, prioritize_humming moves it ahead of Marlin; bf16
+    # activations: VLLM_HUMMING_INPUT_QUANT_CONFIG unset)
     vllm_backends = {"bf16": ("HUMMING",)}
-    # compressed-tensors INT4 (vLLM WNA16MoEBackend) on SM90 goes to HUMMING too: humming_int4
-    vllm_int4_backends = {"bf16": ("HUMMING",)}
-    # MXFP8 experts on SM90 (fused_moe/oracle/mxfp8.py; prioritize_humming moves it ahead of Marlin):
-    # Fp8MoeBackend.HUMMING, bf16 activations (VLLM_HUMMING_INPUT_QUANT_CONFIG unset)
-    vllm_mxfp8_backends = {"bf16": ("HUMMING",)}
-    weight_formats = tuple(VARIANTS)
-    options = (
-        LayoutOption(
-            "int4_codes", str, AUTO,
-            "INT4 experts only: the codes of each GEMM's stack (auto: as humming chooses per layer, GEMM and "
-            "TP rank, recorded in the manifest; uint4: offset-binary, what it keeps for a stack holding "
-            "q = -8; e0m3: sign-magnitude float4e0m3, what it makes of one that does not); with uint4 or "
-            "e0m3, repack refuses a stack for which humming would pick the other",
-            choices=CODES,
-        ),
-    )
-    engine_runner = "mxconv.engines.humming_moe:RUNNER"
-    variant = staticmethod(variant)
 
-    def stack_choices(self, c: CanonicalExperts, options: LayoutOptions | None) -> dict[str, str]:
-        """INT4 experts: the code form of each GEMM's stack of ``c`` (by weight tensor), as
-        :meth:`to_kernel` writes it under ``options`` (``humming_int4.stack_codes``); else none."""
-        return self.variant(c.weight_format).stack_choices(c, self._codes(options))
+    def __init__(self, part: HummingMX | HummingInt4) -> None:
+        self.part = part
+        self.weight_format = part.weight_format
 
-    def with_choices(self, options: LayoutOptions | None, choices: Mapping[str, str]) -> LayoutOptions:
-        """``options`` with the recorded per-stack code forms fixed (none recorded: as they are)."""
-        opts = self.options_of(options)
-        return dataclasses.replace(opts, int4_codes=tuple(sorted(choices.items()))) if choices else opts
-
-    def _codes(self, options: LayoutOptions | None) -> str | dict[str, str]:
-        """The int4_codes option as the variants take it: a form or "auto", or the recorded forms by tensor."""
-        codes = self.options_of(options).int4_codes
+    @staticmethod
+    def codes(options: Any) -> str | dict[str, str]:
+        """The int4_codes option as the parts take it: a form or "auto", or the recorded forms by tensor."""
+        codes = options.int4_codes
         return codes if isinstance(codes, str) else dict(codes)
 
-    def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: LayoutOptions | None = None, *, weight_format: str = "mxfp4",
-    ) -> tuple[int, int]:
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+                     options: Any) -> tuple[int, int]:  # fmt: skip
         """(Hp, Ip) = (H, roundup(I, a)): the layer vLLM allocates for HUMMING (humming's own GEMM
         padding is inside the kernel tensors), a = 64 for MXFP4, 1 for MXFP8 (``humming_mx``).
-        LayoutError unless H, I are multiples of 32. ``weight_format="int4"``: (H, I), nothing
-        padded (humming_int4)."""
-        self.check_activation(activation)
-        return self.variant(weight_format).padded_sizes(hidden_size, intermediate_size, row_order)
+        LayoutError unless H, I are multiples of 32. INT4: (H, I), nothing padded (humming_int4)."""
+        check_activation(BACKEND_NAME, activation, self.activations)
+        return self.part.padded_sizes(hidden_size, intermediate_size, row_order)
 
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, TensorSpec]:
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the stored tensors (module table)."""
-        self.check_activation(activation)
-        return self.variant(sizes.weight_format).kernel_specs(sizes)
+        check_activation(BACKEND_NAME, activation, self.activations)
+        return self.part.kernel_specs(sizes)
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: LayoutOptions,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+    def stack_choices(self, c: CanonicalExperts, options: Any) -> dict[str, str]:
+        """INT4 experts: the code form of each GEMM's stack of ``c`` (by weight tensor), as
+        :meth:`to_kernel` writes it under ``options`` (``humming_int4.stack_codes``); else none."""
+        return self.part.stack_choices(c, self.codes(options))
+
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: Any, kernel_choice: KernelChoice) -> KernelTensors:
         """Canonical stack -> stored tensors on ``c``'s device (module table); torch ops only."""
-        self.check_activation(activation)
-        return self.variant(c.weight_format).to_kernel(c, self._codes(options))
+        check_activation(BACKEND_NAME, activation, self.activations)
+        return self.part.to_kernel(c, self.codes(options))
 
-    def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: LayoutOptions
-    ) -> CanonicalExperts:
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: Any) -> CanonicalExperts:
         """Exact inverse of :meth:`to_kernel` (biases as bf16); LayoutError for a wrong tensor set,
         shape or dtype, or a padding byte other than its fill (tensor and index named)."""
         check_kernel_tensors(BACKEND_NAME, k, self.kernel_specs(sizes, activation, options))
-        return self.variant(sizes.weight_format).from_kernel(k, sizes, self._codes(options))
+        return self.part.from_kernel(k, sizes, self.codes(options))
 
-    def describe(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, Any]:
+    def describe(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, Any]:
         """Manifest ``layout`` fields: versions, device, padding, row order and humming's layer configs;
-        the variant's own fields (name, oracle, stored dtypes) in their places."""
-        self.check_activation(activation)
-        v = self.variant(sizes.weight_format)
-        v.kernel_specs(sizes)  # the sizes checked against the variant's padding (and INT4: no biases)
+        the part's own fields (name, oracle, stored dtypes) in their places."""
+        check_activation(BACKEND_NAME, activation, self.activations)
+        v = self.part
+        v.kernel_specs(sizes)  # the sizes checked against the part's padding (and INT4: no biases)
         shapes = gemm_shapes(sizes.hidden_size, sizes.padded_intermediate_size)
-        codes = self.options_of(options).int4_codes
         return {
-            "name": self.name,
-            "version": self.version,
+            "name": BACKEND_NAME,
+            "version": LAYOUT_VERSION,
             **v.manifest_head,
             "engine_compat": {"vllm": "0.33", "humming_kernels": HUMMING_VERSION, "gpu": f"SM{SM_VERSION} (Hopper)"},
             "activation": activation,
@@ -215,9 +139,55 @@ class HummingLayout(LayoutBase):
                              "w13": list(shapes["w13"]), "w2": list(shapes["w2"])},
             "w13_kernel_row_order": sizes.row_order,
             "activation_type": ACTIVATION_TYPES[sizes.row_order],
-            **v.storage_fields(codes),
-            "layer_configs": layer_configs(sizes, self._codes(options)),
+            **v.storage_fields(options.int4_codes),
+            "layer_configs": layer_configs(sizes, self.codes(options)),
         }  # fmt: skip
+
+
+def layer_configs(sizes: LayoutSizes, int4_codes: str | Mapping[str, str] = "uint4") -> dict[str, dict[str, Any]]:
+    """humming ``LayerConfig`` keyword arguments per GEMM, as vLLM 0.33 builds them on SM90 with bf16
+    activations and no input quantization (``transform.prepare_layer_config``); MX experts with their
+    format's ``b_dtype``, INT4 experts with ``int4_codes`` ("uint4" or "e0m3", or one per weight
+    tensor: ``layout.stack_choices``) as their weight type and bf16 group scales."""
+    part = LAYOUT.form(sizes.weight_format).part
+    out = {}
+    for w, (n, k, n_pad, k_pad) in gemm_shapes(sizes.hidden_size, sizes.padded_intermediate_size).items():
+        out[w] = {
+            "sm_version": SM_VERSION, "shape_n": n_pad, "shape_k": k_pad, "pad_shape_n": n_pad - n,
+            "pad_shape_k": k_pad - k, "num_experts": sizes.num_experts, "a_dtype": "bfloat16",
+            "b_dtype": None, "c_dtype": "bfloat16", "bs_dtype": "float8e8m0", "as_dtype": None,
+            "input_quant_mode": "none", "input_scale_group_size": 0, "weight_scale_group_size": MX_BLOCK,
+            "weight_scale_group_size_n": 0, "weight_scale_type": "group", "weight_scale_2_type": "none",
+            "has_zero_point": False, "is_fp_zero_point": False, "has_bias": sizes.has_bias,
+        }  # fmt: skip
+        out[w].update(part.layer_config_fields(w, int4_codes))
+    return out
+
+
+class HummingLayout(FormsLayout):
+    """vLLM 0.33 HUMMING MoE backend (humming-kernels 0.1.19), MXFP4 / MXFP8 (:mod:`humming_mx`) or
+    INT4 (:mod:`humming_int4`) weights, bf16 activations, SM90; every step is its weight format's
+    :class:`HummingForm`'s."""
+
+    name = BACKEND_NAME
+    version = LAYOUT_VERSION
+    weight_forms = {part.weight_format: HummingForm(part) for part in (MXFP4, MXFP8, INT4)}
+    options = (
+        LayoutOption(
+            "int4_codes", str, AUTO,
+            "INT4 experts only: the codes of each GEMM's stack (auto: as humming chooses per layer, GEMM and "
+            "TP rank, recorded in the manifest; uint4: offset-binary, what it keeps for a stack holding "
+            "q = -8; e0m3: sign-magnitude float4e0m3, what it makes of one that does not); with uint4 or "
+            "e0m3, repack refuses a stack for which humming would pick the other",
+            choices=CODES,
+        ),
+    )
+    engine_runner = "mxconv.engines.humming_moe:RUNNER"
+
+    def with_choices(self, options: LayoutOptions | None, choices: Mapping[str, str]) -> LayoutOptions:
+        """``options`` with the recorded per-stack code forms fixed (none recorded: as they are)."""
+        opts = self.options_of(options)
+        return dataclasses.replace(opts, int4_codes=tuple(sorted(choices.items()))) if choices else opts
 
 
 LAYOUT = HummingLayout()

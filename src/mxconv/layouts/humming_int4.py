@@ -4,8 +4,8 @@
 ``convert_to_humming_moe_kernel_format`` with the compressed-tensors schema
 (``_humming_wna16_weight_schema``: pack-quantized, int, 4 bits, group 32, symmetric).
 
-:data:`INT4` (a :class:`HummingInt4`) is the variant object :class:`mxconv.layouts.humming.HummingLayout`
-picks for a canonical stack whose ``weight_format`` is "int4" (the MX ones are
+:data:`INT4` (a :class:`HummingInt4`) is the part of the form :class:`mxconv.layouts.humming.HummingLayout`
+declares for a canonical stack whose ``weight_format`` is "int4" (the MX ones are
 :mod:`mxconv.layouts.humming_mx`'s); the layout's ``int4_codes`` option reaches it as ``codes``. Input: canonical int4 (``mxconv.mx.int4``: offset-binary bytes ``[E, N, K/2]``, bf16 scales
 ``[E, N, K/32]``, rows "halves", no bias). Per layer, GEMM (w13, w2) and TP rank:
 
@@ -197,8 +197,8 @@ def layer_config_fields(codes: str) -> dict[str, Any]:
 
 
 class HummingInt4:
-    """The INT4 variant of the humming layout (module docstring): this module's functions behind the
-    interface :class:`mxconv.layouts.humming.HummingVariant` names; ``codes`` is the ``int4_codes``
+    """The INT4 part of the humming layout's INT4 form (module docstring; :class:`mxconv.layouts.humming.HummingForm`
+    composes it): this module's functions behind the interface ``humming_mx.HummingMX`` has; ``codes`` is the ``int4_codes``
     option's value (a form, "auto", or the recorded form per weight tensor)."""
 
     weight_format = WEIGHT_FORMAT

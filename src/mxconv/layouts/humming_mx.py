@@ -3,8 +3,8 @@
 humming-kernels 0.1.19 lays out MXFP4 and MXFP8 experts the same way on SM90 with 16-bit activations
 (padding, scale and bias maps, layer configs) except for what follows from the element width and the
 vLLM 0.33 quant method that loads them; a :class:`HummingMX` holds exactly that difference and
-lays its format out (one of :mod:`mxconv.layouts.humming`'s variant objects, with
-:class:`mxconv.layouts.humming_int4.HummingInt4`):
+lays its format out (the part that one of :mod:`mxconv.layouts.humming`'s ``HummingForm`` objects composes, as
+:class:`mxconv.layouts.humming_int4.HummingInt4` is the INT4 form's):
 
 * the weight word map: ``weight_repack_nk`` with kNumBitsB 4 (eight E2M1 codes a word,
   :func:`~mxconv.layouts.humming_bytemap.repack_weights`) or 8 (four E4M3 bytes a word,

@@ -1,6 +1,6 @@
 """vLLM Marlin MoE layout (spec: docs/layout-marlin.md): MXFP4 experts (:class:`MarlinMxfp4`, below) and
-MXFP8 experts (:mod:`mxconv.layouts.marlin_mxfp8`, §13), one form object each; :class:`MarlinLayout`
-delegates to the form of the stack's weight format. The MXFP4 form:
+MXFP8 experts (:mod:`mxconv.layouts.marlin_mxfp8`, §13), one :class:`~mxconv.layouts.forms.WeightForm`
+each; :class:`MarlinLayout` declares them (``weight_forms``). The MXFP4 form:
 
 Per expert, a weight matrix with N output rows and K inputs goes
 
@@ -18,7 +18,7 @@ do each tensor in one pass (the legacy scale weave stays in torch).
 Activations: "bf16" (16-bit activations, 16x64 weight tiles, the default) and "fp8" (W4A8-FP8,
 32x32 weight tiles, scales +6).
 
-Options read (a plain dict, other keys ignored):
+Options (:class:`MarlinOptions`):
     marlin_scale_layout: "current" (vLLM >= 0.12, default) | "legacy" (vLLM 0.10.2 - 0.11.2,
                          bf16 activation only; extra row-pair weave of the scales, §5.3).
 
@@ -34,7 +34,8 @@ from mxconv.errors import LayoutError
 from mxconv.layouts.padding import (
     KernelChoice, cached_index, gather_padded_rows, layout_kernels, pad_row_source, unpad_canonical,
 )
-from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
+from mxconv.layouts.base import LayoutOption, LayoutOptions
+from mxconv.layouts.forms import FormBase, FormsLayout
 from mxconv.layouts.canonical import (
     KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs,
     in_kernel_order, round_up,
@@ -67,13 +68,16 @@ class MarlinOptions(LayoutOptions):
     marlin_scale_layout: str = "current"
 
 
-class MarlinMxfp4:
-    """The marlin layout's MXFP4 form (module docstring); the layout delegates to it for MXFP4 stacks."""
+class MarlinMxfp4(FormBase):
+    """The marlin layout's MXFP4 form (module docstring)."""
 
     weight_format = "mxfp4"
+    activations = ACTIVATIONS
+    # fp8 is the same backends with VLLM_MARLIN_INPUT_DTYPE=fp8 (W4A8-FP8)
+    vllm_backends = {"bf16": ("MARLIN", "BATCHED_MARLIN"), "fp8": ("MARLIN", "BATCHED_MARLIN")}
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-                     scale_layout: str = "current") -> tuple[int, int]:  # fmt: skip
+                     options: MarlinOptions) -> tuple[int, int]:  # fmt: skip
         """(Hp, Ip) = (round_up(H, 256), round_up(I, 128)); H and I must be positive multiples of 32."""
         _check_activation(activation)
         if row_order not in ROW_ORDERS:
@@ -86,10 +90,10 @@ class MarlinMxfp4:
                 )
         return round_up(hidden_size, HIDDEN_MULTIPLE), round_up(intermediate_size, INTERMEDIATE_MULTIPLE)
 
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, scale_layout: str) -> dict[str, TensorSpec]:
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: MarlinOptions) -> dict[str, TensorSpec]:
         """w13_weight int32 [E, Hp/16, 4Ip], w13_weight_scale e8m0 [E, Hp/32, 2Ip], w13_bias bf16 [E, 2Ip],
         w2_weight int32 [E, Ip/16, 2Hp], w2_weight_scale e8m0 [E, Ip/32, Hp], w2_bias bf16 [E, Hp]."""
-        check_scale_mode(activation, scale_layout)
+        check_scale_mode(activation, options.marlin_scale_layout)
         E, Hp, Ip = sizes.num_experts, sizes.padded_hidden_size, sizes.padded_intermediate_size
         return in_kernel_order({
             "w13_weight": TensorSpec((E, Hp // 16, 4 * Ip), "I32"),
@@ -99,15 +103,16 @@ class MarlinMxfp4:
             **bias_specs(sizes, Hp, Ip, "BF16"),
         })
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, scale_layout: str,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: MarlinOptions,
+                  kernel_choice: KernelChoice) -> KernelTensors:  # fmt: skip
         """Pad (zero weights, zero scale bytes, zero bias) and lay out the whole stack on c's device;
         ``kernel_choice`` picks the Triton layout kernels or torch ops (same bytes)."""
         import torch
 
+        scale_layout = options.marlin_scale_layout
         check_scale_mode(activation, scale_layout)
         c.validate()  # includes: both biases or neither
-        Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
+        Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, options)
         H, I = c.hidden_size, c.intermediate_size
         # Padding is a row map (padded row <- source row, -1 = zero row) plus zero K columns.
         tab13 = _row_table(2 * I, 2 * Ip, c.row_order, None, c.device)
@@ -142,12 +147,13 @@ class MarlinMxfp4:
                 _kernel_scales(None, s, rows, padded_rows, cols, order, activation, scale_layout, name)
         return in_kernel_order(out)
 
-    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, scale_layout: str) -> CanonicalExperts:
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: MarlinOptions) -> CanonicalExperts:
         """Exact inverse of :meth:`to_kernel`; LayoutError on wrong shapes/dtypes or non-zero padding.
         Biases come back as float32."""
         import torch
 
-        specs = self.kernel_specs(sizes, activation, scale_layout)
+        scale_layout = options.marlin_scale_layout
+        specs = self.kernel_specs(sizes, activation, options)
         for name in KERNEL_TENSOR_NAMES:
             if name not in specs:
                 if name in k:
@@ -175,8 +181,9 @@ class MarlinMxfp4:
         )
         return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size, scale_fill=0, check=True)
 
-    def describe(self, sizes: LayoutSizes, activation: str, scale_layout: str) -> dict[str, Any]:
+    def describe(self, sizes: LayoutSizes, activation: str, options: MarlinOptions) -> dict[str, Any]:
         """Manifest `layout` fields: name, version, engine_compat, activation, tile and scale layout."""
+        scale_layout = options.marlin_scale_layout
         check_scale_mode(activation, scale_layout)
         compat = {"vllm": ">=0.12"} if scale_layout == "current" else {"vllm": ">=0.10.2,<=0.11.2"}
         info: dict[str, Any] = {
@@ -202,21 +209,15 @@ def _check_activation(activation: str) -> None:
 
 
 MXFP4 = MarlinMxfp4()
-FORMS: dict[str, Any] = {f.weight_format: f for f in (MXFP4, MXFP8)}
 
 
-class MarlinLayout(LayoutBase):
-    """vLLM Marlin MoE backend: MXFP4 (:class:`MarlinMxfp4`) or MXFP8 (:mod:`marlin_mxfp8`) experts, each
-    form an object the methods delegate to (see module docstring for options)."""
+class MarlinLayout(FormsLayout):
+    """vLLM Marlin MoE backend: MXFP4 (:class:`MarlinMxfp4`) or MXFP8 (:mod:`marlin_mxfp8`) experts
+    (see module docstring for options)."""
 
     name = "marlin"
     version = 1
-    activations: tuple[str, ...] = ACTIVATIONS
-    # fp8 is the same backends with VLLM_MARLIN_INPUT_DTYPE=fp8 (W4A8-FP8)
-    vllm_backends = {"bf16": ("MARLIN", "BATCHED_MARLIN"), "fp8": ("MARLIN", "BATCHED_MARLIN")}
-    # MXFP8 experts: Fp8MoeBackend.MARLIN (fused_moe/oracle/mxfp8.py; prepare_mxfp8_moe_layer_for_marlin)
-    vllm_mxfp8_backends = {"bf16": ("MARLIN",)}
-    weight_formats = tuple(FORMS)
+    weight_forms = {"mxfp4": MXFP4, "mxfp8": MXFP8}
     engine_runner = "mxconv.engines.marlin_moe:RUNNER"  # the engine's own kernel on these bytes (verify --kernel)
     options_type = MarlinOptions
     options = (
@@ -226,38 +227,6 @@ class MarlinLayout(LayoutBase):
             choices=SCALE_LAYOUTS,
         ),
     )
-
-    @staticmethod
-    def _form(weight_format: str) -> Any:
-        if weight_format not in FORMS:
-            raise LayoutError(f"marlin takes {', '.join(FORMS)} experts, got {weight_format}")
-        return FORMS[weight_format]
-
-    def _scales(self, options: MarlinOptions | None) -> str:
-        return self.options_of(options).marlin_scale_layout
-
-    def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: MarlinOptions | None = None, *, weight_format: str = "mxfp4",
-    ) -> tuple[int, int]:
-        """The form's (Hp, Ip): MXFP4 (round_up(H, 256), round_up(I, 128)); MXFP8 (H, I)."""
-        return self._form(weight_format).padded_sizes(hidden_size, intermediate_size, row_order, activation,
-                                                      self._scales(options))  # fmt: skip
-
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: MarlinOptions) -> dict[str, TensorSpec]:
-        return self._form(sizes.weight_format).kernel_specs(sizes, activation, self._scales(options))
-
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: MarlinOptions,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
-        return self._form(c.weight_format).to_kernel(c, activation, self._scales(options), kernel_choice)
-
-    def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: MarlinOptions
-    ) -> CanonicalExperts:
-        return self._form(sizes.weight_format).from_kernel(k, sizes, activation, self._scales(options))
-
-    def describe(self, sizes: LayoutSizes, activation: str, options: MarlinOptions) -> dict[str, Any]:
-        return self._form(sizes.weight_format).describe(sizes, activation, self._scales(options))
 
 
 def _chunk_perm_cpu(chunk: int) -> torch.Tensor:

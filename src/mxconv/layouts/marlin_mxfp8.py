@@ -40,6 +40,7 @@ from mxconv.layouts.canonical import (
     CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, check_kernel_tensors, in_kernel_order,
     round_up,
 )
+from mxconv.layouts.forms import FormBase
 from mxconv.layouts.marlin_bytemap import check_scale_mode, marlin_scales, marlin_unscales
 from mxconv.layouts.padding import KernelChoice, check_fill, gather_padded_rows, pad_row_source
 
@@ -88,21 +89,25 @@ def unrepack_bytes(words: torch.Tensor, name: str = "weight") -> torch.Tensor:
     return stream.permute(0, *(p + 1 for p in _ORDER_INV)).reshape(E, N, K).contiguous()
 
 
-class MarlinMxfp8:
-    """The marlin layout's MXFP8 form (module docstring); the layout delegates to it for MXFP8 stacks."""
+class MarlinMxfp8(FormBase):
+    """The marlin layout's MXFP8 form (module docstring). ``options``: the layout's MarlinOptions."""
 
     weight_format = WEIGHT_FORMAT
+    activations = ("bf16",)
+    # Fp8MoeBackend.MARLIN (fused_moe/oracle/mxfp8.py; prepare_mxfp8_moe_layer_for_marlin)
+    vllm_backends = {"bf16": ("MARLIN",)}
 
-    def check(self, activation: str, scale_layout: str) -> None:
+    def check(self, activation: str, options: Any) -> None:
+        scale_layout = options.marlin_scale_layout
         check_scale_mode(activation, scale_layout)
         if activation != "bf16" or scale_layout != "current":
             raise LayoutError("marlin MXFP8: vLLM 0.33's prepare_mxfp8_moe_layer_for_marlin has one form, bf16 activations "
                               f"and the current scale layout (got activation {activation}, scale layout {scale_layout})")
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-                     scale_layout: str = "current") -> tuple[int, int]:  # fmt: skip
+                     options: Any) -> tuple[int, int]:  # fmt: skip
         """(H, I): the MXFP8 method pads nothing (the 64-padding of I is inside the tensors)."""
-        self.check(activation, scale_layout)
+        self.check(activation, options)
         check_block_sizes("marlin MXFP8", hidden_size, intermediate_size, row_order, 32)
         if hidden_size % HIDDEN_MULTIPLE:
             raise LayoutError(f"marlin MXFP8: hidden size {hidden_size} is not a multiple of {HIDDEN_MULTIPLE}: vLLM pads "
@@ -113,8 +118,8 @@ class MarlinMxfp8:
                               "(_moe_pad_shard_rows), which splits gate/up pairs")  # fmt: skip
         return hidden_size, intermediate_size
 
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, scale_layout: str) -> dict[str, TensorSpec]:
-        H, I = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, scale_layout)
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, TensorSpec]:
+        H, I = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options)
         if (sizes.padded_hidden_size, sizes.padded_intermediate_size) != (H, I):
             raise LayoutError(f"marlin MXFP8: padded sizes must equal (H, I) = {(H, I)} (vLLM's MXFP8 methods pad nothing)")
         if sizes.has_bias:
@@ -128,15 +133,15 @@ class MarlinMxfp8:
             "w2_weight_scale": TensorSpec((E, Ip // 32, H), "F8_E8M0"),
         })  # fmt: skip
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, scale_layout: str,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: Any,
+                  kernel_choice: KernelChoice) -> KernelTensors:  # fmt: skip
         """Canonical MXFP8 stack -> the tensors of the module table, on ``c``'s device (torch ops on
         every device: ``kernel_choice`` has no Triton kernel to pick here)."""
         import torch
 
         c.validate()
         H, I = c.hidden_size, c.intermediate_size
-        self.kernel_specs(c.sizes(H, I), activation, scale_layout)
+        self.kernel_specs(c.sizes(H, I), activation, options)
         Ip = round_up(I, INTERMEDIATE_MULTIPLE)
         tab13 = pad_row_source(2 * I, 2 * Ip, "halves").to(c.device)  # per half, whatever the order (vLLM's rule)
         tab2 = pad_row_source(H, H).to(c.device)
@@ -150,12 +155,12 @@ class MarlinMxfp8:
             out[k] = out[k].view(torch.float8_e8m0fnu)
         return in_kernel_order(out)
 
-    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, scale_layout: str) -> CanonicalExperts:
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: Any) -> CanonicalExperts:
         """Exact inverse of :meth:`to_kernel`; LayoutError for a wrong tensor set, shape or dtype, or a
         padding byte other than zero (tensor and index named)."""
         import torch
 
-        check_kernel_tensors("marlin", k, self.kernel_specs(sizes, activation, scale_layout))
+        check_kernel_tensors("marlin", k, self.kernel_specs(sizes, activation, options))
         H, I = sizes.hidden_size, sizes.intermediate_size
         Ip = round_up(I, INTERMEDIATE_MULTIPLE)
         parts: dict[str, Any] = {}
@@ -177,8 +182,8 @@ class MarlinMxfp8:
             row_order=sizes.row_order, weight_format=WEIGHT_FORMAT,
         )  # fmt: skip
 
-    def describe(self, sizes: LayoutSizes, activation: str, scale_layout: str) -> dict[str, Any]:
-        self.kernel_specs(sizes, activation, scale_layout)
+    def describe(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, Any]:
+        self.kernel_specs(sizes, activation, options)
         return {
             "name": "marlin",
             "version": 1,
@@ -188,7 +193,7 @@ class MarlinMxfp8:
             "activation": activation,
             "weight_tile": {"k": 16, "n": 64},
             "weight_bits": 8,
-            "scale_layout": scale_layout,
+            "scale_layout": options.marlin_scale_layout,
             "scale_chunk": 64,
             "padding": {"hidden_multiple": 1, "intermediate_multiple": INTERMEDIATE_MULTIPLE,
                         "marlin_intermediate_size": round_up(sizes.intermediate_size, INTERMEDIATE_MULTIPLE)},

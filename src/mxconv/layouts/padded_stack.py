@@ -2,8 +2,10 @@
 to (roundup(H, a), roundup(I, b)), with each tensor put through a byte map and its inverse.
 
 cpu, deepgemm, cutlass and flashinfer-cutlass are such backends: they differ only by constants and
-those maps. A backend module declares them on a :class:`PaddedStackLayout` subclass; this module
-does the rest, the same way for every one of them:
+those maps. A backend module declares them on a :class:`PaddedStackLayout` subclass; they make its
+MXFP4 :class:`~mxconv.layouts.forms.WeightForm`, a :class:`PaddedStack`, which does the rest, the same
+way for every one of them (a layout with another format's form declares it in ``weight_forms``
+beside: deepgemm's MXFP8):
 
     padded_sizes  (H, I) -> (roundup(H, hidden_align), roundup(I, intermediate_align)), after the
                   activation, the row order and the 32-element blocks are checked
@@ -27,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from mxconv.layouts.base import LayoutBase, LayoutOptions
+from mxconv.layouts.base import LayoutOptions, check_activation
+from mxconv.layouts.forms import FormBase, FormsLayout
 from mxconv.layouts.canonical import (
     CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, check_block_sizes, check_kernel_tensors,
     check_padded_sizes, in_kernel_order, round_up,
@@ -38,7 +41,7 @@ from mxconv.source.st_format import torch_dtype
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AS_STORED", "PAD_FILL", "PaddedStackLayout", "RowMap", "StackForm", "Transform"]
+__all__ = ["AS_STORED", "PAD_FILL", "PaddedStack", "PaddedStackLayout", "RowMap", "StackForm", "Transform"]
 
 MX_BLOCK = 32  # elements per E8M0 scale
 PAD_FILL = 0  # every padding byte (the engines allocate their parameters with torch.zeros)
@@ -101,93 +104,76 @@ class StackForm:
     notes: Mapping[str, Any] = field(default_factory=dict)
 
 
-class PaddedStackLayout(LayoutBase):
-    """A backend declared by constants and its :class:`StackForm`\\ s (module docstring).
+class PaddedStack(FormBase):
+    """The MXFP4 form of a padded-stack layout (module docstring): ``decl``, the :class:`PaddedStackLayout`
+    subclass, declares the constants and :class:`StackForm`\\ s it reads."""
 
-    Declare ``name``, ``version``, ``forms`` (activation -> form; the first is the default
-    activation), ``hidden_align`` / ``intermediate_align``, ``bias_dtype``, ``engine_compat``,
-    ``padding_rule`` (words for a padding mismatch) and, where the maps pad more, ``padding_notes``.
-    ``activations`` and ``vllm_backends`` are derived from ``forms``.
-    """
+    weight_format = "mxfp4"
 
-    forms: Mapping[str, StackForm] = {}
-    hidden_align: int = 1
-    intermediate_align: int = 1
-    bias_dtype: str = "BF16"
-    engine_compat: Mapping[str, str] = {}
-    padding_rule: str = ""
-    padding_notes: Mapping[str, Any] = {}  # extra manifest ``padding`` fields, before ``fill``
+    def __init__(self, decl: type[PaddedStackLayout]) -> None:
+        self.decl = decl
+        self.activations = tuple(decl.forms)
+        self.vllm_backends = {act: (form.vllm_backend,) for act, form in decl.forms.items()}
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.activations = tuple(cls.forms)
-        cls.vllm_backends = {act: (form.vllm_backend,) for act, form in cls.forms.items()}
+    def aligns(self) -> tuple[int, int]:
+        """(hidden, intermediate) multiples the per-rank sizes are padded to."""
+        return self.decl.hidden_align, self.decl.intermediate_align
 
-    def aligns(self, options: LayoutOptions | None = None) -> tuple[int, int]:
-        """(hidden, intermediate) multiples the per-rank sizes are padded to (the declared constants;
-        a backend whose padding is an option reads it here)."""
-        return self.hidden_align, self.intermediate_align
-
-    def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: LayoutOptions | None = None, *, weight_format: str = "mxfp4",
-    ) -> tuple[int, int]:
-        """(Hp, Ip) for one rank; LayoutError unless H and I are positive multiples of 32, the row
-        order and activation are known and the layout takes ``weight_format``."""
-        self.check_weight_format(weight_format)
-        self.check_activation(activation)
-        check_block_sizes(self.name, hidden_size, intermediate_size, row_order, MX_BLOCK)
-        h_align, i_align = self.aligns(options)
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+                     options: LayoutOptions) -> tuple[int, int]:  # fmt: skip
+        """(Hp, Ip) for one rank; LayoutError unless H and I are positive multiples of 32 and the row
+        order and activation are known."""
+        check_activation(self.decl.name, activation, self.activations)
+        check_block_sizes(self.decl.name, hidden_size, intermediate_size, row_order, MX_BLOCK)
+        h_align, i_align = self.aligns()
         return round_up(hidden_size, h_align), round_up(intermediate_size, i_align)
 
-    def _checked(self, sizes: LayoutSizes, activation: str, options: LayoutOptions | None) -> tuple[int, int]:
+    def _checked(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> tuple[int, int]:
         """(Hp, Ip) of ``sizes``; LayoutError if its padded sizes are not this layout's."""
         want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options)
-        return check_padded_sizes(self.name, sizes, want, self.padding_rule)
+        return check_padded_sizes(self.decl.name, sizes, want, self.decl.padding_rule)
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the stored tensors: weights as canonical, scales as their map stores them."""
         Hp, Ip = self._checked(sizes, activation, options)
-        E, scale = sizes.num_experts, self.forms[activation].scale
+        E, scale = sizes.num_experts, self.decl.forms[activation].scale
         return in_kernel_order({
             "w13_weight": TensorSpec((E, 2 * Ip, Hp // 2), "U8"),
             "w13_weight_scale": TensorSpec((E, *scale.shape(2 * Ip, Hp // MX_BLOCK)), scale.dtype),
             "w2_weight": TensorSpec((E, Hp, Ip // 2), "U8"),
             "w2_weight_scale": TensorSpec((E, *scale.shape(Hp, Ip // MX_BLOCK)), scale.dtype),
-            **bias_specs(sizes, Hp, Ip, self.bias_dtype),
+            **bias_specs(sizes, Hp, Ip, self.decl.bias_dtype),
         })
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: LayoutOptions,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+                  kernel_choice: KernelChoice) -> KernelTensors:  # fmt: skip
         """Canonical stack -> stored kernel tensors on ``c``'s device (torch ops only: ``kernel_choice``
         has nothing to pick here)."""
         c.validate()
         Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, options)
         p = pad_canonical(c, Hp, Ip, scale_fill=PAD_FILL)
-        form = self.forms[activation]
+        form = self.decl.forms[activation]
         rows = (lambda t: form.w13_rows.forward(t, p.row_order)) if form.w13_rows else (lambda t: t)
         out: KernelTensors = {
             "w13_weight": form.weight.forward(rows(p.w13)), "w13_weight_scale": form.scale.forward(rows(p.w13_scale)),
             "w2_weight": form.weight.forward(p.w2), "w2_weight_scale": form.scale.forward(p.w2_scale),
         }
-        bias = torch_dtype(self.bias_dtype)
+        bias = torch_dtype(self.decl.bias_dtype)
         if p.w13_bias is not None:
             out["w13_bias"] = rows(p.w13_bias.to(bias)).contiguous()
         if p.w2_bias is not None:
             out["w2_bias"] = p.w2_bias.to(bias).contiguous()
         return in_kernel_order(out)
 
-    def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: LayoutOptions
-    ) -> CanonicalExperts:
+    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> CanonicalExperts:
         """Stored tensors -> canonical (unpadded) stack; biases come back in ``bias_dtype``.
 
         LayoutError for a missing/unexpected tensor, a wrong shape or dtype, tensors on different
         devices, or padding that is not zero (tensor and first index named, in the unmapped
         [E, rows, K/2 or K/32] view).
         """
-        check_kernel_tensors(self.name, k, self.kernel_specs(sizes, activation, options))
-        form, order = self.forms[activation], sizes.row_order
+        check_kernel_tensors(self.decl.name, k, self.kernel_specs(sizes, activation, options))
+        form, order = self.decl.forms[activation], sizes.row_order
         Hp, Ip = sizes.padded_hidden_size, sizes.padded_intermediate_size
         rows = (lambda t: form.w13_rows.inverse(t, order)) if form.w13_rows else (lambda t: t)
 
@@ -208,16 +194,41 @@ class PaddedStackLayout(LayoutBase):
     def describe(self, sizes: LayoutSizes, activation: str, options: LayoutOptions) -> dict[str, Any]:
         """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
         self._checked(sizes, activation, options)
-        form = self.forms[activation]
-        h_align, i_align = self.aligns(options)
+        d, form = self.decl, self.decl.forms[activation]
+        h_align, i_align = self.aligns()
         return {
-            "name": self.name,
-            "version": self.version,
-            "engine_compat": dict(self.engine_compat),
+            "name": d.name,
+            "version": d.version,
+            "engine_compat": dict(d.engine_compat),
             "activation": activation,
             "vllm_moe_backend": form.vllm_backend,
-            "padding": {"hidden_align": h_align, "intermediate_align": i_align, **self.padding_notes, "fill": PAD_FILL},
+            "padding": {"hidden_align": h_align, "intermediate_align": i_align, **d.padding_notes, "fill": PAD_FILL},
             "w13_kernel_row_order": form.w13_rows.name if form.w13_rows else sizes.row_order,
             **form.notes,
-            "bias_dtype": _DTYPE_WORDS[self.bias_dtype],
+            "bias_dtype": _DTYPE_WORDS[d.bias_dtype],
         }
+
+
+class PaddedStackLayout(FormsLayout):
+    """A backend declared by constants and its :class:`StackForm`\\ s (module docstring).
+
+    Declare ``name``, ``version``, ``forms`` (activation -> form; the first is the default
+    activation), ``hidden_align`` / ``intermediate_align``, ``bias_dtype``, ``engine_compat``,
+    ``padding_rule`` (words for a padding mismatch) and, where the maps pad more, ``padding_notes``.
+    They make the layout's MXFP4 :class:`~mxconv.layouts.forms.WeightForm` (:class:`PaddedStack`);
+    ``weight_forms`` declares any other format's form beside it (deepgemm: MXFP8). ``activations`` and
+    the vLLM backends are derived from the forms.
+    """
+
+    forms: Mapping[str, StackForm] = {}
+    hidden_align: int = 1
+    intermediate_align: int = 1
+    bias_dtype: str = "BF16"
+    engine_compat: Mapping[str, str] = {}
+    padding_rule: str = ""
+    padding_notes: Mapping[str, Any] = {}  # extra manifest ``padding`` fields, before ``fill``
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        others = {fmt: form for fmt, form in cls.__dict__.get("weight_forms", {}).items() if fmt != "mxfp4"}
+        cls.weight_forms = {"mxfp4": PaddedStack(cls), **others}
+        super().__init_subclass__(**kwargs)

@@ -26,7 +26,7 @@ Output tensors (E experts, padded sizes):
 | w2_weight_scale  | [E, Hp, Ip/32]   | float8_e4m3fn (view) |
 | w2_bias          | [E, Hp]          | float32        |
 
-Options read (a plain dict; other keys are ignored):
+Options (:class:`TrtllmOptions`):
 
 * ``intermediate_align`` (int, default 128): multiple the per-rank intermediate size is
   padded to. Must be a positive multiple of 128. 128 is what vLLM 0.33's
@@ -36,9 +36,9 @@ Options read (a plain dict; other keys are ignored):
 
 The weights are identical for both activations ("bf16", "mxfp8"); only the manifest differs.
 
-Variants: the layout is one object per expert weight format (:class:`TrtllmVariant`), picked once
-per call from the stack's or ``LayoutSizes``' weight format (:meth:`TrtllmLayout.variant`): MXFP4
-(:class:`TrtllmMxfp4`, above), MxInt4 (spec section 9, :data:`mxconv.layouts.trtllm_mxint4.MXINT4`:
+Forms: the layout declares one :class:`~mxconv.layouts.forms.WeightForm` per expert weight format
+(``weight_forms``; :class:`~mxconv.layouts.forms.FormsLayout` picks one per call from the stack's or
+``LayoutSizes``' weight format): MXFP4 (:class:`TrtllmMxfp4`, above), MxInt4 (spec section 9, :data:`mxconv.layouts.trtllm_mxint4.MXINT4`:
 compressed-tensors INT4 with bf16 scales; sign XOR, the same row tables, block-major K, flat bf16
 swizzled scales; bf16 activations; H and I multiples of 256, no padding) and MXFP8
 (:data:`mxconv.layouts.trtllm_mxfp8.MXFP8`, MXFP8 activations). They share the row tables and the
@@ -50,10 +50,11 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
+from mxconv.layouts.base import LayoutOption, LayoutOptions
+from mxconv.layouts.forms import FormBase, FormsLayout
 from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, check_padded_sizes, round_up
 from mxconv.layouts.padding import KernelChoice, gather_padded_rows, layout_kernels, unpad_canonical
 from mxconv.layouts.trtllm_bytemap import (
@@ -70,7 +71,7 @@ if TYPE_CHECKING:
 
     from mxconv.environment import KernelLocations
 
-__all__ = ["ACTIVATIONS", "LAYOUT", "VARIANTS", "TrtllmLayout", "TrtllmMxfp4", "TrtllmOptions", "TrtllmVariant"]
+__all__ = ["ACTIVATIONS", "LAYOUT", "TrtllmLayout", "TrtllmMxfp4", "TrtllmOptions"]
 
 ACTIVATIONS: tuple[str, ...] = ("bf16", "mxfp8")
 
@@ -118,33 +119,13 @@ def _align_problem(align: int) -> str | None:
     return None
 
 
-class TrtllmVariant(Protocol):
-    """What differs per expert weight format: the bytes, their sizes and the manifest fields.
-    :class:`TrtllmLayout` picks one per call from the weight format and hands it every step."""
-
-    weight_format: str  # the canonical format it takes (CanonicalExperts.weight_format)
-    kernel_label: str  # how kernel_unavailable names FlashInfer's kernels for it
-
-    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-                     options: TrtllmOptions) -> tuple[int, int]: ...  # fmt: skip
-
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, TensorSpec]: ...
-
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: TrtllmOptions,
-                  kernel_choice: KernelChoice) -> KernelTensors: ...  # fmt: skip
-
-    def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str,
-                    options: TrtllmOptions) -> CanonicalExperts: ...  # fmt: skip
-
-    def describe(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, Any]: ...
-
-
-class TrtllmMxfp4:
-    """The MXFP4 variant (module docstring): padded, rows permuted, E8M0 scales 128x4-swizzled and
+class TrtllmMxfp4(FormBase):
+    """The MXFP4 form (module docstring): padded, rows permuted, E8M0 scales 128x4-swizzled and
     viewed as float8_e4m3fn; the options' ``intermediate_align`` pads I."""
 
     weight_format = "mxfp4"
-    kernel_label = "MXFP4"
+    activations = ACTIVATIONS
+    vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
                      options: TrtllmOptions) -> tuple[int, int]:  # fmt: skip
@@ -225,7 +206,7 @@ class TrtllmMxfp4:
         return unpad_canonical(padded, sizes.hidden_size, sizes.intermediate_size, scale_fill=SCALE_FILL, check=True)
 
     def describe(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, Any]:
-        """Manifest ``layout`` fields of the MXFP4 variant (kernel_params are added by the caller)."""
+        """Manifest ``layout`` fields of the MXFP4 form (kernel_params are added by the caller)."""
         self._checked_padding(sizes, activation, options)
         return {
             "name": BACKEND_NAME,
@@ -247,20 +228,16 @@ class TrtllmMxfp4:
 
 
 MXFP4 = TrtllmMxfp4()
-VARIANTS: dict[str, TrtllmVariant] = {v.weight_format: v for v in (MXFP4, MXINT4, MXFP8)}
 
 
-class TrtllmLayout(LayoutBase):
+class TrtllmLayout(FormsLayout):
     """FlashInfer TRT-LLM-gen MXFP4 MoE layout (see module docstring); every step is its weight
-    format's :class:`TrtllmVariant`'s."""
+    format's form's."""
 
     name = BACKEND_NAME
     version = LAYOUT_VERSION
-    activations = ACTIVATIONS
-    vllm_backends = {act: (name,) for act, name in VLLM_BACKENDS.items()}
-    weight_formats = tuple(VARIANTS)  # int4: the MxInt4 variant (trtllm_mxint4); mxfp8: trtllm_mxfp8
-    # MXFP8 experts: Fp8MoeBackend.FLASHINFER_TRTLLM (prepare_fp8_moe_layer_for_fi), MXFP8 activations only
-    vllm_mxfp8_backends = {act: (MXFP8.vllm_backend,) for act in MXFP8.activations}
+    # int4: the MxInt4 form (trtllm_mxint4); mxfp8: trtllm_mxfp8 (Fp8MoeBackend.FLASHINFER_TRTLLM, MXFP8 activations)
+    weight_forms = {"mxfp4": MXFP4, "int4": MXINT4, "mxfp8": MXFP8}
     options_type = TrtllmOptions
     options = (
         LayoutOption(
@@ -271,14 +248,6 @@ class TrtllmLayout(LayoutBase):
             check=_align_problem,
         ),
     )
-
-    @staticmethod
-    def variant(weight_format: str) -> TrtllmVariant:
-        """The :class:`TrtllmVariant` of ``weight_format``; LayoutError for one trtllm does not take."""
-        try:
-            return VARIANTS[weight_format]
-        except KeyError:
-            raise LayoutError(f"trtllm takes {', '.join(VARIANTS)} experts, got {weight_format}") from None
 
     def kernel_unavailable(self, manifest: Manifest, device: Any = "cuda",
                            kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
@@ -294,43 +263,9 @@ class TrtllmLayout(LayoutBase):
         except Exception as exc:  # noqa: BLE001 - whatever its import raises is the reason
             return f"flashinfer is installed but cannot be imported: {type(exc).__name__}: {exc}"
         if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
-            kind = self.variant(manifest.weight_format).kernel_label
+            kind = self.form(manifest.weight_format).kernel_label
             return f"FlashInfer TRT-LLM-gen {kind} MoE kernels need an SM100 (Blackwell) GPU"
         return "running the TRT-LLM-gen kernel is not wired up in this version"
-
-    def padded_sizes(
-        self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-        options: TrtllmOptions | None = None, *, intermediate_align: int | None = None, weight_format: str = "mxfp4",
-    ) -> tuple[int, int]:  # fmt: skip
-        """(Hp, Ip) for one rank, by the ``weight_format`` variant: MXFP4 (roundup(H, 256),
-        roundup(I, intermediate_align)), H and I positive multiples of 32; MxInt4 (H, I), both
-        multiples of 256. ``intermediate_align`` comes from the keyword, else from ``options``."""
-        opts = self.options_of(options) if intermediate_align is None else TrtllmOptions(intermediate_align)
-        return self.variant(weight_format).padded_sizes(hidden_size, intermediate_size, row_order, activation, opts)
-
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, TensorSpec]:
-        """Shapes/dtypes of the kernel tensors (biases only when ``sizes.has_bias``)."""
-        return self.variant(sizes.weight_format).kernel_specs(sizes, activation, self.options_of(options))
-
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: TrtllmOptions,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
-        """Canonical stack -> kernel tensors on ``c``'s device (module table; MxInt4: trtllm_mxint4's)."""
-        return self.variant(c.weight_format).to_kernel(c, activation, self.options_of(options), kernel_choice)
-
-    def from_kernel(
-        self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: TrtllmOptions
-    ) -> CanonicalExperts:
-        """Kernel tensors -> canonical (unpadded) stack; biases come back as float32.
-
-        Raises LayoutError for a missing/unexpected tensor, a wrong shape or dtype, tensors on
-        different devices, or a padding byte that is not its fill (weights/scales 0, biases 0.0;
-        the index is reported in padded canonical coordinates).
-        """
-        return self.variant(sizes.weight_format).from_kernel(k, sizes, activation, self.options_of(options))
-
-    def describe(self, sizes: LayoutSizes, activation: str, options: TrtllmOptions) -> dict[str, Any]:
-        """Manifest ``layout`` fields owned by this backend (kernel_params are added by the caller)."""
-        return self.variant(sizes.weight_format).describe(sizes, activation, self.options_of(options))
 
 
 def _engine_compat(intermediate_align: int) -> dict[str, str]:

@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, round_up
-from mxconv.layouts.padding import gather_padded_rows, unpad_canonical
+from mxconv.layouts.forms import FormBase
+from mxconv.layouts.padding import KernelChoice, gather_padded_rows, unpad_canonical
 from mxconv.layouts.trtllm_bytemap import (
     BACKEND_NAME, EPILOGUE_TILE_M, LAYOUT_VERSION, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, check_kernel_tensors,
     swizzle_128x4, unswizzle_128x4, w13_row_dst, w13_row_table, w2_row_dst, w2_row_table,
@@ -179,15 +180,14 @@ def describe(sizes: LayoutSizes, activation: str, intermediate_align: int = INTE
     }
 
 
-class TrtllmMxfp8:
-    """The MXFP8 variant of the trtllm layout (module docstring): this module's functions behind the
-    interface :class:`mxconv.layouts.trtllm.TrtllmVariant` names; of the options, ``intermediate_align``
-    is read (it must stay vLLM's 128)."""
+class TrtllmMxfp8(FormBase):
+    """The MXFP8 form of the trtllm layout (module docstring): this module's functions as a
+    :class:`~mxconv.layouts.forms.WeightForm`; of the options, ``intermediate_align`` is read (it must
+    stay vLLM's 128)."""
 
     weight_format = WEIGHT_FORMAT
-    kernel_label = "MXFP8"
     activations = ACTIVATIONS
-    vllm_backend = VLLM_BACKEND
+    vllm_backends = {act: (VLLM_BACKEND,) for act in ACTIVATIONS}  # Fp8MoeBackend (prepare_fp8_moe_layer_for_fi)
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
                      options: Any) -> tuple[int, int]:  # fmt: skip
@@ -196,7 +196,7 @@ class TrtllmMxfp8:
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, TensorSpec]:
         return kernel_specs(sizes, activation, options.intermediate_align)
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: Any, kernel_choice: Any = None) -> KernelTensors:
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: Any, kernel_choice: KernelChoice) -> KernelTensors:
         return to_kernel(c, activation, options.intermediate_align)
 
     def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: Any) -> CanonicalExperts:

@@ -1,8 +1,8 @@
 """TRT-LLM-gen MxInt4 variant of the "trtllm" layout (docs/layout-trtllm.md section 9): what vLLM
 builds for FlashInfer's ``trtllm_mxint4_block_scale_moe`` from compressed-tensors INT4 experts.
 
-:data:`MXINT4` is the variant object :class:`mxconv.layouts.trtllm.TrtllmLayout` picks for a canonical
-stack whose ``weight_format`` is "int4" (one registry entry, two weight formats; the MXFP4 variant is
+:data:`MXINT4` is the form (:class:`mxconv.layouts.forms.WeightForm`) :class:`mxconv.layouts.trtllm.TrtllmLayout` declares for a canonical
+stack whose ``weight_format`` is "int4" (one registry entry, three weight formats; the MXFP4 form is
 :class:`mxconv.layouts.trtllm.TrtllmMxfp4`). The layout's options do not shape these bytes. Input: a canonical int4 stack (``mxconv.mx.int4``:
 offset-binary bytes ``[E, N, K/2]``, bf16 scales ``[E, N, K/32]``, rows in "halves" order, no bias).
 Per layer and TP rank, with no padding (H and I must be multiples of 256):
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from mxconv.errors import LayoutError
 from mxconv.mx.int4 import GROUP_SIZE, SCALE_DTYPE, to_twos_complement
 from mxconv.layouts.base import LayoutOptions
+from mxconv.layouts.forms import FormBase
 from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec
 from mxconv.layouts.padding import KernelChoice, gather_padded_rows
 from mxconv.layouts.trtllm_bytemap import (
@@ -69,14 +70,16 @@ def _row_tables(H: int, I: int, device: torch.device) -> tuple[torch.Tensor, tor
     return w13_row_table(I, I, ROW_ORDER, device), w2_row_table(H, H, device)
 
 
-class TrtllmMxInt4:
-    """The MxInt4 variant of the trtllm layout (module docstring); ``options`` are taken and unused."""
+class TrtllmMxInt4(FormBase):
+    """The MxInt4 form of the trtllm layout (module docstring); ``options`` are taken and unused."""
 
     weight_format = WEIGHT_FORMAT
+    activations = ACTIVATIONS
+    vllm_backends: dict[str, tuple[str, ...]] = {}  # no vLLM WNA16MoEBackend holds these bytes
     kernel_label = "MxInt4"  # how kernel_unavailable names the FlashInfer kernels
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-                     options: LayoutOptions | None = None) -> tuple[int, int]:  # fmt: skip
+                     options: LayoutOptions | None) -> tuple[int, int]:  # fmt: skip
         """(Hp, Ip) = (H, I) for one rank: MxInt4 is never padded. LayoutError naming the size that is
         not a positive multiple of 256, an activation other than bf16, or an order other than halves."""
         if activation not in ACTIVATIONS:
@@ -94,9 +97,9 @@ class TrtllmMxInt4:
                 )
         return hidden_size, intermediate_size
 
-    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: LayoutOptions | None = None) -> dict[str, TensorSpec]:
+    def kernel_specs(self, sizes: LayoutSizes, activation: str, options: LayoutOptions | None) -> dict[str, TensorSpec]:
         """Shapes/dtypes of the MxInt4 kernel tensors for ``sizes`` (module table)."""
-        H, I = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation)
+        H, I = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options)
         if (sizes.padded_hidden_size, sizes.padded_intermediate_size) != (H, I):
             raise LayoutError(
                 f"trtllm MxInt4: padded sizes (Hp, Ip) = {(sizes.padded_hidden_size, sizes.padded_intermediate_size)} "
@@ -112,15 +115,13 @@ class TrtllmMxInt4:
             "w2_weight_scale": TensorSpec((E, H * (I // GROUP_SIZE)), SCALE_DTYPE),
         }
 
-    def to_kernel(self, c: CanonicalExperts, activation: str, options: LayoutOptions | None = None,
-                  kernel_choice: KernelChoice = KernelChoice.AUTO) -> KernelTensors:  # fmt: skip
+    def to_kernel(self, c: CanonicalExperts, activation: str, options: LayoutOptions | None,
+                  kernel_choice: KernelChoice) -> KernelTensors:  # fmt: skip
         """Canonical int4 stack -> MxInt4 kernel tensors on ``c``'s device (module table); torch ops only."""
-        if c.weight_format != WEIGHT_FORMAT:
-            raise LayoutError(f"trtllm MxInt4 takes int4 experts, got {c.weight_format}")
         c.validate()
         if c.w13_bias is not None:
             raise LayoutError("trtllm MxInt4 takes no expert biases (compressed-tensors INT4 experts have none)")
-        H, I = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation)
+        H, I = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, options)
         tab13, tab2 = _row_tables(H, I, c.device)
         E = c.num_experts
         return {
@@ -131,14 +132,14 @@ class TrtllmMxInt4:
         }
 
     def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str,
-                    options: LayoutOptions | None = None) -> CanonicalExperts:  # fmt: skip
+                    options: LayoutOptions | None) -> CanonicalExperts:  # fmt: skip
         """MxInt4 kernel tensors -> canonical int4 stack (offset-binary bytes, bf16 scales, halves).
 
         LayoutError for a missing or unexpected tensor, a wrong shape or dtype, or tensors on
         different devices. Every byte and scale element is used, so nothing else can be checked here;
         verify compares the result with the reference.
         """
-        check_kernel_tensors(k, self.kernel_specs(sizes, activation))
+        check_kernel_tensors(k, self.kernel_specs(sizes, activation, options))
         H, I, E = sizes.hidden_size, sizes.intermediate_size, sizes.num_experts
         device = k["w13_weight"].device
         dst13, dst2 = w13_row_dst(I, ROW_ORDER, device), w2_row_dst(H, device)
@@ -158,9 +159,9 @@ class TrtllmMxInt4:
             weight_format=WEIGHT_FORMAT,
         )
 
-    def describe(self, sizes: LayoutSizes, activation: str, options: LayoutOptions | None = None) -> dict[str, Any]:
-        """Manifest ``layout`` fields of the MxInt4 variant (kernel_params are added by the caller)."""
-        self.kernel_specs(sizes, activation)
+    def describe(self, sizes: LayoutSizes, activation: str, options: LayoutOptions | None) -> dict[str, Any]:
+        """Manifest ``layout`` fields of the MxInt4 form (kernel_params are added by the caller)."""
+        self.kernel_specs(sizes, activation, options)
         return {
             "name": BACKEND_NAME,
             "version": LAYOUT_VERSION,
