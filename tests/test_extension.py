@@ -175,3 +175,11 @@ def test_without_its_registry_line_the_toy_family_is_unknown(tmp_path: Path) -> 
     rename_to_toy(qwen, tmp_path / "toy")
     code, _, err = mx("inspect", tmp_path / "toy")
     assert code == 2 and "unknown model family" in err and "toy_moe" in err
+
+
+def test_make_checkpoint_refuses_sizes_given_as_options(tmp_path: Path) -> None:
+    """A size passed where the kind's options go would be ignored by its generator: refused, naming ModelSizes."""
+    with pytest.raises(TypeError, match=r"hidden_size belong in the sizes: .*ModelSizes\(hidden_size=128\)"):
+        make_checkpoint(tmp_path / "x", "qwen3-moe", hidden_size=128)
+    assert not (tmp_path / "x").exists()
+    assert make_checkpoint(tmp_path / "y", "qwen3-moe", ModelSizes(hidden_size=128)).hidden_size == 128

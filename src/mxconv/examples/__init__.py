@@ -16,7 +16,7 @@ The test suite adds its block-FP8, INT4, DeepSeek, GLM and Kimi kinds on the sam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -85,6 +85,11 @@ def make_checkpoint(
     spec = spec or _SPECS.get(kind)
     if spec is None:
         raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
+    misplaced = sorted(set(options) & {f.name for f in fields(ModelSizes)})
+    if misplaced:  # a generator would ignore them: say where they go instead
+        given = ", ".join(f"{k}={options[k]!r}" for k in misplaced)
+        raise TypeError(f"make_checkpoint: {', '.join(misplaced)} belong in the sizes: "
+                        f"make_checkpoint(path, {kind!r}, ModelSizes({given}))")
     sizes = sizes.with_defaults(*spec.sizes)
     _, E, H, I, top_k, _ = sizes.dims()
     if H % 32 or I % 32:
