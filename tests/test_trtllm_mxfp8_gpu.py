@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def _cuda_interleave():  # noqa: ANN202 - FlashInfer's op
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from flashinfer.quantization.fp4_quantization import block_scale_interleave
+    block_scale_interleave = pytest.importorskip("flashinfer.quantization.fp4_quantization").block_scale_interleave
 
     try:
         block_scale_interleave(torch.zeros(1, 128, 4, dtype=torch.uint8, device="cuda"))
@@ -37,3 +37,18 @@ def test_bytes_equal_vllms_sequence_with_flashinfers_cuda_interleave(order: str,
         assert torch.equal(got.cpu().view(torch.uint8), t.view(torch.uint8)), name
     back = LAYOUT.from_kernel(on_gpu, c.sizes(H, I), "mxfp8", OPTS)
     assert torch.equal(back.w13_scale.cpu(), c.w13_scale) and torch.equal(back.w2.cpu(), c.w2)
+
+
+@pytest.mark.parametrize("order", ["halves", "interleaved"])
+def test_the_layout_built_on_the_gpu_is_the_cpu_one(order: str) -> None:
+    """Needs no FlashInfer: the CUDA build of the form gives the CPU build's bytes and inverts."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    c = _stack(order, 320, 160)
+    on_cpu = LAYOUT.to_kernel(c, "mxfp8", OPTS)
+    on_gpu = LAYOUT.to_kernel(c.to("cuda"), "mxfp8", OPTS)
+    assert on_cpu.keys() == on_gpu.keys()
+    for name, t in on_cpu.items():
+        assert torch.equal(on_gpu[name].cpu().view(torch.uint8), t.view(torch.uint8)), name
+    back = LAYOUT.from_kernel(on_gpu, c.sizes(320, 160), "mxfp8", OPTS)
+    assert torch.equal(back.w13.cpu(), c.w13) and torch.equal(back.w2_scale.cpu(), c.w2_scale)
