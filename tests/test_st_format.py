@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.errors import BadInput
-from mxconv.source.st_format import read_header, read_tensor
+from mxconv.source.regular_files import read_exactly
+from mxconv.source.st_format import iter_tensor_chunks, read_header, read_tensor
 
 
 def _raw_file(path: Path, header: dict, data: bytes) -> Path:
@@ -53,6 +54,22 @@ def test_truncated_file_names_tensor(tmp_path: Path) -> None:
     p.write_bytes(p.read_bytes()[:-8])
     with pytest.raises(BadInput, match=r"x.safetensors: tensor 'b'.*truncated"):
         read_header(p)
+
+
+def test_tensor_chunks_are_its_bytes_and_a_file_cut_short_names_the_tensor(tmp_path: Path) -> None:
+    """iter_tensor_chunks (the copy and the sha256 of verify) reads a tensor's bytes in pieces through
+    read_exactly; a file that became shorter after its header was read names the tensor."""
+    save_file({"a": torch.zeros(10), "b": torch.arange(100, dtype=torch.float32)}, str(tmp_path / "x.safetensors"))
+    p = tmp_path / "x.safetensors"
+    info = read_header(p)[0]["b"]
+    chunks = list(iter_tensor_chunks(info, 64))
+    assert [len(c) for c in chunks] == [64] * 6 + [16]
+    assert b"".join(chunks) == torch.arange(100, dtype=torch.float32).numpy().tobytes()
+    p.write_bytes(p.read_bytes()[:-8])
+    with pytest.raises(BadInput, match=r"x\.safetensors: tensor 'b' is truncated$"):
+        list(iter_tensor_chunks(info, 64))
+    with p.open("rb") as f, pytest.raises(BadInput, match="^ended early$"):
+        list(read_exactly(f, p.stat().st_size + 1, 1 << 20, "ended early"))
 
 
 @pytest.mark.parametrize(

@@ -41,12 +41,12 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo, MoELayer, MoELayerRef, MXStack
+from mxconv.families.expert_scan import expert_names
 from mxconv.families.gpt_oss_output import BLOCK_BYTES, MODULES_TO_NOT_CONVERT, GptOssOutput, config_format  # noqa: F401 (re-exported)
 from mxconv.families.quant_config import FLOAT_DTYPES, MX_FORMATS, quantization_dict, unsupported_quantization
 from mxconv.source.st_format import TensorInfo
@@ -125,13 +125,8 @@ class GptOssReader(GptOssOutput, FamilyReader):
         num_layers, E, top_k, H, I = self._config_sizes()
         if top_k > E:
             raise BadInput(f"{ck.root / 'config.json'}: num_experts_per_tok={top_k} with {E} experts")
-        roots: set[str] = set()
-        found: dict[int, set[str]] = defaultdict(set)
-        for n in ck.tensors:
-            m = _EXPERT.match(n)
-            if m:
-                roots.add(m["root"])
-                found[int(m["layer"])].add(m["suffix"] or "")
+        roots, matches = expert_names(ck.tensors, _EXPERT)
+        found = {L: {m["suffix"] or "" for m in ms} for L, ms in matches.items()}  # layer -> suffixes seen
         if not roots:
             raise BadInput(
                 f"{ck.root}: no gpt-oss expert tensors found (expected 'model.layers.N.mlp.experts.gate_up_proj_blocks' "

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
 
 from mxconv.errors import BadInput
 from mxconv.families.ct_int4 import int4_proj_specs
+from mxconv.families.expert_scan import expert_names
 from mxconv.families.quant_config import (
     FLOAT_DTYPES, MX_FORMATS, UNCONVERTED_KEY, QuantScheme, ct_matches, quantization_dict, read_quant_scheme, unsupported_quantization,
 )
@@ -75,15 +75,12 @@ class PerExpertPlan:
             rf"^(?P<root>(?:.*\.)?)layers\.(?P<layer>\d+)\.{re.escape(self.moe_module)}\.experts\.(?P<e>\d+)\."
             rf"(?:{'|'.join(map(re.escape, self.proj_names))})\.(?P<param>{'|'.join(_EXPERT_PARAMS)})$"
         )
-        roots: set[str] = set()
-        layers: dict[int, set[int]] = defaultdict(set)
-        params: dict[int, dict[str, str]] = defaultdict(dict)
-        for name in sorted(self.ckpt.tensors):
-            m = pat.match(name)
-            if m:
-                roots.add(m["root"])
-                layers[int(m["layer"])].add(int(m["e"]))
-                params[int(m["layer"])].setdefault(m["param"], name)
+        roots, matches = expert_names(sorted(self.ckpt.tensors), pat)
+        layers = {L: {int(m["e"]) for m in ms} for L, ms in matches.items()}
+        params: dict[int, dict[str, str]] = {L: {} for L in matches}
+        for L, ms in matches.items():
+            for m in ms:
+                params[L].setdefault(m["param"], m.string)
         if not roots:
             fused = sorted(n for n in self.ckpt.tensors if n.endswith(".experts.gate_up_proj"))
             hint = (

@@ -29,11 +29,11 @@ that output runs with BF16 activations).
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
 from mxconv.families.base import MoELayer, MoELayerRef, MXStack
+from mxconv.families.expert_scan import expert_names
 from mxconv.families.gpt_oss import BLOCK_BYTES, GptOssReader
 from mxconv.families.quant_config import FLOAT_DTYPES, quantization_dict
 from mxconv.layouts.canonical import InputScales, TensorSpec
@@ -91,13 +91,8 @@ class QuarkGptOssReader(GptOssReader):
         num_layers, E, top_k, H, I = self._config_sizes()
         if H % 32 or I % 32:
             raise BadInput(f"{ck.root / 'config.json'}: hidden_size {H} / intermediate_size {I} not multiples of 32")
-        roots: set[str] = set()
-        layers: dict[int, set[int]] = defaultdict(set)
-        for n in ck.tensors:
-            m = _EXPERT.match(n)
-            if m:
-                roots.add(m["root"])
-                layers[int(m["layer"])].add(int(m["e"]))
+        roots, matches = expert_names(ck.tensors, _EXPERT)
+        layers = {L: {int(m["e"]) for m in ms} for L, ms in matches.items()}  # layer -> experts seen
         if len(roots) != 1:
             raise BadInput(f"{ck.root}: expected per-expert tensors 'model.layers.N.mlp.experts.E.gate_up_proj.weight' "
                            f"under one prefix, found prefixes {sorted(roots)}")  # fmt: skip

@@ -12,13 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mxconv.kernels.triton_common import (
-    KERNEL_CONFIG,
-    as_words,
-    gather_operands,
-    kernel_dims,
-    launch,
-)
+from mxconv.kernels.triton_common import KERNEL_CONFIG, as_words, gather_operands, kernel_dims, launch
 from mxconv.kernels.triton_import import tl, triton
 
 if triton is not None:

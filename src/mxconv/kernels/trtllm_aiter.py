@@ -31,13 +31,7 @@ from typing import Any
 import torch
 
 from mxconv.kernels.marlin_triton import marlin_weights, transpose_rows  # noqa: F401 (the layouts call them through this module)
-from mxconv.kernels.triton_common import (
-    KERNEL_CONFIG,
-    as_words,
-    gather_operands,
-    kernel_dims,
-    launch,
-)
+from mxconv.kernels.triton_common import KERNEL_CONFIG, as_words, gather_operands, kernel_dims, launch
 from mxconv.kernels.triton_import import tl, triton
 
 if triton is not None:

@@ -33,10 +33,9 @@ from mxconv.layouts.aiter_bytemap import (
     w16_bytes, w16_inverse,
 )
 from mxconv.layouts.canonical import (
-    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, check_kernel_tensors,
-    check_mxfp8_method_sizes, in_kernel_order, round_up,
+    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_kernel_tensors, in_kernel_order, round_up,
 )
-from mxconv.layouts.forms import FormBase
+from mxconv.layouts.forms import Mxfp8MethodForm
 from mxconv.layouts.padding import KernelChoice
 
 if TYPE_CHECKING:
@@ -60,30 +59,25 @@ def _check_pad(name: str, view: torch.Tensor, keep_rows: int, keep_cols: int) ->
                               f"view holds {int(part[r, q])}, expected {SCALE_PAD_FILL} (0x7F)")  # fmt: skip
 
 
-class AiterMxfp8(FormBase):
+class AiterMxfp8(Mxfp8MethodForm):
     """The aiter layout's MXFP8 form (module docstring); ``options``: the layout's AiterOptions."""
 
-    weight_format = WEIGHT_FORMAT
-    activations = (ACTIVATION,)
-    vllm_backends = {ACTIVATION: (VLLM_BACKEND,)}  # Fp8MoeBackend
+    label = "aiter MXFP8"
+    activation = ACTIVATION
+    vllm_backend = VLLM_BACKEND
+    activation_rule = ("vLLM's AITER_MXFP8 experts take bf16 activations (aiter quantizes them to MXFP8 per 1x32 "
+                       "inside fused_moe), got activation {activation!r}")
 
-    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-                     options: Any) -> tuple[int, int]:  # fmt: skip
-        """(H, I): vLLM's MXFP8 methods pad nothing; LayoutError unless both are multiples of 64 (per rank)."""
-        if activation != ACTIVATION:
-            raise LayoutError(f"aiter MXFP8: vLLM's AITER_MXFP8 experts take bf16 activations (aiter quantizes them to "
-                              f"MXFP8 per 1x32 inside fused_moe), got activation {activation!r}")  # fmt: skip
-        check_block_sizes("aiter MXFP8", hidden_size, intermediate_size, row_order, 32)
+    def check_sizes(self, hidden_size: int, intermediate_size: int) -> None:
+        """LayoutError unless both are multiples of 64 (per rank)."""
         for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
             if size % K_GROUP:
                 raise LayoutError(f"aiter MXFP8: {what} size {size} per rank is not a multiple of {K_GROUP}: aiter's "
                                   "shuffle_weight views K in 64-byte groups and vLLM's MXFP8 methods pad nothing")  # fmt: skip
-        return hidden_size, intermediate_size
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, TensorSpec]:
         """The module table's tensors."""
-        H, I = check_mxfp8_method_sizes("aiter MXFP8", sizes, self.padded_sizes(
-            sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options))
+        H, I = self.method_sizes(sizes, activation, options)
         E = sizes.num_experts
         return in_kernel_order({
             "w13_weight": TensorSpec((E, 2 * I, H), "F8_E4M3"),

@@ -28,12 +28,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mxconv.errors import LayoutError
 from mxconv.layouts.canonical import (
-    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, check_kernel_tensors,
-    check_mxfp8_method_sizes, in_kernel_order,
+    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_kernel_tensors, in_kernel_order,
 )
-from mxconv.layouts.forms import FormBase
+from mxconv.layouts.forms import Mxfp8MethodForm
 from mxconv.layouts.padding import KernelChoice, check_fill, pad_last
 
 if TYPE_CHECKING:
@@ -71,26 +69,18 @@ def _unpack(words: torch.Tensor, cols: int, name: str) -> torch.Tensor:
     return raw[..., :cols].contiguous()
 
 
-class DeepgemmMxfp8(FormBase):
+class DeepgemmMxfp8(Mxfp8MethodForm):
     """The deepgemm layout's MXFP8 form (module docstring); the layout's options do not shape these bytes."""
 
-    weight_format = WEIGHT_FORMAT
-    activations = (ACTIVATION,)
-    vllm_backends = {ACTIVATION: (VLLM_BACKEND,)}  # Fp8MoeBackend
-
-    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
-                     options: Any) -> tuple[int, int]:  # fmt: skip
-        """(H, I): vLLM's MXFP8 methods pad nothing; LayoutError unless H and I are multiples of 32."""
-        if activation != ACTIVATION:
-            raise LayoutError(f"deepgemm MXFP8: DeepGemmExperts run MXFP8 activations (e4m3, 1x32 UE8M0 scales), "
-                              f"the layout's activation fp8; got {activation!r}")  # fmt: skip
-        check_block_sizes("deepgemm MXFP8", hidden_size, intermediate_size, row_order, 32)
-        return hidden_size, intermediate_size
+    label = "deepgemm MXFP8"
+    activation = ACTIVATION
+    vllm_backend = VLLM_BACKEND
+    activation_rule = ("DeepGemmExperts run MXFP8 activations (e4m3, 1x32 UE8M0 scales), the layout's activation fp8; "
+                       "got {activation!r}")
 
     def kernel_specs(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, TensorSpec]:
         """The module table's tensors."""
-        H, I = check_mxfp8_method_sizes("deepgemm MXFP8", sizes, self.padded_sizes(
-            sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options))
+        H, I = self.method_sizes(sizes, activation, options)
         E = sizes.num_experts
         return in_kernel_order({
             "w13_weight": TensorSpec((E, 2 * I, H), "F8_E4M3"),

@@ -23,10 +23,12 @@ from typing import Any, Mapping, Protocol
 
 from mxconv.errors import LayoutError
 from mxconv.layouts.base import LayoutBase, LayoutOptions
-from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec
+from mxconv.layouts.canonical import (
+    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, check_mxfp8_method_sizes,
+)
 from mxconv.layouts.padding import KernelChoice
 
-__all__ = ["FormBase", "FormsLayout", "WeightForm"]
+__all__ = ["FormBase", "FormsLayout", "Mxfp8MethodForm", "WeightForm"]
 
 
 
@@ -80,6 +82,44 @@ class FormBase:
 
     def stack_choices(self, c: CanonicalExperts, options: Any) -> dict[str, str]:
         return {}
+
+
+class Mxfp8MethodForm(FormBase):
+    """An MXFP8 form whose tensors are the ones vLLM's MXFP8 method (CompressedTensorsW8A8Mxfp8MoEMethod)
+    allocates: one activation, one Fp8MoeBackend, (H, I) multiples of 32 and nothing padded, no expert
+    biases. A subclass declares ``label`` (how its errors start, "aiter MXFP8"), ``activation``,
+    ``vllm_backend`` and ``activation_rule`` (why another activation is refused, formatted with
+    ``activation``), and overrides :meth:`check_sizes` where its engine limits (H, I) further."""
+
+    weight_format = "mxfp8"
+    label: str = ""
+    activation: str = ""
+    vllm_backend: str = ""
+    activation_rule: str = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.activations = (cls.activation,)
+        cls.vllm_backends = {cls.activation: (cls.vllm_backend,)}  # Fp8MoeBackend
+
+    def check_sizes(self, hidden_size: int, intermediate_size: int) -> None:
+        """LayoutError where the engine cannot take one rank's (H, I) (the default takes every one)."""
+
+    def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
+                     options: Any) -> tuple[int, int]:  # fmt: skip
+        """(H, I): vLLM's MXFP8 methods pad nothing; LayoutError for another activation, sizes that are not
+        multiples of 32 or that :meth:`check_sizes` refuses."""
+        if activation != self.activation:
+            raise LayoutError(f"{self.label}: " + self.activation_rule.format(activation=activation))
+        check_block_sizes(self.label, hidden_size, intermediate_size, row_order, 32)
+        self.check_sizes(hidden_size, intermediate_size)
+        return hidden_size, intermediate_size
+
+    def method_sizes(self, sizes: LayoutSizes, activation: str, options: Any) -> tuple[int, int]:
+        """(H, I) of ``sizes``, checked as :meth:`padded_sizes` does and as the method allocates them
+        (the padded sizes equal to them, no expert biases)."""
+        want = self.padded_sizes(sizes.hidden_size, sizes.intermediate_size, sizes.row_order, activation, options)
+        return check_mxfp8_method_sizes(self.label, sizes, want)
 
 
 class FormsLayout(LayoutBase):

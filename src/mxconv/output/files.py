@@ -25,7 +25,7 @@ from typing import IO, Any, Iterable, Iterator
 
 from mxconv.errors import BadInput
 from mxconv.source.json_files import dumps_strict
-from mxconv.source.regular_files import NotRegular, open_regular
+from mxconv.source.regular_files import NotRegular, open_regular, read_exactly
 from mxconv.source.side_files import SIDE_FILE_LIMIT, open_side_file
 
 TMP_SUFFIX = ".mxconv-tmp"
@@ -100,14 +100,10 @@ def atomic_write_json(path: Path, obj: Any) -> FileRecord:
     return atomic_write_text(path, dumps_strict(obj, indent=2, sort_keys=False) + "\n")  # never NaN / Infinity
 
 
-def _read_exactly(f: IO[bytes], size: int, src: Path) -> Iterator[bytes]:
-    left = size
-    while left:
-        chunk = f.read(min(left, _CHUNK))
-        if not chunk:
-            raise BadInput(f"{src}: became shorter while it was being copied into the output; rerun once it is stable")
-        left -= len(chunk)
-        yield chunk
+def _read_unchanged(f: IO[bytes], size: int, src: Path) -> Iterator[bytes]:
+    """``src``'s ``size`` bytes from ``f``; BadInput where it became shorter or grew while it was read."""
+    yield from read_exactly(f, size, _CHUNK, f"{src}: became shorter while it was being copied into the output; "
+                            "rerun once it is stable")
     if f.read(1):
         raise BadInput(f"{src}: grew while it was being copied into the output; rerun once it is stable")
 
@@ -117,7 +113,7 @@ def copy_side_file(src: Path, dst: Path) -> FileRecord:
     followed: :func:`~mxconv.source.side_files.open_side_file`) to ``dst`` as a new file."""
     f, size = open_side_file(src)
     with f:
-        return write_new_file(dst, _read_exactly(f, size, src))
+        return write_new_file(dst, _read_unchanged(f, size, src))
 
 
 def is_recorded_file(path: Path, record: FileRecord) -> bool:

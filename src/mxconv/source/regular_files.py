@@ -5,7 +5,7 @@ device (``/dev/zero`` reads without end), a directory, a socket, or a link. :fun
 opens it only once it is known to be a regular file: ``stat``-ed before the open (``lstat`` with
 ``follow=False``), so that nothing else is ever opened; opened non-blocking (and with ``O_NOFOLLOW``
 with ``follow=False``); and ``fstat``-ed again, so that something swapped in between is caught. What
-is read of it is bounded (:func:`read_at_most`). Callers say what a refusal means in their own words:
+is read of it is bounded (:func:`read_at_most`, :func:`read_exactly`). Callers say what a refusal means in their own words:
 a BadInput naming the file and the rule (config, index, manifest, shards, side files), or "not the
 file mxconv wrote" (the old output's manifest and files, the in-progress marker).
 """
@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
+
+from mxconv.errors import BadInput
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
@@ -54,3 +56,15 @@ def open_regular(path: str | Path, *, follow: bool = True) -> tuple[BinaryIO, in
 def read_at_most(f: BinaryIO, limit: int) -> bytes:
     """At most ``limit + 1`` bytes of ``f``: more than ``limit`` says the file is (or grew) past the bound."""
     return f.read(limit + 1)
+
+
+def read_exactly(f: BinaryIO, size: int, chunk: int, truncated: str) -> Iterator[bytes]:
+    """The next ``size`` bytes of ``f``, in pieces of at most ``chunk`` bytes; BadInput(``truncated``)
+    where the file ends before them (one that became shorter as it was read)."""
+    left = size
+    while left:
+        data = f.read(min(chunk, left))
+        if not data:
+            raise BadInput(truncated)
+        left -= len(data)
+        yield data

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
 from mxconv.source.json_files import loads_strict, open_regular
+from mxconv.source.regular_files import read_exactly
 
 if TYPE_CHECKING:
     import torch
@@ -272,12 +273,6 @@ def read_tensor(info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.
 
 def iter_tensor_chunks(info: TensorInfo, chunk: int = 64 << 20):
     """Yield a tensor's raw bytes from its file in chunks of at most ``chunk`` bytes."""
-    left = info.nbytes
     with open(info.file, "rb") as f:
         f.seek(info.begin)
-        while left:
-            data = f.read(min(chunk, left))
-            if not data:
-                raise BadInput(f"{info.file}: tensor {info.name!r} is truncated")
-            left -= len(data)
-            yield data
+        yield from read_exactly(f, info.nbytes, chunk, f"{info.file}: tensor {info.name!r} is truncated")
