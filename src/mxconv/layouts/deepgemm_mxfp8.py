@@ -29,12 +29,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import (
-    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, check_kernel_tensors,
-    check_mxfp8_method_sizes, in_kernel_order,
-)
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.padding import check_fill, pad_last
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
+from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
+from mxconv.layouts.checks import check_block_sizes, check_kernel_tensors, check_mxfp8_method_sizes
 from mxconv.layouts.forms import FormBase
-from mxconv.layouts.padding import KernelChoice, check_fill, pad_last
 
 if TYPE_CHECKING:
     import torch

@@ -22,9 +22,10 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol
 
 from mxconv.errors import LayoutError
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
+from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.layouts.base import LayoutBase, LayoutOptions
-from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec
-from mxconv.layouts.padding import KernelChoice
 
 __all__ = ["FormBase", "FormsLayout", "WeightForm"]
 
