@@ -1,7 +1,7 @@
 """The package's shape is enforced, not described (docs/architecture.md): the import-linter layers
 of pyproject.toml, no import cycle (in-function imports included), backends that do not import each
 other and backend names only where backends live (both from the layout registry: support/architecture.py),
-small modules and functions, few top-level modules, the environment read in one module, no
+small modules and functions, few top-level modules, the environment read in one module (which only reads it), no
 getattr/hasattr probing of a backend layout outside layouts/."""
 
 from __future__ import annotations
@@ -147,6 +147,14 @@ def test_the_environment_is_read_in_one_module() -> None:
                     and isinstance(node.value, ast.Name) and node.value.id == "os":
                 readers.add(name)
     assert readers <= {ENVIRONMENT_MODULE}, sorted(readers - {ENVIRONMENT_MODULE})
+
+
+def test_the_environment_module_only_reads_it() -> None:
+    """mxconv.environment holds functions that read variables and their names, no types: a setting that
+    the environment only defaults (KernelLocations) lives with the settings (mxconv.experts)."""
+    _, tree = _modules()[ENVIRONMENT_MODULE]
+    kinds = {type(node).__name__ for node in tree.body} - {"Expr", "ImportFrom", "Import", "Assign", "FunctionDef"}
+    assert not kinds, f"{ENVIRONMENT_MODULE} defines more than readers of the environment: {sorted(kinds)}"
 
 
 # Modules that may index a manifest's JSON: the typed Manifest's own (parse, schema), and the
