@@ -23,10 +23,10 @@ import torch
 from triton.testing import do_bench
 
 from mxconv.engines.in_memory import ConvertOptions, canonical_experts, convert_layer
+from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.kernels import triton_fused
 from mxconv.kernels.mx_triton import quantize_mx_triton
 from mxconv.layouts import get_layout
-from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.triton_bytemap import w13_row_table
 
 

@@ -38,9 +38,9 @@ import torch
 from _args import parser
 from mxconv.engines import discover, marlin_moe, triton_moe
 from mxconv.engines.runner import LayerSpec
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
 from mxconv.families.base import ModelInfo
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes, round_up
 from mxconv.engines.loader import load_layer_from_manifest, read_layer_tensors, resolve_layer
 from mxconv.source.st_format import TORCH_TO_ST
 

@@ -27,9 +27,9 @@ import time
 import torch
 
 from _args import parser
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.stack import CanonicalExperts
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.canonical import CanonicalExperts
-from mxconv.layouts.padding import KernelChoice
 
 
 def make_stack(E: int, H: int, I: int, device: torch.device, bias: bool = True) -> CanonicalExperts:

@@ -1,7 +1,7 @@
 """The package's shape is enforced, not described (docs/architecture.md): the import-linter layers
 of pyproject.toml, no import cycle (in-function imports included), backends that do not import each
 other and backend names only where backends live (both from the layout registry: support/architecture.py),
-small modules and functions, few top-level modules, the environment read in one module, no
+small modules and functions, few top-level modules, the environment read in one module (which only reads it), no
 getattr/hasattr probing of a backend layout outside layouts/."""
 
 from __future__ import annotations
@@ -149,6 +149,14 @@ def test_the_environment_is_read_in_one_module() -> None:
     assert readers <= {ENVIRONMENT_MODULE}, sorted(readers - {ENVIRONMENT_MODULE})
 
 
+def test_the_environment_module_only_reads_it() -> None:
+    """mxconv.environment holds functions that read variables and their names, no types: a setting that
+    the environment only defaults (KernelLocations) lives with the settings (mxconv.experts)."""
+    _, tree = _modules()[ENVIRONMENT_MODULE]
+    kinds = {type(node).__name__ for node in tree.body} - {"Expr", "ImportFrom", "Import", "Assign", "FunctionDef"}
+    assert not kinds, f"{ENVIRONMENT_MODULE} defines more than readers of the environment: {sorted(kinds)}"
+
+
 # Modules that may index a manifest's JSON: the typed Manifest's own (parse, schema), and the
 # lenient read of an OLD output's manifest that only narrows what --overwrite removes (a damaged
 # manifest there must still name its files; output.ownership).
@@ -199,9 +207,9 @@ def test_backends_do_not_import_each_other() -> None:
 
 def test_the_independence_check_can_fail() -> None:
     groups = backend_modules()
-    merged = {**groups, "marlin": groups["marlin"] | {"mxconv.layouts.padding"}}  # a module every backend imports
+    merged = {**groups, "marlin": groups["marlin"] | {"mxconv.experts.padding"}}  # a module every backend imports
     found = cross_backend_imports(merged)
-    assert "mxconv.layouts.cpu -> mxconv.layouts.padded_stack -> mxconv.layouts.padding (backend marlin)" in found  # indirect
+    assert "mxconv.layouts.cpu -> mxconv.layouts.padded_stack -> mxconv.experts.padding (backend marlin)" in found  # indirect
     assert any(chain.startswith("mxconv.layouts.trtllm") and chain.endswith("(backend marlin)") for chain in found)
 
 

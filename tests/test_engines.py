@@ -303,8 +303,8 @@ def _vendored_triton_kernels() -> discover.TritonKernels:
 
 @pytest.mark.parametrize("row_order", ["interleaved", "halves"])
 def test_wrapped_buffers_equal_convert_layout(row_order: str) -> None:
-    from mxconv.layouts.canonical import CanonicalExperts, round_up
-    from mxconv.layouts.padding import pad_canonical
+    from mxconv.experts.stack import CanonicalExperts, round_up
+    from mxconv.experts.padding import pad_canonical
 
     layout, tk = _triton_layout(), _vendored_triton_kernels()
     tensor_mod = triton_moe._tk(tk, "tensor")

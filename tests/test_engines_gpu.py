@@ -30,8 +30,8 @@ from mxconv.engines.loader import (
 )
 from mxconv.engines.runner import KERNEL_THRESHOLDS
 from mxconv.examples import ModelSizes, make_checkpoint
+from mxconv.experts.stack import CanonicalExperts
 from mxconv.families import detect_family
-from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.source.manifest import load_manifest
 from mxconv.verify.numerics import expert_fn

@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 from mxconv import environment
 from mxconv.cli import app
 from mxconv.engines import discover, loader
-from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
+from mxconv.experts.kernel_settings import KernelChoice, KernelLocations
+from mxconv.experts.stack import CanonicalExperts
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.canonical import CanonicalExperts
-from mxconv.layouts.padding import KernelChoice, layout_kernels
+from mxconv.layouts.gathers import layout_kernels
 from mxconv.run.options import RepackOptions
 from support.checkpoints import ModelSizes, make_checkpoint
 

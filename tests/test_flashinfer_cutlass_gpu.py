@@ -13,7 +13,7 @@ import pytest
 import torch
 from support.fi_cutlass_reference import make_stack, vllm_convert, vllm_params
 
-from mxconv.layouts.canonical import CanonicalExperts
+from mxconv.experts.stack import CanonicalExperts
 from mxconv.layouts.flashinfer_cutlass import LAYOUT
 from mxconv.mx.numerics import dequantize_mx
 

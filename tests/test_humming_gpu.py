@@ -22,8 +22,8 @@ from support.gpu_outputs import KINDS, Case, repacked_cases
 from test_engines_gpu import _check, _reference, mx, run_planted_bugs
 
 from mxconv.engines.loader import resolve_layer, run_kernel_layer
+from mxconv.experts.stack import CanonicalExperts
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.humming import layer_configs
 from mxconv.source.manifest import load_manifest
 

@@ -23,8 +23,8 @@ from mxconv.engines.model_load import load_model
 from mxconv.engines.runner import require_runner
 from mxconv.engines.staged_read import byte_view
 from mxconv.errors import BadInput
+from mxconv.experts.stack import LayoutSizes
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import LayoutSizes
 from mxconv.run.options import QuantOptions
 from mxconv.source.manifest import Manifest, load_manifest
 from mxconv.examples import ModelSizes

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from mxconv.errors import LayoutError
+from mxconv.experts.padding import pad_canonical
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
 from mxconv.layouts import get_layout
 from mxconv.layouts.aiter import LAYOUT
 from mxconv.layouts.aiter_bytemap import (
@@ -21,8 +23,6 @@ from mxconv.layouts.aiter_bytemap import (
     gu16_source_rows, interleave_rows, permute_padded, s32x8, s32x8_dest_offsets, s32x8_inverse, shuffle_scale_a16w4,
     shuffle_scale_a4w4, w16, w16_dest_offsets, w16_inverse,
 )
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes, round_up
-from mxconv.layouts.padding import pad_canonical
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,10 +16,10 @@ from support.mxfp8_cli import quantized_mxfp8, repack_verify_and_damage
 from support.tamper import patch_tensor
 
 from mxconv.errors import LayoutError
+from mxconv.experts.stack import CanonicalExperts
+from mxconv.experts.tp import slice_tp, tp_ranges
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.engine_report import holders
-from mxconv.layouts.padding import slice_tp, tp_ranges
 from mxconv.layouts.vllm_serving import VllmMethod
 
 LAYOUT = get_layout("aiter")

@@ -21,11 +21,11 @@ from support.cli import mx
 from support.tamper import patch_tensor
 
 from mxconv.errors import LayoutError
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
+from mxconv.experts.tp import slice_tp, tp_ranges
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.cpu import LAYOUT, pack_scale, pack_weight, unpack_scale, unpack_weight
-from mxconv.layouts.padding import slice_tp, tp_ranges
 from mxconv.layouts.vllm_backends import vllm_padded_sizes, vllm_refusal
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.examples import ModelSizes
@@ -169,7 +169,7 @@ def test_to_kernel_bytes_equal_the_oracle(row_order: str, bias: bool) -> None:
 
 
 def test_padded_stack_bytes_equal_the_oracle() -> None:
-    """TP ranks narrower than the widest one are zero-padded first (layouts/padding.slice_tp): the
+    """TP ranks narrower than the widest one are zero-padded first (experts/tp.slice_tp): the
     padding rows sit inside the pack blocks, where the oracle reads zeros."""
     for row_order in ("halves", "interleaved"):
         c = stack(2, 64, 64, row_order, True, seed=4)

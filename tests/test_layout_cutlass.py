@@ -12,8 +12,8 @@ import torch
 from support.cli import mx
 
 from mxconv.errors import LayoutError
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.cutlass import LAYOUT, swizzle_scales, tiled_shape, unswizzle_scales
 from mxconv.examples import ModelSizes
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mxconv.errors import LayoutError
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.deepgemm import LAYOUT, pack_ue8m0, unpack_ue8m0
 
 

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from mxconv.errors import LayoutError
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import LayoutOptions
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
-from mxconv.layouts.padding import KernelChoice, layout_kernels
+from mxconv.layouts.gathers import layout_kernels
 from support.interpreter import kernels_match_torch, print_report, report_fixture, same_bytes
 
 
@@ -78,7 +79,8 @@ def _interpreter_main() -> None:
     from mxconv.layouts import aiter_bytemap
     from mxconv.layouts import marlin_bytemap
     from mxconv.layouts import trtllm_bytemap
-    from mxconv.layouts.padding import gather_padded_rows, pad_last
+    from mxconv.experts.padding import pad_last
+    from mxconv.layouts.gathers import gather_padded_rows
 
     g = torch.Generator().manual_seed(0)
 

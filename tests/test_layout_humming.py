@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mxconv.errors import LayoutError
+from mxconv.experts.stack import CanonicalExperts
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.humming_bytemap import (
     lay_out_bias,
     lay_out_scales,

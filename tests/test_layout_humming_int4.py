@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mxconv.errors import LayoutError
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.humming_bytemap import unrepack_weights
 from mxconv.mx.int4 import pack_int4
 from mxconv.source.checkpoint import open_checkpoint

@@ -16,10 +16,10 @@ from support.mxfp8_cli import quantized_mxfp8, repack_verify_and_damage
 
 from mxconv.errors import LayoutError
 from mxconv.examples import ModelSizes, make_checkpoint
+from mxconv.experts.stack import CanonicalExperts
+from mxconv.experts.tp import slice_tp, tp_ranges
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.humming_bytemap import repack_bytes, repack_weights, unrepack_bytes
-from mxconv.layouts.padding import slice_tp, tp_ranges
 
 
 def _kernel_oracle(values: torch.Tensor, bits: int) -> torch.Tensor:

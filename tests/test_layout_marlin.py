@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mxconv.errors import LayoutError
+from mxconv.experts.padding import pad_canonical
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
-from mxconv.layouts.padding import pad_canonical
 from mxconv.mx.formats import pack_fp4, unpack_fp4
 from mxconv.layouts.marlin import LAYOUT
 from mxconv.layouts.marlin_bytemap import (

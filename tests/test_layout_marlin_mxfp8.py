@@ -16,10 +16,10 @@ from support.mxfp8_cli import engine_row_holders, quantized_mxfp8, repack_verify
 
 from mxconv.errors import LayoutError
 from mxconv.examples import ModelSizes, make_checkpoint
+from mxconv.experts.stack import CanonicalExperts
+from mxconv.experts.tp import slice_tp, tp_ranges
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.layouts.marlin_mxfp8 import repack_bytes, unrepack_bytes
-from mxconv.layouts.padding import slice_tp, tp_ranges
 
 LAYOUT = get_layout("marlin")
 OPTS = LAYOUT.resolve_options()

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from mxconv.errors import LayoutError
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
-from mxconv.layouts.padding import KernelChoice, layout_kernels
+from mxconv.layouts.gathers import layout_kernels
 from mxconv.layouts.triton import LAYOUT, TritonOptions
 from mxconv.layouts.triton_bytemap import (
     TWIDDLE_GROUPS, permute_scales, permute_values, twiddle_words, unpermute_scales, unpermute_values, w13_row_table,
@@ -429,7 +430,7 @@ def _interpreter_main() -> None:
     """Runs in the subprocess: print a JSON report of every kernel-vs-torch comparison."""
     import mxconv.layouts.triton as tl_mod
     from mxconv.kernels import triton_swizzle as ts
-    from mxconv.layouts.padding import gather_padded_rows
+    from mxconv.layouts.gathers import gather_padded_rows
 
     g = torch.Generator().manual_seed(0)
 

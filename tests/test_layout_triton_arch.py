@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import CanonicalExperts
+from mxconv.experts.stack import CanonicalExperts
 from mxconv.layouts.triton import LAYOUT, TritonOptions
 from mxconv.layouts.triton_arch import Arch
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mxconv.errors import LayoutError
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.trtllm import LAYOUT, TrtllmOptions
 from mxconv.layouts.vllm_backends import admits_vllm
 from mxconv.layouts.trtllm_bytemap import (

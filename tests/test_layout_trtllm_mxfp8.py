@@ -14,9 +14,9 @@ from support.mxfp8_cli import engine_row_holders, quantized_mxfp8, repack_verify
 from support.tamper import patch_tensor
 
 from mxconv.errors import LayoutError
+from mxconv.experts.stack import CanonicalExperts
+from mxconv.experts.tp import slice_tp, tp_ranges
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts
-from mxconv.layouts.padding import slice_tp, tp_ranges
 from mxconv.layouts.trtllm_bytemap import check_kernel_tensors, swizzle_128x4, unswizzle_128x4
 
 LAYOUT = get_layout("trtllm")

@@ -21,6 +21,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from mxconv.experts.tensors import TensorSpec
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
 from mxconv.run.conversion import Conversion, RunSettings
@@ -29,7 +30,6 @@ from mxconv.run.plan import build_plan
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.canonical import TensorSpec
 from mxconv.run.memory import Baseline, ExpertCost, ItemCosts, MemoryBudget, MemoryPlan, balance, plan_memory
 from mxconv.run.plan_costs import work_items
 from support.checkpoints import INT4_KINDS, KINDS, ModelSizes, make_checkpoint

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.run.conversion import Conversion, RunSettings
 from mxconv.run.options import QuantOptions, RepackOptions
@@ -23,7 +24,6 @@ from mxconv.errors import BadInput, LayoutError
 from mxconv.families import detect_family
 from mxconv.mx.int4 import dequantize_int4, pack_int4, pack_int4_words, to_twos_complement, unpack_int4, words_as_bytes
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.canonical import CanonicalExperts, LayoutSizes
 from mxconv.layouts.trtllm import LAYOUT
 from mxconv.source.st_format import read_header, read_tensor
 from mxconv.verify import VerifyOptions, verify

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import CanonicalExperts
+from mxconv.experts.stack import CanonicalExperts
 from mxconv.layouts.padded_stack import AS_STORED, PaddedStackLayout, RowMap, StackForm, Transform
 
 E, H, I, ALIGN = 2, 96, 160, 64  # padded to (128, 192)

@@ -25,8 +25,8 @@ from test_triton_kernels import adversarial_blocks
 
 from mxconv.engines.in_memory import ConvertOptions, canonical_experts, convert_layer
 from mxconv.errors import BadInput
+from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.layouts import get_layout
-from mxconv.layouts.padding import KernelChoice
 from mxconv.layouts.triton_arch import Arch
 from mxconv.layouts.triton_float import fused_applies
 from mxconv.mx.formats import SCALE_MODES

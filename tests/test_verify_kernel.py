@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from mxconv.experts.stack import CanonicalExperts
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.source.manifest import load_manifest
 from support.checkpoints import ModelSizes, make_checkpoint
 from mxconv.verify import VerifyOptions, verify

@@ -137,7 +137,7 @@ def test_marlin_scales_and_biases_are_vllms_permutations() -> None:
     from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import mxfp4_marlin_process_scales
 
     from mxconv.layouts import get_layout
-    from mxconv.layouts.canonical import CanonicalExperts
+    from mxconv.experts.stack import CanonicalExperts
 
     g = torch.Generator().manual_seed(1)
     e, h, i = 3, 256, 128  # already at Marlin's padding (H to 256, I to 128): no pad region

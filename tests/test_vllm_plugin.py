@@ -37,7 +37,7 @@ def _kernel_matches_reference() -> str | None:
     gives mxconv's fp32 reference MoE (bf16 rounding apart); else why not."""
     from vllm import _custom_ops as ops
 
-    from mxconv.layouts.canonical import CanonicalExperts
+    from mxconv.experts.stack import CanonicalExperts
     from mxconv.layouts.cpu import LAYOUT
     from mxconv.mx.numerics import dequantize_mx
     from mxconv.verify.reference_moe import Routing, moe_forward

@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mxconv.experts.tensors import TensorSpec
 from mxconv.output import directory as output_dir
 from mxconv.errors import BadInput
-from mxconv.layouts.canonical import TensorSpec
 from mxconv.run.pipeline import PipelineDepth, WorkItem, run_pipeline
 from mxconv.source.st_format import read_header
 from mxconv.output.directory import TMP_SUFFIX, prepare_output_dir

@@ -7,16 +7,14 @@ mxconv takes no behaviour switches from the environment; what it reads here is w
 * ``MXCONV_MARLIN_OPS`` - vLLM's compiled MoE ops library (``_moe_C_stable_libtorch.abi3.so``);
 * ``TRITON_INTERPRET`` - triton's own switch: set, its kernels run on CPU tensors (tests).
 
-:class:`KernelLocations` is the typed form of the two kernel locations: ``mxconv verify
---triton-kernels DIR --marlin-ops FILE`` and the loader API (:mod:`mxconv.engines.loader`) take
-one; a location left None falls back to the environment variable, then to an installed copy
-(:mod:`mxconv.engines.discover`).
+The two kernel locations are also settings (:class:`mxconv.experts.kernel_settings.KernelLocations`:
+``mxconv verify --triton-kernels DIR --marlin-ops FILE``, the loader API); one given there wins over
+the variable here, which wins over an installed copy (:mod:`mxconv.engines.discover`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 TRITON_KERNELS_ENV = "MXCONV_TRITON_KERNELS"
@@ -28,14 +26,6 @@ def _path_from(name: str) -> Path | None:
     """The path in environment variable ``name`` (``~`` expanded, made absolute), None when unset or empty."""
     value = os.environ.get(name, "").strip()
     return Path(value).expanduser().resolve() if value else None
-
-
-@dataclass(frozen=True)
-class KernelLocations:
-    """Where the engines' kernels are, when not installed. None: not given here."""
-
-    triton_kernels: Path | None = None  # folder that contains triton_kernels/
-    marlin_ops: Path | None = None  # vLLM's _moe_C*.so
 
 
 def triton_kernels_dir() -> Path | None:
@@ -54,6 +44,6 @@ def triton_interpreter_on() -> bool:
 
 
 __all__ = [
-    "MARLIN_OPS_ENV", "TRITON_INTERPRET_ENV", "TRITON_KERNELS_ENV", "KernelLocations", "marlin_ops_file", "triton_interpreter_on",
+    "MARLIN_OPS_ENV", "TRITON_INTERPRET_ENV", "TRITON_KERNELS_ENV", "marlin_ops_file", "triton_interpreter_on",
     "triton_kernels_dir",
 ]

@@ -11,11 +11,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from mxconv.experts.stack import LayoutSizes
 from mxconv.source.checkpoint import Checkpoint, open_checkpoint
 from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
 from mxconv.families import detect_family
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.canonical import LayoutSizes
 from mxconv.output.engine_quant_config import quant_config_of
 from mxconv.errors import BadInput, LayoutError
 from mxconv.source.manifest import Manifest, load_manifest, missing_manifest_message, plain_json

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from mxconv.layouts.canonical import CanonicalExperts
+from mxconv.experts.stack import CanonicalExperts
 
 Helper = Callable[[torch.Tensor], torch.Tensor]
 

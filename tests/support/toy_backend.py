@@ -13,10 +13,12 @@ from typing import Any
 
 import torch
 
-from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.errors import LayoutError
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.padding import pad_canonical, unpad_canonical
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
+from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.layouts.base import LayoutBase, LayoutOption
-from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, round_up
 from mxconv.engines.runner import LayerSpec
 from mxconv.mx.numerics import dequantize_mx
 from mxconv.verify.reference_moe import Routing, moe_forward

@@ -9,10 +9,10 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
 from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, errors, print_json
 from mxconv.cli.output import err, out, say, step_progress
+from mxconv.experts.kernel_settings import KernelLocations
 
 KERNEL_HELP = (
     "Also run the engine's own kernel on the files (--backend {runners}; the runner's GPU) and compare it with the reference runner. Exit 2 "

@@ -4,7 +4,7 @@ Two kernel sources (docs/real-kernels.md):
 
 * **triton_kernels** (pure Python + Triton; ``matmul_ogs``, routing, the Hopper MX layouts). Looked
   for, in order: an explicit ``path`` argument (``verify --triton-kernels``, the loader's
-  :class:`~mxconv.environment.KernelLocations`); the folder named by ``$MXCONV_TRITON_KERNELS``;
+  :class:`~mxconv.experts.kernel_settings.KernelLocations`); the folder named by ``$MXCONV_TRITON_KERNELS``;
   ``import triton_kernels`` (a site-packages install, what vLLM itself imports first); vLLM's
   vendored copy ``vllm/third_party/triton_kernels`` of an installed vLLM. A folder given by path
   or env var is the one that *contains* ``triton_kernels/``.

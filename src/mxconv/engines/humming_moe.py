@@ -21,9 +21,9 @@ import torch
 
 from mxconv.engines import discover
 from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, LayerSpec, gated_activation, softmax_topk
-from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
-from mxconv.layouts.canonical import LayoutSizes
+from mxconv.experts.kernel_settings import KernelLocations
+from mxconv.experts.stack import LayoutSizes
 from mxconv.layouts.humming import LAYOUT, layer_configs
 
 HUMMING_VERSION = "0.1.19"

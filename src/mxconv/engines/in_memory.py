@@ -40,11 +40,11 @@ import torch
 
 from mxconv.engines.loader import EngineLayer
 from mxconv.errors import BadInput
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.stack import ROW_ORDERS, CanonicalExperts
 from mxconv.families.base import MXStack
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import Layout, LayoutOptions
-from mxconv.layouts.canonical import ROW_ORDERS, CanonicalExperts
-from mxconv.layouts.padding import KernelChoice
 from mxconv.run.compute import to_format
 from mxconv.run.options import QUANTIZE_FORMATS, QuantOptions, ScaleRounding
 

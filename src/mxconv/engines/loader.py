@@ -33,10 +33,10 @@ import torch
 
 from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, EngineRunner, LayerSpec, require_runner
 from mxconv.engines.staged_read import StagedReader, StagingOptions, read_tensors
-from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput, OutputDamaged
+from mxconv.experts.kernel_settings import KernelLocations
+from mxconv.experts.tensors import KERNEL_TENSOR_NAMES
 from mxconv.families.base import ModelInfo
-from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES
 from mxconv.source.file_names import MANIFEST_NAME, rank_dir_name
 from mxconv.source.manifest import LayoutPart, Manifest, load_manifest, stored_problem, tensor_file
 from mxconv.source.st_format import TensorInfo, read_header

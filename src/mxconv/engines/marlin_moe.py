@@ -30,8 +30,8 @@ import torch
 
 from mxconv.engines import discover
 from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, LayerSpec, gated_activation, softmax_topk
-from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
+from mxconv.experts.kernel_settings import KernelLocations
 
 MARLIN_HIDDEN_MULTIPLE = 256
 MARLIN_INTERMEDIATE_MULTIPLE = 128

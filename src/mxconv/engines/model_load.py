@@ -39,8 +39,8 @@ from mxconv.engines.loader import (
 )
 from mxconv.engines.runner import require_runner
 from mxconv.engines.staged_read import StagedReader, StagingOptions
-from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
+from mxconv.experts.kernel_settings import KernelLocations
 from mxconv.source.manifest import Manifest, load_manifest
 from mxconv.source.st_format import TensorInfo
 

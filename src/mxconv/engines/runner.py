@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
-from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
+from mxconv.experts.kernel_settings import KernelLocations
 from mxconv.layouts import backend_names, get_layout
 from mxconv.registry import resolve_entry
 from mxconv.source.manifest import Manifest

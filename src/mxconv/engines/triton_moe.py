@@ -28,8 +28,8 @@ import torch
 from mxconv.engines import discover
 from mxconv.engines.discover import TritonKernels
 from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, LayerSpec
-from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
+from mxconv.experts.kernel_settings import KernelLocations
 
 VALUE_PADDING = {"3.5": (16, 32), "3.6": (64, 64)}  # (row multiple, row-byte multiple), layout-triton.md §3
 MX_BLOCK = 32

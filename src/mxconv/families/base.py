@@ -45,9 +45,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
+from mxconv.experts.stack import InputScales
+from mxconv.experts.tensors import TensorSpec
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
-from mxconv.layouts.canonical import InputScales, TensorSpec
 from mxconv.source.manifest import ModelPart
 
 if TYPE_CHECKING:
@@ -205,7 +206,7 @@ class MoELayer:
     # experts [first_expert, first_expert + E) under a memory budget (mxconv.run.memory); 0 for a whole layer.
     first_expert: int = 0
     # W4A8 sources (AMD Quark): per-expert static FP8 input scales of the whole layer, not cut by
-    # select_experts (the engine reduces them over every expert; mxconv.layouts.canonical.InputScales)
+    # select_experts (the engine reduces them over every expert; mxconv.experts.stack.InputScales)
     input_scales: InputScales | None = None
 
     @property

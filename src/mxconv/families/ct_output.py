@@ -15,9 +15,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Sequence
 
+from mxconv.experts.tensors import TensorSpec
 from mxconv.families.base import MoELayer, MoELayerRef
 from mxconv.families.quant_config import CT_FORMATS, MX_FORMATS, UNCONVERTED_KEY, ct_matches, quantization_dict
-from mxconv.layouts.canonical import TensorSpec
 
 if TYPE_CHECKING:
     import torch

@@ -22,9 +22,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Sequence
 
+from mxconv.experts.tensors import TensorSpec
 from mxconv.families.base import MoELayer, MoELayerRef
 from mxconv.families.quant_config import FLOAT_DTYPES
-from mxconv.layouts.canonical import TensorSpec
 
 if TYPE_CHECKING:
     import torch

@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from mxconv.errors import BadInput
+from mxconv.experts.tensors import TensorSpec
 from mxconv.families.base import MoELayer, MoELayerRef
 from mxconv.families.quant_config import MX_FORMATS
-from mxconv.layouts.canonical import TensorSpec
 
 if TYPE_CHECKING:
     import torch

@@ -32,11 +32,12 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import BadInput
+from mxconv.experts.stack import InputScales
+from mxconv.experts.tensors import TensorSpec
 from mxconv.families.base import MoELayer, MoELayerRef, MXStack
 from mxconv.families.expert_scan import expert_names
 from mxconv.families.gpt_oss import BLOCK_BYTES, GptOssReader
 from mxconv.families.quant_config import FLOAT_DTYPES, quantization_dict
-from mxconv.layouts.canonical import InputScales, TensorSpec
 from mxconv.source.checkpoint import Checkpoint
 
 if TYPE_CHECKING:

@@ -56,7 +56,7 @@ def _triton_importable() -> bool:
 
 def layout_kernels_enabled(t: torch.Tensor) -> bool:
     """True when ``t`` is a CUDA tensor and triton imports (the layouts' dispatch,
-    :func:`mxconv.layouts.padding.layout_kernels`, also honours the caller's ``KernelChoice``)."""
+    :func:`mxconv.layouts.gathers.layout_kernels`, also honours the caller's ``KernelChoice``)."""
     return t.is_cuda and _triton_importable()
 
 

@@ -3,7 +3,7 @@
 The torch code in ``mxconv.layouts`` is the reference and the CPU path; these kernels produce the
 same bytes on CUDA in a single pass over the data (padding fused in, no intermediate copies).
 The layout modules call them only for CUDA tensors, when triton imports and the caller's
-``KernelChoice`` is AUTO (:func:`mxconv.layouts.padding.layout_kernels`).
+``KernelChoice`` is AUTO (:func:`mxconv.layouts.gathers.layout_kernels`).
 
 Every kernel reads rows of an *unpadded* canonical stack ``src [E, R_in, W_in]`` through a row
 table ``tab`` (int32, one entry per padded/permuted output row: the source row, or -1 for a padding

@@ -35,8 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from mxconv.environment import KernelLocations
 from mxconv.errors import LayoutError
+from mxconv.experts.kernel_settings import KernelChoice, KernelLocations
+from mxconv.experts.padding import unpad_canonical
+from mxconv.experts.stack import ROW_ORDERS, CanonicalExperts, LayoutSizes, round_up
+from mxconv.experts.tensors import KERNEL_TENSOR_NAMES, KernelTensors, TensorSpec, bias_specs, in_kernel_order
 from mxconv.layouts import aiter_mxfp8
 from mxconv.layouts.aiter_bytemap import (
     ACTIVATIONS, SCALE_PAD_FILL, check_a4w4_rows, check_activation, need, w16_bytes, deinterleave_rows,
@@ -44,15 +47,9 @@ from mxconv.layouts.aiter_bytemap import (
     interleave_rows, shuffle_scale_a4w4,
     shuffle_scale_a16w4, unshuffle_scale_a4w4, unshuffle_scale_a16w4, w16_inverse,
 )
-from mxconv.layouts.padding import (
-    KernelChoice, cached_index, gather_padded_rows, layout_kernels, pad_row_source, unpad_canonical,
-)
 from mxconv.layouts.base import LayoutOption, LayoutOptions
 from mxconv.layouts.forms import FormBase, FormsLayout
-from mxconv.layouts.canonical import (
-    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs,
-    in_kernel_order, round_up,
-)
+from mxconv.layouts.gathers import cached_index, gather_padded_rows, layout_kernels, pad_row_source
 from mxconv.source.st_format import torch_dtype
 from mxconv.source.manifest import Manifest
 

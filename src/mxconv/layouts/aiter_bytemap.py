@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.padding import pad_last
-from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, in_kernel_order, round_up
+from mxconv.experts.padding import pad_last
+from mxconv.experts.stack import CanonicalExperts, round_up
+from mxconv.experts.tensors import KernelTensors, in_kernel_order
 
 if TYPE_CHECKING:
     import torch

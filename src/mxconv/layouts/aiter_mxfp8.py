@@ -28,15 +28,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
+from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
 from mxconv.layouts.aiter_bytemap import (
     SCALE_PAD_FILL, e8m0_shuffle, e8m0_unshuffle, gu16, gu16_inverse, shuffle_scale_a16w4, unshuffle_scale_a16w4,
     w16_bytes, w16_inverse,
 )
-from mxconv.layouts.canonical import (
-    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_kernel_tensors, in_kernel_order, round_up,
-)
+from mxconv.layouts.checks import check_kernel_tensors
 from mxconv.layouts.forms import Mxfp8MethodForm
-from mxconv.layouts.padding import KernelChoice
 
 if TYPE_CHECKING:
     import torch

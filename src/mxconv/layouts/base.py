@@ -9,8 +9,9 @@ A backend layout is a pair of pure functions over a whole expert stack:
 Everything is torch tensor arithmetic (index gathers, views, reshapes), so the same code gives the same
 bytes on CPU and on CUDA. No per-expert Python loops in the hot path.
 
-The canonical stack and sizes live in :mod:`mxconv.layouts.canonical`, padding, the shared gathers
-and TP slicing in :mod:`mxconv.layouts.padding`; import them from there (this module re-exports nothing).
+The canonical stack, its sizes, padding and TP slicing live in :mod:`mxconv.experts`, the shared
+gathers in :mod:`mxconv.layouts.gathers` and the shared checks in :mod:`mxconv.layouts.checks`; import
+them from there (this module re-exports nothing).
 
 torch is named in type annotations only (imported under TYPE_CHECKING), so ``mxconv inspect`` stays torch-free.
 """
@@ -21,16 +22,15 @@ from dataclasses import dataclass, fields, make_dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import (
-    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec,
-)
-from mxconv.layouts.padding import KernelChoice
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
+from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
 
-    from mxconv.environment import KernelLocations
+    from mxconv.experts.kernel_settings import KernelLocations
 
 
 __all__ = ["EmptyOptions", "Layout", "LayoutBase", "LayoutOption", "LayoutOptions", "check_activation"]

@@ -33,7 +33,7 @@ from mxconv.source.manifest import Manifest
 if TYPE_CHECKING:
     import torch
 
-    from mxconv.environment import KernelLocations
+    from mxconv.experts.kernel_settings import KernelLocations
 
 BACKEND_NAME = "cpu"
 BLOCK_N = 32  # sgl-kernels gemm.h block_size_n() = 2 * TILE_N: rows packed together

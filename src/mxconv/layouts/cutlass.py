@@ -28,15 +28,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import round_up
+from mxconv.experts.padding import check_fill
+from mxconv.experts.stack import round_up
 from mxconv.layouts.padded_stack import PAD_FILL, PaddedStackLayout, StackForm, Transform
-from mxconv.layouts.padding import check_fill
 from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
 
-    from mxconv.environment import KernelLocations
+    from mxconv.experts.kernel_settings import KernelLocations
 
 BACKEND_NAME = "cutlass"
 MX_BLOCK = 32

@@ -38,7 +38,7 @@ from mxconv.source.st_format import torch_dtype
 if TYPE_CHECKING:
     import torch
 
-    from mxconv.environment import KernelLocations
+    from mxconv.experts.kernel_settings import KernelLocations
 
 BACKEND_NAME = "deepgemm"
 ALIGN = 128  # mxfp4_round_up_hidden_size_and_intermediate_size: DEEPGEMM_MXFP4 -> H and I to 128

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mxconv.layouts.canonical import (
-    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_kernel_tensors, in_kernel_order,
-)
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.padding import check_fill, pad_last
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
+from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
+from mxconv.layouts.checks import check_kernel_tensors
 from mxconv.layouts.forms import Mxfp8MethodForm
-from mxconv.layouts.padding import KernelChoice, check_fill, pad_last
 
 if TYPE_CHECKING:
     import torch

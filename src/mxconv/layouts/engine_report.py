@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from mxconv.errors import BadInput, LayoutError
+from mxconv.experts.stack import LayoutSizes
 from mxconv.layouts import backend_names, get_layout
-from mxconv.layouts.canonical import LayoutSizes
 from mxconv.layouts.engine_picks import (
     ENGINES, MXFP4_BACKENDS, MXFP8_BACKENDS, PICKS, VLLM, WNA16_BACKENDS, Gpu, Pick, SourceKind, picks,
 )

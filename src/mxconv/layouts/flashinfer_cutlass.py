@@ -44,7 +44,7 @@ from mxconv.source.manifest import Manifest
 if TYPE_CHECKING:
     import torch
 
-    from mxconv.environment import KernelLocations
+    from mxconv.experts.kernel_settings import KernelLocations
 
 BACKEND_NAME = "flashinfer-cutlass"
 ALIGN = 128  # FLASHINFER_CUTLASS_MXFP4_*: H and I rounded up to 128

@@ -22,11 +22,11 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol
 
 from mxconv.errors import LayoutError
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
+from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.layouts.base import LayoutBase, LayoutOptions
-from mxconv.layouts.canonical import (
-    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, check_mxfp8_method_sizes,
-)
-from mxconv.layouts.padding import KernelChoice
+from mxconv.layouts.checks import check_block_sizes, check_mxfp8_method_sizes
 
 __all__ = ["FormBase", "FormsLayout", "Mxfp8MethodForm", "WeightForm"]
 

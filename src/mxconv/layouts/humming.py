@@ -48,13 +48,15 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping
 
 from mxconv.errors import LayoutError
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
+from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.layouts.base import LayoutOption, LayoutOptions, check_activation
+from mxconv.layouts.checks import check_kernel_tensors
 from mxconv.layouts.forms import FormBase, FormsLayout
-from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_kernel_tensors
 from mxconv.layouts.humming_bytemap import K_MULTIPLE, N_MULTIPLE, gemm_shapes
 from mxconv.layouts.humming_int4 import AUTO, CODES, INT4, HummingInt4
 from mxconv.layouts.humming_mx import MXFP4, MXFP8, HummingMX
-from mxconv.layouts.padding import KernelChoice
 
 __all__ = ["LAYOUT", "HummingForm", "HummingLayout", "gemm_shapes", "layer_configs"]
 

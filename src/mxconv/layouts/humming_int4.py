@@ -37,11 +37,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec
+from mxconv.experts.padding import check_fill
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
+from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.layouts.humming_bytemap import (
     gemm_shapes, lay_out_scales, pad_matrix, repack_weights, unlay_scales, unrepack_weights,
 )
-from mxconv.layouts.padding import check_fill
 
 if TYPE_CHECKING:
     import torch

@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import (
-    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, in_kernel_order,
-    round_up, values_per_byte,
-)
+from mxconv.experts.padding import check_fill, unpad_canonical
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up, values_per_byte
+from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
+from mxconv.layouts.checks import check_block_sizes
+from mxconv.layouts.gathers import gather_padded_rows, pad_row_source
 from mxconv.layouts.humming_bytemap import (
     SCALE_PAD_BYTE, gemm_shapes, lay_out_bias, lay_out_scales, pad_matrix, pad_vector, repack_bytes, repack_weights,
     unlay_bias, unlay_scales, unrepack_bytes, unrepack_weights,
 )
-from mxconv.layouts.padding import check_fill, gather_padded_rows, pad_row_source, unpad_canonical
 
 if TYPE_CHECKING:
     import torch

@@ -31,15 +31,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.padding import (
-    KernelChoice, cached_index, gather_padded_rows, layout_kernels, pad_row_source, unpad_canonical,
-)
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.padding import unpad_canonical
+from mxconv.experts.stack import ROW_ORDERS, CanonicalExperts, LayoutSizes, round_up
+from mxconv.experts.tensors import KERNEL_TENSOR_NAMES, KernelTensors, TensorSpec, bias_specs, in_kernel_order
 from mxconv.layouts.base import LayoutOption, LayoutOptions
 from mxconv.layouts.forms import FormBase, FormsLayout
-from mxconv.layouts.canonical import (
-    KERNEL_TENSOR_NAMES, ROW_ORDERS, CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs,
-    in_kernel_order, round_up,
-)
+from mxconv.layouts.gathers import cached_index, gather_padded_rows, layout_kernels, pad_row_source
 from mxconv.layouts.marlin_mxfp8 import MXFP8
 from mxconv.layouts.marlin_bytemap import (
     ACTIVATIONS, FP8_SCALE_MAX_INPUT, FP8_SCALE_OFFSET, SCALE_LAYOUTS, check_scale_mode, chunk32_perm,

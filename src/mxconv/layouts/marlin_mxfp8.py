@@ -36,13 +36,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import (
-    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, check_block_sizes, check_kernel_tensors, in_kernel_order,
-    round_up,
-)
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.padding import check_fill
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
+from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
+from mxconv.layouts.checks import check_block_sizes, check_kernel_tensors
 from mxconv.layouts.forms import FormBase
+from mxconv.layouts.gathers import gather_padded_rows, pad_row_source
 from mxconv.layouts.marlin_bytemap import check_scale_mode, marlin_scales, marlin_unscales
-from mxconv.layouts.padding import KernelChoice, check_fill, gather_padded_rows, pad_row_source
 
 if TYPE_CHECKING:
     import torch

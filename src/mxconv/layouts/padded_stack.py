@@ -9,7 +9,7 @@ beside: deepgemm's MXFP8):
 
     padded_sizes  (H, I) -> (roundup(H, hidden_align), roundup(I, intermediate_align)), after the
                   activation, the row order and the 32-element blocks are checked
-    to_kernel     pad (:func:`~mxconv.layouts.padding.pad_canonical`, every fill 0), reorder the
+    to_kernel     pad (:func:`~mxconv.experts.padding.pad_canonical`, every fill 0), reorder the
                   w13 rows (weights, scales, bias) if the form says so, map weights and scales
                   (:class:`Transform`), cast the biases
     from_kernel   the specs checked, every map inverted, the padding checked and cut off
@@ -29,13 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.padding import pad_canonical, unpad_canonical
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
+from mxconv.experts.tensors import KernelTensors, TensorSpec, bias_specs, in_kernel_order
 from mxconv.layouts.base import LayoutOptions, check_activation
+from mxconv.layouts.checks import check_block_sizes, check_kernel_tensors, check_padded_sizes
 from mxconv.layouts.forms import FormBase, FormsLayout
-from mxconv.layouts.canonical import (
-    CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, check_block_sizes, check_kernel_tensors,
-    check_padded_sizes, in_kernel_order, round_up,
-)
-from mxconv.layouts.padding import KernelChoice, pad_canonical, unpad_canonical
 from mxconv.source.st_format import torch_dtype
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import round_up
+from mxconv.experts.stack import round_up
 
 if TYPE_CHECKING:
     import torch

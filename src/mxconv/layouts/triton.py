@@ -35,24 +35,13 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.padding import check_fill
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
+from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
 from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
-from mxconv.layouts.canonical import (
-    CanonicalExperts,
-    KernelTensors,
-    LayoutSizes,
-    TensorSpec,
-    check_block_sizes,
-    check_kernel_tensors,
-    check_padded_sizes,
-    in_kernel_order,
-    round_up,
-)
-from mxconv.layouts.padding import (
-    KernelChoice,
-    check_fill,
-    gather_padded_rows,
-    layout_kernels,
-)
+from mxconv.layouts.checks import check_block_sizes, check_kernel_tensors, check_padded_sizes
+from mxconv.layouts.gathers import gather_padded_rows, layout_kernels
 from mxconv.layouts.triton_arch import VALUE_PADDING, Arch, ArchSpec, spec_of
 from mxconv.layouts.triton_float import float_to_kernel as fused_float_to_kernel
 from mxconv.layouts.triton_w4a8 import (

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import ROW_ORDERS
-from mxconv.layouts.padding import cached_index, pad_row_source
+from mxconv.experts.stack import ROW_ORDERS
+from mxconv.layouts.gathers import cached_index, pad_row_source
 
 if TYPE_CHECKING:
     import torch

@@ -13,8 +13,10 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from mxconv.layouts.canonical import KernelTensors, LayoutSizes, in_kernel_order
-from mxconv.layouts.padding import KernelChoice, gather_padded_rows, layout_kernels
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.stack import LayoutSizes
+from mxconv.experts.tensors import KernelTensors, in_kernel_order
+from mxconv.layouts.gathers import gather_padded_rows, layout_kernels
 from mxconv.layouts.triton_arch import Arch, spec_of
 from mxconv.layouts.triton_bytemap import w2_row_table, w13_row_table
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import CanonicalExperts, InputScales, TensorSpec
+from mxconv.experts.stack import CanonicalExperts, InputScales
+from mxconv.experts.tensors import TensorSpec
 
 if TYPE_CHECKING:
     import torch

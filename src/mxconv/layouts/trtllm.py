@@ -53,10 +53,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.padding import unpad_canonical
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
+from mxconv.experts.tensors import KernelTensors, TensorSpec, bias_specs
 from mxconv.layouts.base import LayoutOption, LayoutOptions
+from mxconv.layouts.checks import check_padded_sizes
 from mxconv.layouts.forms import FormBase, FormsLayout
-from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec, bias_specs, check_padded_sizes, round_up
-from mxconv.layouts.padding import KernelChoice, gather_padded_rows, layout_kernels, unpad_canonical
+from mxconv.layouts.gathers import gather_padded_rows, layout_kernels
 from mxconv.layouts.trtllm_bytemap import (
     BACKEND_NAME, EPILOGUE_TILE_M, LAYOUT_VERSION, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, check_kernel_tensors,
     check_row_order, swizzle_128x4, swizzled_scale_size, unswizzle_128x4, w13_row_dst, w13_row_table, w2_row_dst, w2_row_table,
@@ -69,7 +73,7 @@ from mxconv.source.manifest import Manifest
 if TYPE_CHECKING:
     import torch
 
-    from mxconv.environment import KernelLocations
+    from mxconv.experts.kernel_settings import KernelLocations
 
 __all__ = ["ACTIVATIONS", "LAYOUT", "TrtllmLayout", "TrtllmMxfp4", "TrtllmOptions"]
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.layouts.canonical import ROW_ORDERS, KernelTensors, TensorSpec
-from mxconv.layouts.padding import cached_index, pad_row_source
+from mxconv.experts.stack import ROW_ORDERS
+from mxconv.experts.tensors import KernelTensors, TensorSpec
+from mxconv.layouts.gathers import cached_index, pad_row_source
 from mxconv.layouts.scale_swizzle import (  # noqa: F401 (step C, re-exported for the trtllm modules)
     SF_TILE_COLS, SF_TILE_ROWS, swizzle_128x4, swizzle_offsets, swizzle_slot_coords, swizzled_scale_size, unswizzle_128x4,
 )

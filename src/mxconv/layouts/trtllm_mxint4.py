@@ -31,11 +31,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
+from mxconv.experts.kernel_settings import KernelChoice
+from mxconv.experts.stack import CanonicalExperts, LayoutSizes
+from mxconv.experts.tensors import KernelTensors, TensorSpec
+from mxconv.layouts.gathers import gather_padded_rows
 from mxconv.mx.int4 import GROUP_SIZE, SCALE_DTYPE, to_twos_complement
 from mxconv.layouts.base import LayoutOptions
 from mxconv.layouts.forms import FormBase
-from mxconv.layouts.canonical import CanonicalExperts, KernelTensors, LayoutSizes, TensorSpec
-from mxconv.layouts.padding import KernelChoice, gather_padded_rows
 from mxconv.layouts.trtllm_bytemap import (
     BACKEND_NAME, EPILOGUE_TILE_M, LAYOUT_VERSION, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, check_kernel_tensors,
     swizzle_128x4, unswizzle_128x4, w13_row_dst, w13_row_table, w2_row_dst, w2_row_table,

@@ -253,7 +253,7 @@ def _gemm_tensors(named: list[TensorRef], prefix: str) -> tuple[GemmTensors, Gem
 def _kernel_refs(m: Manifest, pattern: str) -> list[TensorRef] | None:
     """A kernel output's tensors from its layout's kernel_specs; None if the layout cannot say."""
     from mxconv.layouts import get_layout
-    from mxconv.layouts.canonical import LayoutSizes
+    from mxconv.experts.stack import LayoutSizes
 
     lay = m.layout
     try:

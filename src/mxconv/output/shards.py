@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mxconv.layouts.canonical import TensorSpec
+from mxconv.experts.tensors import TensorSpec
 from mxconv.source.st_format import TensorInfo, expected_nbytes
 
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from mxconv.errors import BadInput, LayoutError
+from mxconv.experts.stack import CanonicalExperts
+from mxconv.experts.tp import slice_tp
 from mxconv.families.base import FP8BlockStack, Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import CanonicalExperts
-from mxconv.layouts.padding import slice_tp
 from mxconv.run.fp8_compute import BlockStats, LayerTiles, Where, to_fp8_block
 from mxconv.run.options import QuantOptions, WeightFormat
 from mxconv.run.pipeline import WorkItem

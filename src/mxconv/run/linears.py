@@ -121,7 +121,7 @@ class LinearRef:
         return (self.weight, f"{self.module}.weight_scale_inv") if self.source_format == "fp8_block" else (self.weight,)
 
     def out_specs(self) -> dict[str, Any]:
-        from mxconv.layouts.canonical import TensorSpec
+        from mxconv.experts.tensors import TensorSpec
 
         n, k = self.shape
         if self.out_format == FP8_BLOCK:

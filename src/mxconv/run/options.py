@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Mapping, Sequence
 
+from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.layouts.base import LayoutOptions
-from mxconv.layouts.padding import KernelChoice
 from mxconv.errors import BadInput
 from mxconv.mx.formats import resolve_scale_mode
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from mxconv.experts.stack import LayoutSizes
+from mxconv.experts.tensors import TensorSpec
+from mxconv.experts.tp import tp_ranges
 from mxconv.source.checkpoint import Checkpoint, layer_index
 from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo, MoELayerRef
@@ -17,8 +20,6 @@ from mxconv.families.config_values import check_config_values
 from mxconv.families.quant_config import FLOAT_DTYPES
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import Layout
-from mxconv.layouts.canonical import LayoutSizes, TensorSpec
-from mxconv.layouts.padding import tp_ranges
 from mxconv.run.linears import LinearSelection, fused_part_warnings, linear_item, select_linears
 from mxconv.run.options import ConversionKind, Job, QuantOptions, RepackOptions, Targets, WeightFormat
 from mxconv.run.pipeline import WorkItem

@@ -28,11 +28,11 @@ import re
 from typing import Any
 
 from mxconv.errors import BadInput, LayoutError
+from mxconv.experts.stack import WEIGHT_FORMATS, LayoutSizes
+from mxconv.experts.tp import tp_ranges
 from mxconv.families import reader_class
 from mxconv.families.base import FamilyReader, ModelInfo
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import WEIGHT_FORMATS, LayoutSizes
-from mxconv.layouts.padding import tp_ranges
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.source.file_names import rank_dir_name
 from mxconv.source.manifest import Manifest, plain_json

@@ -34,8 +34,8 @@ from typing import Any, Mapping
 import torch
 
 from mxconv.errors import BadInput
+from mxconv.experts.stack import WEIGHT_FORMATS, CanonicalExperts
 from mxconv.families.base import MoELayer
-from mxconv.layouts.canonical import WEIGHT_FORMATS, CanonicalExperts
 from mxconv.run.compute import CHUNK_ELEMENTS, source_stack, to_format
 from mxconv.run.options import QuantOptions
 from mxconv.verify.claims import copied_tensors

@@ -27,8 +27,8 @@ import torch
 
 from mxconv.engines.loader import HeldTensor, run_kernel_layer
 from mxconv.engines.runner import KERNEL_THRESHOLDS, engine_runner, kernel_unavailable, runner_backends
-from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput, LayoutError
+from mxconv.experts.kernel_settings import KernelLocations
 from mxconv.layouts import get_layout
 from mxconv.layouts.base import Layout
 from mxconv.verify.reference_moe import Comparison, LayerForward, apart, compare

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mxconv.experts.padding import unpad_canonical
+from mxconv.experts.stack import WEIGHT_FORMATS, CanonicalExperts, LayoutSizes
+from mxconv.experts.tensors import KERNEL_TENSOR_NAMES
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput, LayoutError
 from mxconv.families.base import Int4Stack, MoELayer, MXStack
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES, WEIGHT_FORMATS, CanonicalExperts, LayoutSizes
-from mxconv.layouts.padding import unpad_canonical
 from mxconv.source.manifest import LayerEntry, Manifest
 from mxconv.source.st_format import read_tensor
 from mxconv.verify.report import LayerReport

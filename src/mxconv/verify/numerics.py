@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
+from mxconv.experts.stack import CanonicalExperts
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.errors import BadInput
 from mxconv.families.base import FP8BlockStack, Int4Stack, ModelInfo, MoELayer, MXStack, nonfinite_tensors
-from mxconv.layouts.canonical import CanonicalExperts
 from mxconv.verify.reference_moe import ExpertFn, LayerForward, Routing, apart, compare, hidden_states, moe_forward, route
 from mxconv.source.st_format import read_tensor
 from mxconv.verify.layout import canonical_stack, kernel_nonfinite

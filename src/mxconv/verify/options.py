@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mxconv.environment import KernelLocations
 from mxconv.errors import BadInput
+from mxconv.experts.kernel_settings import KernelLocations
 
 if TYPE_CHECKING:
     import torch

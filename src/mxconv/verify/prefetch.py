@@ -21,9 +21,9 @@ import torch
 
 from mxconv.engines.loader import HeldTensor
 from mxconv.engines.staged_read import MIB, StagedReader, StagingOptions
+from mxconv.experts.tensors import KERNEL_TENSOR_NAMES
 from mxconv.families import detect_family
 from mxconv.families.base import MoELayer
-from mxconv.layouts.canonical import KERNEL_TENSOR_NAMES
 from mxconv.source.checkpoint import Checkpoint
 from mxconv.source.st_format import TensorInfo
 from mxconv.verify.state import VerifyState

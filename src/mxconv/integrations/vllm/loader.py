@@ -19,8 +19,8 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from mxconv.engines.loader import LayerSource, layer_infos, read_layer_tensors, resolve_layer, stored_info
 from mxconv.errors import BadInput, OutputDamaged
+from mxconv.experts.stack import LayoutSizes
 from mxconv.layouts import get_layout
-from mxconv.layouts.canonical import LayoutSizes
 import mxconv.integrations.vllm.checks as checks
 from mxconv.integrations.vllm.mappings import BackendMapping
 from mxconv.integrations.vllm.quant import MxconvMoEMethod, output_manifest

@@ -36,11 +36,12 @@ import torch
 from mxconv.engines.in_memory import canonical_experts
 from mxconv.engines.loader import LayerSource
 from mxconv.errors import BadInput
+from mxconv.experts.padding import pad_canonical
+from mxconv.experts.tp import tp_share
 from mxconv.families import detect_family
 from mxconv.families.base import MoELayer
 from mxconv.integrations.vllm.mappings import MAPPINGS, BackendMapping
 from mxconv.layouts import get_layout
-from mxconv.layouts.padding import pad_canonical, tp_share
 from mxconv.run.options import QuantOptions, ScaleRounding
 from mxconv.source.checkpoint import open_checkpoint
 

@@ -1,13 +1,12 @@
-"""The canonical MXFP4 expert stack every backend layout starts from and returns to, its sizes
-before and after padding (:class:`LayoutSizes`), and the planned shape of an output tensor.
+"""The canonical expert stack every layer speaks: what a family reader reads a MoE layer into, what
+a conversion quantizes, slices by rank and hands a backend layout, and what a layout gives back
+(:class:`CanonicalExperts`), with its sizes before and after a layout's padding
+(:class:`LayoutSizes`).
 
-A backend layout is a pair of pure functions over a whole expert stack:
+A backend layout (:mod:`mxconv.layouts`) is a pair of pure functions over a whole expert stack:
 
     to_kernel(canonical, activation, options)   -> KernelTensors   (padding included)
     from_kernel(kernel, sizes, activation, options) -> CanonicalExperts (padding checked and removed)
-
-Everything is torch tensor arithmetic (index gathers, views, reshapes), so the same code gives the same
-bytes on CPU and on CUDA. No per-expert Python loops in the hot path.
 
 Canonical (unpadded) MXFP4 expert stack, one MoE layer, one TP rank:
 
@@ -38,32 +37,16 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from mxconv.errors import LayoutError
-from mxconv.source.st_format import element_bytes, st_name, torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
-_V = TypeVar("_V")
-
 ROW_ORDERS = ("interleaved", "halves")
 WEIGHT_FORMATS = ("mxfp4", "mxfp8", "int4")
-
-# Names of the kernel tensors every backend produces (vLLM FusedMoE parameter names, without prefix).
-KERNEL_TENSOR_NAMES = (
-    "w13_weight",
-    "w13_weight_scale",
-    "w13_bias",
-    "w2_weight",
-    "w2_weight_scale",
-    "w2_bias",
-    "w13_input_scale",  # static FP8 input scales (W4A8 layouts only): 0-dim float32
-    "w2_input_scale",
-)
 
 
 def values_per_byte(weight_format: str) -> int:
@@ -217,92 +200,3 @@ class LayoutSizes:
     row_order: str
     has_bias: bool
     weight_format: str = "mxfp4"  # canonical expert format the kernel tensors hold ("mxfp4" | "mxfp8" | "int4")
-
-
-# Kernel tensors: name (see KERNEL_TENSOR_NAMES) -> tensor. Biases absent when the model has none.
-KernelTensors = dict[str, "torch.Tensor"]
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Planned shape and dtype of one output tensor (used by --dry-run, inspect and the writer).
-
-    Built from a torch dtype or its safetensors name (``TensorSpec(shape, "U8")``, what the layouts
-    and readers give, so planning imports no torch); it keeps the name, ``dtype`` is the torch dtype.
-    """
-
-    shape: tuple[int, ...]
-    st_dtype: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.st_dtype, str):  # a torch dtype
-            object.__setattr__(self, "st_dtype", st_name(self.st_dtype))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch_dtype(self.st_dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * element_bytes(self.st_dtype)
-
-
-def bias_specs(sizes: LayoutSizes, hp: int, ip: int, st_dtype: str) -> dict[str, TensorSpec]:
-    """The bias specs of a layout padded to (``hp``, ``ip``): ``w13_bias [E, 2*ip]`` and
-    ``w2_bias [E, hp]`` of ``st_dtype``, or none when ``sizes.has_bias`` is false."""
-    if not sizes.has_bias:
-        return {}
-    E = sizes.num_experts
-    return {"w13_bias": TensorSpec((E, 2 * ip), st_dtype), "w2_bias": TensorSpec((E, hp), st_dtype)}
-
-
-def in_kernel_order(tensors: dict[str, _V]) -> dict[str, _V]:
-    """``tensors`` (kernel tensors or their specs, by name) in :data:`KERNEL_TENSOR_NAMES` order;
-    other names are dropped."""
-    return {name: tensors[name] for name in KERNEL_TENSOR_NAMES if name in tensors}
-
-
-
-def check_block_sizes(backend: str, hidden_size: int, intermediate_size: int, row_order: str, block: int = 32) -> None:
-    """LayoutError unless ``row_order`` is known and both sizes are positive multiples of ``block``
-    (what a layout's ``padded_sizes`` checks before it pads)."""
-    if row_order not in ROW_ORDERS:
-        raise LayoutError(f"unknown w13 row order {row_order!r} (expected one of {ROW_ORDERS})")
-    for what, size in (("hidden", hidden_size), ("intermediate", intermediate_size)):
-        if size <= 0 or size % block:
-            raise LayoutError(f"{backend}: {what} size {size} must be a positive multiple of {block}")
-
-
-def check_mxfp8_method_sizes(backend: str, sizes: LayoutSizes, want: tuple[int, int]) -> tuple[int, int]:
-    """``want`` = (H, I) of an MXFP8 form whose bytes vLLM's MXFP8 method (CompressedTensorsW8A8Mxfp8MoEMethod)
-    allocates: nothing padded, no expert biases; LayoutError otherwise."""
-    check_padded_sizes(backend, sizes, want, "vLLM's MXFP8 methods pad nothing")
-    if sizes.has_bias:
-        raise LayoutError(f"{backend} takes no expert biases: vLLM's MXFP8 methods (CompressedTensorsW8A8Mxfp8MoEMethod) "
-                          "create none, so no verified layout holds them")
-    return want
-
-
-def check_padded_sizes(backend: str, sizes: LayoutSizes, want: tuple[int, int], rule: str) -> tuple[int, int]:
-    """``want`` (the layout's (Hp, Ip) for ``sizes``' H and I); LayoutError naming ``rule`` (how the
-    layout pads) when ``sizes`` records other padded sizes."""
-    got = (sizes.padded_hidden_size, sizes.padded_intermediate_size)
-    if got != want:
-        raise LayoutError(f"{backend}: padded sizes (Hp, Ip) = {got} do not match the layout's {want} for "
-                          f"H = {sizes.hidden_size}, I = {sizes.intermediate_size} ({rule})")
-    return want
-
-
-def check_kernel_tensors(backend: str, k: KernelTensors, specs: dict[str, TensorSpec]) -> None:
-    """LayoutError unless ``k`` holds exactly the tensors of ``specs``, each of its shape and dtype,
-    all on one device (what a layout's ``from_kernel`` checks first)."""
-    missing = [n for n in specs if n not in k]
-    unexpected = [n for n in k if n not in specs]
-    if missing or unexpected:
-        raise LayoutError(f"{backend} kernel tensors: missing {missing}, unexpected {unexpected}")
-    for n, spec in specs.items():
-        if tuple(k[n].shape) != spec.shape or k[n].dtype != spec.dtype:
-            raise LayoutError(f"{backend} kernel tensor {n} is {tuple(k[n].shape)} {k[n].dtype}, expected {spec.shape} {spec.dtype}")
-    devices = sorted({str(t.device) for t in k.values()})
-    if len(devices) > 1:
-        raise LayoutError(f"{backend} kernel tensors are on different devices: {devices}")
