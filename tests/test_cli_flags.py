@@ -28,7 +28,7 @@ ERROR_CALLS = {"BadInput", "LayoutError", "Unsupported", "OutputDamaged", "Mxcon
 # A whole command a message suggests ("mxconv repack ... --tp 2") is a command, not a setting.
 COMMAND = re.compile(r"mxconv (?:quantize|repack|verify|inspect|demo)\b[^;)\"]*")
 # Being rewritten in other branches of this change (verify's pipeline, the layout variants).
-PENDING = ("layouts/",)
+PENDING: tuple[str, ...] = ()
 
 
 def _library_error_texts() -> list[tuple[str, int, str]]:

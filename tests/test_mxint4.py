@@ -339,7 +339,7 @@ def test_sizes_not_multiples_of_256_are_refused() -> None:
                            row_order="halves", weight_format="int4")  # I = 96
     with pytest.raises(LayoutError, match="size 96 is not a positive multiple of 256"):
         LAYOUT.to_kernel(odd, "bf16", None)
-    with pytest.raises(LayoutError, match="takes bf16 activations only, not --activation 'mxfp8'"):
+    with pytest.raises(LayoutError, match="takes bf16 activations only, not RepackOptions.activation 'mxfp8'"):
         LAYOUT.to_kernel(c, "mxfp8", None)
     with pytest.raises(LayoutError, match="takes no expert biases"):
         LAYOUT.kernel_specs(LayoutSizes(1, 256, 256, 256, 256, "halves", True, "int4"), "bf16", None)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mxconv.cli.flags import in_cli_words
 from mxconv.cli.common import RunOptions, device_of, print_json, summary_table
 from mxconv.cli.output import err, out, progress, say
 from mxconv.run.options import QuantOptions, RepackOptions
@@ -53,7 +54,7 @@ def convert(source: str, output: Path, quant: QuantOptions, repack: RepackOption
     output_warnings = conversion.check_output(output, run.overwrite)  # kept files that verify will fail on
     if not run.as_json:
         for warning in [*plan.warnings, *output_warnings]:  # shown even with --quiet (a wrong output, or one verify fails)
-            say(err, "warning:", "bold yellow", warning)
+            say(err, "warning:", "bold yellow", in_cli_words(warning))
     device = device_of(run.device)
     memory_plan = conversion.plan_memory(device, settings.budget)  # exit 2 when one expert does not fit
     if run.dry_run:

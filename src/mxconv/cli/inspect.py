@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from mxconv.cli.common import SOURCE_HELP, Command, DebugOpt, JsonOpt, RevisionOpt, app, errors, human_bytes, print_json
+from mxconv.cli.flags import in_cli_words
 from mxconv.cli.output import out
 
 EngineOpt = Annotated[Optional[str], typer.Option("--engine", metavar="ENGINE", help=(
@@ -131,11 +132,11 @@ def _print_with_notes(table: Table, notes: _Notes) -> None:
     out.print(table)
     for i, (text, commands) in enumerate(notes.items, 1):
         if text:
-            out.print(f"[{i}] {text}")
+            out.print(f"[{i}] {in_cli_words(text)}")
         for c in commands:
             out.print(("    " if text else f"[{i}] ") + c, soft_wrap=True)
     for text in notes.after:
-        out.print(text)
+        out.print(in_cli_words(text))
 
 
 def _served_cell(methods: dict[str, list[str]], tags_used: set[str]) -> str:

@@ -1,5 +1,5 @@
 """The caller's kernel settings that pass down through the layers: which code lays out the kernel
-tensors (:class:`KernelChoice`: ``RepackOptions.kernel_choice``, a layout's ``to_kernel``) and where
+tensors (:class:`KernelChoice`: ``RepackOptions(kernel_choice=...)``, a layout's ``to_kernel``) and where
 the engines' kernels are when not installed (:class:`KernelLocations`: ``VerifyOptions``, the loader,
 a layout's or runner's ``kernel_unavailable``).
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def tp_ranges(intermediate_size: int, tp: int) -> list[tuple[int, int]]:
     """[start, end) of the intermediate axis for each rank: per_rank = ceil((I/32)/tp)*32."""
     if tp < 1:
-        raise LayoutError(f"--tp must be >= 1, got {tp}")
+        raise LayoutError(f"RepackOptions.tp must be >= 1, got {tp}")
     if intermediate_size % 32:
         raise LayoutError(f"intermediate size {intermediate_size} is not a multiple of 32")
     per_rank = -(-(intermediate_size // 32) // tp) * 32
@@ -32,8 +32,8 @@ def tp_ranges(intermediate_size: int, tp: int) -> list[tuple[int, int]]:
         ranges.append((start, end))
     if any(e <= s for s, e in ranges):
         raise LayoutError(
-            f"--tp {tp} leaves a rank with no intermediate channels (I = {intermediate_size}, "
-            f"split in blocks of 32): use a smaller --tp"
+            f"RepackOptions.tp {tp} leaves a rank with no intermediate channels (I = {intermediate_size}, "
+            f"split in blocks of 32): set a smaller RepackOptions.tp"
         )
     return ranges
 

@@ -229,7 +229,7 @@ class TritonLayout(LayoutBase):
         return (
             f"hidden size {hidden_size} is not a multiple of {HIDDEN_ALIGN}: vLLM's TRITON MoE path on Hopper "
             f"(triton_kernels matmul_ogs) computes wrong results for it (docs/real-kernels.md). The bytes "
-            f"written are what vLLM builds; for a loader that pads activations use --layout-option "
+            f"written are what vLLM builds; for a loader that pads activations set RepackOptions.layout_options "
             f"pad_hidden=true (hidden padded to {round_up(hidden_size, HIDDEN_ALIGN)} with zeros)"
         )
 
@@ -240,7 +240,7 @@ class TritonLayout(LayoutBase):
             return None
         return (f"arch={spec.arch} writes {spec.scale_layout} scales, which vLLM 0.33 builds at TP <= {spec.max_tp} "
                 f"only (should_use_cdna4_mx_scale_swizzle; above it keeps them strided, a storage mxconv does not "
-                f"write), so no vLLM would hold TP {tp} bytes as they are: repack with --tp {spec.max_tp} or "
+                f"write), so no vLLM would hold TP {tp} bytes as they are: repack with RepackOptions.tp {spec.max_tp} or "
                 "less, or serve the quantize output (vLLM lays it out at load)")  # fmt: skip
 
     def geometry(self, sizes: LayoutSizes, options: TritonOptions | None = None) -> dict[str, MatrixGeometry]:

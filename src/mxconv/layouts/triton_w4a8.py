@@ -35,8 +35,8 @@ def check_w4a8(activation: str, spec: ArchSpec) -> None:
     (vLLM runs it on gfx950, MI355, only)."""
     if activation == W4A8_ACTIVATION and not spec.w4a8:
         raise LayoutError(
-            f"triton: --activation fp8 (vLLM AITER_MXFP4_FP8, W4A8) runs on gfx950 only; got arch {spec.arch} "
-            f"(use --layout-option arch=gfx950)"
+            f"triton: RepackOptions.activation fp8 (vLLM AITER_MXFP4_FP8, W4A8) runs on gfx950 only; got arch {spec.arch} "
+            f"(set RepackOptions.layout_options arch=gfx950)"
         )
 
 
@@ -52,7 +52,7 @@ def input_scale_tensors(c: CanonicalExperts, activation: str) -> dict[str, torch
     if activation != W4A8_ACTIVATION:
         return {}
     if c.input_scales is None:
-        raise LayoutError("triton: --activation fp8 needs the source's static FP8 input scales "
+        raise LayoutError("triton: RepackOptions.activation fp8 needs the source's static FP8 input scales "
                           "(w13_input_scale / w2_input_scale); this layer has none")  # fmt: skip
     w13, w2 = c.input_scales.reduced()
     return {"w13_input_scale": w13.to(c.device), "w2_input_scale": w2.to(c.device)}

@@ -86,7 +86,7 @@ class TrtllmMxInt4(FormBase):
         not a positive multiple of 256, an activation other than bf16, or an order other than halves."""
         if activation not in ACTIVATIONS:
             raise LayoutError(
-                f"trtllm MxInt4 (int4 experts) takes bf16 activations only, not --activation {activation!r} "
+                f"trtllm MxInt4 (int4 experts) takes bf16 activations only, not RepackOptions.activation {activation!r} "
                 "(the mxfp8 activation variant exists for MXFP4 weights)"
             )
         if row_order != ROW_ORDER:
