@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """A refactor's speed, before against after, measured in one run on one machine.
 
-Two mxconv source trees (``--before``: a checkout of the code before the change, e.g. from
-``git archive``; ``--after``: this checkout's ``src``) run the same work, alternating
+Two mxconv checkouts (``--before``: the code before the change, e.g. unpacked from ``git
+archive``; ``--after``: this checkout), each with its ``src/`` and ``scripts/``, run the same work, alternating
 before/after ``--rounds`` times so drift in the machine hits both alike:
 
-* **layout kernels**: ``scripts/bench_repack.py --json`` of each tree (every backend's batched
+* **layout kernels**: each checkout's own ``scripts/bench_repack.py --json`` (every backend's batched
   ``to_kernel`` on a gpt-oss-120b-sized expert stack; on CUDA the Triton layout kernels), per
   backend the best time over the rounds;
 * **end to end**: ``mxconv repack`` of one synthetic gpt-oss-20b-shaped MXFP4 checkpoint (written
@@ -17,7 +17,7 @@ Prints and writes (``--out``) each time and the ratio after/before (1.00 = uncha
 slower after). Both trees' outputs are compared by sha256 too: a speed figure of different bytes
 would mean nothing.
 
-    python scripts/bench_before_after.py --before /tmp/before/src --layers 4 --out ba.json
+    python scripts/bench_before_after.py --before /tmp/before --layers 4 --out ba.json
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ def tree_env(src: Path) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]))
 
 
-def layout_kernels(src: Path, reps: int, small: bool) -> dict[str, float]:
-    """{backend/activation: batched seconds} from this checkout's bench_repack run on ``src``'s mxconv."""
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_repack.py"), "--json", "--reps", str(reps)] + (["--small"] if small else [])
-    doc = json.loads(subprocess.run(cmd, env=tree_env(src), capture_output=True, text=True, check=True).stdout)
+def layout_kernels(tree: Path, reps: int, small: bool, experts: int) -> dict[str, float]:
+    """{backend/activation: batched seconds} from ``tree``'s own bench_repack on its own mxconv."""
+    cmd = [sys.executable, str(tree / "scripts" / "bench_repack.py"), "--json", "--reps", str(reps), "--experts", str(experts)]
+    cmd += ["--small"] if small else []
+    doc = json.loads(subprocess.run(cmd, env=tree_env(tree / "src"), capture_output=True, text=True, check=True).stdout)
     return {f"{r['backend']}/{r['activation']}": r["batched_s"] for r in doc["backends"]}
 
 
@@ -62,28 +63,29 @@ def digest(out: Path) -> str:
     return h.hexdigest()
 
 
-def convert(src_tree: Path, args: list[str], source: Path, out: Path) -> tuple[float, str]:
-    """Wall seconds of ``mxconv ARGS`` run from ``src_tree`` (source evicted first) and the output digest."""
+def convert(tree: Path, args: list[str], source: Path, out: Path) -> tuple[float, str]:
+    """Wall seconds of ``mxconv ARGS`` run from ``tree`` (source evicted first) and the output digest."""
     for f in source.rglob("*"):
         if f.is_file():
             evict(f)
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "mxconv.cli", *args, "--quiet"]
     t0 = time.perf_counter()
-    subprocess.run(cmd, env=tree_env(src_tree), check=True, capture_output=True)
+    subprocess.run(cmd, env=tree_env(tree / "src"), check=True, capture_output=True)
     seconds = time.perf_counter() - t0
     return seconds, digest(out)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", type=Path, required=True, help="src/ of the code before the change")
-    ap.add_argument("--after", type=Path, default=REPO / "src", help="src/ of the code after (default: this checkout)")
+    ap.add_argument("--before", type=Path, required=True, help="checkout of the code before the change (src/, scripts/)")
+    ap.add_argument("--after", type=Path, default=REPO, help="checkout of the code after (default: this one)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/mxconv-before-after"))
     ap.add_argument("--layers", type=int, default=4, help="MoE layers of the synthetic gpt-oss-20b-shaped checkpoint")
     ap.add_argument("--backends", default="trtllm,marlin,humming,triton", help="repack backends timed end to end")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="bench_repack repetitions per round")
+    ap.add_argument("--experts", type=int, default=128, help="bench_repack's expert stack (H = I = 2880)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test of the script")
     args = ap.parse_args()
@@ -106,7 +108,7 @@ def main() -> int:
     digests: dict[str, dict[str, str]] = {"before": {}, "after": {}}
     for _ in range(args.rounds):
         for name, tree in trees.items():  # alternate: before, after, before, after
-            for key, s in layout_kernels(tree, args.reps, args.small).items():
+            for key, s in layout_kernels(tree, args.reps, args.small, args.experts).items():
                 kernels[name][key] = min(s, kernels[name].get(key, float("inf")))
             for job, cli in jobs.items():
                 s, d = convert(tree, cli, sources["quantize" if job.startswith("quantize") else "repack"], args.dir / "out")
