@@ -124,16 +124,16 @@ class MarlinMxfp4(FormBase):
             out["w13_weight"] = marlin_weight_repack_words(gather_padded_rows(c.w13, tab13, Hp // 2), activation, "w13_weight")
             out["w2_weight"] = marlin_weight_repack_words(gather_padded_rows(c.w2, tab2, Ip // 2), activation, "w2_weight")
         scale_jobs = (
-            ("w13_weight_scale", c.w13_scale, 2 * I, 2 * Ip, Hp // 32, c.row_order),
-            ("w2_weight_scale", c.w2_scale, H, Hp, Ip // 32, None),
+            _ScaleJob("w13_weight_scale", c.w13_scale, 2 * I, 2 * Ip, Hp // 32, c.row_order),
+            _ScaleJob("w2_weight_scale", c.w2_scale, H, Hp, Ip // 32, None),
         )
         scale_kernels = lt if scale_layout == "current" else None  # the legacy weave stays in torch
         too_big = None
         if scale_kernels is not None and activation == "fp8":
             # fp8 range check as a device flag: one sync at the end instead of one per tensor
             too_big = (c.w13_scale > FP8_SCALE_MAX_INPUT).any() | (c.w2_scale > FP8_SCALE_MAX_INPUT).any()
-        for name, s, rows, padded_rows, cols, order in scale_jobs:
-            out[name] = _kernel_scales(scale_kernels, s, rows, padded_rows, cols, order, activation, scale_layout, name)
+        for job in scale_jobs:
+            out[job.name] = _kernel_scales(scale_kernels, job, activation, scale_layout)
         if c.w13_bias is not None and c.w2_bias is not None:
             # bias: the 32-chunk permutation folded into the row map
             b13 = _row_table(2 * I, 2 * Ip, c.row_order, 32, c.device)
@@ -141,8 +141,8 @@ class MarlinMxfp4(FormBase):
             out["w13_bias"] = gather_padded_rows(c.w13_bias.to(torch.bfloat16), b13)
             out["w2_bias"] = gather_padded_rows(c.w2_bias.to(torch.bfloat16), b2)
         if too_big is not None and bool(too_big):
-            for name, s, rows, padded_rows, cols, order in scale_jobs:  # the torch path names the byte
-                _kernel_scales(None, s, rows, padded_rows, cols, order, activation, scale_layout, name)
+            for job in scale_jobs:  # the torch path names the byte
+                _kernel_scales(None, job, activation, scale_layout)
         return in_kernel_order(out)
 
     def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: MarlinOptions) -> CanonicalExperts:
@@ -247,30 +247,33 @@ def _row_table(
     return cached_index(("marlin", rows, padded_rows, row_order, chunk), device, build)
 
 
-def _kernel_scales(
-    lt: Any,
-    s: torch.Tensor,
-    rows: int,
-    padded_rows: int,
-    cols: int,
-    row_order: str | None,
-    activation: str,
-    scale_layout: str,
-    name: str,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class _ScaleJob:
+    """One scale tensor to lay out: canonical ``scales`` [E, rows, G] -> kernel [E, cols, padded_rows]
+    (``row_order``: the w13 rows' order, None for w2)."""
+
+    name: str
+    scales: torch.Tensor
+    rows: int
+    padded_rows: int
+    cols: int
+    row_order: str | None
+
+
+def _kernel_scales(lt: Any, job: _ScaleJob, activation: str, scale_layout: str) -> torch.Tensor:
     """Unpadded canonical scales [E, rows, G] -> kernel tensor float8_e8m0fnu [E, cols, padded_rows].
 
     ``lt`` (the Triton kernel module, current/fp8 maps only; it does not range-check fp8 bytes) or
     None: the torch path, which raises LayoutError for fp8 bytes above 249."""
     import torch
 
-    fp8 = activation == "fp8"
+    fp8, s = activation == "fp8", job.scales
     if lt is not None:
-        tab = _row_table(rows, padded_rows, row_order, 32 if fp8 else 64, s.device)
-        out = lt.transpose_rows(s, tab, cols, FP8_SCALE_OFFSET if fp8 else 0)
+        tab = _row_table(job.rows, job.padded_rows, job.row_order, 32 if fp8 else 64, s.device)
+        out = lt.transpose_rows(s, tab, job.cols, FP8_SCALE_OFFSET if fp8 else 0)
     else:
-        tab = _row_table(rows, padded_rows, row_order, None, s.device)
-        out = marlin_scales(gather_padded_rows(s, tab, cols, 0), activation, scale_layout, name)
+        tab = _row_table(job.rows, job.padded_rows, job.row_order, None, s.device)
+        out = marlin_scales(gather_padded_rows(s, tab, job.cols, 0), activation, scale_layout, job.name)
     return out.view(torch.float8_e8m0fnu)
 
 
