@@ -237,7 +237,8 @@ def test_verify_says_what_a_pass_covers_and_strict_demands_numerics(ws: Path, tm
     code, out, err = mx("verify", k, "--strict")
     assert code == 1
     assert out.strip().splitlines()[-1] == "FAIL " + verdict.removeprefix("PASS ")
-    assert "FAIL --strict: numerics not checked (no --reference or --reference-outputs given); pass --reference SOURCE" in err
+    assert ("FAIL --strict: numerics not checked (no --reference or --reference-outputs given); --reference SOURCE "
+            "(the checkpoint this one was converted from) or --reference-outputs FILE checks them") in err
     code, out, _ = mx("verify", k, "--strict", "--reference", ws / "gpt-q4", "--layers", "1")
     assert code == 0 and out.strip().splitlines()[-1] == (
         f"PASS (integrity, layout, bytes and numerics vs {ws / 'gpt-q4'}; layout, bytes, numerics of layers 1 only)")

@@ -91,3 +91,12 @@ def test_same_refusal_in_python_and_on_the_command_line(tmp_path: Path) -> None:
     code, _, err = mx("quantize", src, tmp_path / "full")
     assert code == 2 and "pass --overwrite to replace its contents" in err and "RunSettings" not in err
     assert RunSettings(overwrite=True).overwrite
+
+
+def test_verify_options_refuse_layers_that_are_not_numbers() -> None:
+    from mxconv.verify.options import VerifyOptions
+
+    for bad in (("a",), 3):
+        with pytest.raises(BadInput, match="VerifyOptions.layers must be layer numbers"):
+            VerifyOptions(layers=bad)  # type: ignore[arg-type]
+    assert VerifyOptions(layers=[0, "2"]).layers == (0, 2)

@@ -5,6 +5,8 @@ checks, the refusals, and the CLI (repack, verify passing and failing on planted
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -223,8 +225,16 @@ def test_swapped_experts_fail_verify(q8: Path, tmp_path: Path) -> None:
 
 
 def test_bf16_activations_are_refused_naming_the_rule(q8: Path, tmp_path: Path) -> None:
+    code, _, err = mx("repack", q8, tmp_path / "o", "--backend", "trtllm", "--activation", "bf16", "--quiet", "--device", "cpu")
+    assert code == 2 and "MXFP8 activations only" in err and "pass --activation mxfp8" in err
+
+
+def test_mxfp8_experts_default_to_mxfp8_activations(q8: Path, tmp_path: Path) -> None:
+    """No --activation: the backend's first activation that takes the experts' format (trtllm MXFP8: mxfp8)."""
     code, _, err = mx("repack", q8, tmp_path / "o", "--backend", "trtllm", "--quiet", "--device", "cpu")
-    assert code == 2 and "MXFP8 activations only" in err
+    assert code == 0, err
+    m = json.loads((tmp_path / "o" / "mxconv.json").read_text())
+    assert m["activation"] == "mxfp8" and m["weight_format"] == "mxfp8"
 
 
 def test_inspect_engine_sm100_names_the_trtllm_output(q8: Path) -> None:

@@ -25,7 +25,7 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from mxconv import __version__, sizes
-from mxconv.cli.flags import in_cli_words
+from mxconv.cli.flags import doc_in_cli_words, in_cli_words
 from mxconv.cli.output import err, out, say
 from mxconv.errors import MxconvError
 from mxconv.interrupt import Interrupted, late_signal, stop_signals
@@ -241,7 +241,8 @@ def human_bytes(n: float | int | None) -> str:
 
 
 def print_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    """``doc`` as indented JSON on stdout, the library's setting names said as flags (cli/flags.py)."""
+    sys.stdout.write(json.dumps(doc_in_cli_words(doc), indent=2, default=str) + "\n")
 
 
 # Summary keys (the --json names) as people read them; other keys: underscores as spaces.
@@ -260,7 +261,7 @@ def summary_table(plan_summary: dict[str, Any], title: str) -> Table:
     t = Table(title=title, show_header=False)
     t.add_column("key", style="bold")
     t.add_column("value")
-    for k, v in plan_summary.items():
+    for k, v in doc_in_cli_words(plan_summary).items():
         if v is None:
             continue
         if k == "gb_per_s" and float(plan_summary.get("seconds") or 0.0) < MEANINGFUL_RATE_SECONDS:

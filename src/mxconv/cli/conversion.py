@@ -66,7 +66,7 @@ def convert(source: str, output: Path, quant: QuantOptions, repack: RepackOption
     elif not run.quiet:
         for n in summary.get("notes", []):
             if n not in output_warnings:  # said before the run
-                say(err, n, "dim")
+                say(err, in_cli_words(n), "dim")
         out.print(summary_table({k: v for k, v in summary.items() if k != "notes"}, f"mxconv {plan.command}: done"))
 
 

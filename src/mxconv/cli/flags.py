@@ -10,6 +10,7 @@ library message names is in the table and that every flag in it is one the CLI d
 from __future__ import annotations
 
 import re
+from typing import Any
 
 SETTING_FLAGS: dict[str, str] = {
     "QuantOptions.fmt": "--format",
@@ -27,6 +28,7 @@ SETTING_FLAGS: dict[str, str] = {
     "RepackOptions.weight_format": "--format",
     "RunSettings.overwrite": "--overwrite",
     "RunSettings.max_shard_size": "--max-shard-size",
+    "RunSettings.trace": "--trace",
     "MemoryBudget.host": "--max-memory",
     "MemoryBudget.gpu": "--max-gpu-memory",
     "VerifyOptions.reference": "--reference",
@@ -56,3 +58,15 @@ def in_cli_words(message: str) -> str:
         return f"{_VERBS[verb]} {SETTING_FLAGS[setting]}" if verb else SETTING_FLAGS[setting]
 
     return _SETTING.sub(flag, message)
+
+
+def doc_in_cli_words(value: Any) -> Any:
+    """A JSON-like document (dicts, lists, strings) with every string put through :func:`in_cli_words`:
+    the summaries, reports and notes the CLI prints or writes as ``--json``."""
+    if isinstance(value, str):
+        return in_cli_words(value)
+    if isinstance(value, dict):
+        return {k: doc_in_cli_words(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [doc_in_cli_words(v) for v in value]
+    return value

@@ -28,7 +28,7 @@ def registered_backend(name: str) -> str:
 # --format's choices: the MX formats a layout can hold (INT4 sources stay INT4 without it)
 RepackFmt = Enum("RepackFmt", {str(f): str(f) for f in (WeightFormat.MXFP4, WeightFormat.MXFP8)}, type=str)  # type: ignore[misc]
 
-ACTIVATION_HELP = "The engine's activation format; the backend's first is the default"
+ACTIVATION_HELP = "The engine's activation format; default: the backend's first that takes the experts' format"
 
 
 def backend_help() -> str:
@@ -118,7 +118,6 @@ def repack(
 
     with errors(run.debug):
         layout = get_layout(backend)
-        act = activation or layout.activations[0]
         given = layout_options(layout_option or [])
         for flag, key, value in (("--marlin-scale-layout", "marlin_scale_layout", marlin_scale_layout),
                                  ("--triton-layout", "triton_layout", triton_layout)):
@@ -134,4 +133,4 @@ def repack(
             raise BadInput(f"--backend {backend}: {exc}") from None
         fmt = None if format is None else WeightFormat(format.value)
         quant = QuantOptions(fmt or WeightFormat.MXFP4, scale_rounding, run.allow_nonfinite)
-        convert(source, output, quant, RepackOptions(backend, act, tp, opts, weight_format=fmt), run)
+        convert(source, output, quant, RepackOptions(backend, activation, tp, opts, weight_format=fmt), run)

@@ -193,6 +193,10 @@ class LayoutBase:
         """LayoutError unless ``activation`` is one this backend serves."""
         check_activation(self.name, activation, self.activations)
 
+    def default_activation(self, weight_format: str = "mxfp4") -> str:
+        """The activation a repack of ``weight_format`` experts gets when none is asked for: the first."""
+        return self.activations[0]
+
     # the engine's own kernel runner for these bytes (``verify --kernel``, the loader): a
     # "module:attribute" string naming a mxconv.engines.runner.EngineRunner, or the object itself;
     # resolved by mxconv.engines (never here: the engines sit above the layouts). None: no runner.
@@ -253,6 +257,10 @@ class Layout(Protocol):
 
     def resolve_options(self, given: LayoutOptions | Mapping[str, Any] | None = None) -> LayoutOptions:
         """Validated options with defaults filled, as ``options_type`` (LayoutBase provides it)."""
+        ...
+
+    def default_activation(self, weight_format: str = "mxfp4") -> str:
+        """The activation when none is asked for, for experts of ``weight_format`` (LayoutBase: the first)."""
         ...
 
     engine_runner: Any  # "module:attribute" of its mxconv.engines EngineRunner, the runner, or None

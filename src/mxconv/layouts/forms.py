@@ -137,6 +137,10 @@ class FormsLayout(LayoutBase):
         cls.vllm_int4_backends = _served(forms, "int4")  # WNA16MoEBackend names
         cls.vllm_mxfp8_backends = _served(forms, "mxfp8")  # Fp8MoeBackend names
 
+    def default_activation(self, weight_format: str = "mxfp4") -> str:
+        """The first activation the form of ``weight_format`` serves (trtllm's MXFP8 form: mxfp8)."""
+        return self.form(weight_format).activations[0]
+
     def form(self, weight_format: str) -> WeightForm:
         """The form of ``weight_format``; LayoutError for a format this layout does not take."""
         try:

@@ -81,8 +81,8 @@ def padded_sizes(hidden_size: int, intermediate_size: int, row_order: str, activ
     positive multiples of 32."""
     if activation not in ACTIVATIONS:
         raise LayoutError(f"trtllm MXFP8: FlashInfer's TRT-LLM FP8 MoE runs MXFP8 experts with MXFP8 activations only "
-                          f"(vLLM's TrtLlmFp8Experts: kMxfp8Static x kMxfp8Dynamic); got activation {activation!r}, "
-                          "use activation mxfp8")  # fmt: skip
+                          f"(vLLM's TrtLlmFp8Experts: kMxfp8Static x kMxfp8Dynamic); got activation {activation!r}; "
+                          "set RepackOptions.activation mxfp8")  # fmt: skip
     if intermediate_align != INTERMEDIATE_ALIGN:
         raise LayoutError(f"trtllm MXFP8: intermediate_align {intermediate_align} is not vLLM 0.33's "
                           f"{INTERMEDIATE_ALIGN} (align_mxfp8_moe_weights_for_fi_trtllm pads I to a multiple of "

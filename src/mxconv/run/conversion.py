@@ -140,7 +140,7 @@ class Conversion:
             try:  # the output is committed: a trace that cannot be written is a note, not a failure
                 write_trace(settings.trace, items, times)
             except OSError as exc:
-                output.target.notes.append(f"note: the --trace file {settings.trace} could not be written "
+                output.target.notes.append(f"note: the RunSettings.trace file {settings.trace} could not be written "
                                            f"({exc.strerror or exc}); the output is complete")
         return self.summary(output, memory_plan, stats, times, device, wall)
 

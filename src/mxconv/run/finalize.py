@@ -263,7 +263,7 @@ def run_notes(plan: Plan) -> Iterable[str]:
     skipped = plan.linears.unaligned if plan.linears is not None else []
     if skipped:
         yield (f"note: {len(skipped)} linear layer(s) left unquantized (input size not a multiple of 32, "
-               f"--skip-unaligned): {', '.join(skipped)}; the config lists them in 'ignore'")
+               f"QuantOptions.skip_unaligned): {', '.join(skipped)}; the config lists them in 'ignore'")
     if plan.repack is None and any(t.name.endswith("weight_scale_inv") and t.role != "expert" for d in plan.dests for t in d):
         yield ("note: block-FP8 tensors outside the routed experts (attention, dense and shared MLPs) were copied "
                "unchanged with their weight_scale_inv scales; the written quantization_config describes the MX "

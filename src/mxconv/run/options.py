@@ -160,7 +160,7 @@ class RepackOptions:
     resolved :class:`~mxconv.layouts.base.LayoutOptions` from then on."""
 
     backend: str
-    activation: str
+    activation: str | None = None  # None: the layout's default for the experts' weight format (the plan resolves it)
     tp: int = 1
     layout_options: LayoutOptions | Mapping[str, Any] = field(default_factory=dict)
     kernel_choice: KernelChoice = KernelChoice.AUTO  # Triton layout kernels on CUDA, or torch ops only (same bytes)

@@ -252,12 +252,14 @@ def _layout_weight_format(ckpt: Checkpoint, info: ModelInfo, layout: Layout, rep
 def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _LayoutPlan:
     """Check ``repack`` against the model and size its layout (per TP rank, padded)."""
     layout = get_layout(repack.backend)
-    if repack.activation not in layout.activations:
+    if repack.activation is not None and repack.activation not in layout.activations:
         raise BadInput(
             f"RepackOptions.activation {repack.activation!r} is not valid for backend {repack.backend}; "
             f"choose one of {', '.join(layout.activations)}"
         )
     wfmt = _layout_weight_format(ckpt, info, layout, repack)
+    if repack.activation is None:
+        repack = replace(repack, activation=layout.default_activation(str(wfmt)))
     rank_ranges = tp_ranges(info.intermediate_size, repack.tp)
     widths = {e - s for s, e in rank_ranges}
     I_rank = max(widths)

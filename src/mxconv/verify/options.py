@@ -49,4 +49,8 @@ class VerifyOptions:
             if isinstance(value, Path):
                 object.__setattr__(self, name, str(value))
         if self.layers is not None and not isinstance(self.layers, str):
-            object.__setattr__(self, "layers", tuple(int(n) for n in self.layers))
+            try:
+                object.__setattr__(self, "layers", tuple(int(n) for n in self.layers))
+            except (TypeError, ValueError):
+                raise BadInput(f"VerifyOptions.layers must be layer numbers (or a string such as '0,3-5'), "
+                               f"got {self.layers!r}") from None

@@ -31,7 +31,7 @@ from mxconv.verify.state import VerifyState
 
 StepFn = Callable[[str, int, int], None]  # (what, done, total): called before each long step
 
-NO_REFERENCE = "no --reference or --reference-outputs given"
+NO_REFERENCE = "no VerifyOptions.reference or VerifyOptions.reference_outputs given"
 MODEL_BROKEN = "they would run on the manifest's model, which the output contradicts (FAIL lines)"
 
 
@@ -191,10 +191,10 @@ def _strict_problems(options: VerifyOptions, scope: Scope) -> list[str]:
         return []
     out = []
     if "numerics" in scope.not_checked:
-        out.append(f"--strict: numerics not checked ({scope.not_checked['numerics']}); pass --reference SOURCE "
-                   "(the checkpoint this one was converted from) or --reference-outputs FILE")
+        out.append(f"VerifyOptions.strict: numerics not checked ({scope.not_checked['numerics']}); VerifyOptions.reference "
+                   "SOURCE (the checkpoint this one was converted from) or VerifyOptions.reference_outputs FILE checks them")
     if "bytes" in scope.not_checked:  # a reference was given, but the experts' bytes were not held to it
-        out.append(f"--strict: expert bytes not re-derived ({scope.not_checked['bytes']}); a PASS would rest on "
+        out.append(f"VerifyOptions.strict: expert bytes not re-derived ({scope.not_checked['bytes']}); a PASS would rest on "
                    "the numerics' tolerance alone")
     return out
 
@@ -217,11 +217,11 @@ def _finish(state: VerifyState, linears: list[LinearReport]) -> list[str]:
         save_reference_outputs(Path(options.save_reference), state.to_save, plan.seed, plan.tokens)
         notes.append(f"reference outputs saved to {options.save_reference}")
     if plan.kernel is not None and not plan.kernel.size_problems:
-        notes.append(f"--kernel: the {plan.manifest.backend} engine kernel ran on every checked layer "
+        notes.append(f"VerifyOptions.kernel: the {plan.manifest.backend} engine kernel ran on every checked layer "
                      f"(bound vs the converted bytes: relative RMS <= {KERNEL_THRESHOLDS['rel_rms']}, cosine >= "
                      f"{KERNEL_THRESHOLDS['cosine']})")
     if linears:
         notes.append(f"{len(linears)} MXFP8 linear layers checked" + (
             f" against the reference (relative RMS <= {LINEAR_THRESHOLDS['rel_rms']}, bytes = the reference quantized again)"
-            if state.ref_ckpt is not None else " (files and config; numerics need --reference)"))
+            if state.ref_ckpt is not None else " (files and config; numerics need VerifyOptions.reference)"))
     return notes
