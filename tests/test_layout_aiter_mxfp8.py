@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.cli import mx
-from support.mxfp8_cli import quantized_mxfp8, repack_verify_and_damage
-from support.tamper import patch_tensor
+from support.mxfp8_cli import quantized_mxfp8, repack_verify_and_damage, swapped_experts_fail
 
 from mxconv.errors import LayoutError
 from mxconv.experts.stack import CanonicalExperts
@@ -180,12 +179,7 @@ def test_repack_verifies_bit_exact_and_a_flipped_scale_byte_fails(q8: Path, tmp_
 
 
 def test_swapped_experts_fail_verify(q8: Path, tmp_path: Path) -> None:
-    out = tmp_path / "aiter"
-    code, _, err = mx("repack", q8, out, "--backend", "aiter", "--quiet", "--device", "cpu")
-    assert code == 0, err
-    patch_tensor(out, "model.layers.0.mlp.experts.w2_weight", lambda t: t[[1, 0, *range(2, t.shape[0])]], fix_manifest=True)
-    code, text, err = mx("verify", out, "--reference", q8, "--device", "cpu")
-    assert code == 1 and "w2: first difference at expert 0" in text + err
+    swapped_experts_fail(q8, tmp_path / "aiter", "aiter", "model.layers.0.mlp.experts.w2_weight")
 
 
 def test_inspect_lists_the_aiter_mxfp8_output(q8: Path) -> None:

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.cli import mx
-from support.mxfp8_cli import engine_row_holders, quantized_mxfp8, repack_verify_and_damage
-from support.tamper import patch_tensor
+from support.mxfp8_cli import engine_row_holders, quantized_mxfp8, repack_verify_and_damage, swapped_experts_fail
 
 from mxconv.errors import LayoutError
 from mxconv.experts.stack import CanonicalExperts
@@ -212,16 +211,7 @@ def test_repack_verifies_bit_exact_and_a_flipped_scale_byte_fails(q8: Path, tmp_
 
 
 def test_swapped_experts_fail_verify(q8: Path, tmp_path: Path) -> None:
-    out = tmp_path / "trt"
-    code, _, err = mx("repack", q8, out, "--backend", "trtllm", "--activation", "mxfp8", "--quiet", "--device", "cpu")
-    assert code == 0, err
-
-    def swap(t: torch.Tensor) -> torch.Tensor:
-        return t[[1, 0, *range(2, t.shape[0])]].contiguous()
-
-    patch_tensor(out, "model.layers.1.mlp.experts.w2_weight", swap, fix_manifest=True)
-    code, text, err = mx("verify", out, "--reference", q8, "--device", "cpu")
-    assert code == 1 and "w2: first difference at expert 0" in text + err
+    swapped_experts_fail(q8, tmp_path / "trt", "trtllm", "model.layers.1.mlp.experts.w2_weight", "--activation", "mxfp8")
 
 
 def test_bf16_activations_are_refused_naming_the_rule(q8: Path, tmp_path: Path) -> None:

@@ -56,6 +56,18 @@ def repack_verify_and_damage(q8: Path, out: Path, backend: str, tp: str, layer: 
     return manifest
 
 
+def swapped_experts_fail(q8: Path, out: Path, backend: str, tensor: str, *flags: str) -> None:
+    """``repack q8 out --backend backend *flags``, then experts 0 and 1 of ``tensor`` (e.g.
+    ``model.layers.0.mlp.experts.w2_weight``) swapped and rehashed: verify --reference q8 must fail
+    (exit 1) naming the first difference at expert 0 of that GEMM."""
+    code, _, err = mx("repack", q8, out, "--backend", backend, *flags, "--quiet", "--device", "cpu")
+    assert code == 0, err
+    patch_tensor(out, tensor, lambda t: t[[1, 0, *range(2, t.shape[0])]].contiguous(), fix_manifest=True)
+    code, text, err = mx("verify", out, "--reference", q8, "--device", "cpu")
+    gemm = tensor.rsplit(".", 1)[1].removesuffix("_weight")
+    assert code == 1 and f"{gemm}: first difference at expert 0" in text + err
+
+
 def quantized_mxfp8(root: Path, hidden_size: int, intermediate_size: int) -> Path:
     """A Qwen-style test checkpoint (halves, no biases) of these sizes under ``root``, quantized to MXFP8."""
     from mxconv.examples import ModelSizes, make_checkpoint
