@@ -100,9 +100,11 @@ def main() -> int:
         sources[mode] = args.dir / f"src-{mode}"
         if not (sources[mode] / "config.json").exists():
             generate(sources[mode], mode, shape["E"], shape["H"], shape["I"], shape["V"], shape["layers"], device)
-    jobs = {f"repack {b}": ["repack", str(sources["repack"]), str(args.dir / "out"), "--backend", b, "--overwrite"]
+    # job -> (the source it reads, the CLI arguments)
+    jobs = {f"repack {b}": (sources["repack"], ["repack", str(sources["repack"]), str(args.dir / "out"), "--backend", b,
+                                                 "--overwrite"])
             for b in args.backends.split(",")}
-    jobs["quantize mxfp4"] = ["quantize", str(sources["quantize"]), str(args.dir / "out"), "--overwrite"]
+    jobs["quantize mxfp4"] = (sources["quantize"], ["quantize", str(sources["quantize"]), str(args.dir / "out"), "--overwrite"])
     kernels: dict[str, dict[str, float]] = {"before": {}, "after": {}}
     e2e: dict[str, dict[str, float]] = {"before": {}, "after": {}}
     digests: dict[str, dict[str, str]] = {"before": {}, "after": {}}
@@ -110,8 +112,8 @@ def main() -> int:
         for name, tree in trees.items():  # alternate: before, after, before, after
             for key, s in layout_kernels(tree, args.reps, args.small, args.experts).items():
                 kernels[name][key] = min(s, kernels[name].get(key, float("inf")))
-            for job, cli in jobs.items():
-                s, d = convert(tree, cli, sources["quantize" if job.startswith("quantize") else "repack"], args.dir / "out")
+            for job, (source, cli) in jobs.items():
+                s, d = convert(tree, cli, source, args.dir / "out")
                 e2e[name][job] = min(s, e2e[name].get(job, float("inf")))
                 digests[name][job] = d
     rows = []
