@@ -25,7 +25,7 @@ from rich.table import Table
 from typer.core import TyperCommand
 
 from mxconv import __version__, sizes
-from mxconv.cli.flags import doc_in_cli_words, in_cli_words
+from mxconv.cli.flags import doc_in_cli_words
 from mxconv.cli.output import err, out, say
 from mxconv.errors import MxconvError
 from mxconv.interrupt import Interrupted, late_signal, stop_signals
@@ -192,7 +192,7 @@ def errors(debug: bool) -> Iterator[None]:
     except MxconvError as exc:
         if debug:
             raise
-        say(err, "error:", "bold red", in_cli_words(str(exc)))  # the library's settings named by their flags
+        say(err, "error:", "bold red", str(exc))  # say() names the library's settings by their flags
         raise typer.Exit(exc.exit_code) from None
     except OSError as exc:
         if debug:

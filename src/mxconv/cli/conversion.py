@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mxconv.cli.flags import in_cli_words
 from mxconv.cli.common import RunOptions, device_of, print_json, summary_table
 from mxconv.cli.output import err, out, progress, say
 from mxconv.run.options import QuantOptions, RepackOptions
@@ -54,7 +53,7 @@ def convert(source: str, output: Path, quant: QuantOptions, repack: RepackOption
     output_warnings = conversion.check_output(output, run.overwrite)  # kept files that verify will fail on
     if not run.as_json:
         for warning in [*plan.warnings, *output_warnings]:  # shown even with --quiet (a wrong output, or one verify fails)
-            say(err, "warning:", "bold yellow", in_cli_words(warning))
+            say(err, "warning:", "bold yellow", warning)
     device = device_of(run.device)
     memory_plan = conversion.plan_memory(device, settings.budget)  # exit 2 when one expert does not fit
     if run.dry_run:
@@ -66,7 +65,7 @@ def convert(source: str, output: Path, quant: QuantOptions, repack: RepackOption
     elif not run.quiet:
         for n in summary.get("notes", []):
             if n not in output_warnings:  # said before the run
-                say(err, in_cli_words(n), "dim")
+                say(err, n, "dim")
         out.print(summary_table({k: v for k, v in summary.items() if k != "notes"}, f"mxconv {plan.command}: done"))
 
 

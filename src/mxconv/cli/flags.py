@@ -1,8 +1,9 @@
 """The one place where the library's setting names become the CLI's flags.
 
-Library errors name settings the way a Python caller writes them (``QuantOptions.fmt``,
-``RunSettings.overwrite``); a CLI user set flags, so :func:`in_cli_words` rewrites an error's message
-with :data:`SETTING_FLAGS` before the CLI prints it. ``set X`` reads ``pass --flag`` on the command
+Library errors, warnings and reports name settings the way a Python caller writes them
+(``QuantOptions.fmt``, ``RunSettings.overwrite``); a CLI user set flags, so :func:`in_cli_words`
+rewrites the text with :data:`SETTING_FLAGS` where the CLI prints it (``cli.output.say``, the JSON
+documents and summary tables through :func:`doc_in_cli_words`, inspect's notes). ``set X`` reads ``pass --flag`` on the command
 line, ``unset X`` reads ``drop --flag``. ``tests/test_cli_flags.py`` checks that every setting a
 library message names is in the table and that every flag in it is one the CLI declares.
 """

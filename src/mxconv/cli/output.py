@@ -22,6 +22,7 @@ from rich.progress import (
 from rich.text import Text
 
 from mxconv import sizes
+from mxconv.cli.flags import in_cli_words
 
 # Width of a console that is not a terminal: wider than any cell or line mxconv prints, so rich
 # neither wraps nor crops; tables still take only the width their cells need.
@@ -48,10 +49,12 @@ out = _Console(markup=False)
 
 
 def say(console: Console, label: str, style: str, message: str = "") -> None:
-    """Print ``label message`` on one logical line: the label styled, the message exactly as given."""
-    line = Text(label, style=style)
+    """Print ``label message`` on one logical line: the label styled, the message as given but for the
+    library's setting names, said by their flags (:func:`mxconv.cli.flags.in_cli_words`): errors,
+    warnings, notes and verdicts all come through here."""
+    line = Text(in_cli_words(label), style=style)
     if message:
-        line.append(" " + message)
+        line.append(" " + in_cli_words(message))
     console.print(line, highlight=False, soft_wrap=True)
 
 

@@ -11,7 +11,6 @@ from rich.table import Table
 
 from mxconv.errors import BadInput
 from mxconv.cli.common import Command, DebugOpt, DeviceOpt, JsonOpt, QuietOpt, app, device_of, errors, print_json
-from mxconv.cli.flags import in_cli_words
 from mxconv.cli.output import err, out, say, step_progress
 from mxconv.experts.kernel_settings import KernelLocations
 
@@ -122,20 +121,20 @@ def _show(rep: Any, as_json: bool, quiet: bool) -> None:
                 lt.add_row(row["role"], str(row["linears"]), str(row["linears"] - row["failed"]), worst, str(row["bit_exact"]))
             out.print(lt)
         for n in rep.notes:
-            say(err, in_cli_words(n), "dim")
+            say(err, n, "dim")
         _say_verdict(rep)
     elif not quiet:  # PATH's files do not read as a checkpoint: no layer was checked, no table
         _say_verdict(rep)
     elif "bytes" in rep.scope.not_checked:  # --quiet: a reference was given, its bytes not compared: said still
-        say(err, "note:", "yellow", in_cli_words(f"expert bytes not re-derived: {rep.scope.not_checked['bytes']}"))
+        say(err, "note:", "yellow", f"expert bytes not re-derived: {rep.scope.not_checked['bytes']}")
     for p in problems:  # the reasons for a failure: shown with --quiet and --json too
-        say(err, "FAIL", "red", in_cli_words(p))
+        say(err, "FAIL", "red", p)
 
 
 def _say_verdict(rep) -> None:
     """The last line on stdout: PASS or FAIL, then what the run covered (rep.scope)."""
     verdict, scope = rep.verdict.split(" ", 1)
-    say(out, verdict, "bold green" if rep.passed else "bold red", in_cli_words(scope))
+    say(out, verdict, "bold green" if rep.passed else "bold red", scope)
 
 
 def _check_paths(path: Path, reference: str | None) -> None:
