@@ -112,10 +112,12 @@ def main() -> int:
         for name, tree in trees.items():  # alternate: before, after, before, after
             for key, s in layout_kernels(tree, args.reps, args.small, args.experts).items():
                 kernels[name][key] = min(s, kernels[name].get(key, float("inf")))
+            print(f"[{name}] layout kernels: {len(kernels[name])} timed", file=sys.stderr, flush=True)
             for job, (source, cli) in jobs.items():
                 s, d = convert(tree, cli, source, args.dir / "out")
                 e2e[name][job] = min(s, e2e[name].get(job, float("inf")))
                 digests[name][job] = d
+                print(f"[{name}] {job}: {s:.2f} s", file=sys.stderr, flush=True)  # progress, kept if a time limit cuts the run
     rows = []
     for kind, table in (("layout kernel", kernels), ("end to end", e2e)):
         for key in table["before"]:
