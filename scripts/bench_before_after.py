@@ -88,6 +88,7 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=128, help="bench_repack's expert stack (H = I = 2880)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test of the script")
+    ap.add_argument("--kernels-only", action="store_true", help="time the layout kernels only (no sources, no end to end)")
     args = ap.parse_args()
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,15 +97,18 @@ def main() -> int:
         shape.update(E=4, H=256, I=256, V=512, layers=2)
     args.dir.mkdir(parents=True, exist_ok=True)
     sources = {}
-    for mode in ("repack", "quantize"):  # repack: an MXFP4 source; quantize: bf16
+    for mode in () if args.kernels_only else ("repack", "quantize"):  # repack: an MXFP4 source; quantize: bf16
         sources[mode] = args.dir / f"src-{mode}"
         if not (sources[mode] / "config.json").exists():
             generate(sources[mode], mode, shape["E"], shape["H"], shape["I"], shape["V"], shape["layers"], device)
     # job -> (the source it reads, the CLI arguments)
-    jobs = {f"repack {b}": (sources["repack"], ["repack", str(sources["repack"]), str(args.dir / "out"), "--backend", b,
-                                                 "--overwrite"])
-            for b in args.backends.split(",")}
-    jobs["quantize mxfp4"] = (sources["quantize"], ["quantize", str(sources["quantize"]), str(args.dir / "out"), "--overwrite"])
+    jobs: dict[str, tuple[Path, list[str]]] = {}
+    if not args.kernels_only:
+        jobs = {f"repack {b}": (sources["repack"], ["repack", str(sources["repack"]), str(args.dir / "out"), "--backend", b,
+                                                     "--overwrite"])
+                for b in args.backends.split(",")}
+        jobs["quantize mxfp4"] = (sources["quantize"], ["quantize", str(sources["quantize"]), str(args.dir / "out"),
+                                                         "--overwrite"])
     kernels: dict[str, dict[str, float]] = {"before": {}, "after": {}}
     e2e: dict[str, dict[str, float]] = {"before": {}, "after": {}}
     digests: dict[str, dict[str, str]] = {"before": {}, "after": {}}
