@@ -15,7 +15,7 @@ import pytest
 
 from mxconv.engines.runner import kernel_unavailable, require_runner
 from mxconv.errors import BadInput
-from mxconv.layouts.description import LayoutDescription
+from mxconv.layouts.description import ActivationDescription, LayoutDescription
 from mxconv.layouts.humming import HummingDescription
 from mxconv.layouts.marlin_description import MarlinDescription
 from mxconv.layouts.triton_arch import TritonDescription
@@ -145,3 +145,12 @@ def test_a_mistyped_key_reaches_the_caller_as_the_runners_line(outputs: dict[str
     m = load_manifest(outputs["triton-sm90"])
     bad = Manifest.parse({**m.to_json(), "layout": {**m.layout.to_json(), "arch": 90}}, "mxconv.json")
     assert "manifest layout.arch: 90 is not a string" in (kernel_unavailable(bad, "cpu") or "")
+
+
+def test_the_activation_any_backend_records(outputs: dict[str, Path]) -> None:
+    """update_layer reads the layout's activation without knowing the backend (absent: None, the backend's default)."""
+    lay = load_manifest(outputs["marlin-mxfp4"]).layout
+    assert ActivationDescription.from_layout(lay).activation == "bf16"
+    assert ActivationDescription.from_layout(_part(lay, activation=None)).activation is None
+    with pytest.raises(BadInput, match=r"manifest layout\.activation: 16 is not a string or null \(what the in-memory conversion"):
+        ActivationDescription.from_layout(_part(lay, activation=16))

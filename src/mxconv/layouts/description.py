@@ -89,3 +89,13 @@ class LayoutDescription:
     def to_json(self) -> dict[str, Any]:
         """The keys as JSON: those it was read with, in their order (built in code: every field)."""
         return {k: plain_json(getattr(self, k)) for k in (self.json_keys if self.json_keys is not None else self.keys())}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationDescription(LayoutDescription):
+    """The one backend key read without knowing the backend: ``activation``, the activation the bytes were
+    laid out for, which the layouts' ``describe()`` record (absent or None: the backend's default)."""
+
+    activation: str | None = None
+
+    reader: ClassVar[str] = "the in-memory conversion (update_layer)"
