@@ -42,6 +42,7 @@ from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
 from mxconv.families.base import ModelInfo
 from mxconv.layouts import get_layout
 from mxconv.engines.loader import load_layer_from_manifest, read_layer_tensors, resolve_layer
+from mxconv.source.manifest import LayoutPart
 from mxconv.source.st_format import TORCH_TO_ST
 
 PREFIX = "model.layers.0.mlp.experts"
@@ -253,15 +254,15 @@ def main() -> None:
 
         rows["engine"] = run_all(lambda: engine(c))
 
-        lay = manifest["layout"]
-        spec = LayerSpec("experts", lay, E, H, lay["padded_hidden_size"], I, 1, "swigluoai")
+        lay = LayoutPart.from_json({"kernel_params": None, **manifest["layout"]})
+        spec = LayerSpec("experts", lay, E, H, lay.padded_hidden_size, I, 1, "swigluoai")
 
         def load_host() -> Any:
             t = {k: v.to(device) for k, v in host_kern.items()}
             if backend == "triton" and device.type == "cuda":
-                return triton_moe.build_experts(tk, t, spec, lay["padded_intermediate_size"])
+                return triton_moe.build_experts(tk, t, spec, lay.padded_intermediate_size)
             if device.type == "cuda":
-                return marlin_moe.build_experts(t, spec, lay["padded_intermediate_size"], "interleaved")
+                return marlin_moe.build_experts(t, spec, lay.padded_intermediate_size, "interleaved")
             return t
 
         rows["mxconv"] = run_all(load_host)

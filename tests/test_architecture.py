@@ -185,6 +185,27 @@ def test_the_manifest_check_can_fail() -> None:
     assert not any(_indexes_a_manifest(n) for n in ast.walk(ast.parse("manifest.layout.option_values")))
 
 
+def _reads_layout_json(node: ast.AST) -> bool:
+    """``x.extra`` (a part's untyped keys), ``x.to_json()``, ``x.json_value(...)``, ``spec.layout[...]``."""
+    if isinstance(node, ast.Attribute) and node.attr == "extra":
+        return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("to_json", "json_value"):
+        return True
+    return isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "layout"
+
+
+def test_engines_read_the_layout_part_typed() -> None:
+    """The engine runners and loaders take the typed LayoutPart: its fields as attributes, a backend's own keys
+    through that backend's LayoutDescription (mxconv.layouts.description); none turns it back into JSON."""
+    engines = {name: tree for name, (_, tree) in _modules().items() if name.startswith("mxconv.engines.")}
+    assert "mxconv.engines.triton_moe" in engines
+    found = [f"{name}:{node.lineno}" for name, tree in engines.items() for node in ast.walk(tree) if _reads_layout_json(node)]
+    assert not found, found
+    for bad in ('spec.layout["w13_row_order"]', 'lay.extra.get("activation")', "manifest.layout.to_json()", 'lay.json_value("arch")'):
+        assert any(_reads_layout_json(n) for n in ast.walk(ast.parse(bad))), bad
+    assert not any(_reads_layout_json(n) for n in ast.walk(ast.parse("TritonDescription.from_layout(spec.layout).arch")))
+
+
 def test_backend_names_only_where_backends_live() -> None:
     """No string that is a registered backend's name (compared, listed, defaulted) outside
     layouts/engines/kernels/integrations."""

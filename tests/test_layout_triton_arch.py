@@ -173,8 +173,12 @@ def test_manifest_of_another_arch_records_no_hopper_only_value() -> None:
 
 def test_kernel_runner_refuses_other_arch_storage() -> None:
     from mxconv.engines.triton_moe import RUNNER
+    from mxconv.source.manifest import LayoutPart
 
-    why = RUNNER.kernel_unavailable({"arch": "gfx950"}, "cpu")
+    layout = LayoutPart(name="triton", version=1, engine_compat={}, hidden_size=512, intermediate_size=256, padded_hidden_size=512,
+                        padded_intermediate_size=256, w13_row_order="interleaved", kernel_params=None,
+                        extra={"arch": "gfx950"})  # fmt: skip
+    why = RUNNER.kernel_unavailable(layout, "cpu")
     assert why is not None and "gfx950" in why and "arch=sm90" in why
 
 

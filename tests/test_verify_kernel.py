@@ -80,9 +80,13 @@ TOKENS = 64
 def _kernels_or_skip(backend: str) -> None:
     from mxconv.engines.runner import require_runner
     from mxconv.errors import BadInput
+    from mxconv.source.manifest import LayoutPart
 
-    try:  # the runner's own check on an output's layout table of these padded sizes
-        reason = require_runner(backend).kernel_unavailable({"padded_hidden_size": 256, "padded_intermediate_size": 256}, "cuda")
+    # the runner's own check on an output's layout part of these padded sizes (its own keys absent: their defaults)
+    layout = LayoutPart(name=backend, version=1, engine_compat={}, hidden_size=256, intermediate_size=256, padded_hidden_size=256,
+                        padded_intermediate_size=256, w13_row_order="interleaved", kernel_params=None)  # fmt: skip
+    try:
+        reason = require_runner(backend).kernel_unavailable(layout, "cuda")
     except BadInput as exc:
         reason = str(exc)
     if reason:

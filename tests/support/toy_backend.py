@@ -20,6 +20,7 @@ from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
 from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.layouts.base import LayoutBase, LayoutOption
 from mxconv.engines.runner import LayerSpec
+from mxconv.source.manifest import LayoutPart
 from mxconv.mx.numerics import dequantize_mx
 from mxconv.verify.reference_moe import Routing, moe_forward
 
@@ -93,12 +94,12 @@ class ToyRunner:
     def check_device(self, device: Any) -> None:
         pass
 
-    def kernel_unavailable(self, layout_fields: dict[str, Any], device: Any, kernel_locations: Any = None) -> str | None:
+    def kernel_unavailable(self, layout: LayoutPart, device: Any, kernel_locations: Any = None) -> str | None:
         return None
 
     def wrap(self, tensors: dict[str, torch.Tensor], spec: LayerSpec, kernel_locations: Any = None) -> dict[str, Any]:
         """The stored tensors with rows back in canonical (padded) order: {name: tensor, "hidden_size": H}."""
-        reverse = bool(spec.layout["options"]["reverse"])
+        reverse = bool(spec.layout.option_values["reverse"])
         held: dict[str, Any] = {name: _flip(t, reverse) for name, t in tensors.items()}
         held["hidden_size"] = spec.hidden_size
         return held

@@ -24,7 +24,8 @@ from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, LayerSpec, gated_a
 from mxconv.errors import BadInput
 from mxconv.experts.kernel_settings import KernelLocations
 from mxconv.experts.stack import LayoutSizes
-from mxconv.layouts.humming import LAYOUT, layer_configs
+from mxconv.layouts.humming import LAYOUT, HummingDescription, layer_configs
+from mxconv.source.manifest import LayoutPart
 
 HUMMING_VERSION = "0.1.19"
 GEMM_TYPE = "grouped_contiguous"
@@ -49,9 +50,9 @@ def device_sm(device: Any) -> int:
     return 10 * major + minor
 
 
-def check_layer_sm(layout_fields: dict[str, Any], device: Any) -> None:
-    """BadInput unless the manifest's layer configs target this GPU's SM (humming's bytes differ per SM)."""
-    want = int(layout_fields.get("sm_version", 0))
+def check_layer_sm(d: HummingDescription, device: Any) -> None:
+    """BadInput unless the manifest's layer configs (``d``) target this GPU's SM (humming's bytes differ per SM)."""
+    want = d.sm_version
     have = device_sm(device)
     if want != have:
         raise BadInput(f"this humming output was laid out for SM{want} (layout.sm_version); the GPU is SM{have}: "
@@ -137,34 +138,34 @@ class HummingRunner:
     def check_device(self, device: Any) -> None:
         discover.check_gpu(device, exact=None, minimum=(9, 0), what=self.what)
 
-    def kernel_unavailable(self, layout_fields: dict[str, Any], device: Any,
+    def kernel_unavailable(self, layout: LayoutPart, device: Any,
                            kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
+        d = HummingDescription.from_layout(layout)
         self.check_device(device)
         import_humming()
-        check_layer_sm(layout_fields, device)
-        if "layer_configs" not in layout_fields:
+        check_layer_sm(d, device)
+        if d.layer_configs is None:
             return "the manifest's layout has no humming layer_configs"
         return None
 
     def wrap(self, tensors: dict[str, torch.Tensor], spec: LayerSpec,
              kernel_locations: KernelLocations | None = None) -> HummingExperts:  # fmt: skip
         """One rank's tensors checked against the manifest's layer configs and held."""
-        layout_fields, rank_intermediate_size = spec.layout, spec.rank_intermediate_size
+        d, rank_intermediate_size = HummingDescription.from_layout(spec.layout), spec.rank_intermediate_size
         device = tensors["w13_weight"].device
         self.check_device(device)
         import_humming()
-        check_layer_sm(layout_fields, device)
+        check_layer_sm(d, device)
         from humming.config import LayerConfig
         from humming.tune import get_heuristics_config
 
         name, E, H = spec.name, spec.num_experts, spec.hidden_size
-        row_order = str(layout_fields["w13_kernel_row_order"])
-        fmt = str(layout_fields.get("variant") or "mxfp4")  # int4 / mxfp8 layouts record theirs
+        row_order, fmt = d.w13_kernel_row_order, d.variant  # int4 / mxfp8 layouts record their variant
         _, ip = LAYOUT.padded_sizes(H, rank_intermediate_size, row_order, "bf16", weight_format=fmt)
         sizes = LayoutSizes(E, H, rank_intermediate_size, H, ip, row_order, "w13_bias" in tensors, fmt)
         # this rank's (TP ranks may differ in I); INT4 codes: this layer's and rank's recorded choice
         # (layout.stack_choices), else the one int4_codes value of an output written before they were recorded
-        codes = dict(spec.stack_choices) or str(layout_fields.get("int4_codes", "uint4"))
+        codes = dict(spec.stack_choices) or d.int4_codes
         cfgs = layer_configs(sizes, codes)
         configs = {w: LayerConfig(**cfgs[w]) for w in ("w13", "w2")}
         tuning = {w: json.dumps(get_heuristics_config(layer_config=c, gemm_type=GEMM_TYPE, device=device))

@@ -45,6 +45,7 @@ from mxconv.experts.stack import ROW_ORDERS, CanonicalExperts
 from mxconv.families.base import MXStack
 from mxconv.layouts import backend_names, get_layout
 from mxconv.layouts.base import Layout, LayoutOptions
+from mxconv.layouts.description import ActivationDescription
 from mxconv.run.compute import to_format
 from mxconv.run.options import QUANTIZE_FORMATS, QuantOptions, ScaleRounding
 
@@ -251,8 +252,8 @@ def update_layer(layer: EngineLayer, tensors: Mapping[str, torch.Tensor], *, qua
     lay = layer.layout
     if lay is None:
         raise BadInput(f"update_layer: layer {layer.layer} carries no manifest layout (load it with mxconv.engines.loader)")
-    activation = lay.extra.get("activation")  # the backend's description records it (None: its default)
-    opts = ConvertOptions(layer.backend, activation=None if activation is None else str(activation),
+    activation = ActivationDescription.from_layout(lay).activation  # the layout's describe() records it (None: its default)
+    opts = ConvertOptions(layer.backend, activation=activation,
                           layout_options=lay.option_values, quant=quant or layer_quant(layer))  # fmt: skip
     new = convert_layer({k: v.to(layer.device) for k, v in tensors.items()}, opts, row_order=row_order or lay.w13_row_order,
                         choices=lay.choices_of(layer.layer, layer.rank))  # fmt: skip

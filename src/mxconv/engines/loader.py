@@ -258,12 +258,11 @@ def build_engine_layer(src: LayerSource, tensors: dict[str, torch.Tensor],
     of ``src.backend`` through its runner, which finds the kernels (``kernel_locations`` first, then
     the environment and installed copies) and checks the GPU (BadInput otherwise)."""
     m, lay = src.manifest, src.manifest.layout
-    fields = lay.to_json()  # the runner's contract: the layout object as written (its backend's description)
     info = model_info(m)
     runner = require_runner(src.backend, where=f"{src.root}: ")
     where = f"{src.root} layer {src.layer}" + (f" rank {src.rank}" if src.tp_size > 1 else "")
     spec = LayerSpec(
-        where, fields, int(info.num_experts), lay.hidden_size, lay.padded_hidden_size, src.intermediate_size, src.tp_size,
+        where, lay, int(info.num_experts), lay.hidden_size, lay.padded_hidden_size, src.intermediate_size, src.tp_size,
         info.activation, SWIGLU_ALPHA if info.swiglu_alpha is None else float(info.swiglu_alpha),
         SWIGLU_LIMIT if info.swiglu_limit is None else float(info.swiglu_limit), lay.choices_of(src.layer, src.rank),
     )  # fmt: skip

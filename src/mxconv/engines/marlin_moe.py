@@ -32,6 +32,8 @@ from mxconv.engines import discover
 from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, LayerSpec, gated_activation, softmax_topk
 from mxconv.errors import BadInput
 from mxconv.experts.kernel_settings import KernelLocations
+from mxconv.layouts.marlin_description import MarlinDescription
+from mxconv.source.manifest import LayoutPart
 
 MARLIN_HIDDEN_MULTIPLE = 256
 MARLIN_INTERMEDIATE_MULTIPLE = 128
@@ -182,17 +184,18 @@ class MarlinExperts:
 def build_experts(tensors: dict[str, torch.Tensor], spec: LayerSpec, padded_intermediate_size: int,
                   row_order: str) -> MarlinExperts:  # fmt: skip
     """Check one rank's stored tensors (names without prefix, on the GPU) against the Marlin layout
-    the manifest declares (``spec.layout``) and hold them for the kernel. BadInput for variants vLLM
-    0.33's kernel does not run here: FP8 activations (SM89/SM120 only) and the legacy (vLLM <= 0.11.2) scales."""
-    layout, name = spec.layout, spec.name
-    if layout.get("activation", "bf16") != "bf16":
-        raise BadInput(f"{name}: Marlin with {layout.get('activation')} activations (W4A8-FP8) runs on SM89/SM120 only; repack with RepackOptions.activation bf16")
-    if layout.get("scale_layout", "current") != "current":
+    the manifest declares (``spec.layout``: its :class:`MarlinDescription`) and hold them for the kernel.
+    BadInput for variants vLLM 0.33's kernel does not run here: FP8 activations (SM89/SM120 only) and the
+    legacy (vLLM <= 0.11.2) scales."""
+    d, name = MarlinDescription.from_layout(spec.layout), spec.name
+    if d.activation != "bf16":
+        raise BadInput(f"{name}: Marlin with {d.activation} activations (W4A8-FP8) runs on SM89/SM120 only; repack with RepackOptions.activation bf16")
+    if d.scale_layout != "current":
         raise BadInput(f"{name}: legacy Marlin scales (vLLM <= 0.11.2) are not what vLLM 0.33's kernel reads; repack with RepackOptions.layout_options marlin_scale_layout=current")
     E, Hp, Ip = spec.num_experts, spec.padded_hidden_size, padded_intermediate_size
-    form = FORMS.get(str(layout.get("variant") or "mxfp4"))
+    form = FORMS.get(d.variant)
     if form is None:
-        raise BadInput(f"{name}: the Marlin layout's variant {layout.get('variant')!r} is not one this runner knows ({', '.join(FORMS)})")
+        raise BadInput(f"{name}: the Marlin layout's variant {d.variant!r} is not one this runner knows ({', '.join(FORMS)})")
     if Hp % form.hidden_multiple or Ip % form.intermediate_multiple:
         raise BadInput(f"{name}: Marlin {form.weight_format} sizes must be multiples of {form.hidden_multiple} / "
                        f"{form.intermediate_multiple}, got hidden {Hp}, intermediate {Ip}")  # fmt: skip
@@ -236,13 +239,14 @@ class MarlinRunner:
     def check_device(self, device: Any) -> None:
         discover.check_gpu(device, exact=None, minimum=discover.MARLIN_MIN_CAPABILITY, what=self.what)
 
-    def kernel_unavailable(self, layout_fields: dict[str, Any], device: Any,
+    def kernel_unavailable(self, layout: LayoutPart, device: Any,
                            kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
         self.check_device(device)
         discover.find_marlin_ops((kernel_locations or KernelLocations()).marlin_ops)
-        if layout_fields.get("activation", "bf16") != "bf16":
+        d = MarlinDescription.from_layout(layout)
+        if d.activation != "bf16":
             return "Marlin with FP8 activations runs on SM89/SM120 only (this output was repacked with --activation fp8)"
-        if layout_fields.get("scale_layout", "current") != "current":
+        if d.scale_layout != "current":
             return "legacy Marlin scales (vLLM <= 0.11.2) are not read by vLLM 0.33's kernel"
         return None
 
@@ -252,7 +256,7 @@ class MarlinRunner:
         self.check_device(tensors["w13_weight"].device)
         discover.find_marlin_ops((kernel_locations or KernelLocations()).marlin_ops)
         ip = int(tensors["w2_weight"].shape[1]) * 16
-        return build_experts(tensors, spec, ip, str(spec.layout["w13_row_order"]))
+        return build_experts(tensors, spec, ip, spec.layout.w13_row_order)
 
     def forward(self, experts: MarlinExperts, x: torch.Tensor, topk_ids: torch.Tensor | None,
                 topk_weights: torch.Tensor | None, logits: torch.Tensor | None, info: Any) -> torch.Tensor:  # fmt: skip

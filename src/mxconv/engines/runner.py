@@ -15,7 +15,7 @@ from mxconv.errors import BadInput
 from mxconv.experts.kernel_settings import KernelLocations
 from mxconv.layouts import backend_names, get_layout
 from mxconv.registry import resolve_entry
-from mxconv.source.manifest import Manifest
+from mxconv.source.manifest import LayoutPart, Manifest
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -39,7 +39,7 @@ class LayerSpec:
     :class:`EngineRunner` needs besides the stored tensors to wrap them for its kernel."""
 
     name: str  # for messages, e.g. "<root> layer 3 rank 1"
-    layout: Mapping[str, Any] = field(repr=False)  # the manifest's ``layout`` object as written (the backend's description)
+    layout: LayoutPart = field(repr=False)  # the manifest's ``layout`` part (a backend's own keys: its layout's description class)
     num_experts: int
     hidden_size: int
     padded_hidden_size: int
@@ -61,12 +61,13 @@ class EngineRunner(Protocol):
         """BadInput unless ``device`` is a GPU this kernel runs on (checked before any byte is read)."""
         ...
 
-    def kernel_unavailable(self, layout_fields: dict[str, Any], device: Any,
+    def kernel_unavailable(self, layout: LayoutPart, device: Any,
                            kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
-        """None when the kernel can run here on an output whose manifest ``layout`` object is
-        ``layout_fields`` (kernels looked for at ``kernel_locations`` first, then the environment
-        and installed copies); else one line naming what is missing (GPU, kernels, layout variant).
-        May raise BadInput instead of returning the line."""
+        """None when the kernel can run here on an output whose manifest ``layout`` part is ``layout``
+        (kernels looked for at ``kernel_locations`` first, then the environment and installed copies);
+        else one line naming what is missing (GPU, kernels, layout variant). May raise BadInput instead
+        of returning the line (a backend's own keys are read through its layout's description class,
+        e.g. ``TritonDescription.from_layout``, which names a missing or mistyped key)."""
         ...
 
     def wrap(self, tensors: dict[str, torch.Tensor], spec: LayerSpec, kernel_locations: KernelLocations | None = None) -> Any:
@@ -112,7 +113,7 @@ def kernel_unavailable(manifest: Manifest, device: Any = "cuda", kernel_location
     if runner is None:
         return f"no engine kernel runner in mxconv for backend {backend!r} (runners: {', '.join(runner_backends())})"
     try:
-        return runner.kernel_unavailable(manifest.layout.to_json(), device, kernel_locations)
+        return runner.kernel_unavailable(manifest.layout, device, kernel_locations)
     except BadInput as exc:
         return str(exc)
 

@@ -30,6 +30,8 @@ from mxconv.engines.discover import TritonKernels
 from mxconv.engines.runner import SWIGLU_ALPHA, SWIGLU_LIMIT, LayerSpec
 from mxconv.errors import BadInput
 from mxconv.experts.kernel_settings import KernelLocations
+from mxconv.layouts.triton_arch import TritonDescription
+from mxconv.source.manifest import LayoutPart
 
 VALUE_PADDING = {"3.5": (16, 32), "3.6": (64, 64)}  # (row multiple, row-byte multiple), layout-triton.md §3
 MX_BLOCK = 32
@@ -194,14 +196,12 @@ def build_experts(tk: TritonKernels, tensors: dict[str, torch.Tensor], spec: Lay
                   padded_intermediate_size: int) -> TritonExperts:  # fmt: skip
     """Wrap one rank's stored tensors (names without prefix, on the GPU) per spec §8.
 
-    ``spec.layout`` is the manifest's ``layout`` object (triton_layout, num_warps, scale_k_align).
-    BadInput when the hidden size the kernel reduces over is not a multiple of 64 (the kernel
+    ``spec.layout`` is the manifest's ``layout`` part (its :class:`TritonDescription`: triton_layout,
+    num_warps, scale_k_align of an sm90 storage). BadInput when the hidden size the kernel reduces over is not a multiple of 64 (the kernel
     computes wrong results then; repack with ``--layout-option pad_hidden=true``).
     """
-    layout, name, padded_hidden_size = spec.layout, spec.name, spec.padded_hidden_size
-    gen = str(layout.get("triton_layout", "3.5"))
-    warps = int(layout.get("num_warps", 8))
-    align = int(layout.get("scale_k_align", 4))
+    name, padded_hidden_size = spec.name, spec.padded_hidden_size
+    gen, warps, align = TritonDescription.from_layout(spec.layout).hopper_storage()
     if padded_hidden_size % KERNEL_K_MULTIPLE or padded_intermediate_size % KERNEL_K_MULTIPLE:
         raise BadInput(
             f"{name}: triton_kernels' matmul_ogs on Hopper computes wrong results when the reduction size is not a "
@@ -227,9 +227,9 @@ def build_experts(tk: TritonKernels, tensors: dict[str, torch.Tensor], spec: Lay
                          spec.swiglu_alpha, spec.swiglu_limit)  # fmt: skip
 
 
-def _arch_refusal(layout_fields: dict[str, Any]) -> str | None:
-    """Why the storage of manifest ``layout`` cannot be wrapped for the Hopper matmul, or None (sm90)."""
-    arch = str(layout_fields.get("arch", "sm90"))
+def _arch_refusal(d: TritonDescription) -> str | None:
+    """Why the storage a manifest ``layout`` describes (``d``) cannot be wrapped for the Hopper matmul, or None (sm90)."""
+    arch = d.arch
     if arch == "sm90":
         return None
     return (f"the output holds the {arch} storage (manifest layout.arch = {arch!r}); mxconv runs triton_kernels' "
@@ -246,20 +246,21 @@ class TritonRunner:
     def check_device(self, device: Any) -> None:
         discover.check_gpu(device, exact=discover.HOPPER, what=self.what)
 
-    def kernel_unavailable(self, layout_fields: dict[str, Any], device: Any,
+    def kernel_unavailable(self, layout: LayoutPart, device: Any,
                            kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
-        refusal = _arch_refusal(layout_fields)
+        d = TritonDescription.from_layout(layout)
+        refusal = _arch_refusal(d)
         if refusal is not None:
             return refusal
+        generation, num_warps, _ = d.hopper_storage()
         self.check_device(device)
         tk = discover.find_triton_kernels((kernel_locations or KernelLocations()).triton_kernels)
-        discover.require_triton_generation(tk, str(layout_fields.get("triton_layout", "3.5")))
-        hp = int(layout_fields.get("padded_hidden_size", 0))
-        ip = int(layout_fields.get("padded_intermediate_size", 0))
+        discover.require_triton_generation(tk, generation)
+        hp, ip = layout.padded_hidden_size, layout.padded_intermediate_size
         if hp % KERNEL_K_MULTIPLE:
             return (f"hidden size {hp} is not a multiple of {KERNEL_K_MULTIPLE}: triton_kernels' Hopper matmul "
                     "computes wrong results for it; repack with --layout-option pad_hidden=true")  # fmt: skip
-        if int(layout_fields.get("num_warps", 8)) == 8 and min(hp, 2 * ip) <= 128:
+        if num_warps == 8 and min(hp, 2 * ip) <= 128:
             return f"output width {min(hp, 2 * ip)} <= 128: triton_kernels' Hopper matmul (num_warps 8) cannot compile for it"
         return None
 
@@ -268,15 +269,15 @@ class TritonRunner:
         """One rank's buffers wrapped per spec §8; a TP rank's Ip is its share rounded up to the
         layout's ``intermediate_align``. BadInput for another GPU's storage (manifest ``layout.arch``)
         before anything else: its bytes are not what the Hopper layouts wrap."""
-        layout_fields = spec.layout
-        refusal = _arch_refusal(layout_fields)
+        d = TritonDescription.from_layout(spec.layout)
+        refusal = _arch_refusal(d)
         if refusal is not None:
             raise BadInput(f"{spec.name}: {refusal}")
+        generation, _, _ = d.hopper_storage()
         self.check_device(tensors["w13_weight"].device)
         tk = discover.find_triton_kernels((kernel_locations or KernelLocations()).triton_kernels)
-        discover.require_triton_generation(tk, str(layout_fields.get("triton_layout", "3.5")))
-        align = int(layout_fields.get("intermediate_align", 64))
-        ip = int(layout_fields["padded_intermediate_size"]) if spec.tp_size == 1 else _round_up(spec.rank_intermediate_size, align)
+        discover.require_triton_generation(tk, generation)
+        ip = spec.layout.padded_intermediate_size if spec.tp_size == 1 else _round_up(spec.rank_intermediate_size, d.intermediate_align)
         return build_experts(tk, tensors, spec, ip)
 
     def forward(self, experts: TritonExperts, x: torch.Tensor, topk_ids: torch.Tensor | None,

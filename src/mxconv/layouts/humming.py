@@ -45,7 +45,8 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from mxconv.errors import LayoutError
 from mxconv.experts.kernel_settings import KernelChoice
@@ -53,12 +54,13 @@ from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.layouts.base import LayoutOption, LayoutOptions, check_activation
 from mxconv.layouts.checks import check_kernel_tensors
+from mxconv.layouts.description import LayoutDescription
 from mxconv.layouts.forms import FormBase, FormsLayout
 from mxconv.layouts.humming_bytemap import K_MULTIPLE, N_MULTIPLE, gemm_shapes
 from mxconv.layouts.humming_int4 import AUTO, CODES, INT4, HummingInt4
 from mxconv.layouts.humming_mx import MXFP4, MXFP8, HummingMX
 
-__all__ = ["LAYOUT", "HummingForm", "HummingLayout", "gemm_shapes", "layer_configs"]
+__all__ = ["LAYOUT", "HummingDescription", "HummingForm", "HummingLayout", "gemm_shapes", "layer_configs"]
 
 BACKEND_NAME = "humming"
 LAYOUT_VERSION = 1
@@ -67,6 +69,23 @@ SM_VERSION = 90  # the layout is humming's for this SM (SM100+ uses native dequa
 HUMMING_VERSION = "0.1.19"
 # (activation, w13 row order) -> humming's activation kind (vLLM humming/activation.py)
 ACTIVATION_TYPES = {"interleaved": "binary_interleaved", "halves": "binary_split"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HummingDescription(LayoutDescription):
+    """The keys of a humming output's manifest ``layout`` that the engine runner
+    (:mod:`mxconv.engines.humming_moe`) reads. An MXFP4 output records no variant, only INT4 ones
+    int4_codes; the defaults are what those (and outputs written before a key existed) mean: MXFP4
+    weights, uint4 codes, and SM 0 (no SM recorded: refused on every GPU). w13_kernel_row_order has
+    no default: every humming manifest records it."""
+
+    variant: str = "mxfp4"  # the experts' weight format (written for MXFP8 and INT4)
+    sm_version: int = 0  # the SM humming's bytes are laid out for
+    w13_kernel_row_order: str  # "interleaved" | "halves"
+    int4_codes: str = "uint4"  # INT4: the code form of an output written before stack_choices
+    layer_configs: Mapping[str, Any] | None = None  # humming LayerConfig arguments per GEMM
+
+    reader: ClassVar[str] = "the humming engine runner"
 
 
 class HummingForm(FormBase):
@@ -127,6 +146,9 @@ class HummingForm(FormBase):
         v = self.part
         v.kernel_specs(sizes)  # the sizes checked against the part's padding (and INT4: no biases)
         shapes = gemm_shapes(sizes.hidden_size, sizes.padded_intermediate_size)
+        # the runner's keys; variant (MXFP8, INT4) and int4_codes (INT4) are the part's own fields
+        d = HummingDescription(sm_version=SM_VERSION, w13_kernel_row_order=sizes.row_order,
+                               layer_configs=layer_configs(sizes, self.codes(options)))  # fmt: skip
         return {
             "name": BACKEND_NAME,
             "version": LAYOUT_VERSION,
@@ -135,14 +157,14 @@ class HummingForm(FormBase):
             "activation": activation,
             "vllm_moe_backend": "HUMMING",
             **v.manifest_oracle,
-            "sm_version": SM_VERSION,
+            "sm_version": d.sm_version,
             "intermediate_align": v.intermediate_align,
             "gemm_padding": {"n_multiple": N_MULTIPLE, "k_multiple": K_MULTIPLE,
                              "w13": list(shapes["w13"]), "w2": list(shapes["w2"])},
-            "w13_kernel_row_order": sizes.row_order,
+            "w13_kernel_row_order": d.w13_kernel_row_order,
             "activation_type": ACTIVATION_TYPES[sizes.row_order],
             **v.storage_fields(options.int4_codes),
-            "layer_configs": layer_configs(sizes, self.codes(options)),
+            "layer_configs": d.layer_configs,
         }  # fmt: skip
 
 

@@ -38,6 +38,7 @@ from mxconv.experts.tensors import KERNEL_TENSOR_NAMES, KernelTensors, TensorSpe
 from mxconv.layouts.base import LayoutOption, LayoutOptions
 from mxconv.layouts.forms import FormBase, FormsLayout
 from mxconv.layouts.gathers import cached_index, gather_padded_rows, layout_kernels, pad_row_source
+from mxconv.layouts.marlin_description import MarlinDescription
 from mxconv.layouts.marlin_mxfp8 import MXFP8
 from mxconv.layouts.marlin_bytemap import (
     ACTIVATIONS, FP8_SCALE_MAX_INPUT, FP8_SCALE_OFFSET, SCALE_LAYOUTS, check_scale_mode, chunk32_perm,
@@ -184,13 +185,14 @@ class MarlinMxfp4(FormBase):
         scale_layout = options.marlin_scale_layout
         check_scale_mode(activation, scale_layout)
         compat = {"vllm": ">=0.12"} if scale_layout == "current" else {"vllm": ">=0.10.2,<=0.11.2"}
+        d = MarlinDescription(activation=activation, scale_layout=scale_layout)  # variant: MXFP4, not written
         info: dict[str, Any] = {
             "name": "marlin",
             "version": 1,
             "engine_compat": compat,
-            "activation": activation,
+            "activation": d.activation,
             "weight_tile": {"k": 16, "n": 64} if activation == "bf16" else {"k": 32, "n": 32},
-            "scale_layout": scale_layout,
+            "scale_layout": d.scale_layout,
             "scale_chunk": 64 if activation == "bf16" else 32,
             "scale_offset": FP8_SCALE_OFFSET if activation == "fp8" else 0,
             "bias_chunk": 32,

@@ -43,6 +43,7 @@ from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
 from mxconv.layouts.checks import check_block_sizes, check_kernel_tensors
 from mxconv.layouts.forms import FormBase
 from mxconv.layouts.gathers import gather_padded_rows, pad_row_source
+from mxconv.layouts.marlin_description import MarlinDescription
 from mxconv.layouts.marlin_bytemap import check_scale_mode, marlin_scales, marlin_unscales
 
 if TYPE_CHECKING:
@@ -185,16 +186,17 @@ class MarlinMxfp8(FormBase):
 
     def describe(self, sizes: LayoutSizes, activation: str, options: Any) -> dict[str, Any]:
         self.kernel_specs(sizes, activation, options)
+        d = MarlinDescription(variant=WEIGHT_FORMAT, activation=activation, scale_layout=options.marlin_scale_layout)
         return {
             "name": "marlin",
             "version": 1,
-            "variant": WEIGHT_FORMAT,
+            "variant": d.variant,
             "vllm_oracle": "Fp8MoeBackend",
             "engine_compat": {"vllm": VLLM_COMPAT},
-            "activation": activation,
+            "activation": d.activation,
             "weight_tile": {"k": 16, "n": 64},
             "weight_bits": 8,
-            "scale_layout": options.marlin_scale_layout,
+            "scale_layout": d.scale_layout,
             "scale_chunk": 64,
             "padding": {"hidden_multiple": 1, "intermediate_multiple": INTERMEDIATE_MULTIPLE,
                         "marlin_intermediate_size": round_up(sizes.intermediate_size, INTERMEDIATE_MULTIPLE)},

@@ -317,22 +317,23 @@ class TritonLayout(LayoutBase):
         opts = self.options_of(options)
         geo = self.geometry(sizes, opts)
         spec = opts.spec
+        d = spec.description(opts.triton_layout, opts.num_warps, opts.scale_k_align)
         return {
             "name": self.name,
             "version": self.version,
             "engine_compat": {**spec.engine_compat(opts.triton_layout, opts.scale_k_align),
                               "torch": ">=2.8.1 (older: vLLM does not swizzle on SM90)"},
-            "arch": opts.arch,
+            "arch": d.arch,
             "vllm_moe_backends_on_arch": list(spec.vllm_backends),
             "activation": activation,
             "vllm_moe_backend": "TRITON",
             # triton_layout, value_padding, bit_twiddle, num_warps, scale_k_align, split_k: None where
             # the arch's storage does not depend on the option
-            **spec.storage_fields(opts.triton_layout, opts.num_warps, opts.scale_k_align),
+            **spec.storage_fields(d, opts.triton_layout),
             "pad_hidden": opts.pad_hidden,
             "hidden_padded": sizes.padded_hidden_size != sizes.hidden_size,
             "hidden_warning": self.hidden_warning(sizes.hidden_size, opts),
-            "intermediate_align": spec.intermediate_align,
+            "intermediate_align": d.intermediate_align,
             "hidden_align": spec.hidden_align,
             "w13_kernel_row_order": "interleaved",
             "w13_source_row_order": sizes.row_order,

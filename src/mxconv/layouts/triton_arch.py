@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+from mxconv.errors import BadInput
+from mxconv.layouts.description import LayoutDescription
 from mxconv.layouts.triton_bytemap import (
     need,
     permute_scales,
@@ -118,6 +120,31 @@ ENGINE_COMPAT = {
 }
 
 
+@dataclass(frozen=True, kw_only=True)
+class TritonDescription(LayoutDescription):
+    """The keys of a triton output's manifest ``layout`` that the engine runner reads, as
+    :meth:`ArchSpec.description` writes them. An output written before a key existed lacks it; the
+    defaults are what such outputs hold: the sm90 storage of triton_kernels 3.5 with vLLM's
+    num_warps 8, the scale's K/32 padded to 4 and the intermediate size to 64."""
+
+    arch: str = "sm90"  # an Arch value: the GPU whose storage the output holds
+    triton_layout: str | None = "3.5"  # triton_kernels value-layout generation (None: the arch ignores it)
+    num_warps: int | None = 8  # HopperMXScaleLayout num_warps (None: the arch ignores it)
+    scale_k_align: int = 4  # the scale's K/32 axis padded to this multiple
+    intermediate_align: int = 64  # a TP rank's intermediate share is rounded up to this
+
+    reader: ClassVar[str] = "the triton engine runner"
+
+    def hopper_storage(self) -> tuple[str, int, int]:
+        """(triton_layout, num_warps, scale_k_align) of an sm90 storage, which records them all;
+        BadInput naming the field recorded as null."""
+        if self.triton_layout is None or self.num_warps is None:
+            null = "triton_layout" if self.triton_layout is None else "num_warps"
+            raise BadInput(f"manifest layout.{null}: null, but the sm90 storage (layout.arch {self.arch!r}) records it; "
+                           f"{self.reader} needs it")  # fmt: skip
+        return self.triton_layout, self.num_warps, self.scale_k_align
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """The triton layout's variant object for one GPU family: what vLLM 0.33 builds for the TRITON
@@ -188,12 +215,19 @@ class ArchSpec:
         """The manifest's ``engine_compat`` (``torch`` added by the layout)."""
         return {"vllm": f"0.33 on {self.gpu}", "triton_kernels": "3.5, 3.6 and 3.8 store these bytes", "gpu": self.gpu}
 
-    def storage_fields(self, generation: str, num_warps: int, scale_k_align: int) -> dict[str, Any]:
-        """The manifest's storage fields: the Hopper options' values where they shape the bytes, else None."""
+    def description(self, generation: str, num_warps: int, scale_k_align: int) -> TritonDescription:
+        """The runner's keys of the manifest for the layout's options: the Hopper options' values where
+        they shape the bytes, else None (scale_k_align: 1)."""
+        return TritonDescription(arch=self.arch, triton_layout=generation if self.options_shape_bytes else None,
+                                 num_warps=self.layout_num_warps(num_warps), scale_k_align=self.scale_k_align(scale_k_align),
+                                 intermediate_align=self.intermediate_align)  # fmt: skip
+
+    def storage_fields(self, d: TritonDescription, generation: str) -> dict[str, Any]:
+        """The manifest's storage fields, those the runner reads from ``d`` (:meth:`description`)."""
         rows, row_bytes = self.value_padding(generation)
-        return {"triton_layout": generation if self.options_shape_bytes else None,
+        return {"triton_layout": d.triton_layout,
                 "value_padding": {"rows": rows, "row_bytes": row_bytes}, "bit_twiddle": self.options_shape_bytes,
-                "num_warps": self.layout_num_warps(num_warps), "scale_k_align": self.scale_k_align(scale_k_align),
+                "num_warps": d.num_warps, "scale_k_align": d.scale_k_align,
                 "split_k": 1 if self.options_shape_bytes else None}  # fmt: skip
 
 

@@ -26,13 +26,14 @@ def triton_kernels_objects(mapping: Any, t: dict[str, torch.Tensor], layer: Any,
     (sm90) storage only, as mxconv's triton runner."""
     from mxconv.engines import discover
     from mxconv.engines.triton_moe import MatrixGeometry, _arch_refusal, constrain_hopper, wrap_matrix
+    from mxconv.layouts.triton_arch import TritonDescription
 
-    lay = manifest.layout.to_json()  # the triton runner reads the layout's own describe() fields
-    refusal = _arch_refusal(lay)
+    d = TritonDescription.from_layout(manifest.layout)  # the triton layout's own describe() keys, typed
+    refusal = _arch_refusal(d)
     if refusal is not None:
         raise BadInput(f"mxconv's vLLM plugin: {refusal}")
     tk = discover.find_triton_kernels()
-    gen, warps, align = str(lay.get("triton_layout", "3.5")), int(lay.get("num_warps", 8)), int(lay.get("scale_k_align", 4))
+    gen, warps, align = d.hopper_storage()
     # vLLM's padded sizes for this rank: its parameters, before they are deleted
     e, hp, ip = int(layer.w2_weight.shape[0]), int(layer.w2_weight.shape[1]), 2 * int(layer.w2_weight.shape[2])
     w13, pc13 = wrap_matrix(tk, t["w13_weight"], t["w13_weight_scale"], MatrixGeometry(e, 2 * ip, hp, gen, warps, align), "w13")
