@@ -42,6 +42,17 @@ def make_stack(E: int, H: int, I: int, row_order: str, bias: bool = True, seed: 
     )
 
 
+def make_mxfp8_stack(E: int, H: int, I: int, row_order: str, seed: int = 0) -> CanonicalExperts:
+    """Random canonical MXFP8 stack (CPU, no biases: Marlin's MXFP8 form takes none): one byte a value."""
+    g = torch.Generator().manual_seed(seed)
+
+    def u8(*shape: int, lo: int = 0, hi: int = 256) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+
+    return CanonicalExperts(u8(E, 2 * I, H), u8(E, 2 * I, H // 32, lo=1, hi=250), u8(E, H, I), u8(E, H, I // 32, lo=1, hi=250),
+                            row_order=row_order, weight_format="mxfp8")  # fmt: skip
+
+
 def sizes_for(backend: str, c: CanonicalExperts, activation: str, options: LayoutOptions) -> LayoutSizes:
     layout = get_layout(backend)
     return c.sizes(*layout.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, options))
@@ -60,6 +71,12 @@ CASES = [
 ]
 # (E, H, I): padded in every backend, aligned (no padding anywhere), gpt-oss-20b
 SHAPES = [(4, 288, 320), (4, 512, 512), (32, 2880, 2880)]
+# MXFP8 experts (the 8-bit tile kernel): (backend, (E, H, I), row order); Marlin's MXFP8 form needs
+# H % 64 and, with interleaved rows, I % 64; I = 96 pads every axis either backend pads
+MXFP8_CASES = [(b, shape, order) for b in ("marlin", "humming")
+               for shape, orders in (((4, 256, 96), ("halves",)), ((4, 512, 512), ("interleaved", "halves")),
+                                     ((32, 2880, 2880), ("interleaved", "halves")))
+               for order in orders]  # fmt: skip
 
 
 def _case_id(case: tuple[str, str, dict]) -> str:
@@ -75,7 +92,8 @@ def _case_id(case: tuple[str, str, dict]) -> str:
 def _interpreter_main() -> None:
     """Runs in the subprocess (TRITON_INTERPRET=1): print a JSON report of every comparison."""
     from mxconv.kernels import trtllm_aiter as lt
-    from mxconv.layouts import aiter, marlin, trtllm
+    from mxconv.layouts import aiter, humming_mx, marlin, marlin_mxfp8, trtllm
+    from mxconv.layouts import humming_bytemap
     from mxconv.layouts import aiter_bytemap
     from mxconv.layouts import marlin_bytemap
     from mxconv.layouts import trtllm_bytemap
@@ -116,6 +134,14 @@ def _interpreter_main() -> None:
         ref = aiter_bytemap.s32x8(pad_last(gather_padded_rows(src, tab, zero, 0), cols, 0x7F))
         report[f"s32x8_tiles-{c_in}-{cols}"] = torch.equal(lt.s32x8_tiles(src, tab, zero, cols, 0x7F), ref)
 
+    for order, repack, (n_in, n, k_in, k) in ((lt.TileOrder.MARLIN, marlin_mxfp8.repack_bytes, (100, 128, 48, 64)),
+                                              (lt.TileOrder.MARLIN, marlin_mxfp8.repack_bytes, (64, 64, 160, 160)),
+                                              (lt.TileOrder.HUMMING, humming_bytemap.repack_bytes, (100, 128, 40, 64)),
+                                              (lt.TileOrder.HUMMING, humming_bytemap.repack_bytes, (64, 192, 128, 128))):  # fmt: skip
+        src, tab = u8(E, n_in, k_in), table(n_in, n)
+        ref = repack(gather_padded_rows(src, tab, k), "weight")
+        report[f"byte_tile_stream-{order.name}-{n}x{k}"] = torch.equal(lt.byte_tile_stream(src, tab, k, order), ref)
+
     # whole to_kernel calls with the kernels forced on for CPU tensors vs the torch path
     modules = {"trtllm": trtllm, "marlin": marlin, "aiter": aiter}
     for backend, act, opts in CASES:
@@ -125,6 +151,11 @@ def _interpreter_main() -> None:
             c = make_stack(2, 96, 160, row_order, seed=len(report))
             key = f"to_kernel-{_case_id((backend, act, key_opts))}-{row_order}"
             report[key] = kernels_match_torch(mod, lt, lambda: layout.to_kernel(c, act, opts))
+    for backend, mod in (("marlin", marlin_mxfp8), ("humming", humming_mx)):
+        for row_order in ("interleaved", "halves"):
+            c8 = make_mxfp8_stack(2, 128, 64 if row_order == "interleaved" else 96, row_order, seed=len(report))
+            layout = get_layout(backend)
+            report[f"to_kernel-mxfp8-{backend}-{row_order}"] = kernels_match_torch(mod, lt, lambda: layout.to_kernel(c8, "bf16", None))
     print_report(report)
 
 
@@ -133,13 +164,13 @@ interpreter_report = report_fixture("test_layout_gpu")
 
 def test_interpreter_kernels_equal_torch(interpreter_report: dict[str, bool]) -> None:
     kernels = {k: v for k, v in interpreter_report.items() if not k.startswith("to_kernel")}
-    assert len(kernels) == 12
+    assert len(kernels) == 16
     assert all(kernels.values()), [k for k, v in kernels.items() if not v]
 
 
 def test_interpreter_to_kernel_equal_torch_path(interpreter_report: dict[str, bool]) -> None:
     whole = {k: v for k, v in interpreter_report.items() if k.startswith("to_kernel")}
-    assert len(whole) == 2 * len(CASES)
+    assert len(whole) == 2 * len(CASES) + 4
     assert all(whole.values()), [k for k, v in whole.items() if not v]
 
 
@@ -222,6 +253,24 @@ def test_cuda_misaligned_and_strided_inputs(backend: str) -> None:
             f(c.w13), f(c.w13_scale), f(c.w2), f(c.w2_scale), c.w13_bias.cuda(), c.w2_bias.cuda(), c.row_order
         )
         assert not same_bytes(layout.to_kernel(g, act, None), k_cpu), f.__name__
+
+
+@pytest.mark.parametrize("case", MXFP8_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}")
+@pytest.mark.gpu
+def test_cuda_mxfp8_equals_cpu_and_round_trips(case) -> None:
+    """MXFP8 experts: the 8-bit tile kernel (weights) and the scale kernels on CUDA == the CPU torch
+    path, for Marlin's and humming's forms, and from_kernel gives the stack back."""
+    backend, (E, H, I), row_order = case
+    layout = get_layout(backend)
+    c = make_mxfp8_stack(E, H, I, row_order, seed=E + H + I)
+    cuda = c.to("cuda")
+    k_gpu = layout.to_kernel(cuda, "bf16", None)
+    k_cpu = layout.to_kernel(c, "bf16", None)
+    assert not same_bytes(k_gpu, k_cpu), same_bytes(k_gpu, k_cpu)
+    assert not same_bytes(layout.to_kernel(cuda, "bf16", None, KernelChoice.TORCH), k_cpu)
+    back = layout.from_kernel(k_gpu, sizes_for(backend, c, "bf16", layout.resolve_options({})), "bf16", None)
+    for name in ("w13", "w13_scale", "w2", "w2_scale"):
+        assert torch.equal(getattr(back, name).cpu(), getattr(c, name)), name
 
 
 @pytest.mark.gpu

@@ -25,6 +25,7 @@ KERNEL_CONFIG: dict[str, dict[str, int]] = {
     "w16_tiles": {"BC": 32, "num_warps": 4},
     "s32x8_tiles": {"BT": 8, "num_warps": 4},
     "transposed_copy": {"BR": 64, "BC": 64, "num_warps": 4},
+    "byte_tiles": {"BK": 8, "num_warps": 4},
 }
 
 

@@ -41,6 +41,16 @@ def pad_row_source(rows: int, padded_rows: int, row_order: str | None = None) ->
     return torch.where(p < rows, p, -1)
 
 
+def extend_rows(tab: torch.Tensor, rows: int) -> torch.Tensor:
+    """The row table ``tab`` with padding rows (-1) appended up to ``rows`` entries (a second
+    padding after the first, e.g. humming's N after vLLM's intermediate size)."""
+    import torch
+
+    if rows < tab.numel():
+        raise LayoutError(f"cannot extend a table of {tab.numel()} rows to {rows}")
+    return torch.nn.functional.pad(tab, (0, rows - tab.numel()), value=-1)
+
+
 def layout_kernels(t: torch.Tensor, choice: KernelChoice) -> Any:
     """The Triton layout-kernel module (``mxconv.kernels.trtllm_aiter``) when ``choice`` is AUTO, ``t``
     is a CUDA tensor and triton imports, else None (use the torch path). Imports triton lazily."""

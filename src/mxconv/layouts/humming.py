@@ -46,9 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping
 
-from mxconv.errors import LayoutError
 from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec
@@ -129,9 +128,10 @@ class HummingForm(FormBase):
         return self.part.stack_choices(c, self.codes(options))
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: Any, kernel_choice: KernelChoice) -> KernelTensors:
-        """Canonical stack -> stored tensors on ``c``'s device (module table); torch ops only."""
+        """Canonical stack -> stored tensors on ``c``'s device (module table); ``kernel_choice`` picks the
+        Triton layout kernel for MXFP8 weights on CUDA (same bytes), torch ops for the rest."""
         check_activation(BACKEND_NAME, activation, self.activations)
-        return self.part.to_kernel(c, self.codes(options))
+        return self.part.to_kernel(c, self.codes(options), kernel_choice)
 
     def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: Any) -> CanonicalExperts:
         """Exact inverse of :meth:`to_kernel` (biases as bf16); LayoutError for a wrong tensor set,

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from mxconv.errors import LayoutError
 from mxconv.experts.padding import check_fill
+from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.layouts.humming_bytemap import (
@@ -217,7 +218,8 @@ class HummingInt4:
         """The code form of each GEMM's stack (:func:`stack_codes`), recorded in the manifest."""
         return stack_codes(c, codes)
 
-    def to_kernel(self, c: CanonicalExperts, codes: str | Mapping[str, str]) -> KernelTensors:
+    def to_kernel(self, c: CanonicalExperts, codes: str | Mapping[str, str], kernel_choice: KernelChoice) -> KernelTensors:
+        """torch ops on every device (``kernel_choice``: no Triton kernel for INT4 words)."""
         return to_kernel(c, codes)
 
     def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, codes: str | Mapping[str, str]) -> CanonicalExperts:

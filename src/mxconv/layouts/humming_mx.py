@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from mxconv.errors import LayoutError
 from mxconv.experts.padding import check_fill, unpad_canonical
+from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up, values_per_byte
 from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
 from mxconv.layouts.checks import check_block_sizes
-from mxconv.layouts.gathers import gather_padded_rows, pad_row_source
+from mxconv.layouts.gathers import extend_rows, gather_padded_rows, layout_kernels, pad_row_source
 from mxconv.layouts.humming_bytemap import (
     SCALE_PAD_BYTE, gemm_shapes, lay_out_bias, lay_out_scales, pad_matrix, pad_vector, repack_bytes, repack_weights,
     unlay_bias, unlay_scales, unrepack_bytes, unrepack_weights,
@@ -93,8 +94,10 @@ class HummingMX:
         """Nothing chosen from the data (INT4's code forms only)."""
         return {}
 
-    def to_kernel(self, c: CanonicalExperts, codes: Any) -> KernelTensors:
-        """Canonical stack -> stored tensors on ``c``'s device; torch ops only (``codes`` unused)."""
+    def to_kernel(self, c: CanonicalExperts, codes: Any, kernel_choice: KernelChoice) -> KernelTensors:
+        """Canonical stack -> stored tensors on ``c``'s device (``codes`` unused). ``kernel_choice``
+        picks the Triton layout kernel for 8-bit weights on CUDA (same bytes); 4-bit weights and
+        every scale and bias take torch ops."""
         import torch
 
         c.validate()
@@ -102,11 +105,15 @@ class HummingMX:
         vpb = self.values_per_byte
         tabs = {"w13": pad_row_source(2 * c.intermediate_size, 2 * Ip, c.row_order).to(c.device),
                 "w2": pad_row_source(H, H).to(c.device)}  # fmt: skip
+        lt = layout_kernels(c.w13, kernel_choice) if vpb == 1 else None
         out: KernelTensors = {}
         for w, (_n, k, n_pad, k_pad) in gemm_shapes(H, Ip).items():
             # vLLM's layer (zeros, w2's K axis padded to Ip too), then humming's own padding
-            weight = pad_matrix(gather_padded_rows(getattr(c, w), tabs[w], k // vpb), n_pad, k_pad // vpb, 0)
-            out[f"{w}_weight"] = self.repack(weight, f"{w}_weight")
+            if lt is not None:  # both paddings are zeros: rows past the table, K up to k_pad
+                out[f"{w}_weight"] = lt.byte_tile_stream(getattr(c, w), extend_rows(tabs[w], n_pad), k_pad, lt.TileOrder.HUMMING)
+            else:
+                weight = pad_matrix(gather_padded_rows(getattr(c, w), tabs[w], k // vpb), n_pad, k_pad // vpb, 0)
+                out[f"{w}_weight"] = self.repack(weight, f"{w}_weight")
             scale = gather_padded_rows(getattr(c, f"{w}_scale"), tabs[w], k // MX_BLOCK)
             scale = pad_matrix(scale, n_pad, k_pad // MX_BLOCK, SCALE_PAD_BYTE)
             out[f"{w}_weight_scale"] = lay_out_scales(scale).view(torch.float8_e8m0fnu)

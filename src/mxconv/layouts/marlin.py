@@ -28,7 +28,7 @@ torch is imported lazily, in the functions that compute, so ``mxconv inspect`` s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mxconv.errors import LayoutError
 from mxconv.experts.kernel_settings import KernelChoice
@@ -37,17 +37,14 @@ from mxconv.experts.stack import ROW_ORDERS, CanonicalExperts, LayoutSizes, roun
 from mxconv.experts.tensors import KERNEL_TENSOR_NAMES, KernelTensors, TensorSpec, bias_specs, in_kernel_order
 from mxconv.layouts.base import LayoutOption, LayoutOptions
 from mxconv.layouts.forms import FormBase, FormsLayout
-from mxconv.layouts.gathers import cached_index, gather_padded_rows, layout_kernels, pad_row_source
+from mxconv.layouts.gathers import gather_padded_rows, layout_kernels
 from mxconv.layouts.marlin_description import MarlinDescription
 from mxconv.layouts.marlin_mxfp8 import MXFP8
+from mxconv.layouts.marlin_scales import ScaleJob, kernel_scales, row_table
 from mxconv.layouts.marlin_bytemap import (
-    ACTIVATIONS, FP8_SCALE_MAX_INPUT, FP8_SCALE_OFFSET, SCALE_LAYOUTS, check_scale_mode, chunk32_perm,
-    marlin_scales, marlin_unbias, marlin_unscales,
-    marlin_weight_repack_words, marlin_weight_unrepack, permute_chunks, scale_perm_bf16,
+    ACTIVATIONS, FP8_SCALE_MAX_INPUT, FP8_SCALE_OFFSET, SCALE_LAYOUTS, check_scale_mode, marlin_unbias, marlin_unscales,
+    marlin_weight_repack_words, marlin_weight_unrepack,
 )
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["HIDDEN_MULTIPLE", "INTERMEDIATE_MULTIPLE", "LAYOUT", "MarlinLayout", "MarlinOptions"]
 
@@ -114,8 +111,8 @@ class MarlinMxfp4(FormBase):
         Hp, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, options)
         H, I = c.hidden_size, c.intermediate_size
         # Padding is a row map (padded row <- source row, -1 = zero row) plus zero K columns.
-        tab13 = _row_table(2 * I, 2 * Ip, c.row_order, None, c.device)
-        tab2 = _row_table(H, Hp, None, None, c.device)
+        tab13 = row_table(2 * I, 2 * Ip, c.row_order, None, c.device)
+        tab2 = row_table(H, Hp, None, None, c.device)
         lt = layout_kernels(c.w13, kernel_choice)
         out: KernelTensors = {}
         if lt is not None:
@@ -125,8 +122,8 @@ class MarlinMxfp4(FormBase):
             out["w13_weight"] = marlin_weight_repack_words(gather_padded_rows(c.w13, tab13, Hp // 2), activation, "w13_weight")
             out["w2_weight"] = marlin_weight_repack_words(gather_padded_rows(c.w2, tab2, Ip // 2), activation, "w2_weight")
         scale_jobs = (
-            _ScaleJob("w13_weight_scale", c.w13_scale, 2 * I, 2 * Ip, Hp // 32, c.row_order),
-            _ScaleJob("w2_weight_scale", c.w2_scale, H, Hp, Ip // 32, None),
+            ScaleJob("w13_weight_scale", c.w13_scale, 2 * I, 2 * Ip, Hp // 32, c.row_order),
+            ScaleJob("w2_weight_scale", c.w2_scale, H, Hp, Ip // 32, None),
         )
         scale_kernels = lt if scale_layout == "current" else None  # the legacy weave stays in torch
         too_big = None
@@ -134,16 +131,16 @@ class MarlinMxfp4(FormBase):
             # fp8 range check as a device flag: one sync at the end instead of one per tensor
             too_big = (c.w13_scale > FP8_SCALE_MAX_INPUT).any() | (c.w2_scale > FP8_SCALE_MAX_INPUT).any()
         for job in scale_jobs:
-            out[job.name] = _kernel_scales(scale_kernels, job, activation, scale_layout)
+            out[job.name] = kernel_scales(scale_kernels, job, activation, scale_layout)
         if c.w13_bias is not None and c.w2_bias is not None:
             # bias: the 32-chunk permutation folded into the row map
-            b13 = _row_table(2 * I, 2 * Ip, c.row_order, 32, c.device)
-            b2 = _row_table(H, Hp, None, 32, c.device)
+            b13 = row_table(2 * I, 2 * Ip, c.row_order, 32, c.device)
+            b2 = row_table(H, Hp, None, 32, c.device)
             out["w13_bias"] = gather_padded_rows(c.w13_bias.to(torch.bfloat16), b13)
             out["w2_bias"] = gather_padded_rows(c.w2_bias.to(torch.bfloat16), b2)
         if too_big is not None and bool(too_big):
             for job in scale_jobs:  # the torch path names the byte
-                _kernel_scales(None, job, activation, scale_layout)
+                kernel_scales(None, job, activation, scale_layout)
         return in_kernel_order(out)
 
     def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: MarlinOptions) -> CanonicalExperts:
@@ -227,56 +224,6 @@ class MarlinLayout(FormsLayout):
             choices=SCALE_LAYOUTS,
         ),
     )
-
-
-def _chunk_perm_cpu(chunk: int) -> torch.Tensor:
-    return scale_perm_bf16() if chunk == 64 else chunk32_perm()
-
-
-def _row_table(
-    rows: int, padded_rows: int, row_order: str | None, chunk: int | None, device: torch.device
-) -> torch.Tensor:
-    """Source row (unpadded) behind each padded row, -1 = padding (cached, on ``device``). With
-    ``chunk`` (64: bf16 scale map, 32: fp8 scale / bias map) the padded rows are first permuted in
-    chunks: entry p holds the source of padded row ``chunk*(p//chunk) + perm[p % chunk]``."""
-
-    def build() -> torch.Tensor:
-        pad = pad_row_source(rows, padded_rows, row_order)
-        if chunk is None:
-            return pad
-        return permute_chunks(pad[None], _chunk_perm_cpu(chunk))[0]
-
-    return cached_index(("marlin", rows, padded_rows, row_order, chunk), device, build)
-
-
-@dataclass(frozen=True)
-class _ScaleJob:
-    """One scale tensor to lay out: canonical ``scales`` [E, rows, G] -> kernel [E, cols, padded_rows]
-    (``row_order``: the w13 rows' order, None for w2)."""
-
-    name: str
-    scales: torch.Tensor
-    rows: int
-    padded_rows: int
-    cols: int
-    row_order: str | None
-
-
-def _kernel_scales(lt: Any, job: _ScaleJob, activation: str, scale_layout: str) -> torch.Tensor:
-    """Unpadded canonical scales [E, rows, G] -> kernel tensor float8_e8m0fnu [E, cols, padded_rows].
-
-    ``lt`` (the Triton kernel module, current/fp8 maps only; it does not range-check fp8 bytes) or
-    None: the torch path, which raises LayoutError for fp8 bytes above 249."""
-    import torch
-
-    fp8, s = activation == "fp8", job.scales
-    if lt is not None:
-        tab = _row_table(job.rows, job.padded_rows, job.row_order, 32 if fp8 else 64, s.device)
-        out = lt.transpose_rows(s, tab, job.cols, FP8_SCALE_OFFSET if fp8 else 0)
-    else:
-        tab = _row_table(job.rows, job.padded_rows, job.row_order, None, s.device)
-        out = marlin_scales(gather_padded_rows(s, tab, job.cols, 0), activation, scale_layout, job.name)
-    return out.view(torch.float8_e8m0fnu)
 
 
 LAYOUT = MarlinLayout()

@@ -42,9 +42,10 @@ from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
 from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
 from mxconv.layouts.checks import check_block_sizes, check_kernel_tensors
 from mxconv.layouts.forms import FormBase
-from mxconv.layouts.gathers import gather_padded_rows, pad_row_source
+from mxconv.layouts.gathers import gather_padded_rows, layout_kernels, pad_row_source
 from mxconv.layouts.marlin_description import MarlinDescription
-from mxconv.layouts.marlin_bytemap import check_scale_mode, marlin_scales, marlin_unscales
+from mxconv.layouts.marlin_bytemap import check_scale_mode, marlin_unscales
+from mxconv.layouts.marlin_scales import ScaleJob, kernel_scales
 
 if TYPE_CHECKING:
     import torch
@@ -137,25 +138,26 @@ class MarlinMxfp8(FormBase):
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: Any,
                   kernel_choice: KernelChoice) -> KernelTensors:  # fmt: skip
-        """Canonical MXFP8 stack -> the tensors of the module table, on ``c``'s device (torch ops on
-        every device: ``kernel_choice`` has no Triton kernel to pick here)."""
-        import torch
-
+        """Canonical MXFP8 stack -> the tensors of the module table, on ``c``'s device; ``kernel_choice``
+        picks the Triton layout kernels (CUDA) or torch ops (same bytes)."""
         c.validate()
         H, I = c.hidden_size, c.intermediate_size
         self.kernel_specs(c.sizes(H, I), activation, options)
         Ip = round_up(I, INTERMEDIATE_MULTIPLE)
         tab13 = pad_row_source(2 * I, 2 * Ip, "halves").to(c.device)  # per half, whatever the order (vLLM's rule)
         tab2 = pad_row_source(H, H).to(c.device)
-        out = {
-            "w13_weight": repack_bytes(gather_padded_rows(c.w13, tab13), "w13_weight"),
-            "w2_weight": repack_bytes(gather_padded_rows(c.w2, tab2, Ip), "w2_weight"),
-            "w13_weight_scale": marlin_scales(gather_padded_rows(c.w13_scale, tab13), name="w13_weight_scale"),
-            "w2_weight_scale": marlin_scales(gather_padded_rows(c.w2_scale, tab2, Ip // 32), name="w2_weight_scale"),
-        }
-        for k in ("w13_weight_scale", "w2_weight_scale"):
-            out[k] = out[k].view(torch.float8_e8m0fnu)
-        return in_kernel_order(out)
+        lt = layout_kernels(c.w13, kernel_choice)
+        if lt is not None:
+            weights = {"w13_weight": lt.byte_tile_stream(c.w13, tab13, H, lt.TileOrder.MARLIN),
+                       "w2_weight": lt.byte_tile_stream(c.w2, tab2, Ip, lt.TileOrder.MARLIN)}  # fmt: skip
+        else:
+            weights = {"w13_weight": repack_bytes(gather_padded_rows(c.w13, tab13), "w13_weight"),
+                       "w2_weight": repack_bytes(gather_padded_rows(c.w2, tab2, Ip), "w2_weight")}  # fmt: skip
+        # the scales take MXFP4's bf16 byte map (module docstring, step 3)
+        scale_jobs = (ScaleJob("w13_weight_scale", c.w13_scale, 2 * I, 2 * Ip, H // 32, "halves"),
+                      ScaleJob("w2_weight_scale", c.w2_scale, H, H, Ip // 32, None))  # fmt: skip
+        scales = {job.name: kernel_scales(lt, job, "bf16", "current") for job in scale_jobs}
+        return in_kernel_order({**weights, **scales})
 
     def from_kernel(self, k: KernelTensors, sizes: LayoutSizes, activation: str, options: Any) -> CanonicalExperts:
         """Exact inverse of :meth:`to_kernel`; LayoutError for a wrong tensor set, shape or dtype, or a

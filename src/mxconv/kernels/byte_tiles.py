@@ -1,0 +1,77 @@
+"""Triton kernel of the 8-bit weight streams (MXFP8 experts, one E4M3 byte a value) that Marlin and
+humming both build from 64-row x 16-value tiles:
+
+* Marlin MXFP8 (``gptq_marlin_repack(num_bits=8)``, bf16 activations; docs/layout-marlin.md §13,
+  :func:`mxconv.layouts.marlin_mxfp8.repack_bytes`);
+* humming MXFP8 (``weight_repack_nk`` with 8-bit B; docs/layout-humming.md,
+  :func:`mxconv.layouts.humming_bytemap.repack_bytes`).
+
+Both write, per expert, int32 [K/16, 4N]: the 1024 bytes of tile (k-tile kt, 64-row block nt) are
+contiguous at byte ``kt * 16N + nt * 1024``, a fixed permutation of the tile's 64 x 16 values. The
+two differ only in that permutation, so one kernel takes it as a constexpr :class:`TileOrder`: a
+program loads BK tiles of one row block in source order (rows x contiguous bytes, through the row
+table, padding fused in), regroups them with ``tl.reshape``/``tl.permute`` (the compiler goes through
+shared memory) and stores them contiguously. Same contract as the other layout kernels
+(:mod:`mxconv.kernels.trtllm_aiter`, which re-exports :func:`byte_tile_stream`): the unpadded
+canonical stack read through a row table (-1: a zero row), K zero-padded, the torch path's bytes.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+from mxconv.kernels.triton_common import KERNEL_CONFIG, gather_operands, kernel_dims, launch
+from mxconv.kernels.triton_import import tl, triton
+
+
+class TileOrder(Enum):
+    """Whose byte order inside a 64 x 16 tile (the value is the kernel's constexpr)."""
+
+    # n = 16 j + 8 blk + thc, k = 8 p0 + 2 thr + p1 -> stream (thc, thr, j, blk, p1, p0)
+    MARLIN = 0
+    # n = 8 kk + ln, k = 8 i5 + 2 lq + i6 -> stream (ln, lq, kk, i6, i5)
+    HUMMING = 1
+
+
+if triton is not None:
+    from mxconv.kernels.triton_common import load_rows
+
+    @triton.jit
+    def _byte_tiles_kernel(src, dst, tab, K_in, KT_out, N, s_e, s_r, d_e, ORDER: tl.constexpr, BK: tl.constexpr):
+        """Row block nt (64 rows) x BK k-tiles of 16 values: dst bytes kt*16N + nt*1024 + i."""
+        nt = tl.program_id(0)
+        kt = tl.program_id(1) * BK + tl.arange(0, BK)
+        e = tl.program_id(2).to(tl.int64)
+        rows = tl.load(tab + nt * 64 + tl.arange(0, 64))
+        k = tl.program_id(1) * BK * 16 + tl.arange(0, BK * 16)
+        x = load_rows(src, e, s_e, s_r, rows, k, K_in, 0)  # [64, BK*16]
+        if ORDER == 0:
+            x = tl.permute(tl.reshape(x, (4, 2, 8, BK, 2, 4, 2)), (3, 2, 5, 0, 1, 6, 4))
+        else:
+            x = tl.permute(tl.reshape(x, (8, 8, BK, 2, 4, 2)), (2, 1, 4, 0, 5, 3))
+        x = tl.reshape(x, (BK, 1024))
+        off = kt[:, None].to(tl.int64) * (16 * N) + nt * 1024 + tl.arange(0, 1024)[None, :]
+        tl.store(dst + e * d_e + off, x, mask=(kt < KT_out)[:, None])
+
+
+def byte_tile_stream(src: torch.Tensor, tab: torch.Tensor, K: int, order: TileOrder) -> torch.Tensor:
+    """uint8 [E, N_in, K_in] (one 8-bit value a byte) -> int32 [E, K/16, 4N]: the N = len(tab) rows
+    gathered through ``tab`` (-1: zeros), K zero-padded to ``K``, laid out in ``order``'s tiles.
+    N % 64 == 0 and K % 16 == 0."""
+    E, K_in, N = kernel_dims(src, tab)
+    if N % 64 or K % 16 or K_in > K:
+        raise ValueError(f"8-bit weight tiles need N % 64 == 0, K % 16 == 0 and K_in <= K (N={N}, K={K}, K_in={K_in})")
+    out, src, tab = gather_operands(src, tab, (E, K // 16, 16 * N))
+    if out.numel() == 0:
+        return out.view(torch.int32)
+    cfg = KERNEL_CONFIG["byte_tiles"]
+    kt_out = K // 16
+    grid = (N // 64, triton.cdiv(kt_out, cfg["BK"]), E)
+    launch(_byte_tiles_kernel, grid, src, src, out, tab, K_in, kt_out, N, src.stride(0), src.stride(1), out.stride(0),
+           ORDER=order.value, **cfg)  # fmt: skip
+    return out.view(torch.int32)
+
+
+__all__ = ["TileOrder", "byte_tile_stream"]
