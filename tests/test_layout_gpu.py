@@ -55,7 +55,8 @@ def make_mxfp8_stack(E: int, H: int, I: int, row_order: str, seed: int = 0) -> C
 
 def sizes_for(backend: str, c: CanonicalExperts, activation: str, options: LayoutOptions) -> LayoutSizes:
     layout = get_layout(backend)
-    return c.sizes(*layout.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, options))
+    return c.sizes(*layout.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, options,
+                                        weight_format=c.weight_format))
 
 
 # (backend, activation, options) for every activation plus the options that change bytes

@@ -18,7 +18,7 @@ block and thread assignment, but a word holds four values, so a row of words is 
     byte p = 2 * i6 + i5
 
 byte p of word (r, c) is the value at n = 64*bx + 8*kk + ln and k = 16*r + 8*i5 + 2*lq + i6. Scales: [N, K/32] transposed to [K/32, N], then an 8x8 transpose inside
-every 64-column chunk. Bias: 32-element chunks permuted ``out[8i + 2a + b] = in[8a + b + 2i]``.
+every 64-column chunk (:func:`scale_columns`: the same as a column map). Bias: 32-element chunks permuted ``out[8i + 2a + b] = in[8a + b + 2i]``.
 
 torch is imported lazily, in the functions that compute, so ``mxconv inspect`` stays torch-free.
 """
@@ -145,6 +145,18 @@ def _permute_last(t: torch.Tensor, perm: list[int], inverse: bool) -> torch.Tens
 def lay_out_scales(scales: torch.Tensor) -> torch.Tensor:
     """uint8 [E, N, K/32] (padded) -> uint8 [E, K/32, N]: transposed, 8x8 transpose per 64 columns."""
     return _permute_last(scales.transpose(1, 2).contiguous(), _chunk_perm(64, False), False).contiguous()
+
+
+def scale_columns(rows: int, padded_rows: int) -> tuple[list[int], list[int]]:
+    """:func:`lay_out_scales` as a column map, for a kernel that transposes through a row table: the
+    padded row behind each stored column (``padded_rows`` of them, the 8x8 chunk transpose applied),
+    and the stored columns whose row lies past the first ``rows`` (humming's own padding, which
+    holds SCALE_PAD_BYTE)."""
+    perm = _chunk_perm(64, False)
+    if padded_rows % 64:
+        raise LayoutError(f"humming: {padded_rows} scale rows are not whole 64-row chunks")
+    source = [64 * (p // 64) + perm[p % 64] for p in range(padded_rows)]
+    return source, [p for p, r in enumerate(source) if r >= rows]
 
 
 def unlay_scales(stored: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,10 @@ from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up, values_per_byte
 from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
 from mxconv.layouts.checks import check_block_sizes
-from mxconv.layouts.gathers import extend_rows, gather_padded_rows, layout_kernels, pad_row_source
+from mxconv.layouts.gathers import cached_index, extend_rows, gather_padded_rows, layout_kernels, pad_row_source
 from mxconv.layouts.humming_bytemap import (
     SCALE_PAD_BYTE, gemm_shapes, lay_out_bias, lay_out_scales, pad_matrix, pad_vector, repack_bytes, repack_weights,
+    scale_columns,
     unlay_bias, unlay_scales, unrepack_bytes, unrepack_weights,
 )
 
@@ -114,9 +115,13 @@ class HummingMX:
             else:
                 weight = pad_matrix(gather_padded_rows(getattr(c, w), tabs[w], k // vpb), n_pad, k_pad // vpb, 0)
                 out[f"{w}_weight"] = self.repack(weight, f"{w}_weight")
-            scale = gather_padded_rows(getattr(c, f"{w}_scale"), tabs[w], k // MX_BLOCK)
-            scale = pad_matrix(scale, n_pad, k_pad // MX_BLOCK, SCALE_PAD_BYTE)
-            out[f"{w}_weight_scale"] = lay_out_scales(scale).view(torch.float8_e8m0fnu)
+            if lt is not None:
+                rows = (2 * c.intermediate_size, 2 * Ip, c.row_order) if w == "w13" else (H, H, None)
+                scale = _kernel_scales(lt, getattr(c, f"{w}_scale"), rows, n_pad, (k // MX_BLOCK, k_pad // MX_BLOCK))
+            else:
+                scale = gather_padded_rows(getattr(c, f"{w}_scale"), tabs[w], k // MX_BLOCK)
+                scale = lay_out_scales(pad_matrix(scale, n_pad, k_pad // MX_BLOCK, SCALE_PAD_BYTE))
+            out[f"{w}_weight_scale"] = scale.view(torch.float8_e8m0fnu)
             bias = getattr(c, f"{w}_bias")
             if bias is not None:
                 out[f"{w}_bias"] = lay_out_bias(pad_vector(gather_padded_rows(bias.to(torch.bfloat16), tabs[w]), n_pad))
@@ -151,6 +156,27 @@ class HummingMX:
     def layer_config_fields(self, weight: str, codes: Any) -> dict[str, Any]:
         """The ``LayerConfig`` fields this format sets (over humming.py's MX defaults)."""
         return {"b_dtype": self.b_dtype}
+
+
+def _kernel_scales(lt: Any, scales: torch.Tensor, rows: tuple[int, int, str | None], n_pad: int,
+                   cols: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """The stored scales [E, K_pad/32, N_pad] of canonical ``scales`` [E, N_in, G_in] by the Triton
+    transpose kernel: rows padded as vLLM pads them (``rows``: pad_row_source's arguments; zeros) and
+    put in humming's column map, columns up to ``cols[0]`` = K/32 (zeros past G_in); then humming's own
+    padding, rows past vLLM's and columns from K/32 to ``cols[1]`` = K_pad/32, set to SCALE_PAD_BYTE
+    (lay_out_scales' bytes)."""
+    import torch
+
+    source, own_pad = scale_columns(rows[1], n_pad)
+
+    def build() -> torch.Tensor:
+        return extend_rows(pad_row_source(*rows), n_pad)[torch.tensor(source, dtype=torch.long)]
+
+    stored = lt.transpose_rows(scales, cached_index(("humming-scales", *rows, n_pad), scales.device, build), cols[1])
+    stored[:, cols[0]:, :] = SCALE_PAD_BYTE
+    if own_pad:
+        stored.index_fill_(2, torch.tensor(own_pad, device=stored.device), SCALE_PAD_BYTE)
+    return stored
 
 
 def _crop(name: str, x: torch.Tensor, rows: int, cols: int, fill: int) -> torch.Tensor:
