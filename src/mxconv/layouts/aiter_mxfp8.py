@@ -36,7 +36,7 @@ from mxconv.layouts.aiter_bytemap import (
     w16_bytes, w16_inverse,
 )
 from mxconv.layouts.checks import check_kernel_tensors
-from mxconv.layouts.forms import Mxfp8MethodForm
+from mxconv.layouts.forms import MXFP8_ORACLE, Mxfp8MethodForm
 
 if TYPE_CHECKING:
     import torch
@@ -126,8 +126,7 @@ class AiterMxfp8(Mxfp8MethodForm):
         return {
             "name": "aiter",
             "version": 1,
-            "variant": WEIGHT_FORMAT,
-            "vllm_oracle": "Fp8MoeBackend",
+            **MXFP8_ORACLE,
             "vllm_backend": VLLM_BACKEND,
             "engine_compat": {"vllm": "0.33", "aiter": "fused_moe with gate_mode (>= 0.1.14)", "gfx": "gfx950"},
             "activation": activation,

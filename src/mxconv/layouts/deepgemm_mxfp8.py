@@ -33,7 +33,7 @@ from mxconv.experts.padding import check_fill, pad_last
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
 from mxconv.layouts.checks import check_kernel_tensors
-from mxconv.layouts.forms import Mxfp8MethodForm
+from mxconv.layouts.forms import MXFP8_ORACLE, Mxfp8MethodForm
 
 if TYPE_CHECKING:
     import torch
@@ -120,8 +120,7 @@ class DeepgemmMxfp8(Mxfp8MethodForm):
         return {
             "name": "deepgemm",
             "version": 1,
-            "variant": WEIGHT_FORMAT,
-            "vllm_oracle": "Fp8MoeBackend",
+            **MXFP8_ORACLE,
             "vllm_moe_backend": VLLM_BACKEND,
             "engine_compat": {"vllm": "0.33", "deep_gemm": "vendored by vLLM 0.33", "gpu": "SM100 family"},
             "activation": activation,

@@ -84,6 +84,11 @@ class FormBase:
         return {}
 
 
+# How every MXFP8 form's manifest says whose experts it holds: vLLM 0.33 serves MXFP8 experts under the
+# FP8 MoE oracle (fused_moe/oracle/mxfp8.py picks an Fp8MoeBackend), whichever backend lays them out.
+MXFP8_ORACLE: dict[str, str] = {"variant": "mxfp8", "vllm_oracle": "Fp8MoeBackend"}
+
+
 class Mxfp8MethodForm(FormBase):
     """An MXFP8 form whose tensors are the ones vLLM's MXFP8 method (CompressedTensorsW8A8Mxfp8MoEMethod)
     allocates: one activation, one Fp8MoeBackend, (H, I) multiples of 32 and nothing padded, no expert

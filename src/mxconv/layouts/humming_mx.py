@@ -31,6 +31,7 @@ from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up, values_per_byte
 from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
 from mxconv.layouts.checks import check_block_sizes
+from mxconv.layouts.forms import MXFP8_ORACLE
 from mxconv.layouts.gathers import cached_index, extend_rows, gather_padded_rows, layout_kernels, pad_row_source
 from mxconv.layouts.humming_bytemap import (
     SCALE_PAD_BYTE, gemm_shapes, lay_out_bias, lay_out_scales, pad_matrix, pad_vector, repack_bytes, repack_weights,
@@ -193,7 +194,7 @@ MXFP4 = HummingMX(
 MXFP8 = HummingMX(
     "mxfp8", "float8e4m3", 1, repack_bytes, unrepack_bytes,
     "int32 words of four E4M3 bytes (humming weight_repack_nk kNumBitsB 8, interleave_mode 3)",
-    {"variant": "mxfp8", "vllm_oracle": "Fp8MoeBackend"},
+    dict(MXFP8_ORACLE),
 )  # fmt: skip
 MX_FORMATS = {f.weight_format: f for f in (MXFP4, MXFP8)}
 

@@ -48,7 +48,7 @@ from mxconv.experts.padding import unpad_canonical
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
 from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.layouts.checks import check_block_sizes
-from mxconv.layouts.forms import FormBase
+from mxconv.layouts.forms import FormBase, MXFP8_ORACLE
 from mxconv.layouts.gathers import gather_padded_rows
 from mxconv.layouts.trtllm_bytemap import (
     BACKEND_NAME, EPILOGUE_TILE_M, LAYOUT_VERSION, SF_TILE_COLS, SF_TILE_ROWS, SHUFFLE_BLOCK_ROWS, check_kernel_tensors,
@@ -166,8 +166,7 @@ def describe(sizes: LayoutSizes, activation: str, intermediate_align: int = INTE
     return {
         "name": BACKEND_NAME,
         "version": LAYOUT_VERSION,
-        "variant": VARIANT,
-        "vllm_oracle": "Fp8MoeBackend",
+        **MXFP8_ORACLE,
         "vllm_moe_backend": VLLM_BACKEND,
         "engine_compat": dict(ENGINE_COMPAT),
         "activation": activation,
