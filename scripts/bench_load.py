@@ -26,6 +26,7 @@ results stay resident when they fit in GPU memory (as in a real load).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import tempfile
@@ -35,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+import mxconv
 from _args import parser
 from mxconv.engines import discover, marlin_moe, triton_moe
 from mxconv.engines.runner import LayerSpec
@@ -42,7 +44,8 @@ from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
 from mxconv.families.base import ModelInfo
 from mxconv.layouts import get_layout
 from mxconv.engines.loader import load_layer_from_manifest, read_layer_tensors, resolve_layer
-from mxconv.source.manifest import LayoutPart
+from mxconv.run.plan import kernel_params
+from mxconv.source.manifest import FORMAT_VERSION, Manifest
 from mxconv.source.st_format import TORCH_TO_ST
 
 PREFIX = "model.layers.0.mlp.experts"
@@ -142,31 +145,40 @@ def engine_marlin_standin(c: CanonicalExperts, device: torch.device) -> dict[str
 # ---------------------------------------------------------------------------------------------
 
 
-def write_output(root: Path, backend: str, c: CanonicalExperts, options: dict[str, Any], device: torch.device) -> tuple[dict[str, Any], int]:
-    """Lay out ``c`` on ``device`` with mxconv's backend layout and write a one-layer output."""
+def write_output(root: Path, backend: str, c: CanonicalExperts, options: dict[str, Any], device: torch.device) -> tuple[Manifest, int]:
+    """Lay out ``c`` on ``device`` with mxconv's backend layout and write a one-layer output; its manifest is
+    a whole one (every key the schema requires, each tensor's shape, dtype and sha256), read back as the
+    typed Manifest the loader takes."""
     layout = get_layout(backend)
     opts = layout.resolve_options(options)
     H, I, E = c.hidden_size, c.intermediate_size, c.num_experts
     Hp, Ip = layout.padded_sizes(H, I, c.row_order, "bf16", opts)
     sizes = LayoutSizes(E, H, I, Hp, Ip, c.row_order, True)
-    kern = layout.to_kernel(c.to(device), "bf16", opts)
+    kern = {f"{PREFIX}.{k}": t for k, t in layout.to_kernel(c.to(device), "bf16", opts).items()}
     root.mkdir(parents=True, exist_ok=True)
-    data = write_safetensors(root / "model.safetensors", {f"{PREFIX}.{k}": t for k, t in kern.items()})
+    data = write_safetensors(root / "model.safetensors", kern)
+    tensors = {n: {"file": "model.safetensors", "shape": list(t.shape), "dtype": TORCH_TO_ST[t.dtype], "role": "expert",
+                   "sha256": hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()}
+               for n, t in kern.items()}  # fmt: skip
     del kern
     lay = dict(layout.describe(sizes, "bf16", opts))
     lay.update(hidden_size=H, intermediate_size=I, padded_hidden_size=Hp, padded_intermediate_size=Ip, tp_ranges=[[0, I]],
                options=opts.to_json(), w13_row_order=c.row_order)  # fmt: skip
     info = ModelInfo("gpt-oss", 1, (0,), E, 4, H, I, "mxfp4", c.row_order, True, "topk_softmax", activation="swigluoai",
                      swiglu_alpha=1.702, swiglu_limit=7.0)  # fmt: skip
-    names = [f"{PREFIX}.{k}" for k in ("w13_weight", "w13_weight_scale", "w13_bias", "w2_weight", "w2_weight_scale", "w2_bias")]
-    manifest = {"kind": "kernel", "backend": backend, "activation": "bf16", "tp_size": 1, "layout": lay, "model": info.to_json(),
-                "layers": [{"layer": 0, "module_prefix": PREFIX.rsplit(".", 1)[0]}],
-                "tensors": {n: {"file": "model.safetensors"} for n in names}}  # fmt: skip
-    (root / "mxconv.json").write_text(json.dumps(manifest))
+    lay["kernel_params"] = kernel_params(info)
+    module = PREFIX.rsplit(".", 1)[0]
+    doc = {"format_version": FORMAT_VERSION, "tool_version": mxconv.__version__, "command": ["scripts/bench_load.py"],
+           "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "source": {"revision": None, "fingerprint": "synthetic", "path": str(root)},
+           "family": info.family, "kind": "kernel", "weight_format": "mxfp4", "scale_rounding": None, "backend": backend,
+           "activation": "bf16", "tp_size": 1, "layout": lay, "model": info.to_json(),
+           "layers": [{"layer": 0, "module_prefix": module, "router_weight": f"{module}.router.weight"}], "tensors": tensors}  # fmt: skip
+    manifest = Manifest.parse(json.loads(json.dumps(doc)), root / "mxconv.json")
+    (root / "mxconv.json").write_text(json.dumps(manifest.to_json(), indent=2))
     return manifest, data
 
 
-def mxconv_load(root: Path, manifest: dict[str, Any], device: torch.device) -> Any:
+def mxconv_load(root: Path, manifest: Manifest, device: torch.device) -> Any:
     """The loader: safe_open straight to ``device`` + wrapping (on CPU: the read alone)."""
     if device.type == "cuda":
         return load_layer_from_manifest(root, manifest, 0, device=device)
@@ -254,7 +266,7 @@ def main() -> None:
 
         rows["engine"] = run_all(lambda: engine(c))
 
-        lay = LayoutPart.from_json({"kernel_params": None, **manifest["layout"]})
+        lay = manifest.layout
         spec = LayerSpec("experts", lay, E, H, lay.padded_hidden_size, I, 1, "swigluoai")
 
         def load_host() -> Any:

@@ -185,25 +185,91 @@ def test_the_manifest_check_can_fail() -> None:
     assert not any(_indexes_a_manifest(n) for n in ast.walk(ast.parse("manifest.layout.option_values")))
 
 
-def _reads_layout_json(node: ast.AST) -> bool:
-    """``x.extra`` (a part's untyped keys), ``x.to_json()``, ``x.json_value(...)``, ``spec.layout[...]``."""
-    if isinstance(node, ast.Attribute) and node.attr == "extra":
-        return True
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("to_json", "json_value"):
-        return True
-    return isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "layout"
+# The parts of a manifest reached through the manifest (``manifest.numerics``, ``state.plan.manifest.linears``)
+# or, for ``layout``, through anything (``spec.layout``: a runner's LayerSpec carries the LayoutPart).
+_PARTS = {"model", "source", "numerics", "linears", "fp8_tiles", "quant_config", "upstream"}
 
 
-def test_engines_read_the_layout_part_typed() -> None:
-    """The engine runners and loaders take the typed LayoutPart: its fields as attributes, a backend's own keys
-    through that backend's LayoutDescription (mxconv.layouts.description); none turns it back into JSON."""
-    engines = {name: tree for name, (_, tree) in _modules().items() if name.startswith("mxconv.engines.")}
-    assert "mxconv.engines.triton_moe" in engines
-    found = [f"{name}:{node.lineno}" for name, tree in engines.items() for node in ast.walk(tree) if _reads_layout_json(node)]
+def _chain(node: ast.AST) -> list[str]:
+    """The names of an attribute chain, root first (``state.plan.manifest.layout`` -> [state, plan, manifest, layout])."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        names.append(node.id)
+    return names[::-1]
+
+
+def _is_part(node: ast.AST, *, whole: bool = False) -> bool:
+    """A manifest part (``x.layout``; ``manifest.numerics``, ``(m.manifest.numerics or {})``), with ``whole``
+    also the manifest itself (``manifest``, ``x.manifest``)."""
+    if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+        return _is_part(node.values[0], whole=whole)
+    names = _chain(node)
+    if not names:
+        return False
+    rooted = any(n == "manifest" or n.endswith("_manifest") for n in names[:-1])
+    return names[-1] == "layout" and len(names) > 1 or (rooted and names[-1] in _PARTS) \
+        or (whole and (names[-1] == "manifest" or names[-1].endswith("_manifest")))
+
+
+def manifest_json_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, kind) of each place ``tree`` turns a manifest part back into JSON or indexes it: ``extra`` (a
+    part's untyped keys), ``json_value`` (a key's JSON value), ``to_json`` (of the manifest or a part),
+    ``index`` (``spec.layout[...]``, ``manifest.numerics.get(...)``, ``x.to_json()[...]``)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        func = node.func if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None
+        if isinstance(node, ast.Attribute) and node.attr == "extra":
+            found.append((node.lineno, "extra"))
+        elif func is not None and func.attr == "json_value":
+            found.append((node.lineno, "json_value"))
+        elif func is not None and func.attr == "to_json" and _is_part(func.value, whole=True):
+            found.append((node.lineno, "to_json"))
+        got = node.value if isinstance(node, ast.Subscript) else func.value if func is not None and func.attr == "get" else None
+        if got is not None and (_is_part(got) or (isinstance(got, ast.Call) and isinstance(got.func, ast.Attribute)
+                                                  and got.func.attr == "to_json")):
+            found.append((node.lineno, "index"))
+    return found
+
+
+# The modules that may turn a manifest part back into JSON, each for what and why; everywhere else a part is
+# read as its typed fields (mxconv.source.manifest_parts) and a backend's own layout keys through its
+# LayoutDescription (mxconv.layouts.description: TritonDescription, ..., ServingDescription).
+MANIFEST_JSON_USES: dict[str, dict[str, str]] = {
+    "mxconv.source.manifest_parts": {"extra": "the parts themselves: from_json, to_json, json_value"},
+    "mxconv.layouts.description": {"extra": "LayoutDescription.from_layout: a backend's keys out of LayoutPart.extra"},
+    "mxconv.output.manifest": {"to_json": "the writer: Manifest.to_json is mxconv.json"},
+    "mxconv.inspect": {"to_json": "inspect's JSON document shows the manifest's layout and model as written"},
+    "mxconv.verify.integrity": {"json_value": "verify compares the whole layout table with the layout's describe()"},
+    "mxconv.output.engine_quant_config": {"index": "it owns the quant_config object (EngineQuantConfig)"},
+}
+
+
+def test_the_manifest_is_read_typed_everywhere() -> None:
+    """No module outside MANIFEST_JSON_USES turns a manifest part back into JSON or indexes it (and those only
+    for their named use): the engine runners, the vLLM plugin, the quant config, verify and inspect read fields."""
+    found = [f"{name}:{line} ({kind})" for name, (_, tree) in _modules().items()
+             for line, kind in manifest_json_reads(tree) if kind not in MANIFEST_JSON_USES.get(name, {})]
     assert not found, found
-    for bad in ('spec.layout["w13_row_order"]', 'lay.extra.get("activation")', "manifest.layout.to_json()", 'lay.json_value("arch")'):
-        assert any(_reads_layout_json(n) for n in ast.walk(ast.parse(bad))), bad
-    assert not any(_reads_layout_json(n) for n in ast.walk(ast.parse("TritonDescription.from_layout(spec.layout).arch")))
+    used = {(name, kind) for name, (_, tree) in _modules().items() for _, kind in manifest_json_reads(tree)}
+    unused = {(name, kind) for name, kinds in MANIFEST_JSON_USES.items() for kind in kinds} - used
+    assert not unused, f"no longer used: remove from MANIFEST_JSON_USES: {sorted(unused)}"
+
+
+def test_the_manifest_json_check_can_fail() -> None:
+    bad = {'spec.layout["w13_row_order"]': "index", 'lay.extra.get("activation")': "extra",
+           "manifest.layout.to_json()": "to_json", 'lay.json_value("arch")': "json_value",
+           'manifest.layout.to_json()["arch"]': "index", '(state.plan.manifest.numerics or {}).get("upstream")': "index",
+           'input_manifest.linears["targets"]': "index", "m.manifest.to_json()": "to_json",
+           'manifest.quant_config.get("not_served")': "index"}
+    for text, kind in bad.items():
+        assert kind in {k for _, k in manifest_json_reads(ast.parse(text))}, text
+    for good in ("TritonDescription.from_layout(spec.layout).arch", "manifest.numerics.upstream.fingerprint",
+                 'manifest.tensors[key].sha256', 'manifest.layout.engine_compat.get("vllm")', "plan.linears.to_json()",
+                 'rep.fp8_tiles["inexact"]', "stats.fp8_tiles.to_json()", "info.to_json()"):
+        assert not manifest_json_reads(ast.parse(good)), good
 
 
 def test_backend_names_only_where_backends_live() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from mxconv.engines.runner import runner_backends
 
-from mxconv.errors import LayoutError
+from mxconv.errors import BadInput, LayoutError
 from mxconv.layouts.engine_report import undeclarable_backends
 from mxconv.families import register_family, unregister_family
 from mxconv.layouts import backend_names, get_layout, register_layout, unregister_layout
@@ -183,3 +183,18 @@ def test_make_checkpoint_refuses_sizes_given_as_options(tmp_path: Path) -> None:
         make_checkpoint(tmp_path / "x", "qwen3-moe", hidden_size=128)
     assert not (tmp_path / "x").exists()
     assert make_checkpoint(tmp_path / "y", "qwen3-moe", ModelSizes(hidden_size=128)).hidden_size == 128
+
+
+def test_make_checkpoint_refuses_an_option_its_kind_does_not_take(tmp_path: Path) -> None:
+    """A misspelled option, or one of another kind, used to be dropped by the kind's generator: now a BadInput
+    naming the option, the kind and the options that kind takes, before anything is written."""
+    from mxconv import examples
+
+    with pytest.raises(BadInput, match=r"kind 'qwen3-moe' takes no option mlp_only_layer \(its options: dtype, mlp_only_layers\)"):
+        examples.make_checkpoint(tmp_path / "x", "qwen3-moe", mlp_only_layer=(0,))
+    with pytest.raises(BadInput, match=r"kind 'qwen3-moe' takes no option head_dim \(its options: dtype, mlp_only_layers\)"):
+        examples.make_checkpoint(tmp_path / "x", "qwen3-moe", head_dim=32)  # a gpt-oss option
+    with pytest.raises(BadInput, match=r"kind 'deepseek-v3-fp8' takes no option input_scales \(its options: num_nextn_predict_layers\)"):
+        make_checkpoint(tmp_path / "x", "deepseek-v3-fp8", input_scales=False)  # the test suite's kinds too
+    assert not (tmp_path / "x").exists()
+    assert examples.make_checkpoint(tmp_path / "g", "gpt-oss-bf16", ModelSizes(num_layers=1), head_dim=32).config["head_dim"] == 32

@@ -15,7 +15,7 @@ import pytest
 
 from mxconv.engines.runner import kernel_unavailable, require_runner
 from mxconv.errors import BadInput
-from mxconv.layouts.description import ActivationDescription, LayoutDescription
+from mxconv.layouts.description import ActivationDescription, LayoutDescription, ServingDescription
 from mxconv.layouts.humming import HummingDescription
 from mxconv.layouts.marlin_description import MarlinDescription
 from mxconv.layouts.triton_arch import TritonDescription
@@ -154,3 +154,20 @@ def test_the_activation_any_backend_records(outputs: dict[str, Path]) -> None:
     assert ActivationDescription.from_layout(_part(lay, activation=None)).activation is None
     with pytest.raises(BadInput, match=r"manifest layout\.activation: 16 is not a string or null \(what the in-memory conversion"):
         ActivationDescription.from_layout(_part(lay, activation=16))
+
+
+def test_the_serving_keys_any_backend_records(outputs: dict[str, Path]) -> None:
+    """The quant config and the vLLM plugin read vllm_moe_backend, w13_kernel_row_order and arch without knowing
+    the backend: typed, None where a layout records none, a mistyped one refused by name."""
+    from mxconv.integrations.vllm.checks import served_by
+    from mxconv.output.engine_quant_config import from_manifest
+
+    m = load_manifest(outputs["triton-sm100"])
+    d = ServingDescription.from_layout(m.layout)
+    assert (d.vllm_moe_backend, d.w13_kernel_row_order, d.arch) == ("TRITON", "interleaved", "sm100")
+    assert from_manifest(m).activation.w13_kernel_row_order == "interleaved"
+    assert "TRITON" in served_by(m)
+    bare = ServingDescription.from_layout(_part(m.layout, vllm_moe_backend=None, w13_kernel_row_order=None, arch=None))
+    assert (bare.vllm_moe_backend, bare.w13_kernel_row_order, bare.arch, bare.to_json()) == (None, None, None, {})
+    with pytest.raises(BadInput, match=r"manifest layout\.arch: 100 is not a string or null \(what the engine quant config"):
+        ServingDescription.from_layout(_part(m.layout, arch=100))

@@ -81,6 +81,22 @@ def test_stack_choices_are_typed_and_checked(outputs: dict[str, Path]) -> None:
             Manifest.parse({**doc, "layout": {**doc["layout"], "stack_choices": bad}}, "mxconv.json")
 
 
+def test_run_records_are_typed_parts(outputs: dict[str, Path]) -> None:
+    """numerics (and the upstream run it carries), linears and fp8_tiles read as fields, written back as read."""
+    q4, trt = _round_trips(outputs["q4"]), _round_trips(outputs["trtllm"])
+    assert q4.numerics is not None and q4.numerics.source_format == "bf16" and q4.numerics.upstream is None
+    up = trt.numerics.upstream if trt.numerics is not None else None  # the repack kept the quantize run's bytes
+    assert up is not None and (up.source_format, up.weight_format, up.fingerprint) == ("bf16", "mxfp4", q4.source.fingerprint)
+    doc = trt.to_json()
+    linears = {"targets": "linear", "format": "mxfp8", "quantized": ["a.q_proj"], "carried_mx": [],
+               "left_alone": {"lm_head": "kept"}}
+    tiles = {"tiles": 8, "layers": {"1": {"tiles": 8, "inexact": 2}}}
+    m = Manifest.parse({**doc, "linears": linears, "fp8_tiles": tiles}, "mxconv.json")
+    assert m.linears is not None and (m.linears.targets, m.linears.quantized, m.linears.scale_rounding) == ("linear", ("a.q_proj",), None)
+    assert m.fp8_tiles is not None and (m.fp8_tiles.inexact(1), m.fp8_tiles.inexact(2)) == (2, None)
+    assert m.to_json() == {**doc, "linears": linears, "fp8_tiles": tiles}
+
+
 @pytest.mark.slow  # the demo: every format and every registered backend (~40 s on 2 cores)
 def test_every_demo_manifest_round_trips(tmp_path: Path) -> None:
     result = run_demo(tmp_path, torch.device("cpu"))

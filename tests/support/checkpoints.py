@@ -294,7 +294,7 @@ def _deepseek_glm(b: Builder, kind: str, sizes: ModelSizes, nextn: int) -> tuple
 
 
 def _generate(
-    b: Builder, kind: str, sizes: ModelSizes, num_nextn_predict_layers: int | None = None, **_: Any,
+    b: Builder, kind: str, sizes: ModelSizes, num_nextn_predict_layers: int | None = None,
 ) -> tuple[dict[str, Any], dict[int, LayerTruth]]:
     nextn = num_nextn_predict_layers if num_nextn_predict_layers is not None else (0 if kind in ("kimi-k2", "kimi-k2-int4") else 1)
     return _deepseek_glm(b, kind, sizes, nextn)
@@ -315,8 +315,8 @@ QUARK_W4A8_CONFIG = {
 }
 
 
-def _quark_w4a8(b: Builder, kind: str, sizes: ModelSizes, input_scales: bool = True, equal_scales: bool = False,
-                **_: Any) -> tuple[dict[str, Any], dict[int, LayerTruth]]:  # fmt: skip
+def _quark_w4a8(b: Builder, kind: str, sizes: ModelSizes, input_scales: bool = True,
+                equal_scales: bool = False) -> tuple[dict[str, Any], dict[int, LayerTruth]]:  # fmt: skip
     """gpt-oss as AMD Quark exports it W4A8: per expert ``experts.{e}.gate_up_proj.weight`` U8 [2I, H/2]
     (interleaved rows), ``.weight_scale`` U8 [2I, H/32], ``.bias`` BF16 [2I], ``.input_scale`` F32 []
     (likewise ``down_proj``), everything else bf16. ``input_scales=False`` leaves the input scales out;

@@ -16,12 +16,14 @@ The test suite adds its block-FP8, INT4, DeepSeek, GLM and Kimi kinds on the sam
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from mxconv.errors import BadInput
 from mxconv.examples.builder import Builder, GroundTruth, LayerTruth, ModelSizes, write_shards, write_side_files
 from mxconv.examples.models import GPT_OSS_HEAD_DIM, gpt_oss, mlp, per_expert_layer, qwen_mixtral
 
@@ -44,13 +46,18 @@ class KindSpec:
     generate: Generate
     builder: Callable[[int], Builder] = Builder
 
+    def options(self) -> tuple[str, ...]:
+        """The options the generator takes: its keyword parameters after (builder, kind, sizes)."""
+        params = list(inspect.signature(self.generate).parameters.values())[3:]
+        return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
-def _gpt_oss(b: Builder, kind: str, sizes: ModelSizes, head_dim: int = GPT_OSS_HEAD_DIM, **_: Any) -> Any:
+
+def _gpt_oss(b: Builder, kind: str, sizes: ModelSizes, head_dim: int = GPT_OSS_HEAD_DIM) -> Any:
     return gpt_oss(b, kind, sizes, head_dim)
 
 
 def _qwen_mixtral(b: Builder, kind: str, sizes: ModelSizes, dtype: torch.dtype = torch.bfloat16,
-                  mlp_only_layers: tuple[int, ...] = (), **_: Any) -> Any:  # fmt: skip
+                  mlp_only_layers: tuple[int, ...] = ()) -> Any:  # fmt: skip
     return qwen_mixtral(b, kind, sizes, dtype, tuple(mlp_only_layers))
 
 
@@ -78,9 +85,10 @@ def make_checkpoint(
     """Write a tiny checkpoint of ``kind`` (see :data:`KINDS`, or any kind ``spec`` describes) with
     ``sizes`` (hidden and intermediate left out: the kind's) into ``path`` and return its truth.
 
-    ``options`` go to the kind's generator, which ignores those it has no use for: ``dtype``
-    (qwen*, mixtral: bf16/fp16/fp32), ``mlp_only_layers`` (Qwen: those layers dense) and ``head_dim``
-    (gpt-oss, default 16; vLLM's CPU attention needs 32, 64, ...) here.
+    ``options`` go to the kind's generator: ``dtype`` (qwen*, mixtral: bf16/fp16/fp32), ``mlp_only_layers``
+    (Qwen: those layers dense) and ``head_dim`` (gpt-oss, default 16; vLLM's CPU attention needs 32, 64, ...)
+    here. One the kind's generator does not take (a misspelling, an option of another kind) is a BadInput
+    naming it, the kind and the options the kind takes, never silently dropped.
     """
     spec = spec or _SPECS.get(kind)
     if spec is None:
@@ -90,6 +98,10 @@ def make_checkpoint(
         given = ", ".join(f"{k}={options[k]!r}" for k in misplaced)
         raise TypeError(f"make_checkpoint: {', '.join(misplaced)} belong in the sizes: "
                         f"make_checkpoint(path, {kind!r}, ModelSizes({given}))")
+    unknown = sorted(set(options) - set(spec.options()))
+    if unknown:
+        takes = ", ".join(spec.options()) or "none"
+        raise BadInput(f"make_checkpoint: kind {kind!r} takes no option {', '.join(unknown)} (its options: {takes})")
     sizes = sizes.with_defaults(*spec.sizes)
     _, E, H, I, top_k, _ = sizes.dims()
     if H % 32 or I % 32:

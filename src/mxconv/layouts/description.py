@@ -98,4 +98,18 @@ class ActivationDescription(LayoutDescription):
 
     activation: str | None = None
 
-    reader: ClassVar[str] = "the in-memory conversion (update_layer)"
+    reader: ClassVar[str] = "the in-memory conversion (update_layer) and a layout's kernel check"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingDescription(LayoutDescription):
+    """The backend keys read without knowing the backend by who serves an output (the engine quant config,
+    mxconv.output.engine_quant_config; the vLLM plugin's backend check): ``vllm_moe_backend``, the vLLM MoE
+    backend the bytes are laid out for; ``w13_kernel_row_order``, the order of the w13 rows the kernel tensors
+    store; ``arch``, the GPU the bytes are for. Each None where the layout records none."""
+
+    vllm_moe_backend: str | None = None
+    w13_kernel_row_order: str | None = None
+    arch: str | None = None
+
+    reader: ClassVar[str] = "the engine quant config and the vLLM plugin"

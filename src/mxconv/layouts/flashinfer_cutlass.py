@@ -37,6 +37,7 @@ from mxconv.layouts.flashinfer_cutlass_bytemap import (
     sm90_weight_deinterleave,
     sm90_weight_interleave,
 )
+from mxconv.layouts.description import ActivationDescription
 from mxconv.layouts.padded_stack import PaddedStackLayout, RowMap, StackForm, Transform
 from mxconv.layouts.scale_swizzle import swizzle_128x4, unswizzle_128x4
 from mxconv.source.manifest import Manifest
@@ -117,7 +118,7 @@ class FlashinferCutlassLayout(PaddedStackLayout):
         """Why mxconv cannot run FlashInfer's CUTLASS fused MoE on these bytes here."""
         import torch
 
-        activation = str(manifest.layout.extra.get("activation", self.activations[0]))
+        activation = ActivationDescription.from_layout(manifest.layout).activation or self.activations[0]
         arch = ARCH.get(activation, "sm90")
         if not torch.cuda.is_available():
             return f"FlashInfer's CUTLASS MXFP4 MoE for activation {activation} needs an {arch.upper()} GPU"

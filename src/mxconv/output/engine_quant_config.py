@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mxconv.errors import BadInput
+from mxconv.families.base import ModelInfo
+from mxconv.layouts.description import ServingDescription
 from mxconv.layouts.vllm_backends import VLLM_VERSION
 from mxconv.layouts.vllm_serving import OutputForm, VllmMethod, not_served, served_backends, served_methods, vllm_serving
 from mxconv.source.manifest import LayerEntry, LayoutPart, Manifest, ModelPart, plain_json
@@ -280,8 +282,7 @@ def _table_refs(m: Manifest, prefix: str, pattern: str) -> list[TensorRef]:
 
 def _activation(model: ModelPart, layout: LayoutPart) -> Activation:
     order = layout.w13_row_order
-    stored = layout.extra.get("w13_kernel_row_order")
-    stored = None if stored is None else str(stored)
+    stored = ServingDescription.from_layout(layout).w13_kernel_row_order
     if model.activation == "swigluoai":
         kp = layout.kernel_params or {}
         alpha = float(kp.get("gemm1_alpha", model.swiglu_alpha or 1.702))
@@ -321,9 +322,8 @@ def from_manifest(manifest: Manifest) -> EngineQuantConfig:
     routing = _routing(model, first)
     pattern = _layer_pattern(first.module_prefix, first.layer)
     refs = (_kernel_refs(manifest, pattern) if kernel else None) or _table_refs(manifest, first.module_prefix, pattern)
-    arch = lay.extra.get("arch")
-    form = OutputForm(str(backend) if kernel else lay.name, act, fmt, lay.sizes, model.to_json(),
-                      lay.engine_compat.get("vllm"), None if arch is None else str(arch), manifest.tp_size)
+    form = OutputForm(str(backend) if kernel else lay.name, act, fmt, lay.sizes, ModelInfo.from_part(model).to_json(),
+                      lay.engine_compat.get("vllm"), ServingDescription.from_layout(lay).arch, manifest.tp_size)
     try:
         servings = vllm_serving(form)
     except BadInput:  # a backend not registered here: nothing is known about who serves it
@@ -350,6 +350,15 @@ def quant_config_of(manifest: Manifest) -> EngineQuantConfig:
     if stored is not None and stored.get("schema_version") == SCHEMA_VERSION:
         return EngineQuantConfig.from_json(plain_json(stored))
     return from_manifest(manifest)
+
+
+def recorded_not_served(manifest: Manifest) -> dict[str, str] | None:
+    """The vLLM backends the manifest's stored ``quant_config`` records as not holding its bytes, with why
+    (None: no quant config stored). Read as written, whatever the config's schema version: only a message
+    quotes it (mxconv.integrations.vllm.checks)."""
+    # the one reader of the quant_config JSON outside EngineQuantConfig.from_json, its owner's module
+    not_served = None if manifest.quant_config is None else manifest.quant_config.get("not_served")
+    return None if not_served is None else {str(k): str(v) for k, v in not_served.items()}
 
 
 def quant_config_keys(manifest: Manifest) -> dict[str, Any]:

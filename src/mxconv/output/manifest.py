@@ -49,5 +49,5 @@ def manifest_of(doc: dict[str, Any]) -> Manifest:
 def write_manifest(out_dir: Path, manifest: Manifest) -> None:
     """Write mxconv.json (``manifest``'s JSON, :meth:`~mxconv.source.manifest.Manifest.to_json`)
     atomically, then drop the in-progress marker."""
-    atomic_write_json(out_dir / MANIFEST_NAME, manifest.to_json())
+    atomic_write_json(out_dir / MANIFEST_NAME, manifest.to_json())  # the writer: the one JSON of a Manifest
     (out_dir / IN_PROGRESS).unlink(missing_ok=True)

@@ -192,7 +192,7 @@ def upstream_of(input_manifest: Manifest | None) -> dict[str, Any] | None:
     no mxconv output or its experts were not rounded by mxconv (an MXFP4 release, INT4)."""
     if input_manifest is None:
         return None
-    carried = (input_manifest.numerics or {}).get("upstream")
+    carried = input_manifest.numerics.upstream if input_manifest.numerics is not None else None
     if carried is not None:
         return plain_json(carried)
     if not input_manifest.scale_rounding:

@@ -67,14 +67,14 @@ def _source_format(manifest: Manifest, info: ModelInfo) -> list[str]:
     """``model.expert_format`` is what ``numerics.source_format`` records: the exact check decides from
     it whether the output's expert bytes can be re-derived from a reference, so an edit of one alone
     must not pass."""
-    numerics = manifest.numerics or {}
-    recorded, up = numerics.get("source_format"), numerics.get("upstream")
+    numerics = manifest.numerics
+    recorded, up = (numerics.source_format, numerics.upstream) if numerics is not None else (None, None)
     problems = []
     if recorded is not None and recorded != info.expert_format:
         problems.append(f"manifest model.expert_format is {info.expert_format!r}, but its numerics.source_format gives "
                         f"{recorded!r}")
-    if up is not None and up["weight_format"] != info.expert_format:  # the upstream run made the experts this one read
-        problems.append(f"manifest numerics.upstream.weight_format is {up['weight_format']!r}, but model.expert_format "
+    if up is not None and up.weight_format != info.expert_format:  # the upstream run made the experts this one read
+        problems.append(f"manifest numerics.upstream.weight_format is {up.weight_format!r}, but model.expert_format "
                         f"(the experts this conversion read) is {info.expert_format!r}")
     return problems
 
@@ -96,9 +96,9 @@ def reference_source_claims(manifest: Manifest, info: ModelInfo, ref_reader: Fam
                             f"output's source (the fingerprint its manifest records), holds {rinfo.expert_format} experts")
         else:
             problems += numerics_claims(manifest, (ref_reader, ref_ckpt.manifest), reference)
-    up = (manifest.numerics or {}).get("upstream")
-    if up is not None and fingerprint == up["fingerprint"] and rinfo.expert_format != up["source_format"]:
-        problems.append(f"manifest numerics.upstream.source_format is {up['source_format']!r}, but the reference "
+    up = manifest.numerics.upstream if manifest.numerics is not None else None
+    if up is not None and fingerprint == up.fingerprint and rinfo.expert_format != up.source_format:
+        problems.append(f"manifest numerics.upstream.source_format is {up.source_format!r}, but the reference "
                         f"{reference}, the source of this output's input (numerics.upstream.fingerprint), holds "
                         f"{rinfo.expert_format} experts")
     return problems

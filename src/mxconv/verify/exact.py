@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -38,6 +38,7 @@ from mxconv.experts.stack import WEIGHT_FORMATS, CanonicalExperts
 from mxconv.families.base import MoELayer
 from mxconv.run.compute import CHUNK_ELEMENTS, source_stack, to_format
 from mxconv.run.options import QuantOptions
+from mxconv.source.manifest import UpstreamPart
 from mxconv.verify.claims import copied_tensors
 from mxconv.verify.layout import canonical_from_layer, first_difference
 from mxconv.verify.report import LayerReport
@@ -107,15 +108,16 @@ def _refusal(state: VerifyState, ref_layer: MoELayer) -> str | None:
     return None
 
 
-def _upstream(state: VerifyState) -> Mapping[str, Any] | None:
+def _upstream(state: VerifyState) -> UpstreamPart | None:
     """The manifest's ``numerics.upstream`` where it applies to the reference: the output's input was
     an mxconv output whose MX bytes this conversion kept (or re-encoded exactly), made from experts of
     the reference's format; None otherwise (also where the reference holds the input's format)."""
-    up = (state.plan.manifest.numerics or {}).get("upstream")
+    numerics = state.plan.manifest.numerics
+    up = numerics.upstream if numerics is not None else None
     assert state.ref_info is not None
     if up is None or state.plan.info.expert_format == state.ref_info.expert_format:
         return None
-    return up if up["source_format"] == state.ref_info.expert_format else None
+    return up if up.source_format == state.ref_info.expert_format else None
 
 
 def _through_upstream(state: VerifyState, part: MoELayer, device: torch.device) -> MoELayer:
@@ -124,8 +126,8 @@ def _through_upstream(state: VerifyState, part: MoELayer, device: torch.device) 
     up = _upstream(state)
     if up is None or part.w13_mx is not None:
         return part
-    fmt = up["weight_format"]
-    quant = QuantOptions(fmt=fmt, scale_rounding=up["scale_rounding"], allow_nonfinite=True)
+    fmt = up.weight_format
+    quant = QuantOptions(fmt=fmt, scale_rounding=up.scale_rounding, allow_nonfinite=True)
     mx = {which: to_format(None, source_stack(part, which), fmt, quant, f"{part.ref.module_prefix}.experts ({which})",
                            None, device) for which in ("w13", "w2")}
     return replace(part, w13=None, w2=None, w13_fp8=None, w2_fp8=None, w13_int4=None, w2_int4=None,
@@ -182,8 +184,8 @@ def _rederived(state: VerifyState, part: MoELayer, device: torch.device) -> Stac
 def _how(state: VerifyState) -> str:
     fmt, up = state.plan.weight_format, _upstream(state)
     if up is not None:
-        then = "" if fmt == up["weight_format"] else f", then {fmt}"
-        return f"the reference converted again ({up['weight_format']}, {up['scale_rounding']} scale rounding upstream{then})"
+        then = "" if fmt == up.weight_format else f", then {fmt}"
+        return f"the reference converted again ({up.weight_format}, {up.scale_rounding} scale rounding upstream{then})"
     if fmt == "fp8-block":
         return "the reference block-quantized again (fp8-block)"
     return f"the reference converted again ({fmt}, {state.plan.manifest.scale_rounding or 'no'} scale rounding)"

@@ -56,7 +56,7 @@ def check_fp8_tiles(manifest: Manifest, L: int, ref_layer: MoELayer, conv_layer:
         inexact += int((~can_be_exact).sum())
         equal += int(same.sum())
     rep.fp8_tiles = {"tiles": tiles, "bit_equal": equal, "inexact": inexact}
-    claimed = ((manifest.fp8_tiles or {}).get("layers") or {}).get(str(L), {}).get("inexact")
+    claimed = manifest.fp8_tiles.inexact(L) if manifest.fp8_tiles is not None else None
     if claimed is not None and claimed != inexact:
         rep.problems.append(f"layer {L} fp8-block: the manifest's fp8_tiles says {claimed} inexact block(s), "
                             f"the reference's spreads give {inexact}")

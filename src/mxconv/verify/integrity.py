@@ -85,7 +85,7 @@ def check_manifest_claims(manifest: Manifest, info: ModelInfo, ckpts: list[Check
     from mxconv.run.plan import kernel_params
 
     problems: list[str] = []
-    lay = manifest.layout
+    lay = manifest.layout  # json_value below: the whole table against describe(), value for value as JSON
     want = kernel_params(info)
     if lay.json_value("kernel_params") != want:
         problems.append(f"manifest layout.kernel_params is {lay.json_value('kernel_params')}, but the model's activation gives {want}")

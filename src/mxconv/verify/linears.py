@@ -48,7 +48,7 @@ def check_linears(state: VerifyState, layers: set[int] | None) -> tuple[list[Lin
         return [], []
     general: list[str] = []
     if claimed is not None:
-        listed = set(claimed.get("quantized") or []) | set(claimed.get("carried_mx") or [])
+        listed = set(claimed.quantized) | set(claimed.carried_mx)
         for m in sorted(listed - set(mx)):
             general.append(f"{m}: the manifest lists it as an {kind} linear, the checkpoint holds no {kind} weight for it")
         for m in sorted(set(mx) - listed):
@@ -58,7 +58,7 @@ def check_linears(state: VerifyState, layers: set[int] | None) -> tuple[list[Lin
         if config_quantizes(qc, m) != quantized:
             general.append(f"{m}: config.json's quantization_config describes it as "
                            f"{'not quantized' if quantized else 'quantized'}, but its weight is {'' if quantized else 'not '}{kind}")
-    rounding = (claimed or {}).get("scale_rounding") or state.plan.manifest.scale_rounding
+    rounding = (claimed.scale_rounding if claimed is not None else None) or state.plan.manifest.scale_rounding
     check = _check_fp8 if fp8 else _check_one
     reports = [check(state, m, rounding) for m in mx if layers is None or layer_index(m) in layers]
     return reports, general

@@ -38,7 +38,7 @@ def quant_config_claims(manifest: Manifest) -> list[str]:
     problems = []
     top = {"served_vllm_backends": manifest.served_vllm_backends, "served_vllm_methods": manifest.served_vllm_methods}
     problems += _served(top, want, "manifest ")
-    stored = plain_json(manifest.quant_config)
+    stored = plain_json(manifest.quant_config)  # the whole stored table against the rule's, key by key
     if not isinstance(stored, dict) or stored.get("schema_version") != SCHEMA_VERSION:
         return problems
     for key in ("routing", "activation"):
@@ -66,7 +66,7 @@ def numerics_claims(manifest: Manifest, source: tuple[FamilyReader, Manifest | N
     """``numerics`` (and, where derivable, ``scale_rounding``) against the rule that wrote them.
     ``source``: the reader of a reference that is the output's source, and its own manifest (None:
     no mxconv output): then every field is derived (module docstring)."""
-    recorded = plain_json(manifest.numerics)
+    recorded = plain_json(manifest.numerics)  # the whole table against the rule that wrote it, key by key
     if not isinstance(recorded, dict):
         return []
     from mxconv.run.finalize import recorded_numerics

@@ -12,6 +12,8 @@ from typing import Any
 
 from mxconv.errors import BadInput
 from mxconv.integrations.vllm.mappings import MAPPINGS, BackendMapping, mapping_for
+from mxconv.layouts.description import ServingDescription
+from mxconv.output.engine_quant_config import recorded_not_served
 from mxconv.source.file_names import MANIFEST_NAME, output_path
 from mxconv.source.manifest import Manifest
 
@@ -87,9 +89,9 @@ def held_backends(backend: str | None, vllm_backend: str | None, served: Sequenc
 
 def served_by(manifest: Manifest) -> tuple[str, ...]:
     """:func:`held_backends` of an output's manifest."""
-    vllm_backend = manifest.layout.extra.get("vllm_moe_backend")
-    return held_backends(manifest.backend, None if vllm_backend is None else str(vllm_backend),
-                         manifest.served_vllm_backends, (manifest.quant_config or {}).get("not_served"))  # fmt: skip
+    vllm_backend = ServingDescription.from_layout(manifest.layout).vllm_moe_backend
+    return held_backends(manifest.backend, vllm_backend,
+                         manifest.served_vllm_backends, recorded_not_served(manifest))  # fmt: skip
 
 
 def check_backend(manifest: Manifest, selected: str, root: Path) -> None:
