@@ -7,7 +7,6 @@ layer to the "exact" threshold."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
