@@ -72,12 +72,12 @@ CASES = [
 ]
 # (E, H, I): padded in every backend, aligned (no padding anywhere), gpt-oss-20b
 SHAPES = [(4, 288, 320), (4, 512, 512), (32, 2880, 2880)]
-# MXFP8 experts (the 8-bit tile kernel): (backend, (E, H, I), row order); Marlin's MXFP8 form needs
-# H % 64 and, with interleaved rows, I % 64; I = 96 pads every axis either backend pads
-MXFP8_CASES = [(b, shape, order) for b in ("marlin", "humming")
-               for shape, orders in (((4, 256, 96), ("halves",)), ((4, 512, 512), ("interleaved", "halves")),
-                                     ((32, 2880, 2880), ("interleaved", "halves")))
-               for order in orders]  # fmt: skip
+# The tile kernels (kernels/byte_tiles.py): (backend, weight format, (E, H, I), row order); Marlin's MXFP8
+# form needs H % 64 and, with interleaved rows, I % 64; I = 96 pads every axis either backend pads
+TILE_CASES = [(b, fmt, shape, order) for b, fmt in (("marlin", "mxfp8"), ("humming", "mxfp8"), ("humming", "mxfp4"))
+              for shape, orders in (((4, 256, 96), ("halves",)), ((4, 512, 512), ("interleaved", "halves")),
+                                    ((32, 2880, 2880), ("interleaved", "halves")))
+              for order in orders]  # fmt: skip
 
 
 def _case_id(case: tuple[str, str, dict]) -> str:
@@ -142,6 +142,10 @@ def _interpreter_main() -> None:
         src, tab = u8(E, n_in, k_in), table(n_in, n)
         ref = repack(gather_padded_rows(src, tab, k), "weight")
         report[f"byte_tile_stream-{order.name}-{n}x{k}"] = torch.equal(lt.byte_tile_stream(src, tab, k, order), ref)
+    for n_in, n, k_in, k in ((100, 128, 40, 64), (64, 64, 288, 384)):
+        src, tab = u8(E, n_in, k_in // 2), table(n_in, n)
+        ref = humming_bytemap.repack_weights(gather_padded_rows(src, tab, k // 2), "weight")
+        report[f"humming_nibble_stream-{n}x{k}"] = torch.equal(lt.humming_nibble_stream(src, tab, k), ref)
 
     # whole to_kernel calls with the kernels forced on for CPU tensors vs the torch path
     modules = {"trtllm": trtllm, "marlin": marlin, "aiter": aiter}
@@ -157,6 +161,10 @@ def _interpreter_main() -> None:
             c8 = make_mxfp8_stack(2, 128, 64 if row_order == "interleaved" else 96, row_order, seed=len(report))
             layout = get_layout(backend)
             report[f"to_kernel-mxfp8-{backend}-{row_order}"] = kernels_match_torch(mod, lt, lambda: layout.to_kernel(c8, "bf16", None))
+    for row_order in ("interleaved", "halves"):  # humming MXFP4 (biases too: they stay torch ops)
+        c4 = make_stack(2, 96, 160, row_order, seed=len(report))
+        report[f"to_kernel-mxfp4-humming-{row_order}"] = kernels_match_torch(
+            humming_mx, lt, lambda: get_layout("humming").to_kernel(c4, "bf16", None))
     print_report(report)
 
 
@@ -165,13 +173,13 @@ interpreter_report = report_fixture("test_layout_gpu")
 
 def test_interpreter_kernels_equal_torch(interpreter_report: dict[str, bool]) -> None:
     kernels = {k: v for k, v in interpreter_report.items() if not k.startswith("to_kernel")}
-    assert len(kernels) == 16
+    assert len(kernels) == 18
     assert all(kernels.values()), [k for k, v in kernels.items() if not v]
 
 
 def test_interpreter_to_kernel_equal_torch_path(interpreter_report: dict[str, bool]) -> None:
     whole = {k: v for k, v in interpreter_report.items() if k.startswith("to_kernel")}
-    assert len(whole) == 2 * len(CASES) + 4
+    assert len(whole) == 2 * len(CASES) + 6
     assert all(whole.values()), [k for k, v in whole.items() if not v]
 
 
@@ -256,15 +264,17 @@ def test_cuda_misaligned_and_strided_inputs(backend: str) -> None:
         assert not same_bytes(layout.to_kernel(g, act, None), k_cpu), f.__name__
 
 
-@pytest.mark.parametrize("case", MXFP8_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}")
+@pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}-{c[3]}")
 @pytest.mark.gpu
-def test_cuda_mxfp8_equals_cpu_and_round_trips(case) -> None:
-    """MXFP8 experts: the 8-bit tile kernel (weights) and the scale kernels on CUDA == the CPU torch
-    path, for Marlin's and humming's forms, and from_kernel gives the stack back."""
-    backend, (E, H, I), row_order = case
+def test_cuda_tile_kernels_equal_cpu_and_round_trip(case) -> None:
+    """The 64 x 16 tile kernels (Marlin's and humming's MXFP8 weights, humming's MXFP4 weights) and the
+    scale kernels on CUDA == the CPU torch path, and from_kernel gives the stack back."""
+    backend, fmt, (E, H, I), row_order = case
     layout = get_layout(backend)
-    c = make_mxfp8_stack(E, H, I, row_order, seed=E + H + I)
+    make = make_mxfp8_stack if fmt == "mxfp8" else (lambda *a, seed: make_stack(*a, bias=False, seed=seed))
+    c = make(E, H, I, row_order, seed=E + H + I)
     cuda = c.to("cuda")
+    assert layout_kernels(cuda.w13, KernelChoice.AUTO) is not None
     k_gpu = layout.to_kernel(cuda, "bf16", None)
     k_cpu = layout.to_kernel(c, "bf16", None)
     assert not same_bytes(k_gpu, k_cpu), same_bytes(k_gpu, k_cpu)

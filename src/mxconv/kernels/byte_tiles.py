@@ -14,6 +14,10 @@ table, padding fused in), regroups them with ``tl.reshape``/``tl.permute`` (the 
 shared memory) and stores them contiguously. Same contract as the other layout kernels
 (:mod:`mxconv.kernels.trtllm_aiter`, which re-exports :func:`byte_tile_stream`): the unpadded
 canonical stack read through a row table (-1: a zero row), K zero-padded, the torch path's bytes.
+
+humming's 4-bit form (MXFP4 experts) keeps the same 64 x 16 tiles with two values a byte:
+:func:`humming_nibble_stream` unpacks the nibbles in registers, permutes them the same way and packs
+pairs again (512 bytes a tile).
 """
 
 from __future__ import annotations
@@ -55,6 +59,24 @@ if triton is not None:
         off = kt[:, None].to(tl.int64) * (16 * N) + nt * 1024 + tl.arange(0, 1024)[None, :]
         tl.store(dst + e * d_e + off, x, mask=(kt < KT_out)[:, None])
 
+    @triton.jit
+    def _humming_nibbles_kernel(src, dst, tab, KB_in, KT_out, N, s_e, s_r, d_e, BK: tl.constexpr):
+        """Row block nt x BK k-tiles of 16 4-bit values (8 packed bytes a row): dst bytes kt*8N + nt*512 + i.
+        Nibble k of a row is byte k // 2's low (even k) or high half; output byte 2*i6 + i4 of word
+        16 ln + 4 lq + jj holds the values at n = 16 jj + 8 i4 + ln and k = 2 lq + i6 (low nibble), + 8 (high)."""
+        nt = tl.program_id(0)
+        kt = tl.program_id(1) * BK + tl.arange(0, BK)
+        e = tl.program_id(2).to(tl.int64)
+        rows = tl.load(tab + nt * 64 + tl.arange(0, 64))
+        kb = tl.program_id(1) * BK * 8 + tl.arange(0, BK * 8)
+        x = load_rows(src, e, s_e, s_r, rows, kb, KB_in, 0)  # [64, BK*8] packed bytes
+        v = tl.reshape(tl.join(x & 0xF, x >> 4), (64, BK * 16))  # one nibble a lane, in k order
+        # n = (jj, i4, ln), k = (r, i5, lq, i6) -> (r, ln, lq, jj, i6, i4, i5); i5 picks the output nibble
+        v = tl.reshape(tl.permute(tl.reshape(v, (4, 2, 8, BK, 2, 4, 2)), (3, 2, 5, 0, 6, 1, 4)), (BK, 512, 2))
+        low, high = tl.split(v)
+        off = kt[:, None].to(tl.int64) * (8 * N) + nt * 512 + tl.arange(0, 512)[None, :]
+        tl.store(dst + e * d_e + off, low | (high << 4), mask=(kt < KT_out)[:, None])
+
 
 def byte_tile_stream(src: torch.Tensor, tab: torch.Tensor, K: int, order: TileOrder) -> torch.Tensor:
     """uint8 [E, N_in, K_in] (one 8-bit value a byte) -> int32 [E, K/16, 4N]: the N = len(tab) rows
@@ -74,4 +96,22 @@ def byte_tile_stream(src: torch.Tensor, tab: torch.Tensor, K: int, order: TileOr
     return out.view(torch.int32)
 
 
-__all__ = ["TileOrder", "byte_tile_stream"]
+def humming_nibble_stream(src: torch.Tensor, tab: torch.Tensor, K: int) -> torch.Tensor:
+    """uint8 [E, N_in, K_in/2] (two 4-bit values a byte, low nibble = even k) -> humming's int32 words
+    [E, K/16, 2N] (:func:`mxconv.layouts.humming_bytemap.repack_weights`): the N = len(tab) rows gathered
+    through ``tab`` (-1: zeros), K zero-padded to ``K``. N % 64 == 0 and K % 16 == 0."""
+    E, KB_in, N = kernel_dims(src, tab)
+    if N % 64 or K % 16 or 2 * KB_in > K:
+        raise ValueError(f"4-bit weight tiles need N % 64 == 0, K % 16 == 0 and K_in <= K (N={N}, K={K}, K_in={2 * KB_in})")
+    out, src, tab = gather_operands(src, tab, (E, K // 16, 8 * N))
+    if out.numel() == 0:
+        return out.view(torch.int32)
+    cfg = KERNEL_CONFIG["nibble_tiles"]
+    kt_out = K // 16
+    grid = (N // 64, triton.cdiv(kt_out, cfg["BK"]), E)
+    launch(_humming_nibbles_kernel, grid, src, src, out, tab, KB_in, kt_out, N, src.stride(0), src.stride(1), out.stride(0),
+           **cfg)  # fmt: skip
+    return out.view(torch.int32)
+
+
+__all__ = ["TileOrder", "byte_tile_stream", "humming_nibble_stream"]

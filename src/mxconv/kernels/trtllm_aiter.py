@@ -20,8 +20,9 @@ Kernels (shapes per expert; E experts on grid axis 2):
   straight from packed bytes with nibble masks and a 4x4 byte transpose (no unpack to codes).
 * :func:`transpose_rows` - Marlin scales: ``out[g, n] = src[tab[n], g] + offset``.
   (Both Marlin kernels live in :mod:`mxconv.kernels.marlin_triton`, re-exported here.)
-* :func:`byte_tile_stream` - Marlin's and humming's MXFP8 weights: 64 x 16 tiles of 8-bit values
-  (:mod:`mxconv.kernels.byte_tiles`, re-exported here).
+* :func:`byte_tile_stream` - Marlin's and humming's MXFP8 weights: 64 x 16 tiles of 8-bit values;
+  :func:`humming_nibble_stream` - humming's MXFP4 weights, the same tiles of 4-bit values
+  (both in :mod:`mxconv.kernels.byte_tiles`, re-exported here).
 * :func:`w16_tiles` - AITER weights: 16x16-byte tiles of gathered rows.
 * :func:`s32x8_tiles` - AITER scales: 32x8 scale tiles, two column fills (0 then 0x7F).
 """
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from mxconv.kernels.byte_tiles import TileOrder, byte_tile_stream  # noqa: F401 (the layouts call them through this module)
+from mxconv.kernels.byte_tiles import TileOrder, byte_tile_stream, humming_nibble_stream  # noqa: F401 (the layouts call them through this module)
 from mxconv.kernels.marlin_triton import marlin_weights, transpose_rows  # noqa: F401 (the layouts call them through this module)
 from mxconv.kernels.triton_common import KERNEL_CONFIG, as_words, gather_operands, kernel_dims, launch
 from mxconv.kernels.triton_import import tl, triton

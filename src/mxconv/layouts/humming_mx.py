@@ -60,6 +60,8 @@ class HummingMX:
     weight_dtype: str = ""  # the manifest's description of the stored words
     manifest_head: dict[str, Any] = field(default_factory=dict)  # manifest fields before engine_compat
     manifest_oracle: dict[str, Any] = field(default_factory=dict)  # after vllm_moe_backend (none for MX)
+    # the Triton layout kernel's ``repack`` (lt, canonical weights, row table, K): padding fused in, same bytes
+    kernel_repack: Callable[[Any, torch.Tensor, torch.Tensor, int], torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def values_per_byte(self) -> int:
@@ -98,8 +100,8 @@ class HummingMX:
 
     def to_kernel(self, c: CanonicalExperts, codes: Any, kernel_choice: KernelChoice) -> KernelTensors:
         """Canonical stack -> stored tensors on ``c``'s device (``codes`` unused). ``kernel_choice``
-        picks the Triton layout kernel for 8-bit weights on CUDA (same bytes); 4-bit weights and
-        every scale and bias take torch ops."""
+        picks the Triton layout kernels for the weights and scales on CUDA (same bytes); biases take
+        torch ops."""
         import torch
 
         c.validate()
@@ -107,12 +109,12 @@ class HummingMX:
         vpb = self.values_per_byte
         tabs = {"w13": pad_row_source(2 * c.intermediate_size, 2 * Ip, c.row_order).to(c.device),
                 "w2": pad_row_source(H, H).to(c.device)}  # fmt: skip
-        lt = layout_kernels(c.w13, kernel_choice) if vpb == 1 else None
+        lt = layout_kernels(c.w13, kernel_choice) if self.kernel_repack is not None else None
         out: KernelTensors = {}
         for w, (_n, k, n_pad, k_pad) in gemm_shapes(H, Ip).items():
             # vLLM's layer (zeros, w2's K axis padded to Ip too), then humming's own padding
-            if lt is not None:  # both paddings are zeros: rows past the table, K up to k_pad
-                out[f"{w}_weight"] = lt.byte_tile_stream(getattr(c, w), extend_rows(tabs[w], n_pad), k_pad, lt.TileOrder.HUMMING)
+            if lt is not None and self.kernel_repack is not None:  # both paddings are zeros: rows past the table, K to k_pad
+                out[f"{w}_weight"] = self.kernel_repack(lt, getattr(c, w), extend_rows(tabs[w], n_pad), k_pad)
             else:
                 weight = pad_matrix(gather_padded_rows(getattr(c, w), tabs[w], k // vpb), n_pad, k_pad // vpb, 0)
                 out[f"{w}_weight"] = self.repack(weight, f"{w}_weight")
@@ -187,14 +189,23 @@ def _crop(name: str, x: torch.Tensor, rows: int, cols: int, fill: int) -> torch.
     return x[:, :rows, :cols].contiguous()
 
 
+def _nibble_tiles(lt: Any, weights: torch.Tensor, tab: torch.Tensor, K: int) -> torch.Tensor:
+    return lt.humming_nibble_stream(weights, tab, K)
+
+
+def _byte_tiles(lt: Any, weights: torch.Tensor, tab: torch.Tensor, K: int) -> torch.Tensor:
+    return lt.byte_tile_stream(weights, tab, K, lt.TileOrder.HUMMING)
+
+
 MXFP4 = HummingMX(
     "mxfp4", "float4e2m1", 64, repack_weights, unrepack_weights,
     "int32 words of eight E2M1 nibbles (humming weight_repack_nk, interleave_mode 3)",
+    kernel_repack=_nibble_tiles,
 )  # fmt: skip
 MXFP8 = HummingMX(
     "mxfp8", "float8e4m3", 1, repack_bytes, unrepack_bytes,
     "int32 words of four E4M3 bytes (humming weight_repack_nk kNumBitsB 8, interleave_mode 3)",
-    dict(MXFP8_ORACLE),
+    dict(MXFP8_ORACLE), kernel_repack=_byte_tiles,
 )  # fmt: skip
 MX_FORMATS = {f.weight_format: f for f in (MXFP4, MXFP8)}
 
