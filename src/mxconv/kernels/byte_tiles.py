@@ -78,40 +78,34 @@ if triton is not None:
         tl.store(dst + e * d_e + off, low | (high << 4), mask=(kt < KT_out)[:, None])
 
 
+def _tile_stream(kernel: object, src: torch.Tensor, tab: torch.Tensor, K: int, bits: int, config: str, **constexprs: int) -> torch.Tensor:
+    """What both launchers share: the checks, the output int32 [E, K/16, (bits/2) N] and one program per
+    (64-row block, BK k-tiles, expert)."""
+    E, width, N = kernel_dims(src, tab)
+    K_in = width * 8 // bits
+    if N % 64 or K % 16 or K_in > K:
+        raise ValueError(f"{bits}-bit weight tiles need N % 64 == 0, K % 16 == 0 and K_in <= K (N={N}, K={K}, K_in={K_in})")
+    out, src, tab = gather_operands(src, tab, (E, K // 16, 2 * bits * N))
+    if out.numel() == 0:
+        return out.view(torch.int32)
+    cfg = KERNEL_CONFIG[config]
+    grid = (N // 64, triton.cdiv(K // 16, cfg["BK"]), E)
+    launch(kernel, grid, src, src, out, tab, width, K // 16, N, src.stride(0), src.stride(1), out.stride(0), **constexprs, **cfg)
+    return out.view(torch.int32)
+
+
 def byte_tile_stream(src: torch.Tensor, tab: torch.Tensor, K: int, order: TileOrder) -> torch.Tensor:
     """uint8 [E, N_in, K_in] (one 8-bit value a byte) -> int32 [E, K/16, 4N]: the N = len(tab) rows
     gathered through ``tab`` (-1: zeros), K zero-padded to ``K``, laid out in ``order``'s tiles.
     N % 64 == 0 and K % 16 == 0."""
-    E, K_in, N = kernel_dims(src, tab)
-    if N % 64 or K % 16 or K_in > K:
-        raise ValueError(f"8-bit weight tiles need N % 64 == 0, K % 16 == 0 and K_in <= K (N={N}, K={K}, K_in={K_in})")
-    out, src, tab = gather_operands(src, tab, (E, K // 16, 16 * N))
-    if out.numel() == 0:
-        return out.view(torch.int32)
-    cfg = KERNEL_CONFIG["byte_tiles"]
-    kt_out = K // 16
-    grid = (N // 64, triton.cdiv(kt_out, cfg["BK"]), E)
-    launch(_byte_tiles_kernel, grid, src, src, out, tab, K_in, kt_out, N, src.stride(0), src.stride(1), out.stride(0),
-           ORDER=order.value, **cfg)  # fmt: skip
-    return out.view(torch.int32)
+    return _tile_stream(_byte_tiles_kernel, src, tab, K, 8, "byte_tiles", ORDER=order.value)
 
 
 def humming_nibble_stream(src: torch.Tensor, tab: torch.Tensor, K: int) -> torch.Tensor:
     """uint8 [E, N_in, K_in/2] (two 4-bit values a byte, low nibble = even k) -> humming's int32 words
     [E, K/16, 2N] (:func:`mxconv.layouts.humming_bytemap.repack_weights`): the N = len(tab) rows gathered
     through ``tab`` (-1: zeros), K zero-padded to ``K``. N % 64 == 0 and K % 16 == 0."""
-    E, KB_in, N = kernel_dims(src, tab)
-    if N % 64 or K % 16 or 2 * KB_in > K:
-        raise ValueError(f"4-bit weight tiles need N % 64 == 0, K % 16 == 0 and K_in <= K (N={N}, K={K}, K_in={2 * KB_in})")
-    out, src, tab = gather_operands(src, tab, (E, K // 16, 8 * N))
-    if out.numel() == 0:
-        return out.view(torch.int32)
-    cfg = KERNEL_CONFIG["nibble_tiles"]
-    kt_out = K // 16
-    grid = (N // 64, triton.cdiv(kt_out, cfg["BK"]), E)
-    launch(_humming_nibbles_kernel, grid, src, src, out, tab, KB_in, kt_out, N, src.stride(0), src.stride(1), out.stride(0),
-           **cfg)  # fmt: skip
-    return out.view(torch.int32)
+    return _tile_stream(_humming_nibbles_kernel, src, tab, K, 4, "nibble_tiles")
 
 
 __all__ = ["TileOrder", "byte_tile_stream", "humming_nibble_stream"]
