@@ -36,7 +36,7 @@ def test_family_end_to_end(kind: str, tmp_path: Path) -> None:
     assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
     if kind != "gpt-oss-mxfp4":
         assert 0.08 < s["relative_rms_error"] < 0.16  # MXFP4 weight error (mx-numerics §6)
-    for backend in backend_names():
+    for backend in (b for b in backend_names() if "mxfp4" in get_layout(b).weight_formats):  # q4's experts
         k = tmp_path / f"k-{backend}"
         _convert(q4, k, QuantOptions(), RepackOptions(backend, get_layout(backend).activations[0]))  # its default
         rep = verify(k, VerifyOptions(reference=str(q4), tokens=16))

@@ -50,7 +50,8 @@ def backend_table(
         formats = layout.weight_formats
         for act in layout.activations:
             if weight_format not in formats:
-                hint = "repack the bf16 source with --format mxfp4" if weight_format == "mxfp8" else "quantize the source to mxfp4 first"
+                hint = layout.weight_format_refusals.get(weight_format) or (
+                    "repack the bf16 source with --format mxfp4" if weight_format == "mxfp8" else "quantize the source to mxfp4 first")
                 rows.append({"backend": name, "activation": act, "error": (
                     f"takes {', '.join(formats)} experts, not {weight_format}: {hint}")})
                 continue

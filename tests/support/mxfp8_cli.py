@@ -12,9 +12,11 @@ import torch
 from support.cli import mx
 from support.tamper import patch_tensor
 
+from mxconv.experts.stack import CanonicalExperts
+from mxconv.experts.tp import slice_tp, tp_ranges
 from mxconv.source.st_format import read_header, read_tensor
 
-__all__ = ["engine_row_holders", "flip_scale_byte", "quantized_mxfp8", "repack_verify_and_damage"]
+__all__ = ["engine_row_holders", "flip_scale_byte", "quantized_mxfp8", "repack_verify_and_damage", "unpadded_round_trips"]
 
 
 def flip_scale_byte(out: Path, rank: str | None, name: str, index: tuple[int, ...] = (2, 0, 5)) -> None:
@@ -84,3 +86,20 @@ def engine_row_holders(q8: Path, gpu: str) -> tuple[str, str, list[tuple[str, An
     assert code == 0, err
     row = json.loads(text)["engine"]["gpus"][0]["rows"][0]
     return row["kind"], row["backend"], [(h["output"], h["refusal"]) for h in row["held_by"]]
+
+
+def unpadded_round_trips(layout: Any, activation: str, c: CanonicalExperts, tp: int) -> list[tuple[CanonicalExperts, Any]]:
+    """Each TP rank's slice of ``c`` through an MXFP8 form vLLM pads nothing for: its padded sizes are its own,
+    ``from_kernel(to_kernel(part))`` gives every byte back with the row order and format. Returns (part, kernel
+    tensors) per rank for further checks."""
+    H, opts, out = c.hidden_size, layout.resolve_options(), []
+    for rank, (s, e) in enumerate(tp_ranges(c.intermediate_size, tp)):
+        part = slice_tp(c, s, e, rank)
+        assert layout.padded_sizes(H, e - s, c.row_order, activation, opts, weight_format="mxfp8") == (H, e - s)
+        k = layout.to_kernel(part, activation, opts)
+        back = layout.from_kernel(k, part.sizes(H, e - s), activation, opts)
+        assert back.weight_format == "mxfp8" and back.row_order == c.row_order
+        for f in ("w13", "w13_scale", "w2", "w2_scale"):
+            assert torch.equal(getattr(back, f), getattr(part, f)), (rank, f)
+        out.append((part, k))
+    return out

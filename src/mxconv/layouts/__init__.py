@@ -39,6 +39,7 @@ _REGISTRY: dict[str, Any] = {
     "humming": "mxconv.layouts.humming:LAYOUT",
     "cpu": "mxconv.layouts.cpu:LAYOUT",
     "flashinfer-cutlass": "mxconv.layouts.flashinfer_cutlass:LAYOUT",
+    "xpu": "mxconv.layouts.xpu:LAYOUT",
 }
 
 

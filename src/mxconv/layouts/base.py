@@ -147,6 +147,9 @@ class LayoutBase:
     input_scale_activations: tuple[str, ...] = ()
     # canonical expert formats (CanonicalExperts.weight_format) this layout takes; plan refuses others
     weight_formats: tuple[str, ...] = ("mxfp4",)
+    # canonical weight formats this layout refuses for a reason of its own, format -> why (xpu: MXFP4, whose
+    # canonical output is the engine's bytes already); check_weight_format and planning add the why
+    weight_format_refusals: Mapping[str, str] = {}
     options_type: type[LayoutOptions] = EmptyOptions
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -187,7 +190,9 @@ class LayoutBase:
     def check_weight_format(self, weight_format: str) -> None:
         """LayoutError unless ``weight_format`` is one of this backend's :attr:`weight_formats`."""
         if weight_format not in self.weight_formats:
-            raise LayoutError(f"{self.name} takes {', '.join(self.weight_formats)} experts, not {weight_format}")
+            why = self.weight_format_refusals.get(weight_format)
+            raise LayoutError(f"{self.name} takes {', '.join(self.weight_formats)} experts, not {weight_format}"
+                              + (f": {why}" if why else ""))
 
     def check_activation(self, activation: str) -> None:
         """LayoutError unless ``activation`` is one this backend serves."""
@@ -252,6 +257,7 @@ class Layout(Protocol):
     vllm_int4_backends: dict[str, tuple[str, ...]]  # the same for the INT4 form (LayoutBase: {})
     vllm_mxfp8_backends: dict[str, tuple[str, ...]]  # the same for the MXFP8 form (LayoutBase: {})
     weight_formats: tuple[str, ...]  # canonical weight formats taken (LayoutBase: ("mxfp4",))
+    weight_format_refusals: Mapping[str, str]  # format not taken -> why, where the layout says (LayoutBase: {})
     input_scale_activations: tuple[str, ...]  # activations needing the source's FP8 input scales (LayoutBase: ())
     options_type: type[LayoutOptions]  # the frozen dataclass resolve_options makes (LayoutBase: from options)
 

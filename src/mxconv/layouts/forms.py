@@ -151,7 +151,9 @@ class FormsLayout(LayoutBase):
         try:
             return self.weight_forms[weight_format]
         except KeyError:
-            raise LayoutError(f"{self.name} takes {', '.join(self.weight_forms)} experts, got {weight_format}") from None
+            why = self.weight_format_refusals.get(weight_format)
+            raise LayoutError(f"{self.name} takes {', '.join(self.weight_forms)} experts, got {weight_format}"
+                              + (f": {why}" if why else "")) from None
 
     def padded_sizes(
         self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,

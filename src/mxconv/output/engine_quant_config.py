@@ -213,9 +213,14 @@ def _build(tp: Any, v: Any, where: str) -> Any:
     return v
 
 
-def activation_quant(layout_activation: str | None, vllm_backends: tuple[str, ...] = ()) -> ActivationQuant:
+def activation_quant(layout_activation: str | None, vllm_backends: tuple[str, ...] = (),
+                     weight_format: str = "mxfp4") -> ActivationQuant:  # fmt: skip
     """Activation quantization of an mxconv ``--activation`` (None: canonical, weight-only)."""
     if {"AITER_MXFP8", "DEEPGEMM"} & set(vllm_backends):  # kMxfp8Dynamic: aiter quantizes inside, DeepGemmExperts before
+        return ActivationQuant("dynamic_mxfp8", "float8_e4m3fn", BLOCK_SHAPE, "e8m0")
+    # Fp8MoeBackend.XPU under the MXFP8 method: quant_dtype mxfp8, the XPU kernel quantizes the bf16 hidden
+    # states it is handed (XPUExperts.expects_unquantized_inputs); Mxfp4MoeBackend.XPU is weight-only
+    if weight_format == "mxfp8" and "XPU" in vllm_backends:
         return ActivationQuant("dynamic_mxfp8", "float8_e4m3fn", BLOCK_SHAPE, "e8m0")
     if layout_activation in (None, "bf16"):
         return ActivationQuant("none")
@@ -335,7 +340,7 @@ def from_manifest(manifest: Manifest) -> EngineQuantConfig:
         kind=manifest.kind, backend=backend, layout_activation=act, weight_dtype=fmt, block_shape=(128, 128) if fp8 else BLOCK_SHAPE,
         scale_format="float32" if fp8 else "bf16" if fmt == "int4" else "e8m0",
         activation_quant=ActivationQuant("dynamic_fp8_per_token_group", "float8_e4m3fn", (1, 128), "float32") if fp8
-        else activation_quant(act, candidates),
+        else activation_quant(act, candidates, str(fmt)),
         gemm1=gemm1, gemm2=gemm2, tensors_per="tp_rank" if kernel else "checkpoint",
         tp_size=manifest.tp_size, activation=_activation(model, lay), routing=routing,
         served_vllm_backends=served_backends(servings),

@@ -245,6 +245,7 @@ def _layout_weight_format(ckpt: Checkpoint, info: ModelInfo, layout: Layout, rep
             f"{lead}; backend {repack.backend} "
             f"takes {', '.join(takes)} experts only (backends that take {wfmt}: {', '.join(others) or 'none'}"
             + ("; or quantize the source first to QuantOptions.fmt mxfp4)" if wfmt == WeightFormat.INT4 else ")")
+            + (f": {why}" if (why := layout.weight_format_refusals.get(wfmt)) else "")
         )
     return wfmt
 
