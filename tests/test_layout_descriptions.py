@@ -53,7 +53,7 @@ def outputs(made: Any) -> dict[str, Path]:
 
 def _part(layout: LayoutPart, **changes: Any) -> LayoutPart:
     """``layout`` with its backend's own keys changed (None: removed), as a manifest would hold them."""
-    doc = layout.to_json()
+    doc = layout.as_written()
     for key, value in changes.items():
         if value is None:
             doc.pop(key, None)
@@ -67,7 +67,7 @@ def test_description_parses_a_repack_and_gives_back_its_json(outputs: dict[str, 
     cls, written = CASES[case]
     layout = load_manifest(outputs[case]).layout
     d = cls.from_layout(layout)
-    full = layout.to_json()
+    full = layout.as_written()
     assert d.to_json() == {k: full[k] for k in full if k in cls.keys()}  # the same keys, values and order
     assert set(written) <= set(d.to_json())  # what the backend writes is what the runner reads (no drift)
     assert cls.from_layout(LayoutPart.from_json(full)) == d
@@ -117,7 +117,7 @@ def test_a_missing_required_key_is_refused_by_name(outputs: dict[str, Path]) -> 
 
 def test_sm90_storage_without_its_generation_is_refused_by_name(outputs: dict[str, Path]) -> None:
     lay = load_manifest(outputs["triton-sm90"]).layout
-    doc = {**lay.to_json(), "triton_layout": None}
+    doc = {**lay.as_written(), "triton_layout": None}
     with pytest.raises(BadInput, match=r"manifest layout\.triton_layout: null, but the sm90 storage"):
         TritonDescription.from_layout(LayoutPart.from_json(doc)).hopper_storage()
 
@@ -143,7 +143,7 @@ def test_runners_take_the_typed_layout_part_on_cpu(outputs: dict[str, Path], cas
 
 def test_a_mistyped_key_reaches_the_caller_as_the_runners_line(outputs: dict[str, Path]) -> None:
     m = load_manifest(outputs["triton-sm90"])
-    bad = Manifest.parse({**m.to_json(), "layout": {**m.layout.to_json(), "arch": 90}}, "mxconv.json")
+    bad = Manifest.parse({**m.as_written(), "layout": {**m.layout.as_written(), "arch": 90}}, "mxconv.json")
     assert "manifest layout.arch: 90 is not a string" in (kernel_unavailable(bad, "cpu") or "")
 
 

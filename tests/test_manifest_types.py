@@ -1,5 +1,5 @@
 """The typed manifest (:class:`mxconv.source.manifest.Manifest`): every manifest mxconv writes parses
-and gives back exactly its JSON (``to_json(parse(x)) == x``, and the same text as written), keys a
+and gives back exactly its JSON (``parse(x).as_written() == x``, and the same text as written), keys a
 newer mxconv adds are kept, and the typed parts say what the JSON says."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from mxconv.source.manifest import Manifest, load_manifest
 def _round_trips(out: Path) -> Manifest:
     text = (out / "mxconv.json").read_text()
     m = load_manifest(out)
-    assert m.to_json() == json.loads(text), out
-    assert dumps_strict(m.to_json(), indent=2, sort_keys=False) + "\n" == text, out  # the writer's own text
+    assert m.as_written() == json.loads(text), out
+    assert dumps_strict(m.as_written(), indent=2, sort_keys=False) + "\n" == text, out  # the writer's own text
     return m
 
 
@@ -58,8 +58,8 @@ def test_unknown_and_absent_keys_are_kept(outputs: dict[str, Path]) -> None:
     doc = json.loads((outputs["q4"] / "mxconv.json").read_text())
     newer = {**doc, "a_future_key": {"x": [1, 2]}, "layout": {**doc["layout"], "a_future_layout_key": 3}}
     newer["layers"] = [{k: v for k, v in row.items() if k != "router_bias"} for row in doc["layers"]]  # optional, absent
-    assert Manifest.parse(newer, "mxconv.json").to_json() == newer
-    assert list(Manifest.parse(newer, "mxconv.json").to_json()) == list(newer)  # key order too
+    assert Manifest.parse(newer, "mxconv.json").as_written() == newer
+    assert list(Manifest.parse(newer, "mxconv.json").as_written()) == list(newer)  # key order too
 
 
 def test_parse_refuses_what_the_schema_refuses(outputs: dict[str, Path]) -> None:
@@ -73,7 +73,7 @@ def test_stack_choices_are_typed_and_checked(outputs: dict[str, Path]) -> None:
     m = _round_trips(outputs["humming-int4-tp2"])
     assert m.layout.choices_of(1, 1) == {"w13_weight": "e0m3", "w2_weight": "e0m3"}
     assert m.layout.choices_of(2, 0) == {} and _round_trips(outputs["trtllm"]).layout.stack_choices is None
-    doc = m.to_json()
+    doc = m.as_written()
     for bad, why in (({"1": [{"w13_weight": "e0m3"}]}, "must hold tp_size=2 objects, got 1"),
                      ({"7": [{}, {}]}, "names no converted layer"),
                      ({"1": [{"w13_weight": 4}, {}]}, "must be a non-empty string, got 4")):
@@ -87,14 +87,14 @@ def test_run_records_are_typed_parts(outputs: dict[str, Path]) -> None:
     assert q4.numerics is not None and q4.numerics.source_format == "bf16" and q4.numerics.upstream is None
     up = trt.numerics.upstream if trt.numerics is not None else None  # the repack kept the quantize run's bytes
     assert up is not None and (up.source_format, up.weight_format, up.fingerprint) == ("bf16", "mxfp4", q4.source.fingerprint)
-    doc = trt.to_json()
+    doc = trt.as_written()
     linears = {"targets": "linear", "format": "mxfp8", "quantized": ["a.q_proj"], "carried_mx": [],
                "left_alone": {"lm_head": "kept"}}
     tiles = {"tiles": 8, "layers": {"1": {"tiles": 8, "inexact": 2}}}
     m = Manifest.parse({**doc, "linears": linears, "fp8_tiles": tiles}, "mxconv.json")
     assert m.linears is not None and (m.linears.targets, m.linears.quantized, m.linears.scale_rounding) == ("linear", ("a.q_proj",), None)
     assert m.fp8_tiles is not None and (m.fp8_tiles.inexact(1), m.fp8_tiles.inexact(2)) == (2, None)
-    assert m.to_json() == {**doc, "linears": linears, "fp8_tiles": tiles}
+    assert m.as_written() == {**doc, "linears": linears, "fp8_tiles": tiles}
 
 
 @pytest.mark.slow  # the demo: every format and every registered backend (~40 s on 2 cores)

@@ -120,7 +120,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
     m = ckpt.manifest
     if m is not None:
         out["manifest"] = {k: getattr(m, k) for k in ("tool_version", "created", "family", "kind", "weight_format", "scale_rounding", "backend", "activation", "tp_size")}
-        out["manifest"]["layout"] = m.layout.to_json()  # shown as written, not read
+        out["manifest"]["layout"] = m.layout.as_written()  # shown as written, not read
         if m.linears is not None and m.linears.targets == "linear":
             out["linears"] = plain_json(m.linears)  # which linear layers are MXFP8, which were left alone and why
         try:  # stored in the manifest, or recomputed from it (manifests older than the quant config)
@@ -131,7 +131,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
     if ckpt.kind == "kernel":
         if m is None:  # an output that lost its manifest (a TP output's rank-N is read with its root's)
             raise BadInput(missing_manifest_message(ckpt.root))
-        model = m.model.to_json()  # shown as written (plus the sizes below), not read
+        model = m.model.as_written()  # shown as written (plus the sizes below), not read
         model["source_expert_format"] = m.model.expert_format
         model["expert_format"] = m.weight_format
         model["padded_hidden_size"], model["padded_intermediate_size"] = m.layout.padded_hidden_size, m.layout.padded_intermediate_size

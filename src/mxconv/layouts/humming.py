@@ -129,7 +129,7 @@ class HummingForm(FormBase):
 
     def to_kernel(self, c: CanonicalExperts, activation: str, options: Any, kernel_choice: KernelChoice) -> KernelTensors:
         """Canonical stack -> stored tensors on ``c``'s device (module table); ``kernel_choice`` picks the
-        Triton layout kernel for MXFP8 weights on CUDA (same bytes), torch ops for the rest."""
+        Triton layout kernels for MX weights and scales on CUDA (same bytes), torch ops for biases and INT4."""
         check_activation(BACKEND_NAME, activation, self.activations)
         return self.part.to_kernel(c, self.codes(options), kernel_choice)
 

@@ -107,20 +107,20 @@ class HummingMX:
         c.validate()
         H, Ip = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order)
         vpb = self.values_per_byte
-        tabs = {"w13": pad_row_source(2 * c.intermediate_size, 2 * Ip, c.row_order).to(c.device),
-                "w2": pad_row_source(H, H).to(c.device)}  # fmt: skip
+        rows = {"w13": (2 * c.intermediate_size, 2 * Ip, c.row_order), "w2": (H, H, None)}  # pad_row_source's arguments
+        tabs = {w: cached_index(("humming-rows", *r), c.device, lambda r=r: pad_row_source(*r)) for w, r in rows.items()}
         lt = layout_kernels(c.w13, kernel_choice) if self.kernel_repack is not None else None
         out: KernelTensors = {}
         for w, (_n, k, n_pad, k_pad) in gemm_shapes(H, Ip).items():
             # vLLM's layer (zeros, w2's K axis padded to Ip too), then humming's own padding
             if lt is not None and self.kernel_repack is not None:  # both paddings are zeros: rows past the table, K to k_pad
-                out[f"{w}_weight"] = self.kernel_repack(lt, getattr(c, w), extend_rows(tabs[w], n_pad), k_pad)
+                full = cached_index(("humming-rows", *rows[w], n_pad), c.device, lambda w=w: extend_rows(pad_row_source(*rows[w]), n_pad))
+                out[f"{w}_weight"] = self.kernel_repack(lt, getattr(c, w), full, k_pad)
             else:
                 weight = pad_matrix(gather_padded_rows(getattr(c, w), tabs[w], k // vpb), n_pad, k_pad // vpb, 0)
                 out[f"{w}_weight"] = self.repack(weight, f"{w}_weight")
             if lt is not None:
-                rows = (2 * c.intermediate_size, 2 * Ip, c.row_order) if w == "w13" else (H, H, None)
-                scale = _kernel_scales(lt, getattr(c, f"{w}_scale"), rows, n_pad, (k // MX_BLOCK, k_pad // MX_BLOCK))
+                scale = _kernel_scales(lt, getattr(c, f"{w}_scale"), rows[w], n_pad, (k // MX_BLOCK, k_pad // MX_BLOCK))
             else:
                 scale = gather_padded_rows(getattr(c, f"{w}_scale"), tabs[w], k // MX_BLOCK)
                 scale = lay_out_scales(pad_matrix(scale, n_pad, k_pad // MX_BLOCK, SCALE_PAD_BYTE))
@@ -177,8 +177,9 @@ def _kernel_scales(lt: Any, scales: torch.Tensor, rows: tuple[int, int, str | No
 
     stored = lt.transpose_rows(scales, cached_index(("humming-scales", *rows, n_pad), scales.device, build), cols[1])
     stored[:, cols[0]:, :] = SCALE_PAD_BYTE
-    if own_pad:
-        stored.index_fill_(2, torch.tensor(own_pad, device=stored.device), SCALE_PAD_BYTE)
+    if own_pad:  # the columns as a cached device index (no host copy per call: update_layer runs this every step)
+        fill = cached_index(("humming-scale-fill", rows[1], n_pad), scales.device, lambda: torch.tensor(own_pad))
+        stored.index_fill_(2, fill.long(), SCALE_PAD_BYTE)
     return stored
 
 

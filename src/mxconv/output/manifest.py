@@ -47,7 +47,7 @@ def manifest_of(doc: dict[str, Any]) -> Manifest:
 
 
 def write_manifest(out_dir: Path, manifest: Manifest) -> None:
-    """Write mxconv.json (``manifest``'s JSON, :meth:`~mxconv.source.manifest.Manifest.to_json`)
+    """Write mxconv.json (``manifest``'s JSON, :meth:`~mxconv.source.manifest.Manifest.as_written`)
     atomically, then drop the in-progress marker."""
-    atomic_write_json(out_dir / MANIFEST_NAME, manifest.to_json())  # the writer: the one JSON of a Manifest
+    atomic_write_json(out_dir / MANIFEST_NAME, manifest.as_written())  # the writer: the one JSON of a Manifest
     (out_dir / IN_PROGRESS).unlink(missing_ok=True)

@@ -7,7 +7,7 @@ Every reader (open a source, verify, inspect, the loader, the vLLM plugin) goes 
 returns a :class:`Manifest`: a tampered or truncated manifest is refused with exit 2 naming the field,
 never a crash later, and no reader indexes the JSON itself (each JSON object is a typed part:
 :mod:`mxconv.source.manifest_parts`). The writer
-(:mod:`mxconv.output.manifest`) serialises through the same type (:meth:`Manifest.to_json`), which
+(:mod:`mxconv.output.manifest`) serialises through the same type (:meth:`Manifest.as_written`), which
 gives back exactly the JSON it was parsed from: keys a newer mxconv adds, absent optional keys and
 key order are kept. Where there is no manifest, :func:`missing_manifest_message` says why (a run
 writing it now, an interrupted run, one rank of a tensor-parallel output).
@@ -39,7 +39,7 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class Manifest(Part):
-    """A validated ``mxconv.json`` (:meth:`parse`), frozen; :meth:`to_json` writes it back."""
+    """A validated ``mxconv.json`` (:meth:`parse`), frozen; :meth:`as_written` writes it back."""
 
     format_version: int
     tool_version: str
@@ -103,7 +103,7 @@ class Manifest(Part):
     def with_keys(self, path: Path | str, **values: Any) -> "Manifest":
         """This manifest with top-level keys set to ``values`` (JSON; new keys go last), checked again
         (:meth:`parse`; ``path`` names it in the message)."""
-        return Manifest.parse({**self.to_json(), **values}, path)
+        return Manifest.parse({**self.as_written(), **values}, path)
 
 
 def complete_output_dir(path: str | Path) -> Path:

@@ -1,6 +1,6 @@
 """The typed parts of ``mxconv.json`` (:mod:`mxconv.source.manifest` holds the whole :class:`Manifest` and its
 files): each JSON object of the manifest as a frozen dataclass whose known keys are typed fields and whose
-other keys stay in ``extra``, read as written, so that ``to_json`` gives back exactly that object. Besides
+other keys stay in ``extra``, read as written, so that ``as_written`` gives back exactly that object. Besides
 the model, layout, layers and tensors, the records a run adds (``numerics`` and its ``upstream``,
 ``linears``, ``fp8_tiles``) are parts too, so their readers (run, verify, inspect) read fields, not keys.
 """
@@ -26,9 +26,9 @@ def _frozen(v: Any) -> Any:
 
 def plain_json(v: Any) -> Any:
     """A value of a :class:`Manifest` as plain JSON again (mappings as dicts, tuples as lists): the
-    inverse of reading it (parts through their own ``to_json``)."""
+    inverse of reading it (parts through their own ``as_written``)."""
     if isinstance(v, Part):
-        return v.to_json()
+        return v.as_written()
     if isinstance(v, Mapping):
         return {k: plain_json(x) for k, x in v.items()}
     if isinstance(v, (tuple, list)):
@@ -40,7 +40,7 @@ def plain_json(v: Any) -> Any:
 class Part:
     """One JSON object of the manifest: its known keys as typed fields (absent optional keys are
     None), every other key in ``extra`` (read-only, kept as written), ``json_keys`` the keys it was
-    read with, in order, so that :meth:`to_json` gives back exactly that object."""
+    read with, in order, so that :meth:`as_written` gives back exactly that object."""
 
     extra: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     json_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
@@ -59,8 +59,10 @@ class Part:
         extra = MappingProxyType({k: _frozen(v) for k, v in d.items() if k not in names})
         return cls(**known, extra=extra, json_keys=tuple(d))
 
-    def to_json(self) -> dict[str, Any]:
-        """The JSON object: the keys it was read with, in order (built in code: every field, then ``extra``)."""
+    def as_written(self) -> dict[str, Any]:
+        """The JSON object: the keys it was read with, in order (built in code: every field, then ``extra``).
+        For the writer and for showing a manifest as written; readers take the typed fields (a name of its
+        own, so that tests/test_architecture.py finds every call whatever holds the part)."""
         names = self._names()
         keys = self.json_keys or (*names, *self.extra)
         return {k: plain_json(getattr(self, k) if k in names else self.extra[k]) for k in keys}
