@@ -174,7 +174,7 @@ def write_output(root: Path, backend: str, c: CanonicalExperts, options: dict[st
            "activation": "bf16", "tp_size": 1, "layout": lay, "model": info.to_json(),
            "layers": [{"layer": 0, "module_prefix": module, "router_weight": f"{module}.router.weight"}], "tensors": tensors}  # fmt: skip
     manifest = Manifest.parse(json.loads(json.dumps(doc)), root / "mxconv.json")
-    (root / "mxconv.json").write_text(json.dumps(manifest.to_json(), indent=2))
+    (root / "mxconv.json").write_text(json.dumps(manifest.as_written(), indent=2))
     return manifest, data
 
 
