@@ -55,3 +55,14 @@ def make_stack(weight_format: str, E: int, H: int, I: int, row_order: str, bias:
                    u8(E, H, I // 32, lo=1, hi=250))  # fmt: skip
     biases = (torch.randn(E, 2 * I, generator=g).to(torch.bfloat16), torch.randn(E, H, generator=g).to(torch.bfloat16))
     return CanonicalExperts(*weights, *(biases if bias else (None, None)), row_order=row_order, weight_format=weight_format)
+
+
+# (E, H, I, row order) of a small stack every form of the format takes: MXFP4 sizes every MXFP4 form pads;
+# MXFP8 forms pad nothing and take H % 64 == 0 (marlin's) and I % 64 == 0 (aiter's); trtllm's MxInt4 takes
+# multiples of 256 with halves
+SMALL_SHAPES = {"mxfp4": (2, 128, 96, "interleaved"), "mxfp8": (2, 128, 128, "halves"), "int4": (2, 256, 256, "halves")}
+
+
+def small_stack(backend: str, weight_format: str, seed: int = 0) -> CanonicalExperts:
+    """A :data:`SMALL_SHAPES` stack of ``weight_format``, with biases where ``backend``'s bytes hold them."""
+    return make_stack(weight_format, *SMALL_SHAPES[weight_format], bias=takes_biases(backend, weight_format), seed=seed)
