@@ -46,8 +46,8 @@ def make_stack(weight_format: str, E: int, H: int, I: int, row_order: str, bias:
         return torch.randint(lo, hi, shape, generator=g, dtype=torch.int32).to(torch.uint8)
 
     if weight_format == "int4":
-        q = lambda *s: torch.randint(-8, 8, s, generator=g)  # noqa: E731
-        sc = lambda *s: (torch.rand(s, generator=g) + 0.25).to(torch.bfloat16)  # noqa: E731
+        q = lambda *s: torch.randint(-8, 8, s, generator=g)
+        sc = lambda *s: (torch.rand(s, generator=g) + 0.25).to(torch.bfloat16)
         weights = (pack_int4(q(E, 2 * I, H)), sc(E, 2 * I, H // 32), pack_int4(q(E, H, I)), sc(E, H, I // 32))
     else:
         per = 2 if weight_format == "mxfp4" else 1

@@ -26,7 +26,11 @@ from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.layouts.base import LayoutBase, LayoutOptions
-from mxconv.layouts.checks import check_block_sizes, check_mxfp8_method_sizes, mxfp8_method_bias_refusal
+from mxconv.layouts.checks import (
+    check_block_sizes,
+    check_mxfp8_method_sizes,
+    mxfp8_method_bias_refusal,
+)
 
 __all__ = ["FormBase", "FormsLayout", "Mxfp8MethodForm", "WeightForm"]
 
