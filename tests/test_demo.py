@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from mxconv.cli.demo import show_results
-from mxconv.demo import run_demo
-from mxconv.errors import BadInput
+from mxconv.demo import _declared_refusal, _repack_step, run_demo
+from mxconv.errors import BadInput, LayoutError
 from mxconv.families import detect_family
-from mxconv.layouts import backend_names
+from mxconv.layouts import backend_names, get_layout
 from mxconv.source.checkpoint import open_checkpoint
 from support.checkpoints import make_checkpoint
 
@@ -32,10 +32,24 @@ def test_the_demo_passes_and_shows_every_format_and_backend(tmp_path: Path, caps
     assert ("gpt-oss", "verify fp8-block vs bf16") not in steps
     for backend in backend_names():  # written and verified from some source (xpu: the Qwen one's MXFP8)
         assert any(step.startswith(f"verify {backend} (") for _, step in steps), backend
-    # a layout refusing a source's experts while planning is shown as such (MXFP8 methods create no biases)
-    assert steps["gpt-oss", "repack xpu (bf16)"]["detail"].startswith("not written: xpu MXFP8 takes no expert biases")
+    # exactly these steps are shown as not written, each with the refusal its family or layout declares
+    # (MXFP8 methods create no expert biases; no loader reads a block-FP8 gpt-oss); any other is a failure
+    skipped = {key: s["detail"] for key, s in steps.items() if s["detail"].startswith("not written: ")}
+    assert set(skipped) == {("gpt-oss", "quantize fp8-block"), ("gpt-oss", "repack xpu (bf16)")}, skipped
+    assert skipped["gpt-oss", "repack xpu (bf16)"] == "not written: " + get_layout("xpu").bias_refusal("mxfp8")
     assert steps["qwen3-moe", "verify xpu (bf16) vs mxfp8"]["ok"]
 
+
+def test_a_planning_error_the_layout_does_not_declare_fails_the_step(tmp_path: Path) -> None:
+    """Only a declared refusal (xpu's MXFP8 form and expert biases) is shown as not written; any other
+    error while planning a repack, a LayoutError included (here: more TP ranks than the experts have
+    blocks of 32), reaches the step, which the demo records as failed."""
+    src = make_checkpoint(tmp_path / "g", "gpt-oss-bf16").path
+    assert _declared_refusal(src, "xpu", "mxfp8") == get_layout("xpu").bias_refusal("mxfp8")
+    assert _declared_refusal(src, "marlin", "mxfp4") is None
+    assert _declared_refusal(make_checkpoint(tmp_path / "q", "qwen3-moe").path, "xpu", "mxfp8") is None
+    with pytest.raises(LayoutError, match="RepackOptions.tp 64 leaves a rank with no intermediate channels"):
+        _repack_step(src, tmp_path / "out", "marlin", "bf16", torch.device("cpu"), tp=64)
 
 def test_format_refusal_is_what_quantized_specs_raise(tmp_path: Path) -> None:
     make_checkpoint(tmp_path / "g", "gpt-oss-bf16")

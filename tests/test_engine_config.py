@@ -21,8 +21,8 @@ from mxconv.output.engine_quant_config import EngineQuantConfig, activation_quan
 from mxconv.source.manifest import Manifest
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
-from mxconv.layouts import backend_names, get_layout
-from support.checkpoints import make_checkpoint
+from support.checkpoints import ModelSizes, make_checkpoint
+from support.registry_cases import activation_cases, takes_biases
 from mxconv.layouts.vllm_backends import admits_vllm, vllm_padded_sizes
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "docs" / "quant-config.schema.json").read_text())
@@ -81,6 +81,20 @@ def _convert(src: Path, out: Path, q: QuantOptions, r: RepackOptions | None = No
     return json.loads((out / "mxconv.json").read_text())
 
 
+def _format_source(root: Path, fmt: str, biases: bool) -> Path:
+    """A source whose experts are ``fmt`` (made once under ``root``): gpt-oss (expert biases) or Qwen3-MoE
+    quantized to MXFP8 at sizes every MXFP8 form takes, or the Kimi-K2 INT4 checkpoint."""
+    if fmt == "int4":
+        folder = root / "src-int4"
+        return folder if folder.exists() else make_checkpoint(folder, "kimi-k2-int4").path
+    kind = "gpt-oss-bf16" if biases else "qwen3-moe"
+    q8 = root / f"src-{kind}-mxfp8"
+    if not q8.exists():
+        src = make_checkpoint(root / f"src-{kind}-128", kind, ModelSizes(hidden_size=128, intermediate_size=128)).path
+        _convert(src, q8, QuantOptions("mxfp8"))
+    return q8
+
+
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     """Manifests: per family canonical mxfp4/mxfp8, every backend x activation, and a few options/TP."""
@@ -91,10 +105,12 @@ def outputs(tmp_path_factory) -> dict[str, dict[str, Any]]:
         for fmt in ("mxfp4", "mxfp8"):
             out[f"{kind}/{fmt}"] = _convert(src, root / f"{kind}-{fmt}", QuantOptions(fmt))
         q4 = root / f"{kind}-mxfp4"
-        for backend in (b for b in backend_names() if "mxfp4" in get_layout(b).weight_formats):  # q4's experts
-            layout = get_layout(backend)  # W4A8 activations need input scales: the Quark source below has them
-            for act in (a for a in layout.activations if a not in getattr(layout, "input_scale_activations", ())):
-                out[f"{kind}/{backend}/{act}"] = _convert(q4, root / f"{kind}-{backend}-{act}", QuantOptions(), RepackOptions(backend, act))
+        # q4's experts; W4A8 activations need input scales: the Quark source below has them
+        for backend, _, act in activation_cases(("mxfp4",)):
+            out[f"{kind}/{backend}/{act}"] = _convert(q4, root / f"{kind}-{backend}-{act}", QuantOptions(), RepackOptions(backend, act))
+    for backend, fmt, act in activation_cases(("mxfp8", "int4")):  # every other form, from a source of its format
+        src = _format_source(root, fmt, takes_biases(backend, fmt))
+        out[f"{fmt}/{backend}/{act}"] = _convert(src, root / f"{fmt}-{backend}-{act}", QuantOptions(), RepackOptions(backend, act))
     quark = make_checkpoint(root / "quark", "gpt-oss-quark-w4a8").path
     out["quark/triton-gfx950/fp8"] = _convert(quark, root / "w4a8", QuantOptions(), RepackOptions("triton", "fp8", 1, {"arch": "gfx950"}))
     gpt_q4 = root / "gpt-oss-bf16-mxfp4"

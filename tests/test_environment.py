@@ -15,11 +15,11 @@ from mxconv.cli import app
 from mxconv.engines import discover, loader
 from mxconv.errors import BadInput
 from mxconv.experts.kernel_settings import KernelChoice, KernelLocations
-from mxconv.experts.stack import CanonicalExperts
-from mxconv.layouts import backend_names, get_layout
+from mxconv.layouts import get_layout
 from mxconv.layouts.gathers import layout_kernels
 from mxconv.run.options import RepackOptions
 from support.checkpoints import ModelSizes, make_checkpoint
+from support.registry_cases import case_id, format_cases, small_stack
 
 # Read elsewhere until their own items of issue 19 land (the trace option, the write-delay hook).
 cli = CliRunner()
@@ -100,22 +100,12 @@ def test_loader_takes_kernel_locations(triton_output: Path, tmp_path: Path, monk
     assert str(tmp_path / "opt") in str(err.value) and "from-env" not in str(err.value)
 
 
-def _stack(seed: int) -> CanonicalExperts:
-    g = torch.Generator().manual_seed(seed)
-    E, H, I = 2, 128, 96
-    u8 = dict(dtype=torch.uint8, generator=g)
-    return CanonicalExperts(
-        w13=torch.randint(0, 256, (E, 2 * I, H // 2), **u8), w13_scale=torch.randint(118, 130, (E, 2 * I, H // 32), **u8),
-        w2=torch.randint(0, 256, (E, H, I // 2), **u8), w2_scale=torch.randint(118, 130, (E, H, I // 32), **u8),
-        w13_bias=None, w2_bias=None, row_order="interleaved",
-    )
-
-
-@pytest.mark.parametrize("backend", [b for b in backend_names() if "mxfp4" in get_layout(b).weight_formats])
-def test_kernel_choice_is_an_argument_with_the_same_bytes(backend: str) -> None:
+@pytest.mark.parametrize("case", format_cases(), ids=case_id)
+def test_kernel_choice_is_an_argument_with_the_same_bytes(case: tuple[str, str]) -> None:
+    backend, fmt = case
     layout = get_layout(backend)
-    act = layout.activations[0]
-    c = _stack(3)
+    act = layout.default_activation(fmt)
+    c = small_stack(backend, fmt, seed=3)
     opts = layout.resolve_options()
     auto = layout.to_kernel(c, act, opts)
     forced = layout.to_kernel(c, act, opts, KernelChoice.TORCH)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,13 @@ from mxconv.source.checkpoint import open_checkpoint
 from mxconv.run.conversion import Conversion, RunSettings
 from mxconv.run.options import QuantOptions, RepackOptions
 from mxconv.run.plan import build_plan
-from mxconv.errors import BadInput
+from mxconv.errors import BadInput, LayoutError
 from mxconv.families import detect_family
 from mxconv.families.gpt_oss import MODULES_TO_NOT_CONVERT
-from mxconv.layouts import backend_names, get_layout
-from support.checkpoints import KINDS, make_checkpoint
+from mxconv.layouts import get_layout
+from support.checkpoints import KINDS, ModelSizes, make_checkpoint
+from support.registry_cases import format_cases
+from mxconv.source.manifest import load_manifest
 from mxconv.verify import VerifyOptions, verify
 
 import torch
@@ -36,7 +39,7 @@ def test_family_end_to_end(kind: str, tmp_path: Path) -> None:
     assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
     if kind != "gpt-oss-mxfp4":
         assert 0.08 < s["relative_rms_error"] < 0.16  # MXFP4 weight error (mx-numerics §6)
-    for backend in (b for b in backend_names() if "mxfp4" in get_layout(b).weight_formats):  # q4's experts
+    for backend, _ in format_cases(("mxfp4",)):  # q4's experts (MXFP8: below; INT4: tests/test_mxint4.py)
         k = tmp_path / f"k-{backend}"
         _convert(q4, k, QuantOptions(), RepackOptions(backend, get_layout(backend).activations[0]))  # its default
         rep = verify(k, VerifyOptions(reference=str(q4), tokens=16))
@@ -44,6 +47,29 @@ def test_family_end_to_end(kind: str, tmp_path: Path) -> None:
         assert all(r.layout == "bit-exact" for r in rep.layers)
         m = json.loads((k / "mxconv.json").read_text())
         assert m["backend"] == backend and m["layout"]["name"] == backend
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_family_end_to_end_mxfp8(kind: str, tmp_path: Path) -> None:
+    """quantize --format mxfp8 -> verify, then every backend's MXFP8 form -> verify bit-exact; a form whose
+    bytes hold no expert biases refuses a family with them while planning, by its declared refusal."""
+    src = make_checkpoint(tmp_path / "src", kind, ModelSizes(hidden_size=128, intermediate_size=128)).path  # I % 64: every form
+    q8 = tmp_path / "q8"
+    _convert(src, q8, QuantOptions("mxfp8"))
+    rep = verify(q8, VerifyOptions(reference=str(src), tokens=16))
+    assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
+    has_bias = detect_family(open_checkpoint(q8)).model_info().has_expert_bias
+    for backend, fmt in format_cases(("mxfp8",)):
+        layout, k = get_layout(backend), tmp_path / f"k-{backend}"
+        repack = RepackOptions(backend, layout.default_activation(fmt))
+        if has_bias and layout.bias_refusal(fmt):
+            with pytest.raises(LayoutError, match=re.escape(layout.bias_refusal(fmt))):
+                _convert(q8, k, QuantOptions(), repack)
+            continue
+        _convert(q8, k, QuantOptions(), repack)
+        rep = verify(k, VerifyOptions(reference=str(q8), tokens=16))
+        assert rep.passed, [p for r in rep.layers for p in r.problems] + rep.problems
+        assert all(r.layout == "bit-exact" for r in rep.layers) and load_manifest(k).weight_format == "mxfp8"
 
 
 def test_mxfp8_from_fp8_ue8m0_is_exact(tmp_path: Path) -> None:

@@ -11,9 +11,11 @@ CPU) is updated in place and its forward follows; an update is quantized as the 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
+from support.registry_cases import activation_cases, case_id, takes_biases
 from support.toy_backend import ToyLayout
 from support.workspace import MadeCheckpoints
 
@@ -26,7 +28,8 @@ from mxconv.engines.in_memory import (
 from mxconv.engines.model_load import load_model
 from mxconv.engines.staged_read import byte_view
 from mxconv.errors import BadInput
-from mxconv.layouts import backend_names, get_layout, register_layout, unregister_layout
+from mxconv.layouts import register_layout, unregister_layout
+from mxconv.run.options import QuantOptions
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.source.st_format import read_tensor
 from mxconv.examples import ModelSizes
@@ -40,10 +43,38 @@ def _layer(directory, prefix: str = EXPERTS) -> dict[str, torch.Tensor]:
     return {n[len(prefix) + 1:]: read_tensor(i) for n, i in ckpt.tensors.items() if n.startswith(prefix + ".")}
 
 
+def _canonical(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical names for a layer as the test checkpoints store it: gpt-oss names as they are,
+    per-expert Qwen Linears (``{e}.gate_proj.weight`` or ``weight_packed``, ``weight_scale``) stacked, gate then up rows."""
+    if "gate_up_proj" in raw or "gate_up_proj_blocks" in raw:
+        return raw
+    E = 1 + max(int(n.split(".")[0]) for n in raw)
+
+    def stack(proj: str, suffix: str) -> torch.Tensor:
+        return torch.stack([raw[f"{e}.{proj}.{suffix}"] for e in range(E)])
+
+    w = "weight_packed" if "0.down_proj.weight_packed" in raw else "weight"  # MXFP4 pairs, else floats or MXFP8
+    out = {"w13": torch.cat([stack("gate_proj", w), stack("up_proj", w)], dim=1), "w2": stack("down_proj", w)}
+    if "0.down_proj.weight_scale" in raw:
+        out["w13_scale"] = torch.cat([stack("gate_proj", "weight_scale"), stack("up_proj", "weight_scale")], dim=1)
+        out["w2_scale"] = stack("down_proj", "weight_scale")
+    return out
+
+
 @pytest.fixture(scope="module")
 def sources(made: MadeCheckpoints):
     bf16 = made.source("gpt-oss-bf16", ModelSizes(hidden_size=H, intermediate_size=I)).path
     return bf16, made.quantize(bf16)
+
+
+# the sizes of the float sources per format: MXFP4 ones every MXFP4 form pads; MXFP8 forms pad nothing and
+# take I % 64 == 0 only (aiter's, marlin's with interleaved rows)
+FORMAT_SIZES = {"mxfp4": ModelSizes(hidden_size=H, intermediate_size=I), "mxfp8": ModelSizes(hidden_size=H, intermediate_size=128)}
+
+
+def _float_source(made: MadeCheckpoints, kind: str, fmt: str) -> Path:
+    """gpt-oss (expert biases, interleaved rows) or Qwen3-MoE (neither), in the sizes of ``fmt``."""
+    return made.source(kind, FORMAT_SIZES[fmt]).path
 
 
 def _assert_equal_files(got: dict[str, torch.Tensor], files: dict[str, torch.Tensor]) -> None:
@@ -53,21 +84,24 @@ def _assert_equal_files(got: dict[str, torch.Tensor], files: dict[str, torch.Ten
         assert torch.equal(byte_view(got[key].contiguous()), byte_view(want)), key
 
 
-# all run on CPU; activations that need the source's FP8 input scales (W4A8) have no bf16/MXFP4 source here
-EVERY_BACKEND = [(b, a) for b in backend_names() for a in get_layout(b).activations
-                 if a not in get_layout(b).input_scale_activations and "mxfp4" in get_layout(b).weight_formats]
+# every backend with each MX format it takes (convert_layer takes MX and float experts) and each activation of
+# that format, all on CPU; activations that need the source's FP8 input scales (W4A8) have no source here
+EVERY_BACKEND = activation_cases(("mxfp4", "mxfp8"))
 
 
-@pytest.mark.parametrize(("backend", "activation"), EVERY_BACKEND, ids=[f"{b}-{a}" for b, a in EVERY_BACKEND])
-@pytest.mark.parametrize("source", ["bf16", "mxfp4"])
-def test_bytes_equal_repack(made: MadeCheckpoints, sources, backend: str, activation: str, source: str) -> None:
-    bf16, q4 = sources
-    src = bf16 if source == "bf16" else q4
-    files = _layer(made.repack(src, backend, "--activation", activation))
+@pytest.mark.parametrize(("backend", "fmt", "activation"), EVERY_BACKEND, ids=[case_id(c) for c in EVERY_BACKEND])
+@pytest.mark.parametrize("source", ["float", "quantized"])
+def test_bytes_equal_repack(made: MadeCheckpoints, backend: str, fmt: str, activation: str, source: str) -> None:
+    """The float source quantized to ``fmt`` on the way, or its ``fmt`` output moved as it is: exactly the
+    files ``repack`` writes. gpt-oss's layer (biases) where the backend's ``fmt`` bytes hold biases, else Qwen's."""
+    kind = "gpt-oss-bf16" if takes_biases(backend, fmt) else "qwen3-moe"
+    bf16 = _float_source(made, kind, fmt)
+    src = bf16 if source == "float" else made.quantize(bf16, "--format", fmt)
+    files = _layer(made.repack(src, backend, "--activation", activation, "--format", fmt))
     raw = _layer(src)
-    options = ConvertOptions(backend, activation=activation)
-    _assert_equal_files(convert_layer(raw, options), files)  # gpt-oss source names: interleaved rows implied
-    if source == "bf16":  # the same experts under canonical names
+    options = ConvertOptions(backend, activation=activation, quant=QuantOptions(fmt) if source == "float" else None)
+    _assert_equal_files(convert_layer(_canonical(raw), options), files)  # gpt-oss source names: interleaved rows implied
+    if source == "float" and kind == "gpt-oss-bf16":  # the same experts under canonical names
         canon = {"w13": raw["gate_up_proj"].transpose(1, 2), "w2": raw["down_proj"].transpose(1, 2),
                  "w13_bias": raw["gate_up_proj_bias"], "w2_bias": raw["down_proj_bias"]}  # fmt: skip
         _assert_equal_files(convert_layer(canon, options, row_order="interleaved"), files)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.workspace import MadeCheckpoints
-from test_in_memory import _assert_equal_files, _layer
+from test_in_memory import _assert_equal_files, _canonical, _layer
 
 from mxconv.engines.in_memory import ConvertOptions, canonical_experts, convert_layer, update_layer
 from mxconv.engines.loader import EngineLayer, model_info, read_layer_tensors, resolve_layer
@@ -37,24 +37,6 @@ IDS = [f"{b}-{k}" for b, k in CASES]
 # the in-memory conversion alone (the loader needs an engine runner; xpu has none: no Intel GPU kernel here)
 BYTE_CASES = [*CASES, ("xpu", "qwen3-moe")]
 BYTE_IDS = [f"{b}-{k}" for b, k in BYTE_CASES]
-
-
-def _canonical(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Canonical names for a layer as the test checkpoints store it: gpt-oss names as they are,
-    per-expert Qwen Linears (``{e}.gate_proj.weight`` or ``weight_packed``, ``weight_scale``) stacked, gate then up rows."""
-    if "gate_up_proj" in raw or "gate_up_proj_blocks" in raw:
-        return raw
-    E = 1 + max(int(n.split(".")[0]) for n in raw)
-
-    def stack(proj: str, suffix: str) -> torch.Tensor:
-        return torch.stack([raw[f"{e}.{proj}.{suffix}"] for e in range(E)])
-
-    w = "weight_packed" if "0.down_proj.weight_packed" in raw else "weight"  # MXFP4 pairs, else floats or MXFP8
-    out = {"w13": torch.cat([stack("gate_proj", w), stack("up_proj", w)], dim=1), "w2": stack("down_proj", w)}
-    if "0.down_proj.weight_scale" in raw:
-        out["w13_scale"] = torch.cat([stack("gate_proj", "weight_scale"), stack("up_proj", "weight_scale")], dim=1)
-        out["w2_scale"] = stack("down_proj", "weight_scale")
-    return out
 
 
 def _raw(directory, kind: str = "") -> dict[str, torch.Tensor]:

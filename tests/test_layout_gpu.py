@@ -17,10 +17,13 @@ import torch
 from mxconv.errors import LayoutError
 from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
-from mxconv.layouts import backend_names, get_layout
+from mxconv.experts.tp import slice_tp, tp_ranges
+from mxconv.layouts import get_layout
 from mxconv.layouts.base import LayoutOptions
 from mxconv.layouts.gathers import layout_kernels
 from support.interpreter import kernels_match_torch, print_report, report_fixture, same_bytes
+from support.registry_cases import case_id, format_cases, takes_biases
+from support.registry_cases import make_stack as make_stack_of
 
 
 
@@ -237,31 +240,56 @@ def test_cuda_without_bias_and_torch_path_on_cuda(case) -> None:
     assert not same_bytes(layout.to_kernel(c.to("cuda"), act, opts, KernelChoice.TORCH), k_cpu)
 
 
-@pytest.mark.parametrize("backend", [b for b in backend_names() if "mxfp4" in get_layout(b).weight_formats])
-@pytest.mark.gpu
-def test_cuda_misaligned_and_strided_inputs(backend: str) -> None:
-    """Inputs at odd storage offsets (no 8-byte word view) and with padded row strides."""
+# (E, H, I, row order) per weight format for the misaligned/strided inputs: every form of the format takes the
+# whole stack and a TP 2 rank of it (MXFP4: padded everywhere; MXFP8: I % 64 per rank, marlin's and aiter's
+# rule; INT4: trtllm's MxInt4, multiples of 256 in halves)
+MISALIGNED_SHAPES = {"mxfp4": (4, 288, 320, "interleaved"), "mxfp8": (4, 256, 256, "interleaved"),
+                     "int4": (4, 256, 512, "halves")}  # fmt: skip
+
+
+def check_misaligned_and_strided_inputs(backend: str, fmt: str, device: str) -> None:
+    """``backend``'s bytes for a ``fmt`` stack, and for one TP rank of it, handed over on ``device`` at odd
+    storage offsets (no 8-byte word view) and with padded row strides, and for the rank sliced on ``device``
+    == the bytes of the same experts contiguous on CPU."""
     layout = get_layout(backend)
-    c = make_stack(4, 288, 320, "interleaved", seed=9)
+    act = layout.default_activation(fmt)
+    c = make_stack_of(fmt, *MISALIGNED_SHAPES[fmt], bias=takes_biases(backend, fmt), seed=9)
 
     def odd_offset(t: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty(t.numel() + 3, dtype=t.dtype, device="cuda")
+        buf = torch.empty(t.numel() + 3, dtype=t.dtype, device=device)
         view = buf[3:].view(t.shape)
         view.copy_(t)
         return view
 
     def wide_rows(t: torch.Tensor) -> torch.Tensor:
-        buf = torch.zeros(*t.shape[:-1], t.shape[-1] + 16, dtype=t.dtype, device="cuda")
+        buf = torch.zeros(*t.shape[:-1], t.shape[-1] + 16, dtype=t.dtype, device=device)
         buf[..., : t.shape[-1]] = t
         return buf[..., : t.shape[-1]]
 
-    act = layout.activations[0]
-    k_cpu = layout.to_kernel(c, act, None)
-    for f in (odd_offset, wide_rows):
-        g = CanonicalExperts(
-            f(c.w13), f(c.w13_scale), f(c.w2), f(c.w2_scale), c.w13_bias.cuda(), c.w2_bias.cuda(), c.row_order
-        )
-        assert not same_bytes(layout.to_kernel(g, act, None), k_cpu), f.__name__
+    start, end = tp_ranges(c.intermediate_size, 2)[1]
+    for stack in (c, slice_tp(c, start, end, 1)):  # the whole stack, one TP rank of it (mxconv's slicing)
+        want = layout.to_kernel(stack, act, None)
+        biases = [None if b is None else b.to(device) for b in (stack.w13_bias, stack.w2_bias)]
+        for f in (odd_offset, wide_rows):
+            g = CanonicalExperts(f(stack.w13), f(stack.w13_scale), f(stack.w2), f(stack.w2_scale), *biases, stack.row_order,
+                                 weight_format=fmt)  # fmt: skip
+            assert not same_bytes(layout.to_kernel(g, act, None), want), (f.__name__, stack.intermediate_size)
+    assert not same_bytes(layout.to_kernel(slice_tp(c.to(device), start, end, 1), act, None), want)  # sliced there
+
+
+@pytest.mark.parametrize("case", format_cases(), ids=case_id)
+@pytest.mark.gpu
+def test_cuda_misaligned_and_strided_inputs(case: tuple[str, str]) -> None:
+    """Every backend with every weight format it takes (the 8-bit tile kernels of Marlin's and humming's
+    MXFP8 forms included), through the Triton layout kernels on CUDA."""
+    assert layout_kernels(torch.zeros(1, device="cuda"), KernelChoice.AUTO) is not None
+    check_misaligned_and_strided_inputs(*case, "cuda")
+
+
+@pytest.mark.parametrize("case", format_cases(), ids=case_id)
+def test_misaligned_and_strided_inputs_on_cpu(case: tuple[str, str]) -> None:
+    """The same inputs through the torch path (and the GPU test's helpers, checked where no GPU is)."""
+    check_misaligned_and_strided_inputs(*case, "cpu")
 
 
 @pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}-{c[3]}")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from support.registry_cases import case_id, format_cases
 
 from mxconv.errors import LayoutError
-from mxconv.layouts import get_layout
+from mxconv.experts.stack import LayoutSizes
+from mxconv.layouts import backend_names, get_layout
 
 
 @pytest.mark.parametrize(
@@ -33,3 +37,29 @@ def test_padded_sizes_errors(
     with pytest.raises(LayoutError, match=match):
         layout = get_layout(backend)
         layout.padded_sizes(H, I, row_order, activation, layout.options_type(**options))
+
+
+@pytest.mark.parametrize("case", format_cases(), ids=case_id)
+def test_declared_activations_and_bias_refusal_are_what_the_layout_does(case: tuple[str, str]) -> None:
+    """``format_activations`` and ``bias_refusal``, which the demo and the registry-wide tests read, are
+    the layout's behaviour: each declared activation sizes the format's experts and no other does, and
+    sizes with expert biases are refused with exactly the declared text (or taken when none is declared)."""
+    backend, fmt = case
+    layout = get_layout(backend)
+    takes = layout.format_activations(fmt)
+    assert takes and set(takes) <= set(layout.activations)
+    every = {a for b in backend_names() for a in get_layout(b).activations}
+    for act in sorted(every):
+        options = layout.resolve_options({"arch": "gfx950"} if act in layout.input_scale_activations else None)
+        if act not in takes:
+            with pytest.raises(LayoutError):
+                layout.padded_sizes(256, 256, "halves", act, options, weight_format=fmt)
+            continue
+        Hp, Ip = layout.padded_sizes(256, 256, "halves", act, options, weight_format=fmt)
+        why = layout.bias_refusal(fmt)
+        if why is None:
+            layout.kernel_specs(LayoutSizes(4, 256, 256, Hp, Ip, "halves", True, fmt), act, options)
+        else:
+            with pytest.raises(LayoutError, match=f"^{re.escape(why)}$"):
+                layout.kernel_specs(LayoutSizes(4, 256, 256, Hp, Ip, "halves", True, fmt), act, options)
+    assert layout.format_activations("nvfp4") == () and layout.bias_refusal("nvfp4") is None

@@ -29,13 +29,14 @@ from mxconv.run.options import QuantOptions, RepackOptions
 from mxconv.run.plan import build_plan
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
-from mxconv.layouts import backend_names, get_layout
+from mxconv.layouts import get_layout
 from mxconv.run.memory import Baseline, ExpertCost, ItemCosts, MemoryBudget, MemoryPlan, balance, plan_memory
 from mxconv.run.plan_costs import work_items
 from support.checkpoints import INT4_KINDS, KINDS, ModelSizes, make_checkpoint
 from mxconv.output.shards import PlannedTensor, plan_shards
 from mxconv.output.writer import ShardedWriter
 
+from support.registry_cases import format_cases
 from support.tamper import patch_tensor
 from support.workspace import copy_checkpoint, link_workspace, MadeCheckpoints
 
@@ -298,10 +299,30 @@ def test_quantize_bytes_do_not_depend_on_the_budget(ws: Path, tmp_path: Path, ki
     _same_output(ws / kind, tmp_path, QuantOptions(fmt))
 
 
-REPACKS = [(b, a, 1) for b in backend_names() if "mxfp4" in get_layout(b).weight_formats
-           for a in get_layout(b).activations[:1]] + [
-    ("trtllm", "mxfp8", 2), ("marlin", "bf16", 2), ("aiter", "mxfp4", 1), ("triton", "bf16", 2), ("deepgemm", "fp8", 2),
+# every backend with each weight format it takes (its first activation for that format), plus TP and the
+# other activations of a few; the source of each format is SOURCE_OF's
+# A known bug this found (not fixed here): aiter's MXFP8 w2_weight_scale is one e8m0_shuffle over the layer's
+# E*H rows padded to 256, so a group of experts (3 * H = 384 rows here) is shuffled and padded on its own and
+# the writer meets a tensor the plan does not expect (RuntimeError, exit 3) instead of the whole layer's bytes.
+AITER_MXFP8_GROUPS = pytest.mark.xfail(strict=True, raises=RuntimeError,
+                                       reason="aiter MXFP8 w2_weight_scale shuffles the whole layer's E*H rows: not cut by expert groups")
+REPACKS = [pytest.param(b, f, get_layout(b).default_activation(f), 1,
+                        marks=AITER_MXFP8_GROUPS if (b, f) == ("aiter", "mxfp8") else ()) for b, f in format_cases()] + [
+    ("trtllm", "mxfp4", "mxfp8", 2), ("marlin", "mxfp4", "bf16", 2), ("aiter", "mxfp4", "mxfp4", 1),
+    ("triton", "mxfp4", "bf16", 2), ("deepgemm", "mxfp4", "fp8", 2), ("humming", "mxfp8", "bf16", 2),
 ]
+# an MXFP4 release (biases), a Qwen3-MoE quantized to MXFP8 at sizes every MXFP8 form takes, the Kimi INT4 release
+SOURCE_OF = {"mxfp4": "gpt-oss-mxfp4", "mxfp8": "qwen3-moe-mxfp8", "int4": "kimi-k2-int4"}
+
+
+@pytest.fixture(scope="module")
+def q8(ws: Path, made: MadeCheckpoints) -> Path:
+    """ws's MXFP8 source: Qwen3-MoE (no biases: MXFP8 forms take none) at H = I = 128 (I % 64, H % 64: every form)."""
+    out = ws / SOURCE_OF["mxfp8"]
+    if not out.exists():
+        src = made.source("qwen3-moe", ModelSizes(num_experts=E, hidden_size=128, intermediate_size=128), shards=3).path
+        _run(src, out, QuantOptions("mxfp8"), None, None)
+    return out
 
 
 def test_default_plan_cuts_items_and_keeps_the_bytes(ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -320,9 +341,10 @@ def test_default_plan_cuts_items_and_keeps_the_bytes(ws: Path, tmp_path: Path, m
     assert _digests(tmp_path / "cut") == _digests(tmp_path / "whole")
 
 
-@pytest.mark.parametrize("backend, act, tp", REPACKS)
-def test_repack_bytes_do_not_depend_on_the_budget(ws: Path, tmp_path: Path, backend: str, act: str, tp: int) -> None:
-    _same_output(ws / "gpt-oss-mxfp4", tmp_path, QuantOptions(), RepackOptions(backend, act, tp), groups=(3,))
+@pytest.mark.parametrize("backend, fmt, act, tp", REPACKS)
+def test_repack_bytes_do_not_depend_on_the_budget(ws: Path, q8: Path, tmp_path: Path, backend: str, fmt: str, act: str,
+                                                  tp: int) -> None:  # fmt: skip
+    _same_output(ws / SOURCE_OF[fmt], tmp_path, QuantOptions(), RepackOptions(backend, act, tp), groups=(3,))
 
 
 @pytest.mark.parametrize("src, backend, tp", [("qwen3-moe", "marlin", 2), ("deepseek-v3-fp8", "trtllm", 1), ("kimi-k2-int4", "trtllm", 1)])

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from mxconv.experts.stack import CanonicalExperts
 from mxconv.source.checkpoint import open_checkpoint
 from mxconv.cli import app
+from mxconv.engines import discover
 from mxconv.layouts import get_layout
 from mxconv.source.manifest import load_manifest
 from support.checkpoints import ModelSizes, make_checkpoint
@@ -77,20 +78,51 @@ def test_triton_hidden_not_multiple_of_64_warns_and_fails_the_kernel_check(tmp_p
 TOKENS = 64
 
 
+# what finds the GPU and the engine's kernels, per runner backend (engines/discover): only these may skip a test
+DISCOVERY = {"triton": lambda: discover.find_triton_kernels(), "marlin": lambda: discover.find_marlin_ops()}
+
+
 def _kernels_or_skip(backend: str) -> None:
+    """Skip when the GPU or the engine's kernels are missing (the runner's device check and
+    engines/discover); anything else the runner raises or answers, e.g. a TritonDescription or
+    MarlinDescription that no longer reads a manifest's layout part, fails the test."""
     from mxconv.engines.runner import require_runner
     from mxconv.errors import BadInput
     from mxconv.source.manifest import LayoutPart
 
+    runner = require_runner(backend)
+    try:
+        runner.check_device("cuda")
+        DISCOVERY[backend]()
+    except BadInput as exc:
+        pytest.skip(str(exc))
     # the runner's own check on an output's layout part of these padded sizes (its own keys absent: their defaults)
     layout = LayoutPart(name=backend, version=1, engine_compat={}, hidden_size=256, intermediate_size=256, padded_hidden_size=256,
                         padded_intermediate_size=256, w13_row_order="interleaved", kernel_params=None)  # fmt: skip
-    try:
-        reason = require_runner(backend).kernel_unavailable(layout, "cuda")
-    except BadInput as exc:
-        reason = str(exc)
-    if reason:
-        pytest.skip(reason)
+    assert runner.kernel_unavailable(layout, "cuda") is None
+
+
+def test_kernels_or_skip_fails_on_a_broken_description(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A description that cannot read the layout part is a failure, not a skip: with the GPU and the
+    kernels found (stood in for, on a machine without them), the runner's BadInput reaches the test."""
+    from mxconv.engines import triton_moe
+    from mxconv.errors import BadInput
+
+    def broken(part: object) -> None:
+        raise BadInput("layout.arch: a description broken on purpose")
+
+    monkeypatch.setattr(triton_moe.TritonRunner, "check_device", lambda self, device: None)
+    monkeypatch.setitem(DISCOVERY, "triton", lambda: None)
+    monkeypatch.setattr(triton_moe.TritonDescription, "from_layout", staticmethod(broken))
+    with pytest.raises(BadInput, match="broken on purpose"):
+        _kernels_or_skip("triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("backend", sorted(DISCOVERY))
+def test_kernels_or_skip_skips_without_a_gpu(backend: str) -> None:
+    with pytest.raises(pytest.skip.Exception, match="GPU|CUDA|cuda"):
+        _kernels_or_skip(backend)
 
 
 @pytest.fixture(scope="module")

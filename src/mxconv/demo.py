@@ -9,7 +9,6 @@ from typing import Any, Callable
 
 import torch
 
-from mxconv.errors import LayoutError
 from mxconv.layouts import backend_names, get_layout
 from mxconv.run.conversion import Conversion, RunSettings
 from mxconv.run.options import QuantOptions, RepackOptions, WeightFormat
@@ -21,9 +20,8 @@ DEMO_SOURCES = (("gpt-oss (bf16, biases)", "gpt-oss-bf16"), ("qwen3-moe (bf16)",
 NOT_WRITTEN = "not written: "
 
 
-def _convert(src: Path, out: Path, quant: QuantOptions, repack: RepackOptions | None, device: torch.device,
-             conversion: Conversion | None = None) -> dict[str, Any]:  # fmt: skip
-    conversion = conversion or Conversion.open(src, quant, repack)
+def _convert(src: Path, out: Path, quant: QuantOptions, repack: RepackOptions | None, device: torch.device) -> dict[str, Any]:
+    conversion = Conversion.open(src, quant, repack)
     argv = ("mxconv", conversion.plan.command, str(src), str(out))
     return conversion.run(out, device=device, settings=RunSettings(max_shard_size=2_000_000, overwrite=True, argv=argv))
 
@@ -53,15 +51,18 @@ def run_demo(workdir: Path | None, device: torch.device, progress: Callable[[str
             _quantize_steps(record, steps, label, src, tmp / kind, device)
             for backend in backend_names():
                 layout = get_layout(backend)
-                canon = tmp / f"{kind}-{layout.weight_formats[0]}"  # the experts it takes (xpu: MXFP8 only)
+                fmt = layout.weight_formats[0]  # the experts it takes (xpu: MXFP8 only)
+                canon = tmp / f"{kind}-{fmt}"
+                refusal = _declared_refusal(src, backend, fmt)
                 # activations storing a source's FP8 input scales (W4A8) need a source that has them; these do not
-                for act in (a for a in layout.activations if a not in layout.input_scale_activations):
+                for act in (a for a in layout.format_activations(fmt) if a not in layout.input_scale_activations):
                     kdir = tmp / f"{kind}-{backend}-{act}"
                     step = f"repack {backend} ({act})"
-                    res = record(label, step, lambda: _repack_step(canon, kdir, backend, act, device))
-                    if res is None or res["detail"].startswith(NOT_WRITTEN):
+                    if refusal is not None:  # shown as such, nothing written; any other planning error fails the step
+                        steps.append({"source": label, "step": step, "ok": True, "detail": f"{NOT_WRITTEN}{refusal}"})
                         continue
-                    record(label, f"verify {backend} ({act}) vs {canon.name.rsplit('-', 1)[1]}", lambda: _verify_step(kdir, canon))
+                    if record(label, step, lambda: _repack_step(canon, kdir, backend, act, device)) is not None:
+                        record(label, f"verify {backend} ({act}) vs {fmt}", lambda: _verify_step(kdir, canon))
             tp_backend = backend_names()[0]  # TP 2 through the first registered backend
             tp_act = get_layout(tp_backend).activations[0]
             tpdir, canon = tmp / f"{kind}-{tp_backend}-tp2", tmp / f"{kind}-{get_layout(tp_backend).weight_formats[0]}"
@@ -98,15 +99,19 @@ def _quant_step(src: Path, out: Path, fmt: str, device: torch.device) -> dict[st
     return {"ok": True, "rel_rms": s["relative_rms_error"], "detail": f"{s['tensors_out']} tensors, weight rel RMS"}
 
 
+def _declared_refusal(src: Path, backend: str, fmt: str) -> str | None:
+    """Why ``backend`` declares it refuses the experts of the source ``src`` in ``fmt`` (its bytes for that
+    format hold no expert biases and the source has them), or None: the repack must then plan and run."""
+    from mxconv.families import detect_family
+    from mxconv.source.checkpoint import open_checkpoint
+
+    has_bias = detect_family(open_checkpoint(src)).model_info().has_expert_bias
+    return get_layout(backend).bias_refusal(fmt) if has_bias else None
+
+
 def _repack_step(src: Path, out: Path, backend: str, act: str, device: torch.device, tp: int = 1) -> dict[str, Any]:
-    """Repack ``src``; a layout that refuses these experts while planning (xpu's MXFP8 form: no expert biases)
-    is shown as such, nothing written."""
-    quant, repack = QuantOptions(WeightFormat.MXFP4), RepackOptions(backend, act, tp)
-    try:
-        conversion = Conversion.open(src, quant, repack)  # plans only: no tensor read
-    except LayoutError as exc:
-        return {"ok": True, "detail": f"{NOT_WRITTEN}{str(exc)[:60]}..."}
-    s = _convert(src, out, quant, repack, device, conversion)
+    """Repack ``src`` (planning errors propagate: the demo fails the step)."""
+    s = _convert(src, out, QuantOptions(WeightFormat.MXFP4), RepackOptions(backend, act, tp), device)
     sizes = s.get("sizes", {})
     return {"ok": True, "detail": f"H {sizes.get('hidden_size')}->{sizes.get('padded_hidden_size')}, "
             f"I {sizes.get('intermediate_size_per_rank')}->{sizes.get('padded_intermediate_size')}"}

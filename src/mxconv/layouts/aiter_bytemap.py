@@ -254,12 +254,15 @@ def permute_padded(c: CanonicalExperts, activation: str) -> KernelTensors:
 
 
 def w16_bytes(x: torch.Tensor) -> torch.Tensor:
-    """:func:`w16` of a contiguous uint8 ``[E, N, B]``, moving 8-byte words (same bytes)."""
+    """:func:`w16` of a contiguous uint8 ``[E, N, B]``, moving 8-byte words (same bytes; a stack at a
+    storage offset that is no whole number of words is copied first)."""
     import torch
+
+    from mxconv.kernels.triton_common import as_words
 
     e, n, b = x.shape
     need(n % 16 == 0 and b % 16 == 0, f"W16 needs rows and bytes multiples of 16, got [{n}, {b}]")
-    words = x.view(torch.int64).reshape(e, n // 16, 16, b // 16, 2)
+    words = as_words(x, torch.int64).reshape(e, n // 16, 16, b // 16, 2)
     return words.permute(0, 1, 3, 2, 4).reshape(e, n, b // 8).view(torch.uint8)
 
 

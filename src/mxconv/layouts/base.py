@@ -202,6 +202,16 @@ class LayoutBase:
         """The activation a repack of ``weight_format`` experts gets when none is asked for: the first."""
         return self.activations[0]
 
+    def format_activations(self, weight_format: str) -> tuple[str, ...]:
+        """The activations a repack of ``weight_format`` experts takes: every one for a format of
+        :attr:`weight_formats`, none for another."""
+        return self.activations if weight_format in self.weight_formats else ()
+
+    def bias_refusal(self, weight_format: str) -> str | None:
+        """Why this layout's bytes for ``weight_format`` experts hold no expert biases (the error a
+        repack of a source with them meets while planning); None: they hold them (the default)."""
+        return None
+
     # the engine's own kernel runner for these bytes (``verify --kernel``, the loader): a
     # "module:attribute" string naming a mxconv.engines.runner.EngineRunner, or the object itself;
     # resolved by mxconv.engines (never here: the engines sit above the layouts). None: no runner.
@@ -267,6 +277,14 @@ class Layout(Protocol):
 
     def default_activation(self, weight_format: str = "mxfp4") -> str:
         """The activation when none is asked for, for experts of ``weight_format`` (LayoutBase: the first)."""
+        ...
+
+    def format_activations(self, weight_format: str) -> tuple[str, ...]:
+        """The activations ``weight_format`` experts take (LayoutBase: all of them for a format it takes)."""
+        ...
+
+    def bias_refusal(self, weight_format: str) -> str | None:
+        """Why ``weight_format``'s bytes hold no expert biases, or None (LayoutBase: None, they hold them)."""
         ...
 
     engine_runner: Any  # "module:attribute" of its mxconv.engines EngineRunner, the runner, or None

@@ -26,9 +26,14 @@ def check_mxfp8_method_sizes(backend: str, sizes: LayoutSizes, want: tuple[int, 
     allocates: nothing padded, no expert biases; LayoutError otherwise."""
     check_padded_sizes(backend, sizes, want, "vLLM's MXFP8 methods pad nothing")
     if sizes.has_bias:
-        raise LayoutError(f"{backend} takes no expert biases: vLLM's MXFP8 methods (CompressedTensorsW8A8Mxfp8MoEMethod) "
-                          "create none, so no verified layout holds them")
+        raise LayoutError(mxfp8_method_bias_refusal(backend))
     return want
+
+
+def mxfp8_method_bias_refusal(backend: str) -> str:
+    """Why ``backend``'s MXFP8 form, whose tensors vLLM's MXFP8 method allocates, holds no expert biases."""
+    return (f"{backend} takes no expert biases: vLLM's MXFP8 methods (CompressedTensorsW8A8Mxfp8MoEMethod) "
+            "create none, so no verified layout holds them")
 
 
 def check_padded_sizes(backend: str, sizes: LayoutSizes, want: tuple[int, int], rule: str) -> tuple[int, int]:

@@ -54,10 +54,12 @@ def _pack(s: torch.Tensor) -> torch.Tensor:
     """uint8 [E, N, C] -> int32 [E, ceil(C/4), N]: word [e, j, n] holds bytes (n, 4j..4j+3), zero past C."""
     import torch
 
+    from mxconv.kernels.triton_common import as_words
+
     E, N, C = (int(d) for d in s.shape)
     J = -(-C // PACK)
     words = pad_last(s, J * PACK, 0).reshape(E, N, J, PACK).permute(0, 2, 1, 3).contiguous()
-    return words.view(torch.int32).reshape(E, J, N)
+    return as_words(words, torch.int32).reshape(E, J, N)  # a copy where ``s`` sits at an odd storage offset
 
 
 def _unpack(words: torch.Tensor, cols: int, name: str) -> torch.Tensor:

@@ -26,7 +26,11 @@ from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec
 from mxconv.layouts.base import LayoutBase, LayoutOptions
-from mxconv.layouts.checks import check_block_sizes, check_mxfp8_method_sizes
+from mxconv.layouts.checks import (
+    check_block_sizes,
+    check_mxfp8_method_sizes,
+    mxfp8_method_bias_refusal,
+)
 
 __all__ = ["FormBase", "FormsLayout", "Mxfp8MethodForm", "WeightForm"]
 
@@ -42,6 +46,9 @@ class WeightForm(Protocol):
     # Mxfp4MoeBackend, INT4: WNA16MoEBackend, MXFP8: Fp8MoeBackend names); empty: none does
     vllm_backends: Mapping[str, tuple[str, ...]]
     kernel_label: str  # how kernel_unavailable names the engine's kernels for this form (FormBase: upper case)
+    # why this form's bytes hold no expert biases (the LayoutError its kernel_specs raise for sizes with
+    # them); None: they hold them (FormBase)
+    bias_refusal: str | None
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
                      options: Any) -> tuple[int, int]:  # fmt: skip
@@ -75,6 +82,7 @@ class FormBase:
     weight_format: str = ""
     activations: tuple[str, ...] = ()
     vllm_backends: Mapping[str, tuple[str, ...]] = {}
+    bias_refusal: str | None = None
 
     @property
     def kernel_label(self) -> str:
@@ -106,6 +114,7 @@ class Mxfp8MethodForm(FormBase):
         super().__init_subclass__(**kwargs)
         cls.activations = (cls.activation,)
         cls.vllm_backends = {cls.activation: (cls.vllm_backend,)}  # Fp8MoeBackend
+        cls.bias_refusal = mxfp8_method_bias_refusal(cls.label)
 
     def check_sizes(self, hidden_size: int, intermediate_size: int) -> None:
         """LayoutError where the engine cannot take one rank's (H, I) (the default takes every one)."""
@@ -145,6 +154,14 @@ class FormsLayout(LayoutBase):
     def default_activation(self, weight_format: str = "mxfp4") -> str:
         """The first activation the form of ``weight_format`` serves (trtllm's MXFP8 form: mxfp8)."""
         return self.form(weight_format).activations[0]
+
+    def format_activations(self, weight_format: str) -> tuple[str, ...]:
+        """The activations the form of ``weight_format`` serves (none for a format without a form)."""
+        return tuple(self.weight_forms[weight_format].activations) if weight_format in self.weight_forms else ()
+
+    def bias_refusal(self, weight_format: str) -> str | None:
+        """The ``bias_refusal`` the form of ``weight_format`` declares (None for a format without a form)."""
+        return self.weight_forms[weight_format].bias_refusal if weight_format in self.weight_forms else None
 
     def form(self, weight_format: str) -> WeightForm:
         """The form of ``weight_format``; LayoutError for a format this layout does not take."""

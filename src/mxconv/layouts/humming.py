@@ -102,6 +102,7 @@ class HummingForm(FormBase):
     def __init__(self, part: HummingMX | HummingInt4) -> None:
         self.part = part
         self.weight_format = part.weight_format
+        self.bias_refusal = part.bias_refusal
 
     @staticmethod
     def codes(options: Any) -> str | dict[str, str]:

@@ -56,6 +56,7 @@ FORMS = ("uint4", "e0m3")  # the code forms humming leaves a stack in
 CODES = (AUTO, *FORMS)  # the int4_codes option's values
 WEIGHTS = ("w13_weight", "w2_weight")  # the tensors a choice is recorded for (one per GEMM)
 B_DTYPES = {"uint4": "uint4", "e0m3": "float4e0m3"}  # humming LayerConfig b_dtype per code form
+BIAS_REFUSAL = "humming INT4 takes no expert biases (compressed-tensors INT4 experts have none)"
 
 
 def padded_sizes(hidden_size: int, intermediate_size: int, row_order: str) -> tuple[int, int]:
@@ -76,7 +77,7 @@ def kernel_specs(sizes: LayoutSizes) -> dict[str, TensorSpec]:
             sizes.hidden_size, sizes.intermediate_size, sizes.row_order):  # fmt: skip
         raise LayoutError("humming INT4: padded sizes must equal (H, I) (vLLM pads nothing for INT4)")
     if sizes.has_bias:
-        raise LayoutError("humming INT4 takes no expert biases (compressed-tensors INT4 experts have none)")
+        raise LayoutError(BIAS_REFUSAL)
     E, specs = sizes.num_experts, {}
     for w, (_n, _k, n_pad, k_pad) in gemm_shapes(sizes.hidden_size, sizes.intermediate_size).items():
         specs[f"{w}_weight"] = TensorSpec((E, k_pad // 16, 2 * n_pad), "I32")
@@ -151,7 +152,7 @@ def to_kernel(c: CanonicalExperts, codes: str | Mapping[str, str]) -> KernelTens
 
     c.validate()
     if c.w13_bias is not None:
-        raise LayoutError("humming INT4 takes no expert biases (compressed-tensors INT4 experts have none)")
+        raise LayoutError(BIAS_REFUSAL)
     padded_sizes(c.hidden_size, c.intermediate_size, c.row_order)
     out: KernelTensors = {}
     forms = stack_codes(c, codes)
@@ -207,6 +208,7 @@ class HummingInt4:
     intermediate_align = 1  # vLLM pads nothing for INT4
     manifest_head = {"variant": "int4"}
     manifest_oracle = {"vllm_oracle": "WNA16MoEBackend"}
+    bias_refusal = BIAS_REFUSAL
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str) -> tuple[int, int]:
         return padded_sizes(hidden_size, intermediate_size, row_order)

@@ -60,6 +60,7 @@ class HummingMX:
     weight_dtype: str = ""  # the manifest's description of the stored words
     manifest_head: dict[str, Any] = field(default_factory=dict)  # manifest fields before engine_compat
     manifest_oracle: dict[str, Any] = field(default_factory=dict)  # after vllm_moe_backend (none for MX)
+    bias_refusal: str | None = None  # humming's MX forms hold expert biases
     # the Triton layout kernel's ``repack`` (lt, canonical weights, row table, K): padding fused in, same bytes
     kernel_repack: Callable[[Any, torch.Tensor, torch.Tensor, int], torch.Tensor] | None = field(default=None, repr=False)
 

@@ -56,6 +56,8 @@ WEIGHT_FORMAT = "mxfp8"
 INTERMEDIATE_MULTIPLE = 64  # marlin_moe_padded_intermediate(I, 32): lcm(64, 32)
 HIDDEN_MULTIPLE = 64  # gptq_marlin_repack's N tile (w2: N = H); vLLM pads H for nothing here
 VLLM_COMPAT = "0.33"
+BIAS_REFUSAL = ("marlin MXFP8 takes no expert biases: vLLM's prepare_mxfp8_moe_layer_for_marlin neither pads "
+                "nor permutes them (the MXFP4 path does), so no verified layout holds them")
 
 # Q[N, K] of one expert as digits (n: nt, j, blk, thc; k: kt, p0, thr, p1), most significant first:
 #   n = 64 nt + 16 j + 8 blk + thc,  k = 16 kt + 8 p0 + 2 thr + p1
@@ -97,6 +99,7 @@ class MarlinMxfp8(FormBase):
 
     weight_format = WEIGHT_FORMAT
     activations = ("bf16",)
+    bias_refusal = BIAS_REFUSAL
     # Fp8MoeBackend.MARLIN (fused_moe/oracle/mxfp8.py; prepare_mxfp8_moe_layer_for_marlin)
     vllm_backends = {"bf16": ("MARLIN",)}
 
@@ -126,8 +129,7 @@ class MarlinMxfp8(FormBase):
         if (sizes.padded_hidden_size, sizes.padded_intermediate_size) != (H, I):
             raise LayoutError(f"marlin MXFP8: padded sizes must equal (H, I) = {(H, I)} (vLLM's MXFP8 methods pad nothing)")
         if sizes.has_bias:
-            raise LayoutError("marlin MXFP8 takes no expert biases: vLLM's prepare_mxfp8_moe_layer_for_marlin neither pads "
-                              "nor permutes them (the MXFP4 path does), so no verified layout holds them")  # fmt: skip
+            raise LayoutError(BIAS_REFUSAL)
         E, Ip = sizes.num_experts, round_up(I, INTERMEDIATE_MULTIPLE)
         return in_kernel_order({
             "w13_weight": TensorSpec((E, H // 16, 8 * Ip), "I32"),

@@ -69,6 +69,8 @@ HIDDEN_ALIGN = 256  # align_mxfp8_moe_weights_for_fi_trtllm(hidden_alignment=256
 INTERMEDIATE_ALIGN = 128  # min_alignment=128
 MX_BLOCK = 32
 SCALE_FILL = 0x7F  # vLLM pads scales with E8M0 1.0 (padded weights are zero, so they add nothing)
+BIAS_REFUSAL = ("trtllm MXFP8 takes no expert biases: vLLM's CompressedTensorsW8A8Mxfp8MoEMethod creates none, so no "
+                "vLLM layer holds them")
 WEIGHT_DTYPE, SCALE_DTYPE = "F8_E4M3", "U8"
 ENGINE_COMPAT = {"vllm": "0.33", "flashinfer": ">=0.7"}
 KERNEL = "trtllm_fp8_block_scale_moe (Fp8QuantizationType.MxFp8, WeightLayout.MajorK)"
@@ -103,8 +105,7 @@ def kernel_specs(sizes: LayoutSizes, activation: str, intermediate_align: int = 
         raise LayoutError(f"trtllm MXFP8: padded sizes must equal (H, I) = {(H, I)} (compressed-tensors MXFP8 "
                           "allocates the layer unpadded; the kernel padding is inside the tensors)")  # fmt: skip
     if sizes.has_bias:
-        raise LayoutError("trtllm MXFP8 takes no expert biases: vLLM's CompressedTensorsW8A8Mxfp8MoEMethod creates "
-                          "none, so no vLLM layer holds them")  # fmt: skip
+        raise LayoutError(BIAS_REFUSAL)
     E, (Hp, Ip) = sizes.num_experts, kernel_sizes(H, I)
     return {
         "w13_weight": TensorSpec((E, 2 * Ip, Hp), WEIGHT_DTYPE),
@@ -191,6 +192,7 @@ class TrtllmMxfp8(FormBase):
     weight_format = WEIGHT_FORMAT
     activations = ACTIVATIONS
     vllm_backends = {act: (VLLM_BACKEND,) for act in ACTIVATIONS}  # Fp8MoeBackend (prepare_fp8_moe_layer_for_fi)
+    bias_refusal = BIAS_REFUSAL
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
                      options: Any) -> tuple[int, int]:  # fmt: skip

@@ -67,6 +67,8 @@ def from_block_major(blocks: torch.Tensor) -> torch.Tensor:
     E, nb, N, chunk = blocks.shape
     return blocks.permute(0, 2, 1, 3).reshape(E, N, nb * chunk).contiguous()
 
+BIAS_REFUSAL = "trtllm MxInt4 takes no expert biases (compressed-tensors INT4 experts have none)"
+
 
 def _row_tables(H: int, I: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return w13_row_table(I, I, ROW_ORDER, device), w2_row_table(H, H, device)
@@ -79,6 +81,7 @@ class TrtllmMxInt4(FormBase):
     activations = ACTIVATIONS
     vllm_backends: dict[str, tuple[str, ...]] = {}  # no vLLM WNA16MoEBackend holds these bytes
     kernel_label = "MxInt4"  # how kernel_unavailable names the FlashInfer kernels
+    bias_refusal = BIAS_REFUSAL
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
                      options: LayoutOptions | None) -> tuple[int, int]:  # fmt: skip
@@ -108,7 +111,7 @@ class TrtllmMxInt4(FormBase):
                 f"must equal (H, I) = {(H, I)} (the MxInt4 layout is not padded)"
             )
         if sizes.has_bias:
-            raise LayoutError("trtllm MxInt4 takes no expert biases (compressed-tensors INT4 experts have none)")
+            raise LayoutError(BIAS_REFUSAL)
         E = sizes.num_experts
         return {
             "w13_weight": TensorSpec((E, H // SIZE_ALIGN, 2 * I, K_CHUNK_BYTES), "U8"),
@@ -122,7 +125,7 @@ class TrtllmMxInt4(FormBase):
         """Canonical int4 stack -> MxInt4 kernel tensors on ``c``'s device (module table); torch ops only."""
         c.validate()
         if c.w13_bias is not None:
-            raise LayoutError("trtllm MxInt4 takes no expert biases (compressed-tensors INT4 experts have none)")
+            raise LayoutError(BIAS_REFUSAL)
         H, I = self.padded_sizes(c.hidden_size, c.intermediate_size, c.row_order, activation, options)
         tab13, tab2 = _row_tables(H, I, c.device)
         E = c.num_experts
