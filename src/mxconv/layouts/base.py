@@ -25,6 +25,7 @@ from mxconv.errors import LayoutError
 from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec
+from mxconv.layouts.activation_quant import ActivationQuant, declared_or_named
 from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -145,6 +146,9 @@ class LayoutBase:
     # activations whose kernel tensors hold the source's static FP8 input scales (W4A8): the source
     # must carry them (CanonicalExperts.input_scales); plan refuses one that does not
     input_scale_activations: tuple[str, ...] = ()
+    # activation -> how vLLM quantizes the hidden states these experts get, where the activation's name
+    # does not say it (mxconv.layouts.activation_quant; triton's W4A8: static per-tensor FP8)
+    activation_quant: Mapping[str, ActivationQuant] = {}
     # canonical expert formats (CanonicalExperts.weight_format) this layout takes; plan refuses others
     weight_formats: tuple[str, ...] = ("mxfp4",)
     # canonical weight formats this layout refuses for a reason of its own, format -> why (xpu: MXFP4, whose
@@ -201,6 +205,11 @@ class LayoutBase:
     def default_activation(self, weight_format: str = "mxfp4") -> str:
         """The activation a repack of ``weight_format`` experts gets when none is asked for: the first."""
         return self.activations[0]
+
+    def activation_quantization(self, activation: str, *, weight_format: str = "mxfp4") -> ActivationQuant:
+        """How vLLM quantizes the hidden states of ``activation``'s experts: :attr:`activation_quant`'s, else
+        what the name says (``weight_format``: the experts'; a layout of one form answers the same for all)."""
+        return declared_or_named(self.activation_quant, activation)
 
     # the engine's own kernel runner for these bytes (``verify --kernel``, the loader): a
     # "module:attribute" string naming a mxconv.engines.runner.EngineRunner, or the object itself;
@@ -259,6 +268,7 @@ class Layout(Protocol):
     weight_formats: tuple[str, ...]  # canonical weight formats taken (LayoutBase: ("mxfp4",))
     weight_format_refusals: Mapping[str, str]  # format not taken -> why, where the layout says (LayoutBase: {})
     input_scale_activations: tuple[str, ...]  # activations needing the source's FP8 input scales (LayoutBase: ())
+    activation_quant: Mapping[str, ActivationQuant]  # activation -> vLLM's input quantization, where declared (LayoutBase: {})
     options_type: type[LayoutOptions]  # the frozen dataclass resolve_options makes (LayoutBase: from options)
 
     def resolve_options(self, given: LayoutOptions | Mapping[str, Any] | None = None) -> LayoutOptions:
@@ -267,6 +277,10 @@ class Layout(Protocol):
 
     def default_activation(self, weight_format: str = "mxfp4") -> str:
         """The activation when none is asked for, for experts of ``weight_format`` (LayoutBase: the first)."""
+        ...
+
+    def activation_quantization(self, activation: str, *, weight_format: str = "mxfp4") -> ActivationQuant:
+        """How vLLM quantizes the experts' inputs (LayoutBase: ``activation_quant``, else by the name)."""
         ...
 
     engine_runner: Any  # "module:attribute" of its mxconv.engines EngineRunner, the runner, or None

@@ -25,6 +25,7 @@ from mxconv.errors import LayoutError
 from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec
+from mxconv.layouts.activation_quant import DYNAMIC_MXFP8, ActivationQuant, declared_or_named
 from mxconv.layouts.base import LayoutBase, LayoutOptions
 from mxconv.layouts.checks import check_block_sizes, check_mxfp8_method_sizes
 
@@ -41,6 +42,9 @@ class WeightForm(Protocol):
     # activation -> vLLM backends that hold these bytes under the vLLM method of this format (MXFP4:
     # Mxfp4MoeBackend, INT4: WNA16MoEBackend, MXFP8: Fp8MoeBackend names); empty: none does
     vllm_backends: Mapping[str, tuple[str, ...]]
+    # activation -> how vLLM quantizes the hidden states these experts get, where the activation's name does
+    # not say it (mxconv.layouts.activation_quant; FormBase: {}, the name says it)
+    activation_quant: Mapping[str, ActivationQuant]
     kernel_label: str  # how kernel_unavailable names the engine's kernels for this form (FormBase: upper case)
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
@@ -75,6 +79,7 @@ class FormBase:
     weight_format: str = ""
     activations: tuple[str, ...] = ()
     vllm_backends: Mapping[str, tuple[str, ...]] = {}
+    activation_quant: Mapping[str, ActivationQuant] = {}
 
     @property
     def kernel_label(self) -> str:
@@ -94,7 +99,10 @@ class Mxfp8MethodForm(FormBase):
     allocates: one activation, one Fp8MoeBackend, (H, I) multiples of 32 and nothing padded, no expert
     biases. A subclass declares ``label`` (how its errors start, "aiter MXFP8"), ``activation``,
     ``vllm_backend`` and ``activation_rule`` (why another activation is refused, formatted with
-    ``activation``), and overrides :meth:`check_sizes` where its engine limits (H, I) further."""
+    ``activation``), and overrides :meth:`check_sizes` where its engine limits (H, I) further. The method's
+    quant config quantizes the experts' inputs to MXFP8 (``kMxfp8Dynamic``), whoever does it (aiter inside
+    fused_moe, vLLM before DeepGemmExperts, the XPU kernel from the bf16 hidden states it is handed): that is
+    the form's ``activation_quant`` unless a subclass declares its own."""
 
     weight_format = "mxfp8"
     label: str = ""
@@ -106,6 +114,8 @@ class Mxfp8MethodForm(FormBase):
         super().__init_subclass__(**kwargs)
         cls.activations = (cls.activation,)
         cls.vllm_backends = {cls.activation: (cls.vllm_backend,)}  # Fp8MoeBackend
+        if "activation_quant" not in cls.__dict__:
+            cls.activation_quant = {cls.activation: DYNAMIC_MXFP8}
 
     def check_sizes(self, hidden_size: int, intermediate_size: int) -> None:
         """LayoutError where the engine cannot take one rank's (H, I) (the default takes every one)."""
@@ -145,6 +155,11 @@ class FormsLayout(LayoutBase):
     def default_activation(self, weight_format: str = "mxfp4") -> str:
         """The first activation the form of ``weight_format`` serves (trtllm's MXFP8 form: mxfp8)."""
         return self.form(weight_format).activations[0]
+
+    def activation_quantization(self, activation: str, *, weight_format: str = "mxfp4") -> ActivationQuant:
+        """How vLLM quantizes the inputs of ``weight_format``'s experts laid out for ``activation`` (the
+        form's ``activation_quant``, else the name's); LayoutError for a format this layout does not take."""
+        return declared_or_named(self.form(weight_format).activation_quant, activation)
 
     def form(self, weight_format: str) -> WeightForm:
         """The form of ``weight_format``; LayoutError for a format this layout does not take."""
