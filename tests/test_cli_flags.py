@@ -31,18 +31,38 @@ COMMAND = re.compile(r"mxconv (?:quantize|repack|verify|inspect|demo)\b[^;)\"]*"
 PENDING: tuple[str, ...] = ()
 
 
+# Functions whose returned text the library's callers print as a reason: why an engine kernel cannot run,
+# why a layout or vLLM refuses, what would work instead (repack's and inspect's weight-format hint).
+REASON_FUNCTIONS = re.compile(r"kernel_unavailable|.*_refusal|.*_hint")
+# Module constants quoted as a reason (xpu's MXFP4_REFUSAL).
+REASON_CONSTANTS = re.compile(r"[A-Z0-9_]*_REFUSALS?")
+
+
+def _reason_texts(tree: ast.Module) -> list[ast.AST]:
+    """The return values of :data:`REASON_FUNCTIONS` and the values of :data:`REASON_CONSTANTS` in ``tree``."""
+    found: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and REASON_FUNCTIONS.fullmatch(node.name):
+            found += [r.value for r in ast.walk(node) if isinstance(r, ast.Return) and r.value is not None]
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and REASON_CONSTANTS.fullmatch(t.id) for t in node.targets):
+            found.append(node.value)
+    return found
+
+
 def _library_error_texts() -> list[tuple[str, int, str]]:
-    """(file, line, source text) of every raise and error construction outside cli/."""
+    """(file, line, source text) of every raise, error construction and reason text outside cli/."""
     found = []
     for path in sorted(SRC.rglob("*.py")):
         if "cli" in path.relative_to(SRC).parts[:1]:
             continue
         text = path.read_text()
-        for node in ast.walk(ast.parse(text)):
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
             call = node.exc if isinstance(node, ast.Raise) else node
             name = getattr(getattr(call, "func", None), "id", None) or getattr(getattr(call, "func", None), "attr", None)
             if isinstance(node, ast.Raise) or (isinstance(node, ast.Call) and name in ERROR_CALLS):
                 found.append((str(path.relative_to(SRC)), node.lineno, ast.get_source_segment(text, node) or ""))
+        found += [(str(path.relative_to(SRC)), n.lineno, ast.get_source_segment(text, n) or "") for n in _reason_texts(tree)]
     return found
 
 

@@ -17,12 +17,14 @@ from mxconv.cli import app
 from mxconv.run.conversion import Conversion, RunSettings
 from mxconv.run.options import QuantOptions, RepackOptions
 from mxconv.run.plan import build_plan
-from mxconv.output.engine_quant_config import EngineQuantConfig, activation_quant, from_manifest, quant_config_of
+from mxconv.output.engine_quant_config import EngineQuantConfig, from_manifest, quant_config_of
 from mxconv.source.manifest import Manifest
 from mxconv.errors import BadInput
 from mxconv.families import detect_family
 from support.checkpoints import ModelSizes, make_checkpoint
 from support.registry_cases import activation_cases, takes_biases
+from mxconv.layouts import backend_names, get_layout
+from mxconv.layouts.activation_quant import by_activation
 from mxconv.layouts.vllm_backends import admits_vllm, vllm_padded_sizes
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "docs" / "quant-config.schema.json").read_text())
@@ -196,7 +198,27 @@ def test_activation_quant_per_backend(outputs: dict[str, dict[str, Any]]) -> Non
     assert aq("qwen3-moe/deepgemm/fp8") == {"scheme": "dynamic_fp8_per_token_group", "dtype": "float8_e4m3fn", "group_shape": [1, 128], "scale_format": "ue8m0"}
     assert aq("quark/triton-gfx950/fp8") == {"scheme": "static_fp8_per_tensor", "dtype": "float8_e4m3fn", "group_shape": [-1, -1], "scale_format": "float32"}
     assert outputs["quark/triton-gfx950/fp8"]["quant_config"]["served_vllm_backends"] == ["AITER_MXFP4_FP8"]
-    assert activation_quant("int8").scheme == "unknown"
+    assert by_activation("int8").scheme == "unknown" and by_activation(None).scheme == "none"
+
+
+def test_activation_quant_is_the_layouts_declaration(outputs: dict[str, dict[str, Any]]) -> None:
+    """A kernel output's activation_quant is what its layout (its form of the weight format) declares, so
+    output/ names no vLLM backend and compares no weight format to decide it."""
+    for key, m in outputs.items():
+        if m["kind"] != "kernel":
+            assert m["quant_config"]["activation_quant"]["scheme"] in ("none", "dynamic_fp8_per_token_group"), key
+            continue
+        want = get_layout(m["backend"]).activation_quantization(m["activation"], weight_format=m["weight_format"])
+        assert EngineQuantConfig.from_json(m["quant_config"]).activation_quant == want, key
+    assert get_layout("xpu").activation_quantization("bf16", weight_format="mxfp8").scheme == "dynamic_mxfp8"
+    assert get_layout("marlin").activation_quantization("bf16", weight_format="mxfp8").scheme == "none"
+    source = (Path(__file__).resolve().parents[1] / "src" / "mxconv" / "output").rglob("*.py")
+    declared = {b for name in backend_names() for lay in [get_layout(name)]
+                for table in (lay.vllm_backends, lay.vllm_int4_backends, lay.vllm_mxfp8_backends)
+                for names in table.values() for b in names}
+    assert "XPU" in declared
+    spelled = {(p.name, b) for p in source for b in declared if re.search(rf"[\"']{b}[\"']", p.read_text())}
+    assert not spelled, spelled
 
 
 def test_kernel_tensors_and_served(outputs: dict[str, dict[str, Any]]) -> None:

@@ -357,6 +357,6 @@ def test_triton_wrap_refuses_storage_of_another_gpu(made: MadeCheckpoints) -> No
     src = resolve_layer(out, 1)
     assert src.manifest.layout.extra["arch"] == "sm100"
     with pytest.raises(BadInput, match=r"layer 1: the output holds the sm100 storage \(manifest layout.arch = 'sm100'\);"
-                                       r" .* sm90 storage only: repack with --layout-option arch=sm90"):  # fmt: skip
+                                       r" .* sm90 storage only: repack with RepackOptions.layout_options arch=sm90"):  # fmt: skip
         build_engine_layer(src, read_layer_tensors(src, "cpu"))
     assert "layout.arch = 'sm100'" in kernel_unavailable(src.manifest)

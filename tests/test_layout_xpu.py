@@ -1,7 +1,7 @@
 """``--backend xpu`` (vLLM 0.33's Fp8MoeBackend.XPU, ``prepare_fp8_moe_layer_for_xpu``): every byte against an
 element-by-element model of the load-time step (each weight and 3-d scale tensor with its last two axes swapped,
 nothing padded, dtypes kept), odd sizes (K/32 odd), both w13 row orders, TP slices, the refusals (MXFP4 experts
-among them, whose canonical output vLLM's XPU backend runs as loaded) and the CLI: repack of a ``quantize --format
+among them, whose canonical output vLLM's XPU backend runs as loaded where unpadded) and the CLI: repack of a ``quantize --format
 mxfp8`` output and of a bf16 source with ``--format mxfp8`` at TP 1 and 2, verify bit-exact, a flipped scale
 byte and swapped experts caught. vLLM's own function on these bytes: tests/test_vllm_xpu.py."""
 
@@ -162,8 +162,10 @@ def test_swapped_experts_fail_verify(q8: Path, tmp_path: Path) -> None:
 
 
 def test_mxfp4_experts_are_refused_naming_why(q8: Path, tmp_path: Path) -> None:
-    code, _, err = mx("repack", q8.parent / "src", tmp_path / "x4", "--backend", "xpu", "--quiet", "--device", "cpu")
-    assert code == 2 and "backend xpu takes mxfp8 experts only" in err
+    """Asked for MXFP4 experts (a bf16 source left to itself becomes MXFP8: tests/test_repack_formats.py)."""
+    code, _, err = mx("repack", q8.parent / "src", tmp_path / "x4", "--backend", "xpu", "--format", "mxfp4", "--quiet",
+                      "--device", "cpu")  # fmt: skip
+    assert code == 2 and "backend xpu takes mxfp8 experts only" in err and "pass --format mxfp8" in err
     assert "Mxfp4MoeBackend.XPU runs MXFP4 experts on the checkpoint's tensors as loaded" in err
     assert not (tmp_path / "x4").exists()
 

@@ -33,25 +33,27 @@ def canonical_expert_bytes(E: int, H: int, I: int, has_bias: bool, scale_bytes: 
 
 def backend_table(
     E: int, H: int, I: int, row_order: str, has_bias: bool, layers: int, model_activation: str = "silu",
-    weight_format: str = "mxfp4",
+    source_format: str = "mxfp4",
 ) -> list[dict[str, Any]]:
-    """Per backend/activation: padded sizes, kernel bytes, padding overhead vs the canonical experts, and
-    the vLLM 0.33 backends that would hold the output as is, per vLLM quantization method
-    (``vllm_methods``; :func:`mxconv.layouts.vllm_serving.vllm_serving`, the manifest's rule;
-    ``model_activation``: "silu" | "swigluoai").
-    ``weight_format`` "int4" or "mxfp8" (a source of that format): what ``repack`` does with it, i.e. the
-    layouts that take it as it is (INT4: trtllm MxInt4, humming; MXFP8: humming, marlin), and an error
-    row for the others."""
+    """Per backend/activation: the experts' format in it (``weight_format``), padded sizes, kernel bytes,
+    padding overhead vs the canonical experts of that format, and the vLLM 0.33 backends that would hold the
+    output as is, per vLLM quantization method (``vllm_methods``; :func:`mxconv.layouts.vllm_serving.vllm_serving`,
+    the manifest's rule; ``model_activation``: "silu" | "swigluoai").
+    ``source_format``: the source's experts (ModelInfo.expert_format); each layout gets what ``repack`` writes
+    of them by default (:func:`mxconv.run.repack_formats.default_weight_format`: a float source's MXFP4, or
+    MXFP8 for a layout that takes no MXFP4; an MX or INT4 source's own format), and a layout that does not take
+    that an error row saying what would work (the words of repack's refusal)."""
+    from mxconv.run.repack_formats import ExpertShape, default_weight_format, weight_format_hint
+
     rows = []
-    base = canonical_expert_bytes(E, H, I, has_bias, 2 if weight_format == "int4" else 1,
-                                  1 if weight_format == "mxfp8" else 2) * layers  # fmt: skip
     for name in backend_names():
         layout = get_layout(name)
-        formats = layout.weight_formats
+        formats, weight_format = layout.weight_formats, str(default_weight_format(source_format, layout))
+        base = canonical_expert_bytes(E, H, I, has_bias, 2 if weight_format == "int4" else 1,
+                                      1 if weight_format == "mxfp8" else 2) * layers  # fmt: skip
         for act in layout.activations:
             if weight_format not in formats:
-                hint = layout.weight_format_refusals.get(weight_format) or (
-                    "repack the bf16 source with --format mxfp4" if weight_format == "mxfp8" else "quantize the source to mxfp4 first")
+                hint = weight_format_hint(source_format, layout, weight_format, ExpertShape(E, H, I, row_order, has_bias))
                 rows.append({"backend": name, "activation": act, "error": (
                     f"takes {', '.join(formats)} experts, not {weight_format}: {hint}")})
                 continue
@@ -68,6 +70,7 @@ def backend_table(
                     {
                         "backend": name,
                         "activation": act,
+                        "weight_format": weight_format,
                         "padded_hidden_size": Hp,
                         "padded_intermediate_size": Ip,
                         "expert_bytes": nbytes,
@@ -162,7 +165,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
                                         reader),
             "backends": backend_table(
                 info.num_experts, info.hidden_size, info.intermediate_size, info.row_order, info.has_expert_bias, len(refs),
-                info.activation, info.expert_format if info.expert_format in ("int4", "mxfp8") else "mxfp4",
+                info.activation, info.expert_format,
             ),
         }
     )

@@ -168,6 +168,8 @@ def _backend_table(doc: dict) -> tuple[Table, _Notes]:
         b.add_column(col, no_wrap=True)
     for row in doc["backends"]:
         name = f"{row['backend']} {row['activation']}"
+        if row.get("weight_format", fmt.lower()) != fmt.lower():  # a layout that takes no MXFP4: what repack makes
+            name += f" ({row['weight_format']})"
         if "error" in row:
             b.add_row(name, "-", "-", "no " + notes.ref("refused: " + row["error"]), "-")
         else:

@@ -96,7 +96,7 @@ def repack(
     layout_option: Annotated[Optional[list[str]], typer.Option("--layout-option", metavar="NAME=VALUE", help="A backend option (repeatable); each backend's options are listed below.")] = None,
     marlin_scale_layout: Annotated[Optional[str], typer.Option("--marlin-scale-layout", metavar="current|legacy", help="Same as --layout-option marlin_scale_layout=VALUE: current (vLLM >= 0.12, the default) | legacy (<= 0.11.2).")] = None,
     triton_layout: Annotated[Optional[str], typer.Option("--triton-layout", metavar="3.5|3.6|3.8", help="Same as --layout-option triton_layout=VALUE: 3.5 (triton_kernels vendored by vLLM 0.12-0.33, the default) | 3.6 (vLLM 0.20) | 3.8 (matmul API; the 3.6 bytes).")] = None,
-    format: Annotated[Optional[RepackFmt], typer.Option("--format", help="Expert format in the layout: mxfp4 or mxfp8 (the backend must take it; see the backend table). Default: an MXFP8 or INT4 source keeps its format, anything else becomes mxfp4.")] = None,
+    format: Annotated[Optional[RepackFmt], typer.Option("--format", help="Expert format in the layout: mxfp4 or mxfp8 (the backend must take it; see the backend table). Default: an MXFP8 or INT4 source keeps its format, anything else becomes mxfp4, or the format the backend takes when it takes no mxfp4 (xpu: mxfp8; the summary says so).")] = None,
     scale_rounding: Annotated[ScaleRounding, typer.Option("--scale-rounding", help="Scale rule when a bf16 SOURCE is quantized on the way (auto = the format's default: even for mxfp4, the least error; see quantize --help).")] = ScaleRounding.AUTO,
     *,
     run: RunOptions,

@@ -245,7 +245,7 @@ class MarlinRunner:
         discover.find_marlin_ops((kernel_locations or KernelLocations()).marlin_ops)
         d = MarlinDescription.from_layout(layout)
         if d.activation != "bf16":
-            return "Marlin with FP8 activations runs on SM89/SM120 only (this output was repacked with --activation fp8)"
+            return "Marlin with FP8 activations runs on SM89/SM120 only (this output was repacked with RepackOptions.activation fp8)"
         if d.scale_layout != "current":
             return "legacy Marlin scales (vLLM <= 0.11.2) are not read by vLLM 0.33's kernel"
         return None

@@ -233,7 +233,7 @@ def _arch_refusal(d: TritonDescription) -> str | None:
     if arch == "sm90":
         return None
     return (f"the output holds the {arch} storage (manifest layout.arch = {arch!r}); mxconv runs triton_kernels' "
-            "Hopper matmul on sm90 storage only: repack with --layout-option arch=sm90 to run it here")  # fmt: skip
+            "Hopper matmul on sm90 storage only: repack with RepackOptions.layout_options arch=sm90 to run it here")  # fmt: skip
 
 
 class TritonRunner:
@@ -259,7 +259,7 @@ class TritonRunner:
         hp, ip = layout.padded_hidden_size, layout.padded_intermediate_size
         if hp % KERNEL_K_MULTIPLE:
             return (f"hidden size {hp} is not a multiple of {KERNEL_K_MULTIPLE}: triton_kernels' Hopper matmul "
-                    "computes wrong results for it; repack with --layout-option pad_hidden=true")  # fmt: skip
+                    "computes wrong results for it; repack with RepackOptions.layout_options pad_hidden=true")  # fmt: skip
         if num_warps == 8 and min(hp, 2 * ip) <= 128:
             return f"output width {min(hp, 2 * ip)} <= 128: triton_kernels' Hopper matmul (num_warps 8) cannot compile for it"
         return None

@@ -33,10 +33,10 @@ BLOCK_BYTES = {"mxfp4": 16, "mxfp8": 32}
 # last axis by 2 * TP rank and transposed like a weight (misread, or a shape error); no branch reads a
 # block scale. transformers' GptOss experts are fused [E, H, 2I] parameters with no fine-grained FP8 variant.
 FP8_BLOCK_REFUSAL = (
-    "gpt-oss: --format fp8-block is not written for gpt-oss, because no loader reads a block-FP8 gpt-oss: vLLM "
+    "gpt-oss: QuantOptions.fmt fp8-block is not written for gpt-oss, because no loader reads a block-FP8 gpt-oss: vLLM "
     "0.33's gpt-oss loader sends quant_method 'fp8' to its BF16 path (_load_weights_other), which treats "
     "'.w13_weight_scale_inv' as a transposed weight; transformers has no fine-grained FP8 gpt-oss experts. "
-    "Use --format mxfp4 / mxfp8, or repack for an engine backend"
+    "Use QuantOptions.fmt mxfp4 / mxfp8, or repack for an engine backend"
 )
 # mxconv's key for the MX format of a gpt-oss config whose quant_method is null (MXFP8, see above).
 FORMAT_KEY = "mxconv_quant_method"

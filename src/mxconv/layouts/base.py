@@ -25,6 +25,7 @@ from mxconv.errors import LayoutError
 from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec
+from mxconv.layouts.activation_quant import ActivationQuant, declared_or_named
 from mxconv.source.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -145,6 +146,9 @@ class LayoutBase:
     # activations whose kernel tensors hold the source's static FP8 input scales (W4A8): the source
     # must carry them (CanonicalExperts.input_scales); plan refuses one that does not
     input_scale_activations: tuple[str, ...] = ()
+    # activation -> how vLLM quantizes the hidden states these experts get, where the activation's name
+    # does not say it (mxconv.layouts.activation_quant; triton's W4A8: static per-tensor FP8)
+    activation_quant: Mapping[str, ActivationQuant] = {}
     # canonical expert formats (CanonicalExperts.weight_format) this layout takes; plan refuses others
     weight_formats: tuple[str, ...] = ("mxfp4",)
     # canonical weight formats this layout refuses for a reason of its own, format -> why (xpu: MXFP4, whose
@@ -212,6 +216,11 @@ class LayoutBase:
         repack of a source with them meets while planning); None: they hold them (the default)."""
         return None
 
+    def activation_quantization(self, activation: str, *, weight_format: str = "mxfp4") -> ActivationQuant:
+        """How vLLM quantizes the hidden states of ``activation``'s experts: :attr:`activation_quant`'s, else
+        what the name says (``weight_format``: the experts'; a layout of one form answers the same for all)."""
+        return declared_or_named(self.activation_quant, activation)
+
     # the engine's own kernel runner for these bytes (``verify --kernel``, the loader): a
     # "module:attribute" string naming a mxconv.engines.runner.EngineRunner, or the object itself;
     # resolved by mxconv.engines (never here: the engines sit above the layouts). None: no runner.
@@ -269,6 +278,7 @@ class Layout(Protocol):
     weight_formats: tuple[str, ...]  # canonical weight formats taken (LayoutBase: ("mxfp4",))
     weight_format_refusals: Mapping[str, str]  # format not taken -> why, where the layout says (LayoutBase: {})
     input_scale_activations: tuple[str, ...]  # activations needing the source's FP8 input scales (LayoutBase: ())
+    activation_quant: Mapping[str, ActivationQuant]  # activation -> vLLM's input quantization, where declared (LayoutBase: {})
     options_type: type[LayoutOptions]  # the frozen dataclass resolve_options makes (LayoutBase: from options)
 
     def resolve_options(self, given: LayoutOptions | Mapping[str, Any] | None = None) -> LayoutOptions:
@@ -285,6 +295,10 @@ class Layout(Protocol):
 
     def bias_refusal(self, weight_format: str) -> str | None:
         """Why ``weight_format``'s bytes hold no expert biases, or None (LayoutBase: None, they hold them)."""
+        ...
+
+    def activation_quantization(self, activation: str, *, weight_format: str = "mxfp4") -> ActivationQuant:
+        """How vLLM quantizes the experts' inputs (LayoutBase: ``activation_quant``, else by the name)."""
         ...
 
     engine_runner: Any  # "module:attribute" of its mxconv.engines EngineRunner, the runner, or None

@@ -114,7 +114,7 @@ class CpuLayout(PaddedStackLayout):
                            kernel_locations: KernelLocations | None = None) -> str | None:  # fmt: skip
         """vLLM's fused_experts_cpu needs AMX and a vLLM CPU build; mxconv has no runner for it."""
         return ("vLLM's CPU MXFP4 MoE kernel (CPUExpertsMxfp4: torch.ops._C.fused_experts_cpu) needs an x86 CPU "
-                "with AMX and a vLLM CPU build, and mxconv has no runner for it yet; `verify` (without --kernel) "
+                "with AMX and a vLLM CPU build, and mxconv has no runner for it yet; `verify` (without VerifyOptions.kernel) "
                 "checks these bytes by inverting the packing")
 
 

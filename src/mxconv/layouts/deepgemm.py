@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from mxconv.errors import LayoutError
 from mxconv.layouts import deepgemm_mxfp8
+from mxconv.layouts.activation_quant import ActivationQuant
 from mxconv.layouts.padded_stack import PaddedStackLayout, StackForm, Transform
 from mxconv.source.manifest import Manifest
 from mxconv.source.st_format import torch_dtype
@@ -95,6 +96,8 @@ class DeepgemmLayout(PaddedStackLayout):
                 "scale_storage": "[E, K/128, N] int32; the engine tensor is stored.transpose(1, 2) = [E, N, K/128]",
                 "runtime_env": {"VLLM_USE_DEEP_GEMM_E8M0": "1"},
             },
+            # kFp8Dynamic128Sym; the activations' UE8M0 scales packed 4 per int32 on SM100/SM120
+            activation_quant=ActivationQuant("dynamic_fp8_per_token_group", "float8_e4m3fn", (1, 128), "ue8m0"),
         ),
     }
     weight_forms = {"mxfp8": deepgemm_mxfp8.MXFP8}  # MXFP8 experts (Fp8MoeBackend.DEEPGEMM); MXFP4: the stack above

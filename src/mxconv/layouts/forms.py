@@ -25,6 +25,7 @@ from mxconv.errors import LayoutError
 from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec
+from mxconv.layouts.activation_quant import DYNAMIC_MXFP8, ActivationQuant, declared_or_named
 from mxconv.layouts.base import LayoutBase, LayoutOptions
 from mxconv.layouts.checks import (
     check_block_sizes,
@@ -45,6 +46,9 @@ class WeightForm(Protocol):
     # activation -> vLLM backends that hold these bytes under the vLLM method of this format (MXFP4:
     # Mxfp4MoeBackend, INT4: WNA16MoEBackend, MXFP8: Fp8MoeBackend names); empty: none does
     vllm_backends: Mapping[str, tuple[str, ...]]
+    # activation -> how vLLM quantizes the hidden states these experts get, where the activation's name does
+    # not say it (mxconv.layouts.activation_quant; FormBase: {}, the name says it)
+    activation_quant: Mapping[str, ActivationQuant]
     kernel_label: str  # how kernel_unavailable names the engine's kernels for this form (FormBase: upper case)
     # why this form's bytes hold no expert biases (the LayoutError its kernel_specs raise for sizes with
     # them); None: they hold them (FormBase)
@@ -83,6 +87,7 @@ class FormBase:
     activations: tuple[str, ...] = ()
     vllm_backends: Mapping[str, tuple[str, ...]] = {}
     bias_refusal: str | None = None
+    activation_quant: Mapping[str, ActivationQuant] = {}
 
     @property
     def kernel_label(self) -> str:
@@ -102,7 +107,10 @@ class Mxfp8MethodForm(FormBase):
     allocates: one activation, one Fp8MoeBackend, (H, I) multiples of 32 and nothing padded, no expert
     biases. A subclass declares ``label`` (how its errors start, "aiter MXFP8"), ``activation``,
     ``vllm_backend`` and ``activation_rule`` (why another activation is refused, formatted with
-    ``activation``), and overrides :meth:`check_sizes` where its engine limits (H, I) further."""
+    ``activation``), and overrides :meth:`check_sizes` where its engine limits (H, I) further. The method's
+    quant config quantizes the experts' inputs to MXFP8 (``kMxfp8Dynamic``), whoever does it (aiter inside
+    fused_moe, vLLM before DeepGemmExperts, the XPU kernel from the bf16 hidden states it is handed): that is
+    the form's ``activation_quant`` unless a subclass declares its own."""
 
     weight_format = "mxfp8"
     label: str = ""
@@ -115,6 +123,8 @@ class Mxfp8MethodForm(FormBase):
         cls.activations = (cls.activation,)
         cls.vllm_backends = {cls.activation: (cls.vllm_backend,)}  # Fp8MoeBackend
         cls.bias_refusal = mxfp8_method_bias_refusal(cls.label)
+        if "activation_quant" not in cls.__dict__:
+            cls.activation_quant = {cls.activation: DYNAMIC_MXFP8}
 
     def check_sizes(self, hidden_size: int, intermediate_size: int) -> None:
         """LayoutError where the engine cannot take one rank's (H, I) (the default takes every one)."""
@@ -162,6 +172,10 @@ class FormsLayout(LayoutBase):
     def bias_refusal(self, weight_format: str) -> str | None:
         """The ``bias_refusal`` the form of ``weight_format`` declares (None for a format without a form)."""
         return self.weight_forms[weight_format].bias_refusal if weight_format in self.weight_forms else None
+    def activation_quantization(self, activation: str, *, weight_format: str = "mxfp4") -> ActivationQuant:
+        """How vLLM quantizes the inputs of ``weight_format``'s experts laid out for ``activation`` (the
+        form's ``activation_quant``, else the name's); LayoutError for a format this layout does not take."""
+        return declared_or_named(self.form(weight_format).activation_quant, activation)
 
     def form(self, weight_format: str) -> WeightForm:
         """The form of ``weight_format``; LayoutError for a format this layout does not take."""

@@ -33,6 +33,7 @@ from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.padding import pad_canonical, unpad_canonical
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
 from mxconv.experts.tensors import KernelTensors, TensorSpec, bias_specs, in_kernel_order
+from mxconv.layouts.activation_quant import ActivationQuant
 from mxconv.layouts.base import LayoutOptions, check_activation
 from mxconv.layouts.checks import check_block_sizes, check_kernel_tensors, check_padded_sizes
 from mxconv.layouts.forms import FormBase, FormsLayout
@@ -94,14 +95,16 @@ class RowMap:
 @dataclass(frozen=True)
 class StackForm:
     """What one activation stores: the vLLM backend (``Mxfp4MoeBackend`` name) that holds the bytes,
-    the weight and scale maps, the w13 row order (None: the checkpoint's, as loaded) and the
-    manifest fields that describe it (``notes``, after the common ones)."""
+    the weight and scale maps, the w13 row order (None: the checkpoint's, as loaded), the manifest
+    fields that describe it (``notes``, after the common ones) and how vLLM quantizes the experts' inputs
+    where the activation's name does not say it (``activation_quant``; mxconv.layouts.activation_quant)."""
 
     vllm_backend: str
     weight: Transform = AS_STORED
     scale: Transform = AS_STORED
     w13_rows: RowMap | None = None
     notes: Mapping[str, Any] = field(default_factory=dict)
+    activation_quant: ActivationQuant | None = None
 
 
 class PaddedStack(FormBase):
@@ -114,6 +117,7 @@ class PaddedStack(FormBase):
         self.decl = decl
         self.activations = tuple(decl.forms)
         self.vllm_backends = {act: (form.vllm_backend,) for act, form in decl.forms.items()}
+        self.activation_quant = {act: f.activation_quant for act, f in decl.forms.items() if f.activation_quant is not None}
 
     def aligns(self) -> tuple[int, int]:
         """(hidden, intermediate) multiples the per-rank sizes are padded to."""

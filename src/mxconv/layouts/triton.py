@@ -39,6 +39,7 @@ from mxconv.experts.kernel_settings import KernelChoice
 from mxconv.experts.padding import check_fill
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
 from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
+from mxconv.layouts.activation_quant import STATIC_FP8_PER_TENSOR
 from mxconv.layouts.base import LayoutBase, LayoutOption, LayoutOptions
 from mxconv.layouts.checks import check_block_sizes, check_kernel_tensors, check_padded_sizes
 from mxconv.layouts.gathers import gather_padded_rows, layout_kernels
@@ -177,6 +178,7 @@ class TritonLayout(LayoutBase):
     version = LAYOUT_VERSION
     activations: tuple[str, ...] = ("bf16", "fp8")  # fp8: W4A8, arch=gfx950 only (triton_w4a8)
     input_scale_activations: tuple[str, ...] = ("fp8",)
+    activation_quant = {"fp8": STATIC_FP8_PER_TENSOR}  # AITER_MXFP4_FP8: kFp8StaticTensorSym, the stored input scales
     # vLLM 0.33 holds these bytes for gpt-oss (interleaved) sources; for halves sources its TRITON
     # branch interleaves the K axis instead of the rows (spec §5) and its OAI experts run swigluoai only.
     # AITER_TRITON_MXFP4_BF16 (ROCm) runs _swizzle_mxfp4 on gate/up rows it interleaves as mxconv does;

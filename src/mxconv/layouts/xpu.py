@@ -23,7 +23,8 @@ bf16 hidden states (``XPUExperts.expects_unquantized_inputs`` on Xe2/Xe3) under 
 MXFP8 is the kernel's. Refusals (LayoutError): another activation, sizes that are not multiples of 32,
 expert biases (the method creates none), and MXFP4 experts: vLLM's ``Mxfp4MoeBackend.XPU`` runs the
 checkpoint's MXFP4 tensors as loaded (``convert_weight_to_mxfp4_moe_kernel_format`` does nothing for it),
-so a ``quantize`` MXFP4 output already holds XPU's bytes.
+so a ``quantize`` MXFP4 output holds XPU's bytes wherever vLLM pads nothing (a compressed-tensors one always; a
+gpt-oss one, whose method rounds I up to 64 for XPU, when each rank's I is a multiple of 64).
 
 No Intel XPU kernel runs here (``vllm_xpu_kernels`` needs an Intel GPU), so ``verify --kernel`` has no
 runner; the bytes are checked against vLLM's own ``prepare_fp8_moe_layer_for_xpu`` on CPU
@@ -55,9 +56,10 @@ ACTIVATION = "bf16"
 WEIGHT_FORMAT = "mxfp8"
 WEIGHT_NAMES = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 MXFP4_REFUSAL = ("vLLM 0.33's Mxfp4MoeBackend.XPU runs MXFP4 experts on the checkpoint's tensors as loaded "
-                 "(convert_weight_to_mxfp4_moe_kernel_format changes nothing for XPU), so the canonical MXFP4 "
-                 "checkpoint quantize writes already holds XPU's bytes; this layout is the MXFP8 form "
-                 "(Fp8MoeBackend.XPU, prepare_fp8_moe_layer_for_xpu)")  # fmt: skip
+                 "(convert_weight_to_mxfp4_moe_kernel_format changes nothing for XPU): it holds the canonical MXFP4 "
+                 "output of quantize where vLLM pads nothing (compressed-tensors: always; gpt-oss: when each rank's "
+                 "intermediate size is a multiple of 64; inspect names the backends holding an output); this layout is "
+                 "the MXFP8 form (Fp8MoeBackend.XPU, prepare_fp8_moe_layer_for_xpu)")  # fmt: skip
 
 
 def _swap_last(t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +132,7 @@ MXFP8 = XpuMxfp8()
 
 class XpuLayout(FormsLayout):
     """vLLM's Intel XPU MoE experts (``Fp8MoeBackend.XPU``) for MXFP8 experts; MXFP4 experts are refused
-    (:data:`MXFP4_REFUSAL`: the canonical MXFP4 output is XPU's already)."""
+    (:data:`MXFP4_REFUSAL`: vLLM's XPU backend loads the canonical MXFP4 output as it is, where unpadded)."""
 
     name = NAME
     version = 1

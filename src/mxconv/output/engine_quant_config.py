@@ -33,8 +33,9 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from mxconv.errors import BadInput
+from mxconv.errors import BadInput, LayoutError
 from mxconv.families.base import ModelInfo
+from mxconv.layouts.activation_quant import ActivationQuant, by_activation
 from mxconv.layouts.description import ServingDescription
 from mxconv.layouts.vllm_backends import VLLM_VERSION
 from mxconv.layouts.vllm_serving import OutputForm, VllmMethod, not_served, served_backends, served_methods, vllm_serving
@@ -65,17 +66,6 @@ class GemmTensors:
     weights: tuple[TensorRef, ...]
     scales: tuple[TensorRef, ...]
     biases: tuple[TensorRef, ...]
-
-
-@dataclass(frozen=True)
-class ActivationQuant:
-    """How the engine quantizes MoE inputs: ``scheme`` (ACT_SCHEMES), element ``dtype``,
-    ``group_shape`` ([1, 32] MX, [1, 128] per token group, [1, -1] per token, [-1, -1] per tensor)."""
-
-    scheme: str
-    dtype: str | None = None
-    group_shape: tuple[int, int] | None = None
-    scale_format: str | None = None  # "e8m0" | "ue8m0" | "float32"
 
 
 @dataclass(frozen=True)
@@ -213,27 +203,19 @@ def _build(tp: Any, v: Any, where: str) -> Any:
     return v
 
 
-def activation_quant(layout_activation: str | None, vllm_backends: tuple[str, ...] = (),
-                     weight_format: str = "mxfp4") -> ActivationQuant:  # fmt: skip
-    """Activation quantization of an mxconv ``--activation`` (None: canonical, weight-only)."""
-    if {"AITER_MXFP8", "DEEPGEMM"} & set(vllm_backends):  # kMxfp8Dynamic: aiter quantizes inside, DeepGemmExperts before
-        return ActivationQuant("dynamic_mxfp8", "float8_e4m3fn", BLOCK_SHAPE, "e8m0")
-    # Fp8MoeBackend.XPU under the MXFP8 method: quant_dtype mxfp8, the XPU kernel quantizes the bf16 hidden
-    # states it is handed (XPUExperts.expects_unquantized_inputs); Mxfp4MoeBackend.XPU is weight-only
-    if weight_format == "mxfp8" and "XPU" in vllm_backends:
-        return ActivationQuant("dynamic_mxfp8", "float8_e4m3fn", BLOCK_SHAPE, "e8m0")
-    if layout_activation in (None, "bf16"):
-        return ActivationQuant("none")
-    if layout_activation == "fp8" and "AITER_MXFP4_FP8" in vllm_backends:  # kFp8StaticTensorSym: the stored scalars
-        return ActivationQuant("static_fp8_per_tensor", "float8_e4m3fn", (-1, -1), "float32")
-    if "DEEPGEMM_MXFP4" in vllm_backends:  # kFp8Dynamic128Sym; UE8M0 scales packed 4 per int32 on SM100/SM120
-        return ActivationQuant("dynamic_fp8_per_token_group", "float8_e4m3fn", (1, 128), "ue8m0")
-    return {
-        "mxfp8": ActivationQuant("dynamic_mxfp8", "float8_e4m3fn", BLOCK_SHAPE, "e8m0"),
-        "mxfp4": ActivationQuant("dynamic_mxfp4", "float4_e2m1fn", BLOCK_SHAPE, "e8m0"),
-        # Marlin W4A8-FP8: QuantFP8(static=False, GroupShape.PER_TOKEN)
-        "fp8": ActivationQuant("dynamic_fp8_per_token", "float8_e4m3fn", (1, -1), "float32"),
-    }.get(layout_activation, ActivationQuant("unknown"))
+def activation_quant(manifest: Manifest) -> ActivationQuant:
+    """How the engine quantizes the MoE inputs of a kernel or canonical MX / INT4 output: what its layout
+    declares (``Layout.activation_quantization``, by the experts' weight format and ``--activation``);
+    a canonical output, or a backend not registered here, by the activation's name (None: weight-only)."""
+    if not manifest.is_kernel:
+        return by_activation(manifest.activation)
+    from mxconv.layouts import get_layout
+
+    try:
+        layout = get_layout(str(manifest.backend))
+        return layout.activation_quantization(str(manifest.activation), weight_format=str(manifest.weight_format))
+    except (BadInput, LayoutError):  # an unknown backend, or a form it no longer has: the name says what it can
+        return by_activation(manifest.activation)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,14 +315,13 @@ def from_manifest(manifest: Manifest) -> EngineQuantConfig:
         servings = vllm_serving(form)
     except BadInput:  # a backend not registered here: nothing is known about who serves it
         servings = ()
-    candidates = tuple(dict.fromkeys(s.backend for s in servings))
     gemm1, gemm2 = _gemm_tensors(refs, pattern)
     fp8 = fmt == "fp8-block"
     return EngineQuantConfig(
         kind=manifest.kind, backend=backend, layout_activation=act, weight_dtype=fmt, block_shape=(128, 128) if fp8 else BLOCK_SHAPE,
         scale_format="float32" if fp8 else "bf16" if fmt == "int4" else "e8m0",
         activation_quant=ActivationQuant("dynamic_fp8_per_token_group", "float8_e4m3fn", (1, 128), "float32") if fp8
-        else activation_quant(act, candidates, str(fmt)),
+        else activation_quant(manifest),
         gemm1=gemm1, gemm2=gemm2, tensors_per="tp_rank" if kernel else "checkpoint",
         tp_size=manifest.tp_size, activation=_activation(model, lay), routing=routing,
         served_vllm_backends=served_backends(servings),

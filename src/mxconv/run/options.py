@@ -9,7 +9,7 @@ bytes as one written from the plain strings.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Mapping, Sequence
 
@@ -121,11 +121,15 @@ class QuantOptions:
     targets: Targets = Targets.EXPERTS  # LINEAR: every linear layer too, MXFP8 (mxconv.run.linears)
     skip_unaligned: bool = False  # targets LINEAR: leave a linear whose input is not a multiple of 32 alone
     require_exact: bool = False  # fp8-block from MXFP4: a tile that cannot be re-encoded exactly is an error
+    # scale_rounding as given (AUTO kept): a repack that picks the experts' format itself (a float source for a
+    # backend that takes no MXFP4) resolves it again for that format (:meth:`for_format`)
+    scale_rounding_given: ScaleRounding = field(default=ScaleRounding.AUTO, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fmt = _member(WeightFormat, self.fmt, "QuantOptions.fmt", QUANTIZE_FORMATS)
         rounding = _member(ScaleRounding, self.scale_rounding, "QuantOptions.scale_rounding")
         object.__setattr__(self, "fmt", fmt)
+        object.__setattr__(self, "scale_rounding_given", rounding)
         if fmt == WeightFormat.FP8_BLOCK:
             if rounding != ScaleRounding.AUTO:
                 why = ("picks the E8M0 rule of MX formats; fp8-block tile scales are powers of two from MXFP4 sources "
@@ -143,6 +147,11 @@ class QuantOptions:
         if self.targets == Targets.LINEAR and fmt not in (WeightFormat.MXFP8, WeightFormat.FP8_BLOCK):
             raise BadInput("QuantOptions.targets linear quantizes every linear layer to MXFP8 (vLLM's online MXFP8 method) or, "
                            "with QuantOptions.fmt fp8-block, to block FP8; set QuantOptions.fmt mxfp8 or fp8-block")
+
+    def for_format(self, fmt: WeightFormat) -> QuantOptions:
+        """These options for experts quantized to ``fmt`` instead: ``scale_rounding`` as given, resolved for
+        ``fmt`` (AUTO: ``fmt``'s own rule, as ``QuantOptions(fmt)`` has it)."""
+        return replace(self, fmt=fmt, scale_rounding=self.scale_rounding_given)
 
     def selects(self, module_prefix: str) -> bool:
         """Whether the MoE layer at ``module_prefix`` is converted (``--include`` / ``--ignore``)."""
@@ -165,7 +174,8 @@ class RepackOptions:
     layout_options: LayoutOptions | Mapping[str, Any] = field(default_factory=dict)
     kernel_choice: KernelChoice = KernelChoice.AUTO  # Triton layout kernels on CUDA, or torch ops only (same bytes)
     # the experts' format in the layout: None keeps an MX or INT4 source's format (MXFP8 stays MXFP8,
-    # INT4 stays INT4) and makes MXFP4 of anything else; MXFP8 re-codes MXFP4 (lossless) or quantizes floats
+    # INT4 stays INT4) and makes MXFP4 of anything else (a float source for a layout that takes no MXFP4: the
+    # layout's first format, mxconv.run.repack_formats); MXFP8 re-codes MXFP4 (lossless) or quantizes floats
     weight_format: WeightFormat | None = None
 
     def __post_init__(self) -> None:

@@ -18,11 +18,12 @@ from mxconv.errors import BadInput
 from mxconv.families.base import FamilyReader, ModelInfo, MoELayerRef
 from mxconv.families.config_values import check_config_values
 from mxconv.families.quant_config import FLOAT_DTYPES
-from mxconv.layouts import backend_names, get_layout
+from mxconv.layouts import get_layout
 from mxconv.layouts.base import Layout
 from mxconv.run.linears import LinearSelection, fused_part_warnings, linear_item, select_linears
 from mxconv.run.options import ConversionKind, Job, QuantOptions, RepackOptions, Targets, WeightFormat
 from mxconv.run.pipeline import WorkItem
+from mxconv.run.repack_formats import ExpertShape, chosen_format_note, default_weight_format, experts_are, weight_format_hint
 from mxconv.output.shards import PlannedTensor, ShardPlan, plan_shards
 
 if TYPE_CHECKING:
@@ -92,6 +93,9 @@ class Plan:
             s["memory"] = memory.describe()
         if self.warnings:
             s["warnings"] = list(self.warnings)
+        if self.repack is not None and (note := chosen_format_note(self.info.expert_format, get_layout(self.repack.backend),
+                                                                   self.repack.weight_format)):
+            s["weight_format_note"] = note
         if self.sizes is not None:
             s["sizes"] = {
                 "hidden_size": self.sizes.hidden_size,
@@ -225,9 +229,10 @@ class _LayoutPlan:
     warnings: list[str]
 
 
-def _layout_weight_format(ckpt: Checkpoint, info: ModelInfo, layout: Layout, repack: RepackOptions) -> WeightFormat:
+def _layout_weight_format(ckpt: Checkpoint, info: ModelInfo, layout: Layout, repack: RepackOptions, I_rank: int) -> WeightFormat:
     """The experts' format in the layout: ``repack.weight_format`` when given, else the source's
-    (INT4 and MXFP8 stay as they are), else MXFP4; BadInput when the layout does not take it."""
+    (repack_formats.default_weight_format); BadInput when the layout does not take it, saying what the
+    experts are and what would work (repack_formats.weight_format_hint, which inspect quotes too)."""
     src, asked = info.expert_format, repack.weight_format
     if src == WeightFormat.INT4 and asked is not None:
         raise BadInput(f"{ckpt.root}: experts are INT4 (compressed-tensors, bf16 group scales); repack keeps them INT4 "
@@ -235,18 +240,12 @@ def _layout_weight_format(ckpt: Checkpoint, info: ModelInfo, layout: Layout, rep
     if src == WeightFormat.MXFP8 and asked == WeightFormat.MXFP4:
         raise BadInput(f"{ckpt.root}: experts are MXFP8; repack moves MX bytes as they are and never re-quantizes "
                        "them to MXFP4 (repack the bf16 source with RepackOptions.weight_format mxfp4, or leave RepackOptions.weight_format out)")
-    wfmt = asked or (WeightFormat(src) if src in (WeightFormat.INT4, WeightFormat.MXFP8) else WeightFormat.MXFP4)
-    takes = layout.weight_formats
-    if wfmt not in takes:
-        others = [n for n in backend_names() if wfmt in get_layout(n).weight_formats]
-        what = {WeightFormat.INT4: " (compressed-tensors INT4, bf16 group scales)"}.get(wfmt, "")
-        lead = f"RepackOptions.weight_format {wfmt}" if asked is not None else f"{ckpt.root}: experts are {wfmt}{what}"
-        raise BadInput(
-            f"{lead}; backend {repack.backend} "
-            f"takes {', '.join(takes)} experts only (backends that take {wfmt}: {', '.join(others) or 'none'}"
-            + ("; or quantize the source first to QuantOptions.fmt mxfp4)" if wfmt == WeightFormat.INT4 else ")")
-            + (f": {why}" if (why := layout.weight_format_refusals.get(wfmt)) else "")
-        )
+    wfmt = asked or default_weight_format(src, layout)
+    if wfmt not in layout.weight_formats:
+        lead = f"RepackOptions.weight_format {wfmt}" if asked is not None else f"{ckpt.root}: experts are {experts_are(src)}"
+        shape = ExpertShape(info.num_experts, info.hidden_size, I_rank, info.row_order, info.has_expert_bias)
+        hint = weight_format_hint(src, layout, wfmt, shape, repack.activation, repack.layout_options)
+        raise BadInput(f"{lead}; backend {repack.backend} takes {', '.join(layout.weight_formats)} experts only: {hint}")
     return wfmt
 
 
@@ -258,12 +257,12 @@ def _plan_layout(ckpt: Checkpoint, info: ModelInfo, repack: RepackOptions) -> _L
             f"RepackOptions.activation {repack.activation!r} is not valid for backend {repack.backend}; "
             f"choose one of {', '.join(layout.activations)}"
         )
-    wfmt = _layout_weight_format(ckpt, info, layout, repack)
-    if repack.activation is None:
-        repack = replace(repack, activation=layout.default_activation(str(wfmt)))
     rank_ranges = tp_ranges(info.intermediate_size, repack.tp)
     widths = {e - s for s, e in rank_ranges}
     I_rank = max(widths)
+    wfmt = _layout_weight_format(ckpt, info, layout, repack, I_rank)
+    if repack.activation is None:
+        repack = replace(repack, activation=layout.default_activation(str(wfmt)))
     opts = layout.resolve_options(repack.layout_options)
     why = layout.tp_refusal(repack.tp, opts)
     if why:
@@ -372,6 +371,8 @@ def build_plan(ckpt: Checkpoint, reader: FamilyReader, quant: QuantOptions, repa
     lay = _plan_layout(ckpt, info, repack) if repack is not None else None
     if lay is not None:
         _check_input_scales(ckpt, reader, refs, lay.layout, lay.repack.activation)
+        if chosen_format_note(info.expert_format, lay.layout, lay.repack.weight_format):  # not MXFP4: the layout's
+            quant = quant.for_format(WeightFormat(lay.sizes.weight_format))
     items, dests = _plan_items(ckpt, reader, quant, refs, linears, lay)
     if lay is None:
         return Plan(ckpt, reader, info, quant, None, refs, items, dests, warnings=fused_part_warnings(linears) + fp8_warnings,

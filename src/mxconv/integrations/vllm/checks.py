@@ -22,9 +22,9 @@ WEIGHT_FORMATS = ("mxfp4",)  # manifest weight_format values that method (GptOss
 
 
 def _repack_hint(vllm_backend: str) -> str:
-    """The ``--backend`` that writes what vLLM backend ``vllm_backend`` holds, if mxconv has one."""
+    """The repack command that writes what vLLM backend ``vllm_backend`` holds, if mxconv has one."""
     names = [b for b, m in MAPPINGS.items() if m.vllm_backend == vllm_backend]
-    return f"repack the source with --backend {names[0]}" if names else (
+    return f"repack the source (mxconv repack SOURCE OUTPUT --backend {names[0]})" if names else (
         f"mxconv's vLLM plugin loads no output for vLLM's {vllm_backend} backend yet")
 
 
