@@ -67,6 +67,8 @@ class AiterMxfp8(Mxfp8MethodForm):
     vllm_backend = VLLM_BACKEND
     activation_rule = ("vLLM's AITER_MXFP8 experts take bf16 activations (aiter quantizes them to MXFP8 per 1x32 "
                        "inside fused_moe), got activation {activation!r}")
+    whole_layers = ("aiter MXFP8's w2_weight_scale is one e8m0_shuffle of the layer's [E*H, I/32] scales, in 256-row "
+                    "tiles that cross experts and padded at the end, so a layer is laid out whole")
 
     def check_sizes(self, hidden_size: int, intermediate_size: int) -> None:
         """LayoutError unless both are multiples of 64 (per rank)."""

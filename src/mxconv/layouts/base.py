@@ -216,6 +216,12 @@ class LayoutBase:
         repack of a source with them meets while planning); None: they hold them (the default)."""
         return None
 
+    def whole_layers(self, weight_format: str) -> str | None:
+        """Why this layout's bytes for ``weight_format`` experts are laid out a whole layer at a time (a
+        kernel tensor mixes experts, so a run of experts is not a run of its rows and the memory plan
+        may not cut a layer into expert groups); None: any run of experts is its own rows (the default)."""
+        return None
+
     def activation_quantization(self, activation: str, *, weight_format: str = "mxfp4") -> ActivationQuant:
         """How vLLM quantizes the hidden states of ``activation``'s experts: :attr:`activation_quant`'s, else
         what the name says (``weight_format``: the experts'; a layout of one form answers the same for all)."""
@@ -295,6 +301,10 @@ class Layout(Protocol):
 
     def bias_refusal(self, weight_format: str) -> str | None:
         """Why ``weight_format``'s bytes hold no expert biases, or None (LayoutBase: None, they hold them)."""
+        ...
+
+    def whole_layers(self, weight_format: str) -> str | None:
+        """Why ``weight_format``'s bytes are laid out a layer at a time, or None (LayoutBase: None, experts split)."""
         ...
 
     def activation_quantization(self, activation: str, *, weight_format: str = "mxfp4") -> ActivationQuant:

@@ -53,6 +53,9 @@ class WeightForm(Protocol):
     # why this form's bytes hold no expert biases (the LayoutError its kernel_specs raise for sizes with
     # them); None: they hold them (FormBase)
     bias_refusal: str | None
+    # why this form's kernel tensors mix experts (a layer is laid out whole, never by expert groups); None:
+    # every tensor is a stack over experts along dim 0 (FormBase)
+    whole_layers: str | None
 
     def padded_sizes(self, hidden_size: int, intermediate_size: int, row_order: str, activation: str,
                      options: Any) -> tuple[int, int]:  # fmt: skip
@@ -87,6 +90,7 @@ class FormBase:
     activations: tuple[str, ...] = ()
     vllm_backends: Mapping[str, tuple[str, ...]] = {}
     bias_refusal: str | None = None
+    whole_layers: str | None = None
     activation_quant: Mapping[str, ActivationQuant] = {}
 
     @property
@@ -172,6 +176,10 @@ class FormsLayout(LayoutBase):
     def bias_refusal(self, weight_format: str) -> str | None:
         """The ``bias_refusal`` the form of ``weight_format`` declares (None for a format without a form)."""
         return self.weight_forms[weight_format].bias_refusal if weight_format in self.weight_forms else None
+
+    def whole_layers(self, weight_format: str) -> str | None:
+        """The ``whole_layers`` the form of ``weight_format`` declares (None for a format without a form)."""
+        return self.weight_forms[weight_format].whole_layers if weight_format in self.weight_forms else None
     def activation_quantization(self, activation: str, *, weight_format: str = "mxfp4") -> ActivationQuant:
         """How vLLM quantizes the inputs of ``weight_format``'s experts laid out for ``activation`` (the
         form's ``activation_quant``, else the name's); LayoutError for a format this layout does not take."""

@@ -38,7 +38,7 @@ from mxconv.run.linear_compute import linear_compute, linear_load
 from mxconv.run.options import QuantOptions, RepackOptions, WeightFormat
 from mxconv.run.pipeline import PipelineDepth, WorkItem, run_pipeline
 from mxconv.run.plan import Plan, build_plan
-from mxconv.run.plan_costs import memory_plan_for, work_items
+from mxconv.run.plan_costs import memory_plan_for, whole_layers_why, work_items
 from mxconv.run.trace import StageTimes, write_trace
 from mxconv.source.checkpoint import Checkpoint, open_checkpoint
 from mxconv.source.file_names import CONFIG_NAME, INDEX_NAME, rank_dir_name, rank_dirs
@@ -123,7 +123,7 @@ class Conversion:
         t0 = time.perf_counter()
         memory_plan = memory_plan or self.plan_memory(device, settings.budget)
         output = _Output(OutputTarget(out_dir, [self.plan.ckpt.root], settings.overwrite))
-        items = work_items(self.plan.items, memory_plan)
+        items = work_items(self.plan.items, memory_plan, whole_layers_why(self.plan))
         times = StageTimes(events=[] if settings.trace else None, origin=t0)
         try:
             _prepare(self.plan, output, settings.max_shard_size)

@@ -257,13 +257,15 @@ class _Fit:
 class ItemCosts:
     """What goes through the pipeline: the MoE layers by per-expert cost (``names``: how a refusal
     names a layer), and other items converted whole, by name (their cost as one "expert").
-    ``splittable``: the reader can read a range of experts, so a layer can be cut into groups."""
+    ``splittable``: the reader can read a range of experts and the output's tensors are stacks over
+    experts, so a layer can be cut into groups; ``whole_why``: why not, for a refusal."""
 
     costs: dict[int, ExpertCost]
     num_experts: int
     names: dict[int, str] = field(default_factory=dict)
     whole: dict[str, ExpertCost] = field(default_factory=dict)
     splittable: bool = True
+    whole_why: str = "this family's reader reads whole layers"
 
 
 @dataclass(frozen=True)
@@ -301,8 +303,8 @@ def plan_memory(items: ItemCosts, budget: MemoryBudget, baseline: Baseline, *, d
         L, c = max(costs.items(), key=lambda kv: host_bytes(kv[1], E, p, q, dev))
         one = _with_slack(host_bytes(c, E, p, q, dev))
         raise BadInput(
-            f"MemoryBudget.host {human_bytes(budget.host or 0)} is too small for {names.get(L, f'layer {L}')}: this family's "
-            f"reader reads whole layers, and one layer in flight takes about {human_bytes(one)} "
+            f"MemoryBudget.host {human_bytes(budget.host or 0)} is too small for {names.get(L, f'layer {L}')}: {items.whole_why}, "
+            f"and one layer in flight takes about {human_bytes(one)} "
             f"on top of {beside}; give at least {human_bytes(baseline.total + one)}"
         )
     for p, q in PIPELINE_DEPTHS[1:] if splittable else ():

@@ -9,6 +9,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from mxconv.errors import BadInput
+from mxconv.layouts import get_layout
 from mxconv.output.writer import COPY_CHUNK
 from mxconv.run.compute import CHUNK_ELEMENTS
 from mxconv.run.memory import (
@@ -78,7 +80,9 @@ def plan_for(plan: Plan, budget: MemoryBudget, default_budget: bool = False, bas
     names = {i.payload.layer: i.payload.module_prefix + ".experts" for i in layers}
     whole = {f"the {i.kind} item writing {i.out_names[0][0]}": whole_item_cost(plan, i)
              for i in plan.items if i.kind not in ("copy", "layer") and i.out_names and i.out_names[0]}
-    items = ItemCosts(costs, plan.info.num_experts, names, whole, splittable=plan.reader.reads_expert_ranges)
+    whole_layers = whole_layers_why(plan)
+    items = ItemCosts(costs, plan.info.num_experts, names, whole, splittable=plan.reader.reads_expert_ranges and whole_layers is None,
+                      **({"whole_why": whole_layers} if whole_layers else {}))  # fmt: skip
     if baseline is not None:
         beside = Baseline(baseline)
     else:
@@ -92,12 +96,22 @@ def plan_for(plan: Plan, budget: MemoryBudget, default_budget: bool = False, bas
     return plan_memory(items, budget, beside, default_budget=default_budget, item_read_cap=ITEM_READ_BYTES)
 
 
-def work_items(items: list[WorkItem], mem: MemoryPlan | None) -> list[WorkItem]:
+def whole_layers_why(plan: Plan) -> str | None:
+    """Why ``plan``'s output is written a whole layer at a time (its layout's ``whole_layers`` for the
+    experts' format: a kernel tensor mixes experts); None when layers may be cut into expert groups."""
+    return get_layout(plan.repack.backend).whole_layers(str(plan.weight_format)) if plan.repack is not None else None
+
+
+def work_items(items: list[WorkItem], mem: MemoryPlan | None, whole_why: str | None = None) -> list[WorkItem]:
     """``items`` with every layer item cut into its groups of experts (in expert order); a group
     reads a share of the layer's bytes (for the progress bar) and writes the layer's tensor names
-    (whole per-expert tensors, or parts of ``[E, ...]`` stacks)."""
+    (whole per-expert tensors, or parts of ``[E, ...]`` stacks). ``whole_why`` (:func:`whole_layers_why`):
+    BadInput for a memory plan that cuts layers, naming why this output cannot be cut."""
     if mem is None or not mem.split:
         return list(items)
+    if whole_why is not None:
+        raise BadInput(f"the memory plan cuts MoE layers into groups of experts ({mem.describe()}), but {whole_why}: "
+                       "give MemoryBudget.host room for a whole layer")
     out = []
     E = mem.num_experts
     for item in items:
