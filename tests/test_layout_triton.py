@@ -536,3 +536,31 @@ def test_random_spot_checks_of_full_buffers() -> None:
         row, col = scale_source(R, Cc, 8)
         want = int(c.w13_scale[e, row, col]) if row < 320 and col < 11 else 0
         assert int(s[e, R, Cc]) == want
+
+
+def test_verify_takes_the_hidden_warning_as_advice_whatever_its_wording(tmp_path: Path) -> None:
+    """``hidden_warning`` is advice in words (TritonLayout.advisory_keys): an output written when it was worded
+    otherwise (mxconv before this session said "use --layout-option ...") still verifies; a warning removed
+    where the layout gives one, or planted where it gives none, fails verify (exit 1)."""
+    from support.cli import mx
+
+    from mxconv.examples import ModelSizes, make_checkpoint
+
+    make_checkpoint(tmp_path / "src", "gpt-oss-mxfp4", ModelSizes(hidden_size=288, intermediate_size=160))
+    code, _, err = mx("repack", tmp_path / "src", tmp_path / "out", "--backend", "triton", "--quiet", "--device", "cpu")
+    assert code == 0, err
+    path = tmp_path / "out" / "mxconv.json"
+    doc = json.loads(path.read_text())
+    assert "pad_hidden=true" in doc["layout"]["hidden_warning"]
+
+    def verify_with(warning: object) -> tuple[int, str]:
+        path.write_text(json.dumps({**doc, "layout": {**doc["layout"], "hidden_warning": warning}}))
+        code, out, err = mx("verify", tmp_path / "out", "--device", "cpu")
+        return code, out + err
+
+    old = ("hidden size 288 is not a multiple of 64: vLLM's TRITON MoE path on Hopper (triton_kernels matmul_ogs) computes "
+           "wrong results for it (docs/real-kernels.md). The bytes written are what vLLM builds; for a loader that pads "
+           "activations use --layout-option pad_hidden=true (hidden padded to 320 with zeros)")
+    assert verify_with(old)[0] == 0
+    code, text = verify_with(None)
+    assert code == 1 and "manifest layout.hidden_warning is None" in text

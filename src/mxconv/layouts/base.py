@@ -154,6 +154,9 @@ class LayoutBase:
     # canonical weight formats this layout refuses for a reason of its own, format -> why (xpu: MXFP4, whose
     # canonical output is the engine's bytes already); check_weight_format and planning add the why
     weight_format_refusals: Mapping[str, str] = {}
+    # describe() keys that hold advice in words (triton's hidden_warning), not a fact about the bytes: verify
+    # asks only that one is there where the layout gives one, so rewording advice fails no older output
+    advisory_keys: frozenset[str] = frozenset()
     options_type: type[LayoutOptions] = EmptyOptions
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -283,6 +286,7 @@ class Layout(Protocol):
     vllm_mxfp8_backends: dict[str, tuple[str, ...]]  # the same for the MXFP8 form (LayoutBase: {})
     weight_formats: tuple[str, ...]  # canonical weight formats taken (LayoutBase: ("mxfp4",))
     weight_format_refusals: Mapping[str, str]  # format not taken -> why, where the layout says (LayoutBase: {})
+    advisory_keys: frozenset[str]  # describe() keys of advice in words, checked for presence only (LayoutBase: none)
     input_scale_activations: tuple[str, ...]  # activations needing the source's FP8 input scales (LayoutBase: ())
     activation_quant: Mapping[str, ActivationQuant]  # activation -> vLLM's input quantization, where declared (LayoutBase: {})
     options_type: type[LayoutOptions]  # the frozen dataclass resolve_options makes (LayoutBase: from options)

@@ -178,6 +178,7 @@ class TritonLayout(LayoutBase):
     version = LAYOUT_VERSION
     activations: tuple[str, ...] = ("bf16", "fp8")  # fp8: W4A8, arch=gfx950 only (triton_w4a8)
     input_scale_activations: tuple[str, ...] = ("fp8",)
+    advisory_keys = frozenset({"hidden_warning"})  # what a loader that pads activations may do, in words
     activation_quant = {"fp8": STATIC_FP8_PER_TENSOR}  # AITER_MXFP4_FP8: kFp8StaticTensorSym, the stored input scales
     # vLLM 0.33 holds these bytes for gpt-oss (interleaved) sources; for halves sources its TRITON
     # branch interleaves the K axis instead of the rows (spec §5) and its OAI experts run swigluoai only.

@@ -72,6 +72,14 @@ MODEL_FIELDS = ("family", "num_layers", "moe_layers", "num_experts", "top_k", "h
                  "routed_scaling_factor", "activation", "swiglu_alpha", "swiglu_limit")
 
 
+def layout_advice(manifest: Manifest) -> frozenset[str]:
+    """The ``advisory_keys`` of the manifest's backend (none for an unknown one)."""
+    try:
+        return get_layout(str(manifest.backend)).advisory_keys
+    except BadInput:
+        return frozenset()
+
+
 def check_manifest_claims(manifest: Manifest, info: ModelInfo, ckpts: list[Checkpoint],
                           own_reader: FamilyReader | None) -> list[str]:
     """What the manifest says that the files can contradict (the schema checked its types):
@@ -96,7 +104,11 @@ def check_manifest_claims(manifest: Manifest, info: ModelInfo, ckpts: list[Check
         except BadInput:  # unknown backend or options: the layout check of every layer says so
             desc = {}
         for key, value in json.loads(json.dumps(desc)).items():
-            if key not in _LAYOUT_KEYS_SET_BY_CONVERT and lay.json_value(key) != value:
+            if key in layout_advice(manifest):  # advice in words: there or not, whatever its wording
+                if (lay.json_value(key) is None) != (value is None):
+                    problems.append(f"manifest layout.{key} is {lay.json_value(key)!r}, but the {manifest.backend} layout of "
+                                    f"these sizes and options has {value!r}")
+            elif key not in _LAYOUT_KEYS_SET_BY_CONVERT and lay.json_value(key) != value:
                 problems.append(f"manifest layout.{key} is {lay.json_value(key)!r}, but the {manifest.backend} layout of these "
                                 f"sizes and options has {value!r}")
         for row in manifest.layers:
