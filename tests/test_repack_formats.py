@@ -176,3 +176,24 @@ def test_default_weight_format_per_source() -> None:
     for src in ("mxfp4", "mxfp8", "int4"):
         assert default_weight_format(src, xpu) == default_weight_format(src, trtllm) == src
     assert weight_format_hint("mxfp8", get_layout("triton"), "mxfp8").startswith("repack never re-quantizes MXFP8")
+
+
+def test_experts_quantized_on_the_way_take_the_scale_rule_of_their_format(srcs: dict[str, Path], tmp_path: Path) -> None:
+    """A library repack that names RepackOptions.weight_format mxfp8 with the default QuantOptions (fmt mxfp4)
+    quantizes with MXFP8's own rule (rceil), as QuantOptions("mxfp8") does: before, it took MXFP4's (even) and
+    recorded it. The rule as first given survives dataclasses.replace, and options asking different rules differ."""
+    from dataclasses import replace
+
+    from mxconv.run.conversion import Conversion, RunSettings
+
+    ckpt = open_checkpoint(srcs["qwen3-moe"])
+    runs = {}
+    for name, quant in (("default", QuantOptions()), ("mxfp8", QuantOptions("mxfp8"))):
+        plan = build_plan(ckpt, detect_family(ckpt), quant, RepackOptions("humming", weight_format="mxfp8"))
+        assert plan.quant.scale_rounding == "rceil", name
+        Conversion(plan).run(tmp_path / name, device=torch.device("cpu"), settings=RunSettings(overwrite=True))
+        runs[name] = (_expert_bytes(tmp_path / name), json.loads((tmp_path / name / "mxconv.json").read_text())["scale_rounding"])
+    assert runs["default"] == runs["mxfp8"] and runs["default"][1] == "rceil"
+    assert replace(QuantOptions(), allow_nonfinite=True).for_format("mxfp8").scale_rounding == "rceil"
+    assert replace(QuantOptions(scale_rounding="even"), allow_nonfinite=True).for_format("mxfp8").scale_rounding == "even"
+    assert QuantOptions() != QuantOptions(scale_rounding="even")  # both resolve to even for MXFP4, but differ for MXFP8

@@ -121,15 +121,20 @@ class QuantOptions:
     targets: Targets = Targets.EXPERTS  # LINEAR: every linear layer too, MXFP8 (mxconv.run.linears)
     skip_unaligned: bool = False  # targets LINEAR: leave a linear whose input is not a multiple of 32 alone
     require_exact: bool = False  # fp8-block from MXFP4: a tile that cannot be re-encoded exactly is an error
-    # scale_rounding as given (AUTO kept): a repack that picks the experts' format itself (a float source for a
-    # backend that takes no MXFP4) resolves it again for that format (:meth:`for_format`)
-    scale_rounding_given: ScaleRounding = field(default=ScaleRounding.AUTO, init=False, repr=False, compare=False)
+    # scale_rounding as first given (AUTO kept; None: take it from scale_rounding), carried through
+    # dataclasses.replace: a repack whose experts end up in another MX format than ``fmt`` resolves it again
+    # for that format (:meth:`for_format`); two options asking for different rules are not equal
+    scale_rounding_given: ScaleRounding | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         fmt = _member(WeightFormat, self.fmt, "QuantOptions.fmt", QUANTIZE_FORMATS)
         rounding = _member(ScaleRounding, self.scale_rounding, "QuantOptions.scale_rounding")
         object.__setattr__(self, "fmt", fmt)
-        object.__setattr__(self, "scale_rounding_given", rounding)
+        if self.scale_rounding_given is None:
+            object.__setattr__(self, "scale_rounding_given", rounding)
+        else:
+            given = _member(ScaleRounding, self.scale_rounding_given, "QuantOptions.scale_rounding_given")
+            object.__setattr__(self, "scale_rounding_given", given)
         if fmt == WeightFormat.FP8_BLOCK:
             if rounding != ScaleRounding.AUTO:
                 why = ("picks the E8M0 rule of MX formats; fp8-block tile scales are powers of two from MXFP4 sources "

@@ -371,8 +371,12 @@ def build_plan(ckpt: Checkpoint, reader: FamilyReader, quant: QuantOptions, repa
     lay = _plan_layout(ckpt, info, repack) if repack is not None else None
     if lay is not None:
         _check_input_scales(ckpt, reader, refs, lay.layout, lay.repack.activation)
-        if chosen_format_note(info.expert_format, lay.layout, lay.repack.weight_format):  # not MXFP4: the layout's
-            quant = quant.for_format(WeightFormat(lay.sizes.weight_format))
+        wfmt = WeightFormat(lay.sizes.weight_format)
+        if wfmt in (WeightFormat.MXFP4, WeightFormat.MXFP8) and wfmt != quant.fmt:
+            # experts quantized on the way take the scale rule of the format they end up in (as given, else that
+            # format's own): a float source defaulted to MXFP8, an explicit RepackOptions.weight_format, a
+            # checkpoint whose other layers are block FP8 beside MXFP8 ones
+            quant = quant.for_format(wfmt)
     items, dests = _plan_items(ckpt, reader, quant, refs, linears, lay)
     if lay is None:
         return Plan(ckpt, reader, info, quant, None, refs, items, dests, warnings=fused_part_warnings(linears) + fp8_warnings,
