@@ -217,8 +217,13 @@ def _is_part(node: ast.AST, aliases: frozenset[str] = frozenset()) -> bool:
 
 def _part_aliases(tree: ast.AST) -> frozenset[str]:
     """Names assigned a manifest part anywhere in ``tree`` (``q = m.quant_config``, ``lay = src.manifest.layout``)."""
-    return frozenset(t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and _is_part(node.value)
-                     for t in node.targets if isinstance(t, ast.Name))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and _is_part(node.value):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None and _is_part(node.value):
+            names |= {node.target.id} if isinstance(node.target, ast.Name) else set()
+    return frozenset(names)
 
 
 def manifest_json_reads(tree: ast.AST) -> list[tuple[int, str]]:
@@ -276,7 +281,8 @@ def test_the_manifest_json_check_can_fail() -> None:
            # whatever holds the part: the review's three escapes of the name-based check
            'fields = lay.as_written()\nfields["arch"]': "as_written",
            "def kernel_unavailable(self, layout):\n    d = layout.as_written()": "as_written",
-           'q = m.manifest.quant_config\nq.get("served")': "index"}
+           'q = m.manifest.quant_config\nq.get("served")': "index",
+           'q: dict = m.manifest.quant_config\nq["served"]': "index", '(q := m.manifest.quant_config).get("served")\nq["x"]': "index"}
     for text, kind in bad.items():
         assert kind in {k for _, k in manifest_json_reads(ast.parse(text))}, text
     for good in ("TritonDescription.from_layout(spec.layout).arch", "manifest.numerics.upstream.fingerprint",

@@ -146,3 +146,12 @@ def test_update_layer_quantizes_as_the_mxfp8_output_did(made: MadeCheckpoints, s
     _assert_equal_files(layer.tensors, _layer(out))
     ours = convert_layer(_raw(bf16, kind), ConvertOptions(backend, quant=MXFP8))  # the default rule: other bytes
     assert any(not torch.equal(byte_view(ours[k]), byte_view(layer.tensors[k])) for k in ours)
+
+
+def test_float_experts_for_xpu_default_to_mxfp8_as_repack_does(made: MadeCheckpoints, sources) -> None:
+    """No ConvertOptions.quant: bf16 experts handed to xpu (MXFP8 only) become MXFP8, the bytes of ``repack
+    --backend xpu`` (which defaults the same way); it was a refusal naming no way out (the second review)."""
+    bf16, _, _ = sources["qwen3-moe"]
+    _assert_equal_files(convert_layer(_raw(bf16, "qwen3-moe"), ConvertOptions("xpu")), _layer(made.repack(bf16, "xpu")))
+    with pytest.raises(BadInput, match=r"takes mxfp8 experts, not mxfp4 .*set ConvertOptions.quant to QuantOptions\(fmt='mxfp8'\)"):
+        convert_layer(_raw(bf16, "qwen3-moe"), ConvertOptions("xpu", quant=QuantOptions("mxfp4")))

@@ -252,6 +252,9 @@ def test_plan_of_a_reader_that_reads_whole_layers() -> None:
     # an output whose layout writes whole layers (Layout.whole_layers) is refused with its own reason
     with pytest.raises(BadInput, match=r"too small for layer 0: its w2 scales cross experts, and one layer in flight"):
         _plan(2 * 10**9, splittable=False, whole_why="its w2 scales cross experts")
+    # the host has room for a layer, the GPU has not: the GPU budget is the one named (it said host before)
+    with pytest.raises(BadInput, match=r"MemoryBudget.gpu 1.00 MB is too small for layer 0: its w2 scales cross experts"):
+        _plan(10**12, gpu=10**6, dev="cuda", splittable=False, whole_why="its w2 scales cross experts")
 
 
 # ---- whole conversions: the same bytes with and without groups ------------------------------
@@ -346,7 +349,7 @@ def test_repack_bytes_do_not_depend_on_the_budget(ws: Path, q8: Path, tmp_path: 
     _same_output(ws / SOURCE_OF[fmt], tmp_path, QuantOptions(), RepackOptions(backend, act, tp), groups=(3,))
 
 
-def test_a_whole_layers_layout_is_never_cut_into_expert_groups(ws: Path, tmp_path: Path) -> None:
+def test_a_whole_layers_layout_is_never_cut_into_expert_groups(q8: Path, tmp_path: Path) -> None:
     """aiter MXFP8 declares whole_layers (its w2 scale shuffle crosses experts): a memory plan that cuts
     layers is refused naming why (it was a RuntimeError in the writer, exit 3), the planner never cuts one
     (a budget without room for a layer is refused with the same reason), and a whole layer writes as before."""
@@ -354,11 +357,13 @@ def test_a_whole_layers_layout_is_never_cut_into_expert_groups(ws: Path, tmp_pat
     assert why and "w2_weight_scale" in why and get_layout("aiter").whole_layers("mxfp4") is None
     r = RepackOptions("aiter", "bf16", 1)
     with pytest.raises(BadInput, match=r"cuts MoE layers into groups of experts .*aiter MXFP8's w2_weight_scale .*MemoryBudget.host"):
-        _run(ws / SOURCE_OF["mxfp8"], tmp_path / "g3", QuantOptions(), r, 3)
+        _run(q8, tmp_path / "g3", QuantOptions(), r, 3)
     assert not (tmp_path / "g3").exists()
-    plan = build_plan(open_checkpoint(ws / SOURCE_OF["mxfp8"]), detect_family(open_checkpoint(ws / SOURCE_OF["mxfp8"])), QuantOptions(), r)
+    plan = build_plan(open_checkpoint(q8), detect_family(open_checkpoint(q8)), QuantOptions(), r)
     assert not Conversion(plan).plan_memory(CPU, MemoryBudget(host=None)).split
-    _run(ws / SOURCE_OF["mxfp8"], tmp_path / "whole", QuantOptions(), r, None)
+    with pytest.raises(BadInput, match=r"MemoryBudget.host .* is too small for .*: aiter MXFP8's w2_weight_scale"):
+        Conversion(plan).plan_memory(CPU, MemoryBudget(host=Conversion(plan).plan_memory(CPU, MemoryBudget(host=None)).peak_host // 2))
+    _run(q8, tmp_path / "whole", QuantOptions(), r, None)
     assert (tmp_path / "whole" / "mxconv.json").exists()
 
 

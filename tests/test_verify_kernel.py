@@ -79,7 +79,9 @@ TOKENS = 64
 
 
 # what finds the GPU and the engine's kernels, per runner backend (engines/discover): only these may skip a test
-DISCOVERY = {"triton": lambda: discover.find_triton_kernels(), "marlin": lambda: discover.find_marlin_ops()}
+# (triton: the kernels found and of the generation the layout's default storage needs)
+DISCOVERY = {"triton": lambda: discover.require_triton_generation(discover.find_triton_kernels(), "3.5"),
+             "marlin": lambda: discover.find_marlin_ops()}
 
 
 def _kernels_or_skip(backend: str) -> None:

@@ -137,13 +137,18 @@ def _stack(t: dict[str, torch.Tensor], which: str, fmt: str, quant: QuantOptions
     return got
 
 
-def resolve_quant(tensors: Mapping[str, torch.Tensor], quant: QuantOptions | None) -> QuantOptions:
+def resolve_quant(tensors: Mapping[str, torch.Tensor], quant: QuantOptions | None, layout: Layout | None = None) -> QuantOptions:
     """``quant``, or where it is None the format ``tensors`` keep (names of the module docstring):
-    MXFP8 for MXFP8 bytes, MXFP4 otherwise, with that format's default scale rule."""
+    MXFP8 for MXFP8 bytes; float experts MXFP4, or the first MX format of ``layout`` where it takes no
+    MXFP4 (xpu: MXFP8, as ``repack`` defaults); with that format's default scale rule."""
     if quant is not None:
         return quant
     t, _ = _rename(tensors)
-    return QuantOptions("mxfp8" if t["w13"].dtype == torch.float8_e4m3fn and "w13_scale" in t else "mxfp4")
+    if t["w13"].dtype == torch.float8_e4m3fn and "w13_scale" in t:
+        return QuantOptions("mxfp8")
+    if layout is not None and "w13_scale" not in t and "mxfp4" not in layout.weight_formats:
+        return QuantOptions(next((f for f in layout.weight_formats if f in ("mxfp8",)), "mxfp4"))
+    return QuantOptions("mxfp4")
 
 
 def canonical_experts(tensors: Mapping[str, torch.Tensor], *, row_order: str | None = None,
@@ -176,14 +181,15 @@ def convert_layer(tensors: Mapping[str, torch.Tensor], options: ConvertOptions, 
     layout.check_activation(activation)
     layout_options = layout.with_choices(layout.resolve_options(options.layout_options), choices or {})
     t, implied = _rename(tensors)
-    fused = _fused(layout, t, row_order or implied or "halves", activation, layout_options, options)
+    quant = resolve_quant(tensors, options.quant, layout)
+    fused = _fused(layout, t, row_order or implied or "halves", activation, layout_options, options, quant)
     if fused is not None:
         return dict(fused)
-    quant = resolve_quant(tensors, options.quant)
     if quant.fmt not in layout.weight_formats:
         others = [n for n in backend_names() if quant.fmt in get_layout(n).weight_formats]
         raise BadInput(f"in-memory conversion: backend {options.backend} takes {', '.join(layout.weight_formats)} "
-                       f"experts, not {quant.fmt} (backends that take {quant.fmt}: {', '.join(others) or 'none'})")  # fmt: skip
+                       f"experts, not {quant.fmt} (backends that take {quant.fmt}: {', '.join(others) or 'none'}; for "
+                       f"float experts set ConvertOptions.quant to QuantOptions(fmt={layout.weight_formats[0]!r}))")  # fmt: skip
     canon = canonical_experts(tensors, row_order=row_order, quant=quant)
     return dict(layout.to_kernel(canon, activation, layout_options, options.kernel_choice))
 
@@ -205,13 +211,12 @@ def _consistent_floats(t: Mapping[str, torch.Tensor]) -> bool:
 
 
 def _fused(layout: Layout, t: dict[str, torch.Tensor], row_order: str, activation: str, layout_options: LayoutOptions,
-           options: ConvertOptions) -> Mapping[str, torch.Tensor] | None:  # fmt: skip
+           options: ConvertOptions, q: QuantOptions) -> Mapping[str, torch.Tensor] | None:  # fmt: skip
     """The layout's one-pass conversion of float experts (its ``float_to_kernel``: the same bytes as
     quantizing, then ``to_kernel``) for a consistent float layer; None when the layout has none (the
     LayoutBase default), it does not apply or the experts hold a NaN/Inf (the general path then decides)."""
     if row_order not in ROW_ORDERS or not _consistent_floats(t):
         return None
-    q = options.quant or QuantOptions()
     return layout.float_to_kernel(t, row_order, activation, layout_options, str(q.fmt), str(q.scale_rounding),
                                   options.kernel_choice)  # fmt: skip
 

@@ -126,7 +126,8 @@ class Mxfp8MethodForm(FormBase):
         super().__init_subclass__(**kwargs)
         cls.activations = (cls.activation,)
         cls.vllm_backends = {cls.activation: (cls.vllm_backend,)}  # Fp8MoeBackend
-        cls.bias_refusal = mxfp8_method_bias_refusal(cls.label)
+        if "bias_refusal" not in cls.__dict__:  # a subclass's own declaration stands
+            cls.bias_refusal = mxfp8_method_bias_refusal(cls.label)
         if "activation_quant" not in cls.__dict__:
             cls.activation_quant = {cls.activation: DYNAMIC_MXFP8}
 

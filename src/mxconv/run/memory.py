@@ -286,7 +286,8 @@ def plan_memory(items: ItemCosts, budget: MemoryBudget, baseline: Baseline, *, d
     Whole layers with the deepest pipeline that fits, else the largest equal groups with one result
     queued (two items read ahead, or one when not even one expert fits with two). The items
     converted whole must fit the same pipeline. BadInput naming the sizes when one expert does not
-    fit (or, where the reader cannot read a range of experts, one layer; or one whole item).
+    fit (or, where layers are not cut (``items.splittable`` False: a reader that reads whole layers, a
+    layout that declares ``whole_layers``), one layer; or one whole item).
     ``item_read_cap``: where the reader can read expert ranges, groups read at most this many bytes
     (at least one expert) even where more would fit."""
     costs, E, splittable, names = items.costs, items.num_experts, items.splittable, items.names
@@ -301,6 +302,11 @@ def plan_memory(items: ItemCosts, budget: MemoryBudget, baseline: Baseline, *, d
         if fit.layers_fit(p, q):
             return fit.finish(p, q, {L: E for L in costs})
         L, c = max(costs.items(), key=lambda kv: host_bytes(kv[1], E, p, q, dev))
+        if fit.host_fits(c, E, p, q):  # the host has room for the layer: the GPU does not
+            one = _with_slack(gpu_bytes(c, E))
+            raise BadInput(f"MemoryBudget.gpu {human_bytes(fit.gpu_room or 0)} is too small for {names.get(L, f'layer {L}')}: "
+                           f"{items.whole_why}, and computing one layer takes about {human_bytes(one)} on the GPU; give at "
+                           f"least {human_bytes(one)}")
         one = _with_slack(host_bytes(c, E, p, q, dev))
         raise BadInput(
             f"MemoryBudget.host {human_bytes(budget.host or 0)} is too small for {names.get(L, f'layer {L}')}: {items.whole_why}, "

@@ -133,7 +133,7 @@ class QuantOptions:
         if self.scale_rounding_given is None:
             object.__setattr__(self, "scale_rounding_given", rounding)
         else:
-            given = _member(ScaleRounding, self.scale_rounding_given, "QuantOptions.scale_rounding_given")
+            given = _member(ScaleRounding, self.scale_rounding_given, "QuantOptions.scale_rounding")
             object.__setattr__(self, "scale_rounding_given", given)
         if fmt == WeightFormat.FP8_BLOCK:
             if rounding != ScaleRounding.AUTO:
