@@ -72,14 +72,6 @@ MODEL_FIELDS = ("family", "num_layers", "moe_layers", "num_experts", "top_k", "h
                  "routed_scaling_factor", "activation", "swiglu_alpha", "swiglu_limit")
 
 
-def layout_advice(manifest: Manifest) -> frozenset[str]:
-    """The ``advisory_keys`` of the manifest's backend (none for an unknown one)."""
-    try:
-        return get_layout(str(manifest.backend)).advisory_keys
-    except BadInput:
-        return frozenset()
-
-
 def check_manifest_claims(manifest: Manifest, info: ModelInfo, ckpts: list[Checkpoint],
                           own_reader: FamilyReader | None) -> list[str]:
     """What the manifest says that the files can contradict (the schema checked its types):
@@ -98,18 +90,21 @@ def check_manifest_claims(manifest: Manifest, info: ModelInfo, ckpts: list[Check
     if lay.json_value("kernel_params") != want:
         problems.append(f"manifest layout.kernel_params is {lay.json_value('kernel_params')}, but the model's activation gives {want}")
     if manifest.is_kernel:
+        advice: frozenset[str] = frozenset()  # the layout's advisory_keys: advice in words, there or not whatever its wording
         try:
             layout = get_layout(str(manifest.backend))
+            advice = layout.advisory_keys
             desc = layout.describe(manifest_sizes(manifest), manifest.activation, layout.resolve_options(lay.option_values))
         except BadInput:  # unknown backend or options: the layout check of every layer says so
             desc = {}
         for key, value in json.loads(json.dumps(desc)).items():
-            if key in layout_advice(manifest):  # advice in words: there or not, whatever its wording
-                if (lay.json_value(key) is None) != (value is None):
-                    problems.append(f"manifest layout.{key} is {lay.json_value(key)!r}, but the {manifest.backend} layout of "
-                                    f"these sizes and options has {value!r}")
-            elif key not in _LAYOUT_KEYS_SET_BY_CONVERT and lay.json_value(key) != value:
-                problems.append(f"manifest layout.{key} is {lay.json_value(key)!r}, but the {manifest.backend} layout of these "
+            got = lay.json_value(key)
+            if key in advice:
+                differs = (got is None) != (value is None)
+            else:
+                differs = key not in _LAYOUT_KEYS_SET_BY_CONVERT and got != value
+            if differs:
+                problems.append(f"manifest layout.{key} is {got!r}, but the {manifest.backend} layout of these "
                                 f"sizes and options has {value!r}")
         for row in manifest.layers:
             for key in ("router_weight", "router_bias", "correction_bias"):
