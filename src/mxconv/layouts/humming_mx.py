@@ -57,12 +57,12 @@ class HummingMX:
     intermediate_align: int  # vLLM rounds the per-rank intermediate size up to this before humming pads
     repack: Callable[[torch.Tensor, str], torch.Tensor] = field(repr=False)
     unrepack: Callable[[torch.Tensor, str], torch.Tensor] = field(repr=False)
+    # the Triton layout kernel's ``repack`` (lt, canonical weights, row table, K): padding fused in, same bytes
+    kernel_repack: Callable[[Any, torch.Tensor, torch.Tensor, int], torch.Tensor] = field(repr=False)
     weight_dtype: str = ""  # the manifest's description of the stored words
     manifest_head: dict[str, Any] = field(default_factory=dict)  # manifest fields before engine_compat
     manifest_oracle: dict[str, Any] = field(default_factory=dict)  # after vllm_moe_backend (none for MX)
     bias_refusal: str | None = None  # humming's MX forms hold expert biases
-    # the Triton layout kernel's ``repack`` (lt, canonical weights, row table, K): padding fused in, same bytes
-    kernel_repack: Callable[[Any, torch.Tensor, torch.Tensor, int], torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def values_per_byte(self) -> int:
@@ -110,19 +110,17 @@ class HummingMX:
         vpb = self.values_per_byte
         rows = {"w13": (2 * c.intermediate_size, 2 * Ip, c.row_order), "w2": (H, H, None)}  # pad_row_source's arguments
         tabs = {w: cached_index(("humming-rows", *r), c.device, lambda r=r: pad_row_source(*r)) for w, r in rows.items()}
-        lt = layout_kernels(c.w13, kernel_choice) if self.kernel_repack is not None else None
+        lt = layout_kernels(c.w13, kernel_choice)
         out: KernelTensors = {}
         for w, (_n, k, n_pad, k_pad) in gemm_shapes(H, Ip).items():
             # vLLM's layer (zeros, w2's K axis padded to Ip too), then humming's own padding
-            if lt is not None and self.kernel_repack is not None:  # both paddings are zeros: rows past the table, K to k_pad
+            if lt is not None:  # the weights' two paddings are zeros: rows past the table, K up to k_pad
                 full = cached_index(("humming-rows", *rows[w], n_pad), c.device, lambda w=w: extend_rows(pad_row_source(*rows[w]), n_pad))
                 out[f"{w}_weight"] = self.kernel_repack(lt, getattr(c, w), full, k_pad)
+                scale = _kernel_scales(lt, getattr(c, f"{w}_scale"), rows[w], n_pad, (k // MX_BLOCK, k_pad // MX_BLOCK))
             else:
                 weight = pad_matrix(gather_padded_rows(getattr(c, w), tabs[w], k // vpb), n_pad, k_pad // vpb, 0)
                 out[f"{w}_weight"] = self.repack(weight, f"{w}_weight")
-            if lt is not None:
-                scale = _kernel_scales(lt, getattr(c, f"{w}_scale"), rows[w], n_pad, (k // MX_BLOCK, k_pad // MX_BLOCK))
-            else:
                 scale = gather_padded_rows(getattr(c, f"{w}_scale"), tabs[w], k // MX_BLOCK)
                 scale = lay_out_scales(pad_matrix(scale, n_pad, k_pad // MX_BLOCK, SCALE_PAD_BYTE))
             out[f"{w}_weight_scale"] = scale.view(torch.float8_e8m0fnu)
@@ -200,14 +198,13 @@ def _byte_tiles(lt: Any, weights: torch.Tensor, tab: torch.Tensor, K: int) -> to
 
 
 MXFP4 = HummingMX(
-    "mxfp4", "float4e2m1", 64, repack_weights, unrepack_weights,
+    "mxfp4", "float4e2m1", 64, repack_weights, unrepack_weights, _nibble_tiles,
     "int32 words of eight E2M1 nibbles (humming weight_repack_nk, interleave_mode 3)",
-    kernel_repack=_nibble_tiles,
 )  # fmt: skip
 MXFP8 = HummingMX(
-    "mxfp8", "float8e4m3", 1, repack_bytes, unrepack_bytes,
+    "mxfp8", "float8e4m3", 1, repack_bytes, unrepack_bytes, _byte_tiles,
     "int32 words of four E4M3 bytes (humming weight_repack_nk kNumBitsB 8, interleave_mode 3)",
-    dict(MXFP8_ORACLE), kernel_repack=_byte_tiles,
+    dict(MXFP8_ORACLE),
 )  # fmt: skip
 MX_FORMATS = {f.weight_format: f for f in (MXFP4, MXFP8)}
 
