@@ -48,6 +48,7 @@ from mxconv.layouts.base import Layout, LayoutOptions
 from mxconv.layouts.description import ActivationDescription
 from mxconv.run.compute import to_format
 from mxconv.run.options import QUANTIZE_FORMATS, QuantOptions, ScaleRounding
+from mxconv.run.repack_formats import default_weight_format
 
 # gpt-oss source name -> (canonical name, transpose the last two dims?)
 _SOURCE_NAMES = {
@@ -144,11 +145,10 @@ def resolve_quant(tensors: Mapping[str, torch.Tensor], quant: QuantOptions | Non
     if quant is not None:
         return quant
     t, _ = _rename(tensors)
-    if t["w13"].dtype == torch.float8_e4m3fn and "w13_scale" in t:
-        return QuantOptions("mxfp8")
-    if layout is not None and "w13_scale" not in t and "mxfp4" not in layout.weight_formats:
-        return QuantOptions(next((f for f in layout.weight_formats if f in ("mxfp8",)), "mxfp4"))
-    return QuantOptions("mxfp4")
+    if "w13_scale" in t:  # MX bytes keep their format
+        return QuantOptions("mxfp8" if t["w13"].dtype == torch.float8_e4m3fn else "mxfp4")
+    # float experts: repack's rule (any float source name will do: it tells floats from MX and INT4)
+    return QuantOptions(default_weight_format("bf16", layout) if layout is not None else "mxfp4")
 
 
 def canonical_experts(tensors: Mapping[str, torch.Tensor], *, row_order: str | None = None,
