@@ -42,10 +42,10 @@ from mxconv.experts.stack import CanonicalExperts, LayoutSizes, round_up
 from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
 from mxconv.layouts.checks import check_block_sizes, check_kernel_tensors
 from mxconv.layouts.forms import FormBase
-from mxconv.layouts.gathers import gather_padded_rows, layout_kernels, pad_row_source
+from mxconv.layouts.gathers import gather_padded_rows, layout_kernels
 from mxconv.layouts.marlin_description import MarlinDescription
 from mxconv.layouts.marlin_bytemap import check_scale_mode, marlin_unscales
-from mxconv.layouts.marlin_scales import ScaleJob, kernel_scales
+from mxconv.layouts.marlin_scales import ScaleJob, kernel_scales, row_table
 
 if TYPE_CHECKING:
     import torch
@@ -146,8 +146,8 @@ class MarlinMxfp8(FormBase):
         H, I = c.hidden_size, c.intermediate_size
         self.kernel_specs(c.sizes(H, I), activation, options)
         Ip = round_up(I, INTERMEDIATE_MULTIPLE)
-        tab13 = pad_row_source(2 * I, 2 * Ip, "halves").to(c.device)  # per half, whatever the order (vLLM's rule)
-        tab2 = pad_row_source(H, H).to(c.device)
+        tab13 = row_table(2 * I, 2 * Ip, "halves", None, c.device)  # per half, whatever the order (vLLM's rule)
+        tab2 = row_table(H, H, None, None, c.device)
         lt = layout_kernels(c.w13, kernel_choice)
         if lt is not None:
             weights = {"w13_weight": lt.byte_tile_stream(c.w13, tab13, H, lt.TileOrder.MARLIN),

@@ -82,7 +82,7 @@ def plan_for(plan: Plan, budget: MemoryBudget, default_budget: bool = False, bas
              for i in plan.items if i.kind not in ("copy", "layer") and i.out_names and i.out_names[0]}
     whole_layers = whole_layers_why(plan)
     items = ItemCosts(costs, plan.info.num_experts, names, whole, splittable=plan.reader.reads_expert_ranges and whole_layers is None,
-                      **({"whole_why": whole_layers} if whole_layers else {}))  # fmt: skip
+                      whole_why=whole_layers or ItemCosts.whole_why)  # fmt: skip
     if baseline is not None:
         beside = Baseline(baseline)
     else:
