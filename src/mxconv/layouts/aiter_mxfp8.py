@@ -36,7 +36,7 @@ from mxconv.layouts.aiter_bytemap import (
     w16_bytes, w16_inverse,
 )
 from mxconv.layouts.checks import check_kernel_tensors
-from mxconv.layouts.forms import MXFP8_ORACLE, Mxfp8MethodForm
+from mxconv.layouts.forms import MXFP8_METHOD_PADDING, MXFP8_ORACLE, Mxfp8MethodForm
 
 if TYPE_CHECKING:
     import torch
@@ -134,7 +134,7 @@ class AiterMxfp8(Mxfp8MethodForm):
             "activation": activation,
             "kernel": "FlyDSL a8w8 MXFP8 (fused_moe per_1x32, gate_mode INTERLEAVE; activations quantized inside)",
             "is_shuffled": True,
-            "padding": {"hidden_align": 1, "intermediate_align": 1, "fill": 0},
+            "padding": dict(MXFP8_METHOD_PADDING),
             "weight_shuffle": "W16 o GU16 (w13), W16 (w2), one byte a value",
             "weight_tile": [16, 16],
             "w13_kernel_row_order": "gate_up_16row_blocks" if sizes.row_order == "halves" else "16row_blocks_of_interleaved_rows",

@@ -33,7 +33,7 @@ from mxconv.experts.padding import check_fill, pad_last
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
 from mxconv.layouts.checks import check_kernel_tensors
-from mxconv.layouts.forms import MXFP8_ORACLE, Mxfp8MethodForm
+from mxconv.layouts.forms import MXFP8_METHOD_PADDING, MXFP8_ORACLE, Mxfp8MethodForm
 
 if TYPE_CHECKING:
     import torch
@@ -126,7 +126,7 @@ class DeepgemmMxfp8(Mxfp8MethodForm):
             "vllm_moe_backend": VLLM_BACKEND,
             "engine_compat": {"vllm": "0.33", "deep_gemm": "vendored by vLLM 0.33", "gpu": "SM100 family"},
             "activation": activation,
-            "padding": {"hidden_align": 1, "intermediate_align": 1, "fill": 0},
+            "padding": dict(MXFP8_METHOD_PADDING),
             "w13_kernel_row_order": sizes.row_order,
             "scale_format": "ue8m0 packed 4 per int32 (low byte = lowest K block; blocks past K/32 zero), MN-major",
             "scale_storage": "[E, ceil(K/128), N] int32; the engine tensor is stored.transpose(1, 2) = [E, N, ceil(K/128)]",

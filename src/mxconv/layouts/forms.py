@@ -104,6 +104,8 @@ class FormBase:
 # How every MXFP8 form's manifest says whose experts it holds: vLLM 0.33 serves MXFP8 experts under the
 # FP8 MoE oracle (fused_moe/oracle/mxfp8.py picks an Fp8MoeBackend), whichever backend lays them out.
 MXFP8_ORACLE: dict[str, str] = {"variant": "mxfp8", "vllm_oracle": "Fp8MoeBackend"}
+# The manifest's ``padding`` of an Mxfp8MethodForm: the method allocates the checkpoint's sizes, padded by nothing.
+MXFP8_METHOD_PADDING: dict[str, int] = {"hidden_align": 1, "intermediate_align": 1, "fill": 0}
 
 
 class Mxfp8MethodForm(FormBase):

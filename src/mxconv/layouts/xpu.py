@@ -41,7 +41,7 @@ from mxconv.experts.kernel_settings import KernelChoice, KernelLocations
 from mxconv.experts.stack import CanonicalExperts, LayoutSizes
 from mxconv.experts.tensors import KernelTensors, TensorSpec, in_kernel_order
 from mxconv.layouts.checks import check_kernel_tensors
-from mxconv.layouts.forms import MXFP8_ORACLE, FormsLayout, Mxfp8MethodForm
+from mxconv.layouts.forms import FormsLayout, MXFP8_METHOD_PADDING, MXFP8_ORACLE, Mxfp8MethodForm
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +118,7 @@ class XpuMxfp8(Mxfp8MethodForm):
             "engine_compat": {"vllm": "0.33", "gpu": "Intel Xe2/Xe3"},
             "activation": activation,
             "kernel": "XPUExpertsMxFp8 (vllm_xpu_kernels XpuFusedMoe; bf16 hidden states in, quant_dtype mxfp8)",
-            "padding": {"hidden_align": 1, "intermediate_align": 1, "fill": 0},
+            "padding": dict(MXFP8_METHOD_PADDING),
             "transform": "prepare_fp8_moe_layer_for_xpu: weights and scales with their last two axes swapped, contiguous",
             "w13_kernel_row_order": sizes.row_order,
             "scale_dtype": "uint8 E8M0",
