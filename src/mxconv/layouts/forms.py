@@ -183,6 +183,7 @@ class FormsLayout(LayoutBase):
     def whole_layers(self, weight_format: str) -> str | None:
         """The ``whole_layers`` the form of ``weight_format`` declares (None for a format without a form)."""
         return self.weight_forms[weight_format].whole_layers if weight_format in self.weight_forms else None
+
     def activation_quantization(self, activation: str, *, weight_format: str = "mxfp4") -> ActivationQuant:
         """How vLLM quantizes the inputs of ``weight_format``'s experts laid out for ``activation`` (the
         form's ``activation_quant``, else the name's); LayoutError for a format this layout does not take."""

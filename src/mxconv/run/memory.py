@@ -302,7 +302,8 @@ def plan_memory(items: ItemCosts, budget: MemoryBudget, baseline: Baseline, *, d
         if fit.layers_fit(p, q):
             return fit.finish(p, q, {L: E for L in costs})
         L, c = max(costs.items(), key=lambda kv: host_bytes(kv[1], E, p, q, dev))
-        if fit.host_fits(c, E, p, q):  # the host has room for the layer: the GPU does not
+        if fit.host_fits(c, E, p, q):  # the host has room for every layer: the GPU has not, for this one
+            L, c = max(costs.items(), key=lambda kv: gpu_bytes(kv[1], E))
             one = _with_slack(gpu_bytes(c, E))
             raise BadInput(f"MemoryBudget.gpu {human_bytes(fit.gpu_room or 0)} is too small for {names.get(L, f'layer {L}')}: "
                            f"{items.whole_why}, and computing one layer takes about {human_bytes(one)} on the GPU; give at "
